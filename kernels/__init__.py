@@ -1,0 +1,1 @@
+"""kvconvert.kernels: Triton kernels, each beside a pure-PyTorch reference (installed as kvconvert.kernels)."""

@@ -1,0 +1,81 @@
+"""The `kvconvert` command line. Each feature lives in its own module and is loaded lazily,
+so `kvconvert budget` never imports torch and a broken feature cannot break the others."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from kvconvert.errors import KVConvertError
+
+# command name -> "module:attribute". Modules own their click commands.
+LAZY_COMMANDS: dict[str, str] = {
+    "inspect": "kvconvert.commands:inspect_cmd",
+    "budget": "kvconvert.commands:budget_cmd",
+    "fetch": "kvconvert.commands:fetch_cmd",
+    "import-gguf": "kvconvert.commands:import_gguf_cmd",
+    "mla": "kvconvert.mla.cli:mla_cmd",
+    "heal": "kvconvert.heal.cli:heal_cmd",
+    "calibrate": "kvconvert.quant.cli:calibrate_cmd",
+    "generate": "kvconvert.runtime.cli:generate_cmd",
+    "validate": "kvconvert.eval.cli:validate_cmd",
+    "gate": "kvconvert.eval.cli:gate_cmd",
+    "pipeline": "kvconvert.pipeline:pipeline_cmd",
+}
+
+
+def _module_exists(target: str) -> bool:
+    module_name = target.split(":")[0]
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(name for name, target in LAZY_COMMANDS.items() if _module_exists(target))
+
+    def get_command(self, ctx, name):
+        target = LAZY_COMMANDS.get(name)
+        if target is None or not _module_exists(target):
+            return None
+        module_name, attr = target.split(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
+@click.version_option(package_name="kvconvert")
+@click.pass_context
+def cli(ctx, debug):
+    """kvconvert: smaller KV caches on the model side (MLA conversion, FP8/NVFP4 KV scales),
+    validated in a bundled paged runtime."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+def main(argv=None):
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Interrupted: nothing was left half-written at the output path.", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KVConvertError as exc:
+        if debug:
+            raise
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("Interrupted: nothing was left half-written at the output path.", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

