@@ -1,0 +1,35 @@
+"""Model implementations by architecture; `load_model(reader)` picks one from config.json."""
+
+from __future__ import annotations
+
+import torch
+
+from kvconvert.errors import UnsupportedModelError
+
+# config model_type -> (module, class). Imported lazily so one model's problem cannot break another.
+MODELS = {
+    "llama": ("kvconvert.runtime.models.llama", "LlamaForCausalLM"),
+    "deepseek_v3": ("kvconvert.runtime.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "DeepseekV3ForCausalLM": "deepseek_v3"}
+
+
+def model_type(config: dict) -> str:
+    kind = config.get("model_type")
+    if kind not in MODELS:
+        kind = next((ARCHITECTURES[a] for a in config.get("architectures") or [] if a in ARCHITECTURES), kind)
+    if kind not in MODELS:
+        arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
+        raise UnsupportedModelError(
+            f"model_type {config.get('model_type')!r} ({arch}) is not supported by the runtime; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return kind
+
+
+def load_model(reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
+    """Build the runtime model for the checkpoint behind `reader` (a CheckpointReader)."""
+    import importlib
+
+    module, cls = MODELS[model_type(reader.config)]
+    return getattr(importlib.import_module(module), cls)(reader, dtype=dtype, max_positions=max_positions)

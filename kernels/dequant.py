@@ -1,0 +1,119 @@
+"""In-kernel KV dequantization shared by the decode kernels (``@triton.jit`` helpers).
+
+Every helper loads a ``[BLOCK_N, BLOCK_D]`` tile of cached rows (tokens x features) and returns it
+dequantized to fp32, bit-exact with :mod:`kvconvert.quant.formats`:
+
+* ``MODE_PLAIN``   (0): 16/32-bit values, upcast to fp32 right after the load.
+* ``MODE_FP8``     (1): float8 values times one fp32 ``scale`` (per tensor, or the head's own).
+* ``MODE_FP8_TILE``(2): float8 values times an fp32 scale per ``AUX_GROUP`` consecutive features,
+  read from an aux tensor (FlashMLA-like per-tile scales).
+* ``MODE_NVFP4``   (3): packed uint8 (element 2i in the low nibble) decoded to E2M1, times the
+  e4m3 block scale of each 16 features (aux tensor), times the fp32 global ``scale``:
+  ``(e2m1 * s_b) * g`` in that order, as in ``nvfp4_dequantize``.
+
+Per-group scales are expanded to features by a broadcast+reshape when ``AUX_BROADCAST`` (the group
+is a power of two that tiles BLOCK_D) and by a gather otherwise (e.g. FP8 tiles of 96 or 80).
+"""
+
+from __future__ import annotations
+
+from ._triton_compat import HAS_TRITON, tl, triton
+
+MODE_PLAIN = 0
+MODE_FP8 = 1
+MODE_FP8_TILE = 2
+MODE_NVFP4 = 3
+
+# Dot operand precision (accumulation is always fp32):
+#   fp32: operands stay fp32, IEEE products (reference grade; the CPU/interpreter default)
+#   bf16: operands rounded to bf16 for tensor cores (GPU default; bf16 is wrong in the interpreter)
+#   fp16: operands rounded to fp16 (exact in the interpreter; range +-65504)
+DOT_PRECISIONS = ("fp32", "bf16", "fp16")
+
+if HAS_TRITON:
+
+    @triton.jit
+    def e2m1_code_to_f32(code):
+        """int32 codes 0..15 -> fp32 E2M1 values: m<4 -> m/2; m in 4,5 -> m-2; m in 6,7 -> 2(m-4)."""
+        m = code & 7
+        mf = m.to(tl.float32)
+        mag = tl.where(m < 4, mf * 0.5, tl.where(m < 6, mf - 2.0, (mf - 4.0) * 2.0))
+        return tl.where((code & 8) != 0, -mag, mag)
+
+    @triton.jit
+    def load_group_scales(
+        aux_ptr,
+        aux_row_off,
+        offs_d,
+        row_mask,
+        D,
+        AUX_GROUP: tl.constexpr,
+        AUX_BROADCAST: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """fp32 ``[BLOCK_N, BLOCK_D]``: the scale of each feature's group, from aux rows at aux_row_off."""
+        n_groups = D // AUX_GROUP
+        if AUX_BROADCAST:
+            N_AUX: tl.constexpr = BLOCK_D // AUX_GROUP
+            offs_a = tl.arange(0, N_AUX)
+            a_mask = row_mask[:, None] & (offs_a < n_groups)[None, :]
+            s = tl.load(aux_ptr + aux_row_off[:, None] + offs_a[None, :], mask=a_mask, other=0.0)
+            s = s.to(tl.float32)
+            s = tl.broadcast_to(s[:, :, None], (BLOCK_N, N_AUX, AUX_GROUP))
+            return tl.reshape(s, (BLOCK_N, BLOCK_D))
+        else:
+            g_mask = row_mask[:, None] & (offs_d < D)[None, :]
+            s = tl.load(aux_ptr + aux_row_off[:, None] + (offs_d // AUX_GROUP)[None, :], mask=g_mask, other=0.0)
+            return s.to(tl.float32)
+
+    @triton.jit
+    def load_dequant_tile(
+        data_ptr,
+        row_off,
+        row_mask,
+        D,
+        aux_ptr,
+        aux_row_off,
+        scale,
+        MODE: tl.constexpr,
+        AUX_GROUP: tl.constexpr,
+        AUX_BROADCAST: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """Dequantized fp32 tile ``[BLOCK_N, BLOCK_D]`` of rows starting at ``data_ptr + row_off``.
+
+        row_off / aux_row_off: int64 ``[BLOCK_N]`` element offsets of each row in the data / aux
+        tensor (features contiguous). Masked rows and features beyond D read as 0.
+        """
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (offs_d < D)[None, :]
+        if MODE == 3:
+            offs_b = tl.arange(0, BLOCK_D // 2)
+            b_mask = row_mask[:, None] & (offs_b < D // 2)[None, :]
+            packed = tl.load(data_ptr + row_off[:, None] + offs_b[None, :], mask=b_mask, other=0).to(tl.int32)
+            x = e2m1_code_to_f32(tl.interleave(packed & 15, packed >> 4))
+        else:
+            x = tl.load(data_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if MODE == 1:
+            x = x * scale
+        if MODE >= 2:
+            x = x * load_group_scales(
+                aux_ptr, aux_row_off, offs_d, row_mask, D, AUX_GROUP, AUX_BROADCAST, BLOCK_N, BLOCK_D
+            )
+        if MODE == 3:
+            x = x * scale
+        return x
+
+
+def aux_broadcastable(group: int, block_d: int) -> bool:
+    """Whether per-group scales can be expanded by broadcast+reshape (group a power of two <= BLOCK_D)."""
+    return group > 0 and (group & (group - 1)) == 0 and group <= block_d
+
+
+def dot_constexprs(dot: str) -> dict:
+    """Kernel constexprs DOT_DTYPE / DOT_PRECISION for a dot precision name (needs Triton)."""
+    dtype = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[dot]
+    # input_precision only matters for fp32 operands ("ieee": no TF32 rounding)
+    return {"DOT_DTYPE": dtype, "DOT_PRECISION": "ieee" if dot == "fp32" else "tf32"}

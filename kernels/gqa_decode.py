@@ -1,0 +1,202 @@
+"""Paged GQA decode with fused FP8 / NVFP4 K/V dequantization.
+
+Math: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``::
+
+    out[b, h] = sum_t softmax_t(softmax_scale * q[b, h] . k[t, kvh]) * v[t, kvh]
+
+Shapes: ``q`` ``[batch, q_heads, head_dim]``; cache :class:`~kvconvert.kernels.cache_layout.GQACacheLayer`
+(``k``/``v`` ``[num_blocks, block_size, kv_heads, head_dim]`` or packed NVFP4, with per-tensor or
+per-head scales); ``block_tables`` int32 ``[batch, max_blocks]``; ``seq_lens`` int32 ``[batch]``.
+Output ``[batch, q_heads, head_dim]`` in q's dtype and the natural-log LSE fp32 ``[batch, q_heads]``.
+
+Kernel: one program per (sequence, KV head, group of up to BLOCK_H query heads, KV range), so each
+K/V tile is read once for all query heads that share it (padded to BLOCK_H >= 16 rows for tl.dot);
+stage 2 merges the ranges by LSE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
+from .cache_layout import GQACacheLayer
+from .dequant import MODE_FP8, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
+from .merge import merge_lse_triton
+from .mla_decode import LOG2E, _check_paging, default_num_splits, flatten_tokens, resolve_dot, sequence_blocks
+
+GQA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "nvfp4": MODE_NVFP4}
+
+if HAS_TRITON:
+    from .dequant import load_dequant_tile
+
+    @triton.jit
+    def _gqa_decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, k_aux_ptr, v_aux_ptr, k_scale_ptr, v_scale_ptr,
+        block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+        qk_scale_log2,
+        GROUP, D, block_size, num_splits, groups_per_kv,
+        stride_q_b, stride_q_h,
+        stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
+        stride_ka_blk, stride_ka_tok, stride_ka_head, stride_va_blk, stride_va_tok, stride_va_head,
+        stride_k_scale, stride_v_scale,
+        stride_bt_b,
+        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
+        MODE: tl.constexpr, AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1) // groups_per_kv
+        in_group = (tl.program_id(1) % groups_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)
+        split = tl.program_id(2)
+        h_mask = in_group < GROUP
+        offs_h = kv_head * GROUP + in_group  # query heads served by this KV head
+        offs_d = tl.arange(0, BLOCK_D)
+
+        seq_len = tl.load(seq_lens_ptr + b)
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        q = tl.load(
+            q_ptr + b * stride_q_b + offs_h[:, None] * stride_q_h + offs_d[None, :],
+            mask=h_mask[:, None] & (offs_d < D)[None, :], other=0.0,
+        ).to(tl.float32).to(DOT_DTYPE)  # upcast right after the load, then the dot operand dtype
+        k_scale = tl.load(k_scale_ptr + kv_head * stride_k_scale)
+        v_scale = tl.load(v_scale_ptr + kv_head * stride_v_scale)
+        kvh = kv_head.to(tl.int64)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            phys = tl.load(block_tables_ptr + b * stride_bt_b + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+            slot = (offs_n % block_size).to(tl.int64)
+            k = load_dequant_tile(
+                k_ptr, phys * stride_k_blk + slot * stride_k_tok + kvh * stride_k_head, n_mask, D,
+                k_aux_ptr, phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head, k_scale,
+                MODE, 16, AUX_BROADCAST, BLOCK_N, BLOCK_D,
+            )
+            v = load_dequant_tile(
+                v_ptr, phys * stride_v_blk + slot * stride_v_tok + kvh * stride_v_head, n_mask, D,
+                v_aux_ptr, phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head, v_scale,
+                MODE, 16, AUX_BROADCAST, BLOCK_N, BLOCK_D,
+            )
+            qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        nonempty = l_i > 0
+        l_safe = tl.where(nonempty, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        tl.store(
+            part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s + offs_d[None, :],
+            out, mask=h_mask[:, None] & (offs_d < D)[None, :],
+        )
+        tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
+
+
+def _check_decode_inputs(q, cache: GQACacheLayer, block_tables, seq_lens) -> None:
+    if not isinstance(cache, GQACacheLayer):
+        raise KVConvertError(f"cache must be a GQACacheLayer, got {type(cache).__name__}")
+    if q.dim() != 3 or q.shape[2] != cache.head_dim:
+        raise KVConvertError(f"q {tuple(q.shape)} must be [batch, q_heads, head_dim={cache.head_dim}]")
+    if q.shape[1] % cache.kv_heads:
+        raise KVConvertError(f"q_heads {q.shape[1]} is not a multiple of kv_heads {cache.kv_heads}")
+    if q.stride(-1) != 1:
+        raise KVConvertError("q must be contiguous in its last dim")
+    _check_paging(block_tables, seq_lens, q.shape[0])
+
+
+def _scale_stride(s: torch.Tensor) -> int:
+    return 0 if s.numel() == 1 else s.stride(0)
+
+
+def paged_gqa_decode_triton(
+    q: torch.Tensor,
+    cache: GQACacheLayer,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    *,
+    num_splits: int | None = None,
+    dot: str | None = None,
+    block_h: int = 16,
+    block_n: int = 16,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton split-KV GQA decode + LSE merge -> (out ``[B, Hq, D]`` q dtype, lse ``[B, Hq]`` fp32)."""
+    require_triton()
+    _check_decode_inputs(q, cache, block_tables, seq_lens)
+    if block_h < 16 or block_n < 16:
+        raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
+    check_kernel_device(q, cache.k, cache.v, block_tables, seq_lens)
+    batch, q_heads, d = q.shape
+    group = q_heads // cache.kv_heads
+    block_d = max(16, next_power_of_2(d))
+    ones = torch.ones(1, dtype=torch.float32, device=q.device)
+    k_scale = cache.k_scale if cache.k_scale is not None else ones
+    v_scale = cache.v_scale if cache.v_scale is not None else ones
+    k_aux = cache.k_block_scales if cache.k_block_scales is not None else cache.k
+    v_aux = cache.v_block_scales if cache.v_block_scales is not None else cache.v
+
+    groups_per_kv = triton.cdiv(group, block_h)
+    max_context = block_tables.shape[1] * cache.block_size
+    splits = num_splits or default_num_splits(batch, cache.kv_heads * groups_per_kv, max_context, block_n)
+    part_out = torch.empty(batch, q_heads, splits, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
+    k, v = cache.k, cache.v
+    _gqa_decode_split_kernel[(batch, cache.kv_heads * groups_per_kv, splits)](
+        q, k, v, k_aux, v_aux, k_scale, v_scale, block_tables, seq_lens, part_out, part_lse,
+        softmax_scale * LOG2E,
+        group, d, cache.block_size, splits, groups_per_kv,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_aux.stride(0), k_aux.stride(1), k_aux.stride(2), v_aux.stride(0), v_aux.stride(1), v_aux.stride(2),
+        _scale_stride(k_scale), _scale_stride(v_scale),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        MODE=GQA_MODE_IDS[cache.mode], AUX_BROADCAST=aux_broadcastable(16, block_d), **dot_constexprs(resolve_dot(dot, q)),
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits == 1:
+        return part_out[:, :, 0].to(q.dtype), part_lse[:, :, 0]
+    return merge_lse_triton(part_out, part_lse, out_dtype=q.dtype)
+
+
+def paged_gqa_decode_reference(
+    q: torch.Tensor,
+    cache: GQACacheLayer,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference (float64 on the dequantized cache): same contract as the Triton launcher."""
+    _check_decode_inputs(q, cache, block_tables, seq_lens)
+    batch, q_heads, d = q.shape
+    group = q_heads // cache.kv_heads
+    out = torch.zeros(batch, q_heads, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((batch, q_heads), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        # dequantize only this sequence's blocks (the cache may be much larger than the batch)
+        k, v = cache.select_blocks(sequence_blocks(block_tables[b], n, cache.block_size)).dequantize()
+        k = flatten_tokens(k, n).double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = flatten_tokens(v, n).double().repeat_interleave(group, dim=1)
+        scores = softmax_scale * torch.einsum("hd,nhd->hn", q[b].double(), k)  # [Hq, n]
+        lse[b] = torch.logsumexp(scores, dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
+    return out.to(q.dtype), lse.float()

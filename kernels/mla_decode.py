@@ -1,0 +1,252 @@
+"""Paged MLA decode (weight-absorbed, MQA over the latent) with fused KV dequantization.
+
+Math (one layer, one new token per sequence; DeepSeek-V3 absorbed form, BRIEF §4)::
+
+    score[b, h, t] = softmax_scale * (q_nope_absorbed[b, h] . c[t] + q_rope[b, h] . k_rope[t])
+    out[b, h]      = sum_t softmax_t(score[b, h, :]) * c[t]           (latent-space output)
+
+Shapes: ``q_nope`` ``[batch, heads, kv_lora_rank]`` (q_nope @ W_UK already applied), ``q_rope``
+``[batch, heads, rope_dim]``, cache: :class:`~kvconvert.kernels.cache_layout.MLACacheLayer`
+(``[num_blocks, block_size, ...]``, see its layouts), ``block_tables`` int32 ``[batch, max_blocks]``,
+``seq_lens`` int32 ``[batch]`` (>= 0). Output ``[batch, heads, kv_lora_rank]`` in q's dtype and the
+natural-log LSE fp32 ``[batch, heads]`` (-inf for an empty sequence, whose output is 0).
+
+Kernel: stage 1 splits each sequence's tokens into ``num_splits`` ranges; one program handles
+(sequence, group of BLOCK_H heads, range): every KV tile is read once for BLOCK_H heads (MQA),
+dequantized in registers, and used for both dots (QK^T and PV) with fp32 accumulation and an
+online softmax in base 2. Stage 2 merges the ranges by LSE (:mod:`.merge`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+from ._triton_compat import HAS_TRITON, check_kernel_device, interpreter_enabled, next_power_of_2, require_triton, tl, triton
+from .cache_layout import MLACacheLayer
+from .dequant import DOT_PRECISIONS, MODE_FP8, MODE_FP8_TILE, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
+from .merge import merge_lse_triton
+
+LOG2E = 1.4426950408889634
+MLA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "fp8_tile": MODE_FP8_TILE, "nvfp4": MODE_NVFP4}
+
+if HAS_TRITON:
+    from .dequant import load_dequant_tile
+
+    @triton.jit
+    def _mla_decode_split_kernel(
+        q_nope_ptr, q_rope_ptr,
+        kv_ptr, rope_ptr, aux_ptr, scale_ptr,
+        block_tables_ptr, seq_lens_ptr,
+        part_out_ptr, part_lse_ptr,
+        qk_scale_log2,
+        H, R, P, block_size, num_splits,
+        stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
+        stride_kv_blk, stride_kv_tok, stride_rope_blk, stride_rope_tok, stride_aux_blk, stride_aux_tok,
+        stride_bt_b,
+        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
+        MODE: tl.constexpr, ROPE_MODE: tl.constexpr,
+        AUX_GROUP: tl.constexpr, AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        split = tl.program_id(2)
+        h_mask = offs_h < H
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_p = tl.arange(0, BLOCK_P)
+
+        seq_len = tl.load(seq_lens_ptr + b)
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        # queries upcast to fp32 right after the load
+        q_nope = tl.load(
+            q_nope_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_r[None, :],
+            mask=h_mask[:, None] & (offs_r < R)[None, :], other=0.0,
+        ).to(tl.float32)
+        q_rope = tl.load(
+            q_rope_ptr + b * stride_qr_b + offs_h[:, None] * stride_qr_h + offs_p[None, :],
+            mask=h_mask[:, None] & (offs_p < P)[None, :], other=0.0,
+        ).to(tl.float32)
+        # dot operands: fp32 (IEEE) or rounded once to bf16/fp16 for tensor cores
+        q_nope = q_nope.to(DOT_DTYPE)
+        q_rope = q_rope.to(DOT_DTYPE)
+        scale = tl.load(scale_ptr)  # fp8 dequant scale / nvfp4 global scale (unused for plain)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            phys = tl.load(block_tables_ptr + b * stride_bt_b + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+            slot = (offs_n % block_size).to(tl.int64)
+            latent = load_dequant_tile(
+                kv_ptr, phys * stride_kv_blk + slot * stride_kv_tok, n_mask, R,
+                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok, scale,
+                MODE, AUX_GROUP, AUX_BROADCAST, BLOCK_N, BLOCK_R,
+            )
+            rope = load_dequant_tile(
+                rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P,
+                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok, scale,
+                ROPE_MODE, AUX_GROUP, AUX_BROADCAST, BLOCK_N, BLOCK_P,
+            )
+            latent = latent.to(DOT_DTYPE)
+            qk = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
+            qk += tl.dot(q_rope, tl.trans(rope.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), latent, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        # an empty range (l_i == 0) stores out 0 and lse -inf, so the merge gives it weight 0
+        nonempty = l_i > 0
+        l_safe = tl.where(nonempty, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        tl.store(
+            part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s + offs_r[None, :],
+            out, mask=h_mask[:, None] & (offs_r < R)[None, :],
+        )
+        tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
+
+
+def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq_lens) -> None:
+    if not isinstance(cache, MLACacheLayer):
+        raise KVConvertError(f"cache must be an MLACacheLayer, got {type(cache).__name__}")
+    if q_nope.dim() != 3 or q_rope.dim() != 3 or q_nope.shape[:2] != q_rope.shape[:2]:
+        raise KVConvertError(f"q_nope {tuple(q_nope.shape)} and q_rope {tuple(q_rope.shape)} must be [batch, heads, dim]")
+    if q_nope.shape[2] != cache.kv_lora_rank or q_rope.shape[2] != cache.rope_dim:
+        raise KVConvertError(
+            f"query dims {q_nope.shape[2]}+{q_rope.shape[2]} do not match the cache's "
+            f"kv_lora_rank {cache.kv_lora_rank} + rope_dim {cache.rope_dim}"
+        )
+    if q_nope.stride(-1) != 1 or q_rope.stride(-1) != 1:
+        raise KVConvertError("queries must be contiguous in their last dim")
+    _check_paging(block_tables, seq_lens, q_nope.shape[0])
+
+
+def _check_paging(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int) -> None:
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise KVConvertError(f"block_tables must be int32 [batch={batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (batch,):
+        raise KVConvertError(f"seq_lens must be int32 [batch={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if block_tables.stride(-1) != 1:
+        raise KVConvertError("block_tables must be contiguous in its last dim")
+
+
+def default_num_splits(batch: int, head_groups: int, max_context: int, block_n: int) -> int:
+    """Enough programs to fill a GPU (~2 waves of 132 SMs), each range at least 256 tokens long."""
+    if interpreter_enabled():  # CPU: every program costs ~20 ms of Python; 2 ranges still test the merge
+        return max(1, min(2, math.ceil(max_context / (4 * block_n))))
+    programs = batch * head_groups
+    return max(1, min(math.ceil(264 / max(programs, 1)), math.ceil(max_context / 256), 64))
+
+
+def resolve_dot(dot: str | None, q: torch.Tensor) -> str:
+    """Dot operand precision: 'fp32' on CPU (interpreter: bf16 is wrong there), 'bf16' on GPUs."""
+    if dot is None:
+        dot = "fp32" if q.device.type == "cpu" else "bf16"
+    if dot not in DOT_PRECISIONS:
+        raise KVConvertError(f"unknown dot precision {dot!r}: choose one of {DOT_PRECISIONS}")
+    return dot
+
+
+def paged_mla_decode_triton(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: MLACacheLayer,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    *,
+    num_splits: int | None = None,
+    dot: str | None = None,
+    block_h: int = 16,
+    block_n: int = 16,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton split-KV MLA decode + LSE merge -> (out ``[B, H, R]`` q dtype, lse ``[B, H]`` fp32)."""
+    require_triton()
+    _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens)
+    if block_h < 16 or block_n < 16:
+        raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
+    data = cache.data
+    check_kernel_device(q_nope, q_rope, data, block_tables, seq_lens)
+    batch, heads, r = q_nope.shape
+    p = cache.rope_dim
+    block_r, block_p = max(16, next_power_of_2(r)), max(16, next_power_of_2(p))
+    mode = MLA_MODE_IDS[cache.mode]
+    if cache.mode in ("none", "fp8"):
+        rope, rope_mode = data[..., r:], mode  # RoPE sits in the same row, same encoding
+    else:
+        rope, rope_mode = cache.rope, MODE_PLAIN
+    aux = cache.scales if cache.scales is not None else data
+    aux_group = {"fp8_tile": r // aux.shape[-1], "nvfp4": 16}.get(cache.mode, 16)
+    scale = cache.tensor_scale if cache.tensor_scale is not None else torch.ones(1, device=data.device)
+
+    head_groups = triton.cdiv(heads, block_h)
+    max_context = block_tables.shape[1] * cache.block_size
+    splits = num_splits or default_num_splits(batch, head_groups, max_context, block_n)
+    part_out = torch.empty(batch, heads, splits, r, dtype=torch.float32, device=data.device)
+    part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=data.device)
+    _mla_decode_split_kernel[(batch, head_groups, splits)](
+        q_nope, q_rope, data, rope, aux, scale, block_tables, seq_lens, part_out, part_lse,
+        softmax_scale * LOG2E,
+        heads, r, p, cache.block_size, splits,
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),
+        data.stride(0), data.stride(1), rope.stride(0), rope.stride(1), aux.stride(0), aux.stride(1),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        MODE=mode, ROPE_MODE=rope_mode, AUX_GROUP=aux_group, AUX_BROADCAST=aux_broadcastable(aux_group, block_r),
+        **dot_constexprs(resolve_dot(dot, q_nope)), BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits == 1:
+        return part_out[:, :, 0].to(q_nope.dtype), part_lse[:, :, 0]
+    return merge_lse_triton(part_out, part_lse, out_dtype=q_nope.dtype)
+
+
+def sequence_blocks(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Physical blocks holding a sequence's first ``seq_len`` tokens, in order (from its table row)."""
+    return block_row[: -(-seq_len // block_size)].long()
+
+
+def flatten_tokens(blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[n_blocks, block_size, ...]`` -> the first ``seq_len`` token rows ``[seq_len, ...]``."""
+    return blocks.reshape(-1, *blocks.shape[2:])[:seq_len]
+
+
+def paged_mla_decode_reference(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: MLACacheLayer,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference (float64 on the dequantized cache): same contract as the Triton launcher."""
+    _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens)
+    batch, heads, r = q_nope.shape
+    out = torch.zeros(batch, heads, r, dtype=torch.float64, device=q_nope.device)
+    lse = torch.full((batch, heads), float("-inf"), dtype=torch.float64, device=q_nope.device)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        # dequantize only this sequence's blocks (the cache may be much larger than the batch)
+        latent, rope = cache.select_blocks(sequence_blocks(block_tables[b], n, cache.block_size)).dequantize()
+        latent, rope = flatten_tokens(latent, n).double(), flatten_tokens(rope, n).double()  # [n, R], [n, P]
+        scores = softmax_scale * (q_nope[b].double() @ latent.T + q_rope[b].double() @ rope.T)  # [H, n]
+        lse[b] = torch.logsumexp(scores, dim=-1)
+        out[b] = torch.softmax(scores, dim=-1) @ latent
+    return out.to(q_nope.dtype), lse.float()

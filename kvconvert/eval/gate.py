@@ -1,0 +1,175 @@
+"""`kvconvert gate`: pass/fail a validation report against a policy file.
+
+Policy (YAML, validated with pydantic, unknown keys or metrics are errors):
+
+    description: free text
+    decide_on: ci_low          # ci_low (default) | point | ci_high
+    bootstrap: {samples: 2000, confidence: 0.95, seed: 0}
+    require: [longbench_avg_drop]      # metrics that must be in the report (else: fail)
+    thresholds:                        # maximum allowed degradation per gated metric
+      perplexity_increase_pct: 5.0     # %
+      kl_mean: 0.05                    # nats/token
+      passkey_accuracy_drop: 10        # percentage points
+      niah_accuracy_drop: 10
+      ruler_accuracy_drop: 10
+      longbench_avg_drop: 3.0          # LongBench points (0-100)
+
+decide_on says which number is compared with the threshold. ci_low: the lower bound of the
+paired-bootstrap interval of the degradation, so a metric fails only when the candidate is
+worse than allowed with the stated confidence (noise on a handful of samples cannot fail it).
+point: the plain estimate. ci_high: the upper bound (pass only when the candidate is shown to be
+within the threshold). A metric the report does not measure (e.g. RULER in the quick suite) is
+shown as "n/a" and passes unless it is listed under `require`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvconvert.errors import KVConvertError
+from kvconvert.eval.stats import GATE_METRICS, estimate
+from kvconvert.eval.suites import SUITE_VERSION
+
+
+class Thresholds(BaseModel):
+    """Maximum allowed degradation per gated metric (leave one out to not gate it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    perplexity_increase_pct: float | None = Field(None, ge=0)
+    kl_mean: float | None = Field(None, ge=0)
+    passkey_accuracy_drop: float | None = Field(None, ge=0)
+    niah_accuracy_drop: float | None = Field(None, ge=0)
+    ruler_accuracy_drop: float | None = Field(None, ge=0)
+    longbench_avg_drop: float | None = Field(None, ge=0)
+
+
+class Bootstrap(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    samples: int = Field(2000, ge=100, le=100000)
+    confidence: float = Field(0.95, gt=0.5, lt=1.0)
+    seed: int = 0
+
+
+class Policy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    description: str = ""
+    decide_on: Literal["ci_low", "point", "ci_high"] = "ci_low"
+    bootstrap: Bootstrap = Bootstrap()
+    require: list[str] = []
+    thresholds: Thresholds
+
+
+assert set(Thresholds.model_fields) == set(GATE_METRICS), "every gate metric needs a threshold field"
+
+
+def load_policy(path: Path) -> Policy:
+    """Parse and validate a policy file; errors name the file and the offending key."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise KVConvertError(f"{path}: policy file not found (see recipes/gates/default.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise KVConvertError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise KVConvertError(f"{path}: a policy must be a mapping with a 'thresholds' section")
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as exc:
+        raise KVConvertError(f"{path}: {_explain(exc)}") from None
+    unknown = [m for m in policy.require if m not in GATE_METRICS]
+    if unknown:
+        raise KVConvertError(f"{path}: unknown metric(s) {', '.join(unknown)} in require; known: {', '.join(GATE_METRICS)}")
+    if all(v is None for v in policy.thresholds.model_dump().values()):
+        raise KVConvertError(f"{path}: no thresholds set; a gate that checks nothing always passes")
+    return policy
+
+
+def _explain(exc: ValidationError) -> str:
+    """One line for the first problem, naming the key the way the user wrote it."""
+    error = exc.errors()[0]
+    where = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        if len(error["loc"]) == 2 and error["loc"][0] == "thresholds":
+            return f"unknown metric {error['loc'][1]!r} in thresholds; known: {', '.join(GATE_METRICS)}"
+        return f"unknown key {where!r}; allowed: {', '.join(_allowed(error['loc']))}"
+    if error["type"] == "missing":
+        return f"missing key {where!r}"
+    return f"{where}: {error['msg']} (got {error.get('input')!r})"
+
+
+def _allowed(loc: tuple) -> list[str]:
+    model = Policy
+    for part in loc[:-1]:
+        model = model.model_fields[part].annotation
+    return list(model.model_fields)
+
+
+# --------------------------------------------------------------------------- reports
+
+def load_report(path: Path) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "report.json"
+    if not path.is_file():
+        raise KVConvertError(f"{path}: report not found; run `kvconvert validate ... --out DIR` first")
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise KVConvertError(f"{path}: not a valid report ({exc.msg})") from None
+    suite = report.get("suite") if isinstance(report, dict) else None
+    if not isinstance(suite, dict) or "version" not in suite or "samples" not in report:
+        raise KVConvertError(f"{path}: not a kvconvert validate report (no suite or samples)")
+    if suite["version"] != SUITE_VERSION:
+        raise KVConvertError(
+            f"{path}: made with suite version {suite['version']} of the {suite.get('name')} suite, this kvconvert "
+            f"uses version {SUITE_VERSION}; re-run kvconvert validate to get comparable numbers")
+    return report
+
+
+def evaluate(report: dict, policy: Policy) -> list[dict]:
+    """One row per gated metric: source, candidate, estimate, CI, threshold, decided value, status."""
+    rows = []
+    settings = policy.bootstrap
+    for name, threshold in policy.thresholds.model_dump().items():
+        if threshold is None:
+            continue
+        found = estimate(report["samples"], name, settings.samples, settings.confidence, settings.seed)
+        if found is None:
+            why = report.get("skipped", {}).get(name.split("_")[0], "not measured by this suite")
+            status = "fail" if name in policy.require else "n/a"
+            rows.append({"metric": name, "unit": GATE_METRICS[name].unit, "threshold": threshold, "status": status,
+                         "reason": why})
+            continue
+        decided = {"ci_low": found.low, "point": found.point, "ci_high": found.high}[policy.decide_on]
+        rows.append({**found.as_dict(), "unit": GATE_METRICS[name].unit, "threshold": threshold,
+                     "decided": decided, "status": "pass" if decided <= threshold else "fail"})
+    return rows
+
+
+def print_gate_table(rows: list[dict], policy: Policy, report: dict, policy_path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    conf = int(round(100 * policy.bootstrap.confidence))
+    table = Table(title=f"kvconvert gate: {policy_path.name} on the {report['suite']['name']} suite "
+                        f"(decides on {policy.decide_on}, {conf}% paired bootstrap)")
+    for column in ("metric", "source", "candidate", "degradation", f"{conf}% CI", "threshold", "result"):
+        table.add_column(column, justify="left" if column in ("metric", "result") else "right")
+    for row in rows:
+        if row["status"] == "n/a" or "point" not in row:
+            table.add_row(f"{row['metric']} [{row['unit']}]", "-", "-", "-", "-", f"{row['threshold']:g}",
+                          f"[yellow]{row['status'].upper()}[/] ({row['reason']})")
+            continue
+        style = "green" if row["status"] == "pass" else "red"
+        digits = 5 if row["unit"] == "nats/token" else 3
+        table.add_row(f"{row['metric']} [{row['unit']}]", f"{row['source']:.{digits}f}", f"{row['candidate']:.{digits}f}",
+                      f"{row['point']:+.{digits}f}", f"[{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]",
+                      f"{row['threshold']:g}", f"[{style}]{row['status'].upper()}[/]")
+    Console().print(table)

@@ -1,0 +1,117 @@
+"""LongBench-mini: 188 real LongBench v1 samples (16 English/code tasks) from the shared data.
+
+Files: <dir>/<task>.jsonl with fields task, id, prompt (LongBench's dataset2prompt template
+already applied, not truncated), answers (list), all_classes (trec only). Prompts are truncated
+in the middle to fit the context, as LongBench's pred.py does; here the cut is made on the token
+ids (first half + last half) instead of decoding both halves and re-tokenizing, so source and
+candidate get exactly the same ids. Generation is greedy with LongBench's dataset2maxlen budget;
+samsum also stops at a newline, as in pred.py. No chat template (both models see the same plain
+prompt; the gate compares deltas, never absolute scores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kvconvert.errors import KVConvertError
+from kvconvert.eval.haystack import encode
+from kvconvert.eval.metrics import LONGBENCH_TASKS
+from kvconvert.eval.samples import GenSample
+
+ENV_VAR = "KVCONVERT_LONGBENCH_DIR"
+
+# The instruction each LongBench v1 template (dataset2prompt) opens with; a prompt that starts
+# with none of them is not a templated LongBench prompt. (MiniLongBench applies the multi-doc QA
+# template to qasper, so any task may open with any of these.)
+TEMPLATE_OPENINGS = (
+    "You are given a story, which can be either a novel or a movie script, and a question.",
+    "You are given a scientific article and a question.",
+    "Read the following text and answer briefly.",
+    "Answer the question based on the given passages.",
+    "You are given a report by a government agency.",
+    "You are given a meeting transcript and a query",
+    "You are given several news passages.",
+    "Please determine the type of the question below.",
+    "Answer the question based on the given passage.",
+    "Summarize the dialogue into a few short sentences.",
+    "There are some paragraphs below sourced from Wikipedia.",
+    "Here are 30 paragraphs from Wikipedia, along with an abstract.",
+    "Please complete the code given below.",
+)
+
+
+def default_longbench_dir() -> Path:
+    """$KVCONVERT_LONGBENCH_DIR, else shared/data/longbench-mini beside the repository."""
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR]).expanduser()
+    return (Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "longbench-mini").resolve()
+
+
+def load_longbench(folder: Path, tasks: tuple[str, ...] | None = None) -> dict[str, list[dict]]:
+    """task -> rows, in file order. Missing folder/file or malformed rows -> KVConvertError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise KVConvertError(
+            f"LongBench-mini data not found at {folder}; pass --longbench-dir DIR or set {ENV_VAR}")
+    out: dict[str, list[dict]] = {}
+    for task in tasks or tuple(LONGBENCH_TASKS):
+        if task not in LONGBENCH_TASKS:
+            raise KVConvertError(f"unknown LongBench task {task!r}; known: {', '.join(LONGBENCH_TASKS)}")
+        path = folder / f"{task}.jsonl"
+        if not path.is_file():
+            raise KVConvertError(f"{path}: LongBench-mini task file missing; restore the data folder {folder}")
+        out[task] = [_check_row(path, i, line) for i, line in enumerate(path.read_text(encoding="utf-8").splitlines())
+                     if line.strip()]
+        if not out[task]:
+            raise KVConvertError(f"{path}: no samples")
+    return out
+
+
+def _check_row(path: Path, index: int, line: str) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise KVConvertError(f"{path}:{index + 1}: not valid JSON ({exc.msg})") from None
+    missing = [k for k in ("id", "prompt", "answers") if k not in row]
+    if missing:
+        raise KVConvertError(f"{path}:{index + 1}: missing field(s) {', '.join(missing)}")
+    if not isinstance(row["answers"], list) or not row["answers"]:
+        raise KVConvertError(f"{path}:{index + 1}: 'answers' must be a non-empty list")
+    if not row["prompt"].startswith(TEMPLATE_OPENINGS):
+        raise KVConvertError(f"{path}:{index + 1}: prompt does not start with a LongBench template; "
+                             "the data must have dataset2prompt applied")
+    return row
+
+
+def truncate_middle(ids: list[int], max_len: int) -> list[int]:
+    """LongBench's middle truncation on token ids: keep the first and last max_len // 2."""
+    if len(ids) <= max_len:
+        return list(ids)
+    half = max_len // 2
+    return list(ids[:half]) + list(ids[-half:])
+
+
+def longbench_samples(tokenizer, rows_by_task: dict[str, list[dict]], context: int, per_task: int | None,
+                      max_new_cap: int | None) -> list[GenSample]:
+    """Samples for every task: prompt truncated to context - max_new_tokens, LongBench budgets
+    (capped at max_new_cap when given), the first `per_task` rows of each task (all if None)."""
+    newline = tokenizer.encode("\n", add_special_tokens=False)[-1:]
+    samples = []
+    for task, rows in rows_by_task.items():
+        _, max_new, category = LONGBENCH_TASKS[task]
+        if max_new_cap is not None:
+            max_new = min(max_new, max_new_cap)
+        budget = context - max_new
+        if budget < 64:
+            raise KVConvertError(f"LongBench context {context} leaves {budget} prompt tokens for {task}; use a longer one")
+        for row in rows[:per_task]:
+            ids = encode(tokenizer, row["prompt"])
+            prompt = truncate_middle(ids, budget)
+            samples.append(GenSample(
+                f"longbench/{task}", str(row["id"]), tuple(prompt), max_new, tuple(row["answers"]),
+                stop_ids=tuple(newline) if task == "samsum" else (),
+                meta={"task": task, "category": category, "tokens": len(prompt), "full_tokens": len(ids),
+                      "all_classes": row.get("all_classes")}))
+    return samples

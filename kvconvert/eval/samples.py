@@ -1,0 +1,47 @@
+"""What a generation task hands to a model: a prompt as token ids, a budget, a way to score.
+
+A `GenSample` is fully determined by the suite, the seed and the tokenizer, so source and
+candidate see identical token ids, and its `content_hash` changes whenever the prompt or the
+decoding budget does (cached results of an older prompt are never reused).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GenSample:
+    """One greedy-generation test case.
+
+    task: family/name, e.g. "passkey", "niah", "ruler/vt", "longbench/hotpotqa".
+    sample_id: unique within the task. prompt_ids: token ids fed to both models.
+    max_new_tokens: decoding budget. stop_ids: extra stop tokens (the models' EOS ids always stop).
+    answers: gold strings the scorer compares against. meta: plotting/grouping data
+    (length, depth, all_classes, ...), JSON-serializable.
+    """
+
+    task: str
+    sample_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    answers: tuple[str, ...]
+    stop_ids: tuple[int, ...] = ()
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError(f"{self.task}/{self.sample_id}: empty prompt")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"{self.task}/{self.sample_id}: max_new_tokens must be positive")
+
+    @property
+    def content_hash(self) -> str:
+        payload = json.dumps([list(self.prompt_ids), self.max_new_tokens, list(self.stop_ids)])
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)

@@ -1,0 +1,170 @@
+"""Gated quantities and their paired bootstrap confidence intervals.
+
+Every gated quantity is a *degradation* of the candidate against the source, computed from the
+per-sample results stored in report.json (positive = worse):
+
+    perplexity_increase_pct  100 * (ppl_cand / ppl_src - 1), ppl = exp(sum NLL / sum tokens)
+    kl_mean                  sum over tokens of KL(source || candidate) / tokens  (nats/token)
+    passkey_accuracy_drop    accuracy_src - accuracy_cand, in percentage points
+    niah_accuracy_drop       same, NIAH substring score
+    ruler_accuracy_drop      same, all RULER samples pooled
+    longbench_avg_drop       mean over tasks of (task score_src - task score_cand), LongBench points
+
+Paired bootstrap: resample *samples* (windows, prompts) with replacement, keeping each sample's
+source and candidate results together, recompute the statistic; LongBench resamples within each
+task (stratified) so every task keeps its count. The interval is the percentile interval at the
+given confidence. Vectorized: index matrices [B, n], fixed seed, so results are reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kvconvert.errors import KVConvertError
+
+
+@dataclass(frozen=True)
+class GateMetric:
+    """How to get one gated quantity out of a report's per-sample results.
+
+    tasks: predicate on the report's task names whose samples it uses. columns: record -> the
+    numbers the statistic needs. statistic: {column: [B, n]} (+ strata [n]) -> [B].
+    stratified: resample within task (LongBench)."""
+
+    name: str
+    unit: str
+    description: str
+    tasks: Callable[[str], bool]
+    columns: Callable[[dict], dict[str, float]]
+    statistic: Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray]
+    source_value: Callable[[dict[str, np.ndarray], np.ndarray], float]
+    candidate_value: Callable[[dict[str, np.ndarray], np.ndarray], float]
+    stratified: bool = False
+
+
+def _ppl(nll: np.ndarray, n: np.ndarray) -> np.ndarray:
+    return np.exp(nll.sum(-1) / n.sum(-1))
+
+
+def _ppl_increase(c, _):
+    # ppl_c / ppl_s = exp((sum nll_c - sum nll_s) / tokens): exact ratio without overflow.
+    return 100.0 * np.expm1((c["candidate_nll"].sum(-1) - c["source_nll"].sum(-1)) / c["n"].sum(-1))
+
+
+def _kl(c, _):
+    return c["kl"].sum(-1) / c["n"].sum(-1)
+
+
+def _acc_drop(c, _):
+    return 100.0 * (c["source"].mean(-1) - c["candidate"].mean(-1))
+
+
+def _task_average(values: np.ndarray, strata: np.ndarray) -> np.ndarray:
+    """Mean over strata of the per-stratum mean along the last axis."""
+    means = [values[..., strata == s].mean(-1) for s in np.unique(strata)]
+    return np.mean(means, axis=0)
+
+
+def _longbench_drop(c, strata):
+    return 100.0 * (_task_average(c["source"], strata) - _task_average(c["candidate"], strata))
+
+
+def _scores(record: dict) -> dict[str, float]:
+    return {"source": float(record["source"]["score"]), "candidate": float(record["candidate"]["score"])}
+
+
+def _ppl_columns(record: dict) -> dict[str, float]:
+    return {"source_nll": record["source_nll"], "candidate_nll": record["candidate_nll"],
+            "kl": record["kl"], "n": float(record["n_tokens"])}
+
+
+def _mean100(key):
+    return lambda c, _: float(100.0 * c[key].mean())
+
+
+def _lb_mean(key):
+    return lambda c, strata: float(100.0 * _task_average(c[key], strata))
+
+
+GATE_METRICS: dict[str, GateMetric] = {m.name: m for m in (
+    GateMetric("perplexity_increase_pct", "%", "perplexity increase on the essays",
+               lambda t: t == "perplexity", _ppl_columns, _ppl_increase,
+               lambda c, _: float(_ppl(c["source_nll"], c["n"])), lambda c, _: float(_ppl(c["candidate_nll"], c["n"]))),
+    GateMetric("kl_mean", "nats/token", "mean token KL(source || candidate) on the essays",
+               lambda t: t == "perplexity", _ppl_columns, _kl, lambda c, _: 0.0, lambda c, _: float(_kl(c, None))),
+    GateMetric("passkey_accuracy_drop", "pp", "passkey accuracy drop (percentage points)",
+               lambda t: t == "passkey", _scores, _acc_drop, _mean100("source"), _mean100("candidate")),
+    GateMetric("niah_accuracy_drop", "pp", "NIAH score drop (percentage points)",
+               lambda t: t == "niah", _scores, _acc_drop, _mean100("source"), _mean100("candidate")),
+    GateMetric("ruler_accuracy_drop", "pp", "RULER score drop, all tasks pooled (percentage points)",
+               lambda t: t.startswith("ruler/"), _scores, _acc_drop, _mean100("source"), _mean100("candidate")),
+    GateMetric("longbench_avg_drop", "points", "LongBench average drop (mean over tasks, 0-100 scale)",
+               lambda t: t.startswith("longbench/"), _scores, _longbench_drop, _lb_mean("source"),
+               _lb_mean("candidate"), stratified=True),
+)}
+
+
+@dataclass
+class Estimate:
+    """A gated quantity on one report: point estimate, CI bounds, source/candidate values."""
+
+    metric: str
+    point: float
+    low: float
+    high: float
+    source: float
+    candidate: float
+    n: int
+    confidence: float
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def collect(samples: dict[str, list[dict]], metric: GateMetric) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+    """Columns [n] and strata labels [n] (task index) for a metric; None when the report has no samples."""
+    rows, strata = [], []
+    for index, task in enumerate(sorted(t for t in samples if metric.tasks(t))):
+        for record in samples[task]:
+            rows.append(metric.columns(record))
+            strata.append(index)
+    if not rows:
+        return None
+    columns = {k: np.array([r[k] for r in rows], dtype=np.float64) for k in rows[0]}
+    return columns, np.array(strata)
+
+
+def resample_indices(strata: np.ndarray, n_boot: int, rng: np.random.Generator, stratified: bool) -> np.ndarray:
+    """[n_boot, n] indices: plain resampling, or within each stratum (positions keep their stratum)."""
+    n = len(strata)
+    if not stratified:
+        return rng.integers(0, n, size=(n_boot, n))
+    idx = np.empty((n_boot, n), dtype=np.int64)
+    for s in np.unique(strata):
+        members = np.flatnonzero(strata == s)
+        idx[:, members] = members[rng.integers(0, len(members), size=(n_boot, len(members)))]
+    return idx
+
+
+def estimate(samples: dict[str, list[dict]], name: str, n_boot: int = 2000, confidence: float = 0.95,
+             seed: int = 0) -> Estimate | None:
+    """Point estimate and paired-bootstrap percentile CI of a gated quantity (None if not measured)."""
+    if name not in GATE_METRICS:
+        raise KVConvertError(f"unknown gate metric {name!r}; known: {', '.join(GATE_METRICS)}")
+    if not 0.0 < confidence < 1.0:
+        raise KVConvertError(f"confidence must be in (0, 1), got {confidence}")
+    metric = GATE_METRICS[name]
+    found = collect(samples, metric)
+    if found is None:
+        return None
+    columns, strata = found
+    point = float(metric.statistic(columns, strata))
+    idx = resample_indices(strata, n_boot, np.random.default_rng(seed), metric.stratified)
+    boot = metric.statistic({k: v[idx] for k, v in columns.items()}, strata)
+    alpha = (1.0 - confidence) / 2.0
+    low, high = np.quantile(boot, [alpha, 1.0 - alpha])
+    return Estimate(name, point, float(low), float(high), metric.source_value(columns, strata),
+                    metric.candidate_value(columns, strata), len(strata), confidence)

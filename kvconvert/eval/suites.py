@@ -1,0 +1,126 @@
+"""Validation suites: what `kvconvert validate --suite NAME` runs.
+
+SUITE_VERSION names the definition of every suite below together with the sample generators
+and scorers. Change it whenever a change would alter any sample or score: reports made with
+another version are refused by `kvconvert gate`, and cached results keyed by content hash are
+recomputed where prompts changed.
+
+Sizes (SmolLM2-135M, source + candidate, 2 shared CPU cores): smoke < 1 min (tests), quick
+< 5 min, standard ~30 min; full is meant for a GPU. Lengths longer than a model's context are
+dropped with a note in the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvconvert.errors import KVConvertError
+from kvconvert.eval.haystack import RULER_TASKS
+from kvconvert.eval.metrics import LONGBENCH_TASKS
+
+SUITE_VERSION = 1
+SEED = 20240611
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    """One suite. Lengths are prompt lengths in tokens; depths are fractions of the haystack.
+
+    ppl_windows x ppl_window_len: essay windows for perplexity and KL (0 windows = skip).
+    passkey_*: grid lengths x depths x repeats (different keys). niah_*: grid lengths x depths.
+    ruler_*: tasks x lengths x samples, generation budget capped at ruler_max_new (None = RULER's).
+    longbench_*: first `longbench_per_task` rows of each task (None = all), prompts truncated to
+    longbench_context tokens (None = the models' context), budget capped at longbench_max_new.
+    """
+
+    name: str
+    description: str
+    ppl_windows: int
+    ppl_window_len: int
+    passkey_lengths: tuple[int, ...] = ()
+    passkey_depths: tuple[float, ...] = ()
+    passkey_repeats: int = 1
+    niah_lengths: tuple[int, ...] = ()
+    niah_depths: tuple[float, ...] = ()
+    ruler_tasks: tuple[str, ...] = ()
+    ruler_lengths: tuple[int, ...] = ()
+    ruler_samples: int = 0
+    ruler_max_new: int | None = None
+    longbench: bool = True
+    longbench_tasks: tuple[str, ...] | None = None
+    longbench_per_task: int | None = None
+    longbench_context: int | None = None
+    longbench_max_new: int | None = None
+    seed: int = SEED
+
+    def __post_init__(self):
+        if self.ppl_windows < 0 or (self.ppl_windows and self.ppl_window_len < 16):
+            raise KVConvertError(f"suite {self.name}: perplexity windows need >= 16 tokens")
+        for depth in self.passkey_depths + self.niah_depths:
+            if not 0.0 <= depth <= 1.0:
+                raise KVConvertError(f"suite {self.name}: depth {depth} outside [0, 1]")
+        for length in self.passkey_lengths + self.niah_lengths + self.ruler_lengths:
+            if length < 64:
+                raise KVConvertError(f"suite {self.name}: length {length} is too short (>= 64 tokens)")
+        unknown = [t for t in self.ruler_tasks if t not in RULER_TASKS]
+        unknown += [t for t in self.longbench_tasks or () if t not in LONGBENCH_TASKS]
+        if unknown:
+            raise KVConvertError(f"suite {self.name}: unknown task(s) {', '.join(unknown)}")
+
+    @property
+    def version(self) -> int:
+        return SUITE_VERSION
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return {**asdict(self), "version": SUITE_VERSION}
+
+
+DEPTHS_5 = (0.0, 0.25, 0.5, 0.75, 1.0)
+DEPTHS_11 = tuple(i / 10 for i in range(11))
+
+SUITES: dict[str, SuiteSpec] = {
+    "smoke": SuiteSpec(
+        name="smoke", description="every task once, tiny (tests; < 1 min on 2 cores)",
+        ppl_windows=2, ppl_window_len=128,
+        passkey_lengths=(192,), passkey_depths=(0.0, 1.0),
+        niah_lengths=(192,), niah_depths=(0.0, 1.0),
+        ruler_tasks=("niah_single_2", "vt"), ruler_lengths=(192,), ruler_samples=1, ruler_max_new=12,
+        longbench_tasks=("hotpotqa", "passage_retrieval_en", "lcc"), longbench_per_task=1,
+        longbench_context=256, longbench_max_new=8,
+    ),
+    "quick": SuiteSpec(
+        name="quick", description="pre-merge check (< 5 min on 2 CPU cores for SmolLM2-135M); no RULER",
+        ppl_windows=4, ppl_window_len=512,
+        passkey_lengths=(512, 1024), passkey_depths=(0.0, 0.5, 1.0),
+        niah_lengths=(512, 1024), niah_depths=DEPTHS_5,
+        longbench_per_task=1, longbench_context=1024, longbench_max_new=32,
+    ),
+    "standard": SuiteSpec(
+        name="standard", description="the project's protocol: 32 x 1024 essay tokens, retrieval to 4K, "
+                                     "RULER, 3 LongBench samples per task at 2K (~30 min on 2 CPU cores)",
+        ppl_windows=32, ppl_window_len=1024,
+        passkey_lengths=(1024, 2048, 4096), passkey_depths=DEPTHS_5,
+        niah_lengths=(1024, 2048, 4096), niah_depths=DEPTHS_5,
+        ruler_tasks=("niah_single_2", "niah_multikey_1", "niah_multivalue", "vt"), ruler_lengths=(1024, 2048),
+        ruler_samples=3, ruler_max_new=48,
+        longbench_per_task=3, longbench_context=2048, longbench_max_new=128,
+    ),
+    "full": SuiteSpec(
+        name="full", description="for GPUs: retrieval grids to the model's context, all RULER tasks, "
+                                 "all LongBench-mini samples at full budgets",
+        ppl_windows=32, ppl_window_len=1024,
+        passkey_lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), passkey_depths=DEPTHS_11,
+        passkey_repeats=2,
+        niah_lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), niah_depths=DEPTHS_11,
+        ruler_tasks=RULER_TASKS, ruler_lengths=(4096, 8192, 16384, 32768, 65536, 131072), ruler_samples=10,
+        longbench_per_task=None, longbench_context=None, longbench_max_new=None,
+    ),
+}
+
+
+def get_suite(name: str) -> SuiteSpec:
+    if name not in SUITES:
+        raise KVConvertError(f"unknown suite {name!r}; choose one of {', '.join(SUITES)}")
+    return SUITES[name]

@@ -1,0 +1,215 @@
+"""`kvconvert mla`: stream a Llama-family checkpoint layer by layer into a stock DeepSeek-V3 MLA
+checkpoint. Only one decoder layer's weights plus the embeddings and the calibration hidden
+states are in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_output_path, ensure_free_space
+from kvconvert.data import calibration_windows, data_hash
+from kvconvert.errors import KVConvertError
+from kvconvert.mla import deepseek_format as fmt
+from kvconvert.mla.convert_layer import LayerPlan, convert_attention, finalize_latent_norm, max_rank
+from kvconvert.mla.llama_block import LlamaShape, llama_attention, llama_layer, rms_norm
+from kvconvert.mla.mla_block import MLAShape, mla_attention_heads
+from kvconvert.mla import factorize as fz
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass
+class MLAOptions:
+    rank: int
+    rope_dim: int | None = None  # default min(64, head_dim)
+    calib_data: str = "builtin"
+    calib_tokens: int = 8192
+    calib_window: int = 512
+    dtype: str = "bf16"
+    key_weight: float = 0.1
+    rho: float = 1e-3
+    refit_o_proj: bool = True
+    stream: str = "converted"  # hidden states carried through the converted (or source) layers
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise KVConvertError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.stream not in ("converted", "source"):
+            raise KVConvertError(f"stream {self.stream!r}: choose converted or source")
+        if self.calib_tokens < self.calib_window:
+            raise KVConvertError(f"--calib-tokens {self.calib_tokens} is less than one window ({self.calib_window})")
+
+
+@dataclass
+class ConversionReport:
+    source: str
+    options: dict
+    config: dict
+    layers: list = field(default_factory=list)
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    calib_tokens: int = 0
+    calib_hash: str = ""
+
+
+def validate_plan(cfg: dict, opts: MLAOptions) -> tuple[int, int]:
+    """(head_dim, rope_dim) after checking rank and rope-dim against the source; errors say the limits."""
+    fmt.check_source_config(cfg)
+    d = fmt.head_dim(cfg)
+    rope_dim = opts.rope_dim if opts.rope_dim is not None else min(64, d)
+    if rope_dim <= 0 or rope_dim % 2:
+        raise KVConvertError(f"--rope-dim {rope_dim}: must be a positive even number")
+    if rope_dim > d or (d // 2) % (rope_dim // 2):
+        valid = [2 * s for s in range(1, d // 2 + 1) if (d // 2) % s == 0]
+        raise KVConvertError(f"--rope-dim {rope_dim}: must divide the head_dim {d} into whole frequency groups; valid: {valid}")
+    top = max_rank(cfg.get("num_key_value_heads", cfg["num_attention_heads"]), d, rope_dim)
+    if not 1 <= opts.rank <= top:
+        raise KVConvertError(f"--rank {opts.rank}: must be between 1 and {top} (2 x kv_heads x head_dim - rope_dim) for this model")
+    return d, rope_dim
+
+
+def source_rope(cfg: dict, d: int) -> tuple[torch.Tensor, float]:
+    """The source's RoPE inverse frequencies [d/2] (with llama3/linear scaling) via transformers."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = fmt.rope_parameters(cfg)
+    if rope["rope_type"] == "default":
+        inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        return inv, 1.0
+    lc = LlamaConfig(hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"], head_dim=d,
+                     max_position_embeddings=cfg.get("max_position_embeddings", 4096), rope_parameters=rope)
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](lc, None)
+    return inv.to(torch.float64), float(scaling)
+
+
+def _layer_weights(reader: CheckpointReader, i: int) -> dict:
+    w = {k: reader.get(v.format(i=i), torch.float64) for k, v in fmt.SOURCE_ATTENTION.items()}
+    for src in fmt.COPIED_LAYER_TENSORS:
+        short = src.split(".")[-2]
+        w[short] = reader.get(src.format(i=i), torch.float32)
+    for name, t in w.items():
+        if not torch.isfinite(t).all():
+            raise KVConvertError(f"layer {i} {name}: source weights contain NaN or inf; the checkpoint is broken")
+    return w
+
+
+def _check_finite(t: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(t).all():
+        raise KVConvertError(f"{what}: activations became NaN/inf during calibration; check the source checkpoint and data")
+
+
+def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name: str | None = None) -> ConversionReport:
+    t0 = time.time()
+    reader = CheckpointReader(src_path)
+    cfg = reader.config
+    d, rope_dim = validate_plan(cfg, opts)
+    check_output_path(Path(out_dir), opts.overwrite)
+    ensure_free_space(Path(out_dir), int(reader.total_bytes * DTYPES[opts.dtype].itemsize / 4 * 1.2))
+    plan = LayerPlan.for_source(d, opts.rank, rope_dim, key_weight=opts.key_weight, rho=opts.rho)
+    H = cfg["num_attention_heads"]
+    G = cfg.get("num_key_value_heads", H)
+    inv_freq, att_scale = source_rope(cfg, d)
+    shape = LlamaShape(cfg["hidden_size"], H, G, d, cfg.get("rms_norm_eps", 1e-5), inv_freq, att_scale)
+    fold = d // rope_dim
+    mla_shape = MLAShape(H, plan.rank, rope_dim, plan.nope_dim, plan.v_dim, plan.latent_eps, inv_freq[::fold], att_scale)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(src_path))
+    ids = calibration_windows(tokenizer, opts.calib_data, opts.calib_tokens, opts.calib_window)
+    out_cfg = fmt.deepseek_config(cfg, plan.rank, rope_dim, plan.nope_dim, plan.v_dim,
+                                  {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[opts.dtype])
+    report = ConversionReport(source=source_name or str(src_path), options=asdict(opts), config=out_cfg,
+                              calib_tokens=int(ids.numel()), calib_hash=data_hash(ids))
+    out_dtype = DTYPES[opts.dtype]
+    embed = reader.get("model.embed_tokens.weight", torch.float32)
+    hidden = embed[ids]  # [N, T, hidden] calibration hidden states, carried layer to layer
+    with CheckpointWriter(out_dir, overwrite=opts.overwrite, source=report.source,
+                          manifest_extra={"kvconvert_mla": {"rank": plan.rank, "rope_dim": rope_dim,
+                                                            "calib_tokens": report.calib_tokens,
+                                                            "calib_hash": report.calib_hash}}) as writer:
+        writer.add("model.embed_tokens.weight", embed.to(out_dtype))
+        layers = range(cfg["num_hidden_layers"])
+        for i in tqdm(layers, desc="mla: layers", disable=not opts.progress):
+            w = _layer_weights(reader, i)
+            mla_w, layer_rep, hidden = _convert_one_layer(hidden, w, shape, mla_shape, plan, opts, i)
+            for short, name in fmt.TARGET_ATTENTION.items():
+                writer.add(name.format(i=i), mla_w[short].to(out_dtype))
+            for src_name, dst_name in fmt.COPIED_LAYER_TENSORS.items():
+                writer.add(dst_name.format(i=i), reader.get(src_name.format(i=i)).to(out_dtype))
+            report.layers.append(layer_rep)
+        writer.add("model.norm.weight", reader.get("model.norm.weight").to(out_dtype))
+        lm_head = reader.get("lm_head.weight") if "lm_head.weight" in reader else embed
+        writer.add("lm_head.weight", lm_head.to(out_dtype))
+        writer.write_config(out_cfg)
+        writer.copy_tokenizer(src_path)
+        report.seconds = time.time() - t0
+        report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        writer.write_json("conversion_report.json", asdict(report))
+        try:
+            from kvconvert.mla.plots import plot_spectra
+
+            plot_spectra(report, writer.tmp_dir / "spectra.png")
+        except ImportError:
+            pass
+    return report
+
+
+def _convert_one_layer(hidden, w, shape: LlamaShape, mla_shape: MLAShape, plan: LayerPlan, opts: MLAOptions, i: int):
+    """Convert layer i and advance the calibration hidden states through it."""
+    xn = rms_norm(hidden, w["input_layernorm"], shape.rms_eps)  # [N, T, hidden] fp32
+    _check_finite(xn, f"layer {i} input")
+    flat = xn.reshape(-1, xn.shape[-1]).double()
+    cov_x = flat.T @ flat / flat.shape[0]
+    result = convert_attention(w, cov_x, shape, plan)
+    c = flat @ result.weights["kv_a_proj_with_mqa"][: plan.rank].T
+    mla_w = finalize_latent_norm(result.weights, c.pow(2).mean(-1), plan)
+    y_src = llama_attention(xn, _f32(w), shape)  # source attention block output at this input
+    rep = dict(layer=i, **result.report)
+    rep["attn_rel_error"] = _attn_error(xn, mla_w, mla_shape, y_src)
+    if opts.refit_o_proj:
+        mla_w["o_proj"] = _refit_o_proj(xn, mla_w, mla_shape, y_src)
+        rep["attn_rel_error_refit"] = _attn_error(xn, mla_w, mla_shape, y_src)
+    if opts.stream == "converted":
+        attn = mla_attention_heads(xn, _f32(mla_w), mla_shape) @ _f32(mla_w)["o_proj"].T
+        h = hidden + attn
+        from kvconvert.mla.llama_block import llama_mlp
+
+        hidden = h + llama_mlp(rms_norm(h, w["post_attention_layernorm"], shape.rms_eps), w)
+    else:
+        hidden = llama_layer(hidden, _f32(w), shape)
+    _check_finite(hidden, f"layer {i} output")
+    return mla_w, rep, hidden
+
+
+def _f32(w: dict) -> dict:
+    return {k: v.float() for k, v in w.items()}
+
+
+def _attn_error(xn, mla_w, mla_shape, y_src) -> float:
+    y = mla_attention_heads(xn, _f32(mla_w), mla_shape) @ _f32(mla_w)["o_proj"].T
+    return float((y - y_src).norm() / y_src.norm().clamp_min(1e-30))
+
+
+def _refit_o_proj(xn, mla_w, mla_shape, y_src):
+    """Least-squares o_proj against the source block output, using the converted model's own
+    attention probabilities and values (the brief's most effective closed-form step)."""
+    a = mla_attention_heads(xn, _f32(mla_w), mla_shape).reshape(-1, mla_w["o_proj"].shape[1]).double()
+    y = y_src.reshape(-1, y_src.shape[-1]).double()
+    n = a.shape[0]
+    return fz.refit_o_proj(a.T @ a / n, y.T @ a / n, mla_w["o_proj"])
+
+
+def save_report_json(report: ConversionReport, path: Path) -> None:
+    path.write_text(json.dumps(asdict(report), indent=2))

@@ -1,0 +1,124 @@
+"""Convert one Llama attention block to DeepSeek-V3 MLA weights (closed form, float64)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvconvert.mla import factorize as fz
+from kvconvert.mla.llama_block import LlamaShape
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Target sizes shared by every layer (DeepSeek has one kv_lora_rank for all layers)."""
+
+    rank: int  # kv_lora_rank
+    rope_dim: int  # qk_rope_head_dim
+    nope_dim: int  # qk_nope_head_dim = min(head_dim, rank)
+    v_dim: int  # v_head_dim = min(head_dim, rank)
+    key_weight: float = 0.1  # weight of key (score) errors vs value errors in the latent objective
+    rho: float = 1e-3  # latent RMSNorm linearisation margin (mean(c^2) <= rho * eps)
+    latent_eps: float = 1e-6  # eps of kv_a_layernorm (transformers hard-codes 1e-6)
+    query_weighted_rope: bool = True
+
+    @staticmethod
+    def for_source(head_dim: int, rank: int, rope_dim: int, **kw) -> "LayerPlan":
+        return LayerPlan(rank=rank, rope_dim=rope_dim, nope_dim=min(head_dim, rank), v_dim=min(head_dim, rank), **kw)
+
+
+@dataclass
+class LayerResult:
+    weights: dict  # DeepSeek attention weights (short names), float64
+    report: dict = field(default_factory=dict)
+
+
+def max_rank(kv_heads: int, head_dim: int, rope_dim: int) -> int:
+    """Largest useful kv_lora_rank: all NoPE key features plus all values (2*G*d - rope_dim)."""
+    return 2 * kv_heads * head_dim - rope_dim
+
+
+def query_key_weight(w_q: torch.Tensor, cov_x: torch.Tensor, s: LlamaShape) -> torch.Tensor:
+    """[G, d/2] query energy reading each KV head's frequency: sum_{h in g} E|q_{h,f}|^2."""
+    wq = w_q.view(s.heads, s.head_dim, -1)
+    half = s.head_dim // 2
+    energy = torch.einsum("hdi,ij,hdj->hd", wq, cov_x, wq)  # E[q_hd^2]
+    per_freq = energy[:, :half] + energy[:, half:]
+    return per_freq.view(s.kv_heads, s.group, half).sum(1)
+
+
+def convert_attention(w: dict, cov_x: torch.Tensor, s: LlamaShape, plan: LayerPlan) -> LayerResult:
+    """DeepSeek MLA weights for one layer, from source weights w (float64: q/k/v/o_proj) and
+    the covariance cov_x = E[x x^T] of the layer's normed input.
+
+    Returns q_proj, kv_a_proj_with_mqa (latent rows not yet scaled for the norm), kv_b_proj (same),
+    o_proj, and a report. `finalize_latent_norm` then applies the RMSNorm linearisation.
+    """
+    H, G, d = s.heads, s.kv_heads, s.head_dim
+    kw = query_key_weight(w["q_proj"], cov_x, s) if plan.query_weighted_rope else None
+    basis = fz.rope_basis(w["k_proj"], cov_x, G, d, plan.rope_dim, key_weight=kw)
+    maps = fz.rope_maps(basis, H, G, d)
+    dn = maps.key_nope.shape[0]
+    w_y = torch.cat([maps.key_nope @ w["k_proj"], w["v_proj"]])  # [Dn + G*d, hidden]
+    metric = fz.attention_weights(w["q_proj"], w["o_proj"], maps, cov_x, H, G, d, plan.key_weight)
+    latent = fz.weighted_latent(w_y, cov_x, metric, plan.rank)
+    up_k, up_v = latent.up[:dn], latent.up[dn:]  # [Dn, r], [G*d, r]
+
+    q_scale = ((plan.nope_dim + plan.rope_dim) / d) ** 0.5  # fold the softmax-scale change into q
+    wq = w["q_proj"].view(H, d, -1)
+    wo = w["o_proj"].view(w["o_proj"].shape[0], H, d)
+    q_rows, kvb_rows, o_cols = [], [], []
+    eye = torch.eye(plan.rank, dtype=cov_x.dtype)
+    for h in range(H):
+        g = h // s.group
+        uk = maps.query_nope[h].T @ up_k  # [d, r]: score_nope = q_h^T uk c
+        uv = up_v[g * d:(g + 1) * d]  # [d, r]
+        if plan.nope_dim == d:
+            q_nope, w_uk = wq[h], uk
+        else:  # rank < head_dim: move the key map into the query, identity W_UK
+            q_nope, w_uk = uk.T @ wq[h], eye
+        if plan.v_dim == d:
+            w_uv, o_h = uv, wo[:, h]
+        else:
+            w_uv, o_h = eye, wo[:, h] @ uv
+        q_rows += [q_scale * q_nope, q_scale * (maps.query_rope[h] @ wq[h])]
+        kvb_rows += [w_uk, w_uv]
+        o_cols.append(o_h)
+    weights = {
+        "q_proj": torch.cat(q_rows),
+        "kv_a_proj_with_mqa": torch.cat([latent.down, maps.key_rope @ w["k_proj"]]),
+        "kv_b_proj": torch.cat(kvb_rows),
+        "o_proj": torch.cat(o_cols, dim=1),
+    }
+    total = float(latent.energy.sum())
+    report = {
+        "rope_energy_kept": basis.kept_fraction,
+        "latent_energy_kept": float(latent.energy[: plan.rank].sum()) / max(total, 1e-300),
+        "nope_key_dims": dn,
+        "latent_spectrum": (latent.energy / max(float(latent.energy[0]), 1e-300)).tolist(),
+        "rope_slot_energy": [float(e[0]) for e in basis.energy],
+        "rope_slot_total": [float(e.sum()) for e in basis.energy],
+    }
+    return LayerResult(weights, report)
+
+
+def finalize_latent_norm(weights: dict, latent_sq_mean: torch.Tensor, plan: LayerPlan) -> dict:
+    """Make kv_a_layernorm (almost) linear and give the cached latent unit scale.
+
+    latent_sq_mean: [N] mean(c^2) per calibration token for the unscaled latent c = down @ x.
+    Scales the latent rows of kv_a_proj_with_mqa by a (mean((a c)^2) <= rho * eps on every token),
+    sets a uniform norm weight w0 so the cached latent has RMS ~1 on a typical token, and divides
+    kv_b_proj by the same factor: kv_b(w0 * a c / sqrt(eps)) = kv_b_eff(c).
+    """
+    r = plan.rank
+    a = fz.linearize_norm_scale(float(latent_sq_mean.max()), plan.latent_eps, plan.rho)
+    typical_rms = float(latent_sq_mean.mean().sqrt().clamp_min(1e-30))
+    w0 = plan.latent_eps ** 0.5 / (a * typical_rms)
+    kv_a = weights["kv_a_proj_with_mqa"].clone()
+    kv_a[:r] *= a
+    out = dict(weights)
+    out["kv_a_proj_with_mqa"] = kv_a
+    out["kv_a_layernorm"] = torch.full((r,), w0, dtype=kv_a.dtype)
+    out["kv_b_proj"] = weights["kv_b_proj"] * typical_rms
+    return out

@@ -1,0 +1,124 @@
+"""The stock DeepSeek-V3 checkpoint format that kvconvert writes (BRIEF section 2).
+
+Literal rename table (gpt-fast style) from Llama names to DeepSeek-V3 names for everything that is
+copied unchanged, plus the config builder. Attention tensors are produced by convert_layer.
+"""
+
+from __future__ import annotations
+
+from kvconvert.errors import UnsupportedModelError
+
+# source name -> target name, for tensors copied as they are ({i} = layer index)
+COPIED_LAYER_TENSORS = {
+    "model.layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+SOURCE_ATTENTION = {
+    "q_proj": "model.layers.{i}.self_attn.q_proj.weight",
+    "k_proj": "model.layers.{i}.self_attn.k_proj.weight",
+    "v_proj": "model.layers.{i}.self_attn.v_proj.weight",
+    "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
+}
+TARGET_ATTENTION = {
+    "q_proj": "model.layers.{i}.self_attn.q_proj.weight",
+    "kv_a_proj_with_mqa": "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_layernorm": "model.layers.{i}.self_attn.kv_a_layernorm.weight",
+    "kv_b_proj": "model.layers.{i}.self_attn.kv_b_proj.weight",
+    "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
+}
+GLOBAL_TENSORS = {
+    "model.embed_tokens.weight": "model.embed_tokens.weight",
+    "model.norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",  # written explicitly even when the source ties it
+}
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
+SUPPORTED_ROPE_TYPES = {"default", "llama3", "linear"}
+
+
+def check_source_config(cfg: dict) -> None:
+    """Refuse sources we would convert into a silently wrong model."""
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {mt!r} is not supported yet: kvconvert mla converts Llama-family checkpoints "
+            f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}); biases, qk-norm and sliding windows need their own path")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise UnsupportedModelError("not supported yet: attention/MLP biases (stock DeepSeek-V3 has none)")
+    if cfg.get("sliding_window") not in (None, 0) and mt == "mistral":
+        raise UnsupportedModelError(
+            f"not supported yet: sliding-window attention (sliding_window={cfg['sliding_window']}); "
+            "DeepSeek-V3 attends to the full context")
+    rope = rope_parameters(cfg)
+    if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"not supported yet: rope_type {rope.get('rope_type')!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"not supported yet: hidden_act {cfg.get('hidden_act')!r} (DeepSeek-V3 uses silu)")
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """rope parameters with rope_theta, from transformers 5 (`rope_parameters`) or 4 (`rope_scaling`)."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params["rope_type"] = params.pop("type", None) or params.get("rope_type", "default")
+    return params
+
+
+def head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def deepseek_config(src: dict, rank: int, rope_dim: int, nope_dim: int, v_dim: int, dtype: str) -> dict:
+    """config.json for transformers' DeepseekV3ForCausalLM / vLLM / SGLang, all layers dense."""
+    rope = rope_parameters(src)
+    layers = src["num_hidden_layers"]
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": src["vocab_size"],
+        "hidden_size": src["hidden_size"],
+        "intermediate_size": src["intermediate_size"],
+        "moe_intermediate_size": src["intermediate_size"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": src["num_attention_heads"],
+        "num_key_value_heads": src["num_attention_heads"],
+        "n_shared_experts": 1,
+        "n_routed_experts": 1,  # must be an integer; unused since every layer is dense
+        "num_experts_per_tok": 1,
+        "first_k_dense_replace": layers,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "kv_lora_rank": rank,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": nope_dim,
+        "v_head_dim": v_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": src.get("max_position_embeddings", 4096),
+        # 1e-6 everywhere: transformers hard-codes eps 1e-6 for kv_a_layernorm while vLLM/SGLang use
+        # rms_norm_eps, so both agree only at 1e-6. The decoder norms barely notice 1e-5 -> 1e-6.
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope["rope_theta"],
+        "rope_parameters": rope,
+        "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"} | {"type": rope["rope_type"]},
+        "rope_interleave": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": src.get("bos_token_id"),
+        "eos_token_id": src.get("eos_token_id"),
+        "pad_token_id": src.get("pad_token_id"),
+        "initializer_range": src.get("initializer_range", 0.02),
+        "use_cache": True,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }

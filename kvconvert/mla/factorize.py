@@ -1,0 +1,257 @@
+"""The math of MHA/GQA -> MLA conversion, as small pure functions on float64 matrices.
+
+Conventions (source Llama layer): W_q [H*d, hidden], W_k/W_v [G*d, hidden], W_o [hidden, H*d];
+query head h reads KV head g(h) = h // (H/G). Keys use transformers' rotate_half layout: frequency f
+rotates the pair (k[f], k[f + d/2]), i.e. the complex number k_f = k[f] + i k[f + d/2] is multiplied
+by exp(i theta_f pos).
+
+Key facts used:
+- Any complex-linear mix across KV heads of one frequency commutes with RoPE (both are complex
+  multiplications), so keys can be rewritten per frequency in a new basis without any error.
+  The principal component of each frequency (or of a group of F adjacent frequencies folded onto
+  one rope slot) goes into the single shared RoPE key; the rest lose their rotation (the only
+  approximation of the RoPE step) and join the NoPE keys.
+- The NoPE keys and all values are compressed into one latent c = A x by a weighted reduced-rank
+  regression: minimise E||S (Y - B A x)||^2 with Y = [z_nope; v], S weighting key errors by the
+  queries that read them and value errors by o_proj (what attention actually sees).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+# ----------------------------------------------------------------------------- linear algebra
+def sym_sqrt(m: Tensor, floor: float = 1e-8) -> tuple[Tensor, Tensor]:
+    """(sqrt(M), pinv(sqrt(M))) of a symmetric PSD matrix, eigenvalues floored at floor*max."""
+    vals, vecs = torch.linalg.eigh((m + m.T) / 2)
+    vals = vals.clamp_min(vals.max().clamp_min(1e-300) * floor)
+    root = vals.sqrt()
+    return (vecs * root) @ vecs.T, (vecs / root) @ vecs.T
+
+
+def top_eigh(m: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (descending) and eigenvectors (columns) of a symmetric/Hermitian matrix."""
+    vals, vecs = torch.linalg.eigh((m + m.mH) / 2)
+    return vals.flip(0), vecs.flip(1)
+
+
+# ----------------------------------------------------------------------------- RoPE step
+def rope_slot_groups(head_dim: int, rope_dim: int) -> list[list[int]]:
+    """Source frequencies folded onto each target rope slot.
+
+    The target's rope head has rope_dim/2 slots with frequencies theta_j = base^(-2j/rope_dim)
+    = source frequency F*j (F = head_dim/rope_dim). Slot j takes source frequencies
+    F*j .. F*j + F - 1 (FreqFold); with F = 1 every frequency keeps its exact rotation.
+    """
+    half, slots = head_dim // 2, rope_dim // 2
+    fold = half // slots
+    return [list(range(j * fold, (j + 1) * fold)) for j in range(slots)]
+
+
+@dataclass
+class RopeBasis:
+    """Per-slot complex bases. bases[j]: [G*F, G*F] unitary, columns = components, column 0 kept
+    with RoPE. energy[j]: eigenvalues (key energy per component, descending)."""
+
+    groups: list[list[int]]
+    bases: list[Tensor]
+    energy: list[Tensor]
+
+    @property
+    def kept_fraction(self) -> float:
+        total = sum(float(e.sum()) for e in self.energy)
+        return sum(float(e[0]) for e in self.energy) / max(total, 1e-300)
+
+
+def complex_keys(w_k: Tensor, kv_heads: int) -> Tensor:
+    """[G, d/2, hidden] complex weights: k_f = W[f] x + i W[f + d/2] x per KV head."""
+    w = w_k.view(kv_heads, -1, w_k.shape[-1])
+    half = w.shape[1] // 2
+    return torch.complex(w[:, :half], w[:, half:])
+
+
+def rope_basis(w_k: Tensor, cov_x: Tensor, kv_heads: int, head_dim: int, rope_dim: int,
+               key_weight: Tensor | None = None) -> RopeBasis:
+    """Complex PCA of the pre-RoPE keys, per rope slot (phase-aware: complex scalings commute with RoPE).
+
+    key_weight: optional [G, d/2] non-negative weights (e.g. the query energy that reads each key
+    frequency); the PCA is then of W^{1/2} K, and the basis is mapped back so it stays exact.
+    """
+    kc = complex_keys(w_k, kv_heads)  # [G, half, hidden]
+    cov_c = cov_x.to(kc.dtype)
+    groups = rope_slot_groups(head_dim, rope_dim)
+    bases, energy = [], []
+    for freqs in groups:
+        rows = kc[:, freqs, :].reshape(kv_heads * len(freqs), -1)  # order (g, t)
+        cov = rows @ cov_c @ rows.mH  # E[k k^H], [GF, GF]
+        if key_weight is not None:
+            wt = key_weight[:, freqs].reshape(-1).clamp_min(1e-30).sqrt().to(cov.dtype)
+            vals, vecs = top_eigh(wt[:, None] * cov * wt[None, :])
+            vecs = _orthonormal_back(vecs, wt, cov)
+        else:
+            vals, vecs = top_eigh(cov)
+        bases.append(vecs)
+        energy.append(torch.einsum("im,ij,jm->m", vecs.conj(), cov, vecs).real)
+    return RopeBasis(groups, bases, energy)
+
+
+def _orthonormal_back(vecs: Tensor, wt: Tensor, cov: Tensor) -> Tensor:
+    """Keep the weighted principal direction, re-orthonormalise the rest (Gram-Schmidt in the
+    unweighted metric) so the basis stays unitary; the leading column is the weighted optimum."""
+    lead = vecs[:, 0] / wt
+    lead = lead / torch.linalg.vector_norm(lead)
+    rest = torch.eye(len(wt), dtype=vecs.dtype)
+    q, _ = torch.linalg.qr(torch.cat([lead[:, None], rest], dim=1))
+    q = q[:, : len(wt)]
+    q[:, 0] = lead * (q[:, 0].conj() @ lead).sgn().conj()  # exact leading column, fix QR's phase
+    # order the remaining components by unweighted key energy (largest first)
+    others = q[:, 1:]
+    energy = torch.einsum("im,ij,jm->m", others.conj(), cov, others).real
+    return torch.cat([q[:, :1], others[:, energy.argsort(descending=True)]], dim=1)
+
+
+def _complex_to_real_rows(coef: Tensor, freqs: list[int], head_dim: int) -> tuple[Tensor, Tensor]:
+    """Real rows (length head_dim, rotate_half layout) giving Re and Im of sum_t coef[t] * x_{freqs[t]}."""
+    half = head_dim // 2
+    re = torch.zeros(head_dim, dtype=coef.real.dtype)
+    im = torch.zeros(head_dim, dtype=coef.real.dtype)
+    for t, f in enumerate(freqs):
+        a = coef[t]
+        re[f] += a.real
+        re[f + half] -= a.imag
+        im[f] += a.imag
+        im[f + half] += a.real
+    return re, im
+
+
+@dataclass
+class RopeMaps:
+    """Real linear maps built from a RopeBasis.
+
+    key_rope  [R, G*d]:     pre-RoPE keys (all KV heads, concatenated) -> shared rope key (interleaved pairs)
+    key_nope  [Dn, G*d]:    pre-RoPE keys -> NoPE key features (shared by all heads)
+    query_rope [H, R, d]:   head's pre-RoPE query -> its rope query (interleaved pairs)
+    query_nope [H, Dn, d]:  head's query -> NoPE query features; score_nope = q'_h . z_nope
+    """
+
+    key_rope: Tensor
+    key_nope: Tensor
+    query_rope: Tensor
+    query_nope: Tensor
+
+
+def rope_maps(basis: RopeBasis, heads: int, kv_heads: int, head_dim: int) -> RopeMaps:
+    group = heads // kv_heads
+    d = head_dim
+    dtype = basis.bases[0].real.dtype
+    k_rope_rows, k_nope_rows = [], []
+    q_rope_rows = [[] for _ in range(heads)]
+    q_nope_rows = [[] for _ in range(heads)]
+    for freqs, u in zip(basis.groups, basis.bases):
+        F = len(freqs)
+        for m in range(u.shape[1]):
+            # key component z_m = sum_{g,t} conj(U[(g,t), m]) k_{g, f_t}
+            re = torch.zeros(kv_heads * d, dtype=dtype)
+            im = torch.zeros(kv_heads * d, dtype=dtype)
+            for g in range(kv_heads):
+                r, i = _complex_to_real_rows(u[g * F:(g + 1) * F, m].conj(), freqs, d)
+                re[g * d:(g + 1) * d], im[g * d:(g + 1) * d] = r, i
+            (k_rope_rows if m == 0 else k_nope_rows).extend([re, im])
+            # query component q'_m = sum_t conj(U[(g(h),t), m]) q_{h, f_t}
+            for h in range(heads):
+                g = h // group
+                r, i = _complex_to_real_rows(u[g * F:(g + 1) * F, m].conj(), freqs, d)
+                (q_rope_rows[h] if m == 0 else q_nope_rows[h]).extend([r, i])
+    empty = torch.zeros(0, kv_heads * d, dtype=dtype)
+    return RopeMaps(
+        key_rope=torch.stack(k_rope_rows),
+        key_nope=torch.stack(k_nope_rows) if k_nope_rows else empty,
+        query_rope=torch.stack([torch.stack(r) for r in q_rope_rows]),
+        query_nope=torch.stack([torch.stack(r) for r in q_nope_rows]) if k_nope_rows
+        else torch.zeros(heads, 0, d, dtype=dtype),
+    )
+
+
+# ----------------------------------------------------------------------------- latent step
+@dataclass
+class Latent:
+    """c = down @ x (rank r); Y ~= up @ c for Y = [z_nope; v_0; ...; v_{G-1}].
+    energy: weighted output energy per component (descending), for the report."""
+
+    down: Tensor  # [r, hidden]
+    up: Tensor  # [Dn + G*d, r]
+    energy: Tensor  # [Dn + G*d]
+
+
+def attention_weights(w_q: Tensor, w_o: Tensor, maps: RopeMaps, cov_x: Tensor, heads: int, kv_heads: int,
+                      head_dim: int, key_weight: float) -> Tensor:
+    """The metric S^T S of the latent objective: block-diagonal [Dn + G*d, Dn + G*d].
+
+    Key block: key_weight * sum_h QN_h (W_q,h C_x W_q,h^T) QN_h^T / head_dim, i.e. the covariance of
+    the (softmax-scaled) NoPE queries that read the shared NoPE keys: the score error they see.
+    Value block g: sum_{h in g} W_o,h^T W_o,h: the value error seen through o_proj.
+    """
+    d, group = head_dim, heads // kv_heads
+    dn = maps.key_nope.shape[0]
+    metric = torch.zeros(dn + kv_heads * d, dn + kv_heads * d, dtype=cov_x.dtype)
+    wq = w_q.view(heads, d, -1)
+    wo = w_o.view(w_o.shape[0], heads, d)
+    for h in range(heads):
+        if dn:
+            q_cov = wq[h] @ cov_x @ wq[h].T  # [d, d]: cheap, then lift to the NoPE space
+            metric[:dn, :dn] += key_weight * (maps.query_nope[h] @ q_cov @ maps.query_nope[h].T) / d
+        g = h // group
+        block = slice(dn + g * d, dn + (g + 1) * d)
+        metric[block, block] += wo[:, h].T @ wo[:, h]
+    return metric
+
+
+def weighted_latent(w_y: Tensor, cov_x: Tensor, metric: Tensor, rank: int) -> Latent:
+    """Reduced-rank regression: minimise E||S (w_y x - up down x)||^2 with S^T S = metric.
+
+    Output side (Dy <= hidden): top-r eigenvectors U_r of S C_Y S^T (C_Y = w_y C_x w_y^T),
+    down = U_r^T S w_y, up = S^+ U_r. Input side (Dy > hidden, e.g. MHA 7B): eigenvectors V_r of
+    C^{1/2} w_y^T metric w_y C^{1/2}, down = sigma^-1 V_r^T C^{1/2} w_y^T metric w_y,
+    up = w_y C^{1/2} V_r sigma^-1 (no square root of the big metric needed). Both give the same
+    product up @ down; at full rank it equals w_y on the data's span.
+    """
+    dy, hidden = w_y.shape
+    if dy <= hidden:
+        s, s_inv = sym_sqrt(metric)
+        vals, vecs = top_eigh(s @ (w_y @ cov_x @ w_y.T) @ s)
+        u_r = vecs[:, :rank]
+        return Latent(down=u_r.T @ s @ w_y, up=s_inv @ u_r, energy=vals.clamp_min(0))
+    c_half, _ = sym_sqrt(cov_x)
+    gram = w_y.T @ metric @ w_y  # [hidden, hidden]
+    vals, vecs = top_eigh(c_half @ gram @ c_half)
+    sigma = vals[:rank].clamp_min(vals[0] * 1e-12).sqrt()
+    v_r = vecs[:, :rank]
+    down = (v_r / sigma).T @ c_half @ gram
+    up = w_y @ c_half @ (v_r / sigma)
+    return Latent(down=down, up=up, energy=vals.clamp_min(0))
+
+
+def linearize_norm_scale(latent_sq_mean_max: float, eps: float, rho: float) -> float:
+    """Scale a for the latent so mean(c^2) <= rho * eps on every calibration token.
+
+    Then RMSNorm(a c) = a c / sqrt(eps) * (1 - mean(a^2 c^2) / (2 eps) + ...): linear up to a
+    relative error <= rho / 2 per token, absorbed into kv_b_proj.
+    """
+    return (rho * eps / max(latent_sq_mean_max, 1e-300)) ** 0.5
+
+
+def refit_o_proj(attn_out_cov: Tensor, cross: Tensor, w_o_init: Tensor, ridge: float = 1e-4) -> Tensor:
+    """Least-squares o_proj: argmin_W E||W a - y||^2 + lam ||W - W0||^2.
+
+    attn_out_cov = E[a a^T] [Din, Din] (converted attention outputs, all heads concatenated),
+    cross = E[y a^T] [hidden, Din] (source attention block output y). lam = ridge * mean diag.
+    """
+    lam = ridge * attn_out_cov.diagonal().mean()
+    eye = torch.eye(attn_out_cov.shape[0], dtype=attn_out_cov.dtype)
+    rhs = cross + lam * w_o_init
+    return torch.linalg.solve(attn_out_cov + lam * eye, rhs.T).T

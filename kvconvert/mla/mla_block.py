@@ -1,0 +1,65 @@
+"""Functional DeepSeek-V3 MLA attention (expanded K/V form), matching transformers'
+DeepseekV3Attention with q_lora_rank=None. Used to measure converted layers on calibration data.
+
+Weights (checkpoint names without the layer prefix): q_proj [H*(nope+rope), hidden],
+kv_a_proj_with_mqa [r + rope, hidden], kv_a_layernorm [r], kv_b_proj [H*(nope+v), r], o_proj [hidden, H*v].
+RoPE on the rope dims uses interleaved pairs (2j, 2j+1) (rope_interleave=True).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvconvert.mla.llama_block import attention_heads, rms_norm
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    heads: int
+    rank: int
+    rope_dim: int
+    nope_dim: int
+    v_dim: int
+    latent_eps: float
+    inv_freq: torch.Tensor  # [rope_dim / 2]
+    attention_scaling: float = 1.0
+
+    @property
+    def softmax_scale(self) -> float:
+        return (self.nope_dim + self.rope_dim) ** -0.5
+
+
+def apply_rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0):
+    """x [..., T, R] with pairs (2j, 2j+1) rotated by inv_freq[j] * pos (complex multiply)."""
+    ang = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    cos, sin = (ang.cos() * scaling).to(x.dtype), (ang.sin() * scaling).to(x.dtype)
+    re, im = x[..., 0::2], x[..., 1::2]
+    out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)
+    return out.flatten(-2)
+
+
+def mla_latent(xn: torch.Tensor, w: dict, s: MLAShape):
+    """Cached quantities: normed latent [B, T, r] and post-RoPE k_rope [B, T, R]."""
+    kv = xn @ w["kv_a_proj_with_mqa"].T
+    latent = rms_norm(kv[..., : s.rank], w["kv_a_layernorm"], s.latent_eps).to(xn.dtype)
+    k_rope = apply_rope_interleaved(kv[..., s.rank:], torch.arange(xn.shape[1]), s.inv_freq, s.attention_scaling)
+    return latent, k_rope
+
+
+def mla_attention_heads(xn: torch.Tensor, w: dict, s: MLAShape) -> torch.Tensor:
+    """Per-head attention outputs before o_proj: [B, T, H * v_dim]."""
+    B, T, _ = xn.shape
+    q = (xn @ w["q_proj"].T).view(B, T, s.heads, s.nope_dim + s.rope_dim).transpose(1, 2)
+    q_rope = apply_rope_interleaved(q[..., s.nope_dim:], torch.arange(T), s.inv_freq, s.attention_scaling)
+    latent, k_rope = mla_latent(xn, w, s)
+    kv = (latent @ w["kv_b_proj"].T).view(B, T, s.heads, s.nope_dim + s.v_dim).transpose(1, 2)
+    k = torch.cat([kv[..., : s.nope_dim], k_rope[:, None].expand(B, s.heads, T, s.rope_dim)], dim=-1)
+    q = torch.cat([q[..., : s.nope_dim], q_rope], dim=-1)
+    out = attention_heads(q, k, kv[..., s.nope_dim:], s.softmax_scale)
+    return out.transpose(1, 2).reshape(B, T, -1)
+
+
+def mla_attention(xn: torch.Tensor, w: dict, s: MLAShape) -> torch.Tensor:
+    return mla_attention_heads(xn, w, s) @ w["o_proj"].T

@@ -1,0 +1,118 @@
+"""Perplexity and token KL with the KV cache fake-quantized exactly as the engine stores it (CPU).
+
+Every K/V the attention reads goes through quantize-dequantize (kvconvert.quant.fake_quant) with the
+calibrated scales - including, in a prefill, the current window's own keys, as in a paged engine
+that writes the cache and then attends from it.
+
+Protocol: each window of T tokens predicts tokens 1..T-1; perplexity = exp(mean NLL over all
+predictions); KL = mean over the same positions of KL(reference || candidate) in nats, where the
+reference is the unquantized source model (BRIEF §5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvconvert.quant.capture import CacheHook, cache_hook, check_finite, load_model, run_with_hook
+from kvconvert.quant.fake_quant import fake_quant
+from kvconvert.quant.layout import KVLayout
+from kvconvert.quant.scales import KVScales
+
+
+def fake_quant_hook(layout: KVLayout, scales: KVScales) -> CacheHook:
+    """Cache hook that quantize-dequantizes every cached tensor with `scales`."""
+    def row_hook(layer_idx: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+        check_finite(layer_idx, kind, x)
+        return fake_quant(x, scales.kv_dtype, scales.scale(layer_idx, kind))
+    return cache_hook(layout, row_hook)
+
+
+def identity_hook(layer_idx, key, value):
+    return key, value
+
+
+@dataclass
+class EvalResult:
+    """ppl: perplexity; kl: mean token KL(reference || this) in nats; tokens: predictions counted."""
+
+    ppl: float
+    kl: float
+    tokens: int
+
+    def to_json(self) -> dict:
+        return {"ppl": self.ppl, "kl": self.kl, "tokens": self.tokens}
+
+
+class _Accumulator:
+    def __init__(self):
+        self.nll = 0.0
+        self.kl = 0.0
+        self.tokens = 0
+
+    def add(self, logprobs: torch.Tensor, targets: torch.Tensor, ref_logprobs: torch.Tensor | None) -> None:
+        """logprobs [b, T-1, V] predicting targets [b, T-1]."""
+        self.nll -= float(logprobs.gather(-1, targets[..., None]).sum())
+        if ref_logprobs is not None:
+            kl = (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum(-1)
+            self.kl += float(kl.sum())
+        self.tokens += targets.numel()
+
+    def result(self) -> EvalResult:
+        return EvalResult(math.exp(self.nll / self.tokens), self.kl / self.tokens, self.tokens)
+
+
+@torch.no_grad()
+def evaluate_kv_quant(reference_model, candidates: dict[str, tuple], windows: torch.Tensor,
+                      batch_size: int = 1, progress=None) -> dict[str, EvalResult]:
+    """Perplexity and KL of several fake-quantized candidates against one reference, window by window.
+
+    candidates: name -> (model, hook) where hook is a CacheHook (e.g. :func:`fake_quant_hook`); the
+    model may differ from the reference (rotated weights). windows: [N, T] token ids.
+    Returns name -> EvalResult, plus "reference" (its own perplexity, KL 0).
+    """
+    acc = {"reference": _Accumulator(), **{name: _Accumulator() for name in candidates}}
+    for start in range(0, windows.shape[0], batch_size):
+        ids = windows[start:start + batch_size]
+        targets = ids[:, 1:]
+        ref = torch.log_softmax(reference_model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
+        acc["reference"].add(ref, targets, None)
+        for name, (model, hook) in candidates.items():
+            holder = {}
+            run_with_hook(model, ids, hook, batch_size=ids.shape[0],
+                          on_logits=lambda _, logits: holder.__setitem__("logits", logits))
+            logprobs = torch.log_softmax(holder.pop("logits")[:, :-1].float(), -1)
+            acc[name].add(logprobs, targets, ref)
+        if progress is not None:
+            progress(min(start + batch_size, windows.shape[0]), windows.shape[0])
+    return {name: a.result() for name, a in acc.items()}
+
+
+def perplexity_with_fake_quant(model_dir: str | Path, kv_dtype: str, scales: KVScales | str | Path,
+                               windows: torch.Tensor, reference_dir: str | Path | None = None,
+                               batch_size: int = 1) -> tuple[float, float]:
+    """(perplexity, mean token KL vs the unquantized reference) with the KV cache fake-quantized.
+
+    model_dir: the model to run (e.g. a calibrated, possibly rotated, checkpoint); scales: a KVScales
+    or a folder written by ``kvconvert calibrate``; windows: [N, T] token ids (e.g.
+    kvconvert.data.eval_windows); reference_dir: the unquantized model for KL (default model_dir).
+    """
+    from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.scales import read_kv_scales
+
+    if not isinstance(scales, KVScales):
+        scales = read_kv_scales(scales)
+    if scales.kv_dtype != kv_dtype:
+        from kvconvert.errors import KVConvertError
+
+        raise KVConvertError(f"scales were calibrated for {scales.kv_dtype}, not {kv_dtype}; recalibrate")
+    reader = CheckpointReader(model_dir, verify=False)
+    layout = detect_kv_layout(reader.config, reader.keys())
+    model = load_model(model_dir)
+    reference = model if reference_dir is None else load_model(reference_dir)
+    results = evaluate_kv_quant(reference, {"quant": (model, fake_quant_hook(layout, scales))}, windows, batch_size)
+    return results["quant"].ppl, results["quant"].kl

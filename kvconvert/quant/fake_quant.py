@@ -1,0 +1,87 @@
+"""Quantize-dequantize ("fake quant") of what the engine caches, bit-exact with kvconvert.quant.formats.
+
+Scale convention (BRIEF §3): the exported ``k_scale`` / ``v_scale`` is ``amax / 448`` for FP8 E4M3
+and NVFP4 (``amax / 57344`` for FP8 E5M2). FP8 stores ``fp8(x / scale)``; NVFP4 uses the global
+dequant scale ``scale / 6`` and E4M3 block scales over blocks of 16 along the last dim.
+
+Tensor layout here is transformers' cache layout ``[batch, heads, tokens, dim]``; a per-head scale
+is ``[heads]`` and is broadcast as ``[heads, 1, 1]``.
+
+MLA rows: the engine caches ``[latent | k_rope]`` per token (one "head"). With
+``rope_interleave=True`` transformers hands the cache k_rope de-interleaved (``[x0, x2, .., x1, x3, ..]``)
+while the engine (vLLM's non-neox rotary) stores the weights' interleaved order ``[x0, x1, x2, ..]``.
+NVFP4 blocks of 16 group different values in the two orders, so rows are quantized in the engine's
+order: :func:`mla_row_to_engine` / :func:`mla_row_from_engine`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvconvert.errors import KVConvertError
+from kvconvert.quant import formats as F
+
+KV_DTYPES = ("fp8", "fp8_e5m2", "nvfp4")
+_FP8_TORCH = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise KVConvertError(f"unknown kv-dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+    return kv_dtype
+
+
+def scale_from_amax(amax: torch.Tensor | float, kv_dtype: str):
+    """Exported scale for a KV amax: amax/448 for fp8 (E4M3) and nvfp4, amax/57344 for fp8_e5m2."""
+    check_kv_dtype(kv_dtype)
+    if kv_dtype == "fp8_e5m2":
+        return F.fp8_amax_scale(amax, torch.float8_e5m2)
+    return F.kv_scale_from_amax(amax)
+
+
+def amax_from_scale(scale: torch.Tensor | float, kv_dtype: str):
+    """Inverse of :func:`scale_from_amax`: the largest |x| the scale represents without clipping."""
+    check_kv_dtype(kv_dtype)
+    return scale * (F.FP8_E5M2_MAX if kv_dtype == "fp8_e5m2" else F.FP8_E4M3_MAX)
+
+
+def _head_broadcast(scale: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
+    """Scale [] or [heads] -> tensor broadcastable to x [batch, heads, tokens, dim]."""
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    if s.dim() == 0:
+        return s
+    if s.dim() != 1 or s.numel() != x.shape[1]:
+        raise KVConvertError(f"per-head scale of shape {tuple(s.shape)} does not match {x.shape[1]} heads")
+    return s.view(-1, 1, 1)
+
+
+def fake_quant(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | float) -> torch.Tensor:
+    """Quantize-dequantize x [batch, heads, tokens, dim] as the engine stores it; same dtype out.
+
+    scale: exported scale (python float, 0-d tensor, or [heads] per head). FP8 rounds x/scale to the
+    format (RNE, saturating); NVFP4 quantizes blocks of 16 along dim with global scale scale/6.
+    """
+    check_kv_dtype(kv_dtype)
+    s = _head_broadcast(scale, x)
+    if kv_dtype in _FP8_TORCH:
+        q = F.fp8_quantize(x, s, _FP8_TORCH[kv_dtype])
+        return F.fp8_dequantize(q, s).to(x.dtype)
+    g = F.nvfp4_global_scale_from_kv_scale(s)
+    packed, block_scales = F.nvfp4_quantize(x, g)
+    return F.nvfp4_dequantize(packed, block_scales, g).to(x.dtype)
+
+
+def mla_row_to_engine(latent: torch.Tensor, k_rope: torch.Tensor, rope_interleave: bool) -> torch.Tensor:
+    """HF cache tensors latent [b,1,T,R], k_rope [b,1,T,r] -> engine row [b,1,T,R+r]."""
+    if rope_interleave:
+        half = k_rope.shape[-1] // 2
+        k_rope = torch.stack((k_rope[..., :half], k_rope[..., half:]), dim=-1).flatten(-2)
+    return torch.cat((latent, k_rope), dim=-1)
+
+
+def mla_row_from_engine(row: torch.Tensor, kv_lora_rank: int, rope_interleave: bool):
+    """Inverse of :func:`mla_row_to_engine`: row [b,1,T,R+r] -> (latent, k_rope) in HF order."""
+    latent, k_rope = row[..., :kv_lora_rank], row[..., kv_lora_rank:]
+    if rope_interleave:
+        k_rope = torch.cat((k_rope[..., 0::2], k_rope[..., 1::2]), dim=-1)
+    return latent, k_rope

@@ -1,0 +1,276 @@
+"""KV-cache number formats: FP8 (E4M3 / E5M2) and NVFP4, as bit-exact pure-PyTorch references.
+
+Conventions (BRIEF §3):
+
+* FP8, static scale: ``q = fp8(clamp(x / scale, -max, max))`` with round-to-nearest-even (torch's
+  float8 cast), ``x_hat = float(q) * scale``. ``scale = amax / 448`` for E4M3. ``scale`` is a python
+  float (per tensor) or a tensor broadcastable to ``x`` (e.g. per head: x ``[tokens, heads, D]`` with
+  scale ``[heads, 1]``).
+* NVFP4: blocks of 16 values along the last dim. Each block gets one E4M3 scale ``s_b``; the tensor
+  (or head) gets one fp32 *dequant* global scale ``g = amax / (6 * 448)``::
+
+      s_b  = e4m3(min(amax(|block|) / 6 / g, 448))          (RNE cast)
+      code = E2M1_rne(x / (float(s_b) * g))                (saturating at 6; 0 if s_b == 0)
+      x_hat = (E2M1_VALUES[code & 7] * float(s_b)) * g     (first product exact, one rounding)
+
+  Codes are 4 bits: bit 3 = sign (IEEE sign bit of x, so -0.0 and tiny negatives give 0x8),
+  bits 0-2 = index into E2M1_VALUES. Two codes per byte: element 2i in the LOW nibble, 2i+1 in the
+  HIGH nibble. Packed ``uint8 [..., D // 2]``, block scales ``float8_e4m3fn [..., D // 16]``.
+* Exported checkpoint scales (``k_scale`` / ``v_scale``) are ``amax / 448`` for both FP8 and NVFP4
+  (ModelOpt >= 0.42 / TensorRT-LLM); the NVFP4 global scale is that divided by 6.
+
+Every quantizer rejects NaN input with KVConvertError. Scales must be positive and finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+FP8_E4M3_MAX = 448.0
+FP8_E5M2_MAX = 57344.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+
+FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
+
+# RNE onto the E2M1 grid: code = number of decision thresholds |y| passes. At a midpoint the tie
+# goes to the even code, so the threshold is inclusive (>=) where the upper neighbour's code is
+# even and exclusive (>) where the lower one's is. Pairs: (midpoint, upper code is even).
+_E2M1_THRESHOLDS = (
+    (0.25, False),  # 0   | 0.5  -> tie to code 0
+    (0.75, True),  # 0.5 | 1    -> tie to code 2
+    (1.25, False),  # 1   | 1.5  -> tie to code 2
+    (1.75, True),  # 1.5 | 2    -> tie to code 4
+    (2.5, False),  # 2   | 3    -> tie to code 4
+    (3.5, True),  # 3   | 4    -> tie to code 6
+    (5.0, False),  # 4   | 6    -> tie to code 6
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _reject_nan(x: torch.Tensor, what: str) -> None:
+    if x.is_floating_point() and bool(torch.isnan(x).any()):
+        raise KVConvertError(f"{what} contains NaN: fix the producer of this tensor before quantizing")
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    if dtype not in FP8_MAX:
+        raise KVConvertError(f"unsupported FP8 dtype {dtype}: use torch.float8_e4m3fn or torch.float8_e5m2")
+    return FP8_MAX[dtype]
+
+
+def _as_scale(scale: float | torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
+    """A positive finite fp32 scale tensor (0-d for a python float)."""
+    s = torch.as_tensor(scale, dtype=torch.float32, device=device)
+    if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
+        raise KVConvertError(
+            f"{what} must be positive and finite (got min {float(s.min()):g}): "
+            "an all-zero or missing calibration gives a bad scale; recalibrate"
+        )
+    return s
+
+
+# ----------------------------------------------------------------------------------------------
+# scale conventions
+# ----------------------------------------------------------------------------------------------
+
+
+def fp8_amax_scale(amax: float | torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
+    """Dequant scale that maps ``amax`` onto the FP8 format's max: ``amax / max(dtype)``."""
+    return amax / _fp8_max(dtype)
+
+
+def kv_scale_from_amax(amax: float | torch.Tensor):
+    """Exported ``k_scale`` / ``v_scale`` for FP8 and NVFP4 KV caches: ``amax / 448`` (BRIEF §3)."""
+    return amax / FP8_E4M3_MAX
+
+
+def nvfp4_global_scale_from_kv_scale(kv_scale: float | torch.Tensor):
+    """NVFP4 dequant global scale from an exported kv scale: ``kv_scale / 6`` (= amax / (6*448))."""
+    return kv_scale / E2M1_MAX
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8
+# ----------------------------------------------------------------------------------------------
+
+
+def fp8_quantize(
+    x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+) -> torch.Tensor:
+    """``fp8(clamp(x / scale, -max, max))``, RNE. x any float ``[...]``; scale float or broadcastable."""
+    fmax = _fp8_max(dtype)
+    _reject_nan(x, "fp8_quantize input")
+    s = _as_scale(scale, x.device, "fp8 scale")
+    # Clamp before the cast: on CUDA an out-of-range float8_e4m3fn cast gives NaN, not max.
+    return (x.float() / s).clamp(-fmax, fmax).to(dtype)
+
+
+def fp8_dequantize(
+    q: torch.Tensor, scale: float | torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``float(q) * scale`` in fp32, then cast to ``out_dtype``. q float8 ``[...]``."""
+    s = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
+    return (q.float() * s).to(out_dtype)
+
+
+def fp8_tile_quantize(
+    x: torch.Tensor, tile: int = 128, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tile dynamic FP8 (FlashMLA-like): one fp32 scale ``amax(|tile|) / max`` per ``tile`` values.
+
+    x ``[..., D]`` with ``D % tile == 0`` -> (q ``dtype [..., D]``, scales ``float32 [..., D // tile]``).
+    An all-zero tile gets scale 0 and codes 0 (dequantizes to 0, no NaN).
+    """
+    fmax = _fp8_max(dtype)
+    _reject_nan(x, "fp8_tile_quantize input")
+    d = x.shape[-1]
+    if tile <= 0 or d % tile:
+        raise KVConvertError(f"last dim {d} is not a multiple of the FP8 tile {tile}: pick a tile that divides it")
+    tiles = x.float().reshape(*x.shape[:-1], d // tile, tile)
+    scales = tiles.abs().amax(-1) / fmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = (tiles / safe[..., None]).clamp(-fmax, fmax).to(dtype)
+    return q.reshape(x.shape), scales
+
+
+def fp8_tile_dequantize(
+    q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`fp8_tile_quantize`: q ``[..., D]``, scales ``[..., D // tile]`` -> ``[..., D]``."""
+    d, n_tiles = q.shape[-1], scales.shape[-1]
+    if n_tiles == 0 or d % n_tiles:
+        raise KVConvertError(f"fp8 tile scales {tuple(scales.shape)} do not tile a last dim of {d}")
+    tiles = q.float().reshape(*q.shape[:-1], n_tiles, d // n_tiles)
+    return (tiles * scales.float()[..., None]).reshape(q.shape).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# E2M1 codes and nibble packing
+# ----------------------------------------------------------------------------------------------
+
+
+def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
+    """RNE (ties to even code) of already-scaled values onto E2M1, saturating at +-6 -> uint8 codes.
+
+    y float ``[...]`` -> uint8 ``[...]`` in 0..15; bit 3 = sign bit of y, bits 0-2 = magnitude index.
+    """
+    _reject_nan(y, "e2m1_encode input")
+    mag = y.float().abs()
+    code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    for midpoint, tie_up in _E2M1_THRESHOLDS:
+        passed = (mag >= midpoint) if tie_up else (mag > midpoint)
+        code += passed.to(torch.uint8)
+    return code | (torch.signbit(y).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[...]`` (0..15) -> float32 E2M1 values ``[...]`` (code 8 decodes to -0.0)."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = lut[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[..., D]`` (D even) -> uint8 ``[..., D // 2]``; element 2i low nibble, 2i+1 high."""
+    if codes.shape[-1] % 2:
+        raise KVConvertError(f"cannot pack an odd last dim {codes.shape[-1]} into nibbles")
+    c = codes.to(torch.uint8)
+    return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., D // 2]`` -> uint8 codes ``[..., D]`` (inverse of :func:`pack_nibbles`)."""
+    if packed.dtype != torch.uint8:
+        raise KVConvertError(f"packed NVFP4 data must be uint8, got {packed.dtype}")
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4
+# ----------------------------------------------------------------------------------------------
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    if d % NVFP4_BLOCK:
+        raise KVConvertError(f"NVFP4 needs the last dim to be a multiple of {NVFP4_BLOCK}, got {d}")
+    return x.float().reshape(*x.shape[:-1], d // NVFP4_BLOCK, NVFP4_BLOCK)
+
+
+def nvfp4_block_scales(x: torch.Tensor, global_scale: float | torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales ``s_b = e4m3(min(amax(|block|) / 6 / g, 448))``: x ``[..., D]`` -> ``[..., D//16]``."""
+    _reject_nan(x, "nvfp4 input")
+    g = _as_scale(global_scale, x.device, "nvfp4 global scale")
+    amax = _blocks(x).abs().amax(-1)
+    return (amax / E2M1_MAX / g).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def nvfp4_quantize(
+    x: torch.Tensor, global_scale: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4: x ``[..., D]`` -> (packed ``uint8 [..., D//2]``, block scales ``float8_e4m3fn [..., D//16]``).
+
+    ``global_scale`` is the dequant global scale (amax / (6*448)): float, or a tensor broadcastable
+    against ``x[..., :1]`` (per tensor, or per head such as ``[heads, 1]`` for x ``[T, heads, D]``).
+    """
+    block_scales = nvfp4_block_scales(x, global_scale)
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    effective = block_scales.float() * g  # [..., D//16]
+    # A zero block scale (all-zero block, or one too small for e4m3) encodes the block as zeros.
+    safe = torch.where(effective > 0, effective, torch.ones_like(effective))
+    blocks = _blocks(x)
+    scaled = torch.where(effective[..., None] > 0, blocks / safe[..., None], torch.zeros_like(blocks))
+    codes = e2m1_encode(scaled).reshape(x.shape)
+    return pack_nibbles(codes), block_scales
+
+
+def nvfp4_dequantize(
+    packed: torch.Tensor,
+    block_scales: torch.Tensor,
+    global_scale: float | torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``(E2M1 value * float(s_b)) * g``: packed ``uint8 [..., D//2]`` + scales ``[..., D//16]`` -> ``[..., D]``."""
+    values = e2m1_decode(unpack_nibbles(packed))
+    d = values.shape[-1]
+    if block_scales.shape[-1] * NVFP4_BLOCK != d:
+        raise KVConvertError(
+            f"NVFP4 block scales last dim {block_scales.shape[-1]} does not match {d} values (need D/16)"
+        )
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device)
+    blocks = values.reshape(*values.shape[:-1], d // NVFP4_BLOCK, NVFP4_BLOCK)
+    # value * s_b is exact in fp32 (2 + 4 significant bits); the global scale adds one rounding.
+    out = (blocks * block_scales.float()[..., None]).reshape(values.shape) * g
+    return out.to(out_dtype)
+
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "FP8_E5M2_MAX",
+    "E2M1_VALUES",
+    "E2M1_MAX",
+    "NVFP4_BLOCK",
+    "fp8_amax_scale",
+    "kv_scale_from_amax",
+    "nvfp4_global_scale_from_kv_scale",
+    "fp8_quantize",
+    "fp8_dequantize",
+    "fp8_tile_quantize",
+    "fp8_tile_dequantize",
+    "e2m1_encode",
+    "e2m1_decode",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "nvfp4_block_scales",
+    "nvfp4_quantize",
+    "nvfp4_dequantize",
+]

@@ -1,0 +1,208 @@
+"""Weight rewrites that change what is cached but not what the model computes (free at serving time).
+
+All are exact in real arithmetic; tests check fp32 logits before/after.
+
+GQA / MHA (Llama naming; weights ``[out, in]``):
+* V rotation. For each KV head g an orthogonal R (head_dim x head_dim): the cache holds R v.
+  ``v_proj[g] <- R @ v_proj[g]`` (and its bias), and for every query head h reading g,
+  ``o_proj[:, h] <- o_proj[:, h] @ R^T``, so attention outputs R (sum p v) and o_proj undoes R.
+* Key pair scaling. RoPE rotates pair (i, i + head_dim/2) of every head by the same angle, so a
+  positive scale alpha_i shared by both members of a pair commutes with it: ``k_proj`` pair rows
+  times alpha_i, the matching ``q_proj`` rows of every query head in the group divided by alpha_i;
+  every score q.k is unchanged. Equalizing the pairs' magnitudes helps block formats (NVFP4), where
+  one large channel sets the block scale of 15 others. Mixing different pairs would not commute with
+  RoPE; only this (and 2x2 rotations within a pair) is allowed on post-RoPE keys.
+
+DeepSeek-V3 MLA:
+* Latent rotation. The cached latent is kv_a_layernorm(c) = w * c / rms(c) with c the first
+  kv_lora_rank outputs of ``kv_a_proj_with_mqa``. rms is rotation-invariant but the weight w is not
+  (w * Rc != R (w * c) unless w is uniform), so w is first folded into ``kv_b_proj`` columns
+  (``kv_b <- kv_b diag(w)``, ``w <- 1``); then ``kv_a[:rank] <- R kv_a[:rank]`` and
+  ``kv_b <- kv_b R^T``.
+* k_rope pair scaling: like the key pair scaling above, on the shared rope key (rows after the
+  latent in ``kv_a_proj_with_mqa``) and the rope rows of every query head (``q_proj`` or
+  ``q_b_proj``). Pairs are (2i, 2i+1) when ``rope_interleave`` is set, else (i, i + r/2).
+
+R is a normalized Hadamard matrix over blocks of ``block`` values (block-diagonal when block <
+dim), optionally with random signs (R = H diag(s), seeded): it spreads an outlier over the block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvconvert.errors import KVConvertError, UnsupportedModelError
+from kvconvert.quant.layout import KVLayout
+
+
+def hadamard(n: int, dtype=torch.float64) -> torch.Tensor:
+    """Normalized Sylvester Hadamard matrix [n, n] (n a power of two): orthogonal and symmetric."""
+    if n < 1 or n & (n - 1):
+        raise KVConvertError(f"Hadamard size must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(n)
+
+
+def block_hadamard(dim: int, block: int, seed: int | None = None) -> torch.Tensor:
+    """Orthogonal [dim, dim] float64: Hadamard blocks of size `block` on the diagonal, then random
+    column signs when `seed` is given (R = blockdiag(H) @ diag(s))."""
+    if block <= 0 or dim % block:
+        raise KVConvertError(f"rotation block {block} must divide the rotated dim {dim}")
+    r = torch.block_diag(*[hadamard(block)] * (dim // block))
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        signs = torch.randint(0, 2, (dim,), generator=g).double() * 2 - 1
+        r = r * signs[None, :]
+    return r
+
+
+def largest_pow2_divisor(n: int, cap: int | None = None) -> int:
+    b = n & -n
+    return min(b, cap) if cap else b
+
+
+def rope_pairs(dim: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (first, second) of the RoPE pairs in a head of `dim` rotary values."""
+    half = dim // 2
+    if interleave:
+        return torch.arange(0, dim, 2), torch.arange(1, dim, 2)
+    return torch.arange(half), torch.arange(half, dim)
+
+
+@dataclass
+class RotationPlan:
+    """What to rewrite in each layer's attention weights (see module docstring).
+
+    value_rotation: [dim, dim] orthogonal (float64) applied to V per KV head (gqa) or to the latent
+    (mla), or None. key_pair_scale[l]: float64 [kv_heads, dim/2] (gqa) or [rope/2] (mla), or None.
+    """
+
+    layout: KVLayout
+    value_rotation: torch.Tensor | None = None
+    key_pair_scale: list[torch.Tensor] | None = None
+    description: dict = field(default_factory=dict)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.value_rotation is None and self.key_pair_scale is None
+
+    def apply(self, layer: int, w: dict[str, torch.Tensor], num_q_heads: int) -> dict[str, torch.Tensor]:
+        """Rewrite one layer's attention tensors.
+
+        w: names relative to the attention module ("v_proj.weight", "kv_b_proj.weight", ...) ->
+        tensors; returns only the changed tensors, in their original dtypes (math in float64).
+        """
+        orig = {k: t.dtype for k, t in w.items()}
+        w64 = {k: t.double() for k, t in w.items()}
+        pair = None if self.key_pair_scale is None else self.key_pair_scale[layer].double()
+        if self.layout.is_mla:
+            changed = _apply_mla(self.layout, w64, self.value_rotation, pair, num_q_heads)
+        else:
+            changed = _apply_gqa(self.layout, w64, self.value_rotation, pair, num_q_heads)
+        return {k: v.to(orig[k]).contiguous() for k, v in changed.items()}
+
+
+def _require(w: dict, names: list[str]) -> None:
+    missing = [n for n in names if n not in w]
+    if missing:
+        raise UnsupportedModelError(f"cannot fold a rotation: attention tensors {missing} are missing")
+
+
+def _apply_gqa(layout: KVLayout, w, rot, pair, n_q: int) -> dict:
+    d, n_kv = layout.head_dim, layout.num_kv_heads
+    group = n_q // n_kv
+    out = {}
+    if rot is not None:
+        _require(w, ["v_proj.weight", "o_proj.weight"])
+        v = w["v_proj.weight"].view(n_kv, d, -1)
+        out["v_proj.weight"] = torch.einsum("ij,gjk->gik", rot, v).reshape(n_kv * d, -1)
+        if "v_proj.bias" in w:
+            out["v_proj.bias"] = (w["v_proj.bias"].view(n_kv, d) @ rot.T).reshape(-1)
+        o = w["o_proj.weight"].view(w["o_proj.weight"].shape[0], n_q, d)
+        out["o_proj.weight"] = torch.einsum("ohj,ij->ohi", o, rot).reshape(o.shape[0], n_q * d)
+    if pair is not None:
+        if "k_norm.weight" in w or "q_norm.weight" in w:
+            raise UnsupportedModelError("key pair scaling is not supported with q_norm/k_norm (Qwen3-style) attention")
+        _require(w, ["k_proj.weight", "q_proj.weight"])
+        first, second = rope_pairs(d, interleave=False)
+        per_dim = torch.empty(n_kv, d, dtype=torch.float64)
+        per_dim[:, first], per_dim[:, second] = pair, pair  # [kv_heads, d]
+        out["k_proj.weight"] = (w["k_proj.weight"].view(n_kv, d, -1) * per_dim[..., None]).reshape(n_kv * d, -1)
+        q_div = per_dim.repeat_interleave(group, dim=0)  # [n_q, d]
+        out["q_proj.weight"] = (w["q_proj.weight"].view(n_q, d, -1) / q_div[..., None]).reshape(n_q * d, -1)
+        if "k_proj.bias" in w:
+            out["k_proj.bias"] = (w["k_proj.bias"].view(n_kv, d) * per_dim).reshape(-1)
+        if "q_proj.bias" in w:
+            out["q_proj.bias"] = (w["q_proj.bias"].view(n_q, d) / q_div).reshape(-1)
+    return out
+
+
+def _apply_mla(layout: KVLayout, w, rot, pair, n_q: int) -> dict:
+    rank, rope = layout.kv_lora_rank, layout.qk_rope_head_dim
+    _require(w, ["kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "kv_a_layernorm.weight"])
+    out = {}
+    kv_a = w["kv_a_proj_with_mqa.weight"].clone()
+    kv_a_bias = w.get("kv_a_proj_with_mqa.bias")
+    kv_a_bias = None if kv_a_bias is None else kv_a_bias.clone()
+    if rot is not None:
+        norm_w = w["kv_a_layernorm.weight"]
+        kv_b = w["kv_b_proj.weight"] * norm_w[None, :]  # fold the norm weight: kv_b diag(w)
+        out["kv_a_layernorm.weight"] = torch.ones_like(norm_w)
+        out["kv_b_proj.weight"] = kv_b @ rot.T
+        kv_a[:rank] = rot @ kv_a[:rank]
+        if kv_a_bias is not None:
+            kv_a_bias[:rank] = rot @ kv_a_bias[:rank]
+    if pair is not None:
+        first, second = rope_pairs(rope, layout.rope_interleave)
+        per_dim = torch.empty(rope, dtype=torch.float64)
+        per_dim[first], per_dim[second] = pair, pair
+        kv_a[rank:] = kv_a[rank:] * per_dim[:, None]
+        if kv_a_bias is not None:
+            kv_a_bias[rank:] = kv_a_bias[rank:] * per_dim
+        q_name = "q_proj.weight" if "q_proj.weight" in w else "q_b_proj.weight"
+        _require(w, [q_name])
+        q = w[q_name].view(n_q, -1, w[q_name].shape[-1]).clone()  # [heads, nope + rope, in]
+        q[:, -rope:] = q[:, -rope:] / per_dim[None, :, None]
+        out[q_name] = q.reshape(-1, q.shape[-1])
+    out["kv_a_proj_with_mqa.weight"] = kv_a
+    if kv_a_bias is not None:
+        out["kv_a_proj_with_mqa.bias"] = kv_a_bias
+    return out
+
+
+def pair_equalizing_scale(pair_amax: torch.Tensor, strength: float, max_ratio: float = 16.0) -> torch.Tensor:
+    """alpha per RoPE pair pulling every pair's amax toward the geometric mean of its head.
+
+    pair_amax: [..., pairs] (> 0 where alive). alpha = (gm / amax)^strength, clamped to
+    [1/max_ratio, max_ratio]; strength 0 = identity, 1 = full equalization. Dead pairs get 1.
+    """
+    a = pair_amax.double()
+    alive = a > 0
+    log_a = torch.where(alive, a.clamp_min(1e-30).log(), torch.zeros_like(a))
+    gm = (log_a.sum(-1, keepdim=True) / alive.sum(-1, keepdim=True).clamp_min(1)).exp()
+    alpha = (gm / a.clamp_min(1e-30)).pow(strength).clamp(1.0 / max_ratio, max_ratio)
+    return torch.where(alive, alpha, torch.ones_like(alpha))
+
+
+def pair_amax_from_channels(amax_channel: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """[..., dim] per-channel amax -> [..., dim/2] per-pair amax (max of the pair's two channels)."""
+    first, second = rope_pairs(amax_channel.shape[-1], interleave)
+    return torch.maximum(amax_channel[..., first], amax_channel[..., second])
+
+
+@torch.no_grad()
+def apply_plan_to_model(model, plan: RotationPlan) -> None:
+    """Rewrite the in-memory model's attention weights with `plan` (same math as the export)."""
+    from kvconvert.quant.capture import decoder_layers
+
+    n_q = plan.layout.num_q_heads
+    for i, layer in enumerate(decoder_layers(model)):
+        attn = layer.self_attn
+        state = {k: v for k, v in attn.state_dict().items()}
+        for name, tensor in plan.apply(i, state, n_q).items():
+            attn.get_parameter(name).copy_(tensor)

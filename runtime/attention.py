@@ -1,0 +1,191 @@
+"""Paged attention backends, chosen by name: "torch" (reference) and "triton" (kvconvert.kernels).
+
+A step's tokens are flat: [T, ...]. The model runner orders them decode-first: the first
+``num_decode`` sequences contribute exactly one token each (tokens [0, num_decode)), then each
+prefill sequence contributes a chunk of its prompt. Attention always reads K/V back from the
+paged cache after this step's K/V were written, so what the model attends to is exactly what
+the cache stores (quantized caches included), in prefill and in decode alike.
+
+Context length ``ctx`` of a sequence = tokens in its cache after this step's write; its queries
+sit at positions ctx - q_len .. ctx - 1 and attend causally to positions 0 .. their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvconvert.errors import KVConvertError
+from kvconvert.runtime.kv_cache import FP8Store, KVStore, NVFP4Store
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's multi-token chunk: tokens [query_start, query_start + query_len) of the step."""
+
+    query_start: int
+    query_len: int
+    context_len: int
+    block_table: torch.Tensor  # [n_blocks] long
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
+    num_decode: int  # decode sequences = decode tokens, first in the step
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] long (padded with block 0)
+    decode_context_lens: torch.Tensor  # [num_decode] long
+    prefills: list[PrefillChunk]
+
+
+def causal_mask(query_len: int, context_len: int) -> torch.Tensor:
+    """[query_len, context_len] bool: query i (position ctx - q_len + i) sees keys 0..its position."""
+    q_pos = torch.arange(context_len - query_len, context_len)
+    return torch.arange(context_len)[None, :] <= q_pos[:, None]
+
+
+def _length_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] bool: key j of sequence b is valid if j < context_lens[b]."""
+    return torch.arange(width)[None, :] < context_lens[:, None]
+
+
+class TorchAttention:
+    """Vectorized PyTorch reference: gather the sequence's blocks, dequantize, attend (SDPA)."""
+
+    name = "torch"
+
+    # ---------------------------------------------------------------- cache writes
+    def write(self, store: KVStore, x: torch.Tensor, meta: AttentionMetadata) -> None:
+        """x [T, *row_shape] -> store at meta.slot_mapping."""
+        store.write(meta.slot_mapping, x)
+
+    def read_rows(self, store: KVStore, chunk: PrefillChunk, dtype: torch.dtype) -> torch.Tensor:
+        """The chunk's sequence context, dequantized: [context_len, *row_shape]."""
+        return store.gather(chunk.block_table[None], dtype)[0, : chunk.context_len]
+
+    # ---------------------------------------------------------------- MHA / GQA
+    def gqa(self, q: torch.Tensor, k_store: KVStore, v_store: KVStore, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+        """q [T, H, D] -> out [T, H, D]; K/V [.., kv_heads, D] with H % kv_heads == 0
+        (query head h reads KV head h // (H / kv_heads), as transformers' repeat_kv)."""
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = self.gqa_decode(q[:nd], k_store, v_store, meta, scale)
+        for c in meta.prefills:
+            k = self.read_rows(k_store, c, q.dtype)  # [S, KVH, D]
+            v = self.read_rows(v_store, c, q.dtype)
+            qs = q[c.query_start: c.query_start + c.query_len]  # [L, H, D]
+            o = _sdpa(qs.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                      c.query_len, c.context_len, scale)
+            out[c.query_start: c.query_start + c.query_len] = o[0].transpose(0, 1)
+        return out
+
+    def gqa_decode(self, q, k_store, v_store, meta, scale):
+        """q [B, H, D], one token per sequence -> [B, H, D]."""
+        b, h, d = q.shape
+        k = k_store.gather(meta.decode_block_tables, q.dtype)  # [B, S, KVH, D]
+        v = v_store.gather(meta.decode_block_tables, q.dtype)
+        kvh = k.shape[2]
+        mask = _length_mask(meta.decode_context_lens, k.shape[1])[:, None, None, :]  # [B, 1, 1, S]
+        # the G = H / KVH query heads of a KV head act as G queries against that head
+        qg = q.view(b, kvh, h // kvh, d)
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+        return o.reshape(b, h, -1)
+
+    # ---------------------------------------------------------------- MLA
+    def mla_decode(self, q: torch.Tensor, store: KVStore, meta: AttentionMetadata, scale: float,
+                   latent_dim: int) -> torch.Tensor:
+        """Absorbed MLA decode, MQA over cached rows [latent | k_rope].
+
+        q [B, H, latent_dim + rope] (q_nope @ W_UK, then q_rope) -> out [B, H, latent_dim]
+        (softmax(q . row * scale) @ latent; the caller applies W_UV).
+        """
+        rows = store.gather(meta.decode_block_tables, q.dtype)[:, None]  # [B, 1, S, R]
+        mask = _length_mask(meta.decode_context_lens, rows.shape[2])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q[:, None], rows, rows[..., :latent_dim], attn_mask=mask, scale=scale)
+        return o[:, 0]
+
+
+def _sdpa(q, k, v, query_len, context_len, scale):
+    """q [1, H, L, D], k/v [1, KVH, S, D*] with causal offset; GQA by head groups."""
+    gqa = k.shape[1] != q.shape[1]
+    if query_len == context_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    mask = causal_mask(query_len, context_len)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+class TritonAttention(TorchAttention):
+    """Cache writes (kv_append) and decode (paged_gqa_decode / paged_mla_decode) through the Triton
+    kernels of kvconvert.kernels.attention; multi-token prefill chunks (compute-bound) stay on the
+    PyTorch path. The runtime's stores already have the kernels' cache layout
+    (kvconvert.kernels.cache_layout), so the kernels read them in place. On a CPU the kernels need
+    TRITON_INTERPRET=1 (slow; for tests)."""
+
+    name = "triton"
+
+    def __init__(self, kv_dtype: str):
+        if kv_dtype == "fp8_e5m2":
+            raise KVConvertError("the Triton kernels read fp8 e4m3 caches only; use kv_dtype fp8 or --backend torch")
+        try:
+            from kvconvert.kernels import attention as kernels
+            from kvconvert.kernels import cache_layout
+        except ImportError as exc:
+            raise KVConvertError(
+                f"attention backend 'triton' needs kvconvert.kernels.attention ({exc}); use --backend torch"
+            ) from None
+        missing = [f for f in ("paged_gqa_decode", "paged_mla_decode", "kv_append") if not hasattr(kernels, f)]
+        if missing:
+            raise KVConvertError(f"kvconvert.kernels.attention lacks {', '.join(missing)}; use --backend torch")
+        from kvconvert.kernels._triton_compat import require_triton
+
+        require_triton()
+        self.kernels, self.layouts = kernels, cache_layout
+
+    def write(self, store: KVStore, x: torch.Tensor, meta: AttentionMetadata) -> None:
+        for dst, rows in store.encode(x):  # quantize in PyTorch, scatter bytes with the kernel
+            self.kernels.kv_append(dst, rows.contiguous(), meta.slot_mapping, backend="triton")
+
+    def gqa_decode(self, q, k_store, v_store, meta, scale):
+        layer = self._gqa_layer(k_store, v_store, q.shape[-1])
+        out, _ = self.kernels.paged_gqa_decode(
+            q.contiguous(), layer, meta.decode_block_tables.int(), meta.decode_context_lens.int(), scale,
+            backend="triton")
+        return out
+
+    def mla_decode(self, q, store, meta, scale, latent_dim):
+        layer = self._mla_layer(store, latent_dim)
+        out, _ = self.kernels.paged_mla_decode(
+            q[..., :latent_dim].contiguous(), q[..., latent_dim:].contiguous(), layer,
+            meta.decode_block_tables.int(), meta.decode_context_lens.int(), scale, backend="triton")
+        return out
+
+    def _gqa_layer(self, k: KVStore, v: KVStore, head_dim: int):
+        GQA = self.layouts.GQACacheLayer
+        if isinstance(k, NVFP4Store):
+            return GQA("nvfp4", head_dim, k.packed, v.packed, k.global_scale.reshape(-1), v.global_scale.reshape(-1),
+                       k.block_scales, v.block_scales)
+        if isinstance(k, FP8Store):
+            return GQA("fp8", head_dim, k.data, v.data, k.kv_scale.reshape(-1), v.kv_scale.reshape(-1))
+        return GQA("none", head_dim, k.data, v.data)
+
+    def _mla_layer(self, store: KVStore, latent_dim: int):
+        MLA = self.layouts.MLACacheLayer
+        rope_dim = store.row_shape[-1] - latent_dim
+        if isinstance(store, NVFP4Store):
+            return MLA("nvfp4", latent_dim, rope_dim, store.packed, rope=store.rope, scales=store.block_scales,
+                       tensor_scale=store.global_scale.reshape(1))
+        if isinstance(store, FP8Store):
+            return MLA("fp8", latent_dim, rope_dim, store.data, tensor_scale=store.kv_scale.reshape(1))
+        return MLA("none", latent_dim, rope_dim, store.data)
+
+
+def make_attention(name: str, kv_dtype: str = "bf16"):
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        return TritonAttention(kv_dtype)
+    raise KVConvertError(f"attention backend {name!r} is unknown; choose torch or triton")

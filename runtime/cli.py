@@ -1,0 +1,106 @@
+"""`kvconvert generate`: run a prompt through the bundled paged runtime, streaming tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+import click
+
+from kvconvert.errors import KVConvertError
+from kvconvert.runtime.config import ATTENTION_BACKENDS, KV_DTYPES, KV_SCALE_SOURCES
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | None) -> int | None:
+    """'512M', '2G', '1048576' -> bytes (binary units)."""
+    if text is None:
+        return None
+    m = _SIZE.match(text)
+    if not m:
+        raise KVConvertError(f"--kv-memory {text!r} is not a size; write e.g. 512M or 2G")
+    power = " KMGT".index(m.group(2).upper() or " ")  # '' -> 0, K -> 1, M -> 2, ...
+    return int(float(m.group(1)) * 1024**power)
+
+
+@click.command("generate")
+@click.option("--model", "model", required=True, help="HF model folder (or built-in name, e.g. smollm2-135m).")
+@click.option("--prompt", required=True, help="Prompt text (no chat template is applied).")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--greedy", is_flag=True, help="Argmax decoding (ignores temperature/top-p).")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible tokens).")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="bf16", show_default=True)
+@click.option("--kv-scales", type=click.Choice(KV_SCALE_SOURCES), default="checkpoint", show_default=True,
+              help="fp8/nvfp4 scales: from the checkpoint, or from the first prefill's amax (dynamic).")
+@click.option("--backend", type=click.Choice(ATTENTION_BACKENDS), default="torch", show_default=True)
+@click.option("--kv-memory", default=None, help="KV pool size, e.g. 512M (default: up to 1G).")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, timing) instead.")
+def generate_cmd(model, prompt, max_new_tokens, greedy, temperature, top_p, seed, kv_dtype, kv_scales, backend,
+                 kv_memory, block_size, as_json):
+    """Generate text with the bundled paged-KV runtime (Llama and DeepSeek-V3 MLA checkpoints)."""
+    from kvconvert.runtime import LLM, SamplingParams
+    from kvconvert.sources import resolve_source
+
+    params = SamplingParams(max_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p, seed=seed)
+    t0 = time.perf_counter()
+    llm = LLM(resolve_source(model), kv_dtype=kv_dtype, kv_scales=kv_scales, attention_backend=backend,
+              kv_memory=parse_size(kv_memory), block_size=block_size, max_num_seqs=1)
+    tokenizer = llm.tokenizer
+    load_s = time.perf_counter() - t0
+    if not prompt:
+        raise KVConvertError("empty prompt: give --prompt some text")
+    output = _run(llm, prompt, params, tokenizer, stream=not as_json)
+    if output.error:
+        raise KVConvertError(output.error)
+    if as_json:
+        click.echo(json.dumps(_summary(llm, output, tokenizer, load_s)))
+
+
+def _run(llm, prompt, params, tokenizer, stream: bool):
+    """Run the request; when streaming, print text as tokens arrive. Returns the Output."""
+    gen = llm.stream(prompt, params)
+    tokens, printed = [], ""
+    while True:
+        try:
+            token = next(gen)
+        except StopIteration as stop:
+            output = stop.value
+            break
+        tokens.append(token)
+        if stream:
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if text.startswith(printed):  # print only what is new (multi-byte characters arrive whole)
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    if stream and output.error is None:
+        sys.stdout.write("\n")
+    return output
+
+
+def _summary(llm, output, tokenizer, load_s: float) -> dict:
+    ttft = output.time_to_first_token_s
+    total = output.latency_s
+    n = len(output.token_ids)
+    decode_s = (total - ttft) if (total is not None and ttft is not None) else None
+    return {
+        "text": tokenizer.decode(output.token_ids, skip_special_tokens=True),
+        "token_ids": output.token_ids,
+        "finish_reason": output.finish_reason,
+        "prompt_tokens": len(output.prompt_token_ids),
+        "kv_dtype": llm.config.kv_dtype,
+        "kv_bytes_per_token": llm.kv_bytes_per_token,
+        "backend": llm.config.attention_backend,
+        "timing": {
+            "load_s": round(load_s, 4),
+            "time_to_first_token_s": None if ttft is None else round(ttft, 4),
+            "total_s": None if total is None else round(total, 4),
+            "decode_tokens_per_s": round((n - 1) / decode_s, 3) if decode_s and n > 1 else None,
+        },
+    }

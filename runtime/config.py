@@ -1,0 +1,113 @@
+"""Typed, self-validating configuration of the runtime engine and of sampling.
+
+Every value is checked in ``__post_init__`` so a bad setting fails at construction time with a
+one-line KVConvertError, never deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvconvert.errors import KVConvertError
+
+# kv_dtype name -> storage kind. 16/32-bit caches store the values as-is; fp8 stores one byte per
+# value plus a per-tensor (or per-head) scale; nvfp4 stores half a byte per value plus one e4m3
+# scale per 16 values plus a global scale.
+KV_DTYPES = ("bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+QUANTIZED_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+KV_SCALE_SOURCES = ("checkpoint", "dynamic")
+ATTENTION_BACKENDS = ("torch", "triton")
+
+# When neither num_blocks nor kv_memory is given the pool gets this many bytes (capped at what
+# max_num_seqs full-length requests could ever use).
+DEFAULT_KV_MEMORY = 1 << 30
+
+
+def _positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise KVConvertError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine lays out and schedules the paged KV cache.
+
+    block_size: tokens per KV block. num_blocks / kv_memory: pool size as a block count or in
+    bytes (at most one of them; neither = DEFAULT_KV_MEMORY capped at the useful maximum).
+    max_num_seqs: most sequences in one step. max_num_batched_tokens: token budget of one step
+    (long prompts are prefilled in chunks of at most this many tokens). max_model_len: longest
+    sequence (prompt + generated); None = the checkpoint's max_position_embeddings.
+    kv_dtype: cache storage format (see KV_DTYPES). kv_scales: where fp8/nvfp4 scales come from:
+    "checkpoint" (k_scale / v_scale tensors, required) or "dynamic" (amax of the first prefill).
+    attention_backend: "torch" (reference, CPU) or "triton" (kvconvert.kernels).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_dtype: str = "bf16"
+    kv_scales: str = "checkpoint"
+    attention_backend: str = "torch"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        _positive_int("block_size", self.block_size)
+        _positive_int("num_blocks", self.num_blocks, allow_none=True)
+        _positive_int("kv_memory", self.kv_memory, allow_none=True)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        if self.num_blocks is not None and self.kv_memory is not None:
+            raise KVConvertError("give num_blocks or kv_memory, not both")
+        if self.kv_dtype not in KV_DTYPES:
+            raise KVConvertError(f"kv_dtype {self.kv_dtype!r} is not supported; choose one of {', '.join(KV_DTYPES)}")
+        if self.kv_scales not in KV_SCALE_SOURCES:
+            raise KVConvertError(f"kv_scales {self.kv_scales!r} is not supported; choose checkpoint or dynamic")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise KVConvertError(
+                f"attention backend {self.attention_backend!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype in QUANTIZED_KV_DTYPES
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop.
+
+    greedy (or temperature == 0): argmax. Otherwise softmax(logits / temperature) restricted to the
+    smallest set of tokens whose probability reaches top_p. seed: a private generator per request,
+    so the same seed gives the same tokens whatever else is in the batch.
+    max_tokens: new tokens to generate (0 is allowed: prefill only). stop_token_ids: extra stop
+    tokens besides the model's EOS; ignore_eos: keep going past EOS.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise KVConvertError(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0):  # also rejects NaN
+            raise KVConvertError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise KVConvertError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise KVConvertError(f"seed must be a non-negative integer, got {self.seed!r}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0.0

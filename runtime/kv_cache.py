@@ -1,0 +1,295 @@
+"""The paged KV cache's storage: per layer, one tensor per cached quantity, in blocks.
+
+Layouts (row = what one token caches in one layer):
+  * Llama (MHA/GQA): "k" and "v", each [num_blocks, block_size, kv_heads, head_dim], post-RoPE k.
+  * DeepSeek-V3 MLA: "kv", [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: the latent
+    after kv_a_layernorm, then k_rope after RoPE (one shared head).
+Storage formats (kv_dtype):
+  * bf16 / fp16 / fp32: the values, cast.
+  * fp8 / fp8_e4m3 / fp8_e5m2: x / scale cast to fp8 (RNE, saturating), one byte per value; scale
+    per tensor or per KV head (shape [kv_heads, 1]); read back as float(q) * scale.
+  * nvfp4: per row, packed E2M1 codes uint8 [..., D/2] + e4m3 scale per 16 values [..., D/16] +
+    global scale kv_scale / 6 (per tensor or per head). For MLA only the latent is NVFP4; the
+    k_rope tail stays bf16 ([num_blocks, block_size, rope]) like FlashMLA's layout, since it is a
+    small part of the row and carries the position signal. This is the layout of
+    kvconvert.kernels.cache_layout, so the Triton kernels read the runtime's cache as is.
+Scales come from the checkpoint, where the exported value is kv_scale = amax / 448 for both FP8
+and NVFP4 (kvconvert.quant.formats), under either name:
+  vLLM / compressed-tensors: model.layers.N.self_attn.k_scale, .v_scale
+  ModelOpt / TensorRT-LLM:   model.layers.N.self_attn.k_proj.k_scale, .v_proj.v_scale
+An MLA checkpoint has one scale for the whole cached row: self_attn.k_scale (v_scale equal).
+Quantization uses kvconvert.quant.formats (bit-exact references) on write and on read.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from kvconvert.errors import KVConvertError
+from kvconvert.quant.formats import (
+    fp8_dequantize, fp8_quantize, kv_scale_from_amax, nvfp4_dequantize, nvfp4_global_scale_from_kv_scale,
+    nvfp4_quantize,
+)
+
+FLOAT_KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FP8_KV = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+# checkpoint tensor names of the scale of each cached quantity, in order of preference
+SCALE_NAMES = {
+    "k": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.k_proj.k_scale"),
+    "v": ("model.layers.{i}.self_attn.v_scale", "model.layers.{i}.self_attn.v_proj.v_scale"),
+    "kv": ("model.layers.{i}.self_attn.k_scale",),
+}
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What one token caches for one quantity of one layer.
+
+    row_shape: e.g. (kv_heads, head_dim) for Llama k/v, (kv_lora_rank + rope,) for MLA.
+    rope_tail: the last rope_tail values of the row are a RoPE key kept in bf16 by nvfp4 (MLA).
+    """
+
+    row_shape: tuple[int, ...]
+    rope_tail: int = 0
+
+
+class KVStore:
+    """One cached quantity of one layer: logical shape [num_blocks, block_size, *row_shape].
+
+    encode(x) turns new rows into (storage tensor, encoded rows) pairs; write scatters them to
+    slots; gather reads blocks back, dequantized.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, spec: CacheSpec):
+        self.num_blocks, self.block_size, self.spec = num_blocks, block_size, spec
+        self.row_shape = spec.row_shape
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The storage tensors, each [num_blocks, block_size, ...]."""
+        raise NotImplementedError
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(t[0, 0].numel() * t.element_size() for t in self.tensors())
+
+    def encode(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """x [T, *row_shape] -> [(storage tensor, rows [T, ...] in its dtype)]."""
+        raise NotImplementedError
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Store x [T, *row_shape] at flat slots [T] (slot = block * block_size + offset)."""
+        for dst, rows in self.encode(x):
+            dst.view(self.num_blocks * self.block_size, *dst.shape[2:])[slots] = rows
+
+    def gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """block_tables [B, n] -> dequantized [B, n * block_size, *row_shape] in dtype."""
+        raise NotImplementedError
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+        for t in self.tensors():
+            t[d] = t[s]
+
+    def _gather(self, t: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        b, n = block_tables.shape
+        return t[block_tables].view(b, n * self.block_size, *t.shape[2:])
+
+
+class FloatStore(KVStore):
+    def __init__(self, num_blocks, block_size, spec, dtype: torch.dtype):
+        super().__init__(num_blocks, block_size, spec)
+        self.data = torch.zeros(num_blocks, block_size, *spec.row_shape, dtype=dtype)
+
+    def tensors(self):
+        return [self.data]
+
+    def encode(self, x):
+        return [(self.data, x.to(self.data.dtype))]
+
+    def gather(self, block_tables, dtype):
+        return self._gather(self.data, block_tables).to(dtype)
+
+
+class ScaledStore(KVStore):
+    """A quantized store with a kv_scale (amax / 448): from the checkpoint, or, when dynamic,
+    from the amax of the first tensor written (per tensor)."""
+
+    def __init__(self, num_blocks, block_size, spec, kv_scale: torch.Tensor | None, dynamic: bool):
+        super().__init__(num_blocks, block_size, spec)
+        self.kv_scale = kv_scale
+        self.dynamic = dynamic
+
+    def _ensure_scale(self, x: torch.Tensor) -> None:
+        if self.kv_scale is not None:
+            return
+        if not self.dynamic:
+            raise KVConvertError("quantized KV cache has no scale (internal: scales are checked at load)")
+        amax = float(x.detach().abs().amax())
+        if not math.isfinite(amax):
+            raise KVConvertError("non-finite K/V values in the first prefill: cannot derive a dynamic KV scale")
+        # an all-zero tensor leaves any positive scale exact; use 1.0
+        self.kv_scale = torch.tensor(kv_scale_from_amax(amax) if amax > 0 else 1.0, dtype=torch.float32)
+
+
+class FP8Store(ScaledStore):
+    def __init__(self, num_blocks, block_size, spec, fp8_dtype, kv_scale, dynamic):
+        super().__init__(num_blocks, block_size, spec, kv_scale, dynamic)
+        self.data = torch.zeros(num_blocks, block_size, *spec.row_shape, dtype=fp8_dtype)
+
+    def tensors(self):
+        return [self.data]
+
+    def encode(self, x):
+        self._ensure_scale(x)
+        return [(self.data, fp8_quantize(x, self.kv_scale, self.data.dtype))]
+
+    def gather(self, block_tables, dtype):
+        return fp8_dequantize(self._gather(self.data, block_tables), self.kv_scale, dtype)
+
+
+class NVFP4Store(ScaledStore):
+    """NVFP4 over the row (minus a bf16 RoPE tail, if the spec has one)."""
+
+    def __init__(self, num_blocks, block_size, spec, kv_scale, dynamic):
+        super().__init__(num_blocks, block_size, spec, kv_scale, dynamic)
+        *lead, width = spec.row_shape
+        d = width - spec.rope_tail
+        if d % 16:
+            raise KVConvertError(
+                f"nvfp4 KV cache needs {'kv_lora_rank' if spec.rope_tail else 'head_dim'} divisible by 16, "
+                f"got {d}; use fp8 instead"
+            )
+        self.quantized_width = d
+        self.packed = torch.zeros(num_blocks, block_size, *lead, d // 2, dtype=torch.uint8)
+        self.block_scales = torch.zeros(num_blocks, block_size, *lead, d // 16, dtype=torch.float8_e4m3fn)
+        self.rope = torch.zeros(num_blocks, block_size, spec.rope_tail, dtype=torch.bfloat16) if spec.rope_tail else None
+
+    def tensors(self):
+        return [self.packed, self.block_scales] + ([self.rope] if self.rope is not None else [])
+
+    @property
+    def global_scale(self) -> torch.Tensor:
+        return nvfp4_global_scale_from_kv_scale(self.kv_scale)
+
+    def encode(self, x):
+        self._ensure_scale(x)
+        d = self.quantized_width
+        packed, scales = nvfp4_quantize(x[..., :d], self.global_scale)
+        pairs = [(self.packed, packed), (self.block_scales, scales)]
+        if self.rope is not None:
+            pairs.append((self.rope, x[..., d:].to(self.rope.dtype)))
+        return pairs
+
+    def gather(self, block_tables, dtype):
+        packed = self._gather(self.packed, block_tables)
+        scales = self._gather(self.block_scales, block_tables)
+        values = nvfp4_dequantize(packed, scales, self.global_scale, dtype)
+        if self.rope is None:
+            return values
+        return torch.cat([values, self._gather(self.rope, block_tables).to(dtype)], dim=-1)
+
+
+def make_store(kv_dtype: str, num_blocks: int, block_size: int, spec: CacheSpec, kv_scale=None,
+               dynamic: bool = False) -> KVStore:
+    if kv_dtype in FLOAT_KV:
+        return FloatStore(num_blocks, block_size, spec, FLOAT_KV[kv_dtype])
+    if kv_dtype in FP8_KV:
+        return FP8Store(num_blocks, block_size, spec, FP8_KV[kv_dtype], kv_scale, dynamic)
+    if kv_dtype == "nvfp4":
+        return NVFP4Store(num_blocks, block_size, spec, kv_scale, dynamic)
+    raise KVConvertError(f"kv_dtype {kv_dtype!r} is not supported")
+
+
+def bytes_per_token(layout: list[dict[str, CacheSpec]], kv_dtype: str) -> int:
+    """Exact cache bytes one token takes over all layers (constant per-tensor scales excluded)."""
+    total = 0
+    for layer in layout:
+        for spec in layer.values():
+            n = math.prod(spec.row_shape)
+            if kv_dtype in FLOAT_KV:
+                total += n * FLOAT_KV[kv_dtype].itemsize
+            elif kv_dtype in FP8_KV:
+                total += n
+            else:
+                q = n - spec.rope_tail
+                total += q // 2 + q // 16 + 2 * spec.rope_tail
+    return total
+
+
+class PagedKVCache:
+    """All layers' stores. layers[i][name] is a KVStore; names come from the model's kv layout."""
+
+    def __init__(self, layout: list[dict[str, CacheSpec]], num_blocks: int, block_size: int,
+                 kv_dtype: str, scales: list[dict[str, torch.Tensor]] | None = None, dynamic: bool = False):
+        self.num_blocks, self.block_size, self.kv_dtype = num_blocks, block_size, kv_dtype
+        scales = scales or [{} for _ in layout]
+        self.layers = [
+            {name: make_store(kv_dtype, num_blocks, block_size, spec, scales[i].get(name), dynamic)
+             for name, spec in layer.items()}
+            for i, layer in enumerate(layout)
+        ]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(store.bytes_per_token for layer in self.layers for store in layer.values())
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src, dst = [s for s, _ in copies], [d for _, d in copies]
+        for layer in self.layers:
+            for store in layer.values():
+                store.copy_blocks(src, dst)
+
+
+# ------------------------------------------------------------------------------ scales
+def read_kv_scales(reader, layout: list[dict[str, CacheSpec]], kv_dtype: str, source: str
+                   ) -> tuple[list[dict[str, torch.Tensor]], bool]:
+    """Per-layer kv scales for a quantized cache: ([{name: scale}], dynamic).
+
+    A scale is a 0-d fp32 tensor (per tensor) or [kv_heads, 1] (per head). With source
+    "checkpoint" every layer must have them (KVConvertError otherwise); with "dynamic" they are
+    computed from the first prefill and a warning says so.
+    """
+    if kv_dtype in FLOAT_KV:
+        return [{} for _ in layout], False
+    if source == "dynamic":
+        warnings.warn(
+            f"kv_scales='dynamic': {kv_dtype} KV scales are computed from the amax of the first prefill "
+            "(amax/448 per tensor); later, larger values are clipped. Calibrated checkpoint scales are "
+            "the reliable source (kvconvert calibrate).",
+            stacklevel=3,
+        )
+        return [{} for _ in layout], True
+    scales = []
+    for i, layer in enumerate(layout):
+        scales.append({name: _read_scale(reader, i, name, spec.row_shape, kv_dtype) for name, spec in layer.items()})
+    return scales, False
+
+
+def _read_scale(reader, layer: int, name: str, row_shape: tuple[int, ...], kv_dtype: str) -> torch.Tensor:
+    candidates = [c.format(i=layer) for c in SCALE_NAMES[name]]
+    found = next((c for c in candidates if c in reader), None)
+    if found is None:
+        raise KVConvertError(
+            f"kv_dtype {kv_dtype} needs KV scales but {reader.path} has no {candidates[0]}"
+            + (f" or {candidates[1]}" if len(candidates) > 1 else "")
+            + ": calibrate them (kvconvert calibrate) or pass kv_scales='dynamic' (--kv-scales dynamic)"
+        )
+    scale = reader.get(found).float()
+    if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+        raise KVConvertError(f"{reader.path}: {found} has a zero, negative or non-finite value; recalibrate the KV scales")
+    if scale.numel() == 1:
+        return scale.reshape(())
+    heads = row_shape[0] if len(row_shape) == 2 else None
+    if heads is not None and scale.numel() == heads:
+        return scale.reshape(heads, 1)
+    raise KVConvertError(
+        f"{reader.path}: {found} has shape {tuple(scale.shape)}; expected one value"
+        + (f" or one per KV head ({heads})" if heads else " (MLA caches one row: per-tensor scale only)")
+    )

@@ -1,0 +1,242 @@
+"""The user-facing engine: `LLM(model_path).generate(prompts, SamplingParams(...))`.
+
+    from kvconvert.runtime import LLM, SamplingParams
+    llm = LLM("path/to/hf-folder", kv_dtype="fp8", attention_backend="torch")
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, greedy=True))
+    logits = llm.score(token_ids)          # [T, vocab] fp32, through the paged path
+
+Requests run with continuous batching over a paged KV cache; a request that cannot run (empty,
+too long for the context, too big for the block pool) comes back with `error` set and
+finish_reason "error" while the others complete.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvconvert.checkpoint import CheckpointReader
+from kvconvert.errors import KVConvertError
+from kvconvert.runtime.attention import make_attention
+from kvconvert.runtime.block_manager import BlockManager
+from kvconvert.runtime.config import DEFAULT_KV_MEMORY, EngineConfig, SamplingParams
+from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token, read_kv_scales
+from kvconvert.runtime.model_runner import ModelRunner
+from kvconvert.runtime.models import load_model, model_type
+from kvconvert.runtime.scheduler import Scheduler
+from kvconvert.runtime.sequence import Sequence
+
+
+@dataclass
+class Output:
+    """One finished request. token_ids: generated tokens only (prompt excluded)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    time_to_first_token_s: float | None = None
+    latency_s: float | None = None
+
+
+class LLM:
+    def __init__(self, model_path, kv_dtype: str = "bf16", block_size: int = 16, num_blocks: int | None = None,
+                 kv_memory: int | None = None, attention_backend: str = "torch", dtype: torch.dtype = torch.float32,
+                 kv_scales: str = "checkpoint", max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True):
+        self.config = EngineConfig(
+            block_size=block_size, num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, kv_dtype=kv_dtype,
+            kv_scales=kv_scales, attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
+        )
+        self.model_path = Path(model_path)
+        reader = CheckpointReader(model_path)
+        model_type(reader.config)  # unsupported architecture: fail before reading any weight
+        self.attention = make_attention(attention_backend, kv_dtype)
+        self.max_model_len = self._max_model_len(reader.config)
+        self.model = load_model(reader, dtype=dtype, max_positions=self.max_model_len)
+        layout = self.model.kv_layout()
+        scales, dynamic = read_kv_scales(reader, layout, kv_dtype, kv_scales)
+        self.kv_bytes_per_token = bytes_per_token(layout, kv_dtype)
+        self.num_blocks = self._num_blocks()
+        self.cache = PagedKVCache(layout, self.num_blocks, block_size, kv_dtype, scales, dynamic)
+        self.block_manager = BlockManager(self.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len, self.model.vocab_size,
+                                   eos_token_ids(self.model_path, reader.config))
+        self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.attention)
+        self._tokenizer = None
+        self._next_id = 0
+        self._finished: dict[int, Sequence] = {}
+        reader.close()
+
+    # ---------------------------------------------------------------- setup helpers
+    def _max_model_len(self, config: dict) -> int:
+        limit = config.get("max_position_embeddings")
+        wanted = self.config.max_model_len
+        if limit is None and wanted is None:
+            raise KVConvertError("config.json has no max_position_embeddings; pass max_model_len")
+        if wanted is not None and limit is not None and wanted > limit:
+            raise KVConvertError(
+                f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}; lower it"
+            )
+        return wanted or limit
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        block_bytes = self.kv_bytes_per_token * cfg.block_size
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        if cfg.kv_memory is not None:
+            n = cfg.kv_memory // block_bytes
+            if n == 0:
+                raise KVConvertError(
+                    f"kv_memory {cfg.kv_memory} bytes holds no block of {cfg.block_size} tokens "
+                    f"({block_bytes} bytes); give more KV memory"
+                )
+            return n
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return max(1, min(DEFAULT_KV_MEMORY // block_bytes, useful))
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+            except Exception as exc:  # transformers raises several error types for a missing tokenizer
+                raise KVConvertError(
+                    f"{self.model_path}: cannot load a tokenizer ({type(exc).__name__}); "
+                    "pass token ids instead of text, or copy the tokenizer files into the model folder"
+                ) from None
+        return self._tokenizer
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    want_prompt_logits: bool = False) -> int:
+        """Queue one request (it joins the next step); returns its request id."""
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and prompt else prompt
+        if isinstance(token_ids, str):  # the empty string
+            token_ids = []
+        seq = Sequence(self._next_id, list(token_ids), params, want_prompt_logits=want_prompt_logits)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def step(self) -> list[Sequence]:
+        """Run one engine step; returns the sequences that finished in it (errors included)."""
+        out = self.scheduler.schedule()
+        finished = list(out.rejected)
+        if out.scheduled:
+            next_tokens = self.runner.run(out)
+            finished += self.scheduler.update(out, next_tokens)
+        elif not out.rejected and self.scheduler.has_work():
+            raise RuntimeError("scheduler made no progress (bug: a request that fits alone was not scheduled)")
+        for seq in finished:
+            self._finished[seq.seq_id] = seq
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- high-level API
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
+        """prompts: a string, a list of strings, or a list of token-id lists -> one Output each, in order."""
+        prompts = _as_prompt_list(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise KVConvertError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        pending = set(ids)
+        while pending:
+            self.step()
+            pending -= self._finished.keys()
+        return [self._output(self._finished.pop(i)) for i in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None):
+        """Yield generated token ids as they are produced; finally return the Output (StopIteration.value)."""
+        rid = self.add_request(prompt, params)
+        seq, sent = None, 0
+        while rid not in self._finished:
+            self.step()
+            seq = self._finished.get(rid) or next((s for s in self.scheduler.running if s.seq_id == rid), None)
+            if seq is not None:
+                new = seq.output_token_ids[sent:]
+                sent += len(new)
+                yield from new
+        return self._output(self._finished.pop(rid))
+
+    def score(self, token_ids) -> torch.Tensor:
+        """fp32 logits [T, vocab] of every position of token_ids, computed through the paged cache
+        (chunked prefill, same KV storage as generation). Raises KVConvertError if it cannot run."""
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.reshape(-1).tolist()
+        rid = self.add_request(list(token_ids), SamplingParams(max_tokens=0), want_prompt_logits=True)
+        while rid not in self._finished:
+            self.step()
+        seq = self._finished.pop(rid)
+        if seq.error:
+            raise KVConvertError(seq.error)
+        return torch.cat(seq.prompt_logits)
+
+    def _output(self, seq: Sequence) -> Output:
+        text = None
+        if seq.error is None and self._tokenizer_available():
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return Output(
+            request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
+            text=text, finish_reason=seq.finish_reason, error=seq.error, num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+            time_to_first_token_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            latency_s=None if seq.finish_time is None else seq.finish_time - seq.arrival_time,
+        )
+
+    def _tokenizer_available(self) -> bool:
+        if self._tokenizer is not None:
+            return True
+        has_files = any((self.model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        if not has_files:
+            return False
+        try:
+            self.tokenizer
+        except KVConvertError:
+            return False
+        return True
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, torch.Tensor)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single token-id prompt
+    return [p.tolist() if isinstance(p, torch.Tensor) else p for p in prompts]
+
+
+def eos_token_ids(model_path: Path, config: dict) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (int or list in either)."""
+    found = []
+    sources = [config]
+    gen = model_path / "generation_config.json"
+    if gen.is_file():
+        try:
+            sources.append(json.loads(gen.read_text()))
+        except (OSError, json.JSONDecodeError):
+            pass
+    for src in sources:
+        eos = src.get("eos_token_id")
+        if isinstance(eos, int):
+            found.append(eos)
+        elif isinstance(eos, list):
+            found.extend(int(e) for e in eos)
+    return tuple(dict.fromkeys(found))

@@ -1,0 +1,153 @@
+"""Turns a scheduled step into tensors, runs the model over the paged cache, and samples.
+
+A step is flat: the scheduled sequences' new tokens are concatenated, decode sequences (one token)
+first, then prefill chunks. For each token: its id, its position, and its cache slot
+``block_table[pos // block_size] * block_size + pos % block_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvconvert.runtime.attention import AttentionMetadata, PrefillChunk
+from kvconvert.runtime.block_manager import BlockManager
+from kvconvert.runtime.kv_cache import PagedKVCache
+from kvconvert.runtime.scheduler import ScheduledSeq, SchedulerOutput
+from kvconvert.runtime.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager, attention):
+        self.model = model
+        self.cache = cache
+        self.block_manager = block_manager
+        self.attention = attention
+        self.block_size = block_manager.block_size
+        self.default_generator = torch.Generator().manual_seed(torch.initial_seed() % (2**63))
+
+    # ---------------------------------------------------------------- inputs
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        pos = torch.arange(start, end)
+        return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
+
+    def prepare(self, items: list[ScheduledSeq]):
+        """-> input_ids [T], positions [T], AttentionMetadata. items: decode items first."""
+        bs = self.block_size
+        decode = [it for it in items if it.num_new_tokens == 1]
+        ids, positions, slots, prefills = [], [], [], []
+        for it in decode:
+            table, pos = self.block_manager.block_table(it.seq.seq_id), it.start
+            ids.append(it.seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        pos_t = torch.tensor(positions, dtype=torch.long)
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        chunks_ids, chunks_pos, chunks_slots = [input_ids], [pos_t], [slot_t]
+        offset = len(decode)
+        for it in items[len(decode):]:
+            table = self.block_manager.block_table(it.seq.seq_id)
+            chunks_ids.append(torch.tensor(it.seq.token_ids[it.start: it.end], dtype=torch.long))
+            chunks_pos.append(torch.arange(it.start, it.end))
+            chunks_slots.append(self._slots(table, it.start, it.end))
+            n_blocks = self.block_manager.blocks_for(it.end)
+            prefills.append(PrefillChunk(offset, it.num_new_tokens, it.end, torch.tensor(table[:n_blocks], dtype=torch.long)))
+            offset += it.num_new_tokens
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(chunks_slots),
+            num_decode=len(decode),
+            decode_block_tables=self._padded_tables([it.seq.seq_id for it in decode], [it.end for it in decode]),
+            decode_context_lens=torch.tensor([it.end for it in decode], dtype=torch.long),
+            prefills=prefills,
+        )
+        return torch.cat(chunks_ids), torch.cat(chunks_pos), meta
+
+    def _padded_tables(self, seq_ids: list[int], context_lens: list[int]) -> torch.Tensor:
+        """[B, max_blocks] block tables, padded with block 0 (masked out by context length)."""
+        if not seq_ids:
+            return torch.zeros(0, 1, dtype=torch.long)
+        needed = [self.block_manager.blocks_for(n) for n in context_lens]
+        width = max(needed)
+        rows = [self.block_manager.block_table(s)[:n] + [0] * (width - n) for s, n in zip(seq_ids, needed)]
+        return torch.tensor(rows, dtype=torch.long)
+
+    # ---------------------------------------------------------------- step
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> dict[int, int]:
+        """Execute one scheduled step; returns {seq_id: next token} for sequences that sample."""
+        self.cache.copy_blocks(out.block_copies)
+        items = sorted(out.scheduled, key=lambda it: it.num_new_tokens != 1)  # decode first (stable)
+        input_ids, positions, meta = self.prepare(items)
+        hidden = self.model.forward(input_ids, positions, self.cache, meta, self.attention)
+        rows, sampled, scored = self._logit_rows(items)
+        if not rows:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long)])
+        for it, lo, hi in scored:
+            self._keep_prompt_logits(it, logits[lo:hi])
+        picks = [row for _, row in sampled]
+        tokens = sample(logits[picks], [it.seq for it, _ in sampled], self.default_generator)
+        return {it.seq.seq_id: tok for (it, _), tok in zip(sampled, tokens)}
+
+    def _logit_rows(self, items):
+        """Rows of hidden to project: last row of each sampling sequence, every row of scored ones.
+
+        Returns (hidden rows, [(item, index into logits)], [(item, lo, hi) logits slices]).
+        """
+        rows, sampled, scored, offset = [], [], [], 0
+        for it in items:
+            if it.seq.want_prompt_logits:
+                scored.append((it, len(rows), len(rows) + it.num_new_tokens))
+                rows.extend(range(offset, offset + it.num_new_tokens))
+            if it.needs_sample:
+                if not it.seq.want_prompt_logits:
+                    rows.append(offset + it.num_new_tokens - 1)
+                sampled.append((it, len(rows) - 1))
+            offset += it.num_new_tokens
+        return rows, sampled, scored
+
+    @staticmethod
+    def _keep_prompt_logits(it: ScheduledSeq, logits: torch.Tensor) -> None:
+        """Append logits of prompt positions not kept yet (a preempted sequence recomputes some)."""
+        seq = it.seq
+        lo = seq.num_prompt_logits - it.start
+        hi = min(it.end, seq.num_prompt_tokens) - it.start
+        if hi > lo:
+            seq.prompt_logits.append(logits[lo:hi].clone())
+            seq.num_prompt_logits += hi - lo
+
+
+# ------------------------------------------------------------------------------ sampling
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> list[int]:
+    """logits [N, vocab] fp32 -> one token per sequence, by its SamplingParams.
+
+    greedy: argmax. Otherwise softmax(logits / temperature), restricted to the top-p nucleus (the
+    most likely tokens until their total probability reaches top_p, at least one), renormalized,
+    and drawn with the sequence's own generator (seeded requests) or the engine's.
+    """
+    if not seqs:
+        return []
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens = []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.is_greedy:
+            tokens.append(greedy[i])
+            continue
+        probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            probs = top_p_filter(probs, p.top_p)
+        gen = seq.generator if seq.generator is not None else default_generator
+        tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return tokens
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [vocab] -> renormalized probs over the smallest prefix (by descending probability)
+    whose mass reaches top_p."""
+    sorted_probs, order = probs.sort(descending=True)
+    mass_before = sorted_probs.cumsum(0) - sorted_probs
+    sorted_probs[mass_before >= top_p] = 0.0
+    kept = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return kept / kept.sum()

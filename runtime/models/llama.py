@@ -1,0 +1,100 @@
+"""Llama-family decoder (MHA / GQA) over the paged KV cache.
+
+Per layer: h = x + o_proj(attn(rope(q), rope(k), v)); out = h + mlp(rmsnorm(h)). The cache holds
+post-RoPE k and v per KV head: "k", "v" rows [kv_heads, head_dim]. Matches transformers'
+LlamaForCausalLM (same norms, casts and RoPE), including attention/MLP biases when present and
+tied embeddings when lm_head.weight is absent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvconvert.errors import UnsupportedModelError
+from kvconvert.runtime.attention import AttentionMetadata
+from kvconvert.runtime.kv_cache import CacheSpec
+from kvconvert.runtime.layers import GatedMLP, Rotary, linear, rms_norm, rope_parameters
+
+
+class LlamaLayer:
+    def __init__(self, w: dict[str, torch.Tensor], cfg: "LlamaForCausalLM"):
+        self.input_norm = w["input_layernorm.weight"]
+        self.post_norm = w["post_attention_layernorm.weight"]
+        q, k, v = (w[f"self_attn.{p}_proj.weight"] for p in "qkv")
+        self.qkv = torch.cat([q, k, v], 0)  # one matmul for q, k, v
+        biases = [w.get(f"self_attn.{p}_proj.bias") for p in "qkv"]
+        self.qkv_bias = torch.cat(biases, 0) if biases[0] is not None else None
+        self.o = w["self_attn.o_proj.weight"]
+        self.o_bias = w.get("self_attn.o_proj.bias")
+        mlp_biases = tuple(w.get(f"mlp.{p}_proj.bias") for p in ("gate", "up", "down"))
+        self.mlp = GatedMLP(w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"],
+                            cfg.hidden_act, mlp_biases if mlp_biases[0] is not None else None)
+
+
+class LlamaForCausalLM:
+    """Weights as plain tensors; forward(input_ids [T], positions [T], ...) -> hidden [T, hidden]."""
+
+    architecture = "llama"
+
+    def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
+        c = reader.config
+        self.config = c
+        self.hidden_size = c["hidden_size"]
+        self.num_heads = c["num_attention_heads"]
+        self.num_kv_heads = c.get("num_key_value_heads") or self.num_heads
+        self.head_dim = c.get("head_dim") or self.hidden_size // self.num_heads
+        self.num_layers = c["num_hidden_layers"]
+        self.vocab_size = c["vocab_size"]
+        self.eps = c.get("rms_norm_eps", 1e-6)
+        self.hidden_act = c.get("hidden_act", "silu")
+        self.max_position_embeddings = c.get("max_position_embeddings", 2048)
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
+        self.scale = self.head_dim ** -0.5
+        self.dtype = dtype
+        params = rope_parameters(c)
+        self.rotary = Rotary(self.head_dim, params, self.max_position_embeddings,
+                             max_positions or self.max_position_embeddings, interleaved=False, dtype=dtype)
+        self._load(reader, dtype)
+
+    def _load(self, reader, dtype):
+        get = lambda name: reader.get(name, dtype)  # noqa: E731
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        self.lm_head = get("lm_head.weight") if "lm_head.weight" in reader else self.embed
+        self.layers = []
+        for i in range(self.num_layers):
+            prefix = f"model.layers.{i}."
+            w = {k[len(prefix):]: v for k, v in reader.tensors(prefix, dtype).items()}
+            self.layers.append(LlamaLayer(w, self))
+
+    # ---------------------------------------------------------------- cache layout
+    def kv_layout(self) -> list[dict[str, CacheSpec]]:
+        row = CacheSpec((self.num_kv_heads, self.head_dim))
+        return [{"k": row, "v": row} for _ in range(self.num_layers)]
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta: AttentionMetadata,
+                attn) -> torch.Tensor:
+        x = self.embed[input_ids]
+        for layer, stores in zip(self.layers, cache.layers):
+            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), positions, stores, meta, attn)
+            x = x + layer.mlp(rms_norm(x, layer.post_norm, self.eps))
+        return rms_norm(x, self.norm, self.eps)
+
+    def _attention(self, layer: LlamaLayer, x, positions, stores, meta, attn):
+        t = x.shape[0]
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([hq * d, hk * d, hk * d], dim=-1)
+        q = self.rotary(q.view(t, hq, d), positions)
+        k = self.rotary(k.view(t, hk, d), positions)
+        attn.write(stores["k"], k, meta)
+        attn.write(stores["v"], v.view(t, hk, d), meta)
+        out = attn.gqa(q, stores["k"], stores["v"], meta, self.scale)
+        return linear(out.reshape(t, hq * d), layer.o, layer.o_bias)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (already normed) -> fp32 logits [N, vocab]."""
+        return linear(hidden, self.lm_head).float()

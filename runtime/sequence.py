@@ -1,0 +1,75 @@
+"""One request's state as it moves through the engine: waiting -> running -> finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvconvert.runtime.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt and the tokens generated for it.
+
+    token_ids = prompt + generated tokens. num_computed_tokens = how many leading tokens have their
+    KV in the paged cache (prefix-cache hits count). The last token is computed one step after it
+    is sampled, so a decoding sequence has exactly one token left to compute.
+    want_prompt_logits: keep the logits of every prompt position (LLM.score); such a request does
+    not take prefix-cache hits, since a hit skips the positions whose logits it needs.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    want_prompt_logits: bool = False
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    error: str | None = None
+    num_cached_tokens: int = 0  # prefix-cache hit on first admission
+    num_preemptions: int = 0
+    prompt_logits: list = field(default_factory=list)  # chunks of [n, vocab] fp32, in order
+    num_prompt_logits: int = 0  # positions whose logits are in prompt_logits
+    generator: object = None  # torch.Generator for seeded sampling
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self):
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.perf_counter()

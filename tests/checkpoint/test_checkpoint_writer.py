@@ -1,0 +1,215 @@
+"""CheckpointWriter: atomic commit, overwrite rules, sharding + index, manifest hashes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, verify_manifest
+from kvconvert.errors import CheckpointError, OutputExistsError
+
+
+def _tensors(n: int = 6, shape=(64, 32)) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"model.layers.{i}.w": torch.randn(*shape, generator=g) for i in range(n)}
+
+
+def _write(out, tensors, **kwargs):
+    with CheckpointWriter(out, **kwargs) as w:
+        for name, t in tensors.items():
+            w.add(name, t)
+        w.write_config({"model_type": "test"})
+    return out
+
+
+def test_exception_inside_with_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="boom"):
+        with CheckpointWriter(out, max_shard_bytes=1) as w:  # flushes a shard on every add
+            w.add("a", torch.ones(8))
+            w.add("b", torch.ones(8))
+            w.write_config({})
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []  # neither the output nor a temp folder
+
+
+def test_missing_config_fails_the_commit_and_cleans_up(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        with CheckpointWriter(tmp_path / "out") as w:
+            w.add("a", torch.ones(8))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_tensor_refused(tmp_path, dtype, bad):
+    t = torch.ones(1000, dtype=dtype)
+    t[517] = bad
+    with pytest.raises(CheckpointError, match="NaN or inf"):
+        with CheckpointWriter(tmp_path / "out") as w:
+            w.add("bad", t)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fp8_nan_refused(tmp_path):
+    t = torch.ones(64).to(torch.float8_e4m3fn)
+    t[3] = float("nan")
+    with pytest.raises(CheckpointError):
+        with CheckpointWriter(tmp_path / "out") as w:
+            w.add("bad", t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_huge_finite_values_accepted(tmp_path, dtype):
+    """The finiteness check must not overflow on tensors full of the largest finite values."""
+    t = torch.full((100_000,), torch.finfo(dtype).max, dtype=dtype)
+    with CheckpointWriter(tmp_path / "out") as w:
+        w.add("big", t)
+        w.write_config({})
+    assert torch.equal(CheckpointReader(tmp_path / "out").get("big"), t)
+
+
+def test_existing_output_refused_and_untouched(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        CheckpointWriter(out)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_overwrite_replaces_the_whole_folder(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.safetensors").write_text("old")
+    tensors = _tensors(2)
+    _write(out, tensors, overwrite=True)
+    assert not (out / "stale.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no backup or temp left behind
+    reader = CheckpointReader(out)
+    assert all(torch.equal(reader.get(k), v) for k, v in tensors.items())
+
+
+def test_failed_overwrite_keeps_the_old_output(tmp_path):
+    out = _write(tmp_path / "out", _tensors(1))
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError):
+        with CheckpointWriter(out, overwrite=True) as w:
+            w.add("x", torch.ones(2))
+            raise ValueError("interrupted")
+    assert (out / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_sharding_index_and_manifest(tmp_path):
+    tensors = _tensors(6)  # 6 x 8 KiB
+    out = _write(tmp_path / "out", tensors, max_shard_bytes=16_000, source="unit-test")
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    assert set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == 6 * 64 * 32 * 4
+    reader = CheckpointReader(out)
+    assert sorted(reader.keys()) == sorted(tensors)
+    for name, t in tensors.items():
+        got = reader.get(name)
+        assert got.dtype == torch.float32 and torch.equal(got, t)
+    assert reader.tensors("model.layers.3.").keys() == {"model.layers.3.w"}
+    assert reader.num_parameters() == 6 * 64 * 32
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"] == "unit-test" and manifest["producer"].startswith("kvconvert")
+    assert set(manifest["files"]) == {*shards, "config.json", "model.safetensors.index.json"}
+    assert verify_manifest(out) == []
+    shard = out / shards[1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # flip one byte of tensor data
+    shard.write_bytes(bytes(data))
+    assert verify_manifest(out) == [shards[1]]
+
+
+def test_single_shard_is_model_safetensors(tmp_path):
+    out = _write(tmp_path / "out", _tensors(2))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]
+
+
+def test_written_files_are_readable_by_others(tmp_path):
+    old = os.umask(0o022)
+    try:
+        out = _write(tmp_path / "out", _tensors(2), max_shard_bytes=1)
+    finally:
+        os.umask(old)
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o644)}
+
+
+def test_same_tensor_under_two_names(tmp_path):
+    """Tied embeddings written as an explicit lm_head: safetensors refuses shared memory."""
+    embed = torch.randn(10, 4)
+    with CheckpointWriter(tmp_path / "out") as w:
+        w.add("model.embed_tokens.weight", embed)
+        w.add("lm_head.weight", embed)
+        w.add("first_rows", embed[:3])
+        w.write_config({})
+    reader = CheckpointReader(tmp_path / "out")
+    assert torch.equal(reader.get("lm_head.weight"), embed)
+    assert torch.equal(reader.get("first_rows"), embed[:3])
+
+
+def test_duplicate_name_rejected(tmp_path):
+    with pytest.raises(ValueError, match="twice"):
+        with CheckpointWriter(tmp_path / "out") as w:
+            w.add("a", torch.ones(2))
+            w.add("a", torch.ones(2))
+
+
+def test_dtypes_round_trip(tmp_path):
+    tensors = {"bf16": torch.randn(4, 16).to(torch.bfloat16), "fp8": torch.randn(4, 16).to(torch.float8_e4m3fn),
+               "u8": torch.randint(0, 255, (4, 8), dtype=torch.uint8), "scale": torch.tensor(0.5)}
+    out = _write(tmp_path / "out", tensors)
+    reader = CheckpointReader(out)
+    for name, t in tensors.items():
+        got = reader.get(name)
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)) if t.dtype == torch.float8_e4m3fn \
+            else torch.equal(got, t)
+    assert reader.get("bf16", dtype=torch.float32).dtype == torch.float32
+
+
+def test_tokenizer_files_and_json_are_copied(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer.json").write_text("{}")
+    (src / "tokenizer_config.json").write_text("{}")
+    (src / "unrelated.txt").write_text("no")
+    with CheckpointWriter(tmp_path / "out") as w:
+        w.add("a", torch.ones(2))
+        w.write_config({})
+        assert sorted(w.copy_tokenizer(src)) == ["tokenizer.json", "tokenizer_config.json"]
+        w.write_json("hf_quant_config.json", {"producer": {"name": "kvconvert"}})
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "hf_quant_config.json"} <= names
+    assert "unrelated.txt" not in names
+
+
+def test_transformers_loads_a_sharded_output(tmp_path):
+    """The index/shard layout is the one transformers reads: same logits after a round trip."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    out = tmp_path / "out"
+    with CheckpointWriter(out, max_shard_bytes=50_000) as w:
+        for name, t in model.state_dict().items():
+            w.add(name, t)
+        w.write_config(config.to_dict())
+    assert len(list(out.glob("model-*.safetensors"))) > 2
+    loaded = LlamaForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)

@@ -1,0 +1,45 @@
+"""Shared builders for the kernel tests: random paging, cache filling, comparisons.
+
+The tests run on CPU in Triton's interpreter. On a GPU machine they also run compiled:
+``TRITON_INTERPRET=0 KVCONVERT_TEST_DEVICE=cuda python -m pytest tests/kernels`` (the decode tests
+then keep fp32 dot operands, so the same tolerances apply).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed: the kernel tests run in its interpreter")
+
+DEVICE = torch.device(os.environ.get("KVCONVERT_TEST_DEVICE", "cpu"))
+
+
+def make_paging(seq_lens: list[int], block_size: int, extra_blocks: int = 3, seed: int = 0):
+    """Random non-overlapping block tables for ``seq_lens`` plus the slot of every token.
+
+    Returns (block_tables int32 [B, max_blocks], seq_lens int32 [B], slots int64 [T] in
+    sequence-major logical order, num_blocks). Unused table entries point at block 0.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(1, max(need))
+    num_blocks = sum(need) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slots, used = [], 0
+    for b, (n, k) in enumerate(zip(seq_lens, need)):
+        tables[b, :k] = perm[used : used + k].int()
+        used += k
+        slots += [int(tables[b, t // block_size]) * block_size + t % block_size for t in range(n)]
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return tables.to(DEVICE), lens.to(DEVICE), torch.tensor(slots, dtype=torch.int64).to(DEVICE), num_blocks
+
+
+def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
+    """LSEs equal within tolerance; -inf (empty sequence) must match exactly."""
+    empty = torch.isinf(ref)
+    assert torch.equal(torch.isinf(lse), empty)
+    torch.testing.assert_close(lse[~empty], ref[~empty], atol=atol, rtol=rtol)

@@ -1,0 +1,145 @@
+"""Paged MLA decode: Triton kernel (interpreter) vs the float64 PyTorch reference, per cache mode.
+
+Tolerances: fp32 dot operands (the CPU default) accumulate in fp32 against a float64 reference on
+the same dequantized cache: atol = rtol = 1e-4 on the output and the LSE. fp16 dot operands round
+q, the latent and the probabilities to 11 bits: atol = rtol = 5e-3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_cases import DEVICE, assert_lse_close, make_paging
+
+from kvconvert.errors import KVConvertError
+from kvconvert.kernels.attention import paged_mla_decode
+from kvconvert.kernels.cache_layout import MLACacheLayer, mla_fp8_tile
+from kvconvert.kernels.mla_decode import paged_mla_decode_reference
+
+MODES = ("none", "fp8", "fp8_tile", "nvfp4")
+# (heads, kv_lora_rank, rope_dim): SmolLM2 conversions (9 heads, rope 32) and one small DeepSeek case
+SHAPES = [(9, 64, 32), (9, 96, 32), (9, 160, 32), (16, 512, 64)]
+
+
+def build_case(mode, heads, rank, rope_dim, block_size, seq_lens, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    tables, lens, slots, num_blocks = make_paging(seq_lens, block_size, seed=seed)
+    latent = torch.randn(len(slots), rank).to(DEVICE)
+    rope = torch.randn(len(slots), rope_dim).to(DEVICE)
+    amax = float(torch.cat([latent, rope], -1).abs().max())
+    cache = MLACacheLayer.allocate(
+        mode, num_blocks, block_size, rank, rope_dim, dtype=dtype, device=DEVICE, kv_scale=amax / 448
+    )
+    cache.append(latent, rope, slots, backend="torch")
+    q_nope = torch.randn(len(seq_lens), heads, rank).to(DEVICE, dtype)
+    q_rope = torch.randn(len(seq_lens), heads, rope_dim).to(DEVICE, dtype)
+    scale = 1 / math.sqrt(rank + rope_dim) * 2
+    return cache, q_nope, q_rope, tables, lens, scale, (latent, rope)
+
+
+# every mode x shape at block size 16; block size 64 on the smallest and the DeepSeek shape
+CASES = [
+    (mode, *shape, block_size)
+    for mode in MODES
+    for shape in SHAPES
+    for block_size in (16, 64)
+    if block_size == 16 or shape in (SHAPES[0], SHAPES[-1])
+]
+
+
+@pytest.mark.parametrize("mode,heads,rank,rope_dim,block_size", CASES)
+def test_mla_decode_matches_reference(mode, heads, rank, rope_dim, block_size):
+    seq_lens = [37, 1, 0, 90] if rank < 512 else [70, 9]
+    cache, qn, qr, tables, lens, scale, _ = build_case(mode, heads, rank, rope_dim, block_size, seq_lens)
+    out, lse = paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="fp32")
+    ref_out, ref_lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
+    assert out.shape == (len(seq_lens), heads, rank) and out.dtype == qn.dtype
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    if 0 in seq_lens:
+        assert torch.equal(out[seq_lens.index(0)], torch.zeros(heads, rank, device=DEVICE))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_mla_split_count_does_not_change_result(num_splits):
+    cache, qn, qr, tables, lens, scale, _ = build_case("fp8_tile", 9, 64, 32, 16, [100, 3, 47])
+    out, lse = paged_mla_decode(qn, qr, cache, tables, lens, scale, num_splits=num_splits, dot="fp32")
+    ref_out, ref_lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["none", "nvfp4"])
+def test_mla_fp16_dot_operands(mode):
+    cache, qn, qr, tables, lens, scale, _ = build_case(mode, 9, 96, 32, 16, [40, 17], dtype=torch.float16)
+    out, lse = paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="fp16")
+    ref_out, ref_lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, ref_out, atol=5e-3, rtol=5e-3)
+    assert_lse_close(lse, ref_lse, atol=5e-3, rtol=5e-3)
+
+
+def test_mla_reference_equals_dense_attention_over_logical_tokens():
+    """The paged reference equals plain attention over each sequence's tokens (paging is transparent)."""
+    seq_lens = [23, 40]
+    cache, qn, qr, tables, lens, scale, (latent, rope) = build_case("none", 9, 64, 32, 16, seq_lens)
+    out, lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
+    start = 0
+    for b, n in enumerate(seq_lens):
+        c, kr = latent[start : start + n].double(), rope[start : start + n].double()
+        scores = scale * (qn[b].double() @ c.T + qr[b].double() @ kr.T)
+        torch.testing.assert_close(out[b], (torch.softmax(scores, -1) @ c).float(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1).float(), atol=1e-6, rtol=1e-6)
+        start += n
+
+
+@pytest.mark.parametrize("mode,max_rel", [("fp8", 0.05), ("fp8_tile", 0.05), ("nvfp4", 0.2)])
+def test_mla_quantized_output_close_to_unquantized(mode, max_rel):
+    """The dequantization is applied (kernel output tracks the fp32 cache within the format's error)."""
+    seq_lens = [64, 30]
+    exact_cache, qn, qr, tables, lens, scale, _ = build_case("none", 9, 64, 32, 16, seq_lens, seed=3)
+    quant_cache, *_ = build_case(mode, 9, 64, 32, 16, seq_lens, seed=3)
+    exact, _ = paged_mla_decode(qn, qr, exact_cache, tables, lens, scale)
+    approx, _ = paged_mla_decode(qn, qr, quant_cache, tables, lens, scale)
+    rel = float((approx - exact).norm() / exact.norm())
+    assert 0 < rel < max_rel
+
+
+def test_mla_fp8_tile_sizes():
+    assert [mla_fp8_tile(r) for r in (512, 64, 96, 160, 48)] == [128, 64, 96, 80, 48]
+    with pytest.raises(KVConvertError, match="multiple of 16"):
+        mla_fp8_tile(40)
+
+
+def test_mla_launcher_rejects_bad_inputs(monkeypatch):
+    cache, qn, qr, tables, lens, scale, _ = build_case("fp8", 9, 64, 32, 16, [5])
+    with pytest.raises(KVConvertError, match="kv_lora_rank"):
+        paged_mla_decode(qn[..., :32], qr, cache, tables, lens, scale)
+    with pytest.raises(KVConvertError, match="block_tables must be int32"):
+        paged_mla_decode(qn, qr, cache, tables.long(), lens, scale)
+    with pytest.raises(KVConvertError, match="seq_lens must be int32"):
+        paged_mla_decode(qn, qr, cache, tables, lens.long(), scale)
+    with pytest.raises(KVConvertError, match="backend"):
+        paged_mla_decode(qn, qr, cache, tables, lens, scale, backend="cuda")
+    with pytest.raises(KVConvertError, match="dot precision"):
+        paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="tf64")
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(KVConvertError, match="GPU tensors"):
+            paged_mla_decode(qn, qr, cache, tables, lens, scale)
+
+
+def test_mla_cache_layout_validation():
+    with pytest.raises(KVConvertError, match="mode"):
+        MLACacheLayer.allocate("int4", 2, 16, 64, 32)
+    with pytest.raises(KVConvertError, match="kv_scale"):
+        MLACacheLayer.allocate("fp8", 2, 16, 64, 32)
+    with pytest.raises(KVConvertError, match="positive"):
+        MLACacheLayer.allocate("nvfp4", 2, 16, 64, 32, kv_scale=0.0)
+    good = MLACacheLayer.allocate("nvfp4", 2, 16, 64, 32, kv_scale=0.1)
+    with pytest.raises(KVConvertError, match="dtype"):
+        MLACacheLayer("nvfp4", 64, 32, good.data.to(torch.int8), good.rope, good.scales, good.tensor_scale)
+    with pytest.raises(KVConvertError, match="shape"):
+        MLACacheLayer("nvfp4", 64, 32, good.data, good.rope[..., :16], good.scales, good.tensor_scale)

@@ -1,0 +1,66 @@
+"""`kvconvert generate` end to end on a tiny model with a tiny word-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+from conftest import VOCAB
+
+from kvconvert.cli import cli
+
+WORDS = [f"w{i}" for i in range(VOCAB - 1)] + ["[UNK]"]
+
+
+@pytest.fixture(scope="module")
+def model_with_tokenizer(llama_gqa, tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("cli_model")
+    for f in llama_gqa.iterdir():
+        shutil.copy(f, path / f.name)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    return path
+
+
+def _run(args):
+    result = CliRunner().invoke(cli, ["generate", *args], standalone_mode=False, catch_exceptions=True)
+    return result
+
+
+def test_generate_json(model_with_tokenizer):
+    from kvconvert.runtime import LLM, SamplingParams
+
+    args = ["--model", str(model_with_tokenizer), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "8", "--greedy",
+            "--kv-dtype", "fp32", "--json"]
+    result = _run(args)
+    assert result.exception is None, result.output
+    out = json.loads(result.output)
+    expected = LLM(model_with_tokenizer, kv_dtype="fp32").generate(
+        ["w1 w2 w3 w4"], SamplingParams(max_tokens=8, greedy=True))[0]
+    assert out["token_ids"] == expected.token_ids and len(out["token_ids"]) == 8
+    assert out["text"] == " ".join(WORDS[t] for t in expected.token_ids)
+    assert out["prompt_tokens"] == 4 and out["timing"]["total_s"] > 0
+
+
+def test_generate_streams_text(model_with_tokenizer):
+    result = _run(["--model", str(model_with_tokenizer), "--prompt", "w5 w6", "--max-new-tokens", "5", "--seed", "3",
+                   "--temperature", "0.7", "--top-p", "0.9"])
+    assert result.exception is None, result.output
+    words = result.output.split()
+    assert len(words) == 5 and all(w in WORDS for w in words)
+
+
+def test_generate_reports_request_errors(model_with_tokenizer):
+    from kvconvert.errors import KVConvertError
+
+    long_prompt = " ".join(["w1"] * 300)  # the tiny model's context is 256
+    result = _run(["--model", str(model_with_tokenizer), "--prompt", long_prompt])
+    assert isinstance(result.exception, KVConvertError) and "context is 256 tokens" in str(result.exception)
+    result = _run(["--model", str(model_with_tokenizer), "--prompt", "w1", "--kv-dtype", "fp8"])
+    assert isinstance(result.exception, KVConvertError) and "--kv-scales dynamic" in str(result.exception)

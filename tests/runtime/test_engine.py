@@ -1,0 +1,232 @@
+"""Engine behaviour: paging, prefix caching, copy-on-write, preemption, continuous batching,
+sampling and per-request errors. Paged results are compared with an unpaged run (one block as
+long as the context) in fp32: logits within 2e-5, greedy tokens identical."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import VOCAB, add_tensors, build_deepseek
+
+from kvconvert.errors import KVConvertError, UnsupportedModelError
+from kvconvert.runtime import LLM, SamplingParams
+from kvconvert.runtime.model_runner import top_p_filter
+
+ATOL = 2e-5
+MAX_LEN = 256  # the tiny models' max_position_embeddings
+
+
+def _prompt(n, seed=0):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _greedy(n=16):
+    return SamplingParams(max_tokens=n, greedy=True, ignore_eos=True)
+
+
+def _contiguous(path, **kw):
+    """Unpaged reference: every sequence gets one block as long as the model's context."""
+    return LLM(path, kv_dtype="fp32", block_size=MAX_LEN, enable_prefix_caching=False, **kw)
+
+
+def test_paged_equals_contiguous(tiny_model):
+    prompts = [_prompt(n, seed=n) for n in (3, 19, 40)]
+    paged = LLM(tiny_model, kv_dtype="fp32", block_size=4, max_num_batched_tokens=16)
+    flat = _contiguous(tiny_model)
+    torch.testing.assert_close(paged.score(prompts[2]), flat.score(prompts[2]), atol=ATOL, rtol=0)
+    assert [o.token_ids for o in paged.generate(prompts, _greedy())] == \
+        [o.token_ids for o in flat.generate(prompts, _greedy())]
+
+
+def test_prefix_cache_hit_equals_miss(tiny_model):
+    shared = _prompt(24, seed=1)
+    prompts = [shared + _prompt(5, seed=2), shared, shared[:13]]
+    llm = LLM(tiny_model, kv_dtype="fp32", block_size=4)
+    first = llm.generate([shared], _greedy())[0]
+    assert first.num_cached_tokens == 0
+    hits = llm.generate(prompts, _greedy())
+    assert [o.num_cached_tokens for o in hits] == [24, 23, 12]  # full hit recomputes its last token
+    misses = _contiguous(tiny_model).generate(prompts, _greedy())
+    assert [o.token_ids for o in hits] == [o.token_ids for o in misses]
+    assert hits[1].token_ids == first.token_ids
+
+
+def test_copy_on_write_of_a_block_shared_with_a_running_sequence(deepseek_mla):
+    """B arrives while A decodes; B's prompt is all cached in A's blocks, so B recomputes its last
+    token into a copy of the shared block instead of overwriting A's."""
+    prompt = _prompt(8, seed=3)  # two full blocks of 4
+    llm = LLM(deepseek_mla, kv_dtype="fp32", block_size=4)
+    a = llm.add_request(prompt, _greedy(12))
+    llm.step()  # A prefilled, its blocks registered
+    copies_seen = []
+    schedule = llm.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        copies_seen.extend(out.block_copies)
+        return out
+
+    llm.scheduler.schedule = recording_schedule
+    b = llm.add_request(prompt, _greedy(12))
+    while llm.has_unfinished():
+        llm.step()
+    assert copies_seen, "the shared last block was not copied"
+    ref = _contiguous(deepseek_mla).generate([prompt], _greedy(12))[0].token_ids
+    assert llm._finished[a].output_token_ids == ref
+    assert llm._finished[b].output_token_ids == ref
+    assert llm._finished[b].num_cached_tokens == 7
+
+
+def test_preemption_by_recompute_gives_the_same_tokens(tiny_model):
+    prompts = [_prompt(n, seed=10 + n) for n in (9, 14, 11, 6)]
+    params = _greedy(24)
+    # 12 blocks of 4 = 48 slots for 4 requests of up to 38 tokens: must preempt to finish
+    small = LLM(tiny_model, kv_dtype="fp32", block_size=4, num_blocks=12)
+    outs = small.generate(prompts, params)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert all(o.error is None for o in outs)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in _contiguous(tiny_model).generate(prompts, params)]
+    small.block_manager.check_invariants()
+    assert small.block_manager.num_free_blocks == 12
+
+
+def test_scored_request_survives_preemption(deepseek_mla):
+    """Prompt logits of a preempted scoring request are recomputed, not duplicated."""
+    llm = LLM(deepseek_mla, kv_dtype="fp32", block_size=4, num_blocks=10, max_num_batched_tokens=8)
+    llm.add_request(_prompt(20, seed=4), _greedy(16))  # older: keeps its blocks
+    llm.step()
+    prompt = _prompt(30, seed=5)
+    rid = llm.add_request(prompt, SamplingParams(max_tokens=0), want_prompt_logits=True)
+    while llm.has_unfinished():
+        llm.step()
+    scored = llm._finished[rid]
+    assert scored.num_preemptions > 0
+    logits = torch.cat(scored.prompt_logits)
+    assert logits.shape == (30, VOCAB)
+    torch.testing.assert_close(logits, _contiguous(deepseek_mla).score(prompt), atol=ATOL, rtol=0)
+
+
+def test_continuous_batching_new_requests_join_between_steps(tiny_model):
+    llm = LLM(tiny_model, kv_dtype="fp32", block_size=4)
+    first = llm.add_request(_prompt(10, seed=6), _greedy(20))
+    for _ in range(5):
+        llm.step()
+    second = llm.add_request(_prompt(7, seed=7), _greedy(20))
+    batch_sizes = []
+    while llm.has_unfinished():
+        batch_sizes.append(len(llm.scheduler.running))
+        llm.step()
+    assert max(batch_sizes) == 2  # the late request decoded alongside the first
+    ref = _contiguous(tiny_model).generate([_prompt(10, seed=6), _prompt(7, seed=7)], _greedy(20))
+    assert llm._finished[first].output_token_ids == ref[0].token_ids
+    assert llm._finished[second].output_token_ids == ref[1].token_ids
+
+
+def test_bad_requests_fail_alone(tiny_model):
+    llm = LLM(tiny_model, kv_dtype="fp32", block_size=4, num_blocks=16)
+    good = _prompt(6, seed=8)
+    outs = llm.generate(
+        [good, [], _prompt(MAX_LEN, seed=9), [VOCAB + 5], _prompt(40, seed=10), good],
+        [_greedy(), _greedy(), _greedy(), _greedy(), SamplingParams(max_tokens=100), _greedy()],
+    )
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "error", "length"]
+    assert "empty prompt" in outs[1].error
+    assert "context is 256 tokens" in outs[2].error
+    assert "outside the vocabulary" in outs[3].error
+    assert "KV blocks" in outs[4].error and "pool has only 16" in outs[4].error
+    assert outs[0].token_ids == outs[5].token_ids and len(outs[0].token_ids) == 16
+
+
+def test_generation_stops_at_the_context_limit(llama_gqa):
+    llm = LLM(llama_gqa, kv_dtype="fp32", max_model_len=20)
+    out = llm.generate([_prompt(15)], _greedy(50))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stop_tokens_and_eos(tmp_path, llama_gqa):
+    prompt = _prompt(8)
+    free = LLM(llama_gqa, kv_dtype="fp32").generate([prompt], _greedy(20))[0].token_ids
+    stop = free[5]
+    cut = free.index(stop) + 1
+    out = LLM(llama_gqa, kv_dtype="fp32").generate([prompt], SamplingParams(max_tokens=20, greedy=True,
+                                                                            stop_token_ids=(stop,)))[0]
+    assert out.token_ids == free[:cut] and out.finish_reason == "stop"
+    with_eos = add_tensors(llama_gqa, tmp_path / "eos", {}, {"eos_token_id": stop})
+    out = LLM(with_eos, kv_dtype="fp32").generate([prompt], SamplingParams(max_tokens=20, greedy=True))[0]
+    assert out.token_ids == free[:cut] and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model):
+    p = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
+    llm = LLM(tiny_model, kv_dtype="fp32")
+    alone = llm.generate([_prompt(9)], p)[0].token_ids
+    crowd = llm.generate([_prompt(5, seed=1), _prompt(9), _prompt(12, seed=2)],
+                         [SamplingParams(max_tokens=12, temperature=1.0), p, SamplingParams(max_tokens=3)])
+    assert crowd[1].token_ids == alone
+    other_seed = llm.generate([_prompt(9)], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=99,
+                                                           ignore_eos=True))[0].token_ids
+    assert other_seed != alone
+
+
+def test_tiny_top_p_is_greedy(tiny_model):
+    llm = LLM(tiny_model, kv_dtype="fp32")
+    greedy = llm.generate([_prompt(9)], _greedy(10))[0].token_ids
+    assert llm.generate([_prompt(9)], SamplingParams(max_tokens=10, top_p=1e-6, ignore_eos=True))[0].token_ids == greedy
+
+
+def test_top_p_filter_keeps_the_smallest_nucleus():
+    probs = torch.tensor([0.1, 0.5, 0.25, 0.15])
+    torch.testing.assert_close(top_p_filter(probs.clone(), 0.7), torch.tensor([0.0, 0.5, 0.25, 0.0]) / 0.75)
+    torch.testing.assert_close(top_p_filter(probs.clone(), 0.5), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+
+
+# ---------------------------------------------------------------------------------- bad models / configs
+def test_unsupported_architecture(tmp_path, llama_gqa):
+    config = json.loads((llama_gqa / "config.json").read_text())
+    bad = add_tensors(llama_gqa, tmp_path / "gpt2", {}, {**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        LLM(bad)
+
+
+def test_moe_deepseek_is_refused(tmp_path):
+    path = build_deepseek(tmp_path / "moe")
+    config = json.loads((path / "config.json").read_text())
+    config["first_k_dense_replace"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="MoE"):
+        LLM(path)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"kv_dtype": "int4"}, "kv_dtype"),
+    ({"attention_backend": "cuda"}, "backend"),
+    ({"block_size": 0}, "block_size"),
+    ({"num_blocks": 4, "kv_memory": 1 << 20}, "not both"),
+    ({"kv_memory": 10}, "holds no block"),
+    ({"max_model_len": 100000}, "max_position_embeddings"),
+])
+def test_bad_engine_settings(llama_gqa, kw, match):
+    with pytest.raises(KVConvertError, match=match):
+        LLM(llama_gqa, **kw)
+
+
+def test_bad_sampling_params():
+    for kw in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": -1}, {"seed": -3}):
+        with pytest.raises(KVConvertError):
+            SamplingParams(**kw)
+
+
+def test_default_pool_fits_the_default_batch(llama_gqa):
+    llm = LLM(llama_gqa)
+    assert llm.num_blocks == 64 * (MAX_LEN // 16)  # capped at max_num_seqs full-length requests
+    assert llm.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2  # layers x (k, v) x kv_heads x head_dim x bf16
+
+
+def test_dynamic_scales_warn(tiny_model):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LLM(tiny_model, kv_dtype="fp8", kv_scales="dynamic")
+    assert any("dynamic" in str(w.message) for w in caught)

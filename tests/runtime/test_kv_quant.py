@@ -1,0 +1,193 @@
+"""Quantized KV storage (fp8 e4m3 / e5m2, nvfp4) against transformers with fake-quantized K/V.
+
+The reference runs transformers' model with a DynamicCache whose update() quantizes and
+dequantizes the new K/V (Llama: post-RoPE k and v per head; DeepSeek: the latent and k_rope) with
+kvconvert.quant.formats, exactly what the runtime's cache stores. Attention then reads only
+quantized values on both sides, so fp32 logits agree to rounding (atol 1e-4; a K/V value sitting
+on a rounding boundary could flip one code, which the greedy check would expose) and greedy tokens
+are identical. Scales are calibrated amax/448 shrunk by 0.7 so some values saturate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, add_tensors, load_reference
+from transformers import DynamicCache
+
+from kvconvert.errors import KVConvertError
+from kvconvert.quant import formats as F
+from kvconvert.runtime import LLM, SamplingParams
+
+ATOL = 1e-4
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _prompt(n=20, seed=0):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fake_quant(x: torch.Tensor, kv_dtype: str, kv_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (heads second to last when kv_scale is per head [H, 1])."""
+    if kv_dtype in FP8:
+        return F.fp8_dequantize(F.fp8_quantize(x, kv_scale, FP8[kv_dtype]), kv_scale)
+    g = F.nvfp4_global_scale_from_kv_scale(kv_scale)
+    return F.nvfp4_dequantize(*F.nvfp4_quantize(x, g), g)
+
+
+class FakeQuantCache(DynamicCache):
+    """transformers' cache with K/V fake-quantized on the way in. fns[layer] = (fk, fv)."""
+
+    def __init__(self, config, fns):
+        super().__init__(config=config)
+        self.fns = fns
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        fk, fv = self.fns[layer_idx]
+        return super().update(fk(key_states), fv(value_states), layer_idx, *args, **kwargs)
+
+
+def _heads_last2(fn):
+    """Apply fn on [B, S, H, D] to transformers' [B, H, S, D]."""
+    return lambda x: fn(x.transpose(1, 2)).transpose(1, 2)
+
+
+def llama_fns(kv_dtype, scales):
+    return [(_heads_last2(lambda x, s=k: fake_quant(x, kv_dtype, s)),
+             _heads_last2(lambda x, s=v: fake_quant(x, kv_dtype, s))) for k, v in scales]
+
+
+def mla_fns(kv_dtype, scales):
+    """DeepSeek caches (latent [B,1,S,R], k_rope [B,1,S,P]); one scale for the row. nvfp4 keeps
+    k_rope in bf16 (FlashMLA-style layout)."""
+    fns = []
+    for s, _ in scales:
+        if kv_dtype in FP8:
+            fns.append((lambda x, s=s: fake_quant(x, kv_dtype, s), lambda x, s=s: fake_quant(x, kv_dtype, s)))
+        else:
+            fns.append((lambda x, s=s: fake_quant(x, "nvfp4", s), lambda x: x.to(torch.bfloat16).float()))
+    return fns
+
+
+def _calibrate(ref, prompt, per_head: bool, mla: bool):
+    """Per-layer kv scales = 0.7 * amax / 448 of the K/V (MLA: the whole cached row)."""
+    cache = DynamicCache(config=ref.config)
+    with torch.no_grad():
+        ref(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    scales = []
+    for layer in cache.layers:
+        k, v = layer.keys, layer.values  # Llama [1, H, S, D]; MLA latent / k_rope [1, 1, S, *]
+        if mla:
+            s = 0.7 * F.kv_scale_from_amax(torch.cat([k, v], -1).abs().amax())
+            scales.append((s, s))
+        elif per_head:
+            scales.append(tuple(0.7 * F.kv_scale_from_amax(t.abs().amax(dim=(0, 2, 3))) for t in (k, v)))
+        else:
+            scales.append(tuple(0.7 * F.kv_scale_from_amax(t.abs().amax()) for t in (k, v)))
+    return scales
+
+
+def _with_scales(src, dst, scales, naming: str):
+    extra = {}
+    for i, (k, v) in enumerate(scales):
+        if naming == "vllm":
+            extra[f"model.layers.{i}.self_attn.k_scale"] = k.float().reshape(-1).clone()
+            extra[f"model.layers.{i}.self_attn.v_scale"] = v.float().reshape(-1).clone()
+        else:  # ModelOpt / TensorRT-LLM
+            extra[f"model.layers.{i}.self_attn.k_proj.k_scale"] = k.float().reshape(-1)
+            extra[f"model.layers.{i}.self_attn.v_proj.v_scale"] = v.float().reshape(-1)
+    return add_tensors(src, dst, extra)
+
+
+def _reference(ref, prompt, fns, n_new):
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt]), past_key_values=FakeQuantCache(ref.config, fns), use_cache=True).logits[0]
+        tokens = ref.generate(torch.tensor([prompt]), past_key_values=FakeQuantCache(ref.config, fns),
+                              max_new_tokens=n_new, do_sample=False)[0, len(prompt):].tolist()
+    return logits, tokens
+
+
+CASES = [
+    ("llama", "fp8", "vllm", False),
+    ("llama", "fp8_e5m2", "vllm", False),
+    ("llama", "fp8", "modelopt", True),
+    ("llama", "nvfp4", "modelopt", True),
+    ("llama", "nvfp4", "vllm", False),
+    ("deepseek", "fp8", "vllm", False),
+    ("deepseek", "nvfp4", "vllm", False),
+]
+
+
+@pytest.mark.parametrize("arch, kv_dtype, naming, per_head", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_quantized_cache_matches_fake_quant_reference(arch, kv_dtype, naming, per_head, llama_gqa, deepseek_mla, tmp_path):
+    src = llama_gqa if arch == "llama" else deepseek_mla
+    mla = arch == "deepseek"
+    ref = load_reference(src)
+    prompt = _prompt()
+    scales = _calibrate(ref, _prompt(40, seed=1), per_head, mla)
+    path = _with_scales(src, tmp_path / "scaled", scales, naming)
+    fns = (mla_fns if mla else llama_fns)(kv_dtype, [(k.reshape(-1, 1) if per_head else k, v.reshape(-1, 1) if per_head else v)
+                                                     for k, v in scales])
+    ref_logits, ref_tokens = _reference(ref, prompt, fns, 24)
+    with torch.no_grad():
+        exact = ref(torch.tensor([prompt])).logits[0]
+    assert (ref_logits - exact).abs().max() > 10 * ATOL, "quantization too weak for this test to see it"
+
+    llm = LLM(path, kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=8)
+    torch.testing.assert_close(llm.score(prompt), ref_logits, atol=ATOL, rtol=0)
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, greedy=True, ignore_eos=True))[0]
+    assert out.token_ids == ref_tokens
+
+
+def test_dynamic_scales_use_the_first_prefill_amax(llama_gqa):
+    """Layer 0's scale is amax/448 of the prompt's K (its input does not depend on quantization);
+    deeper layers' scales see quantized inputs, so the reference reuses the runtime's scales."""
+    ref = load_reference(llama_gqa)
+    prompt = _prompt(30, seed=2)
+    cache = DynamicCache(config=ref.config)
+    with torch.no_grad():
+        ref(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    with pytest.warns(UserWarning, match="dynamic"):
+        llm = LLM(llama_gqa, kv_dtype="fp8", kv_scales="dynamic")
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, greedy=True, ignore_eos=True))[0]
+    layer0 = llm.cache.layers[0]
+    torch.testing.assert_close(layer0["k"].kv_scale, F.kv_scale_from_amax(cache.layers[0].keys.abs().amax()))
+    torch.testing.assert_close(layer0["v"].kv_scale, F.kv_scale_from_amax(cache.layers[0].values.abs().amax()))
+    scales = [(layer["k"].kv_scale, layer["v"].kv_scale) for layer in llm.cache.layers]
+    _, ref_tokens = _reference(ref, prompt, llama_fns("fp8", scales), 16)
+    assert out.token_ids == ref_tokens
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
+def test_missing_scales_are_an_error_not_scale_one(tiny_model, kv_dtype):
+    with pytest.raises(KVConvertError, match=r"k_scale.*kv_scales='dynamic'"):
+        LLM(tiny_model, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("value, match", [
+    (torch.tensor([0.0]), "zero, negative or non-finite"),
+    (torch.tensor([1.0, 2.0, 3.0]), "expected one value or one per KV head"),
+])
+def test_bad_scales_are_rejected(llama_gqa, tmp_path, value, match):
+    extra = {f"model.layers.{i}.self_attn.{n}_scale": value.clone() for i in range(2) for n in "kv"}
+    with pytest.raises(KVConvertError, match=match):
+        LLM(add_tensors(llama_gqa, tmp_path / "bad", extra), kv_dtype="fp8")
+
+
+def test_mla_per_head_scales_are_rejected(deepseek_mla, tmp_path):
+    extra = {f"model.layers.{i}.self_attn.k_scale": torch.ones(4) for i in range(2)}  # distinct tensors
+    with pytest.raises(KVConvertError, match="per-tensor scale only"):
+        LLM(add_tensors(deepseek_mla, tmp_path / "bad", extra), kv_dtype="fp8")
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32", "fp8", "fp8_e5m2", "nvfp4"])
+def test_kv_bytes_per_token_is_exact(tiny_model, kv_dtype):
+    llm = LLM(tiny_model, kv_dtype=kv_dtype, kv_scales="dynamic", num_blocks=4)
+    assert llm.kv_bytes_per_token == llm.cache.bytes_per_token
+    mla = "deepseek" in str(tiny_model)
+    per_layer = {  # Llama: k+v of 2 heads x 16; MLA: 32 latent + 16 rope
+        "bf16": 128 if not mla else 96, "fp16": 128 if not mla else 96, "fp32": 256 if not mla else 192,
+        "fp8": 64 if not mla else 48, "fp8_e5m2": 64 if not mla else 48,
+        "nvfp4": 4 * (8 + 1) if not mla else (16 + 2) + 2 * 16,
+    }[kv_dtype]
+    assert llm.kv_bytes_per_token == 2 * per_layer

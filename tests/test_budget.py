@@ -1,0 +1,336 @@
+"""KV-cache arithmetic (kvconvert.kvmath), presets, and `kvconvert budget`.
+
+Expected numbers are written out by hand from the published configs, never computed by the code
+under test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from kvconvert import kvmath
+from kvconvert.cli import cli, main
+from kvconvert.errors import KVConvertError, UnsupportedModelError
+from kvconvert.presets import PRESETS
+
+GiB = 2**30
+
+# preset: (bf16 bytes/token, nvfp4 bytes/token), hand-calculated.
+# Non-MLA: layers x 2 (K and V) x kv_heads x head_dim x 2 bytes; nvfp4 per head vector of head_dim
+# values: head_dim/2 bytes of codes + head_dim/16 E4M3 scale bytes. MLA: layers x (512 + 64) values.
+HAND_PER_TOKEN = {
+    "llama-2-7b": (32 * 2 * 32 * 128 * 2, 32 * 2 * 32 * (64 + 8)),
+    "llama-2-70b": (80 * 2 * 8 * 128 * 2, 80 * 2 * 8 * (64 + 8)),
+    "llama-3.1-8b": (32 * 2 * 8 * 128 * 2, 32 * 2 * 8 * (64 + 8)),
+    "llama-3.1-70b": (80 * 2 * 8 * 128 * 2, 80 * 2 * 8 * (64 + 8)),
+    "llama-3.1-405b": (126 * 2 * 8 * 128 * 2, 126 * 2 * 8 * (64 + 8)),
+    "mistral-7b": (32 * 2 * 8 * 128 * 2, 32 * 2 * 8 * (64 + 8)),
+    "qwen2.5-7b": (28 * 2 * 4 * 128 * 2, 28 * 2 * 4 * (64 + 8)),
+    "qwen2.5-72b": (80 * 2 * 8 * 128 * 2, 80 * 2 * 8 * (64 + 8)),
+    "deepseek-v2-lite": (27 * (512 + 64) * 2, 27 * (288 + 36)),
+    "deepseek-v3": (61 * (512 + 64) * 2, 61 * (288 + 36)),
+    "smollm2-135m": (30 * 2 * 3 * 64 * 2, 30 * 2 * 3 * (32 + 4)),
+}
+
+
+def test_every_preset_has_a_hand_calculation():
+    assert set(HAND_PER_TOKEN) == set(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(HAND_PER_TOKEN))
+def test_preset_bytes_per_token_match_hand_calculation(name):
+    shape = kvmath.kv_shape(PRESETS[name]["config"])
+    bf16, nvfp4 = HAND_PER_TOKEN[name]
+    assert kvmath.kv_bytes_per_token(shape, "bf16") == bf16
+    assert kvmath.kv_bytes_per_token(shape, "fp16") == bf16
+    assert kvmath.kv_bytes_per_token(shape, "fp32") == 2 * bf16
+    assert kvmath.kv_bytes_per_token(shape, "fp8") == bf16 // 2
+    assert kvmath.kv_bytes_per_token(shape, "int8") == bf16 // 2
+    assert kvmath.kv_bytes_per_token(shape, "nvfp4") == nvfp4
+    # every cached vector is a multiple of 32 values: int4 (0.5 B + fp16 scale per 32) = 0.5625 B/value
+    assert kvmath.kv_bytes_per_token(shape, "int4") == nvfp4
+
+
+def test_smollm2_bf16_is_23040():
+    shape = kvmath.kv_shape(PRESETS["smollm2-135m"]["config"])
+    assert kvmath.kv_bytes_per_token(shape, "bf16") == 23040
+
+
+# Hand-counted parameters (embeddings x2 unless tied; per layer: attention + 3-matrix MLP + 2 norms).
+HAND_PARAMETERS = {
+    # 2*32000*4096 + 32*(4*4096^2 + 3*4096*11008 + 2*4096) + 4096
+    "llama-2-7b": 2 * 32000 * 4096 + 32 * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096) + 4096,
+    "llama-3.1-70b": 2 * 128256 * 8192 + 80 * (2 * 8192**2 + 2 * 1024 * 8192 + 3 * 8192 * 28672 + 2 * 8192) + 8192,
+    # q/k/v biases: 3584 + 2 * 512 per layer
+    "qwen2.5-7b": 2 * 152064 * 3584
+    + 28 * (2 * 3584**2 + 2 * 512 * 3584 + 3584 + 1024 + 3 * 3584 * 18944 + 2 * 3584) + 3584,
+    "smollm2-135m": 49152 * 576 + 30 * (2 * 576**2 + 2 * 192 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HAND_PARAMETERS))
+def test_parameter_count_matches_hand_count(name):
+    assert kvmath.parameter_count(PRESETS[name]["config"]) == HAND_PARAMETERS[name]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_parameters_consistent_with_config_and_published(name):
+    preset = PRESETS[name]
+    assert kvmath.parameter_count(preset["config"]) == preset["parameters"]
+    published = preset["published"].split()[0]
+    value, unit = float(published[:-1]), {"B": 1e9, "M": 1e6}[published[-1]]
+    digits = len(published[:-1].split(".")[1]) if "." in published else 0
+    scaled = preset["parameters"] / unit
+    # published figures are rounded or truncated (Qwen: 7,615,616,512 -> "7.61B")
+    assert abs(scaled - value) < 10**-digits, (name, scaled, published)
+
+
+def test_deepseek_v3_parameter_count_is_671b():
+    assert round(PRESETS["deepseek-v3"]["parameters"] / 1e9) == 671
+
+
+# ----------------------------------------------------------------------------------------------
+# attention kinds, formats, shapes
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config, kind", [
+    ({"num_attention_heads": 32, "num_key_value_heads": 32}, "MHA"),
+    ({"num_attention_heads": 32}, "MHA"),
+    ({"num_attention_heads": 32, "num_key_value_heads": 8}, "GQA"),
+    ({"num_attention_heads": 32, "num_key_value_heads": 1}, "MQA"),
+    ({"num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512}, "MLA"),
+    ({"text_config": {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2}}, "GQA"),
+])
+def test_attention_kind(config, kind):
+    assert kvmath.attention_kind(config) == kind
+
+
+def test_attention_kind_without_heads_is_unsupported():
+    with pytest.raises(UnsupportedModelError):
+        kvmath.attention_kind({"model_type": "mamba"})
+
+
+def test_kv_shape_rejects_incomplete_configs():
+    with pytest.raises(UnsupportedModelError, match="num_layers"):
+        kvmath.kv_shape({"num_attention_heads": 8, "hidden_size": 512})
+    with pytest.raises(UnsupportedModelError, match="qk_rope_head_dim"):
+        kvmath.kv_shape({"num_hidden_layers": 2, "num_attention_heads": 8, "kv_lora_rank": 64})
+    with pytest.raises(UnsupportedModelError, match="multiple"):
+        kvmath.kv_shape({"num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 2, "head_dim": 64})
+
+
+def test_head_dim_falls_back_to_hidden_over_heads():
+    assert kvmath.head_dim({"hidden_size": 4096, "num_attention_heads": 32}) == 128
+    assert kvmath.head_dim({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 64}) == 64
+
+
+def test_format_bytes_per_value():
+    expected = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "nvfp4": 0.5 + 1 / 16, "int4": 0.5 + 2 / 32}
+    assert {n: f.bytes_per_value for n, f in kvmath.KV_FORMATS.items()} == expected
+
+
+def test_vector_bytes_counts_a_partial_group_scale():
+    nvfp4 = kvmath.kv_format("nvfp4")
+    assert nvfp4.vector_bytes(16) == 8 + 1
+    assert nvfp4.vector_bytes(24) == 12 + 2  # second block half full still needs its scale
+    assert nvfp4.vector_bytes(576) == 288 + 36
+    assert kvmath.kv_format("int4").vector_bytes(64) == 32 + 2 * 2
+
+
+def test_unknown_kv_dtype_lists_the_known_ones():
+    with pytest.raises(KVConvertError, match="nvfp4"):
+        kvmath.kv_format("fp6")
+
+
+def test_mla_whatif_on_llama():
+    shape = kvmath.kv_shape(PRESETS["llama-3.1-70b"]["config"])
+    mla = kvmath.mla_whatif(shape, 512, 64)
+    assert mla.kind == "MLA" and mla.values_per_token_per_layer == 576
+    assert kvmath.kv_bytes_per_token(mla, "bf16") == 80 * 576 * 2
+    with pytest.raises(KVConvertError, match="even"):
+        kvmath.mla_whatif(shape, 512, 63)
+    with pytest.raises(KVConvertError, match="head_dim"):
+        kvmath.mla_whatif(shape, 512, 256)
+    with pytest.raises(KVConvertError, match="positive"):
+        kvmath.mla_whatif(shape, 0, 64)
+
+
+def test_layer_windows():
+    base = {"num_hidden_layers": 4}
+    assert kvmath.layer_windows({**base, "sliding_window": None}) == [None] * 4
+    assert kvmath.layer_windows({**base, "sliding_window": 4096}) == [4096] * 4  # Mistral v0.1
+    qwen = {**base, "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 2}
+    assert kvmath.layer_windows(qwen) == [None] * 4
+    assert kvmath.layer_windows({**qwen, "use_sliding_window": True}) == [None, None, 4096, 4096]
+    types = ["sliding_attention", "full_attention"] * 2
+    assert kvmath.layer_windows({**base, "sliding_window": 512, "layer_types": types}) == [512, None, 512, None]
+
+
+def test_bytes_per_request_caps_sliding_window_layers():
+    shape = kvmath.KVShape("GQA", 2, 8, num_kv_heads=2, head_dim=64)
+    per_layer = 2 * 2 * 64 * 2  # K and V, 2 heads, 64 values, bf16
+    assert kvmath.kv_bytes_per_request(shape, "bf16", 1000, [100, None]) == per_layer * (100 + 1000)
+    assert kvmath.kv_bytes_per_request(shape, "bf16", 50, [100, None]) == per_layer * (50 + 50)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("141 GB", 141 * 10**9), ("80G", 80 * 2**30),
+    ("512MiB", 512 * 2**20), ("80", 80 * 2**30), ("1.5TiB", int(1.5 * 2**40)), ("100b", 100),
+])
+def test_parse_size(text, expected):
+    assert kvmath.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "80 parsecs", "-1GB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(KVConvertError):
+        kvmath.parse_size(text)
+
+
+def test_format_bytes():
+    assert kvmath.format_bytes(327680) == "320.0 KiB"
+    assert kvmath.format_bytes(42949672960) == "40.00 GiB"
+    assert kvmath.format_bytes(12) == "12 B"
+
+
+# ----------------------------------------------------------------------------------------------
+# the CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def _budget_json(*args):
+    result = CliRunner().invoke(cli, ["budget", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_llama_70b_budget_bf16_and_fp8():
+    bf16 = _budget_json("--model", "llama-3.1-70b", "--context", "131072", "--batch", "1", "--kv-dtype", "bf16")
+    assert bf16["bytes_per_token"] == 327680  # 320 KiB
+    assert bf16["bytes_per_request"] == 42949672960 == 40 * GiB
+    assert bf16["bytes_total"] == 42949672960
+    fp8 = _budget_json("--model", "llama-3.1-70b", "--context", "131072", "--kv-dtype", "fp8")
+    assert fp8["bytes_per_request"] == 20 * GiB
+    batch = _budget_json("--model", "llama-3.1-70b", "--context", "131072", "--batch", "4", "--kv-dtype", "fp8")
+    assert batch["bytes_total"] == 80 * GiB
+
+
+def test_llama_70b_budget_human_output():
+    result = CliRunner().invoke(cli, ["budget", "--model", "llama-3.1-70b", "--context", "131072"])
+    assert result.exit_code == 0
+    assert "327,680 bytes (320.0 KiB)" in result.output
+    assert "42,949,672,960 bytes (40.00 GiB)" in result.output
+
+
+def test_nvfp4_budget_counts_block_scales_and_says_so():
+    report = _budget_json("--model", "llama-3.1-70b", "--context", "131072", "--kv-dtype", "nvfp4")
+    # 80 layers x 16 vectors x (64 code bytes + 8 scale bytes) x 131072 tokens = 11.25 GiB, not 10
+    assert report["bytes_per_request"] == 80 * 16 * 72 * 131072 == int(11.25 * GiB)
+    assert any("ignores the block scales" in n and "10.00 GiB" in n for n in report["notes"])
+
+
+def test_mla_whatif_budget():
+    report = _budget_json("--model", "llama-3.1-70b", "--context", "1000", "--mla-rank", "512", "--rope-dim", "64")
+    assert report["original_bytes_per_token"] == 327680
+    assert report["bytes_per_token"] == 80 * 576 * 2
+    assert report["bytes_per_request"] == 80 * 576 * 2 * 1000
+    default_rope = _budget_json("--model", "llama-3.1-70b", "--context", "1000", "--mla-rank", "256")
+    assert default_rope["bytes_per_token"] == 80 * (256 + 64) * 2
+
+
+def test_deepseek_v3_budget():
+    report = _budget_json("--model", "deepseek-v3", "--context", "131072", "--kv-dtype", "fp8")
+    assert report["attention_kind"] == "MLA"
+    assert report["bytes_per_request"] == 61 * 576 * 131072
+
+
+def test_gpu_fit_llama_8b():
+    report = _budget_json("--model", "llama-3.1-8b", "--context", "8192", "--batch", "64", "--gpu-mem", "80GiB")
+    weights = 8_030_261_248 * 2
+    per_request = 32 * 2 * 8 * 128 * 2 * 8192  # 1 GiB
+    assert report["weights_bytes"] == weights
+    assert report["kv_budget_bytes"] == 80 * GiB - weights
+    assert report["requests_fit"] == (80 * GiB - weights) // per_request == 65
+    assert report["batch_fits"] is True
+
+
+def test_gpu_fit_with_fp8_weights_and_no_room():
+    report = _budget_json("--model", "llama-3.1-405b", "--context", "131072", "--gpu-mem", "80GiB")
+    assert report["requests_fit"] == 0 and report["batch_fits"] is False and report["kv_budget_bytes"] == 0
+    fp8 = _budget_json("--model", "llama-3.1-70b", "--context", "131072", "--gpu-mem", "141GB",
+                       "--weights-dtype", "fp8", "--kv-dtype", "fp8")
+    assert fp8["weights_bytes"] == 70_553_706_496
+    assert fp8["requests_fit"] == (141 * 10**9 - 70_553_706_496) // (20 * GiB) == 3
+
+
+def test_default_context_is_max_position_embeddings():
+    report = _budget_json("--model", "smollm2-135m")
+    assert report["context"] == 8192 and report["bytes_per_request"] == 23040 * 8192
+
+
+def test_budget_from_config_json_with_sliding_window(tmp_path):
+    # Mistral-7B v0.1: every layer slides over 4096 tokens, so a 32K request caches 4096 per layer.
+    config = dict(PRESETS["mistral-7b"]["config"], sliding_window=4096, vocab_size=32000)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    report = _budget_json("--model", str(path), "--context", "32768")
+    assert report["bytes_per_token"] == 131072
+    assert report["bytes_per_request"] == 131072 * 4096
+    assert any("sliding" in n for n in report["notes"])
+
+
+def test_budget_from_folder_without_weights_counts_parameters_from_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["smollm2-135m"]["config"]))
+    report = _budget_json("--model", str(tmp_path), "--context", "100", "--gpu-mem", "1GiB")
+    assert report["parameters"] == 134_515_008
+    assert report["requests_fit"] == (GiB - 134_515_008 * 2) // (23040 * 100)
+
+
+def _run_main(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    captured = capsys.readouterr()
+    return exc.value.code, captured.err
+
+
+def test_unknown_preset_lists_known(capsys):
+    code, err = _run_main(["budget", "--model", "llama-9", "--context", "10"], capsys)
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "llama-3.1-70b" in err and "deepseek-v3" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rope-dim", "64"], "needs --mla-rank"),
+    (["--mla-rank", "512", "--rope-dim", "65"], "even"),
+    (["--batch", "0"], "--batch"),
+    (["--context", "0"], "--context"),
+    (["--gpu-mem", "eighty"], "cannot read size"),
+])
+def test_budget_bad_options(args, message, capsys):
+    base = ["budget", "--model", "llama-3.1-8b", "--context", "10"]
+    code, err = _run_main(base + args, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_budget_unknown_architecture_is_one_line_error(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "mamba", "hidden_size": 768, "num_hidden_layers": 24}))
+    code, err = _run_main(["budget", "--model", str(path), "--context", "10"], capsys)
+    assert code == 2 and "num_attention_heads" in err and err.count("\n") == 1
+
+
+def test_budget_never_imports_torch():
+    code = ("import sys; from kvconvert.cli import main\n"
+            "try:\n    main(['budget', '--model', 'llama-3.1-70b', '--context', '131072', '--json'])\n"
+            "except SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'budget imported torch'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["bytes_per_token"] == 327680

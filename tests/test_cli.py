@@ -1,0 +1,81 @@
+"""The `kvconvert` entry point: command table, exit codes, one-line errors, --debug, fetch, import-gguf."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from kvconvert.cli import cli, main
+from kvconvert.errors import KVConvertError
+
+
+def _kvconvert(*args, timeout=120):
+    """Run the real console entry point in a fresh process."""
+    code = "import sys; from kvconvert.cli import main; main(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_foundation_commands():
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0
+    for name in ("inspect", "budget", "fetch", "import-gguf"):
+        assert name in result.output
+
+
+def test_user_error_is_exit_2_one_line_no_traceback(tmp_path):
+    result = _kvconvert("inspect", str(tmp_path))  # a folder without config.json
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "config.json" in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = _kvconvert("--debug", "inspect", str(tmp_path))
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "CheckpointError" in result.stderr
+
+
+def test_debug_reraises_in_process(tmp_path):
+    with pytest.raises(KVConvertError):
+        main(["--debug", "budget", "--model", "no-such-model"])
+
+
+def test_click_usage_errors_keep_clicks_exit_code(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["budget"])  # --model missing
+    assert exc.value.code == 2 and "--model" in capsys.readouterr().err
+
+
+def test_fetch_unknown_name(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fetch", "gpt-5"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "smollm2-135m" in err
+
+
+@pytest.mark.slow
+def test_fetch_prints_the_cached_folder(smollm2_path):
+    result = CliRunner().invoke(cli, ["fetch"])
+    assert result.exit_code == 0 and result.output.strip() == str(smollm2_path)
+
+
+def test_import_gguf_refuses_existing_output_before_loading(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(SystemExit) as exc:
+        main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--overwrite" in err and err.count("\n") == 1
+
+
+def test_import_gguf_bad_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "model.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(SystemExit) as exc:
+        main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "model.gguf" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
