@@ -16,7 +16,14 @@ import torch
 
 from kvconvert.errors import KVConvertError
 
-from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
+from ._triton_compat import (
+    HAS_TRITON,
+    check_kernel_device,
+    next_power_of_2,
+    require_triton,
+    tl,
+    triton,
+)
 
 if HAS_TRITON:
 

@@ -14,10 +14,10 @@ import torch
 
 from kvconvert.errors import KVConvertError
 
-from .cache_layout import GQACacheLayer, MLACacheLayer
 from .append import kv_append
-from .merge import merge_lse_reference, merge_lse_triton
+from .cache_layout import GQACacheLayer, MLACacheLayer
 from .gqa_decode import paged_gqa_decode_reference, paged_gqa_decode_triton
+from .merge import merge_lse_reference, merge_lse_triton
 from .mla_decode import paged_mla_decode_reference, paged_mla_decode_triton
 
 BACKENDS = ("triton", "torch")

@@ -20,11 +20,26 @@ import torch
 
 from kvconvert.errors import KVConvertError
 
-from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
+from ._launch import (
+    LOG2E,
+    check_paging,
+    check_softmax_scale,
+    default_num_splits,
+    flatten_tokens,
+    resolve_dot,
+    sequence_blocks,
+)
+from ._triton_compat import (
+    HAS_TRITON,
+    check_kernel_device,
+    next_power_of_2,
+    require_triton,
+    tl,
+    triton,
+)
 from .cache_layout import GQACacheLayer
 from .dequant import MODE_FP8, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
 from .merge import merge_lse_triton
-from .mla_decode import LOG2E, _check_paging, default_num_splits, flatten_tokens, resolve_dot, sequence_blocks
 
 GQA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "nvfp4": MODE_NVFP4}
 
@@ -105,7 +120,8 @@ if HAS_TRITON:
         tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
 
 
-def _check_decode_inputs(q, cache: GQACacheLayer, block_tables, seq_lens) -> None:
+def _check_decode_inputs(q, cache: GQACacheLayer, block_tables, seq_lens, softmax_scale) -> None:
+    check_softmax_scale(softmax_scale)
     if not isinstance(cache, GQACacheLayer):
         raise KVConvertError(f"cache must be a GQACacheLayer, got {type(cache).__name__}")
     if q.dim() != 3 or q.shape[2] != cache.head_dim:
@@ -114,7 +130,7 @@ def _check_decode_inputs(q, cache: GQACacheLayer, block_tables, seq_lens) -> Non
         raise KVConvertError(f"q_heads {q.shape[1]} is not a multiple of kv_heads {cache.kv_heads}")
     if q.stride(-1) != 1:
         raise KVConvertError("q must be contiguous in its last dim")
-    _check_paging(block_tables, seq_lens, q.shape[0])
+    check_paging(block_tables, seq_lens, q.shape[0], cache.block_size)
 
 
 def _scale_stride(s: torch.Tensor) -> int:
@@ -137,7 +153,7 @@ def paged_gqa_decode_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton split-KV GQA decode + LSE merge -> (out ``[B, Hq, D]`` q dtype, lse ``[B, Hq]`` fp32)."""
     require_triton()
-    _check_decode_inputs(q, cache, block_tables, seq_lens)
+    _check_decode_inputs(q, cache, block_tables, seq_lens, softmax_scale)
     if block_h < 16 or block_n < 16:
         raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
     check_kernel_device(q, cache.k, cache.v, block_tables, seq_lens)
@@ -158,7 +174,7 @@ def paged_gqa_decode_triton(
     k, v = cache.k, cache.v
     _gqa_decode_split_kernel[(batch, cache.kv_heads * groups_per_kv, splits)](
         q, k, v, k_aux, v_aux, k_scale, v_scale, block_tables, seq_lens, part_out, part_lse,
-        softmax_scale * LOG2E,
+        check_softmax_scale(softmax_scale) * LOG2E,
         group, d, cache.block_size, splits, groups_per_kv,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -171,7 +187,7 @@ def paged_gqa_decode_triton(
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
-        return part_out[:, :, 0].to(q.dtype), part_lse[:, :, 0]
+        return part_out[:, :, 0].to(q.dtype).contiguous(), part_lse[:, :, 0].contiguous()
     return merge_lse_triton(part_out, part_lse, out_dtype=q.dtype)
 
 
@@ -183,7 +199,7 @@ def paged_gqa_decode_reference(
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference (float64 on the dequantized cache): same contract as the Triton launcher."""
-    _check_decode_inputs(q, cache, block_tables, seq_lens)
+    _check_decode_inputs(q, cache, block_tables, seq_lens, softmax_scale)
     batch, q_heads, d = q.shape
     group = q_heads // cache.kv_heads
     out = torch.zeros(batch, q_heads, d, dtype=torch.float64, device=q.device)

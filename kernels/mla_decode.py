@@ -19,18 +19,38 @@ online softmax in base 2. Stage 2 merges the ranges by LSE (:mod:`.merge`).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kvconvert.errors import KVConvertError
 
-from ._triton_compat import HAS_TRITON, check_kernel_device, interpreter_enabled, next_power_of_2, require_triton, tl, triton
+from ._launch import (
+    LOG2E,
+    check_paging,
+    check_softmax_scale,
+    default_num_splits,
+    flatten_tokens,
+    resolve_dot,
+    sequence_blocks,
+)
+from ._triton_compat import (
+    HAS_TRITON,
+    check_kernel_device,
+    next_power_of_2,
+    require_triton,
+    tl,
+    triton,
+)
 from .cache_layout import MLACacheLayer
-from .dequant import DOT_PRECISIONS, MODE_FP8, MODE_FP8_TILE, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
+from .dequant import (
+    MODE_FP8,
+    MODE_FP8_TILE,
+    MODE_NVFP4,
+    MODE_PLAIN,
+    aux_broadcastable,
+    dot_constexprs,
+)
 from .merge import merge_lse_triton
 
-LOG2E = 1.4426950408889634
 MLA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "fp8_tile": MODE_FP8_TILE, "nvfp4": MODE_NVFP4}
 
 if HAS_TRITON:
@@ -119,7 +139,8 @@ if HAS_TRITON:
         tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
 
 
-def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq_lens) -> None:
+def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq_lens, softmax_scale) -> None:
+    check_softmax_scale(softmax_scale)
     if not isinstance(cache, MLACacheLayer):
         raise KVConvertError(f"cache must be an MLACacheLayer, got {type(cache).__name__}")
     if q_nope.dim() != 3 or q_rope.dim() != 3 or q_nope.shape[:2] != q_rope.shape[:2]:
@@ -131,33 +152,7 @@ def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq
         )
     if q_nope.stride(-1) != 1 or q_rope.stride(-1) != 1:
         raise KVConvertError("queries must be contiguous in their last dim")
-    _check_paging(block_tables, seq_lens, q_nope.shape[0])
-
-
-def _check_paging(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int) -> None:
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise KVConvertError(f"block_tables must be int32 [batch={batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
-    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (batch,):
-        raise KVConvertError(f"seq_lens must be int32 [batch={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if block_tables.stride(-1) != 1:
-        raise KVConvertError("block_tables must be contiguous in its last dim")
-
-
-def default_num_splits(batch: int, head_groups: int, max_context: int, block_n: int) -> int:
-    """Enough programs to fill a GPU (~2 waves of 132 SMs), each range at least 256 tokens long."""
-    if interpreter_enabled():  # CPU: every program costs ~20 ms of Python; 2 ranges still test the merge
-        return max(1, min(2, math.ceil(max_context / (4 * block_n))))
-    programs = batch * head_groups
-    return max(1, min(math.ceil(264 / max(programs, 1)), math.ceil(max_context / 256), 64))
-
-
-def resolve_dot(dot: str | None, q: torch.Tensor) -> str:
-    """Dot operand precision: 'fp32' on CPU (interpreter: bf16 is wrong there), 'bf16' on GPUs."""
-    if dot is None:
-        dot = "fp32" if q.device.type == "cpu" else "bf16"
-    if dot not in DOT_PRECISIONS:
-        raise KVConvertError(f"unknown dot precision {dot!r}: choose one of {DOT_PRECISIONS}")
-    return dot
+    check_paging(block_tables, seq_lens, q_nope.shape[0], cache.block_size)
 
 
 def paged_mla_decode_triton(
@@ -177,7 +172,7 @@ def paged_mla_decode_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton split-KV MLA decode + LSE merge -> (out ``[B, H, R]`` q dtype, lse ``[B, H]`` fp32)."""
     require_triton()
-    _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens)
+    _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale)
     if block_h < 16 or block_n < 16:
         raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
     data = cache.data
@@ -201,7 +196,7 @@ def paged_mla_decode_triton(
     part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=data.device)
     _mla_decode_split_kernel[(batch, head_groups, splits)](
         q_nope, q_rope, data, rope, aux, scale, block_tables, seq_lens, part_out, part_lse,
-        softmax_scale * LOG2E,
+        check_softmax_scale(softmax_scale) * LOG2E,
         heads, r, p, cache.block_size, splits,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),
         data.stride(0), data.stride(1), rope.stride(0), rope.stride(1), aux.stride(0), aux.stride(1),
@@ -212,18 +207,8 @@ def paged_mla_decode_triton(
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
-        return part_out[:, :, 0].to(q_nope.dtype), part_lse[:, :, 0]
+        return part_out[:, :, 0].to(q_nope.dtype).contiguous(), part_lse[:, :, 0].contiguous()
     return merge_lse_triton(part_out, part_lse, out_dtype=q_nope.dtype)
-
-
-def sequence_blocks(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Physical blocks holding a sequence's first ``seq_len`` tokens, in order (from its table row)."""
-    return block_row[: -(-seq_len // block_size)].long()
-
-
-def flatten_tokens(blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """``[n_blocks, block_size, ...]`` -> the first ``seq_len`` token rows ``[seq_len, ...]``."""
-    return blocks.reshape(-1, *blocks.shape[2:])[:seq_len]
 
 
 def paged_mla_decode_reference(
@@ -235,7 +220,7 @@ def paged_mla_decode_reference(
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference (float64 on the dequantized cache): same contract as the Triton launcher."""
-    _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens)
+    _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale)
     batch, heads, r = q_nope.shape
     out = torch.zeros(batch, heads, r, dtype=torch.float64, device=q_nope.device)
     lse = torch.full((batch, heads), float("-inf"), dtype=torch.float64, device=q_nope.device)

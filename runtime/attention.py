@@ -34,10 +34,17 @@ class PrefillChunk:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
+    block_size: int
     num_decode: int  # decode sequences = decode tokens, first in the step
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks] long (padded with block 0)
     decode_context_lens: torch.Tensor  # [num_decode] long
     prefills: list[PrefillChunk]
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool: key valid
+
+    def __post_init__(self):
+        if self.decode_mask is None and self.num_decode:
+            width = self.decode_block_tables.shape[1] * self.block_size
+            self.decode_mask = _length_mask(self.decode_context_lens, width)[:, None, None, :]
 
 
 def causal_mask(query_len: int, context_len: int) -> torch.Tensor:
@@ -89,7 +96,7 @@ class TorchAttention:
         k = k_store.gather(meta.decode_block_tables, q.dtype)  # [B, S, KVH, D]
         v = v_store.gather(meta.decode_block_tables, q.dtype)
         kvh = k.shape[2]
-        mask = _length_mask(meta.decode_context_lens, k.shape[1])[:, None, None, :]  # [B, 1, 1, S]
+        mask = meta.decode_mask  # [B, 1, 1, S]
         # the G = H / KVH query heads of a KV head act as G queries against that head
         qg = q.view(b, kvh, h // kvh, d)
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
@@ -104,7 +111,7 @@ class TorchAttention:
         (softmax(q . row * scale) @ latent; the caller applies W_UV).
         """
         rows = store.gather(meta.decode_block_tables, q.dtype)[:, None]  # [B, 1, S, R]
-        mask = _length_mask(meta.decode_context_lens, rows.shape[2])[:, None, None, :]
+        mask = meta.decode_mask
         o = F.scaled_dot_product_attention(q[:, None], rows, rows[..., :latent_dim], attn_mask=mask, scale=scale)
         return o[:, 0]
 

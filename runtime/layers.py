@@ -164,8 +164,13 @@ class Rotary:
         self.sin = (freqs.sin() * attention_factor).to(dtype)
         self.interleaved = interleaved
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, dim/2] for positions [T] (computed once per forward, shared by layers)."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    def __call__(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, heads, dim] rotated by angles = self.angles(positions)."""
+        cos, sin = angles
         if self.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)

@@ -56,6 +56,7 @@ class ModelRunner:
             offset += it.num_new_tokens
         meta = AttentionMetadata(
             slot_mapping=torch.cat(chunks_slots),
+            block_size=bs,
             num_decode=len(decode),
             decode_block_tables=self._padded_tables([it.seq.seq_id for it in decode], [it.end for it in decode]),
             decode_context_lens=torch.tensor([it.end for it in decode], dtype=torch.long),

@@ -152,8 +152,14 @@ def LOW_DOT() -> str:  # noqa: N802 - bf16 dots are wrong in the interpreter; fp
 
 def check_kernels(torch):
     """Kernel vs reference on small ragged cases, per mode, with bf16 and fp32 dot operands."""
-    from kvconvert.kernels.gqa_decode import paged_gqa_decode_reference, paged_gqa_decode_triton
-    from kvconvert.kernels.mla_decode import paged_mla_decode_reference, paged_mla_decode_triton
+    from kvconvert.kernels.gqa_decode import (
+        paged_gqa_decode_reference,
+        paged_gqa_decode_triton,
+    )
+    from kvconvert.kernels.mla_decode import (
+        paged_mla_decode_reference,
+        paged_mla_decode_triton,
+    )
 
     results = []
     for mode in MLA_MODES:
@@ -202,7 +208,6 @@ def copy_bandwidth(torch) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src))
-    del src, dst
     return 2 * (1 << 30) / (ms * 1e-3)
 
 
@@ -234,7 +239,6 @@ def bench_mla(torch, args, contexts, grid, peak):
         run = lambda cfg: paged_mla_decode_triton(qn, qr, cache, tables, lens, scale, **cfg)  # noqa: E731
         best, tried = tune(run, grid, splits)
         tuning[mode] = {"best": best, "tried": tried}
-        del cache
         if best is None:
             continue
         split_ratio = best["num_splits"] / base
@@ -246,7 +250,6 @@ def bench_mla(torch, args, contexts, grid, peak):
             rows.append(result_row("triton", mode, cache, args.batch, context, ms, peak, cfg))
             if mode == "none":
                 rows += mla_baselines(torch, cache, qn, qr, tables, lens, scale, args.batch, context, peak)
-            del cache
             torch.cuda.empty_cache()
     return rows, tuning
 
@@ -261,7 +264,6 @@ def bench_gqa(torch, args, contexts, grid, peak, shape=(32, 8, 128)):
         run = lambda cfg: paged_gqa_decode_triton(q, cache, tables, lens, scale, **cfg)  # noqa: E731
         best, tried = tune(run, grid, [None])
         tuning[mode] = {"best": best, "tried": tried}
-        del cache
         if best is None:
             continue
         for context in contexts:
@@ -270,7 +272,6 @@ def bench_gqa(torch, args, contexts, grid, peak, shape=(32, 8, 128)):
             rows.append(result_row("triton", mode, cache, args.batch, context, ms, peak, best))
             if mode in ("none", "fp8"):
                 rows += gqa_baselines(torch, mode, cache, q, tables, lens, scale, args.batch, context, peak)
-            del cache
             torch.cuda.empty_cache()
     return rows, tuning
 

@@ -155,6 +155,7 @@ def evaluate(report: dict, policy: Policy) -> list[dict]:
 
 def print_gate_table(rows: list[dict], policy: Policy, report: dict, policy_path: Path) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     conf = int(round(100 * policy.bootstrap.confidence))
@@ -164,12 +165,15 @@ def print_gate_table(rows: list[dict], policy: Policy, report: dict, policy_path
         table.add_column(column, justify="left" if column in ("metric", "result") else "right")
     for row in rows:
         if row["status"] == "n/a" or "point" not in row:
-            table.add_row(f"{row['metric']} [{row['unit']}]", "-", "-", "-", "-", f"{row['threshold']:g}",
-                          f"[yellow]{row['status'].upper()}[/] ({row['reason']})")
+            table.add_row(f"{row['metric']} ({row['unit']})", "-", "-", "-", "-", f"{row['threshold']:g}",
+                          f"[yellow]{row['status'].upper()}[/] ({escape(row['reason'])})")
             continue
         style = "green" if row["status"] == "pass" else "red"
         digits = 5 if row["unit"] == "nats/token" else 3
-        table.add_row(f"{row['metric']} [{row['unit']}]", f"{row['source']:.{digits}f}", f"{row['candidate']:.{digits}f}",
-                      f"{row['point']:+.{digits}f}", f"[{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]",
+        table.add_row(f"{row['metric']} ({row['unit']})", f"{row['source']:.{digits}f}", f"{row['candidate']:.{digits}f}",
+                      f"{row['point']:+.{digits}f}", escape(f"[{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]"),
                       f"{row['threshold']:g}", f"[{style}]{row['status'].upper()}[/]")
-    Console().print(table)
+    rule = {"ci_low": f"the {conf}% CI's lower bound", "point": "the estimate",
+            "ci_high": f"the {conf}% CI's upper bound"}[policy.decide_on]
+    table.caption = f"degradation = candidate worse than source (positive = worse); FAIL when {rule} > threshold"
+    Console(width=max(Console().width, 132)).print(table)

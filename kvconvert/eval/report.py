@@ -131,7 +131,7 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
         delta = f"{m['delta']:+.5f}" if m["unit"] == "nats/token" else f"{m['delta']:+.3f}"
         if "delta_pct" in m:
             delta += f" ({m['delta_pct']:+.2f}%)"
-        rows.append((f"{name} [{m['unit']}]", _fmt(m["source"], m["unit"]), _fmt(m["candidate"], m["unit"]), delta))
+        rows.append((f"{name} ({m['unit']})", _fmt(m["source"], m["unit"]), _fmt(m["candidate"], m["unit"]), delta))
     return rows
 
 
@@ -181,4 +181,4 @@ def print_summary(report: dict) -> None:
         table.add_column(column, justify=justify)
     for row in summary_rows(report):
         table.add_row(*row)
-    Console().print(table)
+    Console(width=max(Console().width, 100)).print(table)

@@ -199,7 +199,9 @@ class TransformersRunner(ModelRunner):
             return []
         from transformers import DynamicCache
 
-        out = self.model(input_ids=ids.reshape(1, -1), past_key_values=DynamicCache(), use_cache=True)
+        # logits_to_keep=1: only the last position's logits (skips a [T, vocab] lm_head product).
+        out = self.model(input_ids=ids.reshape(1, -1), past_key_values=DynamicCache(), use_cache=True,
+                         logits_to_keep=1)
         new: list[int] = []
         while True:
             token = int(out.logits[0, -1].argmax())

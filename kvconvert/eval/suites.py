@@ -84,9 +84,9 @@ SUITES: dict[str, SuiteSpec] = {
     "smoke": SuiteSpec(
         name="smoke", description="every task once, tiny (tests; < 1 min on 2 cores)",
         ppl_windows=2, ppl_window_len=128,
-        passkey_lengths=(192,), passkey_depths=(0.0, 1.0),
-        niah_lengths=(192,), niah_depths=(0.0, 1.0),
-        ruler_tasks=("niah_single_2", "vt"), ruler_lengths=(192,), ruler_samples=1, ruler_max_new=12,
+        passkey_lengths=(256,), passkey_depths=(0.0, 1.0),
+        niah_lengths=(256,), niah_depths=(0.0, 1.0),
+        ruler_tasks=("niah_single_2", "vt"), ruler_lengths=(256,), ruler_samples=1, ruler_max_new=12,
         longbench_tasks=("hotpotqa", "passage_retrieval_en", "lcc"), longbench_per_task=1,
         longbench_context=256, longbench_max_new=8,
     ),

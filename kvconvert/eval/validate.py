@@ -33,6 +33,7 @@ REPORT_FORMAT = 1
 class ValidateOptions:
     """Inputs of one validation run (the CLI's options).
 
+    suite: a suite name or a SuiteSpec (programmatic use, tests).
     kv_dtype: the candidate's KV format ("auto" = the engine's unquantized cache);
     source_kv_dtype: the source's (default auto). kv_scales: where the runtime takes fp8/nvfp4
     scales from (checkpoint | dynamic). resume=False recomputes every sample. threads: torch CPU
@@ -42,7 +43,7 @@ class ValidateOptions:
     source: str
     candidate: str
     out: Path
-    suite: str = "quick"
+    suite: str | SuiteSpec = "quick"
     engine: str | None = None
     kv_dtype: str = "auto"
     source_kv_dtype: str = "auto"
@@ -112,11 +113,13 @@ def window_stats(source_logits: torch.Tensor, candidate_logits: torch.Tensor, id
     return {**total, "n_tokens": len(targets)}
 
 
-def run_perplexity(pair: Pair, spec: SuiteSpec, cache: ResultCache, opts: ValidateOptions) -> list[dict]:
+def run_perplexity(pair: Pair, spec: SuiteSpec, cache: ResultCache, opts: ValidateOptions,
+                   skipped: dict[str, str]) -> list[dict]:
     from kvconvert.data import data_hash, eval_windows
 
     if spec.ppl_window_len > pair.context:
-        note(opts, f"perplexity windows of {spec.ppl_window_len} tokens exceed the context {pair.context}; skipped")
+        skipped["perplexity"] = f"windows of {spec.ppl_window_len} tokens exceed the context {pair.context}"
+        note(opts, f"perplexity skipped: {skipped['perplexity']}")
         return []
     windows = eval_windows(pair.tokenizer, spec.ppl_windows, spec.ppl_window_len)
     key = f"{pair.source.fingerprint}-{pair.candidate.fingerprint}"
@@ -134,9 +137,10 @@ def run_perplexity(pair: Pair, spec: SuiteSpec, cache: ResultCache, opts: Valida
 
 # --------------------------------------------------------------------------- generation samples
 
-def build_samples(pair: Pair, spec: SuiteSpec, opts: ValidateOptions) -> tuple[list[GenSample], dict[str, str]]:
-    """Every generation sample of the suite that fits the context; reasons for what is skipped."""
-    tok, samples, skipped = pair.tokenizer, [], {}
+def build_samples(pair: Pair, spec: SuiteSpec, opts: ValidateOptions, skipped: dict[str, str]) -> list[GenSample]:
+    """Every generation sample of the suite that fits the context; reasons for what is skipped
+    are added to `skipped` (task family -> reason)."""
+    tok, samples = pair.tokenizer, []
 
     def fits(length: int, budget: int, what: str) -> bool:
         if length + budget <= pair.context:
@@ -161,7 +165,7 @@ def build_samples(pair: Pair, spec: SuiteSpec, opts: ValidateOptions) -> tuple[l
         skipped["ruler"] = f"the {spec.name} suite does not run RULER"
     if spec.longbench:
         samples += _longbench_samples(pair, spec, opts, skipped)
-    return samples, skipped
+    return samples
 
 
 def _longbench_samples(pair: Pair, spec: SuiteSpec, opts: ValidateOptions, skipped: dict) -> list[GenSample]:
@@ -218,7 +222,7 @@ def run_validate(opts: ValidateOptions) -> dict:
     """Run the suite, write report.json / report.md / PNGs into opts.out, return the report."""
     from kvconvert.eval.report import build_report, write_report
 
-    spec = get_suite(opts.suite)
+    spec = opts.suite if isinstance(opts.suite, SuiteSpec) else get_suite(opts.suite)
     started = time.time()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -231,9 +235,10 @@ def run_validate(opts: ValidateOptions) -> dict:
     cache = ResultCache(out / "cache", resume=opts.resume)
 
     samples_by_task: dict[str, list[dict]] = {}
+    skipped: dict[str, str] = {}
     if spec.ppl_windows:
-        samples_by_task["perplexity"] = run_perplexity(pair, spec, cache, opts)
-    gen_samples, skipped = build_samples(pair, spec, opts)
+        samples_by_task["perplexity"] = run_perplexity(pair, spec, cache, opts, skipped)
+    gen_samples = build_samples(pair, spec, opts, skipped)
     outputs = {}
     for role, runner in (("source", pair.source), ("candidate", pair.candidate)):
         outputs[role] = generate_all(runner, role, gen_samples, pair, cache, opts)

@@ -34,7 +34,8 @@ class MLAOptions:
     calib_tokens: int = 8192
     calib_window: int = 512
     dtype: str = "bf16"
-    key_weight: float = 0.1
+    key_weight: float = 1.0
+    query_weighted_rope: bool = True
     rho: float = 1e-3
     refit_o_proj: bool = True
     stream: str = "converted"  # hidden states carried through the converted (or source) layers
@@ -116,7 +117,8 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     d, rope_dim = validate_plan(cfg, opts)
     check_output_path(Path(out_dir), opts.overwrite)
     ensure_free_space(Path(out_dir), int(reader.total_bytes * DTYPES[opts.dtype].itemsize / 4 * 1.2))
-    plan = LayerPlan.for_source(d, opts.rank, rope_dim, key_weight=opts.key_weight, rho=opts.rho)
+    plan = LayerPlan.for_source(d, opts.rank, rope_dim, key_weight=opts.key_weight, rho=opts.rho,
+                               query_weighted_rope=opts.query_weighted_rope)
     H = cfg["num_attention_heads"]
     G = cfg.get("num_key_value_heads", H)
     inv_freq, att_scale = source_rope(cfg, d)
@@ -172,7 +174,7 @@ def _convert_one_layer(hidden, w, shape: LlamaShape, mla_shape: MLAShape, plan: 
     _check_finite(xn, f"layer {i} input")
     flat = xn.reshape(-1, xn.shape[-1]).double()
     cov_x = flat.T @ flat / flat.shape[0]
-    result = convert_attention(w, cov_x, shape, plan)
+    result = convert_attention(w, cov_x, flat.mean(0), shape, plan)
     c = flat @ result.weights["kv_a_proj_with_mqa"][: plan.rank].T
     mla_w = finalize_latent_norm(result.weights, c.pow(2).mean(-1), plan)
     y_src = llama_attention(xn, _f32(w), shape)  # source attention block output at this input

@@ -18,7 +18,7 @@ class LayerPlan:
     rope_dim: int  # qk_rope_head_dim
     nope_dim: int  # qk_nope_head_dim = min(head_dim, rank)
     v_dim: int  # v_head_dim = min(head_dim, rank)
-    key_weight: float = 0.1  # weight of key (score) errors vs value errors in the latent objective
+    key_weight: float = 1.0  # weight of key (score) errors vs value errors (both in output units)
     rho: float = 1e-3  # latent RMSNorm linearisation margin (mean(c^2) <= rho * eps)
     latent_eps: float = 1e-6  # eps of kv_a_layernorm (transformers hard-codes 1e-6)
     query_weighted_rope: bool = True
@@ -48,7 +48,7 @@ def query_key_weight(w_q: torch.Tensor, cov_x: torch.Tensor, s: LlamaShape) -> t
     return per_freq.view(s.kv_heads, s.group, half).sum(1)
 
 
-def convert_attention(w: dict, cov_x: torch.Tensor, s: LlamaShape, plan: LayerPlan) -> LayerResult:
+def convert_attention(w: dict, cov_x: torch.Tensor, mean_x: torch.Tensor, s: LlamaShape, plan: LayerPlan) -> LayerResult:
     """DeepSeek MLA weights for one layer, from source weights w (float64: q/k/v/o_proj) and
     the covariance cov_x = E[x x^T] of the layer's normed input.
 
@@ -61,7 +61,7 @@ def convert_attention(w: dict, cov_x: torch.Tensor, s: LlamaShape, plan: LayerPl
     maps = fz.rope_maps(basis, H, G, d)
     dn = maps.key_nope.shape[0]
     w_y = torch.cat([maps.key_nope @ w["k_proj"], w["v_proj"]])  # [Dn + G*d, hidden]
-    metric = fz.attention_weights(w["q_proj"], w["o_proj"], maps, cov_x, H, G, d, plan.key_weight)
+    metric = fz.attention_weights(w["q_proj"], w["v_proj"], w["o_proj"], maps, cov_x, mean_x, H, G, d, plan.key_weight)
     latent = fz.weighted_latent(w_y, cov_x, metric, plan.rank)
     up_k, up_v = latent.up[:dn], latent.up[dn:]  # [Dn, r], [G*d, r]
 

@@ -188,26 +188,33 @@ class Latent:
     energy: Tensor  # [Dn + G*d]
 
 
-def attention_weights(w_q: Tensor, w_o: Tensor, maps: RopeMaps, cov_x: Tensor, heads: int, kv_heads: int,
-                      head_dim: int, key_weight: float) -> Tensor:
+def attention_weights(w_q: Tensor, w_v: Tensor, w_o: Tensor, maps: RopeMaps, cov_x: Tensor, mean_x: Tensor,
+                      heads: int, kv_heads: int, head_dim: int, key_weight: float) -> Tensor:
     """The metric S^T S of the latent objective: block-diagonal [Dn + G*d, Dn + G*d].
 
-    Key block: key_weight * sum_h QN_h (W_q,h C_x W_q,h^T) QN_h^T / head_dim, i.e. the covariance of
-    the (softmax-scaled) NoPE queries that read the shared NoPE keys: the score error they see.
-    Value block g: sum_{h in g} W_o,h^T W_o,h: the value error seen through o_proj.
+    Value block g: sum_{h in g} W_o,h^T W_o,h, the value error seen through o_proj.
+    Key block: a score error ds moves head h's output by about sum_n p_n ds_n W_o,h (v_n - mean v),
+    so it is weighted by lambda_h = E||W_o,h (v - E v)||^2 (the head's output spread) times the
+    covariance of the softmax-scaled NoPE queries that read the shared NoPE keys:
+    key_weight * sum_h lambda_h QN_h (W_q,h C_x W_q,h^T) QN_h^T / head_dim. Both blocks are then in
+    units of output error, so key_weight ~ 1 is the natural balance.
     """
     d, group = head_dim, heads // kv_heads
     dn = maps.key_nope.shape[0]
     metric = torch.zeros(dn + kv_heads * d, dn + kv_heads * d, dtype=cov_x.dtype)
     wq = w_q.view(heads, d, -1)
+    wv = w_v.view(kv_heads, d, -1)
     wo = w_o.view(w_o.shape[0], heads, d)
+    centered = cov_x - torch.outer(mean_x, mean_x)
     for h in range(heads):
-        if dn:
-            q_cov = wq[h] @ cov_x @ wq[h].T  # [d, d]: cheap, then lift to the NoPE space
-            metric[:dn, :dn] += key_weight * (maps.query_nope[h] @ q_cov @ maps.query_nope[h].T) / d
         g = h // group
+        o_h = wo[:, h]  # [hidden, d]
+        if dn:
+            spread = torch.trace(o_h @ wv[g] @ centered @ wv[g].T @ o_h.T)
+            q_cov = wq[h] @ cov_x @ wq[h].T  # [d, d]: cheap, then lift to the NoPE space
+            metric[:dn, :dn] += key_weight * spread * (maps.query_nope[h] @ q_cov @ maps.query_nope[h].T) / d
         block = slice(dn + g * d, dn + (g + 1) * d)
-        metric[block, block] += wo[:, h].T @ wo[:, h]
+        metric[block, block] += o_h.T @ o_h
     return metric
 
 

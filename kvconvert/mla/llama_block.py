@@ -65,7 +65,15 @@ def attention_heads(q, k, v, scale: float) -> torch.Tensor:
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    dq, dv = q.shape[-1], v.shape[-1]
+    # PyTorch's fused CPU kernel needs equal q/k and v head dims (else a 10x slower fallback):
+    # zero-padding v (or q and k) changes neither the scores nor the kept output columns.
+    if dv < dq:
+        v = F.pad(v, (0, dq - dv))
+    elif dq < dv:
+        q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out[..., :dv]
 
 
 def llama_attention(xn: torch.Tensor, w: dict, s: LlamaShape) -> torch.Tensor:

@@ -119,12 +119,13 @@ class DeepseekV3ForCausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta: AttentionMetadata,
                 attn) -> torch.Tensor:
         x = self.embed[input_ids]
+        angles = self.rotary.angles(positions)
         for layer, stores in zip(self.layers, cache.layers):
-            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), positions, stores["kv"], meta, attn)
+            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), angles, stores["kv"], meta, attn)
             x = x + layer.mlp(rms_norm(x, layer.post_norm, self.eps))
         return rms_norm(x, self.norm, self.eps)
 
-    def _queries_and_rows(self, layer: DeepseekV3Layer, x, positions):
+    def _queries_and_rows(self, layer: DeepseekV3Layer, x, angles):
         """-> q_nope [T, H, nope], q_rope [T, H, rope] (RoPE'd), rows [T, rank + rope] to cache."""
         t, h = x.shape[0], self.num_heads
         rank, rope = self.kv_lora_rank, self.qk_rope_head_dim
@@ -138,13 +139,13 @@ class DeepseekV3ForCausalLM:
         q_nope, q_rope = q.split([self.qk_nope_head_dim, rope], dim=-1)
         latent, k_rope = kv_a.split([rank, rope], dim=-1)
         latent = rms_norm(latent, layer.kv_a_norm, LATENT_NORM_EPS)
-        q_rope = self.rotary(q_rope, positions)
-        k_rope = self.rotary(k_rope[:, None, :], positions)[:, 0]
+        q_rope = self.rotary(q_rope, angles)
+        k_rope = self.rotary(k_rope[:, None, :], angles)[:, 0]
         return q_nope, q_rope, torch.cat([latent, k_rope], dim=-1)
 
-    def _attention(self, layer: DeepseekV3Layer, x, positions, store, meta, attn):
+    def _attention(self, layer: DeepseekV3Layer, x, angles, store, meta, attn):
         t = x.shape[0]
-        q_nope, q_rope, rows = self._queries_and_rows(layer, x, positions)
+        q_nope, q_rope, rows = self._queries_and_rows(layer, x, angles)
         attn.write(store, rows, meta)
         out = x.new_empty(t, self.num_heads, self.v_head_dim)
         nd = meta.num_decode

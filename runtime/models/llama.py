@@ -79,17 +79,18 @@ class LlamaForCausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta: AttentionMetadata,
                 attn) -> torch.Tensor:
         x = self.embed[input_ids]
+        angles = self.rotary.angles(positions)
         for layer, stores in zip(self.layers, cache.layers):
-            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), positions, stores, meta, attn)
+            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), angles, stores, meta, attn)
             x = x + layer.mlp(rms_norm(x, layer.post_norm, self.eps))
         return rms_norm(x, self.norm, self.eps)
 
-    def _attention(self, layer: LlamaLayer, x, positions, stores, meta, attn):
+    def _attention(self, layer: LlamaLayer, x, angles, stores, meta, attn):
         t = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([hq * d, hk * d, hk * d], dim=-1)
-        q = self.rotary(q.view(t, hq, d), positions)
-        k = self.rotary(k.view(t, hk, d), positions)
+        q = self.rotary(q.view(t, hq, d), angles)
+        k = self.rotary(k.view(t, hk, d), angles)
         attn.write(stores["k"], k, meta)
         attn.write(stores["v"], v.view(t, hk, d), meta)
         out = attn.gqa(q, stores["k"], stores["v"], meta, self.scale)

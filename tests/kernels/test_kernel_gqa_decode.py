@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICE, assert_lse_close, make_paging
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kernels.attention import paged_gqa_decode
 from kvconvert.kernels.cache_layout import GQACacheLayer
 from kvconvert.kernels.gqa_decode import paged_gqa_decode_reference
+
+from kernel_cases import DEVICE, assert_lse_close, make_paging
 
 # (mode, per-head scales)
 MODES = [("none", False), ("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True)]
@@ -111,3 +112,13 @@ def test_gqa_launcher_and_layout_validation(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(KVConvertError, match="GPU tensors"):
             paged_gqa_decode(q, cache, tables, lens, scale)
+
+
+@pytest.mark.parametrize("block_n,block_h", [(32, 16), (64, 32)])
+def test_gqa_other_tile_configs(block_n, block_h):
+    """The launch configs the GPU benchmark tunes over give the same result."""
+    cache, q, tables, lens, scale = build_case("fp8", True, 40, 2, 32, 16, [70, 5])
+    out, lse = paged_gqa_decode(q, cache, tables, lens, scale, dot="fp32", block_n=block_n, block_h=block_h)
+    ref_out, ref_lse = paged_gqa_decode_reference(q, cache, tables, lens, scale)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)

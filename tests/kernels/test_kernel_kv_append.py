@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICE, make_paging
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kernels.append import kv_append_reference, kv_append_triton
 from kvconvert.kernels.cache_layout import GQACacheLayer, MLACacheLayer
+
+from kernel_cases import DEVICE, make_paging
 
 
 def _random_rows(shape, dtype, gen):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICE, assert_lse_close
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kernels.attention import merge_lse
 from kvconvert.kernels.merge import merge_lse_reference
+
+from kernel_cases import DEVICE, assert_lse_close
 
 
 def _attend(q, k, v):

@@ -11,12 +11,13 @@ import math
 
 import pytest
 import torch
-from kernel_cases import DEVICE, assert_lse_close, make_paging
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kernels.attention import paged_mla_decode
 from kvconvert.kernels.cache_layout import MLACacheLayer, mla_fp8_tile
 from kvconvert.kernels.mla_decode import paged_mla_decode_reference
+
+from kernel_cases import DEVICE, assert_lse_close, make_paging
 
 MODES = ("none", "fp8", "fp8_tile", "nvfp4")
 # (heads, kv_lora_rank, rope_dim): SmolLM2 conversions (9 heads, rope 32) and one small DeepSeek case
@@ -125,6 +126,11 @@ def test_mla_launcher_rejects_bad_inputs(monkeypatch):
         paged_mla_decode(qn, qr, cache, tables, lens, scale, backend="cuda")
     with pytest.raises(KVConvertError, match="dot precision"):
         paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="tf64")
+    with pytest.raises(KVConvertError, match="softmax_scale"):
+        paged_mla_decode(qn, qr, cache, tables, lens, float("nan"))
+    if DEVICE.type == "cpu":
+        with pytest.raises(KVConvertError, match="seq_lens must lie"):
+            paged_mla_decode(qn, qr, cache, tables, lens + tables.shape[1] * 16, scale)
     if DEVICE.type == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(KVConvertError, match="GPU tensors"):
@@ -143,3 +149,13 @@ def test_mla_cache_layout_validation():
         MLACacheLayer("nvfp4", 64, 32, good.data.to(torch.int8), good.rope, good.scales, good.tensor_scale)
     with pytest.raises(KVConvertError, match="shape"):
         MLACacheLayer("nvfp4", 64, 32, good.data, good.rope[..., :16], good.scales, good.tensor_scale)
+
+
+@pytest.mark.parametrize("block_n,block_h", [(32, 16), (64, 32)])
+def test_mla_other_tile_configs(block_n, block_h):
+    """The launch configs the GPU benchmark tunes over give the same result."""
+    cache, qn, qr, tables, lens, scale, _ = build_case("nvfp4", 9, 160, 32, 16, [70, 5])
+    out, lse = paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="fp32", block_n=block_n, block_h=block_h)
+    ref_out, ref_lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)

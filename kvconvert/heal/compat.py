@@ -1,0 +1,110 @@
+"""Checks that a student/teacher pair can be healed, run before any data is read or any training
+starts. Each failure is one KVConvertError line that says what differs and what to do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvconvert.checkpoint import CheckpointReader
+from kvconvert.errors import KVConvertError, UnsupportedModelError
+from kvconvert.mla import deepseek_format as fmt
+
+MATCHING_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size")
+# Tensors the converter copies unchanged (up to a dtype cast): equal in a real conversion.
+SHARED_TENSORS = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight")
+SHARED_TOLERANCE = 1e-2  # relative max error: covers an fp32 -> bf16 cast (2^-8), not other weights
+
+
+def check_student_config(cfg: dict, where: Path) -> None:
+    """The student must be a stock DeepSeek-V3 MLA checkpoint with the layout the healer trains."""
+    if cfg.get("model_type") != "deepseek_v3":
+        raise UnsupportedModelError(
+            f"{where}: student model_type is {cfg.get('model_type')!r}, not 'deepseek_v3'; "
+            "heal a checkpoint written by `kvconvert mla`")
+    if cfg.get("q_lora_rank") is not None:
+        raise UnsupportedModelError(f"{where}: q_lora_rank={cfg['q_lora_rank']} (low-rank queries) is not healed yet; "
+                                    "convert with plain q_proj (q_lora_rank null)")
+    if cfg.get("first_k_dense_replace", 0) < cfg.get("num_hidden_layers", 0):
+        raise UnsupportedModelError(f"{where}: MoE layers found (first_k_dense_replace < num_hidden_layers); "
+                                    "only all-dense MLA conversions can be healed")
+
+
+def check_pair(student: CheckpointReader, teacher: CheckpointReader) -> list[str]:
+    """Raise unless `student` is an MLA conversion of `teacher`. Returns notes (soft findings)."""
+    s_cfg, t_cfg = student.config, teacher.config
+    check_student_config(s_cfg, student.path)
+    try:
+        fmt.check_source_config(t_cfg)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{teacher.path}: teacher: {exc}") from None
+    for key in MATCHING_KEYS:
+        if s_cfg.get(key) != t_cfg.get(key):
+            raise KVConvertError(
+                f"student {key}={s_cfg.get(key)} but teacher {key}={t_cfg.get(key)}: the student is not an MLA "
+                f"conversion of this teacher; pass the source the student was converted from")
+    for name in SHARED_TENSORS:
+        _check_shared_tensor(student, teacher, name)
+    check_tokenizers(student.path, teacher.path)
+    return _manifest_notes(student.path, teacher.path)
+
+
+def _check_shared_tensor(student: CheckpointReader, teacher: CheckpointReader, name: str) -> None:
+    if name not in student or name not in teacher:
+        raise KVConvertError(f"{name} missing from {'student' if name not in student else 'teacher'}: "
+                             "is this a complete checkpoint?")
+    if student.shape(name) != teacher.shape(name):
+        raise KVConvertError(f"{name}: student shape {student.shape(name)} != teacher {teacher.shape(name)}")
+    s = student.get(name, torch.float32)
+    t = teacher.get(name, torch.float32)
+    err = float((s - t).abs().max() / t.abs().max().clamp_min(1e-30))
+    if err > SHARED_TOLERANCE:
+        raise KVConvertError(
+            f"{name} differs between student and teacher (relative error {err:.3g}): the student was not "
+            "converted from this teacher; pass the source the student was converted from")
+
+
+def load_tokenizer(folder: Path, role: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
+        raise KVConvertError(f"{folder}: cannot load the {role}'s tokenizer ({type(exc).__name__}); "
+                             "copy tokenizer.json/tokenizer_config.json into the folder") from None
+
+
+def check_tokenizers(student_dir: Path, teacher_dir: Path) -> None:
+    """Distillation compares next-token distributions position by position: the two vocabularies
+    (token -> id maps) must be identical."""
+    s_vocab = load_tokenizer(student_dir, "student").get_vocab()
+    t_vocab = load_tokenizer(teacher_dir, "teacher").get_vocab()
+    if s_vocab != t_vocab:
+        only_s = len(set(s_vocab) - set(t_vocab))
+        moved = sum(1 for k, v in s_vocab.items() if k in t_vocab and t_vocab[k] != v)
+        raise KVConvertError(
+            f"student and teacher tokenizers differ ({len(s_vocab)} vs {len(t_vocab)} tokens, {only_s} only in the "
+            f"student, {moved} with other ids): heal needs the teacher the student was converted from")
+
+
+def read_manifest(folder: Path) -> dict:
+    path = Path(folder) / "manifest.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _manifest_notes(student_dir: Path, teacher_dir: Path) -> list[str]:
+    manifest = read_manifest(student_dir)
+    source = manifest.get("source")
+    if not source:
+        return [f"{student_dir}: no manifest source recorded; relied on the weight check"]
+    src_path = Path(source).expanduser()
+    if src_path.exists() and src_path.resolve() != Path(teacher_dir).resolve():
+        return [f"student manifest names source {source}, teacher is {teacher_dir} (shared weights match)"]
+    return []

@@ -1,0 +1,318 @@
+"""End-to-end distillation of a converted MLA student from its source (teacher).
+
+Loss per token (temperature tau, distributions over the shared vocabulary):
+    kl_weight * tau^2 * KL(softmax(z_t / tau) || softmax(z_s / tau))  +  lm_weight * CE(z_s, next token)
+averaged over all predicted positions. The student is transformers' DeepseekV3ForCausalLM loaded
+from the checkpoint (no remote code), the teacher AutoModelForCausalLM (Llama). Only attention
+weights train (q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; kv_a_layernorm stays fixed), either
+fully or as LoRA deltas merged at the end, in units of each row's RMS (heal.reparam).
+
+accelerate runs the same loop on one CPU, one GPU or `accelerate launch` (DDP/FSDP; see docs/heal.md).
+Resumable: every `checkpoint_every` optimizer steps (and on Ctrl-C) the trainable tensors, optimizer
+and scheduler state, step and loss history go to state_dir (the output's temp area); a rerun with
+the same inputs continues from there and reaches the same final weights as an uninterrupted run.
+
+Token ids: ids [N, seq_len] int64 training windows; the data order is a function of the step only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
+from tqdm.auto import tqdm
+
+from kvconvert.errors import KVConvertError
+from kvconvert.heal.reparam import ScaledWeight, row_scales
+from kvconvert.recipe import DistillStage
+
+STATE_FILE = "distill_state.pt"
+
+
+@dataclass
+class DistillResult:
+    weights: dict  # checkpoint name -> trained attention weight (float32, merged)
+    history: list = field(default_factory=list)  # one dict per optimizer step
+    steps_done: int = 0
+    finished: bool = False
+    tokens_seen: int = 0
+    seconds: float = 0.0
+
+
+def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over positions of tau^2 KL(p_t || p_s); logits [B, T, V] (computed in float32)."""
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    kl = (t.exp() * (t - s)).sum(-1)
+    return kl.mean() * temperature ** 2
+
+
+def attention_modules(model) -> list[tuple[str, torch.nn.Module]]:
+    """(checkpoint prefix, nn.Linear) for each trainable-kind attention projection of every layer."""
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        for name in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            module = getattr(layer.self_attn, name, None)
+            if module is not None:
+                out.append((f"model.layers.{i}.self_attn.{name}", module))
+    return out
+
+
+def attach_trainable(model, stage: DistillStage) -> list[str]:
+    """Freeze the model, then make stage.targets trainable through ScaledWeight parametrizations.
+    Returns the checkpoint names of the parametrized weights."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    rank = model.config.kv_lora_rank
+    names = []
+    for prefix, module in attention_modules(model):
+        short = prefix.rsplit(".", 1)[-1]
+        if short not in stage.targets:
+            continue
+        w = module.weight
+        lora = stage.lora_rank if stage.train == "lora" else 0
+        param = ScaledWeight(row_scales(short, w, rank), w.shape[1], lora, stage.lora_alpha).to(w.device)
+        parametrize.register_parametrization(module, "weight", param)
+        original = module.parametrizations.weight.original
+        original.requires_grad_(stage.train == "full")
+        names.append(f"{prefix}.weight")
+    return names
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def merged_weights(model, names: list[str]) -> dict[str, torch.Tensor]:
+    """Current effective weights (scale * (P + LoRA)) by checkpoint name, float32 on the CPU."""
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        return {n: modules[n.rsplit(".", 1)[0]].weight.detach().float().cpu().clone() for n in names}
+
+
+def lr_lambda(stage: DistillStage, total: int):
+    def factor(step: int) -> float:
+        if step < stage.warmup_steps:
+            return (step + 1) / (stage.warmup_steps + 1)
+        progress = (step - stage.warmup_steps) / max(1, total - stage.warmup_steps)
+        if stage.schedule == "cosine":
+            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if stage.schedule == "linear":
+            return max(0.05, 1.0 - progress)
+        return 1.0
+    return factor
+
+
+def window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
+    """[count] window indexes: concatenated seeded permutations (epochs) of range(n_windows)."""
+    epochs = math.ceil(count / n_windows)
+    perms = [torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 7919 + e)) for e in range(epochs)]
+    return torch.cat(perms)[:count]
+
+
+class Distiller:
+    """One distillation run. Call run(); `max_steps` stops early (state saved) for resumption."""
+
+    def __init__(self, student_dir: Path, teacher_dir: Path, ids: torch.Tensor, stage: DistillStage,
+                 state_dir: Path, fingerprint: str, progress: bool = True, cpu: bool | None = None):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.stage = stage
+        self.ids = ids
+        self.state_dir = Path(state_dir)
+        self.fingerprint = fingerprint
+        self.progress = progress
+        self.accelerator = Accelerator(mixed_precision=stage.mixed_precision,
+                                       cpu=cpu if cpu is not None else not torch.cuda.is_available())
+        set_seed(stage.seed)
+        self.student, self.teacher = self._load_models(student_dir, teacher_dir)
+        self.names = attach_trainable(self.student, stage)
+        params = [p for p in self.student.parameters() if p.requires_grad]
+        if not params:
+            raise KVConvertError("heal_distill.targets selects no weights to train")
+        self.optimizer = torch.optim.Adam(params, lr=stage.lr, betas=(0.9, 0.99))
+        self.student, self.optimizer = self.accelerator.prepare(self.student, self.optimizer)
+        # Our own scheduler, one step per optimizer step (accelerate's wrapper would step it once
+        # per process), on the optimizer inside accelerate's wrapper.
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(stage, stage.steps))
+        self.teacher = self.teacher.to(self.accelerator.device)
+        world = self.accelerator.num_processes
+        micro = stage.steps * stage.grad_accum * world * stage.batch_size
+        self.order = window_order(ids.shape[0], micro, stage.seed)
+        self.history: list[dict] = []
+        self.step = 0
+
+    def _load_models(self, student_dir: Path, teacher_dir: Path):
+        from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
+
+        student = DeepseekV3ForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
+        teacher_dtype = torch.bfloat16 if self.stage.mixed_precision == "bf16" else torch.float32
+        teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=teacher_dtype)
+        student.config.use_cache = False
+        teacher.eval().requires_grad_(False)
+        student.train()
+        return student, teacher
+
+    # ------------------------------------------------------------------ state
+    def _state_path(self) -> Path:
+        return self.state_dir / STATE_FILE
+
+    def save_state(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.student)
+        state = {
+            "fingerprint": self.fingerprint, "step": self.step, "history": self.history,
+            "trainable": {k: v.cpu() for k, v in trainable_state(model).items()},
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        }
+        tmp = self._state_path().with_suffix(".partial")
+        torch.save(state, tmp)
+        os.replace(tmp, self._state_path())
+
+    def try_resume(self) -> bool:
+        """Load a saved state with the same fingerprint; True when resumed."""
+        path = self._state_path()
+        if not path.is_file():
+            return False
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state.get("fingerprint") != self.fingerprint:
+            return False
+        model = self.accelerator.unwrap_model(self.student)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.history = state["step"], state["history"]
+        return True
+
+    # ------------------------------------------------------------------ training
+    def _micro_batch(self, step: int, micro: int) -> torch.Tensor:
+        s = self.stage
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        g = (step * s.grad_accum + micro) * world + rank
+        idx = self.order[g * s.batch_size:(g + 1) * s.batch_size]
+        return self.ids[idx].to(self.accelerator.device)
+
+    def _loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        s = self.stage
+        with torch.no_grad():
+            t_logits = self.teacher(input_ids=batch).logits
+        with self.accelerator.autocast():
+            s_logits = self.student(input_ids=batch).logits
+        parts = {}
+        loss = torch.zeros((), device=batch.device)
+        if s.kl_weight:
+            parts["kl"] = kl_loss(t_logits, s_logits, s.temperature)
+            loss = loss + s.kl_weight * parts["kl"]
+        if s.lm_weight:
+            parts["ce"] = F.cross_entropy(s_logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+            loss = loss + s.lm_weight * parts["ce"]
+        return loss, {k: float(v) for k, v in parts.items()}
+
+    def train_step(self) -> dict:
+        s = self.stage
+        t0 = time.time()
+        totals: dict[str, float] = {}
+        loss_sum = 0.0
+        for micro in range(s.grad_accum):
+            batch = self._micro_batch(self.step, micro)
+            last = micro == s.grad_accum - 1
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(self.student):
+                loss, parts = self._loss(batch)
+                self.accelerator.backward(loss / s.grad_accum)
+            loss_sum += float(loss) / s.grad_accum
+            for k, v in parts.items():
+                totals[k] = totals.get(k, 0.0) + v / s.grad_accum
+        grad_norm = self.accelerator.clip_grad_norm_(
+            [p for p in self.student.parameters() if p.requires_grad], s.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = s.tokens_per_step * self.accelerator.num_processes
+        dt = time.time() - t0
+        record = {"step": self.step + 1, "loss": loss_sum, **totals, "grad_norm": float(grad_norm),
+                  "lr": self.scheduler.get_last_lr()[0], "tokens": tokens, "seconds": dt}
+        self.step += 1
+        return record
+
+    def run(self, max_steps: int | None = None) -> DistillResult:
+        """Train to stage.steps (or stop after max_steps total steps, saving state)."""
+        s = self.stage
+        t0 = time.time()
+        stop = s.steps if max_steps is None else min(s.steps, max_steps)
+        bar = tqdm(total=s.steps, initial=self.step, desc="heal: distill", unit="step",
+                   disable=not self.progress or not self.accelerator.is_main_process)
+        try:
+            while self.step < stop:
+                record = self.train_step()
+                self.history.append(record)
+                bar.update(1)
+                if self.step % s.log_every == 0:
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens'] / max(record['seconds'], 1e-9):.0f}")
+                if s.checkpoint_every and self.step % s.checkpoint_every == 0 and self.step < s.steps:
+                    self.save_state()
+        except KeyboardInterrupt:
+            self.save_state()
+            raise
+        finally:
+            bar.close()
+        finished = self.step >= s.steps
+        if not finished:
+            self.save_state()
+        model = self.accelerator.unwrap_model(self.student)
+        weights = merged_weights(model, self.names) if self.accelerator.is_main_process else {}
+        tokens = sum(r["tokens"] for r in self.history)
+        return DistillResult(weights, self.history, self.step, finished, tokens, time.time() - t0)
+
+
+def plot_loss_curve(history: list[dict], path: Path, title: str = "heal: distillation loss") -> None:
+    """loss (and KL / CE parts) per optimizer step, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    steps = [r["step"] for r in history]
+    for key in ("loss", "kl", "ce"):
+        if history and key in history[0]:
+            ax.plot(steps, [r[key] for r in history], label=key, lw=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def summarize(history: list[dict]) -> dict:
+    if not history:
+        return {}
+    k = max(1, len(history) // 10)
+    head, tail = history[:k], history[-k:]
+    secs = sum(r["seconds"] for r in history)
+    return {"steps": len(history), "loss_first": sum(r["loss"] for r in head) / k,
+            "loss_last": sum(r["loss"] for r in tail) / k,
+            "tokens": sum(r["tokens"] for r in history),
+            "tokens_per_s": sum(r["tokens"] for r in history) / max(secs, 1e-9)}
+
+
+def write_history(history: list[dict], path: Path) -> None:
+    path.write_text("\n".join(json.dumps(r) for r in history) + "\n")

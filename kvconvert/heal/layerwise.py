@@ -1,0 +1,308 @@
+"""Layer-wise reconstruction: fit each converted MLA attention block to the source block's output.
+
+Streaming, one decoder layer in memory at a time. Two residual streams of calibration hidden
+states are carried through the layers, the teacher's (h_t, source layers) and the student's (h_s,
+healed MLA layers); at layer i the student block A_s (q_proj, kv_a_proj_with_mqa, kv_b_proj,
+o_proj; kv_a_layernorm fixed and uniform, MLP untouched) is fitted by Adam, starting from the
+conversion's closed form, to one of three targets (LayerwiseStage.target):
+
+    student_input     min |A_s(x_s) - A_t(x_s)|^2          (x = RMSNorm(h): the block input)
+    teacher_input     min |A_s(x_t) - A_t(x_t)|^2
+    student_residual  min |h_s + A_s(x_s) - (h_t + A_t(x_t))|^2
+
+The loss is normalised by the target's energy, so `rel_err` below is |error|^2 / |target|^2 over
+all calibration tokens. Each weight is optimised in units of its own RMS (heal.reparam), then
+o_proj is refitted by least squares (exact optimum for the rest fixed) and the latent is
+re-scaled if training pushed kv_a_layernorm out of its linear range.
+
+Tensors: x, y [N, T, hidden] (N calibration windows of T tokens), float32 on `device`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
+from kvconvert.heal import blocks
+from kvconvert.heal.reparam import row_scales
+from kvconvert.mla import factorize as fz
+from kvconvert.mla.mla_block import MLAShape, mla_attention, mla_attention_heads
+from kvconvert.recipe import LayerwiseStage
+
+CHUNK_WINDOWS = 8  # windows per forward when evaluating on the whole calibration set
+LINEAR_RHO = 1e-3  # kv_a_layernorm stays linear while mean(c^2) <= rho * eps (as the converter)
+
+
+@dataclass
+class BlockFit:
+    weights: dict  # fitted attention weights (short names), float32
+    report: dict = field(default_factory=dict)
+
+
+def _chunks(n: int, size: int = CHUNK_WINDOWS):
+    return [slice(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def relative_error(x: torch.Tensor, y: torch.Tensor, w: dict, shape: MLAShape) -> float:
+    """sum |A_s(x) - y|^2 / sum |y|^2 over all windows (chunked)."""
+    num = den = 0.0
+    for sl in _chunks(x.shape[0]):
+        diff = mla_attention(x[sl], w, shape) - y[sl]
+        num += float(diff.double().pow(2).sum())
+        den += float(y[sl].double().pow(2).sum())
+    return num / max(den, 1e-300)
+
+
+@torch.no_grad()
+def latent_sq_mean_max(x: torch.Tensor, kv_a: torch.Tensor, rank: int) -> float:
+    """max over tokens of mean(c^2), c = the latent rows of kv_a applied to x (pre-norm latent)."""
+    best = 0.0
+    for sl in _chunks(x.shape[0]):
+        c = x[sl] @ kv_a[:rank].T
+        best = max(best, float(c.pow(2).mean(-1).max()))
+    return best
+
+
+@torch.no_grad()
+def refit_o_proj(x: torch.Tensor, y: torch.Tensor, w: dict, shape: MLAShape) -> torch.Tensor:
+    """Least-squares o_proj [hidden, H*v] given the other weights (float64 normal equations)."""
+    din = w["o_proj"].shape[1]
+    cov = torch.zeros(din, din, dtype=torch.float64, device=x.device)
+    cross = torch.zeros(y.shape[-1], din, dtype=torch.float64, device=x.device)
+    n = 0
+    for sl in _chunks(x.shape[0]):
+        a = mla_attention_heads(x[sl], w, shape).reshape(-1, din).double()
+        t = y[sl].reshape(-1, y.shape[-1]).double()
+        cov += a.T @ a
+        cross += t.T @ a
+        n += a.shape[0]
+    return fz.refit_o_proj(cov.cpu() / n, cross.cpu() / n, w["o_proj"].double().cpu()).to(w["o_proj"])
+
+
+def relinearize_latent(x: torch.Tensor, w: dict, shape: MLAShape, limit: float) -> tuple[dict, float]:
+    """Shrink the latent rows of kv_a (and grow kv_b_proj by the inverse) when training pushed
+    max mean(c^2) above `limit`: in the linear range RMSNorm(b c) ~ b c / sqrt(eps), so kv_b / b
+    keeps the function. Returns (weights, applied factor b <= 1)."""
+    peak = latent_sq_mean_max(x, w["kv_a_proj_with_mqa"], shape.rank)
+    if peak <= limit:
+        return w, 1.0
+    b = math.sqrt(limit / peak)
+    out = dict(w)
+    kv_a = w["kv_a_proj_with_mqa"].clone()
+    kv_a[: shape.rank] *= b
+    out["kv_a_proj_with_mqa"] = kv_a
+    out["kv_b_proj"] = w["kv_b_proj"] / b
+    return out, b
+
+
+def _lr_at(step: int, steps: int, lr: float) -> float:
+    """Cosine decay from lr to lr/20: late steps average out minibatch noise."""
+    return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / max(1, steps))))
+
+
+def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: MLAShape, stage: LayerwiseStage,
+                        generator: torch.Generator | None = None, x_val=None, y_val=None) -> BlockFit:
+    """Fit one MLA attention block so that A_s(x) ~ y.
+
+    x, y: [N, T, hidden] float32 (normed block inputs and targets). weights: the block's current
+    attention weights (short names; kv_a_layernorm included and kept fixed). Returns float32
+    weights and a report with rel_err before/after each step (and on x_val/y_val when given).
+    """
+    t0 = time.time()
+    w0 = {k: v.detach().float().to(x.device) for k, v in weights.items()}
+    report = {"rel_err_before": relative_error(x, y, w0, shape)}
+    if x_val is not None:
+        report["val_rel_err_before"] = relative_error(x_val, y_val, w0, shape)
+    base_peak = latent_sq_mean_max(x, w0["kv_a_proj_with_mqa"], shape.rank)
+    w = _adam_fit(x, y, w0, shape, stage, generator) if stage.steps else dict(w0)
+    report["rel_err_adam"] = relative_error(x, y, w, shape)
+    limit = max(base_peak, LINEAR_RHO * shape.latent_eps)
+    w, factor = relinearize_latent(x, w, shape, limit)
+    report["latent_rescale"] = factor
+    if stage.refit_o_proj:
+        w["o_proj"] = refit_o_proj(x, y, w, shape)
+    report["rel_err_after"] = relative_error(x, y, w, shape)
+    if report["rel_err_after"] > report["rel_err_before"]:  # never hand back a worse block
+        w, report["reverted"] = w0, True
+        report["rel_err_after"] = report["rel_err_before"]
+    if x_val is not None:
+        report["val_rel_err_after"] = relative_error(x_val, y_val, w, shape)
+    report["seconds"] = round(time.time() - t0, 2)
+    return BlockFit(w, report)
+
+
+def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseStage, generator) -> dict:
+    scales = {k: row_scales(k, w0[k], shape.rank).to(x.device)[:, None] for k in stage.train}
+    params = {k: torch.nn.Parameter(w0[k] / scales[k]) for k in stage.train}
+    opt = torch.optim.Adam(params.values(), lr=stage.lr)
+    denom = y.pow(2).mean().clamp_min(1e-30)  # normalise: the loss reads as a relative error
+    n = x.shape[0]
+    for step in range(stage.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, stage.steps, stage.lr)
+        idx = torch.randperm(n, generator=generator)[: stage.batch_windows].to(x.device)
+        w = dict(w0)
+        w.update({k: scales[k] * p for k, p in params.items()})
+        loss = (mla_attention(x[idx], w, shape) - y[idx]).pow(2).mean() / denom
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    out = dict(w0)
+    out.update({k: (scales[k] * p).detach() for k, p in params.items()})
+    return out
+
+
+# ------------------------------------------------------------------------- streaming driver
+
+def block_targets(h_t, h_s, tw, sw, t_shape, s_shape, target: str):
+    """(x, y, teacher attention output) for one layer, chunked over windows.
+
+    x: the student block's input (normed), y: what A_s(x) should produce (see module docstring).
+    """
+    xs, ys, at = [], [], []
+    for sl in _chunks(h_t.shape[0]):
+        x_t, a_t = blocks.teacher_attention(h_t[sl], tw, t_shape)
+        at.append(a_t)
+        if target == "teacher_input":
+            xs.append(x_t)
+            ys.append(a_t)
+            continue
+        x_s = blocks.rms_norm(h_s[sl], sw["input_layernorm"], s_shape.rms_eps)
+        xs.append(x_s)
+        if target == "student_input":
+            x_for_teacher = blocks.rms_norm(h_s[sl], tw["input_layernorm"], t_shape.rms_eps)
+            ys.append(blocks.llama_attention(x_for_teacher, tw, t_shape))
+        else:  # student_residual
+            ys.append(h_t[sl] + a_t - h_s[sl])
+    return torch.cat(xs), torch.cat(ys), torch.cat(at)
+
+
+@torch.no_grad()
+def _advance(h_t, h_s, a_t, tw, sw, t_shape, s_shape):
+    """Both streams through layer i (teacher attention output a_t already computed)."""
+    from kvconvert.mla.llama_block import llama_mlp, rms_norm
+
+    new_t, new_s = [], []
+    for sl in _chunks(h_t.shape[0]):
+        mid = h_t[sl] + a_t[sl]
+        new_t.append(mid + llama_mlp(rms_norm(mid, tw["post_attention_layernorm"], t_shape.rms_eps), tw))
+        new_s.append(blocks.student_layer(h_s[sl], sw, s_shape))
+    return torch.cat(new_t), torch.cat(new_s)
+
+
+class LayerwiseState:
+    """Resumable progress of the layer-wise stage in `folder` (the output's temp area):
+    layer_00007.safetensors (fitted attention weights), stream.safetensors (h_t, h_s after the last
+    finished layer), progress.json {"done": i, "fingerprint": ...}."""
+
+    def __init__(self, folder: Path, fingerprint: str):
+        self.folder = Path(folder)
+        self.fingerprint = fingerprint
+
+    def done(self) -> int:
+        """Number of finished layers that can be reused (0 when the state is absent or stale)."""
+        path = self.folder / "progress.json"
+        if not path.is_file():
+            return 0
+        info = json.loads(path.read_text())
+        return info["done"] if info.get("fingerprint") == self.fingerprint else 0
+
+    def save_layer(self, i: int, w: dict, report: dict, h_t, h_s) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _atomic_save({k: v.contiguous().cpu() for k, v in w.items()}, self.folder / f"layer_{i:05d}.safetensors")
+        _atomic_save({"h_t": h_t.contiguous().cpu(), "h_s": h_s.contiguous().cpu()}, self.folder / "stream.safetensors")
+        reports = self.reports()[:i] + [report]
+        _atomic_write(self.folder / "progress.json",
+                      json.dumps({"done": i + 1, "fingerprint": self.fingerprint, "reports": reports}))
+
+    def reports(self) -> list:
+        path = self.folder / "progress.json"
+        return json.loads(path.read_text()).get("reports", []) if path.is_file() else []
+
+    def load_layer(self, i: int) -> dict:
+        return load_file(str(self.folder / f"layer_{i:05d}.safetensors"))
+
+    def load_stream(self):
+        s = load_file(str(self.folder / "stream.safetensors"))
+        return s["h_t"], s["h_s"]
+
+
+def _atomic_save(tensors: dict, path: Path) -> None:
+    tmp = path.with_suffix(".partial")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: torch.Tensor, stage: LayerwiseStage,
+                  writer: CheckpointWriter, state: LayerwiseState | None = None, device: str = "cpu",
+                  progress: bool = True, val_windows: int = 0) -> list[dict]:
+    """Heal every attention block of `student` and write the full checkpoint into `writer`
+    (stock DeepSeek-V3 names, the student's dtypes; non-attention tensors copied unchanged).
+
+    ids: [N, T] calibration token ids; the last `val_windows` windows are held out and only
+    measured. Returns one report dict per layer.
+    """
+    s_cfg, t_cfg = student.config, teacher.config
+    s_shape, t_shape = blocks.student_shape(s_cfg), blocks.teacher_shape(t_cfg)
+    n_layers = s_cfg["num_hidden_layers"]
+    start = state.done() if state is not None else 0
+    reports = state.reports()[:start] if start else []
+    if start:
+        h_t, h_s = (t.to(device) for t in state.load_stream())
+    else:
+        embed = student.get("model.embed_tokens.weight", torch.float32)
+        h_s = embed[ids].to(device)
+        h_t = teacher.get("model.embed_tokens.weight", torch.float32)[ids].to(device)
+    n_fit = ids.shape[0] - val_windows
+    bar = tqdm(range(n_layers), desc="heal: layer-wise", disable=not progress, initial=start)
+    for i in range(n_layers):
+        if i < start:
+            fitted = state.load_layer(i)
+        else:
+            tw = {k: v.to(device) for k, v in blocks.teacher_layer_weights(teacher, i).items()}
+            sw = {k: v.to(device) for k, v in blocks.student_layer_weights(student, i).items()}
+            x, y, a_t = block_targets(h_t, h_s, tw, sw, t_shape, s_shape, stage.target)
+            attn = {k: sw[k] for k in blocks.STUDENT_ATTENTION}
+            gen = torch.Generator().manual_seed(stage.seed * 100_003 + i)  # per layer: resumable
+            fit = fit_attention_block(x[:n_fit], y[:n_fit], attn, s_shape.mla, stage, gen,
+                                      x[n_fit:] if val_windows else None, y[n_fit:] if val_windows else None)
+            fitted = {k: v.cpu() for k, v in fit.weights.items()}
+            sw.update(fit.weights)
+            del x, y
+            h_t, h_s = _advance(h_t, h_s, a_t, tw, sw, t_shape, s_shape)
+            report = {"layer": i, **fit.report}
+            reports.append(report)
+            if state is not None:
+                state.save_layer(i, fitted, report, h_t, h_s)
+            bar.update(1)
+            bar.set_postfix(err=f"{report['rel_err_before']:.3f}->{report['rel_err_after']:.3f}")
+        for short, name in blocks.STUDENT_ATTENTION.items():
+            key = name.format(i=i)
+            writer.add(key, fitted[short].to(student.get(key).dtype))
+        for name in blocks.STUDENT_OTHER.values():
+            writer.add(name.format(i=i), student.get(name.format(i=i)))
+    bar.close()
+    return reports
+
+
+def copy_globals(student: CheckpointReader, writer: CheckpointWriter) -> None:
+    """Embeddings, final norm and lm_head, unchanged."""
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        writer.add(name, student.get(name))
+

@@ -1,0 +1,205 @@
+"""`kvconvert calibrate`: static FP8 / NVFP4 KV-cache scales from calibration data.
+
+Pipeline (all on CPU, fp32):
+1. detect what the engine caches (layout.py) and refuse checkpoints with no recognised attention;
+2. optionally fold rotations into the weights (rotate.py) - planned from a short statistics pass;
+3. one pass over ALL calibration windows with a cache hook: streaming observers (observers.py),
+   NaN/inf checked per layer; the attention inputs of the first windows are recorded for (4);
+4. scales = observer statistic / 448 (amax, percentile), or the attention-output MSE search
+   (search.py) started from the amax scales;
+5. export (export.py): weights (copied or rotated) + k/v scales in vLLM and/or ModelOpt names,
+   config, calibration_report.json and a PNG, written atomically.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvconvert.errors import KVConvertError
+from kvconvert.quant.capture import AttentionRecorder, cache_hook, check_finite, run_with_hook
+from kvconvert.quant.fake_quant import KV_DTYPES, check_kv_dtype, scale_from_amax
+from kvconvert.quant.layout import KVLayout
+from kvconvert.quant.observers import GRANULARITIES, OBSERVERS, KVObserver
+from kvconvert.quant.rotate import (
+    RotationPlan, apply_plan_to_model, block_hadamard, pair_amax_from_channels, pair_equalizing_scale,
+)
+from kvconvert.quant.scales import KVScales
+from kvconvert.quant.search import search_layer_scales
+
+FORMATS = ("auto", "vllm", "modelopt", "both")
+
+
+@dataclass
+class CalibrationSettings:
+    """How to calibrate (independent of where the result is written).
+
+    rotate: None = automatic (on for nvfp4, off for fp8). rotation_block: Hadamard block for V /
+    the MLA latent (0 = largest power of two dividing the dim, capped at 128). key_strength: RoPE-pair
+    equalization strength for keys (0 = off; used when rotating for nvfp4).
+    """
+
+    kv_dtype: str
+    observer: str = "mse"
+    granularity: str = "tensor"
+    percentile: float = 99.99
+    rotate: bool | None = None
+    rotation_block: int = 0
+    rotation_seed: int | None = 0
+    key_strength: float = 0.5
+    search_tokens: int = 1024
+    batch_size: int = 4
+
+    def __post_init__(self):
+        check_kv_dtype(self.kv_dtype)
+        if self.observer not in OBSERVERS:
+            raise KVConvertError(f"unknown observer {self.observer!r}: use one of {', '.join(OBSERVERS)}")
+        if self.granularity not in GRANULARITIES:
+            raise KVConvertError(f"unknown granularity {self.granularity!r}: use one of {', '.join(GRANULARITIES)}")
+        if not 0.0 < self.percentile <= 100.0:
+            raise KVConvertError(f"--percentile must be in (0, 100], got {self.percentile}")
+        if not 0.0 <= self.key_strength <= 1.0:
+            raise KVConvertError(f"key strength must be in [0, 1], got {self.key_strength}")
+        if self.batch_size < 1 or self.search_tokens < 0:
+            raise KVConvertError("batch size must be >= 1 and search tokens >= 0")
+
+    @property
+    def rotation_enabled(self) -> bool:
+        return self.kv_dtype == "nvfp4" if self.rotate is None else self.rotate
+
+
+@dataclass
+class CalibrationResult:
+    scales: KVScales
+    plan: RotationPlan
+    observers: list[dict[str, KVObserver]]
+    stats: dict = field(default_factory=dict)  # amax per layer, search info, timings
+
+
+def new_observers(layout: KVLayout) -> list[dict[str, KVObserver]]:
+    return [{kind: KVObserver(layout.num_kv_heads, layout.head_dim) for kind in layout.kinds}
+            for _ in range(layout.num_layers)]
+
+
+def observe_kv(model, layout: KVLayout, windows: torch.Tensor, batch_size: int,
+               recorder: AttentionRecorder | None = None, record_windows: int = 0,
+               progress=None) -> list[dict[str, KVObserver]]:
+    """One pass over all windows ([N, T]); returns per-layer observers of every cached tensor.
+
+    The recorder (if any) records the attention inputs of the first `record_windows` windows.
+    """
+    observers = new_observers(layout)
+
+    def row_hook(layer_idx, kind, x):
+        check_finite(layer_idx, kind, x)
+        observers[layer_idx][kind].observe(x)
+        return x
+
+    hook = cache_hook(layout, row_hook)
+    record_windows = min(record_windows, windows.shape[0]) if recorder is not None else 0
+    done = 0
+    for part, recording in ((windows[:record_windows], True), (windows[record_windows:], False)):
+        if recorder is not None:
+            recorder.active = recording
+        for start in range(0, part.shape[0], batch_size):
+            batch = part[start:start + batch_size]
+            run_with_hook(model, batch, hook, batch_size=batch.shape[0])
+            done += batch.shape[0]
+            if progress is not None:
+                progress(done, windows.shape[0])
+    if recorder is not None:
+        recorder.active = False
+    return observers
+
+
+def plan_rotation(model, layout: KVLayout, settings: CalibrationSettings, windows: torch.Tensor) -> RotationPlan:
+    """Rotation for V / the MLA latent (Hadamard) and, for nvfp4, RoPE-pair key scaling.
+
+    Key pair scales come from a statistics pass over (at most 8 of) the calibration windows.
+    """
+    dim = layout.kv_lora_rank if layout.is_mla else layout.head_dim
+    block = settings.rotation_block or (dim & -dim)
+    block = min(block, 128) if not settings.rotation_block else block
+    rot = block_hadamard(dim, block, settings.rotation_seed)
+    desc = {"value_rotation": f"hadamard block {block}" + (f", random signs seed {settings.rotation_seed}"
+                                                           if settings.rotation_seed is not None else ""),
+            "applies_to": "latent (MLA)" if layout.is_mla else "V per KV head"}
+    pair_scales = None
+    if settings.kv_dtype == "nvfp4" and settings.key_strength > 0:
+        stats = observe_kv(model, layout, windows[:8], settings.batch_size)
+        pair_scales = [_key_pair_scale(layout, obs, settings.key_strength) for obs in stats]
+        desc["key_pair_scaling"] = {"strength": settings.key_strength, "source_windows": int(min(8, windows.shape[0]))}
+    return RotationPlan(layout, rot, pair_scales, desc)
+
+
+def _key_pair_scale(layout: KVLayout, obs: dict[str, KVObserver], strength: float) -> torch.Tensor:
+    if not layout.is_mla:
+        pair = pair_amax_from_channels(obs["k"].amax_channel, interleave=False)  # [kv_heads, d/2]
+        return pair_equalizing_scale(pair, strength)
+    # MLA row [latent | k_rope] in engine order: k_rope pairs are adjacent (2i, 2i+1) when interleaved,
+    # and (i, i + r/2) otherwise - the same index sets as the weights' RoPE pairs.
+    channels = obs["kv"].amax_channel[0]
+    latent, rope = channels[:layout.kv_lora_rank], channels[layout.kv_lora_rank:]
+    pair = pair_amax_from_channels(rope, interleave=layout.rope_interleave)
+    # pull every pair toward the latent's typical channel amax (they share one global scale)
+    target = latent[latent > 0].log().mean().exp() if bool((latent > 0).any()) else pair.max()
+    alpha = (target / pair.clamp_min(1e-30)).pow(strength).clamp(1 / 16, 16)
+    return torch.where(pair > 0, alpha, torch.ones_like(alpha))
+
+
+def calibrate_model(model, layout: KVLayout, windows: torch.Tensor, settings: CalibrationSettings,
+                    progress=None, log=None) -> CalibrationResult:
+    """Calibrate an in-memory fp32 model (rotating its weights in place if enabled)."""
+    log = log or (lambda msg: None)
+    if layout.is_mla and settings.granularity == "head":
+        raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
+    t0 = time.perf_counter()
+    plan = RotationPlan(layout)
+    if settings.rotation_enabled:
+        log("planning rotation")
+        plan = plan_rotation(model, layout, settings, windows)
+        apply_plan_to_model(model, plan)
+    t_rot = time.perf_counter() - t0
+    record = 0
+    recorder = None
+    if settings.observer == "mse":
+        record = max(1, math.ceil(settings.search_tokens / windows.shape[1]))
+        recorder = AttentionRecorder(model)
+    try:
+        t1 = time.perf_counter()
+        observers = observe_kv(model, layout, windows, settings.batch_size, recorder, record, progress)
+        t_obs = time.perf_counter() - t1
+        scales, search_info = _scales_from_observers(model, layout, observers, settings, recorder, log)
+    finally:
+        if recorder is not None:
+            recorder.remove()
+    stats = {"time_rotation_s": t_rot, "time_observe_s": t_obs,
+             "time_search_s": time.perf_counter() - t1 - t_obs, "search": search_info,
+             "search_windows": record}
+    return CalibrationResult(scales, plan, observers, stats)
+
+
+def _scales_from_observers(model, layout, observers, settings, recorder, log):
+    ks, vs, info = [], [], []
+    for layer, obs in enumerate(observers):
+        amax = {kind: o.statistic(settings.observer, settings.granularity, settings.percentile)
+                for kind, o in obs.items()}
+        for kind, a in amax.items():
+            if not bool(torch.isfinite(a).all()) or bool((a <= 0).any()):
+                raise KVConvertError(
+                    f"layer {layer}: the cached {kind} is all zeros or non-finite on the calibration data "
+                    f"(amax {a.tolist()}); cannot derive a scale - use more or different --calib-data")
+        scale = {kind: scale_from_amax(a, settings.kv_dtype).float() for kind, a in amax.items()}
+        if settings.observer == "mse":
+            scale, layer_info = search_layer_scales(recorder, layout, layer, settings.kv_dtype, scale)
+            info.append(layer_info)
+            log(f"layer {layer}: search {layer_info}")
+        k = scale["kv"] if layout.is_mla else scale["k"]
+        v = scale["kv"] if layout.is_mla else scale["v"]
+        ks.append(k)
+        vs.append(v)
+    return KVScales(settings.kv_dtype, settings.granularity, layout.kind, ks, vs), info

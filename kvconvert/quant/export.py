@@ -1,0 +1,321 @@
+"""Write calibrated KV scales into a checkpoint, in the names engines read (BRIEF §3).
+
+vLLM / compressed-tensors (``--format vllm``):
+  ``model.layers.N.self_attn.k_scale`` / ``.v_scale`` float32, shape ``[1]`` (per tensor) or
+  ``[kv_heads, 1, 1]`` (per head, ``strategy: attn_head``) - the shapes llm-compressor writes and
+  compressed-tensors registers, so transformers (with compressed-tensors installed) loads them;
+  vLLM flattens both. config.json gets ``quantization_config`` = {"quant_method":
+  "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy":
+  "tensor"|"attn_head", "dynamic": false, "symmetric": true}, ...}.
+ModelOpt / TensorRT-LLM (``--format modelopt``):
+  ``self_attn.k_proj.k_scale`` / ``self_attn.v_proj.v_scale`` float32 scalars (per tensor only),
+  plus hf_quant_config.json {"producer": {"name": "kvconvert", "version"}, "quantization":
+  {"quant_algo": null, "kv_cache_quant_algo": "FP8"|"NVFP4"}}.
+MLA (DeepSeek-V3): the engine caches one [latent | k_rope] row and vLLM applies ``k_scale`` to the
+whole row; kvconvert writes that one row scale as both ``self_attn.k_scale`` and ``.v_scale`` (vLLM)
+and as ``self_attn.kv_a_proj_with_mqa.k_scale`` (ModelOpt-style name SGLang remaps for MLA).
+
+Scale convention: amax/448 for FP8 E4M3 and for NVFP4 (ModelOpt >= 0.42 / TensorRT-LLM); the NVFP4
+global scale is k_scale/6. FP8 E5M2 (amax/57344) has no checkpoint format in either engine (vLLM
+refuses fp8_e5m2 with a kv-cache scheme, ModelOpt has no E5M2 KV): its scales are written under the
+vLLM names for kvconvert's runtime, with no quantization_config.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kvconvert import __version__
+from kvconvert.errors import CheckpointError, KVConvertError
+from kvconvert.quant.layout import KVLayout
+from kvconvert.quant.rotate import RotationPlan
+from kvconvert.quant.scales import KVScales, is_kv_scale_name
+
+KV_SCALES_SHARD = "kv-scales.safetensors"
+
+
+def resolve_format(fmt: str, kv_dtype: str, granularity: str) -> tuple[str, ...]:
+    """Export formats for a request: ("vllm",), ("modelopt",) or both. Refuses impossible combinations."""
+    if fmt == "auto":
+        if kv_dtype == "nvfp4":
+            fmt = "modelopt"
+        elif kv_dtype == "fp8_e5m2" or granularity == "head":
+            fmt = "vllm"
+        else:
+            fmt = "both"
+    formats = ("vllm", "modelopt") if fmt == "both" else (fmt,)
+    for f in formats:
+        if f not in ("vllm", "modelopt"):
+            raise KVConvertError(f"unknown --format {fmt!r}: use auto, vllm, modelopt or both")
+    if "modelopt" in formats and kv_dtype == "fp8_e5m2":
+        raise KVConvertError("ModelOpt/TensorRT-LLM have no FP8 E5M2 KV cache: use --format vllm or --kv-dtype fp8")
+    if "modelopt" in formats and granularity == "head":
+        raise KVConvertError("ModelOpt/TensorRT-LLM read per-tensor KV scales only: use --granularity tensor or --format vllm")
+    if "vllm" in formats and kv_dtype == "nvfp4":
+        raise KVConvertError(
+            "compressed-tensors/vLLM have no static NVFP4 KV-cache scheme: use --format modelopt (the default for nvfp4)")
+    return formats
+
+
+def scale_tensors(scales: KVScales, layout: KVLayout, formats: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors for the scales, by name (see module docstring for names and shapes)."""
+    out = {}
+    for layer in range(scales.num_layers):
+        prefix = f"model.layers.{layer}.self_attn."
+        k, v = scales.k[layer].float(), scales.v[layer].float()
+        if "vllm" in formats:
+            shape = (-1, 1, 1) if scales.granularity == "head" else (1,)
+            out[prefix + "k_scale"] = k.reshape(shape).clone()
+            out[prefix + "v_scale"] = v.reshape(shape).clone()
+        if "modelopt" in formats:
+            if layout.is_mla:
+                out[prefix + "kv_a_proj_with_mqa.k_scale"] = k.reshape(()).clone()
+            else:
+                out[prefix + "k_proj.k_scale"] = k.reshape(()).clone()
+                out[prefix + "v_proj.v_scale"] = v.reshape(()).clone()
+    return out
+
+
+def quantization_config(scales: KVScales) -> dict | None:
+    """compressed-tensors quantization_config for config.json (None for fp8_e5m2, see docstring)."""
+    if scales.kv_dtype != "fp8":
+        return None
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "quantization_status": "compressed",
+        "config_groups": {},
+        "ignore": [],
+        "kv_cache_scheme": {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "attn_head" if scales.granularity == "head" else "tensor",
+            "dynamic": False,
+            "symmetric": True,
+        },
+    }
+
+
+def hf_quant_config(scales: KVScales) -> dict:
+    return {
+        "producer": {"name": "kvconvert", "version": __version__},
+        "quantization": {"quant_algo": None,
+                         "kv_cache_quant_algo": {"fp8": "FP8", "nvfp4": "NVFP4"}[scales.kv_dtype]},
+    }
+
+
+def output_config(src_config: dict, scales: KVScales, formats: tuple[str, ...]) -> dict:
+    config = {k: v for k, v in src_config.items() if k != "quantization_config"}
+    if "vllm" in formats:
+        qc = quantization_config(scales)
+        if qc is not None:
+            config["quantization_config"] = qc
+    return config
+
+
+def rotated_tensors(reader, layout: KVLayout, plan: RotationPlan) -> dict[str, torch.Tensor]:
+    """Full names -> rotated tensors (only those the plan changes), read layer by layer."""
+    if plan.is_identity:
+        return {}
+    out = {}
+    for layer in range(layout.num_layers):
+        prefix = f"model.layers.{layer}.self_attn."
+        local = {k[len(prefix):]: v for k, v in reader.tensors(prefix).items() if not is_kv_scale_name(k)}
+        for name, tensor in plan.apply(layer, local, layout.num_q_heads).items():
+            out[prefix + name] = tensor
+    return out
+
+
+def plot_scales(scales: KVScales, path_or_buffer, title: str) -> None:
+    """PNG of per-layer k/v scales (log scale; one faint line per head when per head)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = list(range(scales.num_layers))
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    kinds = [("k", scales.k, "tab:blue")] + ([] if scales.layout_kind == "mla" else [("v", scales.v, "tab:orange")])
+    for name, values, color in kinds:
+        stacked = torch.stack([s.reshape(-1) for s in values])  # [layers, heads]
+        label = "row scale (latent|k_rope)" if scales.layout_kind == "mla" else f"{name}_scale"
+        if stacked.shape[1] > 1:
+            for h in range(stacked.shape[1]):
+                ax.plot(layers, stacked[:, h], color=color, alpha=0.35, lw=1)
+        ax.plot(layers, stacked.amax(1), color=color, marker="o", ms=3, label=label + (" (max over heads)" if stacked.shape[1] > 1 else ""))
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("scale (amax / 448)" if scales.kv_dtype != "fp8_e5m2" else "scale (amax / 57344)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path_or_buffer, format="png")
+    plt.close(fig)
+
+
+def png_bytes(scales: KVScales, title: str) -> bytes:
+    buf = io.BytesIO()
+    plot_scales(scales, buf, title)
+    return buf.getvalue()
+
+
+def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVLayout, scales: KVScales, plan: RotationPlan,
+                     formats: tuple[str, ...], report: dict, overwrite: bool = False) -> Path:
+    """New checkpoint at out_dir (atomic, via CheckpointWriter): weights copied or rotated + scales."""
+    from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
+
+    reader = CheckpointReader(src_dir)
+    rotated = rotated_tensors(reader, layout, plan)
+    new_scales = scale_tensors(scales, layout, formats)
+    with CheckpointWriter(out_dir, overwrite=overwrite, source=str(src_dir),
+                          manifest_extra={"kv_calibration": {"kv_dtype": scales.kv_dtype, "formats": list(formats)}}) as w:
+        for name in reader.keys():
+            if is_kv_scale_name(name):
+                continue  # an earlier calibration's scales are replaced
+            w.add(name, rotated[name] if name in rotated else reader.get(name))
+        for name, tensor in new_scales.items():
+            w.add(name, tensor)
+        w.write_config(output_config(reader.config, scales, formats))
+        w.copy_tokenizer(src_dir)
+        if "modelopt" in formats:
+            w.write_json("hf_quant_config.json", hf_quant_config(scales))
+        w.write_json("calibration_report.json", report)
+        with tempfile.TemporaryDirectory() as tmp:
+            png = Path(tmp) / "kv_scales.png"
+            png.write_bytes(png_bytes(scales, _title(report)))
+            w.copy_file(png, "kv_scales.png")
+    return out_dir
+
+
+def _title(report: dict) -> str:
+    return (f"{Path(str(report.get('source', ''))).name}: {report['kv_dtype']} KV scales, observer "
+            f"{report['observer']}, {report['granularity']}, {report['calibration']['tokens']} tokens")
+
+
+# ------------------------------------------------------------------------------------------------
+# in place
+# ------------------------------------------------------------------------------------------------
+
+
+def rewrite_in_place(folder: Path, layout: KVLayout, scales: KVScales, plan: RotationPlan,
+                     formats: tuple[str, ...], report: dict) -> list[str]:
+    """Rewrite only the files that change, each atomically (temp file + rename); no backup is kept.
+
+    Changed: shards holding rotated tensors or an earlier calibration's scales, the shard receiving
+    the new scales (model.safetensors for single-file checkpoints, else kv-scales.safetensors plus
+    the index), config.json, hf_quant_config.json, calibration_report.json, kv_scales.png and
+    manifest.json (hashes of changed files). All temp files are written and fsynced before the
+    first rename, so a failure while computing or writing leaves the checkpoint untouched.
+    Returns the names of the files written or removed.
+    """
+    from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.checkpoint.reader import INDEX_NAME, SINGLE_NAME
+    from kvconvert.checkpoint.writer import sha256_file
+
+    folder = Path(folder)
+    reader = CheckpointReader(folder)
+    rotated = rotated_tensors(reader, layout, plan)
+    new_scales = scale_tensors(scales, layout, formats)
+    old_scale_names = {n for n in reader.keys() if is_kv_scale_name(n)}
+    sharded = (folder / INDEX_NAME).is_file()
+    scale_file = KV_SCALES_SHARD if sharded else SINGLE_NAME
+    weight_map = dict(reader.weight_map)
+    affected = {weight_map[n] for n in set(rotated) | old_scale_names} | {scale_file}
+
+    files: dict[str, bytes | None] = {}  # final name -> content (None = delete)
+    temps: dict[str, Path] = {}
+    try:
+        for fname in sorted(affected):
+            tensors = {n: reader.get(n) for n, f in weight_map.items() if f == fname and n not in old_scale_names}
+            tensors.update({n: t for n, t in rotated.items() if weight_map.get(n) == fname})
+            if fname == scale_file:
+                tensors.update(new_scales)
+            if not tensors:
+                files[fname] = None
+                continue
+            temps[fname] = _temp_path(folder, fname)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(temps[fname]), metadata={"format": "pt"})
+        for n in old_scale_names:
+            weight_map.pop(n, None)
+        if sharded:
+            weight_map.update({n: scale_file for n in new_scales})
+            index = json.loads((folder / INDEX_NAME).read_text())
+            total = int(index.get("metadata", {}).get("total_size", 0))
+            total -= sum(_nbytes(reader.get(n)) for n in old_scale_names)
+            total += sum(_nbytes(t) for t in new_scales.values())  # rotated tensors keep their size
+            files[INDEX_NAME] = _json_bytes({**index, "metadata": {**index.get("metadata", {}), "total_size": total},
+                                             "weight_map": weight_map})
+        files["config.json"] = _json_bytes(output_config(reader.config, scales, formats))
+        if "modelopt" in formats:
+            files["hf_quant_config.json"] = _json_bytes(hf_quant_config(scales))
+        elif (folder / "hf_quant_config.json").is_file():
+            files["hf_quant_config.json"] = None
+        files["calibration_report.json"] = _json_bytes(report)
+        files["kv_scales.png"] = png_bytes(scales, _title(report))
+        for name, content in files.items():
+            if content is not None:
+                temps[name] = _temp_path(folder, name)
+                temps[name].write_bytes(content)
+        if (folder / "manifest.json").is_file():
+            manifest = json.loads((folder / "manifest.json").read_text())
+            entries = manifest.setdefault("files", {})
+            for name, content in files.items():
+                if content is None:
+                    entries.pop(name, None)
+            for name, tmp in temps.items():
+                entries[name] = {"sha256": sha256_file(tmp), "bytes": tmp.stat().st_size}
+            manifest["kv_calibration"] = {"kv_dtype": scales.kv_dtype, "formats": list(formats), "in_place": True}
+            temps["manifest.json"] = _temp_path(folder, "manifest.json")
+            temps["manifest.json"].write_bytes(_json_bytes(manifest))
+        for tmp in temps.values():
+            _fsync(tmp)
+    except BaseException:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    reader.close()
+    for name, tmp in temps.items():
+        os.replace(tmp, folder / name)
+    for name, content in files.items():
+        if content is None:
+            (folder / name).unlink(missing_ok=True)
+    _fsync_dir(folder)
+    return sorted(set(temps) | {n for n, c in files.items() if c is None})
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _temp_path(folder: Path, name: str) -> Path:
+    return folder / f".{name}.kvconvert-tmp-{os.getpid()}"
+
+
+def _json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_writable_in_place(folder: Path) -> None:
+    if not os.access(folder, os.W_OK):
+        raise CheckpointError(f"{folder}: not writable; use --out DIR instead of --in-place")

@@ -1,0 +1,218 @@
+"""Recipes: one YAML file that says how to build a checkpoint, one top-level block per stage.
+
+    name: smollm2-135m-25pct
+    convert:        {rank: 64, rope_dim: 32, dtype: fp32}           # kvconvert mla (MLAOptions)
+    heal_layerwise: {tokens: 16384, window: 512, steps: 120}        # fit each attention block
+    heal_distill:   {tokens: 200000, seq_len: 512, lr: 1.0e-3}      # end-to-end KL to the source
+    calibrate:      {kv_dtype: fp8}                                 # KV-cache scales
+    validate:       {suite: quick, gate: recipes/gates/default.yaml}
+
+Every block is optional; a block that is present runs (set `enabled: false` to keep it written
+down but skip it). Unknown keys are errors that name the key and the file (pydantic extra=forbid),
+so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvconvert.errors import KVConvertError
+
+TRAINABLE_ATTENTION = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+class _Stage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+
+
+class ConvertStage(_Stage):
+    """Mirrors kvconvert.mla.convert.MLAOptions (rank = kv_lora_rank, rope_dim = qk_rope_head_dim)."""
+
+    rank: int = Field(gt=0)
+    rope_dim: int | None = Field(None, gt=0)
+    calib_data: str = "builtin"
+    calib_tokens: int = Field(8192, gt=0)
+    calib_window: int = Field(512, gt=0)
+    dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
+    key_weight: float = Field(0.1, ge=0)
+    rho: float = Field(1e-3, gt=0, lt=1)
+    refit_o_proj: bool = True
+    stream: Literal["converted", "source"] = "converted"
+
+    def mla_options(self, overwrite: bool = False, progress: bool = True):
+        """The converter's options object (imported lazily: the recipe schema needs no torch)."""
+        from kvconvert.mla.convert import MLAOptions
+
+        fields = self.model_dump(exclude={"enabled"})
+        return MLAOptions(**fields, overwrite=overwrite, progress=progress)
+
+
+class LayerwiseStage(_Stage):
+    """Layer-wise reconstruction of each converted attention block (kvconvert.heal.layerwise).
+
+    target: what the student block is fitted to, per layer i (x = normed block input):
+      student_input     teacher block at the student's own input: min |A_s(x_s) - A_t(x_s)|
+      teacher_input     both at the teacher's input:               min |A_s(x_t) - A_t(x_t)|
+      student_residual  student input, teacher stream output:      min |h_s + A_s(x_s) - (h_t + A_t(x_t))|
+                        (also repairs the drift left by earlier layers)
+    steps: Adam steps per layer; batch_windows: calibration windows per step; lr: relative step
+    (each weight is optimised in units of its own RMS, so one lr fits every tensor).
+    refit_o_proj: finish each layer with a least-squares o_proj (exact optimum given the rest).
+    """
+
+    data: str = "builtin"
+    tokens: int = Field(16384, gt=0)
+    window: int = Field(512, gt=0)
+    steps: int = Field(100, ge=0)
+    batch_windows: int = Field(2, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    target: Literal["student_input", "teacher_input", "student_residual"] = "student_input"
+    refit_o_proj: bool = True
+    train: tuple[Literal["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], ...] = TRAINABLE_ATTENTION
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _enough_windows(self):
+        if self.tokens < self.window:
+            raise ValueError(f"tokens ({self.tokens}) is less than one window ({self.window})")
+        return self
+
+
+class DistillStage(_Stage):
+    """End-to-end distillation: KL(teacher || student) on next-token distributions (+ lm_weight x CE).
+
+    tokens: training tokens in total (steps = tokens / (batch_size x seq_len x grad_accum)).
+    train: full (the attention weights themselves) or lora (low-rank deltas merged at the end).
+    lr is relative (weights are optimised in units of their RMS, like the layer-wise stage).
+    mixed_precision: accelerate's setting (no | bf16 | fp16); on a CPU keep `no`.
+    checkpoint_every: optimizer steps between resumable snapshots (0 = only at the end).
+    """
+
+    data: str = "builtin"
+    tokens: int = Field(65536, gt=0)
+    seq_len: int = Field(512, gt=0)
+    batch_size: int = Field(1, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    kl_weight: float = Field(1.0, ge=0)
+    lm_weight: float = Field(0.0, ge=0)
+    temperature: float = Field(1.0, gt=0)
+    train: Literal["full", "lora"] = "full"
+    lora_rank: int = Field(16, gt=0)
+    lora_alpha: float = Field(16.0, gt=0)
+    targets: tuple[Literal["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], ...] = TRAINABLE_ATTENTION
+    max_grad_norm: float = Field(1.0, gt=0)
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    checkpoint_every: int = Field(50, ge=0)
+    log_every: int = Field(1, gt=0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _weights(self):
+        if self.kl_weight == 0 and self.lm_weight == 0:
+            raise ValueError("kl_weight and lm_weight are both 0: nothing to train on")
+        return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.grad_accum
+
+    @property
+    def steps(self) -> int:
+        return max(1, self.tokens // self.tokens_per_step)
+
+
+class CalibrateStage(_Stage):
+    """KV-cache scale calibration (mirrors kvconvert.quant.calibrate.CalibrationSettings)."""
+
+    kv_dtype: Literal["fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"] = "fp8"
+    observer: str = "mse"
+    granularity: str = "tensor"
+    percentile: float = Field(99.99, gt=0, le=100)
+    rotate: bool | None = None
+    rotation_block: int = Field(0, ge=0)
+    key_strength: float = Field(0.5, ge=0, le=1)
+    search_tokens: int = Field(2048, ge=0)
+    calib_data: str = "builtin"
+    calib_tokens: int = Field(8192, gt=0)
+    format: Literal["auto", "vllm", "modelopt", "both"] = "auto"
+
+
+class ValidateStage(_Stage):
+    """Validation against the source (kvconvert validate) and an optional gate policy."""
+
+    suite: Literal["smoke", "quick", "standard", "full"] = "quick"
+    engine: Literal["auto", "runtime", "transformers"] = "auto"
+    kv_dtype: str = "auto"
+    gate: str | None = None  # path of a gate policy YAML (recipes/gates/*.yaml)
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = None
+    description: str | None = None
+    source: str | None = None  # default teacher / conversion source (HF folder or built-in name)
+    convert: ConvertStage | None = None
+    heal_layerwise: LayerwiseStage | None = None
+    heal_distill: DistillStage | None = None
+    calibrate: CalibrateStage | None = None
+    validate_: ValidateStage | None = Field(None, alias="validate")
+
+    @property
+    def layerwise(self) -> LayerwiseStage | None:
+        return self.heal_layerwise if self.heal_layerwise and self.heal_layerwise.enabled else None
+
+    @property
+    def distill(self) -> DistillStage | None:
+        return self.heal_distill if self.heal_distill and self.heal_distill.enabled else None
+
+    def heals(self) -> bool:
+        return self.layerwise is not None or self.distill is not None
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def _describe(err: dict) -> str:
+    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return f"unknown key {loc!r}"
+    return f"{loc}: {err['msg']}"
+
+
+def parse_recipe(data: object, origin: str = "<recipe>") -> Recipe:
+    """A Recipe from a parsed YAML/JSON object; every error names the key and `origin`."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise KVConvertError(f"{origin}: a recipe must be a mapping of stages (convert, heal_layerwise, ...), got {type(data).__name__}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(_describe(e) for e in exc.errors()[:3])
+        more = f" (+{exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
+        raise KVConvertError(f"{origin}: invalid recipe: {problems}{more}") from None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe YAML file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise KVConvertError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise KVConvertError(f"{path}: not valid YAML{where}") from None
+    return parse_recipe(data, str(path))

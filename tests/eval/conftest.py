@@ -1,0 +1,32 @@
+"""Fixtures for the validate/gate tests: a tiny trained BPE tokenizer and tiny random models.
+
+The tokenizer is a real byte-level BPE (512 tokens) trained in about a second on Python's pydoc
+text, wrapped as a transformers fast tokenizer, so haystack building, truncation and the whole
+validate pipeline run in seconds without the SmolLM2 download.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from eval_fixtures import save_tiny_llama, train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_tokenizer")
+    train_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    from kvconvert.eval.runner import load_tokenizer
+
+    return load_tokenizer(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), len(tiny_tokenizer), seed=0,
+                           tokenizer_dir=tiny_tokenizer_dir)

@@ -1,0 +1,39 @@
+"""Builders shared by the eval tests: a tiny trained BPE tokenizer and tiny random Llamas."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+
+
+def train_tokenizer(folder, vocab_size: int = 512, chars: int = 200_000):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvconvert.data import pydoc_corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([pydoc_corpus()[:chars]], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def save_tiny_llama(folder, vocab_size: int, seed: int = 0, tokenizer_dir=None, max_positions: int = 1024):
+    """A 2-layer random Llama (GQA 4/2 heads, hidden 64) saved with save_pretrained (+ tokenizer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         eos_token_id=0, bos_token_id=0, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    if tokenizer_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(tokenizer_dir / name, folder / name)
+    return folder

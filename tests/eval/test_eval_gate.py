@@ -1,0 +1,198 @@
+"""Gate decisions on synthetic reports, bootstrap behaviour, policy and report validation, CLI exit codes."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvconvert.cli import main
+from kvconvert.errors import KVConvertError
+from kvconvert.eval import gate as G
+from kvconvert.eval.report import build_report
+from kvconvert.eval.stats import estimate, resample_indices
+from kvconvert.eval.suites import SUITE_VERSION
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "gates"
+
+
+def gen_records(source: list[float], candidate: list[float]) -> list[dict]:
+    return [{"id": str(i), "source": {"score": s}, "candidate": {"score": c}} for i, (s, c) in
+            enumerate(zip(source, candidate))]
+
+
+def ppl_records(source_nll: list[float], candidate_nll: list[float], kl: list[float], n: int = 100) -> list[dict]:
+    return [{"id": f"w{i}", "n_tokens": n, "source_nll": s, "candidate_nll": c, "kl": k}
+            for i, (s, c, k) in enumerate(zip(source_nll, candidate_nll, kl))]
+
+
+def make_report(samples: dict, version: int = SUITE_VERSION) -> dict:
+    header = {"suite": {"name": "quick", "version": version}, "skipped": {"ruler": "the quick suite does not run RULER"}}
+    return build_report(header, samples)
+
+
+def write_policy(tmp_path, text: str) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    return path
+
+
+def policy(tmp_path, thresholds: str, extra: str = "") -> G.Policy:
+    return G.load_policy(write_policy(tmp_path, f"{extra}\nthresholds:\n{thresholds}\n"))
+
+
+def rows_by_metric(rows):
+    return {r["metric"]: r for r in rows}
+
+
+# --------------------------------------------------------------------------- statistics
+
+def test_perplexity_increase_and_kl_hand_worked():
+    # 2 windows x 100 tokens: mean NLL 2.0 -> 2.1: ppl ratio exp(0.1) -> +10.517%
+    samples = {"perplexity": ppl_records([200.0, 200.0], [210.0, 210.0], [3.0, 5.0])}
+    e = estimate(samples, "perplexity_increase_pct")
+    assert e.point == pytest.approx(100 * (np.exp(0.1) - 1))
+    assert e.source == pytest.approx(np.exp(2.0)) and e.candidate == pytest.approx(np.exp(2.1))
+    assert estimate(samples, "kl_mean").point == pytest.approx(8.0 / 200)
+
+
+def test_bootstrap_interval_contains_point_and_is_reproducible():
+    rng = np.random.default_rng(1)
+    samples = {"passkey": gen_records([1.0] * 40, list((rng.random(40) < 0.8).astype(float)))}
+    a = estimate(samples, "passkey_accuracy_drop", n_boot=1000, seed=5)
+    b = estimate(samples, "passkey_accuracy_drop", n_boot=1000, seed=5)
+    assert a == b
+    assert a.low <= a.point <= a.high and a.high - a.low > 5
+    narrow = estimate(samples, "passkey_accuracy_drop", n_boot=1000, seed=5, confidence=0.5)
+    assert a.low <= narrow.low <= narrow.high <= a.high
+
+
+def test_identical_results_give_zero_width_interval():
+    samples = {"niah": gen_records([1, 0, 1, 0.5], [1, 0, 1, 0.5])}
+    e = estimate(samples, "niah_accuracy_drop")
+    assert (e.point, e.low, e.high) == (0.0, 0.0, 0.0)
+
+
+def test_stratified_resampling_keeps_every_task_count():
+    strata = np.array([0, 0, 0, 1, 2, 2])
+    idx = resample_indices(strata, 500, np.random.default_rng(0), stratified=True)
+    assert idx.shape == (500, 6)
+    assert (strata[idx] == strata).all()  # every position is resampled from its own task
+    # a task with one sample is always that sample
+    assert (idx[:, 3] == 3).all()
+
+
+def test_longbench_average_is_mean_over_tasks_not_samples():
+    samples = {"longbench/a": gen_records([1.0] * 9, [1.0] * 9),  # 9 samples, no drop
+               "longbench/b": gen_records([1.0], [0.0])}  # 1 sample, drop 100 points
+    e = estimate(samples, "longbench_avg_drop")
+    assert e.point == pytest.approx(50.0)  # (0 + 100) / 2 tasks, not 100 / 10 samples
+    assert e.low == pytest.approx(50.0) and e.high == pytest.approx(50.0)  # no within-task variation
+
+
+# --------------------------------------------------------------------------- gate decisions
+
+def test_gate_passes_identical_and_fails_clear_degradation(tmp_path):
+    pol = policy(tmp_path, "  passkey_accuracy_drop: 10\n  perplexity_increase_pct: 5\n  kl_mean: 0.05")
+    same = make_report({"passkey": gen_records([1.0] * 20, [1.0] * 20),
+                        "perplexity": ppl_records([200.0] * 4, [200.0] * 4, [0.0] * 4)})
+    assert {r["status"] for r in G.evaluate(same, pol)} == {"pass"}
+    bad = make_report({"passkey": gen_records([1.0] * 20, [0.0] * 16 + [1.0] * 4),
+                       "perplexity": ppl_records([200.0] * 4, [260.0, 250.0, 270.0, 255.0], [20.0] * 4)})
+    rows = rows_by_metric(G.evaluate(bad, pol))
+    assert rows["passkey_accuracy_drop"]["status"] == "fail"
+    assert rows["perplexity_increase_pct"]["status"] == "fail"
+    assert rows["kl_mean"]["status"] == "fail"
+
+
+def test_noise_on_few_samples_does_not_fail_on_ci_low_but_does_on_point(tmp_path):
+    # 5 samples, one flipped: point drop 20 pp > 10, but the 95% interval reaches 0.
+    report = make_report({"passkey": gen_records([1.0] * 5, [1.0, 1.0, 0.0, 1.0, 1.0])})
+    row = G.evaluate(report, policy(tmp_path, "  passkey_accuracy_drop: 10"))[0]
+    assert row["point"] == pytest.approx(20.0) and row["low"] == 0.0
+    assert row["status"] == "pass" and row["decided"] == row["low"]
+    point = G.evaluate(report, policy(tmp_path, "  passkey_accuracy_drop: 10", "decide_on: point"))[0]
+    assert point["status"] == "fail"
+    # with many samples the same 20 pp drop is no longer noise
+    many = make_report({"passkey": gen_records([1.0] * 100, ([1.0] * 4 + [0.0]) * 20)})
+    assert G.evaluate(many, policy(tmp_path, "  passkey_accuracy_drop: 10"))[0]["status"] == "fail"
+
+
+def test_missing_metric_is_na_unless_required(tmp_path):
+    report = make_report({"passkey": gen_records([1.0], [1.0])})
+    rows = rows_by_metric(G.evaluate(report, policy(tmp_path, "  ruler_accuracy_drop: 5\n  passkey_accuracy_drop: 5")))
+    assert rows["ruler_accuracy_drop"]["status"] == "n/a"
+    assert "does not run RULER" in rows["ruler_accuracy_drop"]["reason"]
+    required = policy(tmp_path, "  ruler_accuracy_drop: 5", "require: [ruler_accuracy_drop]")
+    assert G.evaluate(report, required)[0]["status"] == "fail"
+
+
+# --------------------------------------------------------------------------- policy validation
+
+def test_shipped_policies_load():
+    for name in ("default.yaml", "strict.yaml"):
+        pol = G.load_policy(RECIPES / name)
+        assert pol.decide_on == "ci_low"
+        assert all(v is not None for v in pol.thresholds.model_dump().values())
+
+
+@pytest.mark.parametrize("text, message", [
+    ("thresholds:\n  perplexity_increase: 5\n", "unknown metric 'perplexity_increase' in thresholds"),
+    ("thresholds:\n  kl_mean: 0.1\nthreshold_mode: x\n", "unknown key 'threshold_mode'"),
+    ("bootstrap: {samples: 1000, level: 0.9}\nthresholds:\n  kl_mean: 0.1\n", "unknown key 'bootstrap.level'"),
+    ("thresholds:\n  kl_mean: -1\n", "thresholds.kl_mean"),
+    ("description: no thresholds\n", "missing key 'thresholds'"),
+    ("thresholds: {}\n", "no thresholds set"),
+    ("decide_on: median\nthresholds:\n  kl_mean: 0.1\n", "decide_on"),
+    ("require: [passkey_acc]\nthresholds:\n  kl_mean: 0.1\n", "unknown metric(s) passkey_acc in require"),
+    ("thresholds: [1, 2\n", "not valid YAML"),
+    ("- just a list\n", "must be a mapping"),
+])
+def test_policy_errors_name_file_and_key(tmp_path, text, message):
+    path = write_policy(tmp_path, text)
+    with pytest.raises(KVConvertError) as info:
+        G.load_policy(path)
+    assert str(path) in str(info.value) and message in str(info.value)
+
+
+def test_missing_policy_file(tmp_path):
+    with pytest.raises(KVConvertError, match="policy file not found"):
+        G.load_policy(tmp_path / "none.yaml")
+
+
+# --------------------------------------------------------------------------- reports and CLI
+
+def test_report_from_other_suite_version_is_refused(tmp_path):
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(make_report({"passkey": gen_records([1.0], [1.0])}, version=SUITE_VERSION + 1)))
+    with pytest.raises(KVConvertError, match=f"suite version {SUITE_VERSION + 1}.*re-run kvconvert validate"):
+        G.load_report(path)
+    path.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(KVConvertError, match="not a kvconvert validate report"):
+        G.load_report(path)
+    with pytest.raises(KVConvertError, match="report not found"):
+        G.load_report(tmp_path / "missing")
+
+
+def run_cli(args) -> int:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+        raise SystemExit(0)
+    return info.value.code
+
+
+def test_gate_cli_exit_codes(tmp_path, capsys):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for folder, cand in ((good, [1.0] * 30), (bad, [0.0] * 30)):
+        folder.mkdir()
+        (folder / "report.json").write_text(json.dumps(make_report({
+            "passkey": gen_records([1.0] * 30, cand),
+            "perplexity": ppl_records([200.0] * 3, [200.0] * 3, [0.0] * 3)})))
+    default = str(RECIPES / "default.yaml")
+    assert run_cli(["gate", "--report", str(good / "report.json"), "--policy", default]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "gate passed" in out and "n/a" in out.lower()
+    assert run_cli(["gate", "--report", str(bad), "--policy", default]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "passkey_accuracy_drop" in out
+    assert run_cli(["gate", "--report", str(bad), "--policy", str(tmp_path / "nope.yaml")]) == 2

@@ -1,0 +1,112 @@
+"""Model runners on a tiny random Llama: logits, greedy decoding, fingerprints, engine checks."""
+
+import shutil
+
+import pytest
+import torch
+
+from kvconvert.errors import KVConvertError
+from kvconvert.eval import runner as R
+
+from eval_fixtures import save_tiny_llama, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_runner(tiny_llama):
+    return R.TransformersRunner(tiny_llama)
+
+
+def test_transformers_logits_match_plain_forward(hf_runner, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    ids = torch.arange(3, 40)
+    with torch.no_grad():
+        expected = model(ids[None]).logits[0]
+    got = hf_runner.logits(ids)
+    assert got.shape == (37, hf_runner.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_equals_argmax_of_full_recompute(hf_runner):
+    """The cached decode loop must pick what a from-scratch forward would pick at every step."""
+    ids = torch.arange(5, 25)
+    tokens = hf_runner.greedy(ids, 12, stop_ids=())
+    assert len(tokens) == 12
+    seq = ids.clone()
+    for token in tokens:
+        assert int(hf_runner.logits(seq)[-1].argmax()) == token
+        seq = torch.cat([seq, torch.tensor([token])])
+
+
+def test_greedy_stops_before_stop_token(hf_runner):
+    ids = torch.arange(5, 25)
+    tokens = hf_runner.greedy(ids, 12, stop_ids=())
+    cut = hf_runner.greedy(ids, 12, stop_ids=(tokens[3],))
+    assert cut == tokens[:tokens.index(tokens[3])]
+    assert hf_runner.greedy(ids, 0, ()) == []
+
+
+def test_runtime_runner_matches_transformers_with_fp32_kv(tiny_llama, hf_runner):
+    if R.runtime_available() is not None:
+        pytest.skip(f"kvconvert.runtime not importable: {R.runtime_available()}")
+    runtime = R.RuntimeRunner(tiny_llama, kv_dtype="fp32")
+    ids = torch.arange(3, 60)
+    torch.testing.assert_close(runtime.logits(ids), hf_runner.logits(ids), rtol=1e-4, atol=1e-4)
+    assert runtime.greedy(ids, 10, (0,)) == hf_runner.greedy(ids, 10, (0,))
+    assert runtime.fingerprint != hf_runner.fingerprint  # engine is part of the key
+
+
+def test_transformers_engine_refuses_quantized_kv(tiny_llama):
+    with pytest.raises(KVConvertError, match="not supported with --engine transformers.*--engine runtime"):
+        R.LazyRunner(tiny_llama, "transformers", "fp8")
+    with pytest.raises(KVConvertError, match="unknown"):
+        R.resolve_kv_dtype("runtime", "int4")
+
+
+def test_fingerprint_follows_content_engine_and_kv(tmp_path, tiny_llama, tiny_tokenizer):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama, copy)  # copy2 keeps sizes and mtimes: same weights, same fingerprint
+    assert R.checkpoint_fingerprint(copy) == R.checkpoint_fingerprint(tiny_llama)
+    other = save_tiny_llama(tmp_path / "other", len(tiny_tokenizer), seed=1)
+    assert R.checkpoint_fingerprint(other) != R.checkpoint_fingerprint(tiny_llama)
+    base = R.runner_fingerprint(tiny_llama, "runtime", "bf16", "checkpoint")
+    assert base != R.runner_fingerprint(tiny_llama, "runtime", "fp8", "checkpoint")
+    assert R.runner_fingerprint(tiny_llama, "runtime", "fp8", "checkpoint") != R.runner_fingerprint(
+        tiny_llama, "runtime", "fp8", "dynamic")
+    assert base != R.runner_fingerprint(tiny_llama, "transformers", "bf16", "checkpoint")
+
+
+def test_manifest_fingerprint_ignores_creation_time(tmp_path):
+    import json
+
+    for name, created in (("a", "2025-01-01"), ("b", "2026-01-01")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        (folder / "manifest.json").write_text(json.dumps({"created": created, "files": {"x": {"sha256": "00"}}}))
+    assert R.checkpoint_fingerprint(tmp_path / "a") == R.checkpoint_fingerprint(tmp_path / "b")
+
+
+def test_different_tokenizers_are_refused(tmp_path, tiny_tokenizer_dir, tiny_tokenizer):
+    other = train_tokenizer(tmp_path / "other", vocab_size=400)
+    with pytest.raises(KVConvertError, match="tokenizers differ.*tokens"):
+        R.check_same_tokenizer(tiny_tokenizer, other, tiny_tokenizer_dir, tmp_path / "other")
+    same_size = train_tokenizer(tmp_path / "shifted", vocab_size=512, chars=150_000)
+    with pytest.raises(KVConvertError, match="probe string"):
+        R.check_same_tokenizer(tiny_tokenizer, same_size, tiny_tokenizer_dir, tmp_path / "shifted")
+    R.check_same_tokenizer(tiny_tokenizer, R.load_tokenizer(tiny_tokenizer_dir), tiny_tokenizer_dir, tiny_tokenizer_dir)
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(KVConvertError, match="no tokenizer files"):
+        R.load_tokenizer(tmp_path)
+
+
+def test_engine_resolution():
+    assert R.resolve_engine("transformers") == "transformers"
+    with pytest.raises(KVConvertError, match="unknown"):
+        R.resolve_engine("vllm")
+    expected = "runtime" if R.runtime_available() is None else "transformers"
+    assert R.resolve_engine("auto") == expected

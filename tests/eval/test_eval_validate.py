@@ -1,0 +1,158 @@
+"""End-to-end `kvconvert validate`: tiny random models (fast) and SmolLM2 (slow).
+
+Fast: the whole smoke suite on a tiny Llama vs itself gives exactly zero deltas; reports,
+charts and cache are written; a rerun resumes from the cache; a torn cache line is recomputed;
+bad inputs fail with clear errors. Slow: SmolLM2 vs itself reports exactly zero deltas with
+every sample recomputed, and a clearly degraded SmolLM2 (attention o_proj x 0.5) fails the gate.
+"""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from kvconvert.cli import main
+from kvconvert.errors import KVConvertError
+from kvconvert.eval.suites import SUITES
+from kvconvert.eval.validate import ValidateOptions, run_validate
+
+from eval_fixtures import save_tiny_llama, train_tokenizer
+
+
+# The smoke suite with lengths that fit the tiny 512-token BPE (it needs ~2x the tokens of a
+# real tokenizer for the same prompt templates).
+TINY = dataclasses.replace(SUITES["smoke"], name="tiny", passkey_lengths=(512,), niah_lengths=(512,),
+                           ruler_lengths=(512,), longbench_context=512)
+
+
+def validate(source, candidate, out, **kw) -> dict:
+    opts = ValidateOptions(source=str(source), candidate=str(candidate), out=out, suite=kw.pop("suite", TINY),
+                           engine=kw.pop("engine", "transformers"), progress=False, threads=1, **kw)
+    return run_validate(opts)
+
+
+def assert_all_deltas_zero(report: dict) -> None:
+    for name, metric in report["metrics"].items():
+        assert metric["delta"] == 0.0, name
+        assert metric["source"] == metric["candidate"], name
+    assert report["metrics"]["kl_mean"]["candidate"] == 0.0
+    for name, est in report["estimates"].items():
+        assert (est["point"], est["low"], est["high"]) == (0.0, 0.0, 0.0), name
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("tiny_report")
+    return out, validate(tiny_llama, tiny_llama, out, resume=False)
+
+
+def test_tiny_model_vs_itself_reports_exact_zero_deltas(tiny_report):
+    out, report = tiny_report
+    assert report["suite"]["name"] == "tiny" and report["suite"]["version"] == 1
+    assert_all_deltas_zero(report)
+    expected = {"perplexity", "passkey", "niah", "ruler/niah_single_2", "ruler/vt"}
+    assert expected <= set(report["samples"])
+    assert report["cache"]["hits"] == 0  # resume=False: the candidate was really recomputed
+    for name in ("report.json", "report.md", "niah_candidate.png", "niah_delta.png", "passkey_candidate.png"):
+        assert (out / name).is_file(), name
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["metrics"] == report["metrics"]
+    record = report["samples"]["passkey"][0]
+    assert set(record) >= {"id", "meta", "answers", "prompt_tokens", "source", "candidate"}
+    assert set(record["candidate"]) == {"tokens", "text", "score"}
+
+
+def test_rerun_resumes_from_cache_and_recomputes_torn_lines(tmp_path, tiny_report, tiny_llama):
+    out, first = tiny_report
+    resumed = validate(tiny_llama, tiny_llama, out)
+    assert resumed["cache"]["misses"] == 0 and resumed["cache"]["hits"] > 0
+    assert resumed["metrics"] == first["metrics"]
+    # simulate a run killed while writing: the last sample's result is a torn line
+    cache_file = sorted((out / "cache").glob("*__passkey.jsonl"))[0]
+    lines = cache_file.read_text().splitlines()
+    last_id = json.loads(lines[-1])["id"]
+    kept = [line for line in lines if json.loads(line)["id"] != last_id]
+    cache_file.write_text("\n".join(kept + [lines[-1][: len(lines[-1]) // 2]]))  # no final newline
+    again = validate(tiny_llama, tiny_llama, out)
+    assert again["cache"]["misses"] == 1  # only the torn sample is recomputed (then shared) ...
+    assert again["metrics"] == first["metrics"]  # ... deterministically
+    appended = cache_file.read_text().splitlines()
+    assert len(appended) == len(kept) + 2  # the new result starts on its own line
+    assert json.loads(appended[-1])["id"] == last_id
+
+
+def test_different_model_changes_metrics(tmp_path, tiny_llama, tiny_tokenizer_dir, tiny_tokenizer, tiny_report):
+    out, first = tiny_report
+    other = save_tiny_llama(tmp_path / "other", len(tiny_tokenizer), seed=3, tokenizer_dir=tiny_tokenizer_dir)
+    report = validate(tiny_llama, other, tmp_path / "rep")
+    assert report["metrics"]["kl_mean"]["candidate"] > 0.01
+    assert report["metrics"]["perplexity"]["delta"] != 0.0
+    assert report["source"]["fingerprint"] != report["candidate"]["fingerprint"]
+
+
+def test_tokenizer_mismatch_is_refused(tmp_path, tiny_llama, tiny_tokenizer):
+    other = save_tiny_llama(tmp_path / "m", len(tiny_tokenizer))
+    train_tokenizer(other, vocab_size=400)
+    with pytest.raises(KVConvertError, match="tokenizers differ"):
+        validate(tiny_llama, other, tmp_path / "rep")
+
+
+def test_missing_longbench_data_skipped_in_smoke_error_in_standard(tmp_path, tiny_llama):
+    missing = tmp_path / "no-longbench"
+    report = validate(tiny_llama, tiny_llama, tmp_path / "rep", longbench_dir=missing)
+    assert str(missing) in report["skipped"]["longbench"]
+    assert not any(t.startswith("longbench/") for t in report["samples"])
+    with pytest.raises(KVConvertError, match=str(missing)):
+        validate(tiny_llama, tiny_llama, tmp_path / "rep2", longbench_dir=missing, suite="standard")
+
+
+def test_validate_cli_errors(tmp_path, tiny_llama):
+    with pytest.raises(SystemExit) as info:
+        main(["validate", "--source", str(tiny_llama), "--candidate", str(tmp_path / "missing"),
+              "--out", str(tmp_path / "r"), "--engine", "transformers"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["validate", "--source", str(tiny_llama), "--candidate", str(tiny_llama), "--out", str(tmp_path / "r"),
+              "--engine", "transformers", "--kv-dtype", "fp8"])
+    assert info.value.code == 2
+
+
+# --------------------------------------------------------------------------- SmolLM2 (slow)
+
+@pytest.fixture(scope="module")
+def smollm2_smoke(tmp_path_factory, smollm2_path):
+    out = tmp_path_factory.mktemp("smollm2_smoke")
+    return out, validate(smollm2_path, smollm2_path, out, resume=False, suite="smoke")
+
+
+@pytest.mark.slow
+def test_smollm2_vs_itself_exact_zero_deltas(smollm2_smoke):
+    _, report = smollm2_smoke
+    assert_all_deltas_zero(report)
+    assert report["cache"]["hits"] == 0
+    assert 20 < report["metrics"]["perplexity"]["source"] < 80  # a working model, not noise
+    assert report["metrics"]["passkey_accuracy"]["source"] > 0
+
+
+@pytest.mark.slow
+def test_degraded_smollm2_fails_the_gate(tmp_path, smollm2_path, smollm2_smoke, capsys):
+    from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
+
+    degraded = tmp_path / "degraded"
+    with CheckpointReader(smollm2_path) as reader, CheckpointWriter(degraded, source="test: o_proj x 0.5") as writer:
+        for name in reader.keys():
+            tensor = reader.get(name)
+            writer.add(name, tensor * 0.5 if name.endswith("self_attn.o_proj.weight") else tensor)
+        writer.write_config(reader.config)
+        writer.copy_tokenizer(smollm2_path)
+    source_out, _ = smollm2_smoke
+    out = tmp_path / "report"
+    shutil.copytree(source_out / "cache", out / "cache")  # the source's results are reused
+    report = validate(smollm2_path, degraded, out, suite="smoke")
+    assert report["metrics"]["perplexity"]["delta_pct"] > 50
+    policy = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "recipes" / "gates" / "default.yaml")
+    with pytest.raises(SystemExit) as info:
+        main(["gate", "--report", str(out / "report.json"), "--policy", policy])
+    assert info.value.code == 1
+    assert "perplexity_increase_pct" in capsys.readouterr().out

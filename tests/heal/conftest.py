@@ -1,0 +1,59 @@
+"""Tiny real models for the healing tests: a random Llama teacher (with a small BPE tokenizer
+trained on the built-in corpus) and its MLA conversion by kvconvert's own converter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB = 384
+
+
+def build_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer trained on the first 200 KB of the built-in corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvconvert.data import pydoc_corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([pydoc_corpus()[:200_000]], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(folder))
+
+
+def build_llama(folder: Path, seed: int = 0, vocab_size: int = VOCAB, layers: int = 2) -> Path:
+    """Random Llama (GQA 4 q / 2 kv heads, head_dim 16), weights scaled up so its attention is
+    peaked and its next-token distributions far from uniform."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      initializer_range=0.15, tie_word_embeddings=False, rope_theta=10000.0,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).float()
+    model.save_pretrained(str(folder))
+    build_tokenizer(folder, vocab_size)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory) -> Path:
+    return build_llama(tmp_path_factory.mktemp("teacher") / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_student(tiny_teacher, tmp_path_factory) -> Path:
+    """rank 8 + rope 8 (of 2 kv heads x 16 dims): a lossy conversion that healing can improve."""
+    from kvconvert.mla.convert import MLAOptions, convert_to_mla
+
+    out = tmp_path_factory.mktemp("student") / "mla"
+    convert_to_mla(tiny_teacher, out, MLAOptions(rank=8, rope_dim=8, calib_tokens=1024, calib_window=128,
+                                                 dtype="fp32", progress=False))
+    return out
