@@ -1,6 +1,7 @@
 """`kvconvert validate`: run source and candidate on identical inputs and write a report.
 
-Order of work: perplexity + KL (both models, window by window), then every generation sample
+Order of work: build every sample (so missing data fails before any model runs), perplexity +
+KL (both models, window by window), then every generation sample
 with the source, then with the candidate (one model in memory at a time for those). Each sample's
 result is cached under REPORT_DIR/cache as soon as it is done, keyed by (model fingerprint, task,
 sample id, content hash): rerunning the same command resumes, and a result computed for a model
@@ -173,7 +174,7 @@ def _longbench_samples(pair: Pair, spec: SuiteSpec, opts: ValidateOptions, skipp
     try:
         rows = longbench.load_longbench(folder, spec.longbench_tasks)
     except KVConvertError as exc:
-        if spec.name not in ("smoke", "quick") or folder.exists():
+        if not spec.longbench_optional or folder.exists():
             raise
         skipped["longbench"] = str(exc)
         note(opts, f"LongBench skipped: {exc}")
@@ -233,24 +234,7 @@ def run_validate(opts: ValidateOptions) -> dict:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = ResultCache(out / "cache", resume=opts.resume)
-
-    samples_by_task: dict[str, list[dict]] = {}
-    skipped: dict[str, str] = {}
-    if spec.ppl_windows:
-        samples_by_task["perplexity"] = run_perplexity(pair, spec, cache, opts, skipped)
-    gen_samples = build_samples(pair, spec, opts, skipped)
-    outputs = {}
-    for role, runner in (("source", pair.source), ("candidate", pair.candidate)):
-        outputs[role] = generate_all(runner, role, gen_samples, pair, cache, opts)
-        runner.close()
-    for sample in gen_samples:
-        key = (sample.task, sample.sample_id)
-        samples_by_task.setdefault(sample.task, []).append({
-            "id": sample.sample_id, "meta": sample.meta, "answers": list(sample.answers),
-            "prompt_tokens": sample.prompt_len, "max_new_tokens": sample.max_new_tokens,
-            **{role: {**outputs[role][key], "score": score_sample(sample, outputs[role][key]["text"])}
-               for role in ("source", "candidate")},
-        })
+    samples, skipped, phases = run_suite(pair, spec, cache, opts)
     header = {
         "format": REPORT_FORMAT,
         "kvconvert_version": __version__,
@@ -258,12 +242,47 @@ def run_validate(opts: ValidateOptions) -> dict:
         "suite": {"name": spec.name, "version": SUITE_VERSION, "spec": spec.as_dict()},
         "source": pair.source.describe(),
         "candidate": pair.candidate.describe(),
-        "settings": {"context": pair.context, "stop_ids": list(pair.stop_ids), "resume": opts.resume},
+        "settings": {"context": pair.context, "stop_ids": list(pair.stop_ids), "resume": opts.resume,
+                     "threads": torch.get_num_threads()},
         "cache": {"hits": cache.hits, "misses": cache.misses},
         "seconds": round(time.time() - started, 1),
+        "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
         "notes": list(opts.notes),
         "skipped": skipped,
     }
-    report = build_report(header, samples_by_task)
+    report = build_report(header, samples)
     write_report(report, out)
     return report
+
+
+def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, opts: ValidateOptions
+              ) -> tuple[dict[str, list[dict]], dict[str, str], dict[str, float]]:
+    """Per-sample records by task, skipped task families (with reasons), seconds per phase."""
+    samples: dict[str, list[dict]] = {}
+    skipped: dict[str, str] = {}
+    phases: dict[str, float] = {}
+    clock = time.time()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        phases[name], clock = time.time() - clock, time.time()
+
+    gen_samples = build_samples(pair, spec, opts, skipped)  # data problems surface before any model runs
+    lap("build_samples")
+    if spec.ppl_windows:
+        samples["perplexity"] = run_perplexity(pair, spec, cache, opts, skipped)
+        lap("perplexity")
+    outputs = {}
+    for role, runner in (("source", pair.source), ("candidate", pair.candidate)):
+        outputs[role] = generate_all(runner, role, gen_samples, pair, cache, opts)
+        runner.close()
+        lap(f"{role}_generation")
+    for sample in gen_samples:
+        key = (sample.task, sample.sample_id)
+        samples.setdefault(sample.task, []).append({
+            "id": sample.sample_id, "meta": sample.meta, "answers": list(sample.answers),
+            "prompt_tokens": sample.prompt_len, "max_new_tokens": sample.max_new_tokens,
+            **{role: {**outputs[role][key], "score": score_sample(sample, outputs[role][key]["text"])}
+               for role in ("source", "candidate")},
+        })
+    return samples, skipped, phases

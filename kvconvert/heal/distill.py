@@ -221,7 +221,7 @@ class Distiller:
         if s.lm_weight:
             parts["ce"] = F.cross_entropy(s_logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
             loss = loss + s.lm_weight * parts["ce"]
-        return loss, {k: float(v) for k, v in parts.items()}
+        return loss, {k: float(v.detach()) for k, v in parts.items()}
 
     def train_step(self) -> dict:
         s = self.stage

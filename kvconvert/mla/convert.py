@@ -36,7 +36,7 @@ class MLAOptions:
     dtype: str = "bf16"
     key_weight: float = 1.0
     query_weighted_rope: bool = True
-    rho: float = 1e-3
+    rho: float = 3e-4
     refit_o_proj: bool = True
     stream: str = "converted"  # hidden states carried through the converted (or source) layers
     overwrite: bool = False

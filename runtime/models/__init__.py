@@ -27,9 +27,18 @@ def model_type(config: dict) -> str:
     return kind
 
 
-def load_model(reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
-    """Build the runtime model for the checkpoint behind `reader` (a CheckpointReader)."""
+def _model_class(config: dict):
     import importlib
 
-    module, cls = MODELS[model_type(reader.config)]
-    return getattr(importlib.import_module(module), cls)(reader, dtype=dtype, max_positions=max_positions)
+    module, cls = MODELS[model_type(config)]
+    return getattr(importlib.import_module(module), cls)
+
+
+def kv_layout(config: dict):
+    """The cache layout (list over layers of {name: CacheSpec}) from config.json alone."""
+    return _model_class(config).layout_from_config(config)
+
+
+def load_model(reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
+    """Build the runtime model for the checkpoint behind `reader` (a CheckpointReader)."""
+    return _model_class(reader.config)(reader, dtype=dtype, max_positions=max_positions)

@@ -112,8 +112,13 @@ class DeepseekV3ForCausalLM:
 
     # ---------------------------------------------------------------- cache layout
     def kv_layout(self) -> list[dict[str, CacheSpec]]:
-        row = CacheSpec((self.kv_lora_rank + self.qk_rope_head_dim,), rope_tail=self.qk_rope_head_dim)
-        return [{"kv": row} for _ in range(self.num_layers)]
+        return self.layout_from_config(self.config)
+
+    @staticmethod
+    def layout_from_config(c: dict) -> list[dict[str, CacheSpec]]:
+        """Per layer: one row [latent (kv_lora_rank) | k_rope (qk_rope_head_dim)] per token."""
+        row = CacheSpec((c["kv_lora_rank"] + c["qk_rope_head_dim"],), rope_tail=c["qk_rope_head_dim"])
+        return [{"kv": row} for _ in range(c["num_hidden_layers"])]
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta: AttentionMetadata,

@@ -72,8 +72,14 @@ class LlamaForCausalLM:
 
     # ---------------------------------------------------------------- cache layout
     def kv_layout(self) -> list[dict[str, CacheSpec]]:
-        row = CacheSpec((self.num_kv_heads, self.head_dim))
-        return [{"k": row, "v": row} for _ in range(self.num_layers)]
+        return self.layout_from_config(self.config)
+
+    @staticmethod
+    def layout_from_config(c: dict) -> list[dict[str, CacheSpec]]:
+        """Per layer: post-RoPE k and v, each [kv_heads, head_dim] per token."""
+        heads = c["num_attention_heads"]
+        row = CacheSpec((c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads))
+        return [{"k": row, "v": row} for _ in range(c["num_hidden_layers"])]
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta: AttentionMetadata,

@@ -30,3 +30,14 @@ def tiny_tokenizer(tiny_tokenizer_dir):
 def tiny_llama(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), len(tiny_tokenizer), seed=0,
                            tokenizer_dir=tiny_tokenizer_dir)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """These tests run small matmuls; one thread avoids spin-wait contention on a shared CPU."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

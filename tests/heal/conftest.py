@@ -44,16 +44,41 @@ def build_llama(folder: Path, seed: int = 0, vocab_size: int = VOCAB, layers: in
 
 
 @pytest.fixture(scope="session")
-def tiny_teacher(tmp_path_factory) -> Path:
-    return build_llama(tmp_path_factory.mktemp("teacher") / "llama")
+def text_file(tmp_path_factory) -> Path:
+    """~40K tokens of the built-in corpus as a local .txt (tokenizing all of it is slow)."""
+    from kvconvert.data import pydoc_corpus
+
+    path = tmp_path_factory.mktemp("data") / "calib.txt"
+    path.write_text(pydoc_corpus()[200_000:300_000])
+    return path
 
 
 @pytest.fixture(scope="session")
-def tiny_student(tiny_teacher, tmp_path_factory) -> Path:
-    """rank 8 + rope 8 (of 2 kv heads x 16 dims): a lossy conversion that healing can improve."""
+def tiny_teacher(tmp_path_factory) -> Path:
+    torch.set_num_threads(1)  # tiny matrices: threads only add overhead on a shared CPU
+    return build_llama(tmp_path_factory.mktemp("teacher") / "llama")
+
+
+def convert_tiny(teacher: Path, out: Path, text_file: Path, rank: int = 8, rope_dim: int = 8) -> Path:
     from kvconvert.mla.convert import MLAOptions, convert_to_mla
 
-    out = tmp_path_factory.mktemp("student") / "mla"
-    convert_to_mla(tiny_teacher, out, MLAOptions(rank=8, rope_dim=8, calib_tokens=1024, calib_window=128,
-                                                 dtype="fp32", progress=False))
+    convert_to_mla(teacher, out, MLAOptions(rank=rank, rope_dim=rope_dim, calib_data=str(text_file), calib_tokens=1024,
+                                            calib_window=128, dtype="fp32", progress=False))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_student(tiny_teacher, text_file, tmp_path_factory) -> Path:
+    """rank 8 + rope 8 (of 2 kv heads x 16 dims): a lossy conversion that healing can improve."""
+    return convert_tiny(tiny_teacher, tmp_path_factory.mktemp("student") / "mla", text_file)
+
+
+def layerwise_recipe(text_file: Path, **kw) -> dict:
+    stage = {"data": str(text_file), "tokens": 2048, "window": 128, "steps": 40, "batch_windows": 4, "lr": 0.01}
+    return {"heal_layerwise": {**stage, **kw}}
+
+
+def distill_recipe(text_file: Path, **kw) -> dict:
+    stage = {"data": str(text_file), "tokens": 12 * 2 * 128, "seq_len": 128, "batch_size": 2, "lr": 0.01,
+             "warmup_steps": 2, "checkpoint_every": 4}
+    return {"heal_distill": {**stage, **kw}}

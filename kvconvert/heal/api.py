@@ -1,0 +1,246 @@
+"""`heal(student, teacher, recipe, out)`: layer-wise reconstruction then distillation, written as a
+stock DeepSeek-V3 checkpoint (CheckpointWriter, atomic).
+
+Order of work, so that every user error surfaces before any training:
+  1. recipe (file, preset name, dict or Recipe) validated; output path checked
+  2. student/teacher pair checked (compat.check_pair: configs, shared weights, tokenizers)
+  3. all training data tokenized (too little data -> error)
+  4. heal_layerwise (if any) -> intermediate checkpoint in the state area (or `out` if last)
+  5. heal_distill (if any) -> `out`
+The state area (`.{out}.heal-state` beside `out`) holds resumable progress; a rerun with the same
+inputs continues from it, and it is removed once `out` is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_output_path
+from kvconvert.data import data_hash, load_text, token_windows
+from kvconvert.errors import KVConvertError
+from kvconvert.heal import compat
+from kvconvert.recipe import DistillStage, LayerwiseStage, Recipe, load_recipe, parse_recipe
+
+PRESETS: dict[str, dict] = {
+    # Layer-wise reconstruction alone: CPU-sized (SmolLM2-135M: ~10-20 min on 2 cores).
+    "layerwise": {"name": "layerwise", "heal_layerwise": {}},
+    # Layer-wise, then a short distillation.
+    "layerwise+distill": {"name": "layerwise+distill", "heal_layerwise": {}, "heal_distill": {}},
+}
+LAYERWISE_VAL_WINDOWS = 1  # held-out calibration windows, measured per layer (not fitted)
+
+
+def resolve_recipe(recipe: Recipe | dict | str | Path) -> Recipe:
+    """A Recipe from a Recipe, a dict, a preset name (layerwise, layerwise+distill) or a YAML path."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, dict):
+        return parse_recipe(recipe)
+    if str(recipe) in PRESETS:
+        return parse_recipe(PRESETS[str(recipe)], f"preset {recipe}")
+    path = Path(recipe)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return load_recipe(path)
+    raise KVConvertError(f"{recipe}: not a recipe file or preset (presets: {', '.join(PRESETS)})")
+
+
+def state_dir_for(out: Path) -> Path:
+    out = Path(out).absolute()
+    return out.parent / f".{out.name}.heal-state"
+
+
+@dataclass
+class HealData:
+    layerwise: torch.Tensor | None = None  # [N, window] token ids
+    distill: torch.Tensor | None = None  # [N, seq_len]
+    info: dict = field(default_factory=dict)
+
+
+def prepare_data(tokenizer, recipe: Recipe) -> HealData:
+    """Tokenize every stage's data up front; too little text raises before any training."""
+    data = HealData()
+    texts: dict[str, str] = {}
+
+    def windows(source: str, count: int, length: int, what: str) -> torch.Tensor:
+        if source not in texts:
+            texts[source] = load_text(source)
+        try:
+            return token_windows(tokenizer, texts[source], count, length)
+        except KVConvertError as exc:
+            raise KVConvertError(f"{what} (data {source!r}): {exc}") from None
+
+    if (lw := recipe.layerwise) is not None:
+        n = max(2, lw.tokens // lw.window) + LAYERWISE_VAL_WINDOWS
+        data.layerwise = windows(lw.data, n, lw.window, "heal_layerwise")
+        data.info["layerwise"] = {"data": lw.data, "tokens": int(data.layerwise.numel()),
+                                  "data_hash": data_hash(data.layerwise)}
+    if (ds := recipe.distill) is not None:
+        data.distill = _distill_windows(windows, ds)
+        data.info["distill"] = {"data": ds.data, "tokens_requested": ds.tokens,
+                                "unique_tokens": int(data.distill.numel()), "data_hash": data_hash(data.distill)}
+    return data
+
+
+def _distill_windows(windows, ds: DistillStage) -> torch.Tensor:
+    """All whole seq_len windows the data holds (needed: stage.tokens, one pass)."""
+    need = ds.steps * ds.tokens_per_step // ds.seq_len
+    text_windows = windows(ds.data, need, ds.seq_len, "heal_distill")
+    return text_windows
+
+
+def fingerprint(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(json.dumps(p, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def _checkpoint_fingerprint(reader: CheckpointReader) -> dict:
+    files = compat.read_manifest(reader.path).get("files", {})
+    return {"path": str(reader.path.resolve()), "config": reader.config,
+            "weights": {k: v.get("sha256") for k, v in files.items() if k.endswith(".safetensors")}}
+
+
+def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str | Path, out: str | Path, *,
+         overwrite: bool = False, progress: bool = True, restart: bool = False, max_steps: int | None = None,
+         device: str | None = None) -> dict:
+    """Heal `student` (a `kvconvert mla` output) against `teacher` (its source) into `out`.
+
+    max_steps: stop the distillation after this many optimizer steps, keep the state and return
+    {"finished": False} (rerun to resume). restart: discard any saved state first. device: where
+    the layer-wise stage runs (default cuda when available, else cpu). Returns the heal report.
+    """
+    t0 = time.time()
+    recipe = resolve_recipe(recipe)
+    if not recipe.heals():
+        raise KVConvertError("the recipe has no enabled heal_layerwise or heal_distill stage: nothing to heal")
+    student, teacher, out = Path(student), Path(_resolve_teacher(teacher)), Path(out)
+    check_output_path(out, overwrite)
+    s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
+    notes = compat.check_pair(s_reader, t_reader)
+    tokenizer = compat.load_tokenizer(teacher, "teacher")
+    data = prepare_data(tokenizer, recipe)
+    state = state_dir_for(out)
+    if restart and state.exists():
+        shutil.rmtree(state)
+    fp = fingerprint(recipe.to_dict(), _checkpoint_fingerprint(s_reader), _checkpoint_fingerprint(t_reader),
+                     data.info)
+    report = {"student": str(student), "teacher": str(teacher), "recipe": recipe.to_dict(), "data": data.info,
+              "notes": notes, "stages": {}}
+    current = student
+    if recipe.layerwise is not None:
+        target = out if recipe.distill is None else state / "layerwise-checkpoint"
+        report["stages"]["heal_layerwise"] = _layerwise_stage(
+            s_reader, t_reader, data, recipe.layerwise, target, state, fp, report, progress,
+            device or ("cuda" if torch.cuda.is_available() else "cpu"), final=recipe.distill is None, overwrite=overwrite)
+        current = target
+    if recipe.distill is not None:
+        result = _distill_stage(current, teacher, data, recipe.distill, out, state, fp, report, progress,
+                                max_steps, overwrite)
+        report["stages"]["heal_distill"] = result
+        if not result.get("finished", True):
+            report["finished"] = False
+            return report
+    report["finished"] = True
+    report["seconds"] = round(time.time() - t0, 1)
+    shutil.rmtree(state, ignore_errors=True)
+    return report
+
+
+def heal_after_convert(student_dir: str | Path, teacher_dir: str | Path, recipe_or_preset, out_dir: str | Path,
+                       **kw) -> dict:
+    """For `kvconvert mla ... --heal layerwise|RECIPE.yaml`: heal the fresh conversion into out_dir."""
+    return heal(student_dir, teacher_dir, recipe_or_preset, out_dir, **kw)
+
+
+def _resolve_teacher(teacher: str | Path) -> Path:
+    path = Path(teacher).expanduser()
+    if path.exists():
+        return path
+    from kvconvert.sources import resolve_source
+
+    return Path(resolve_source(str(teacher)))
+
+
+def _manifest_extra(s_reader: CheckpointReader, report: dict, stage_info: dict) -> dict:
+    """Keep the converter's manifest entry (rank, rope_dim, calibration) and add the healing's."""
+    extra = {k: v for k, v in compat.read_manifest(s_reader.path).items() if k.startswith("kvconvert_")
+             and k != "kvconvert_heal"}
+    extra["kvconvert_heal"] = {"student": report["student"], "teacher": report["teacher"],
+                               "recipe": report["recipe"], "data": report["data"], **stage_info}
+    return extra
+
+
+def _source_of(s_reader: CheckpointReader, report: dict) -> str:
+    """The original source model (what the student was converted from), as the converter records it."""
+    return compat.read_manifest(s_reader.path).get("source") or report["teacher"]
+
+
+def _layerwise_stage(s_reader, t_reader, data: HealData, stage: LayerwiseStage, target: Path, state: Path, fp: str,
+                     report: dict, progress: bool, device: str, final: bool, overwrite: bool) -> dict:
+    from kvconvert.heal.layerwise import LayerwiseState, copy_globals, run_layerwise
+
+    done_flag = state / "layerwise.done"
+    if not final and done_flag.is_file() and done_flag.read_text() == fp and (target / "config.json").is_file():
+        return json.loads((state / "layerwise-report.json").read_text())
+    t0 = time.time()
+    lw_state = LayerwiseState(state / "layerwise", fp)
+    extra = _manifest_extra(s_reader, report, {"stage": "heal_layerwise"})
+    with CheckpointWriter(target, overwrite=overwrite or not final, source=_source_of(s_reader, report),
+                          manifest_extra=extra) as writer:
+        copy_globals(s_reader, writer)
+        layers = run_layerwise(s_reader, t_reader, data.layerwise, stage, writer, lw_state, device, progress,
+                               LAYERWISE_VAL_WINDOWS)
+        writer.write_config(s_reader.config)
+        writer.copy_tokenizer(s_reader.path)
+        result = {"layers": layers, "seconds": round(time.time() - t0, 1), **_layer_summary(layers)}
+        writer.write_json("heal_report.json", {**report, "stages": {"heal_layerwise": result}})
+    if not final:
+        (state / "layerwise-report.json").write_text(json.dumps(result))
+        done_flag.write_text(fp)
+    return result
+
+
+def _layer_summary(layers: list[dict]) -> dict:
+    def mean(key):
+        vals = [r[key] for r in layers if key in r]
+        return sum(vals) / len(vals) if vals else None
+
+    return {"mean_rel_err_before": mean("rel_err_before"), "mean_rel_err_after": mean("rel_err_after"),
+            "mean_val_rel_err_before": mean("val_rel_err_before"), "mean_val_rel_err_after": mean("val_rel_err_after")}
+
+
+def _distill_stage(student: Path, teacher: Path, data: HealData, stage: DistillStage, out: Path, state: Path,
+                   fp: str, report: dict, progress: bool, max_steps: int | None, overwrite: bool) -> dict:
+    from kvconvert.heal.distill import Distiller, plot_loss_curve, summarize, write_history
+
+    distiller = Distiller(student, teacher, data.distill, stage, state / "distill", fp, progress)
+    resumed_at = distiller.step if distiller.try_resume() else 0
+    result = distiller.run(max_steps)
+    info = {"resumed_at_step": resumed_at, "steps_done": result.steps_done, "steps": stage.steps,
+            "finished": result.finished, **summarize(result.history)}
+    if not result.finished or not distiller.accelerator.is_main_process:
+        return info
+    s_reader = CheckpointReader(student)
+    extra = _manifest_extra(s_reader, report, {"stage": "heal_distill", "distill_tokens": info.get("tokens", 0)})
+    with CheckpointWriter(out, overwrite=overwrite, source=_source_of(s_reader, report), manifest_extra=extra) as writer:
+        for name in s_reader.keys():
+            tensor = s_reader.get(name)
+            if name in result.weights:
+                tensor = result.weights[name].to(tensor.dtype)
+            writer.add(name, tensor)
+        writer.write_config(s_reader.config)
+        writer.copy_tokenizer(s_reader.path)
+        write_history(result.history, writer.tmp_dir / "distill_history.jsonl")
+        plot_loss_curve(result.history, writer.tmp_dir / "loss_curve.png")
+        full = dict(report)
+        full["stages"] = {**report["stages"], "heal_distill": info}
+        writer.write_json("heal_report.json", full)
+    return info

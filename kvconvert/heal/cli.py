@@ -1,0 +1,50 @@
+"""`kvconvert heal`: heal a converted MLA checkpoint against its source model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.command("heal")
+@click.option("--student", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Converted MLA checkpoint folder (output of `kvconvert mla`).")
+@click.option("--teacher", required=True, help="The source it was converted from: HF folder or built-in name.")
+@click.option("--recipe", required=True,
+              help="Recipe YAML (heal_layerwise / heal_distill blocks) or a preset: layerwise, layerwise+distill.")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output folder (stock DeepSeek-V3 checkpoint).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@click.option("--restart", is_flag=True, help="Discard saved progress instead of resuming it.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None,
+              help="Stop distillation after this many steps and keep its state (rerun to resume).")
+@click.option("--device", default=None, help="Device for the layer-wise stage (default: cuda if available, else cpu).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, device, threads, no_progress):
+    """Recover the quality lost by MLA conversion: layer-wise reconstruction of each attention block,
+    then end-to-end distillation (KL to the source). Resumes after an interruption."""
+    import torch
+
+    from kvconvert.heal.api import heal
+
+    if threads:
+        torch.set_num_threads(threads)
+    report = heal(student, teacher, recipe, out, overwrite=overwrite, progress=not no_progress, restart=restart,
+                  max_steps=max_steps, device=device)
+    if not report.get("finished", True):
+        d = report["stages"]["heal_distill"]
+        click.echo(f"stopped at step {d['steps_done']}/{d['steps']}; rerun the same command to resume")
+        return
+    lw = report["stages"].get("heal_layerwise")
+    if lw:
+        click.echo(f"layer-wise: mean block rel. error {lw['mean_rel_err_before']:.4f} -> {lw['mean_rel_err_after']:.4f} "
+                   f"({lw['seconds']:.0f} s)")
+    ds = report["stages"].get("heal_distill")
+    if ds:
+        click.echo(f"distill: {ds['steps_done']} steps, {ds.get('tokens', 0)} tokens, loss "
+                   f"{ds.get('loss_first', float('nan')):.4f} -> {ds.get('loss_last', float('nan')):.4f}, "
+                   f"{ds.get('tokens_per_s', 0):.0f} tok/s")
+    click.echo(f"wrote {out} ({json.dumps(report.get('seconds'))} s)")

@@ -1,0 +1,78 @@
+"""Measurements used by scripts/bench_heal.py: perplexity and mean next-token KL(source || candidate)
+on identical held-out windows, and passkey retrieval accuracy (greedy, plain LongLoRA prompt).
+
+Models are transformers CausalLMs (the source LlamaForCausalLM, candidates DeepseekV3ForCausalLM),
+float32 on the CPU, one window at a time (logits [1, T, V] are the largest temporaries).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def load_causal_lm(folder: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    return model.eval()
+
+
+@torch.no_grad()
+def window_metrics(source, candidates: dict, ids: torch.Tensor, progress: bool = False) -> dict:
+    """Perplexity of the source and every candidate, and mean KL(source || candidate) per token.
+
+    ids: [N, T] windows; every position but the last predicts the next token (N * (T-1) tokens).
+    Returns {"source": {"ppl"}, name: {"ppl", "kl_mean", "ppl_increase_pct"}}.
+    """
+    from tqdm.auto import tqdm
+
+    nll = {name: 0.0 for name in ["source", *candidates]}
+    kl = {name: 0.0 for name in candidates}
+    count = 0
+    for row in tqdm(ids, desc="eval: windows", disable=not progress):
+        x = row[None]
+        target = x[:, 1:]
+        src = F.log_softmax(source(input_ids=x).logits[:, :-1].float(), -1)
+        nll["source"] += float(-src.gather(-1, target[..., None]).sum())
+        for name, model in candidates.items():
+            cand = F.log_softmax(model(input_ids=x).logits[:, :-1].float(), -1)
+            nll[name] += float(-cand.gather(-1, target[..., None]).sum())
+            kl[name] += float((src.exp() * (src - cand)).sum())
+        count += target.numel()
+    src_ppl = math.exp(nll["source"] / count)
+    out = {"source": {"ppl": src_ppl, "tokens": count}}
+    for name in candidates:
+        ppl = math.exp(nll[name] / count)
+        out[name] = {"ppl": ppl, "kl_mean": kl[name] / count, "ppl_increase_pct": 100 * (ppl / src_ppl - 1)}
+    return out
+
+
+def passkey_samples(tokenizer, lengths: tuple[int, ...], per_length: int, seed: int = 0):
+    """`per_length` passkey prompts per length, depths evenly spread over [0, 1]."""
+    from kvconvert.eval.haystack import passkey_sample
+
+    samples = []
+    for length in lengths:
+        for k in range(per_length):
+            depth = k / max(1, per_length - 1)
+            samples.append(passkey_sample(tokenizer, length, depth, repeat=0, seed=seed))
+    return samples
+
+
+@torch.no_grad()
+def passkey_accuracy(model, tokenizer, samples) -> dict:
+    """{length: accuracy in [0, 1]} by greedy decoding and kvconvert.eval's passkey scorer."""
+    from kvconvert.eval.metrics import passkey_score
+
+    hits: dict[int, list[float]] = {}
+    for sample in samples:
+        ids = torch.tensor([sample.prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=sample.max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        hits.setdefault(sample.meta["length"], []).append(passkey_score(text, sample.answers[0]))
+    return {length: sum(v) / len(v) for length, v in hits.items()}

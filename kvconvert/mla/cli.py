@@ -1,0 +1,102 @@
+"""`kvconvert mla`: MHA/GQA -> stock DeepSeek-V3 MLA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvconvert.errors import KVConvertError
+
+
+@click.command("mla")
+@click.option("--src", required=True, help="Source model: local HF folder, built-in name (smollm2-135m) or hub id.")
+@click.option("--rank", type=int, required=True, help="kv_lora_rank: size of the cached latent per token and layer.")
+@click.option("--rope-dim", type=int, default=None, help="qk_rope_head_dim (default min(64, head_dim)).")
+@click.option("--calib-data", default="builtin", show_default=True,
+              help="builtin (Python's pydoc text), a .txt/.jsonl/.parquet file, or a datasets id.")
+@click.option("--calib-tokens", type=int, default=8192, show_default=True)
+@click.option("--calib-window", type=int, default=512, show_default=True, help="Tokens per calibration window.")
+@click.option("--key-weight", type=float, default=1.0, show_default=True,
+              help="Weight of key (attention score) errors against value errors in the latent objective.")
+@click.option("--no-refit-o-proj", is_flag=True, help="Skip the least-squares o_proj refit.")
+@click.option("--heal", default="none", show_default=True, help="none, layerwise, or a recipe YAML.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32", "fp16"]), default="bf16", show_default=True)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the conversion summary as JSON.")
+def mla_cmd(src, rank, rope_dim, calib_data, calib_tokens, calib_window, key_weight, no_refit_o_proj, heal,
+            dtype, out_dir, overwrite, as_json):
+    """Convert a Llama-family (MHA/GQA) checkpoint to Multi-head Latent Attention in stock DeepSeek-V3
+    format (loads in transformers, vLLM and SGLang with no custom code)."""
+    import json
+
+    from kvconvert.checkpoint import check_output_path
+    from kvconvert.mla.convert import MLAOptions, convert_to_mla
+    from kvconvert.sources import resolve_source
+
+    check_output_path(out_dir, overwrite)
+    heal_target = _heal_plan(heal)
+    src_path = resolve_source(src)
+    opts = MLAOptions(rank=rank, rope_dim=rope_dim, calib_data=calib_data, calib_tokens=calib_tokens,
+                      calib_window=calib_window, key_weight=key_weight, refit_o_proj=not no_refit_o_proj,
+                      dtype=dtype, overwrite=overwrite)
+    convert_dir = out_dir if heal_target is None else out_dir.parent / f".{out_dir.name}.oneshot"
+    report = convert_to_mla(src_path, convert_dir, opts if heal_target is None else _replace(opts, overwrite=True),
+                            source_name=str(src))
+    if heal_target is not None:
+        from kvconvert.heal import heal_after_convert
+
+        import shutil
+
+        try:
+            heal_after_convert(convert_dir, src_path, heal_target, out_dir)
+        finally:
+            shutil.rmtree(convert_dir, ignore_errors=True)
+    summary = _summary(report, out_dir)
+    click.echo(json.dumps(summary, indent=2) if as_json else _table(summary))
+
+
+def _replace(opts, **kw):
+    from dataclasses import replace
+
+    return replace(opts, **kw)
+
+
+def _heal_plan(heal: str):
+    if heal == "none":
+        return None
+    if heal == "layerwise" or heal.endswith((".yaml", ".yml")):
+        if heal != "layerwise" and not Path(heal).is_file():
+            raise KVConvertError(f"--heal {heal}: recipe file not found")
+        try:
+            import kvconvert.heal  # noqa: F401
+            from kvconvert.heal import heal_after_convert  # noqa: F401
+        except ImportError:
+            raise KVConvertError("--heal: the healing module is not available in this install") from None
+        return heal
+    raise KVConvertError(f"--heal {heal!r}: use none, layerwise, or a recipe .yaml file")
+
+
+def _summary(report, out_dir: Path) -> dict:
+    cfg = report.config
+    layers = report.layers
+    kv_values = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    return {
+        "out": str(out_dir),
+        "kv_lora_rank": cfg["kv_lora_rank"],
+        "qk_rope_head_dim": cfg["qk_rope_head_dim"],
+        "kv_values_per_token_per_layer": kv_values,
+        "mean_rope_energy_kept": sum(r["rope_energy_kept"] for r in layers) / len(layers),
+        "mean_latent_energy_kept": sum(r["latent_energy_kept"] for r in layers) / len(layers),
+        "mean_attn_rel_error": sum(r.get("attn_rel_error_refit", r["attn_rel_error"]) for r in layers) / len(layers),
+        "seconds": round(report.seconds, 1),
+        "peak_rss_mb": round(report.peak_rss_mb),
+        "calib_tokens": report.calib_tokens,
+    }
+
+
+def _table(summary: dict) -> str:
+    width = max(len(k) for k in summary)
+    lines = [f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}" for k, v in summary.items()]
+    return "\n".join(["MLA conversion written:"] + lines)

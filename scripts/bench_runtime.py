@@ -1,0 +1,262 @@
+#!/usr/bin/env python
+"""Benchmark the bundled runtime against transformers' generate, side by side in one run.
+
+    python scripts/bench_runtime.py --quick                      # minutes: batch 1 and 8 at 512 tokens
+    python scripts/bench_runtime.py --mla out/smollm2-mla-25      # full grid, source and its MLA conversion
+
+Measures (CPU, fp32 compute):
+  * decode tokens/s at batch x context (default 1, 8, 32 x 512, 2K, 8K) for the source model
+    (SmolLM2-135M, GQA) and, when --mla is given, its MLA conversion, both in the runtime, against
+    transformers' generate on the source (same prompts lengths, greedy, EOS ignored). Decode rate =
+    batch x decode tokens / time from the first generated token to the last (prefill excluded).
+  * KV bytes per token (exact, from the runtime's cache layout) per kv dtype.
+  * how many concurrent 2K-token requests fit a fixed KV memory: paged (the runtime's BlockManager
+    allocating blocks) vs reserving max_model_len tokens per request up front.
+Writes docs/bench_runtime.json and prints a markdown table. Configurations that would not fit in
+this machine's RAM are recorded as skipped, with the estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUEST_TOKENS = 2048
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", default="smollm2-135m", help="source model folder or built-in name")
+    ap.add_argument("--mla", default=None, help="MLA conversion of the source (HF folder), optional")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--kv-dtype", default="bf16", help="runtime KV storage for the speed runs")
+    ap.add_argument("--kv-memory", default="1G", help="fixed KV memory for the concurrency count")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--quick", action="store_true", help="batch 1 and 8 at 512 tokens, 8 decode tokens")
+    ap.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_runtime.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batches, args.contexts, args.decode_tokens = "1,8", "512", 8
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    return args
+
+
+def ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def prompts_for(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
+    """Distinct random prompts (no shared prefix, so no prefix-cache hits)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)]
+
+
+# ---------------------------------------------------------------------------------------- runtime
+def runtime_decode(llm, prompts, n_decode: int) -> float:
+    """Decode tokens/s of the runtime: prefill everything, then time n_decode steps."""
+    from kvconvert.runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=n_decode + 1, greedy=True, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in prompts]
+    while llm.scheduler.waiting or any(s.num_generated == 0 for s in llm.scheduler.running):
+        llm.step()
+    start, steps = time.perf_counter(), 0
+    while llm.has_unfinished():
+        llm.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    for i in ids:
+        llm._finished.pop(i, None)
+    return len(prompts) * steps / elapsed
+
+
+def runtime_kv_needed(llm, batch: int, context: int, n_decode: int) -> int:
+    blocks = batch * -(-(context + n_decode + 1) // llm.config.block_size)
+    return blocks * llm.config.block_size * llm.kv_bytes_per_token
+
+
+# ---------------------------------------------------------------------------------------- transformers
+class _Clock:
+    """A generate() streamer that only timestamps: put() is called with the prompt, then per token."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def transformers_decode(model, prompts, n_decode: int) -> float:
+    ids = torch.tensor(prompts)
+    clock = _Clock()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_decode + 1,
+                       min_new_tokens=n_decode + 1, do_sample=False, streamer=clock, pad_token_id=0)
+    t = clock.times  # [prompt, token 1 (after prefill), ..., token n+1]
+    return len(prompts) * (len(t) - 2) / (t[-1] - t[1])
+
+
+def transformers_memory(config: dict, batch: int, context: int) -> int:
+    """fp32 weights-free estimate: the DynamicCache (fp32) twice over (torch.cat copies)."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4
+    return 2 * per_token * batch * context
+
+
+# ---------------------------------------------------------------------------------------- KV math
+def kv_table(paths: dict[str, Path], kv_memory: int, block_size: int = 16) -> tuple[list, list]:
+    """KV bytes/token per model and dtype; concurrent 2K requests in kv_memory, paged vs reserved."""
+    from kvconvert.checkpoint import read_config
+    from kvconvert.runtime.block_manager import BlockManager
+    from kvconvert.runtime.kv_cache import bytes_per_token
+    from kvconvert.runtime.models import kv_layout
+
+    sizes, fits = [], []
+    base = None
+    for name, path in paths.items():
+        config = read_config(path)
+        layout = kv_layout(config)
+        max_len = config["max_position_embeddings"]
+        for kv_dtype in ("bf16", "fp8", "nvfp4"):
+            bpt = bytes_per_token(layout, kv_dtype)
+            base = base or bpt
+            sizes.append({"model": name, "kv_dtype": kv_dtype, "bytes_per_token": bpt,
+                          "fraction_of_source_bf16": round(bpt / base, 4)})
+            num_blocks = kv_memory // (bpt * block_size)
+            fits.append({"model": name, "kv_dtype": kv_dtype, "kv_memory_bytes": kv_memory,
+                         "request_tokens": REQUEST_TOKENS, "max_model_len": max_len,
+                         "paged": count_paged(BlockManager(max(num_blocks, 1), block_size), num_blocks),
+                         "reserved_max_len": kv_memory // (bpt * max_len)})
+    return sizes, fits
+
+
+def count_paged(bm, num_blocks: int) -> int:
+    """Allocate 2K-token requests with the runtime's BlockManager until the pool is full."""
+    if num_blocks == 0:
+        return 0
+    n = 0
+    while bm.allocate_slots(n, REQUEST_TOKENS, write_from=0) is not None:
+        n += 1
+    return n
+
+
+def make_llm(path, args, budget):
+    from kvconvert.checkpoint import read_config
+    from kvconvert.runtime import LLM
+    from kvconvert.runtime.kv_cache import bytes_per_token
+    from kvconvert.runtime.models import kv_layout
+
+    bpt = bytes_per_token(kv_layout(read_config(path)), args.kv_dtype)
+    max_tokens = max(args.batches) * (max(args.contexts) + args.decode_tokens + 1)
+    kv_memory = int(min(max_tokens * bpt * 1.05 + (1 << 20), budget / 4))
+    return LLM(path, kv_dtype=args.kv_dtype, kv_scales="dynamic", kv_memory=kv_memory,
+               max_num_seqs=max(args.batches), max_num_batched_tokens=4096)
+
+
+def runtime_row(name, llm, batch, context, args) -> dict:
+    row = {"model": name, "engine": "kvconvert-runtime", "batch": batch, "context": context, "kv_dtype": args.kv_dtype}
+    need = runtime_kv_needed(llm, batch, context, args.decode_tokens)
+    if need > llm.num_blocks * llm.config.block_size * llm.kv_bytes_per_token:
+        row["skipped"] = f"KV needs {need / 2**30:.1f} GiB"
+    else:
+        prompts = prompts_for(batch, context, llm.model.vocab_size, batch * context)
+        row["tokens_per_s"] = round(runtime_decode(llm, prompts, args.decode_tokens), 3)
+    print(json.dumps(row), file=sys.stderr)
+    return row
+
+
+def transformers_row(model, batch, context, args, budget) -> dict:
+    config = model.config.to_dict()
+    row = {"model": "source", "engine": "transformers", "batch": batch, "context": context, "kv_dtype": "fp32"}
+    need = transformers_memory(config, batch, context + args.decode_tokens)
+    if need > budget:
+        row["skipped"] = f"needs ~{need / 2**30:.0f} GiB"
+    else:
+        prompts = prompts_for(batch, context, config["vocab_size"], batch * context)
+        row["tokens_per_s"] = round(transformers_decode(model, prompts, args.decode_tokens), 3)
+    print(json.dumps(row), file=sys.stderr)
+    return row
+
+
+# ---------------------------------------------------------------------------------------- report
+def markdown(report: dict) -> str:
+    lines = ["### Decode throughput (tokens/s, CPU)", "",
+             "| model | engine | batch | context | tokens/s | vs transformers |", "|---|---|---:|---:|---:|---:|"]
+    hf = {(r["batch"], r["context"]): r.get("tokens_per_s") for r in report["decode"] if r["engine"] == "transformers"}
+    for r in report["decode"]:
+        tps = r.get("tokens_per_s")
+        ref = hf.get((r["batch"], r["context"]))
+        ratio = f"{tps / ref:.2f}x" if tps and ref and r["engine"] != "transformers" else ""
+        shown = f"{tps:.1f}" if tps else f"skipped ({r.get('skipped')})"
+        lines.append(f"| {r['model']} | {r['engine']} | {r['batch']} | {r['context']} | {shown} | {ratio} |")
+    lines += ["", "### KV cache size", "", "| model | kv dtype | bytes/token | vs source bf16 |", "|---|---|---:|---:|"]
+    for r in report["kv_bytes_per_token"]:
+        lines.append(f"| {r['model']} | {r['kv_dtype']} | {r['bytes_per_token']} | {r['fraction_of_source_bf16']:.3f} |")
+    mem = report["concurrency"][0]["kv_memory_bytes"] / 2**30 if report["concurrency"] else 0
+    lines += ["", f"### Concurrent {REQUEST_TOKENS}-token requests in {mem:g} GiB of KV", "",
+              "| model | kv dtype | paged | reserving max_model_len |", "|---|---|---:|---:|"]
+    for r in report["concurrency"]:
+        lines.append(f"| {r['model']} | {r['kv_dtype']} | {r['paged']} | {r['reserved_max_len']} "
+                     f"(max_model_len {r['max_model_len']}) |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from kvconvert.runtime.cli import parse_size
+    from kvconvert.sources import resolve_source
+
+    source = resolve_source(args.source)
+    models = {"source": source}
+    if args.mla:
+        models["mla"] = Path(args.mla)
+    report = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "ram_gib": round(ram_bytes() / 2**30, 1), "torch": torch.__version__},
+        "settings": {"batches": args.batches, "contexts": args.contexts, "decode_tokens": args.decode_tokens,
+                     "runtime_kv_dtype": args.kv_dtype, "compute_dtype": "fp32", "quick": args.quick},
+        "decode": [],
+    }
+    budget = 0.7 * ram_bytes()
+    engines = {name: make_llm(path, args, budget) for name, path in models.items()}
+    hf = None
+    if not args.no_transformers:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    # interleaved per configuration, so a busy machine slows every engine alike
+    for batch in args.batches:
+        for context in args.contexts:
+            for name, llm in engines.items():
+                report["decode"].append(runtime_row(name, llm, batch, context, args))
+            if hf is not None:
+                report["decode"].append(transformers_row(hf, batch, context, args, budget))
+    report["kv_bytes_per_token"], report["concurrency"] = kv_table(models, parse_size(args.kv_memory))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown(report))
+    print(f"\nwrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Distillation on a tiny model: KL goes down, interrupted + resumed == uninterrupted."""
+
+import json
+
+import torch
+
+from kvconvert.checkpoint import CheckpointReader
+from kvconvert.heal.api import heal, state_dir_for
+from kvconvert.heal.distill import kl_loss
+
+from conftest import distill_recipe
+
+
+def test_kl_loss_reference():
+    torch.manual_seed(0)
+    t, s = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    p, q = t.softmax(-1), s.softmax(-1)
+    ref = (p * (p.log() - q.log())).sum(-1).mean()
+    assert torch.allclose(kl_loss(t, s), ref, atol=1e-6)
+    assert float(kl_loss(t, t)) == 0.0
+    tau = 2.0
+    p2, q2 = (t / tau).softmax(-1), (s / tau).softmax(-1)
+    assert torch.allclose(kl_loss(t, s, tau), tau ** 2 * (p2 * (p2.log() - q2.log())).sum(-1).mean(), atol=1e-6)
+
+
+def _eval_kl(teacher, student, text_file):
+    from transformers import AutoTokenizer
+
+    from kvconvert.data import token_windows
+    from kvconvert.heal.evaluate import load_causal_lm, window_metrics
+
+    tok = AutoTokenizer.from_pretrained(str(teacher))
+    ids = token_windows(tok, text_file.read_text()[-20000:], 4, 128)  # not in the training windows
+    return window_metrics(load_causal_lm(teacher), {"c": load_causal_lm(student)}, ids)["c"]["kl_mean"]
+
+
+def test_distill_reduces_kl_and_resumes(tiny_student, tiny_teacher, text_file, tmp_path):
+    recipe = distill_recipe(text_file)
+    full = tmp_path / "full"
+    rep = heal(tiny_student, tiny_teacher, recipe, full, progress=False)
+    d = rep["stages"]["heal_distill"]
+    assert d["finished"] and d["steps_done"] == 12 and d["tokens"] == 12 * 2 * 128
+    assert (full / "loss_curve.png").stat().st_size > 1000
+    assert len((full / "distill_history.jsonl").read_text().splitlines()) == 12
+    assert _eval_kl(tiny_teacher, full, text_file) < 0.9 * _eval_kl(tiny_teacher, tiny_student, text_file)
+
+    # interrupted after 5 steps (state saved in the output's temp area), then resumed
+    part = tmp_path / "part"
+    rep = heal(tiny_student, tiny_teacher, recipe, part, progress=False, max_steps=5)
+    assert rep["finished"] is False and not part.exists()
+    assert (state_dir_for(part) / "distill" / "distill_state.pt").is_file()
+    rep = heal(tiny_student, tiny_teacher, recipe, part, progress=False)
+    assert rep["stages"]["heal_distill"]["resumed_at_step"] == 5 and rep["finished"]
+    assert not state_dir_for(part).exists()
+    a, b = CheckpointReader(full), CheckpointReader(part)
+    for name in a.keys():
+        assert torch.allclose(a.get(name), b.get(name), rtol=0, atol=1e-6), name
+    hist_a = [json.loads(x)["loss"] for x in (full / "distill_history.jsonl").read_text().splitlines()]
+    hist_b = [json.loads(x)["loss"] for x in (part / "distill_history.jsonl").read_text().splitlines()]
+    assert hist_a == hist_b
+
+
+def test_lora_distill_merges(tiny_student, tiny_teacher, text_file, tmp_path):
+    from transformers import DeepseekV3ForCausalLM
+
+    out = tmp_path / "lora"
+    heal(tiny_student, tiny_teacher, distill_recipe(text_file, train="lora", lora_rank=2, tokens=3 * 2 * 128,
+                                                    targets=["q_proj", "o_proj"]), out, progress=False)
+    s, h = CheckpointReader(tiny_student), CheckpointReader(out)
+    q0, q1 = s.get("model.layers.0.self_attn.q_proj.weight"), h.get("model.layers.0.self_attn.q_proj.weight")
+    assert not torch.equal(q0, q1) and torch.linalg.matrix_rank(q1 - q0) <= 2  # merged low-rank delta
+    assert torch.equal(s.get("model.layers.0.self_attn.kv_b_proj.weight"), h.get("model.layers.0.self_attn.kv_b_proj.weight"))
+    DeepseekV3ForCausalLM.from_pretrained(str(out))

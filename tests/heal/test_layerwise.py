@@ -1,0 +1,130 @@
+"""Layer-wise reconstruction on a tiny random Llama -> MLA conversion."""
+
+import math
+
+import pytest
+import torch
+
+from kvconvert.checkpoint import CheckpointReader
+from kvconvert.heal import blocks
+from kvconvert.heal.layerwise import (
+    block_targets, fit_attention_block, relative_error, relinearize_latent,
+)
+from kvconvert.heal.reparam import ScaledWeight, row_scales
+from kvconvert.mla.llama_block import llama_attention
+from kvconvert.mla.mla_block import mla_attention
+from kvconvert.recipe import LayerwiseStage
+
+from conftest import layerwise_recipe
+
+
+def _layer0(student, teacher, n=12, t=128, seed=0):
+    s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
+    s_shape, t_shape = blocks.student_shape(s_reader.config), blocks.teacher_shape(t_reader.config)
+    ids = torch.randint(0, s_reader.config["vocab_size"], (n, t), generator=torch.Generator().manual_seed(seed))
+    h = t_reader.get("model.embed_tokens.weight")[ids]
+    tw, sw = blocks.teacher_layer_weights(t_reader, 0), blocks.student_layer_weights(s_reader, 0)
+    return s_shape, t_shape, h, tw, sw
+
+
+def test_functional_blocks_match_transformers(tiny_student, tiny_teacher):
+    """The forwards the fit optimises are the stock models' forwards (first decoder layer)."""
+    from transformers import AutoModelForCausalLM
+
+    s_shape, t_shape, h, tw, sw = _layer0(tiny_student, tiny_teacher, n=2, t=64)
+    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(1))
+    for folder, layer, w, shape in ((tiny_student, blocks.student_layer, sw, s_shape),
+                                    (tiny_teacher, blocks.teacher_layer, tw, t_shape)):
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref = model(input_ids=ids, output_hidden_states=True).hidden_states[1]
+        ours = layer(model.model.embed_tokens.weight[ids].detach(), w, shape)
+        assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-5), float((ours - ref).abs().max())
+
+
+def test_fit_reduces_block_error(tiny_student, tiny_teacher):
+    s_shape, t_shape, h, tw, sw = _layer0(tiny_student, tiny_teacher)
+    x, y, _ = block_targets(h, h, tw, sw, t_shape, s_shape, "student_input")
+    attn = {k: sw[k] for k in blocks.STUDENT_ATTENTION}
+    stage = LayerwiseStage(steps=40, batch_windows=4, lr=0.01)
+    fit = fit_attention_block(x[:10], y[:10], attn, s_shape.mla, stage, torch.Generator().manual_seed(0),
+                              x[10:], y[10:])
+    rep = fit.report
+    assert rep["rel_err_before"] == pytest.approx(relative_error(x[:10], y[:10], attn, s_shape.mla))
+    assert rep["rel_err_after"] < 0.8 * rep["rel_err_before"]
+    assert rep["val_rel_err_after"] < rep["val_rel_err_before"]  # held-out windows improve too
+    assert rep["rel_err_after"] == pytest.approx(relative_error(x[:10], y[:10], fit.weights, s_shape.mla), rel=1e-6)
+    # kv_a_layernorm is not trained and stays uniform
+    assert torch.equal(fit.weights["kv_a_layernorm"], attn["kv_a_layernorm"])
+    assert fit.weights["kv_a_layernorm"].unique().numel() == 1
+
+
+def test_relinearize_keeps_function(tiny_student, tiny_teacher):
+    """Pushing the latent out of the norm's linear range and pulling it back: the block output
+    changes by about the nonlinearity (<= rho/2 relative), not more."""
+    s_shape, t_shape, h, tw, sw = _layer0(tiny_student, tiny_teacher, n=2, t=64)
+    x = blocks.rms_norm(h, sw["input_layernorm"], s_shape.rms_eps)
+    w = {k: sw[k] for k in blocks.STUDENT_ATTENTION}
+    r = s_shape.mla.rank
+    grown = dict(w)
+    kv_a = w["kv_a_proj_with_mqa"].clone()
+    kv_a[:r] *= 3.0
+    grown["kv_a_proj_with_mqa"] = kv_a
+    grown["kv_b_proj"] = w["kv_b_proj"] / 3.0
+    limit = 1e-4 * s_shape.mla.latent_eps
+    fixed, factor = relinearize_latent(x, grown, s_shape.mla, limit)
+    assert factor < 1.0
+    c = x @ fixed["kv_a_proj_with_mqa"][:r].T
+    assert float(c.pow(2).mean(-1).max()) <= limit * (1 + 1e-4)
+    y0, y1 = mla_attention(x, w, s_shape.mla), mla_attention(x, fixed, s_shape.mla)
+    assert float((y1 - y0).norm() / y0.norm()) < 5e-3
+    same, one = relinearize_latent(x, w, s_shape.mla, 1.0)  # already linear enough: untouched
+    assert one == 1.0 and same is w
+
+
+def test_scaled_weight_roundtrip_and_row_scales():
+    torch.manual_seed(0)
+    w = torch.randn(12, 5)
+    w[:8] *= 1e-4  # latent rows scaled tiny as the converter does
+    s = row_scales("kv_a_proj_with_mqa", w, 8)
+    assert s[:8].unique().numel() == 1 and s[8:].unique().numel() == 1
+    assert math.isclose(float(s[0]), float(w[:8].pow(2).mean().sqrt()), rel_tol=1e-6)
+    p = ScaledWeight(s)
+    assert torch.allclose(p(p.right_inverse(w)), w)
+    lora = ScaledWeight(s, in_features=5, lora_rank=2, lora_alpha=4.0)
+    assert torch.allclose(lora(lora.right_inverse(w)), w)  # LoRA B starts at zero
+
+
+def test_teacher_input_target_is_teacher_block(tiny_student, tiny_teacher):
+    s_shape, t_shape, h, tw, sw = _layer0(tiny_student, tiny_teacher, n=2, t=32)
+    h_s = h + 0.1 * torch.randn_like(h)
+    x, y, a_t = block_targets(h, h_s, tw, sw, t_shape, s_shape, "teacher_input")
+    xt = blocks.rms_norm(h, tw["input_layernorm"], t_shape.rms_eps)
+    assert torch.allclose(x, xt) and torch.allclose(y, llama_attention(xt, tw, t_shape)) and torch.equal(y, a_t)
+    x, y, _ = block_targets(h, h_s, tw, sw, t_shape, s_shape, "student_residual")
+    assert torch.allclose(y, h + a_t - h_s, atol=1e-6)
+
+
+def test_heal_layerwise_writes_stock_checkpoint(tiny_student, tiny_teacher, text_file, tmp_path):
+    from transformers import DeepseekV3ForCausalLM
+
+    from kvconvert.checkpoint import verify_manifest
+    from kvconvert.heal.api import heal
+
+    out = tmp_path / "healed"
+    report = heal(tiny_student, tiny_teacher, layerwise_recipe(text_file, steps=20), out, progress=False)
+    lw = report["stages"]["heal_layerwise"]
+    assert len(lw["layers"]) == 2 and lw["mean_rel_err_after"] < lw["mean_rel_err_before"]
+    model = DeepseekV3ForCausalLM.from_pretrained(str(out))  # stock transformers, no remote code
+    assert model.config.kv_lora_rank == 8
+    assert verify_manifest(out) == []
+    import json
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kvconvert_heal"]["data"]["layerwise"]["tokens"] > 0
+    assert manifest["kvconvert_mla"]["rank"] == 8  # the converter's record is carried over
+    # MLP and norms untouched
+    s, h = CheckpointReader(tiny_student), CheckpointReader(out)
+    for name in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"):
+        assert torch.equal(s.get(name), h.get(name))
+    assert not torch.equal(s.get("model.layers.0.self_attn.q_proj.weight"), h.get("model.layers.0.self_attn.q_proj.weight"))

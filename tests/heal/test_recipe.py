@@ -1,0 +1,87 @@
+"""Recipe schema: shipped recipes load; unknown keys and bad values name the key and the file."""
+
+from pathlib import Path
+
+import pytest
+
+from kvconvert.errors import KVConvertError
+from kvconvert.recipe import load_recipe, parse_recipe
+
+RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+
+
+def test_recipes_are_shipped():
+    names = {p.name for p in RECIPES}
+    for pct in (50, 33, 25, 12):
+        assert f"smollm2-135m-{pct}pct.yaml" in names
+    assert {"llama-2-7b-mla512.yaml", "llama-3.1-8b-mla512.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_shipped_recipe_is_valid(path):
+    recipe = load_recipe(path)
+    assert recipe.convert is not None and recipe.heals()
+    if recipe.convert.rope_dim:
+        assert recipe.convert.rank > 0
+
+
+def _write(tmp_path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_stage_key_names_key_and_file(tmp_path):
+    path = _write(tmp_path, "heal_layerwise:\n  steps: 10\n  stpes: 20\n")
+    with pytest.raises(KVConvertError) as info:
+        load_recipe(path)
+    assert "heal_layerwise.stpes" in str(info.value) and str(path) in str(info.value)
+
+
+def test_unknown_top_level_key(tmp_path):
+    path = _write(tmp_path, "heal_distil:\n  tokens: 100\n")
+    with pytest.raises(KVConvertError, match=r"unknown key 'heal_distil'"):
+        load_recipe(path)
+
+
+def test_bad_value_names_key(tmp_path):
+    path = _write(tmp_path, "convert:\n  rank: -3\n")
+    with pytest.raises(KVConvertError, match=r"convert\.rank"):
+        load_recipe(path)
+    path = _write(tmp_path, "heal_layerwise:\n  target: teacher\n")
+    with pytest.raises(KVConvertError, match=r"heal_layerwise\.target"):
+        load_recipe(path)
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    with pytest.raises(KVConvertError, match="not valid YAML"):
+        load_recipe(_write(tmp_path, "convert: [rank: 3\n"))
+    with pytest.raises(KVConvertError, match="not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(KVConvertError, match="mapping"):
+        parse_recipe([1, 2], "x.yaml")
+
+
+def test_all_five_stages_and_derived_values():
+    recipe = parse_recipe({
+        "convert": {"rank": 64, "rope_dim": 32, "dtype": "fp32"},
+        "heal_layerwise": {"steps": 5},
+        "heal_distill": {"tokens": 4096, "seq_len": 512, "batch_size": 2, "grad_accum": 2},
+        "calibrate": {"kv_dtype": "nvfp4"},
+        "validate": {"suite": "smoke"},
+    })
+    assert recipe.distill.steps == 2 and recipe.distill.tokens_per_step == 2048
+    assert recipe.validate_.suite == "smoke" and recipe.calibrate.kv_dtype == "nvfp4"
+    opts = recipe.convert.mla_options()
+    assert (opts.rank, opts.rope_dim, opts.dtype) == (64, 32, "fp32")
+    assert recipe.to_dict()["validate"]["suite"] == "smoke"
+
+
+def test_disabled_stage_does_not_run():
+    recipe = parse_recipe({"heal_layerwise": {"enabled": False}})
+    assert recipe.layerwise is None and not recipe.heals()
+
+
+def test_distill_needs_some_loss():
+    with pytest.raises(KVConvertError, match="nothing to train"):
+        parse_recipe({"heal_distill": {"kl_weight": 0, "lm_weight": 0}})

@@ -1,0 +1,119 @@
+"""End-to-end conversion of small random Llamas, loaded back in stock transformers."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from kvconvert.errors import KVConvertError, UnsupportedModelError
+from kvconvert.mla.convert import MLAOptions, convert_to_mla
+
+from mla_tiny_models import make_tiny_llama
+
+FAST = dict(dtype="fp32", calib_tokens=1024, calib_window=256, progress=False)
+
+
+def _logits_rel_error(src, out, seed=0):
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 49152, (2, 300))
+    a = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(b).__name__ == "DeepseekV3ForCausalLM"
+    with torch.no_grad():
+        la, lb = a(ids).logits, b(ids).logits
+    return float((la - lb).norm() / la.norm())
+
+
+def test_mqa_full_rank_matches_source_in_stock_transformers(tmp_path, tokenizer_dir):
+    """One KV head, rope_dim = head_dim, full rank: the conversion is exact up to the latent
+    RMSNorm linearisation (<= rho/2 per token): relative logit error < 1e-4."""
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=1)
+    out = tmp_path / "mla"
+    convert_to_mla(src, out, MLAOptions(rank=2 * 32 - 32, rope_dim=32, **FAST))
+    assert _logits_rel_error(src, out) < 1e-4
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v3" and cfg["q_lora_rank"] is None
+    assert cfg["first_k_dense_replace"] == cfg["num_hidden_layers"] and not cfg["tie_word_embeddings"]
+    assert (out / "spectra.png").stat().st_size > 10_000
+    assert (out / "conversion_report.json").is_file() and (out / "manifest.json").is_file()
+
+
+def test_gqa_error_tracks_rope_energy_lost(tmp_path, tokenizer_dir):
+    """Full latent rank: the only error left is the key energy that lost its rotation.
+    Keys that are complex multiples of one head per frequency keep 100% -> exact; random keys
+    lose energy -> the logit error is larger, in the order the report predicts."""
+    exact_src = make_tiny_llama(tmp_path / "exact", tokenizer_dir, kv_heads=2, shared_key_phase=True)
+    lossy_src = make_tiny_llama(tmp_path / "lossy", tokenizer_dir, kv_heads=2)
+    errors, kept = [], []
+    for src in (exact_src, lossy_src):
+        out = tmp_path / f"{src.name}-mla"
+        rep = convert_to_mla(src, out, MLAOptions(rank=2 * 2 * 32 - 32, rope_dim=32, refit_o_proj=False, **FAST))
+        errors.append(_logits_rel_error(src, out))
+        kept.append(min(layer["rope_energy_kept"] for layer in rep.layers))
+    assert kept[0] > 0.999999 and errors[0] < 1e-4
+    assert kept[1] < 0.9 and errors[1] > 10 * errors[0]
+
+
+def test_low_rank_refit_reduces_attention_error(tmp_path, tokenizer_dir):
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2)
+    rep = convert_to_mla(src, tmp_path / "out", MLAOptions(rank=24, rope_dim=16, **FAST))
+    for layer in rep.layers:
+        assert layer["attn_rel_error_refit"] <= layer["attn_rel_error"] + 1e-9
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rank=10_000, rope_dim=32), "--rank 10000: must be between 1 and"),
+    (dict(rank=16, rope_dim=7), "--rope-dim 7: must be a positive even number"),
+    (dict(rank=16, rope_dim=24), "--rope-dim 24: must divide"),
+    (dict(rank=16, rope_dim=64), "--rope-dim 64: must divide"),
+])
+def test_bad_plans_fail_before_work(tmp_path, tokenizer_dir, kw, match):
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2)
+    with pytest.raises(KVConvertError, match=match):
+        convert_to_mla(src, tmp_path / "out", MLAOptions(**kw, **FAST))
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture(tmp_path, tokenizer_dir):
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["attention_bias"] = True
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="biases"):
+        convert_to_mla(src, tmp_path / "out", MLAOptions(rank=16, rope_dim=16, **FAST))
+    cfg["model_type"] = "qwen3"
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="not supported yet"):
+        convert_to_mla(src, tmp_path / "out", MLAOptions(rank=16, rope_dim=16, **FAST))
+
+
+def test_nan_weights_and_existing_output(tmp_path, tokenizer_dir):
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2)
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(KVConvertError, match="--overwrite"):
+        convert_to_mla(src, tmp_path / "exists", MLAOptions(rank=16, rope_dim=16, **FAST))
+    state = load_file(src / "model.safetensors")
+    state["model.layers.1.self_attn.k_proj.weight"][0, 0] = float("nan")
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KVConvertError, match="layer 1 k_proj: source weights contain NaN"):
+        convert_to_mla(src, tmp_path / "out", MLAOptions(rank=16, rope_dim=16, **FAST))
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.tmp-*")), "temp folder must be cleaned up"
+
+
+def test_cli_writes_checkpoint_and_refuses_existing(tmp_path, tokenizer_dir):
+    from click.testing import CliRunner
+
+    from kvconvert.cli import cli
+
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2)
+    args = ["mla", "--src", str(src), "--rank", "24", "--rope-dim", "16", "--calib-tokens", "512",
+            "--calib-window", "256", "--dtype", "bf16", "--out", str(tmp_path / "out"), "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output[result.output.index("{"):])["kv_lora_rank"] == 24
+    again = CliRunner().invoke(cli, args)
+    assert again.exit_code != 0
