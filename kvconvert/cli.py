@@ -26,21 +26,36 @@ LAZY_COMMANDS: dict[str, str] = {
 }
 
 
-def _module_exists(target: str) -> bool:
-    module_name = target.split(":")[0]
-    try:
-        return importlib.util.find_spec(module_name) is not None
-    except ModuleNotFoundError:
-        return False
+SHORT_HELP = {
+    "inspect": "Describe a model: attention kind, heads, KV bytes per token.",
+    "budget": "KV-cache capacity planner: bytes per token/request, requests that fit.",
+    "fetch": "Put a built-in model (default smollm2-135m) into the local cache.",
+    "import-gguf": "Dequantize a GGUF file into a Hugging Face safetensors folder.",
+    "mla": "Convert an MHA/GQA checkpoint to stock DeepSeek-V3 MLA.",
+    "heal": "Recover conversion loss: layer-wise reconstruction + distillation.",
+    "calibrate": "Calibrate FP8/NVFP4 KV-cache scales and write them for vLLM/TensorRT-LLM.",
+    "generate": "Generate text with the bundled paged-KV runtime.",
+    "validate": "Compare a candidate against its source: ppl/KL, passkey, NIAH, RULER, LongBench.",
+    "gate": "Pass/fail a validation report against a policy (exit 1 on failure).",
+    "pipeline": "Convert -> heal -> calibrate -> validate -> gate on one model.",
+}
 
 
 class LazyGroup(click.Group):
+    """Imports a command's module only when that command runs (`kvconvert budget` and
+    `kvconvert --help` stay torch-free)."""
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, SHORT_HELP.get(name, "")) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
     def list_commands(self, ctx):
-        return sorted(name for name, target in LAZY_COMMANDS.items() if _module_exists(target))
+        return sorted(LAZY_COMMANDS)
 
     def get_command(self, ctx, name):
         target = LAZY_COMMANDS.get(name)
-        if target is None or not _module_exists(target):
+        if target is None:
             return None
         module_name, attr = target.split(":")
         return getattr(importlib.import_module(module_name), attr)

@@ -21,6 +21,17 @@ from kvconvert.errors import KVConvertError
 from kvconvert.runtime.kv_cache import FP8Store, KVStore, NVFP4Store
 
 
+def causal_mask(query_len: int, context_len: int) -> torch.Tensor:
+    """[query_len, context_len] bool: query i (position ctx - q_len + i) sees keys 0..its position."""
+    q_pos = torch.arange(context_len - query_len, context_len)
+    return torch.arange(context_len)[None, :] <= q_pos[:, None]
+
+
+def _length_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] bool: key j of sequence b is valid if j < context_lens[b]."""
+    return torch.arange(width)[None, :] < context_lens[:, None]
+
+
 @dataclass
 class PrefillChunk:
     """One sequence's multi-token chunk: tokens [query_start, query_start + query_len) of the step."""
@@ -45,17 +56,6 @@ class AttentionMetadata:
         if self.decode_mask is None and self.num_decode:
             width = self.decode_block_tables.shape[1] * self.block_size
             self.decode_mask = _length_mask(self.decode_context_lens, width)[:, None, None, :]
-
-
-def causal_mask(query_len: int, context_len: int) -> torch.Tensor:
-    """[query_len, context_len] bool: query i (position ctx - q_len + i) sees keys 0..its position."""
-    q_pos = torch.arange(context_len - query_len, context_len)
-    return torch.arange(context_len)[None, :] <= q_pos[:, None]
-
-
-def _length_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, width] bool: key j of sequence b is valid if j < context_lens[b]."""
-    return torch.arange(width)[None, :] < context_lens[:, None]
 
 
 class TorchAttention:

@@ -17,7 +17,9 @@ Scales come from the checkpoint, where the exported value is kv_scale = amax / 4
 and NVFP4 (kvconvert.quant.formats), under either name:
   vLLM / compressed-tensors: model.layers.N.self_attn.k_scale, .v_scale
   ModelOpt / TensorRT-LLM:   model.layers.N.self_attn.k_proj.k_scale, .v_proj.v_scale
-An MLA checkpoint has one scale for the whole cached row: self_attn.k_scale (v_scale equal).
+An MLA checkpoint has one scale for the whole cached row: self_attn.k_scale (v_scale equal), or
+the ModelOpt-style self_attn.kv_a_proj_with_mqa.k_scale. FP8 E5M2 scales are amax / 57344 (the
+format's max), which is also what kv_scales="dynamic" derives for it.
 Quantization uses kvconvert.quant.formats (bit-exact references) on write and on read.
 """
 
@@ -31,7 +33,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.quant.formats import (
-    fp8_dequantize, fp8_quantize, kv_scale_from_amax, nvfp4_dequantize, nvfp4_global_scale_from_kv_scale,
+    fp8_amax_scale, fp8_dequantize, fp8_quantize, kv_scale_from_amax, nvfp4_dequantize, nvfp4_global_scale_from_kv_scale,
     nvfp4_quantize,
 )
 
@@ -39,10 +41,14 @@ FLOAT_KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32
 FP8_KV = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 # checkpoint tensor names of the scale of each cached quantity, in order of preference
+# (vLLM also maps a shared "kv_scale"; SGLang remaps MLA's kv_a_proj_with_mqa.k_scale)
 SCALE_NAMES = {
-    "k": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.k_proj.k_scale"),
-    "v": ("model.layers.{i}.self_attn.v_scale", "model.layers.{i}.self_attn.v_proj.v_scale"),
-    "kv": ("model.layers.{i}.self_attn.k_scale",),
+    "k": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.k_proj.k_scale",
+          "model.layers.{i}.self_attn.kv_scale"),
+    "v": ("model.layers.{i}.self_attn.v_scale", "model.layers.{i}.self_attn.v_proj.v_scale",
+          "model.layers.{i}.self_attn.kv_scale"),
+    "kv": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.kv_a_proj_with_mqa.k_scale",
+           "model.layers.{i}.self_attn.kv_scale"),
 }
 
 
@@ -133,7 +139,11 @@ class ScaledStore(KVStore):
         if not math.isfinite(amax):
             raise KVConvertError("non-finite K/V values in the first prefill: cannot derive a dynamic KV scale")
         # an all-zero tensor leaves any positive scale exact; use 1.0
-        self.kv_scale = torch.tensor(kv_scale_from_amax(amax) if amax > 0 else 1.0, dtype=torch.float32)
+        self.kv_scale = torch.tensor(self.scale_from_amax(amax) if amax > 0 else 1.0, dtype=torch.float32)
+
+    def scale_from_amax(self, amax: float) -> float:
+        """The exported kv scale for this format: amax / 448 (FP8 E4M3 and NVFP4)."""
+        return kv_scale_from_amax(amax)
 
 
 class FP8Store(ScaledStore):
@@ -143,6 +153,9 @@ class FP8Store(ScaledStore):
 
     def tensors(self):
         return [self.data]
+
+    def scale_from_amax(self, amax: float) -> float:
+        return fp8_amax_scale(amax, self.data.dtype)  # amax / 448 (e4m3) or amax / 57344 (e5m2)
 
     def encode(self, x):
         self._ensure_scale(x)
@@ -260,8 +273,8 @@ def read_kv_scales(reader, layout: list[dict[str, CacheSpec]], kv_dtype: str, so
         return [{} for _ in layout], False
     if source == "dynamic":
         warnings.warn(
-            f"kv_scales='dynamic': {kv_dtype} KV scales are computed from the amax of the first prefill "
-            "(amax/448 per tensor); later, larger values are clipped. Calibrated checkpoint scales are "
+            f"kv_scales='dynamic': {kv_dtype} KV scales are computed from the amax of the first prefill step "
+            "(amax/448 per tensor, amax/57344 for e5m2); later, larger values are clipped. Calibrated checkpoint scales are "
             "the reliable source (kvconvert calibrate).",
             stacklevel=3,
         )

@@ -112,7 +112,7 @@ class ModelRunner:
     def _keep_prompt_logits(it: ScheduledSeq, logits: torch.Tensor) -> None:
         """Append logits of prompt positions not kept yet (a preempted sequence recomputes some)."""
         seq = it.seq
-        lo = seq.num_prompt_logits - it.start
+        lo = max(seq.num_prompt_logits - it.start, 0)  # scoring requests take no prefix hits: start <= kept
         hi = min(it.end, seq.num_prompt_tokens) - it.start
         if hi > lo:
             seq.prompt_logits.append(logits[lo:hi].clone())

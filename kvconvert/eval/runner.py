@@ -6,8 +6,9 @@
 
 - TransformersRunner: AutoModelForCausalLM from the folder in fp32, no remote code, its own
   greedy loop (argmax, KV cache, no generation_config knobs such as repetition penalty).
-  It keeps K/V in fp32: a quantized KV cache is not available there unless kvconvert.quant
-  provides a fake-quant cache (see `_fake_quant_cache_factory`).
+  K/V stay fp32 ("auto"/"fp32"); bf16/fp16 round every cached K/V; fp8/fp8_e5m2/nvfp4 use
+  kvconvert.quant's fake-quant cache (quantize-dequantize of what an engine caches, with the
+  scales of a `kvconvert calibrate` checkpoint), so prefill attention already reads quantized K/V.
 - RuntimeRunner: kvconvert.runtime.LLM (the bundled paged-KV engine). Logits go through its
   paged path (`LLM.score`) and KV is stored like an engine stores it (bf16, fp8 with scales,
   nvfp4), so this is the engine that measures a quantized-KV candidate.
@@ -31,7 +32,7 @@ from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelEr
 ENGINES = ("runtime", "transformers")
 # "auto" = the engine's own unquantized cache (runtime: bf16, transformers: fp32).
 KV_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")
-QUANTIZED_KV = ("fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+QUANTIZED_KV = ("fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")  # stored with scales
 PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 — naïve café 東京 <tag>\n\tend."
 
 
@@ -114,22 +115,61 @@ def check_same_tokenizer(source_tok, candidate_tok, source: Path, candidate: Pat
 
 # --------------------------------------------------------------------------- runners
 
-def resolve_kv_dtype(engine: str, kv_dtype: str) -> str:
+def fake_quant_available() -> str | None:
+    """None when kvconvert.quant's fake-quant KV cache imports, else the reason it does not."""
+    try:
+        from kvconvert.quant.capture import KVHookCache  # noqa: F401
+        from kvconvert.quant.evaluate import fake_quant_hook  # noqa: F401
+    except Exception as exc:  # a module still being built may fail in many ways
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def resolve_kv_dtype(engine: str, kv_dtype: str, kv_scales: str = "checkpoint") -> str:
     """The KV format a runner will really use; errors for combinations an engine cannot run."""
     if kv_dtype not in KV_DTYPE_CHOICES:
         raise KVConvertError(f"--kv-dtype {kv_dtype!r} is unknown; choose one of {', '.join(KV_DTYPE_CHOICES)}")
-    if engine == "transformers":
-        if kv_dtype not in ("auto", "fp32"):
-            raise KVConvertError(
-                f"--kv-dtype {kv_dtype} is not supported with --engine transformers (it keeps K/V in fp32 and "
-                "kvconvert.quant provides no fake-quant cache); use --engine runtime, which stores KV like an engine")
+    if engine != "transformers":
+        return "bf16" if kv_dtype == "auto" else kv_dtype
+    if kv_dtype in ("auto", "fp32"):
         return "fp32"
-    return "bf16" if kv_dtype == "auto" else kv_dtype
+    kv_dtype = "fp8" if kv_dtype == "fp8_e4m3" else kv_dtype
+    if kv_dtype in QUANTIZED_KV:
+        reason = fake_quant_available()
+        if reason is not None:
+            raise KVConvertError(
+                f"--kv-dtype {kv_dtype} with --engine transformers needs kvconvert.quant's fake-quant cache, "
+                f"which does not import ({reason}); use --engine runtime")
+        if kv_scales != "checkpoint":
+            raise KVConvertError("--kv-scales dynamic is a runtime-engine option; with --engine transformers the "
+                                 "scales come from the calibrated checkpoint")
+    return kv_dtype
+
+
+def check_kv_scales(path: Path, engine: str, kv_dtype: str, kv_scales: str) -> None:
+    """A quantized KV format with checkpoint scales needs scales in the checkpoint: say so before
+    any model is loaded (the transformers engine also needs calibrate's calibration_report.json)."""
+    if kv_dtype not in QUANTIZED_KV or kv_scales != "checkpoint":
+        return
+    from kvconvert.checkpoint import CheckpointReader
+
+    with CheckpointReader(path, verify=False) as reader:
+        has_scales = any(name.endswith(("k_scale", "kv_scale")) for name in reader.keys())
+    hint = "run `kvconvert calibrate --src ... --kv-dtype " + kv_dtype + "` on it"
+    if not has_scales:
+        extra = " or pass --kv-scales dynamic (runtime engine)" if engine == "runtime" else ""
+        raise KVConvertError(f"{path}: --kv-dtype {kv_dtype} needs KV scales (k_scale/v_scale) and there are none; "
+                             f"{hint}{extra}")
+    if engine == "transformers" and not (Path(path) / "calibration_report.json").is_file():
+        raise KVConvertError(f"{path}: --engine transformers reads KV scales through calibration_report.json, "
+                             f"which is missing; {hint}, or use --engine runtime")
 
 
 def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str) -> str:
     """16 hex chars naming (checkpoint content, engine, KV format, KV scale source)."""
     key = f"{checkpoint_fingerprint(path)}|{engine}|kv={kv_dtype}"
+    if engine == "transformers" and torch.cuda.is_available():  # GPU kernels round differently
+        key += "|cuda"
     if engine == "runtime" and kv_dtype in QUANTIZED_KV:
         key += f"|scales={kv_scales}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -146,7 +186,7 @@ class ModelRunner:
 
     def __init__(self, path: Path, kv_dtype: str, kv_scales: str = "checkpoint"):
         self.path = Path(path)
-        self.kv_dtype = resolve_kv_dtype(self.engine, kv_dtype)
+        self.kv_dtype = resolve_kv_dtype(self.engine, kv_dtype, kv_scales)
         self.kv_scales = kv_scales
         self.config = json.loads((self.path / "config.json").read_text())
         self.max_context = int(self.config.get("max_position_embeddings") or 2048)
@@ -170,38 +210,43 @@ class ModelRunner:
 
 
 class TransformersRunner(ModelRunner):
-    """Hugging Face transformers in fp32 on CPU (architectures transformers knows natively, e.g.
-    Llama and DeepseekV3); K/V stay fp32."""
+    """Hugging Face transformers in fp32 (architectures transformers knows natively, e.g. Llama
+    and DeepseekV3), on the GPU when there is one. Cached K/V go through `self.kv_hook` (None =
+    kept in fp32)."""
 
     engine = "transformers"
 
     def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint"):
         super().__init__(path, kv_dtype, kv_scales)
-        from transformers import AutoModelForCausalLM
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = _load_transformers_model(self.path).to(self.device)
+        self.kv_hook = _kv_hook(self.path, self.config, self.kv_dtype)
 
-        try:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                str(self.path), dtype=torch.float32, trust_remote_code=False)
-        except (ValueError, KeyError, OSError) as exc:
-            raise UnsupportedModelError(
-                f"{self.path}: transformers cannot load this checkpoint ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:200]})") from None
-        self.model.eval()
+    def _cache(self):
+        if self.kv_hook is None:
+            from transformers import DynamicCache
+
+            return DynamicCache()
+        from kvconvert.quant.capture import KVHookCache
+
+        return KVHookCache(self.kv_hook, config=self.model.config)
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids.reshape(1, -1), use_cache=False)
-        return out.logits[0].float()
+        ids = ids.reshape(1, -1).to(self.device)
+        if self.kv_hook is None:
+            out = self.model(input_ids=ids, use_cache=False)
+        else:  # the hook cache hands the attention quantized K/V, as an engine's cache would
+            out = self.model(input_ids=ids, past_key_values=self._cache(), use_cache=True)
+        return out.logits[0].float().cpu()
 
     @torch.inference_mode()
     def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
         if max_new_tokens <= 0:
             return []
-        from transformers import DynamicCache
-
         # logits_to_keep=1: only the last position's logits (skips a [T, vocab] lm_head product).
-        out = self.model(input_ids=ids.reshape(1, -1), past_key_values=DynamicCache(), use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids.reshape(1, -1).to(self.device), past_key_values=self._cache(),
+                         use_cache=True, logits_to_keep=1)
         new: list[int] = []
         while True:
             token = int(out.logits[0, -1].argmax())
@@ -210,11 +255,57 @@ class TransformersRunner(ModelRunner):
             new.append(token)
             if len(new) == max_new_tokens:
                 break
-            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            step = torch.tensor([[token]], device=self.device)
+            out = self.model(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
         return new
 
     def close(self) -> None:
         del self.model
+
+
+def _load_transformers_model(path: Path):
+    """fp32 model, eval mode, no remote code. kvconvert.quant's loader is used when present: it
+    drops a KV-cache quantization_config (from calibration) that transformers would act on."""
+    try:
+        from kvconvert.quant.capture import load_model
+    except Exception:  # kvconvert.quant missing or broken: plain transformers
+        load_model = None
+    if load_model is not None:
+        return load_model(path, dtype=torch.float32)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UnsupportedModelError(
+            f"{path}: transformers cannot load this checkpoint ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200]})") from None
+    return model.eval()
+
+
+def _kv_hook(path: Path, config: dict, kv_dtype: str):
+    """Cache hook (layer, key, value) -> (key, value) for a KV format, None for fp32.
+
+    bf16/fp16: round every cached value to that type and back. fp8/fp8_e5m2/nvfp4:
+    kvconvert.quant's bit-exact quantize-dequantize with the checkpoint's calibrated scales.
+    """
+    if kv_dtype == "fp32":
+        return None
+    if kv_dtype in ("bf16", "fp16"):
+        low = torch.bfloat16 if kv_dtype == "bf16" else torch.float16
+        return lambda layer, key, value: (key.to(low).to(key.dtype), value.to(low).to(value.dtype))
+    from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.quant.evaluate import fake_quant_hook
+    from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.scales import read_kv_scales
+
+    scales = read_kv_scales(path)
+    if scales.kv_dtype != kv_dtype:
+        raise KVConvertError(f"{path}: KV scales were calibrated for {scales.kv_dtype}, not {kv_dtype}; "
+                             f"pass --kv-dtype {scales.kv_dtype} or recalibrate")
+    with CheckpointReader(path, verify=False) as reader:
+        layout = detect_kv_layout(config, reader.keys())
+    return fake_quant_hook(layout, scales)
 
 
 class RuntimeRunner(ModelRunner):
@@ -228,7 +319,9 @@ class RuntimeRunner(ModelRunner):
         super().__init__(path, kv_dtype, kv_scales)
         from kvconvert.runtime import LLM
 
-        self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=kv_scales,
+        block_size = 16
+        self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=kv_scales, block_size=block_size,
+                       num_blocks=-(-self.max_context // block_size) + 1,  # one sequence of the full context
                        attention_backend=attention_backend, enable_prefix_caching=False, max_num_seqs=1)
         self.max_context = int(self.llm.max_model_len)
 
@@ -294,7 +387,8 @@ class LazyRunner:
         if engine not in RUNNERS:
             raise KVConvertError(f"--engine {engine!r} is unknown; choose runtime or transformers")
         self.path, self.engine, self.kv_scales = Path(path), engine, kv_scales
-        self.kv_dtype = resolve_kv_dtype(engine, kv_dtype)
+        self.kv_dtype = resolve_kv_dtype(engine, kv_dtype, kv_scales)
+        check_kv_scales(self.path, engine, self.kv_dtype, kv_scales)
         self.config = json.loads((self.path / "config.json").read_text())
         self.max_context = int(self.config.get("max_position_embeddings") or 2048)
         self.vocab_size = int(self.config["vocab_size"])

@@ -234,7 +234,7 @@ class Distiller:
             with contextlib.nullcontext() if last else self.accelerator.no_sync(self.student):
                 loss, parts = self._loss(batch)
                 self.accelerator.backward(loss / s.grad_accum)
-            loss_sum += float(loss) / s.grad_accum
+            loss_sum += float(loss.detach()) / s.grad_accum
             for k, v in parts.items():
                 totals[k] = totals.get(k, 0.0) + v / s.grad_accum
         grad_norm = self.accelerator.clip_grad_norm_(

@@ -135,13 +135,14 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     report = ConversionReport(source=source_name or str(src_path), options=asdict(opts), config=out_cfg,
                               calib_tokens=int(ids.numel()), calib_hash=data_hash(ids))
     out_dtype = DTYPES[opts.dtype]
-    embed = reader.get("model.embed_tokens.weight", torch.float32)
-    hidden = embed[ids]  # [N, T, hidden] calibration hidden states, carried layer to layer
+    embed = reader.get("model.embed_tokens.weight")
+    hidden = embed[ids].float()  # [N, T, hidden] calibration hidden states, carried layer to layer
     with CheckpointWriter(out_dir, overwrite=opts.overwrite, source=report.source,
                           manifest_extra={"kvconvert_mla": {"rank": plan.rank, "rope_dim": rope_dim,
                                                             "calib_tokens": report.calib_tokens,
                                                             "calib_hash": report.calib_hash}}) as writer:
         writer.add("model.embed_tokens.weight", embed.to(out_dtype))
+        del embed  # only one layer plus the hidden states stay in memory from here on
         layers = range(cfg["num_hidden_layers"])
         for i in tqdm(layers, desc="mla: layers", disable=not opts.progress):
             w = _layer_weights(reader, i)
@@ -152,7 +153,8 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
                 writer.add(dst_name.format(i=i), reader.get(src_name.format(i=i)).to(out_dtype))
             report.layers.append(layer_rep)
         writer.add("model.norm.weight", reader.get("model.norm.weight").to(out_dtype))
-        lm_head = reader.get("lm_head.weight") if "lm_head.weight" in reader else embed
+        lm_head_name = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
+        lm_head = reader.get(lm_head_name)  # tied sources: written explicitly (DeepSeek-V3 unties)
         writer.add("lm_head.weight", lm_head.to(out_dtype))
         writer.write_config(out_cfg)
         writer.copy_tokenizer(src_path)

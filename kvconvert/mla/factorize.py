@@ -115,20 +115,6 @@ def _orthonormal_back(vecs: Tensor, wt: Tensor, cov: Tensor) -> Tensor:
     return torch.cat([q[:, :1], others[:, energy.argsort(descending=True)]], dim=1)
 
 
-def _complex_to_real_rows(coef: Tensor, freqs: list[int], head_dim: int) -> tuple[Tensor, Tensor]:
-    """Real rows (length head_dim, rotate_half layout) giving Re and Im of sum_t coef[t] * x_{freqs[t]}."""
-    half = head_dim // 2
-    re = torch.zeros(head_dim, dtype=coef.real.dtype)
-    im = torch.zeros(head_dim, dtype=coef.real.dtype)
-    for t, f in enumerate(freqs):
-        a = coef[t]
-        re[f] += a.real
-        re[f + half] -= a.imag
-        im[f] += a.imag
-        im[f + half] += a.real
-    return re, im
-
-
 @dataclass
 class RopeMaps:
     """Real linear maps built from a RopeBasis.
@@ -145,35 +131,39 @@ class RopeMaps:
     query_nope: Tensor
 
 
+def _component_rows(u: Tensor, freqs: list[int], kv_heads: int, head_dim: int) -> Tensor:
+    """Real rows [GF, 2, G, d]: (Re, Im) of every component z_m = sum_{g,t} conj(U[(g,t), m]) k_{g,f_t}
+    as linear functions of the concatenated pre-RoPE keys (rotate_half layout per head).
+    (a k with a = ar + i ai, k = kr + i ki: Re = ar kr - ai ki, Im = ai kr + ar ki.)"""
+    F, half = len(freqs), head_dim // 2
+    coef = u.conj().T.reshape(-1, kv_heads, F)  # a[m, g, t]
+    rows = torch.zeros(coef.shape[0], 2, kv_heads, head_dim, dtype=coef.real.dtype)
+    re_idx = torch.tensor(freqs)
+    im_idx = re_idx + half
+    rows[:, 0, :, re_idx] = coef.real
+    rows[:, 0, :, im_idx] = -coef.imag
+    rows[:, 1, :, re_idx] = coef.imag
+    rows[:, 1, :, im_idx] = coef.real
+    return rows
+
+
 def rope_maps(basis: RopeBasis, heads: int, kv_heads: int, head_dim: int) -> RopeMaps:
-    group = heads // kv_heads
-    d = head_dim
-    dtype = basis.bases[0].real.dtype
-    k_rope_rows, k_nope_rows = [], []
-    q_rope_rows = [[] for _ in range(heads)]
-    q_nope_rows = [[] for _ in range(heads)]
+    """Build the real maps. A query head's component rows are the key rows restricted to its KV
+    head: q'_m = sum_t conj(U[(g(h),t), m]) q_{h,f_t} uses the same coefficients."""
+    group, d = heads // kv_heads, head_dim
+    rope, nope = [], []
     for freqs, u in zip(basis.groups, basis.bases):
-        F = len(freqs)
-        for m in range(u.shape[1]):
-            # key component z_m = sum_{g,t} conj(U[(g,t), m]) k_{g, f_t}
-            re = torch.zeros(kv_heads * d, dtype=dtype)
-            im = torch.zeros(kv_heads * d, dtype=dtype)
-            for g in range(kv_heads):
-                r, i = _complex_to_real_rows(u[g * F:(g + 1) * F, m].conj(), freqs, d)
-                re[g * d:(g + 1) * d], im[g * d:(g + 1) * d] = r, i
-            (k_rope_rows if m == 0 else k_nope_rows).extend([re, im])
-            # query component q'_m = sum_t conj(U[(g(h),t), m]) q_{h, f_t}
-            for h in range(heads):
-                g = h // group
-                r, i = _complex_to_real_rows(u[g * F:(g + 1) * F, m].conj(), freqs, d)
-                (q_rope_rows[h] if m == 0 else q_nope_rows[h]).extend([r, i])
-    empty = torch.zeros(0, kv_heads * d, dtype=dtype)
+        rows = _component_rows(u, freqs, kv_heads, d)
+        rope.append(rows[0])  # [2, G, d]: interleaved (Re, Im) of the kept component
+        nope.append(rows[1:].reshape(-1, kv_heads, d))
+    key_rope = torch.cat(rope).reshape(-1, kv_heads, d)  # [R, G, d]
+    key_nope = torch.cat(nope)  # [Dn, G, d]
+    head_kv = torch.arange(heads) // group
     return RopeMaps(
-        key_rope=torch.stack(k_rope_rows),
-        key_nope=torch.stack(k_nope_rows) if k_nope_rows else empty,
-        query_rope=torch.stack([torch.stack(r) for r in q_rope_rows]),
-        query_nope=torch.stack([torch.stack(r) for r in q_nope_rows]) if k_nope_rows
-        else torch.zeros(heads, 0, d, dtype=dtype),
+        key_rope=key_rope.reshape(key_rope.shape[0], kv_heads * d),
+        key_nope=key_nope.reshape(key_nope.shape[0], kv_heads * d),
+        query_rope=key_rope[:, head_kv].permute(1, 0, 2).contiguous(),
+        query_nope=key_nope[:, head_kv].permute(1, 0, 2).contiguous(),
     )
 
 

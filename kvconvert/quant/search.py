@@ -12,11 +12,11 @@ ratios in (1, 2] re-align the grid without clipping; for NVFP4 the ratio moves t
 which sets the clipping of the largest blocks and the E4M3 rounding of every block scale.
 The grid is coarse-to-fine: 2^(j/4) over the range, then 2^(k/16) steps around the best.
 
-Per head: the input of o_proj is split by KV-head group (query heads h with h // group == g read
-KV head g), and each group's error is measured through its own o_proj columns,
-``|| (x_g - ref_g) @ W_o[:, cols_g]^T ||^2``. That ignores the (small) cross terms between groups, so
-every head's ratio is chosen from the same replays as the per-tensor search; the joint result is
-then checked, and a layer whose searched scales do worse than amax on the replay keeps amax.
+The objective is split by KV-head group (query heads h with h // group == g read KV head g): each
+group's error is measured through its own o_proj columns, ``|| (x_g - ref_g) @ W_o[:, cols_g]^T ||^2``,
+and summed. That ignores the (small, zero-mean) cross terms between groups, so every head's ratio
+comes from the same trials as the per-tensor search. The joint result is checked with the full
+output error, and a layer whose searched scales do worse than amax there keeps amax.
 """
 
 from __future__ import annotations
@@ -52,46 +52,82 @@ def argmin_prefer_last(errors: torch.Tensor) -> int:
 
 
 class LayerReplay:
-    """Replays one attention layer on recorded inputs with given per-kind scales.
+    """Replays one attention layer on recorded inputs with given per-kind scales, cheaply.
 
-    errors(scales) -> (total [], per_group [groups]) squared output errors vs the unquantized replay.
+    The layer is run once through the real module, capturing what it caches (K/V, or the MLA
+    latent and k_rope) and the arguments of its attention function (queries, mask, scaling). Each
+    trial then only re-quantizes the cached tensors (MLA: and re-expands them with kv_b_proj, as
+    the module does) and re-runs the attention function - no projections.
+
+    errors(scales) -> (total, per_group [groups]): squared error of the o_proj output vs the
+    unquantized replay; per group through that group's o_proj columns only (an orthogonal factor
+    R_g of W_o[:, cols_g], ||d W_g^T|| = ||d R_g^T||, keeps it cheap).
     """
 
     def __init__(self, recorder: AttentionRecorder, layout: KVLayout, layer: int, kv_dtype: str):
-        self.recorder, self.layout, self.layer, self.kv_dtype = recorder, layout, layer, kv_dtype
-        attn = recorder.layers[layer].self_attn
-        self.o_weight = attn.o_proj.weight.detach().double()  # [hidden, heads * v_dim]
+        self.layout, self.kv_dtype = layout, kv_dtype
+        self.attn = recorder.layers[layer].self_attn
+        self.records = self._capture(recorder, layer)
+        w = self.attn.o_proj.weight.detach().double()  # [hidden, heads * v_dim]
         self.groups = layout.num_kv_heads
-        self.reference = self._o_inputs(lambda i, k, v: (k, v))
+        self.width = w.shape[1] // self.groups
+        self.w_full = w.float()
+        self.r_groups = [torch.linalg.qr(w[:, g * self.width:(g + 1) * self.width], mode="r").R.float()
+                         for g in range(self.groups)]
+        self.reference = [self._attend(rec, rec["k"], rec["v"]) for rec in self.records]
 
-    def _o_inputs(self, hook) -> list[torch.Tensor]:
-        """Inputs of o_proj ([b, T, heads * v_dim]) on every record."""
-        attn = self.recorder.layers[self.layer].self_attn
-        captured = []
-        handle = attn.o_proj.register_forward_pre_hook(lambda m, args: captured.append(args[0].detach()))
+    def _capture(self, recorder: AttentionRecorder, layer: int) -> list[dict]:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        impl = self.attn.config._attn_implementation
+        original = ALL_ATTENTION_FUNCTIONS[impl]
+        had_local = impl in ALL_ATTENTION_FUNCTIONS._local_mapping
+        records: list[dict] = []
+
+        def cache_capture(layer_idx, key, value):
+            records.append({"k": key, "v": value})
+            return key, value
+
+        def attention_capture(module, query, key, value, attention_mask, **kwargs):
+            records[-1].update(q=query, mask=attention_mask, kwargs=kwargs, fn=original)
+            return original(module, query, key, value, attention_mask, **kwargs)
+
+        ALL_ATTENTION_FUNCTIONS[impl] = attention_capture
         try:
-            self.recorder.replay(self.layer, hook)
+            recorder.replay(layer, cache_capture)
         finally:
-            handle.remove()
-        return captured
+            if had_local:
+                ALL_ATTENTION_FUNCTIONS[impl] = original
+            else:
+                del ALL_ATTENTION_FUNCTIONS[impl]
+        return records
 
-    def errors(self, scales: dict[str, torch.Tensor | None]) -> tuple[float, torch.Tensor]:
+    def _attend(self, rec: dict, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Attention output before o_proj, flattened to [tokens, heads * v_dim]."""
+        if self.layout.is_mla:  # the cache holds (latent, k_rope); the module expands them
+            key, value = self.attn.expand_kv(key, value)
+        out = rec["fn"](self.attn, rec["q"], key, value, rec["mask"], **rec["kwargs"])[0]
+        return out.reshape(-1, self.w_full.shape[1])
+
+    def _quantized(self, rec: dict, scales: dict) -> tuple[torch.Tensor, torch.Tensor]:
         def row_hook(layer_idx, kind, x):
             s = scales.get(kind)
             return x if s is None else fake_quant(x, self.kv_dtype, s)
+        return cache_hook(self.layout, row_hook)(0, rec["k"], rec["v"])
+
+    def errors(self, scales: dict[str, torch.Tensor | None], full: bool = False) -> tuple[float, torch.Tensor]:
+        """(total, per_group); total includes cross-group terms only when full=True (else their sum)."""
         total, per_group = 0.0, torch.zeros(self.groups, dtype=torch.float64)
-        width = self.o_weight.shape[1] // self.groups
-        for got, ref in zip(self._o_inputs(cache_hook(self.layout, row_hook)), self.reference):
-            diff = (got.double() - ref.double()).reshape(-1, self.o_weight.shape[1])
-            total += float((diff @ self.o_weight.T).square().sum())
-            for g in range(self.groups):
-                cols = slice(g * width, (g + 1) * width)
-                per_group[g] += (diff[:, cols] @ self.o_weight[:, cols].T).square().sum()
-        return total, per_group
+        for rec, ref in zip(self.records, self.reference):
+            diff = self._attend(rec, *self._quantized(rec, scales)) - ref
+            for g, r in enumerate(self.r_groups):
+                per_group[g] += float((diff[:, g * self.width:(g + 1) * self.width] @ r.T).double().square().sum())
+            if full:
+                total += float((diff @ self.w_full.T).double().square().sum())
+        return (total if full else float(per_group.sum())), per_group
 
     def reference_energy(self) -> float:
-        return float(sum((r.double().reshape(-1, self.o_weight.shape[1]) @ self.o_weight.T).square().sum()
-                         for r in self.reference)) or 1.0
+        return float(sum((r @ self.w_full.T).double().square().sum() for r in self.reference)) or 1.0
 
 
 def _search_kind(replay: LayerReplay, current: dict, kind: str, base: torch.Tensor, kv_dtype: str) -> torch.Tensor:
@@ -129,14 +165,14 @@ def search_layer_scales(recorder: AttentionRecorder, layout: KVLayout, layer: in
     replay = LayerReplay(recorder, layout, layer, kv_dtype)
     energy = replay.reference_energy()
     start = {k: s.clone() for k, s in amax_scales.items()}
-    before, _ = replay.errors(start)
+    before, _ = replay.errors(start, full=True)
     current = dict(start)
     info = {}
     for kind in layout.kinds:
         ratio = _search_kind(replay, current, kind, amax_scales[kind], kv_dtype)
         current[kind] = (amax_scales[kind].double() * ratio).float()
         info[kind] = ratio.tolist()
-    after, _ = replay.errors(current)
+    after, _ = replay.errors(current, full=True)
     if after > before:  # cross-head terms made the per-head choice worse on the replay: keep amax
         current, after = start, before
         info = {kind: 1.0 for kind in layout.kinds} | {"fallback": "amax"}

@@ -32,6 +32,23 @@ def tiny_llama(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
                            tokenizer_dir=tiny_tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def calibrated_fp8(tmp_path_factory, tiny_llama):
+    """The tiny Llama with FP8 KV scales from `kvconvert calibrate` (amax, 4 x 256 tokens)."""
+    from kvconvert.cli import main
+    from kvconvert.eval import runner as R
+
+    if R.fake_quant_available() is not None:
+        pytest.skip(f"kvconvert.quant fake quant not importable: {R.fake_quant_available()}")
+    out = tmp_path_factory.mktemp("calibrated") / "fp8"
+    try:
+        main(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "fp8", "--observer", "amax", "--calib-tokens",
+              "1024", "--window-len", "256", "--out", str(out), "--quiet", "--threads", "1"])
+    except SystemExit as exc:  # the CLI exits only on errors
+        assert exc.code in (0, None), f"kvconvert calibrate failed with exit code {exc.code}"
+    return out
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     """These tests run small matmuls; one thread avoids spin-wait contention on a shared CPU."""

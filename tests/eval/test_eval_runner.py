@@ -57,11 +57,31 @@ def test_runtime_runner_matches_transformers_with_fp32_kv(tiny_llama, hf_runner)
     assert runtime.fingerprint != hf_runner.fingerprint  # engine is part of the key
 
 
-def test_transformers_engine_refuses_quantized_kv(tiny_llama):
-    with pytest.raises(KVConvertError, match="not supported with --engine transformers.*--engine runtime"):
+def test_quantized_kv_without_scales_is_refused_before_loading(tiny_llama):
+    with pytest.raises(KVConvertError, match="needs KV scales.*kvconvert calibrate"):
         R.LazyRunner(tiny_llama, "transformers", "fp8")
+    if R.runtime_available() is None:
+        with pytest.raises(KVConvertError, match="--kv-scales dynamic"):
+            R.LazyRunner(tiny_llama, "runtime", "nvfp4")
     with pytest.raises(KVConvertError, match="unknown"):
         R.resolve_kv_dtype("runtime", "int4")
+
+
+def test_fake_quant_kv_in_transformers_matches_the_runtime_bit_for_bit(calibrated_fp8):
+    """Both engines quantize the cached K/V with the same scales (bit-exact formats), so an FP8 KV
+    candidate scores the same whichever engine runs it; and FP8 really changes the logits."""
+    if R.runtime_available() is not None:
+        pytest.skip(f"kvconvert.runtime not importable: {R.runtime_available()}")
+    ids = torch.arange(3, 200)
+    hf_fp8 = R.TransformersRunner(calibrated_fp8, "fp8")
+    runtime_fp8 = R.RuntimeRunner(calibrated_fp8, "fp8")
+    fp8_logits = hf_fp8.logits(ids)
+    torch.testing.assert_close(fp8_logits, runtime_fp8.logits(ids), rtol=1e-5, atol=1e-5)
+    assert hf_fp8.greedy(ids, 8, (0,)) == runtime_fp8.greedy(ids, 8, (0,))
+    exact = R.TransformersRunner(calibrated_fp8, "fp32").logits(ids)
+    assert (fp8_logits - exact).abs().max() > 1e-4
+    bf16 = R.TransformersRunner(calibrated_fp8, "bf16").logits(ids)
+    torch.testing.assert_close(bf16, R.RuntimeRunner(calibrated_fp8, "bf16").logits(ids), rtol=1e-5, atol=1e-5)
 
 
 def test_fingerprint_follows_content_engine_and_kv(tmp_path, tiny_llama, tiny_tokenizer):

@@ -79,6 +79,6 @@ def layerwise_recipe(text_file: Path, **kw) -> dict:
 
 
 def distill_recipe(text_file: Path, **kw) -> dict:
-    stage = {"data": str(text_file), "tokens": 12 * 2 * 128, "seq_len": 128, "batch_size": 2, "lr": 0.01,
+    stage = {"data": str(text_file), "tokens": 12 * 2 * 128, "seq_len": 128, "batch_size": 2, "lr": 0.03,
              "warmup_steps": 2, "checkpoint_every": 4}
     return {"heal_distill": {**stage, **kw}}

@@ -42,7 +42,7 @@ def test_distill_reduces_kl_and_resumes(tiny_student, tiny_teacher, text_file, t
     assert d["finished"] and d["steps_done"] == 12 and d["tokens"] == 12 * 2 * 128
     assert (full / "loss_curve.png").stat().st_size > 1000
     assert len((full / "distill_history.jsonl").read_text().splitlines()) == 12
-    assert _eval_kl(tiny_teacher, full, text_file) < 0.9 * _eval_kl(tiny_teacher, tiny_student, text_file)
+    assert _eval_kl(tiny_teacher, full, text_file) < 0.95 * _eval_kl(tiny_teacher, tiny_student, text_file)
 
     # interrupted after 5 steps (state saved in the output's temp area), then resumed
     part = tmp_path / "part"

@@ -87,15 +87,21 @@ def _calibrate(ref, prompt, per_head: bool, mla: bool):
     return scales
 
 
-def _with_scales(src, dst, scales, naming: str):
+def _with_scales(src, dst, scales, naming: str, mla: bool = False):
+    """vLLM names (per head as llm-compressor writes them, [H, 1, 1]) or ModelOpt names (MLA: the
+    kv_a_proj_with_mqa.k_scale name SGLang remaps)."""
     extra = {}
     for i, (k, v) in enumerate(scales):
+        prefix = f"model.layers.{i}.self_attn."
         if naming == "vllm":
-            extra[f"model.layers.{i}.self_attn.k_scale"] = k.float().reshape(-1).clone()
-            extra[f"model.layers.{i}.self_attn.v_scale"] = v.float().reshape(-1).clone()
-        else:  # ModelOpt / TensorRT-LLM
-            extra[f"model.layers.{i}.self_attn.k_proj.k_scale"] = k.float().reshape(-1)
-            extra[f"model.layers.{i}.self_attn.v_proj.v_scale"] = v.float().reshape(-1)
+            shape = (-1, 1, 1) if k.numel() > 1 else (1,)
+            extra[prefix + "k_scale"] = k.float().reshape(shape).clone()
+            extra[prefix + "v_scale"] = v.float().reshape(shape).clone()
+        elif mla:
+            extra[prefix + "kv_a_proj_with_mqa.k_scale"] = k.float().reshape(()).clone()
+        else:
+            extra[prefix + "k_proj.k_scale"] = k.float().reshape(-1).clone()
+            extra[prefix + "v_proj.v_scale"] = v.float().reshape(-1).clone()
     return add_tensors(src, dst, extra)
 
 
@@ -111,9 +117,11 @@ CASES = [
     ("llama", "fp8", "vllm", False),
     ("llama", "fp8_e5m2", "vllm", False),
     ("llama", "fp8", "modelopt", True),
+    ("llama", "fp8", "vllm", True),
     ("llama", "nvfp4", "modelopt", True),
     ("llama", "nvfp4", "vllm", False),
     ("deepseek", "fp8", "vllm", False),
+    ("deepseek", "fp8", "modelopt", False),
     ("deepseek", "nvfp4", "vllm", False),
 ]
 
@@ -125,7 +133,7 @@ def test_quantized_cache_matches_fake_quant_reference(arch, kv_dtype, naming, pe
     ref = load_reference(src)
     prompt = _prompt()
     scales = _calibrate(ref, _prompt(40, seed=1), per_head, mla)
-    path = _with_scales(src, tmp_path / "scaled", scales, naming)
+    path = _with_scales(src, tmp_path / "scaled", scales, naming, mla)
     fns = (mla_fns if mla else llama_fns)(kv_dtype, [(k.reshape(-1, 1) if per_head else k, v.reshape(-1, 1) if per_head else v)
                                                      for k, v in scales])
     ref_logits, ref_tokens = _reference(ref, prompt, fns, 24)

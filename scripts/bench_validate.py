@@ -1,0 +1,66 @@
+#!/usr/bin/env python
+"""Time `kvconvert validate` on SmolLM2-135M against itself (every sample recomputed).
+
+    python scripts/bench_validate.py --suite quick [--engine runtime|transformers] [--threads 1]
+
+Prints wall time per phase, the process's CPU time and the load average before and after. On
+a CPU shared with other jobs the wall time is inflated by their load; with --threads 1 the CPU
+time is a load-independent estimate of the single-core wall time. The deltas must be exactly 0
+(same model, same inputs, deterministic): the script exits 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", default="quick")
+    parser.add_argument("--engine", default="auto", choices=["auto", "runtime", "transformers"])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--source", default="smollm2-135m")
+    parser.add_argument("--out", type=Path, default=None, help="report folder (default: a temp folder)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the timings here")
+    args = parser.parse_args()
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from kvconvert.eval.validate import ValidateOptions, run_validate
+    from kvconvert.sources import resolve_source
+
+    source = resolve_source(args.source)  # import the model first: not part of the timing
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench_validate_"))
+    load_before = os.getloadavg()
+    wall, cpu = time.time(), cpu_seconds()
+    report = run_validate(ValidateOptions(source=str(source), candidate=str(source), out=out, suite=args.suite,
+                                          engine=args.engine, resume=False, progress=False, threads=args.threads))
+    wall, cpu = time.time() - wall, cpu_seconds() - cpu
+    result = {
+        "suite": args.suite, "engine": report["source"]["engine"], "threads": report["settings"]["threads"],
+        "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "phase_s": report["phase_seconds"],
+        "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in os.getloadavg()],
+        "cores": os.cpu_count(),
+        "samples": {task: len(records) for task, records in report["samples"].items()},
+        "max_abs_delta": max(abs(m["delta"]) for m in report["metrics"].values()),
+        "report": str(out / "report.json"),
+    }
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if result["max_abs_delta"] == 0.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
