@@ -6,4 +6,4 @@
 from kvconvert.runtime.config import EngineConfig, SamplingParams
 from kvconvert.runtime.llm import LLM, Output
 
-__all__ = ["LLM", "Output", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "EngineConfig", "Output", "SamplingParams"]

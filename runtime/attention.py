@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kvconvert.runtime.kv_cache import FP8Store, KVStore, NVFP4Store
 
 from kvconvert.errors import KVConvertError
-from kvconvert.runtime.kv_cache import FP8Store, KVStore, NVFP4Store
 
 
 def causal_mask(query_len: int, context_len: int) -> torch.Tensor:
@@ -50,12 +50,16 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks] long (padded with block 0)
     decode_context_lens: torch.Tensor  # [num_decode] long
     prefills: list[PrefillChunk]
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool: key valid
+    # derived: longest decode context, and [num_decode, 1, 1, decode_max_len] bool key-valid mask
+    # (None when every decode sequence has that length: nothing to mask)
+    decode_max_len: int = 0
+    decode_mask: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.decode_mask is None and self.num_decode:
-            width = self.decode_block_tables.shape[1] * self.block_size
-            self.decode_mask = _length_mask(self.decode_context_lens, width)[:, None, None, :]
+        if self.num_decode:
+            self.decode_max_len = int(self.decode_context_lens.max())
+            if bool((self.decode_context_lens != self.decode_max_len).any()):
+                self.decode_mask = _length_mask(self.decode_context_lens, self.decode_max_len)[:, None, None, :]
 
 
 class TorchAttention:
@@ -93,8 +97,9 @@ class TorchAttention:
     def gqa_decode(self, q, k_store, v_store, meta, scale):
         """q [B, H, D], one token per sequence -> [B, H, D]."""
         b, h, d = q.shape
-        k = k_store.gather(meta.decode_block_tables, q.dtype)  # [B, S, KVH, D]
-        v = v_store.gather(meta.decode_block_tables, q.dtype)
+        s = meta.decode_max_len
+        k = k_store.gather(meta.decode_block_tables, q.dtype)[:, :s]  # [B, S, KVH, D]
+        v = v_store.gather(meta.decode_block_tables, q.dtype)[:, :s]
         kvh = k.shape[2]
         mask = meta.decode_mask  # [B, 1, 1, S]
         # the G = H / KVH query heads of a KV head act as G queries against that head
@@ -110,7 +115,7 @@ class TorchAttention:
         q [B, H, latent_dim + rope] (q_nope @ W_UK, then q_rope) -> out [B, H, latent_dim]
         (softmax(q . row * scale) @ latent; the caller applies W_UV).
         """
-        rows = store.gather(meta.decode_block_tables, q.dtype)[:, None]  # [B, 1, S, R]
+        rows = store.gather(meta.decode_block_tables, q.dtype)[:, None, : meta.decode_max_len]  # [B, 1, S, R]
         mask = meta.decode_mask
         o = F.scaled_dot_product_attention(q[:, None], rows, rows[..., :latent_dim], attn_mask=mask, scale=scale)
         return o[:, 0]

@@ -8,9 +8,9 @@ import sys
 import time
 
 import click
+from kvconvert.runtime.config import ATTENTION_BACKENDS, KV_DTYPES, KV_SCALE_SOURCES
 
 from kvconvert.errors import KVConvertError
-from kvconvert.runtime.config import ATTENTION_BACKENDS, KV_DTYPES, KV_SCALE_SOURCES
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 
@@ -45,6 +45,7 @@ def generate_cmd(model, prompt, max_new_tokens, greedy, temperature, top_p, seed
                  kv_memory, block_size, as_json):
     """Generate text with the bundled paged-KV runtime (Llama and DeepSeek-V3 MLA checkpoints)."""
     from kvconvert.runtime import LLM, SamplingParams
+
     from kvconvert.sources import resolve_source
 
     params = SamplingParams(max_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p, seed=seed)

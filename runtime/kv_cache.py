@@ -33,7 +33,12 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.quant.formats import (
-    fp8_amax_scale, fp8_dequantize, fp8_quantize, kv_scale_from_amax, nvfp4_dequantize, nvfp4_global_scale_from_kv_scale,
+    fp8_amax_scale,
+    fp8_dequantize,
+    fp8_quantize,
+    kv_scale_from_amax,
+    nvfp4_dequantize,
+    nvfp4_global_scale_from_kv_scale,
     nvfp4_quantize,
 )
 

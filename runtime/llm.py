@@ -17,9 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from kvconvert.checkpoint import CheckpointReader
-from kvconvert.errors import KVConvertError
 from kvconvert.runtime.attention import make_attention
 from kvconvert.runtime.block_manager import BlockManager
 from kvconvert.runtime.config import DEFAULT_KV_MEMORY, EngineConfig, SamplingParams
@@ -28,6 +25,9 @@ from kvconvert.runtime.model_runner import ModelRunner
 from kvconvert.runtime.models import load_model, model_type
 from kvconvert.runtime.scheduler import Scheduler
 from kvconvert.runtime.sequence import Sequence
+
+from kvconvert.checkpoint import CheckpointReader
+from kvconvert.errors import KVConvertError
 
 
 @dataclass
@@ -111,7 +111,7 @@ class LLM:
                 from transformers import AutoTokenizer
 
                 self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-            except Exception as exc:  # transformers raises several error types for a missing tokenizer
+            except Exception as exc:  # noqa: BLE001 - transformers raises many error types for a missing tokenizer
                 raise KVConvertError(
                     f"{self.model_path}: cannot load a tokenizer ({type(exc).__name__}); "
                     "pass token ids instead of text, or copy the tokenizer files into the model folder"
@@ -134,7 +134,8 @@ class LLM:
         return seq.seq_id
 
     def step(self) -> list[Sequence]:
-        """Run one engine step; returns the sequences that finished in it (errors included)."""
+        """Run one engine step; returns the sequences that finished in it (errors included).
+        Their Outputs wait for take_output(request_id) (generate / stream / score collect their own)."""
         out = self.scheduler.schedule()
         finished = list(out.rejected)
         if out.scheduled:
@@ -148,6 +149,11 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def take_output(self, request_id: int) -> Output | None:
+        """The Output of a finished request (added with add_request), once; None if not finished."""
+        seq = self._finished.pop(request_id, None)
+        return None if seq is None else self._output(seq)
 
     # ---------------------------------------------------------------- high-level API
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
@@ -166,7 +172,7 @@ class LLM:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None):
         """Yield generated token ids as they are produced; finally return the Output (StopIteration.value)."""
         rid = self.add_request(prompt, params)
-        seq, sent = None, 0
+        sent = 0
         while rid not in self._finished:
             self.step()
             seq = self._finished.get(rid) or next((s for s in self.scheduler.running if s.seq_id == rid), None)
@@ -208,10 +214,9 @@ class LLM:
         if not has_files:
             return False
         try:
-            self.tokenizer
+            return self.tokenizer is not None
         except KVConvertError:
             return False
-        return True
 
 
 def _as_prompt_list(prompts) -> list:

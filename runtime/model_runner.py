@@ -8,7 +8,6 @@ first, then prefill chunks. For each token: its id, its position, and its cache 
 from __future__ import annotations
 
 import torch
-
 from kvconvert.runtime.attention import AttentionMetadata, PrefillChunk
 from kvconvert.runtime.block_manager import BlockManager
 from kvconvert.runtime.kv_cache import PagedKVCache

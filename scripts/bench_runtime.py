@@ -78,7 +78,7 @@ def runtime_decode(llm, prompts, n_decode: int) -> float:
         steps += 1
     elapsed = time.perf_counter() - start
     for i in ids:
-        llm._finished.pop(i, None)
+        llm.take_output(i)
     return len(prompts) * steps / elapsed
 
 
@@ -123,10 +123,11 @@ def transformers_memory(config: dict, batch: int, context: int) -> int:
 # ---------------------------------------------------------------------------------------- KV math
 def kv_table(paths: dict[str, Path], kv_memory: int, block_size: int = 16) -> tuple[list, list]:
     """KV bytes/token per model and dtype; concurrent 2K requests in kv_memory, paged vs reserved."""
-    from kvconvert.checkpoint import read_config
     from kvconvert.runtime.block_manager import BlockManager
     from kvconvert.runtime.kv_cache import bytes_per_token
     from kvconvert.runtime.models import kv_layout
+
+    from kvconvert.checkpoint import read_config
 
     sizes, fits = [], []
     base = None
@@ -158,10 +159,11 @@ def count_paged(bm, num_blocks: int) -> int:
 
 
 def make_llm(path, args, budget):
-    from kvconvert.checkpoint import read_config
     from kvconvert.runtime import LLM
     from kvconvert.runtime.kv_cache import bytes_per_token
     from kvconvert.runtime.models import kv_layout
+
+    from kvconvert.checkpoint import read_config
 
     bpt = bytes_per_token(kv_layout(read_config(path)), args.kv_dtype)
     max_tokens = max(args.batches) * (max(args.contexts) + args.decode_tokens + 1)
@@ -223,6 +225,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     from kvconvert.runtime.cli import parse_size
+
     from kvconvert.sources import resolve_source
 
     source = resolve_source(args.source)

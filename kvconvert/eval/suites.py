@@ -89,7 +89,7 @@ SUITES: dict[str, SuiteSpec] = {
         passkey_lengths=(256,), passkey_depths=(0.0, 1.0),
         niah_lengths=(256,), niah_depths=(0.0, 1.0),
         ruler_tasks=("niah_single_2", "vt"), ruler_lengths=(256,), ruler_samples=1, ruler_max_new=12,
-        longbench_tasks=("hotpotqa", "passage_retrieval_en", "lcc"), longbench_per_task=1,
+        longbench_tasks=("2wikimqa", "lcc"), longbench_per_task=1,
         longbench_context=256, longbench_max_new=8, longbench_optional=True,
     ),
     "quick": SuiteSpec(

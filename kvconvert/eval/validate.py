@@ -1,8 +1,8 @@
 """`kvconvert validate`: run source and candidate on identical inputs and write a report.
 
 Order of work: build every sample (so missing data fails before any model runs), perplexity +
-KL (both models, window by window), then every generation sample
-with the source, then with the candidate (one model in memory at a time for those). Each sample's
+KL (both models, window by window), then every generation sample with the source, then with the
+candidate (one model in memory at a time for those). Each sample's
 result is cached under REPORT_DIR/cache as soon as it is done, keyed by (model fingerprint, task,
 sample id, content hash): rerunning the same command resumes, and a result computed for a model
 is reused by any later report on the same model and samples.

@@ -11,13 +11,16 @@ from kvconvert.errors import KVConvertError
 
 @click.command("mla")
 @click.option("--src", required=True, help="Source model: local HF folder, built-in name (smollm2-135m) or hub id.")
-@click.option("--rank", type=int, required=True, help="kv_lora_rank: size of the cached latent per token and layer.")
+@click.option("--rank", type=int, default=None, help="kv_lora_rank: size of the cached latent per token and layer.")
+@click.option("--kv-budget", default=None,
+              help="Instead of --rank/--rope-dim: KV values kept per token and layer, as a fraction of the "
+                   "source's K+V (0.25, 25%%) or a count (96); the rank/rope split is chosen from measured errors.")
 @click.option("--rope-dim", type=int, default=None, help="qk_rope_head_dim (default min(64, head_dim)).")
 @click.option("--calib-data", default="builtin", show_default=True,
               help="builtin (Python's pydoc text), a .txt/.jsonl/.parquet file, or a datasets id.")
 @click.option("--calib-tokens", type=int, default=8192, show_default=True)
 @click.option("--calib-window", type=int, default=512, show_default=True, help="Tokens per calibration window.")
-@click.option("--key-weight", type=float, default=1.0, show_default=True,
+@click.option("--key-weight", type=float, default=0.3, show_default=True,
               help="Weight of key (attention score) errors against value errors in the latent objective.")
 @click.option("--no-refit-o-proj", is_flag=True, help="Skip the least-squares o_proj refit.")
 @click.option("--heal", default="none", show_default=True, help="none, layerwise, or a recipe YAML.")
@@ -25,7 +28,7 @@ from kvconvert.errors import KVConvertError
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion summary as JSON.")
-def mla_cmd(src, rank, rope_dim, calib_data, calib_tokens, calib_window, key_weight, no_refit_o_proj, heal,
+def mla_cmd(src, rank, kv_budget, rope_dim, calib_data, calib_tokens, calib_window, key_weight, no_refit_o_proj, heal,
             dtype, out_dir, overwrite, as_json):
     """Convert a Llama-family (MHA/GQA) checkpoint to Multi-head Latent Attention in stock DeepSeek-V3
     format (loads in transformers, vLLM and SGLang with no custom code)."""
@@ -38,6 +41,16 @@ def mla_cmd(src, rank, rope_dim, calib_data, calib_tokens, calib_window, key_wei
     check_output_path(out_dir, overwrite)
     heal_target = _heal_plan(heal)
     src_path = resolve_source(src)
+    if (rank is None) == (kv_budget is None):
+        raise KVConvertError("give exactly one of --rank or --kv-budget")
+    if kv_budget is not None:
+        if rope_dim is not None:
+            raise KVConvertError("--kv-budget chooses --rope-dim itself; drop --rope-dim (or use --rank)")
+        from kvconvert.checkpoint import read_config
+        from kvconvert.mla.budget_search import parse_budget, search_split
+
+        budget = parse_budget(kv_budget, read_config(src_path))
+        rank, rope_dim, _ = search_split(src_path, budget, calib_data, key_weight=key_weight)
     opts = MLAOptions(rank=rank, rope_dim=rope_dim, calib_data=calib_data, calib_tokens=calib_tokens,
                       calib_window=calib_window, key_weight=key_weight, refit_o_proj=not no_refit_o_proj,
                       dtype=dtype, overwrite=overwrite)

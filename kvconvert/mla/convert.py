@@ -34,7 +34,7 @@ class MLAOptions:
     calib_tokens: int = 8192
     calib_window: int = 512
     dtype: str = "bf16"
-    key_weight: float = 1.0
+    key_weight: float = 0.3  # measured on SmolLM2: 0.3 beats 1.0 (ppl 128 vs 141 at rank 64 + rope 32)
     query_weighted_rope: bool = True
     rho: float = 3e-4
     refit_o_proj: bool = True

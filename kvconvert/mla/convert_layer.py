@@ -18,7 +18,7 @@ class LayerPlan:
     rope_dim: int  # qk_rope_head_dim
     nope_dim: int  # qk_nope_head_dim = min(head_dim, rank)
     v_dim: int  # v_head_dim = min(head_dim, rank)
-    key_weight: float = 1.0  # weight of key (score) errors vs value errors (both in output units)
+    key_weight: float = 0.3  # weight of key (score) errors vs value errors (both in output units)
     rho: float = 3e-4  # latent RMSNorm linearisation margin (mean(c^2) <= rho * eps)
     latent_eps: float = 1e-6  # eps of kv_a_layernorm (transformers hard-codes 1e-6)
     query_weighted_rope: bool = True

@@ -22,17 +22,24 @@ the scores are the same.
 from __future__ import annotations
 
 import torch
-
-from kvconvert.errors import UnsupportedModelError
 from kvconvert.runtime.attention import AttentionMetadata, causal_mask
 from kvconvert.runtime.kv_cache import CacheSpec
-from kvconvert.runtime.layers import GatedMLP, Rotary, linear, rms_norm, rope_parameters, yarn_softmax_scale
+from kvconvert.runtime.layers import (
+    GatedMLP,
+    Rotary,
+    linear,
+    rms_norm,
+    rope_parameters,
+    yarn_softmax_scale,
+)
+
+from kvconvert.errors import UnsupportedModelError
 
 LATENT_NORM_EPS = 1e-6  # transformers: DeepseekV3RMSNorm(kv_lora_rank) -> default eps
 
 
 class DeepseekV3Layer:
-    def __init__(self, w: dict[str, torch.Tensor], m: "DeepseekV3ForCausalLM"):
+    def __init__(self, w: dict[str, torch.Tensor], m: DeepseekV3ForCausalLM):
         self.input_norm = w["input_layernorm.weight"]
         self.post_norm = w["post_attention_layernorm.weight"]
         kv_a = w["self_attn.kv_a_proj_with_mqa.weight"]  # [rank + rope, hidden]
@@ -100,7 +107,7 @@ class DeepseekV3ForCausalLM:
             )
 
     def _load(self, reader, dtype):
-        get = lambda name: reader.get(name, dtype)  # noqa: E731
+        get = lambda name: reader.get(name, dtype)
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         self.lm_head = get("lm_head.weight") if "lm_head.weight" in reader else self.embed

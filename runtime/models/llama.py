@@ -9,15 +9,15 @@ tied embeddings when lm_head.weight is absent.
 from __future__ import annotations
 
 import torch
-
-from kvconvert.errors import UnsupportedModelError
 from kvconvert.runtime.attention import AttentionMetadata
 from kvconvert.runtime.kv_cache import CacheSpec
 from kvconvert.runtime.layers import GatedMLP, Rotary, linear, rms_norm, rope_parameters
 
+from kvconvert.errors import UnsupportedModelError
+
 
 class LlamaLayer:
-    def __init__(self, w: dict[str, torch.Tensor], cfg: "LlamaForCausalLM"):
+    def __init__(self, w: dict[str, torch.Tensor], cfg: LlamaForCausalLM):
         self.input_norm = w["input_layernorm.weight"]
         self.post_norm = w["post_attention_layernorm.weight"]
         q, k, v = (w[f"self_attn.{p}_proj.weight"] for p in "qkv")
@@ -60,7 +60,7 @@ class LlamaForCausalLM:
         self._load(reader, dtype)
 
     def _load(self, reader, dtype):
-        get = lambda name: reader.get(name, dtype)  # noqa: E731
+        get = lambda name: reader.get(name, dtype)
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         self.lm_head = get("lm_head.weight") if "lm_head.weight" in reader else self.embed

@@ -15,7 +15,7 @@ import pytest
 from kvconvert.cli import main
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.suites import SUITES
-from kvconvert.eval.validate import ValidateOptions, run_validate
+from kvconvert.eval.validate import ValidateOptions, run_validate, window_stats
 
 from eval_fixtures import save_tiny_llama, train_tokenizer
 
@@ -39,6 +39,27 @@ def assert_all_deltas_zero(report: dict) -> None:
     assert report["metrics"]["kl_mean"]["candidate"] == 0.0
     for name, est in report["estimates"].items():
         assert (est["point"], est["low"], est["high"]) == (0.0, 0.0, 0.0), name
+
+
+def test_window_stats_against_torch_reference():
+    """NLL sums and token KL(source || candidate) vs torch's cross_entropy and kl_div (fp64)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (300,))  # > 256 rows: exercises the chunking
+    src, cand = torch.randn(300, 50) * 3, torch.randn(300, 50) * 3
+    got = window_stats(src, cand, ids)
+    assert got["n_tokens"] == 299
+    ref_nll = F.cross_entropy(src[:-1].double(), ids[1:], reduction="sum")
+    assert got["source_nll"] == pytest.approx(float(ref_nll), rel=1e-12)
+    assert got["candidate_nll"] == pytest.approx(float(F.cross_entropy(cand[:-1].double(), ids[1:], reduction="sum")),
+                                                 rel=1e-12)
+    ref_kl = F.kl_div(F.log_softmax(cand[:-1].double(), -1), F.log_softmax(src[:-1].double(), -1),
+                      reduction="sum", log_target=True)
+    assert got["kl"] == pytest.approx(float(ref_kl), rel=1e-10)
+    same = window_stats(src, src.clone(), ids)
+    assert same["kl"] == 0.0 and same["source_nll"] == same["candidate_nll"]
 
 
 @pytest.fixture(scope="module")

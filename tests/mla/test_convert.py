@@ -117,3 +117,25 @@ def test_cli_writes_checkpoint_and_refuses_existing(tmp_path, tokenizer_dir):
     assert json.loads(result.output[result.output.index("{"):])["kv_lora_rank"] == 24
     again = CliRunner().invoke(cli, args)
     assert again.exit_code != 0
+
+
+def test_kv_budget_parsing_and_splits():
+    from kvconvert.mla.budget_search import candidate_splits, parse_budget
+
+    cfg = {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "hidden_size": 576}
+    assert parse_budget("0.25", cfg) == 96 and parse_budget("25%", cfg) == 96 and parse_budget("96", cfg) == 96
+    splits = candidate_splits(cfg, 96)
+    assert (64, 32) in splits and (80, 16) in splits and (32, 64) in splits
+    assert all(r + p == 96 and 32 % (p // 2) == 0 for r, p in splits)
+    with pytest.raises(KVConvertError, match="--kv-budget"):
+        parse_budget("2.5x", cfg)
+
+
+def test_kv_budget_search_picks_lowest_measured_error(tmp_path, tokenizer_dir):
+    from kvconvert.mla.budget_search import search_split
+
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, layers=2)
+    rank, rope, table = search_split(src, 48, calib_tokens=512, probes=1, progress=False)
+    assert rank + rope == 48 and len(table) >= 2
+    assert min(t["mean_attn_error"] for t in table) == next(
+        t["mean_attn_error"] for t in table if (t["rank"], t["rope_dim"]) == (rank, rope))

@@ -10,10 +10,10 @@ import warnings
 import pytest
 import torch
 from conftest import VOCAB, add_tensors, build_deepseek
-
-from kvconvert.errors import KVConvertError, UnsupportedModelError
 from kvconvert.runtime import LLM, SamplingParams
 from kvconvert.runtime.model_runner import top_p_filter
+
+from kvconvert.errors import KVConvertError, UnsupportedModelError
 
 ATOL = 2e-5
 MAX_LEN = 256  # the tiny models' max_position_embeddings
@@ -75,9 +75,9 @@ def test_copy_on_write_of_a_block_shared_with_a_running_sequence(deepseek_mla):
         llm.step()
     assert copies_seen, "the shared last block was not copied"
     ref = _contiguous(deepseek_mla).generate([prompt], _greedy(12))[0].token_ids
-    assert llm._finished[a].output_token_ids == ref
-    assert llm._finished[b].output_token_ids == ref
-    assert llm._finished[b].num_cached_tokens == 7
+    out_a, out_b = llm.take_output(a), llm.take_output(b)
+    assert out_a.token_ids == ref and out_b.token_ids == ref
+    assert out_b.num_cached_tokens == 7 and llm.take_output(b) is None
 
 
 def test_preemption_by_recompute_gives_the_same_tokens(tiny_model):
@@ -121,8 +121,8 @@ def test_continuous_batching_new_requests_join_between_steps(tiny_model):
         llm.step()
     assert max(batch_sizes) == 2  # the late request decoded alongside the first
     ref = _contiguous(tiny_model).generate([_prompt(10, seed=6), _prompt(7, seed=7)], _greedy(20))
-    assert llm._finished[first].output_token_ids == ref[0].token_ids
-    assert llm._finished[second].output_token_ids == ref[1].token_ids
+    assert llm.take_output(first).token_ids == ref[0].token_ids
+    assert llm.take_output(second).token_ids == ref[1].token_ids
 
 
 def test_bad_requests_fail_alone(tiny_model):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, add_tensors, load_reference
+from kvconvert.runtime import LLM, SamplingParams
 from transformers import DynamicCache
 
 from kvconvert.errors import KVConvertError
 from kvconvert.quant import formats as F
-from kvconvert.runtime import LLM, SamplingParams
 
 ATOL = 1e-4
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, build_deepseek, build_llama, load_reference
-
 from kvconvert.runtime import LLM, SamplingParams
 from kvconvert.runtime.layers import rope_inv_freq, rope_parameters, yarn_softmax_scale
 
@@ -72,7 +71,8 @@ def _hf_inv_freq(config_cls, **kw):
 def test_rope_frequencies_match_transformers(rope):
     from transformers import LlamaConfig
 
-    kw = dict(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=256, rope_parameters=dict(rope))
+    kw = {"hidden_size": 64, "num_attention_heads": 2, "head_dim": 32, "max_position_embeddings": 256,
+          "rope_parameters": dict(rope)}
     hf_freq, hf_factor = _hf_inv_freq(LlamaConfig, **kw)
     ours, factor = rope_inv_freq(32, rope_parameters({"max_position_embeddings": 256, "rope_parameters": dict(rope)}), 256)
     torch.testing.assert_close(ours, hf_freq, atol=0, rtol=0)

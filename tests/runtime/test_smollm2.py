@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvconvert.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 from conftest import VOCAB
+from kvconvert.runtime import LLM, SamplingParams
 
 from kvconvert.errors import KVConvertError
-from kvconvert.runtime import LLM, SamplingParams
 
 pytest.importorskip("triton")
 needs_interpreter = pytest.mark.skipif(

@@ -1,0 +1,102 @@
+"""Pick rank and rope-dim for a KV budget from measured errors.
+
+DeepSeek-V3 needs one (kv_lora_rank, qk_rope_head_dim) for all layers, and the split of a fixed
+budget between RoPE dims and latent dims decides much of the quality. For each valid rope-dim we
+convert a few probe layers (spread over depth) in closed form at rank = budget - rope_dim and
+measure the attention-output error on calibration data; the split with the lowest mean error wins.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvconvert.checkpoint import CheckpointReader
+from kvconvert.data import calibration_windows
+from kvconvert.errors import KVConvertError
+from kvconvert.mla import deepseek_format as fmt
+from kvconvert.mla.convert_layer import LayerPlan, max_rank
+
+
+def candidate_splits(cfg: dict, budget: int) -> list[tuple[int, int]]:
+    """(rank, rope_dim) pairs with rank + rope_dim == budget, rope_dim a valid fold of head_dim."""
+    d = fmt.head_dim(cfg)
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    out = []
+    for slots in range(1, d // 2 + 1):
+        rope = 2 * slots
+        if (d // 2) % slots or rope < 8 or rope > min(64, d):
+            continue
+        rank = budget - rope
+        if 1 <= rank <= max_rank(kv_heads, d, rope):
+            out.append((rank, rope))
+    if not out:
+        raise KVConvertError(f"--kv-budget {budget}: no valid rank + rope-dim split (rope-dim must fold head_dim {d})")
+    return out
+
+
+def parse_budget(text: str, cfg: dict) -> int:
+    """'0.25' / '25%' of the source's K+V values per token per layer, or an absolute count like '96'."""
+    d = fmt.head_dim(cfg)
+    full = 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * d
+    text = text.strip()
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise KVConvertError(f"--kv-budget {text!r}: give a fraction (0.25), a percentage (25%) or a value count (96)") from None
+    budget = round(value * full) if value <= 1 else int(value)
+    if not 8 < budget <= full:
+        raise KVConvertError(f"--kv-budget {text}: must be between 9 and {full} values per token per layer")
+    return budget
+
+
+def search_split(src_path: Path, budget: int, calib_data: str = "builtin", calib_tokens: int = 2048,
+                 probes: int = 3, key_weight: float = 0.3, progress: bool = True) -> tuple[int, int, list[dict]]:
+    """(rank, rope_dim, table) minimising the mean o_proj-refitted attention error on probe layers."""
+    from transformers import AutoTokenizer
+
+    from kvconvert.mla.convert import _f32, _layer_weights, _refit_o_proj, source_rope
+    from kvconvert.mla.convert_layer import convert_attention, finalize_latent_norm
+    from kvconvert.mla.llama_block import LlamaShape, llama_attention, llama_layer, rms_norm
+    from kvconvert.mla.mla_block import MLAShape, mla_attention_heads
+
+    reader = CheckpointReader(src_path)
+    cfg = reader.config
+    fmt.check_source_config(cfg)
+    splits = candidate_splits(cfg, budget)
+    d, H = fmt.head_dim(cfg), cfg["num_attention_heads"]
+    G = cfg.get("num_key_value_heads", H)
+    inv_freq, att = source_rope(cfg, d)
+    shape = LlamaShape(cfg["hidden_size"], H, G, d, cfg.get("rms_norm_eps", 1e-5), inv_freq, att)
+    layers = cfg["num_hidden_layers"]
+    probe_layers = sorted({round((k + 0.5) * layers / probes) for k in range(probes)} - {layers})
+    tok = AutoTokenizer.from_pretrained(str(src_path))
+    ids = calibration_windows(tok, calib_data, calib_tokens, 256)
+    hidden = reader.get("model.embed_tokens.weight")[ids].float()
+    errors = {s: [] for s in splits}
+    for i in range(max(probe_layers) + 1):
+        w = _layer_weights(reader, i)
+        if i in probe_layers:
+            xn = rms_norm(hidden, w["input_layernorm"], shape.rms_eps)
+            flat = xn.reshape(-1, xn.shape[-1]).double()
+            cov, mean = flat.T @ flat / flat.shape[0], flat.mean(0)
+            y_src = llama_attention(xn, _f32(w), shape)
+            for rank, rope in splits:
+                plan = LayerPlan.for_source(d, rank, rope, key_weight=key_weight)
+                res = convert_attention(w, cov, mean, shape, plan)
+                c = flat @ res.weights["kv_a_proj_with_mqa"][:rank].T
+                mw = finalize_latent_norm(res.weights, c.pow(2).mean(-1), plan)
+                ms = MLAShape(H, rank, rope, plan.nope_dim, plan.v_dim, plan.latent_eps, inv_freq[:: d // rope], att)
+                mw["o_proj"] = _refit_o_proj(xn, mw, ms, y_src)
+                y = mla_attention_heads(xn, _f32(mw), ms) @ _f32(mw)["o_proj"].T
+                errors[(rank, rope)].append(float((y - y_src).norm() / y_src.norm()))
+        hidden = llama_layer(hidden, _f32(w), shape)
+    table = [dict(rank=r, rope_dim=p, mean_attn_error=sum(e) / len(e)) for (r, p), e in errors.items()]
+    best = min(table, key=lambda row: row["mean_attn_error"])
+    if progress:
+        for row in table:
+            mark = "  <- chosen" if row is best else ""
+            print(f"kv budget {budget}: rank {row['rank']:4d} + rope {row['rope_dim']:3d}: "
+                  f"attention error {row['mean_attn_error']:.4f}{mark}")
+    return best["rank"], best["rope_dim"], table

@@ -1,0 +1,201 @@
+"""`kvconvert calibrate` end to end on tiny checkpoints: outputs, names, round trips, bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvconvert.checkpoint import CheckpointReader
+from kvconvert.cli import main
+from kvconvert.quant.capture import load_model
+from kvconvert.quant.scales import read_kv_scales
+
+from conftest import read_json
+
+TINY = ["--calib-tokens", "256", "--window-len", "64", "--batch-size", "2", "--quiet"]
+
+
+def run(argv, capsys):
+    """Run the CLI in-process; returns (exit code, stderr)."""
+    code = 0
+    try:
+        main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def calibrate(src, out, capsys, *extra):
+    code, err = run(["calibrate", "--src", str(src), "--out", str(out), *TINY, *extra], capsys)
+    assert code == 0, err
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_both(tiny_llama, calib_text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cal") / "fp8"
+    code = 0
+    try:
+        main(["calibrate", "--src", str(tiny_llama), "--out", str(out), "--kv-dtype", "fp8", "--observer", "amax",
+              "--calib-data", str(calib_text), *TINY])
+    except SystemExit as exc:
+        code = exc.code
+    assert code in (0, None)
+    return out
+
+
+def test_fp8_export_names_values_and_report(fp8_both, tiny_llama):
+    report = read_json(fp8_both / "calibration_report.json")
+    assert report["kv_dtype"] == "fp8" and report["formats"] == ["vllm", "modelopt"]
+    assert report["calibration"]["tokens"] == 256 and len(report["calibration"]["data_hash"]) == 16
+    tensors = {}
+    for f in fp8_both.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    src = CheckpointReader(tiny_llama)
+    for name in src.keys():  # weights copied bit for bit (no rotation for fp8 by default)
+        assert torch.equal(tensors[name], src.get(name)), name
+    for layer, entry in enumerate(report["layers"]):
+        k_amax, v_amax = max(entry["k_amax"]), max(entry["v_amax"])
+        k = tensors[f"model.layers.{layer}.self_attn.k_scale"]
+        assert k.dtype == torch.float32 and k.shape == (1,)
+        assert k.item() == pytest.approx(k_amax / 448, rel=1e-6)
+        assert tensors[f"model.layers.{layer}.self_attn.v_scale"].item() == pytest.approx(v_amax / 448, rel=1e-6)
+        assert tensors[f"model.layers.{layer}.self_attn.k_proj.k_scale"].shape == ()
+        assert tensors[f"model.layers.{layer}.self_attn.v_proj.v_scale"].item() == pytest.approx(v_amax / 448, rel=1e-6)
+    config = read_json(fp8_both / "config.json")
+    scheme = config["quantization_config"]["kv_cache_scheme"]
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert scheme == {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    hq = read_json(fp8_both / "hf_quant_config.json")
+    assert hq["producer"]["name"] == "kvconvert" and hq["quantization"] == {"quant_algo": None, "kv_cache_quant_algo": "FP8"}
+    assert (fp8_both / "kv_scales.png").read_bytes()[:4] == b"\x89PNG"
+    scales = read_kv_scales(fp8_both)
+    assert scales.k[1].item() == pytest.approx(max(report["layers"][1]["k_amax"]) / 448, rel=1e-6)
+
+
+def test_transformers_loads_vllm_format(fp8_both):
+    pytest.importorskip("compressed_tensors", reason="transformers needs compressed-tensors for a kv_cache_scheme config")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(fp8_both)
+    k_scale = model.model.layers[0].self_attn.k_scale
+    assert k_scale.item() == pytest.approx(read_kv_scales(fp8_both).k[0].item())
+
+
+def test_per_head_vllm_shapes_and_transformers_load(tiny_llama, calib_text, tmp_path, capsys):
+    out = calibrate(tiny_llama, tmp_path / "head", capsys, "--kv-dtype", "fp8", "--granularity", "head",
+                    "--observer", "percentile", "--calib-data", str(calib_text))
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["model.layers.0.self_attn.k_scale"].shape == (2, 1, 1)
+    assert not any(n.endswith("k_proj.k_scale") for n in tensors)  # ModelOpt has no per-head KV scales
+    assert read_json(out / "config.json")["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+    report = read_json(out / "calibration_report.json")
+    assert report["percentile"] == 99.99
+    for h in range(2):  # percentile never exceeds the head's amax
+        assert tensors["model.layers.0.self_attn.k_scale"][h, 0, 0] * 448 <= report["layers"][0]["k_amax"][h] * (1 + 1e-6)
+    if pytest.importorskip("compressed_tensors"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(out)
+        assert model.model.layers[1].self_attn.v_scale.shape == (2, 1, 1)
+
+
+def test_nvfp4_rotated_checkpoint_keeps_logits(tiny_llama, calib_text, tmp_path, capsys):
+    out = calibrate(tiny_llama, tmp_path / "nv", capsys, "--kv-dtype", "nvfp4", "--observer", "mse",
+                    "--calib-data", str(calib_text))
+    assert not (out / "config.json").read_text().count("quantization_config")
+    assert read_json(out / "hf_quant_config.json")["quantization"]["kv_cache_quant_algo"] == "NVFP4"
+    report = read_json(out / "calibration_report.json")
+    assert report["rotation"]["value_rotation"].startswith("hadamard")
+    for entry in report["layers"]:
+        assert entry["search"]["rel_error_search"] <= entry["search"]["rel_error_amax"] + 1e-12
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = load_model(tiny_llama)(input_ids=ids).logits
+        after = load_model(out)(input_ids=ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(CheckpointReader(out).get("model.layers.0.self_attn.v_proj.weight"),
+                           CheckpointReader(tiny_llama).get("model.layers.0.self_attn.v_proj.weight"))
+
+
+def test_mla_row_scale_names(tiny_deepseek, calib_text, tmp_path, capsys):
+    out = calibrate(tiny_deepseek, tmp_path / "mla", capsys, "--kv-dtype", "fp8", "--observer", "mse",
+                    "--calib-data", str(calib_text))
+    tensors = load_file(out / "model.safetensors")
+    for layer in range(2):
+        k = tensors[f"model.layers.{layer}.self_attn.k_scale"]
+        assert torch.equal(k, tensors[f"model.layers.{layer}.self_attn.v_scale"])  # one row scale
+        assert torch.equal(k.reshape(()), tensors[f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.k_scale"])
+    report = read_json(out / "calibration_report.json")
+    assert report["layout"] == "mla" and "kv_amax" in report["layers"][0]
+
+
+def test_in_place_rewrites_only_changed_files(tiny_llama, calib_text, tmp_path, capsys):
+    folder = tmp_path / "inplace"
+    shutil.copytree(tiny_llama, folder)
+    tokenizer_before = (folder / "tokenizer.json").read_bytes()
+    for _ in range(2):  # a second calibration replaces the first one's scales
+        code, err = run(["calibrate", "--src", str(folder), "--in-place", "--kv-dtype", "fp8", "--observer", "amax",
+                         "--format", "vllm", "--calib-data", str(calib_text), *TINY], capsys)
+        assert code in (0, None), err
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []  # no temp files, no backup
+    assert (folder / "tokenizer.json").read_bytes() == tokenizer_before
+    names = list(load_file(folder / "model.safetensors"))
+    assert names.count("model.layers.0.self_attn.k_scale") == 1
+    assert "quantization_config" in read_json(folder / "config.json")
+    assert read_kv_scales(folder).k[0].item() > 0
+    assert not (folder / "hf_quant_config.json").exists()
+
+
+def assert_error(code, err, message, out):
+    assert code == 2, err
+    assert "error:" in err and message in err, err
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}*"))  # no temp folder left either
+
+
+def test_unknown_kv_dtype(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "o"
+    code, err = run(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "int4", "--out", str(out)], capsys)
+    assert_error(code, err, "unknown kv-dtype 'int4'", out)
+
+
+def test_data_too_short(tiny_llama, calib_text, tmp_path, capsys):
+    out = tmp_path / "o"
+    code, err = run(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "fp8", "--out", str(out),
+                     "--calib-data", str(calib_text), "--calib-tokens", "100000", "--window-len", "64"], capsys)
+    assert_error(code, err, "data too short", out)
+
+
+def test_no_attention_layers(tmp_path, capsys):
+    src = tmp_path / "noattn"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "mamba", "num_hidden_layers": 1}))
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(src / "model.safetensors"))
+    out = tmp_path / "o"
+    code, err = run(["calibrate", "--src", str(src), "--kv-dtype", "fp8", "--out", str(out)], capsys)
+    assert_error(code, err, "no attention layers", out)
+
+
+def test_non_finite_activations(tiny_llama, calib_text, tmp_path, capsys):
+    src = tmp_path / "nan"
+    shutil.copytree(tiny_llama, src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"][0, 0] = float("inf")
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "o"
+    code, err = run(["calibrate", "--src", str(src), "--kv-dtype", "fp8", "--out", str(out), "--observer", "amax",
+                     "--calib-data", str(calib_text), *TINY], capsys)
+    assert_error(code, err, "layer 1: non-finite key activations", out)
+
+
+def test_impossible_format_and_existing_output(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "o"
+    code, err = run(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "nvfp4", "--format", "vllm",
+                     "--out", str(out)], capsys)
+    assert_error(code, err, "no static NVFP4 KV-cache scheme", out)
+    out.mkdir()
+    code, err = run(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "fp8", "--out", str(out)], capsys)
+    assert code == 2 and "output exists" in err
