@@ -90,6 +90,8 @@ class DistillStage(_Stage):
     train: full (the attention weights themselves) or lora (low-rank deltas merged at the end).
     lr is relative (weights are optimised in units of their RMS, like the layer-wise stage).
     mixed_precision: accelerate's setting (no | bf16 | fp16); on a CPU keep `no`.
+    gradient_checkpointing: recompute activations in the backward pass (long seq_len on a GPU).
+    max_epochs: how many times the data may be reused when it holds fewer than `tokens` tokens.
     checkpoint_every: optimizer steps between resumable snapshots (0 = only at the end).
     """
 
@@ -110,6 +112,8 @@ class DistillStage(_Stage):
     targets: tuple[Literal["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], ...] = TRAINABLE_ATTENTION
     max_grad_norm: float = Field(1.0, gt=0)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    gradient_checkpointing: bool = False
+    max_epochs: int = Field(1, gt=0)
     checkpoint_every: int = Field(50, ge=0)
     log_every: int = Field(1, gt=0)
     seed: int = 0

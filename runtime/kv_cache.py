@@ -95,7 +95,9 @@ class KVStore:
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Store x [T, *row_shape] at flat slots [T] (slot = block * block_size + offset)."""
         for dst, rows in self.encode(x):
-            dst.view(self.num_blocks * self.block_size, *dst.shape[2:])[slots] = rows
+            if dst.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # CPU index_copy_ lacks float8: copy bytes
+                dst, rows = dst.view(torch.uint8), rows.view(torch.uint8)
+            dst.view(self.num_blocks * self.block_size, *dst.shape[2:]).index_copy_(0, slots, rows)
 
     def gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """block_tables [B, n] -> dequantized [B, n * block_size, *row_shape] in dtype."""
@@ -108,7 +110,8 @@ class KVStore:
 
     def _gather(self, t: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         b, n = block_tables.shape
-        return t[block_tables].view(b, n * self.block_size, *t.shape[2:])
+        # index_select: a plain row gather, several times faster on CPU than advanced indexing
+        return torch.index_select(t, 0, block_tables.reshape(-1)).view(b, n * self.block_size, *t.shape[2:])
 
 
 class FloatStore(KVStore):

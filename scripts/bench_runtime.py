@@ -41,6 +41,7 @@ def parse_args(argv=None):
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--kv-dtype", default="bf16", help="runtime KV storage for the speed runs")
     ap.add_argument("--kv-memory", default="1G", help="fixed KV memory for the concurrency count")
+    ap.add_argument("--request-tokens", type=int, default=REQUEST_TOKENS, help="request length for that count")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 8 at 512 tokens, 8 decode tokens")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
@@ -121,8 +122,10 @@ def transformers_memory(config: dict, batch: int, context: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- KV math
-def kv_table(paths: dict[str, Path], kv_memory: int, block_size: int = 16) -> tuple[list, list]:
-    """KV bytes/token per model and dtype; concurrent 2K requests in kv_memory, paged vs reserved."""
+def kv_table(paths: dict[str, Path], kv_memory: int, request_tokens: int = REQUEST_TOKENS,
+             block_size: int = 16) -> tuple[list, list]:
+    """KV bytes/token per model and dtype; concurrent requests of request_tokens in kv_memory,
+    paged (blocks as needed) vs reserving max_model_len tokens per request."""
     from kvconvert.runtime.block_manager import BlockManager
     from kvconvert.runtime.kv_cache import bytes_per_token
     from kvconvert.runtime.models import kv_layout
@@ -142,18 +145,19 @@ def kv_table(paths: dict[str, Path], kv_memory: int, block_size: int = 16) -> tu
                           "fraction_of_source_bf16": round(bpt / base, 4)})
             num_blocks = kv_memory // (bpt * block_size)
             fits.append({"model": name, "kv_dtype": kv_dtype, "kv_memory_bytes": kv_memory,
-                         "request_tokens": REQUEST_TOKENS, "max_model_len": max_len,
-                         "paged": count_paged(BlockManager(max(num_blocks, 1), block_size), num_blocks),
+                         "request_tokens": request_tokens, "max_model_len": max_len,
+                         "paged": count_paged(BlockManager(max(num_blocks, 1), block_size), num_blocks,
+                                              request_tokens),
                          "reserved_max_len": kv_memory // (bpt * max_len)})
     return sizes, fits
 
 
-def count_paged(bm, num_blocks: int) -> int:
-    """Allocate 2K-token requests with the runtime's BlockManager until the pool is full."""
+def count_paged(bm, num_blocks: int, request_tokens: int) -> int:
+    """Allocate requests with the runtime's BlockManager until the pool is full."""
     if num_blocks == 0:
         return 0
     n = 0
-    while bm.allocate_slots(n, REQUEST_TOKENS, write_from=0) is not None:
+    while bm.allocate_slots(n, request_tokens, write_from=0) is not None:
         n += 1
     return n
 
@@ -211,8 +215,9 @@ def markdown(report: dict) -> str:
     lines += ["", "### KV cache size", "", "| model | kv dtype | bytes/token | vs source bf16 |", "|---|---|---:|---:|"]
     for r in report["kv_bytes_per_token"]:
         lines.append(f"| {r['model']} | {r['kv_dtype']} | {r['bytes_per_token']} | {r['fraction_of_source_bf16']:.3f} |")
-    mem = report["concurrency"][0]["kv_memory_bytes"] / 2**30 if report["concurrency"] else 0
-    lines += ["", f"### Concurrent {REQUEST_TOKENS}-token requests in {mem:g} GiB of KV", "",
+    first = report["concurrency"][0] if report["concurrency"] else {"kv_memory_bytes": 0, "request_tokens": 0}
+    title = f"### Concurrent {first['request_tokens']}-token requests in {first['kv_memory_bytes'] / 2**30:g} GiB of KV"
+    lines += ["", title, "",
               "| model | kv dtype | paged | reserving max_model_len |", "|---|---|---:|---:|"]
     for r in report["concurrency"]:
         lines.append(f"| {r['model']} | {r['kv_dtype']} | {r['paged']} | {r['reserved_max_len']} "
@@ -253,7 +258,7 @@ def main(argv=None):
                 report["decode"].append(runtime_row(name, llm, batch, context, args))
             if hf is not None:
                 report["decode"].append(transformers_row(hf, batch, context, args, budget))
-    report["kv_bytes_per_token"], report["concurrency"] = kv_table(models, parse_size(args.kv_memory))
+    report["kv_bytes_per_token"], report["concurrency"] = kv_table(models, parse_size(args.kv_memory), args.request_tokens)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -166,7 +166,7 @@ def passkey_sample(tokenizer, length: int, depth: float, repeat: int, seed: int)
     passkey = str(random.Random(f"passkey/{seed}/{sample_id}").randint(10000, 99999))
     units = lambda k: " " + PASSKEY_FILLER  # noqa: E731 - every unit carries its separator
     hay = build_haystack(tokenizer, PASSKEY_INTRO, PASSKEY_QUESTION, units, [(depth, passkey_line(passkey))], length)
-    max_new = len(tokenizer(" " + passkey, add_special_tokens=False).input_ids) + 4
+    max_new = len(tokenizer(" " + passkey, add_special_tokens=False).input_ids) + 2  # the key and a period
     return GenSample("passkey", sample_id, tuple(hay.ids), max_new, (passkey,),
                      meta={"length": length, "depth": depth, "tokens": len(hay.ids),
                            "needle_depth": round(hay.depth_of(0), 4)})

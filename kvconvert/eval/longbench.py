@@ -5,7 +5,7 @@ already applied, not truncated), answers (list), all_classes (trec only). Prompt
 in the middle to fit the context, as LongBench's pred.py does; here the cut is made on the token
 ids (first half + last half) instead of decoding both halves and re-tokenizing, so source and
 candidate get exactly the same ids. Generation is greedy with LongBench's dataset2maxlen budget;
-samsum also stops at a newline, as in pred.py. No chat template (both models see the same plain
+samsum also stops at a newline but must produce one token first, as pred.py's min_length does. No chat template (both models see the same plain
 prompt; the gate compares deltas, never absolute scores).
 """
 
@@ -112,6 +112,7 @@ def longbench_samples(tokenizer, rows_by_task: dict[str, list[dict]], context: i
             samples.append(GenSample(
                 f"longbench/{task}", str(row["id"]), tuple(prompt), max_new, tuple(row["answers"]),
                 stop_ids=tuple(newline) if task == "samsum" else (),
+                min_new_tokens=1 if task == "samsum" else 0,
                 meta={"task": task, "category": category, "tokens": len(prompt), "full_tokens": len(ids),
                       "all_classes": row.get("all_classes")}))
     return samples

@@ -115,6 +115,14 @@ def check_same_tokenizer(source_tok, candidate_tok, source: Path, candidate: Pat
 
 # --------------------------------------------------------------------------- runners
 
+def argmax_allowed(logits: torch.Tensor, banned: tuple[int, ...]) -> int:
+    """argmax of logits [vocab] with the `banned` ids excluded."""
+    if banned:
+        logits = logits.clone()
+        logits[list(banned)] = float("-inf")
+    return int(logits.argmax())
+
+
 def fake_quant_available() -> str | None:
     """None when kvconvert.quant's fake-quant KV cache imports, else the reason it does not."""
     try:
@@ -201,8 +209,10 @@ class ModelRunner:
         """ids: int64 [T] -> fp32 logits [T, vocab]; row t predicts token t+1."""
         raise NotImplementedError
 
-    def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
-        """Greedy continuation of ids [T]: at most max_new_tokens ids, ending before a stop id."""
+    def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
+               min_new_tokens: int = 0) -> list[int]:
+        """Greedy continuation of ids [T]: at most max_new_tokens ids, ending before a stop id;
+        stop ids cannot be chosen for the first min_new_tokens steps."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -241,7 +251,8 @@ class TransformersRunner(ModelRunner):
         return out.logits[0].float().cpu()
 
     @torch.inference_mode()
-    def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
+    def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
+               min_new_tokens: int = 0) -> list[int]:
         if max_new_tokens <= 0:
             return []
         # logits_to_keep=1: only the last position's logits (skips a [T, vocab] lm_head product).
@@ -249,7 +260,7 @@ class TransformersRunner(ModelRunner):
                          use_cache=True, logits_to_keep=1)
         new: list[int] = []
         while True:
-            token = int(out.logits[0, -1].argmax())
+            token = argmax_allowed(out.logits[0, -1], stop_ids if len(new) < min_new_tokens else ())
             if token in stop_ids:
                 break
             new.append(token)
@@ -328,16 +339,28 @@ class RuntimeRunner(ModelRunner):
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.llm.score(ids.reshape(-1).tolist()).float()
 
-    def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
+    def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
+               min_new_tokens: int = 0) -> list[int]:
         if max_new_tokens <= 0:
             return []
+        prompt = ids.reshape(-1).tolist()
+        forced: list[int] = []
+        while len(forced) < min(min_new_tokens, max_new_tokens):
+            # SamplingParams has no min_tokens: pick these steps from the paged-path logits with
+            # the stop ids masked, then let the engine continue from prompt + forced tokens.
+            forced.append(argmax_allowed(self.llm.score(prompt + forced)[-1], stop_ids))
+        if len(forced) == max_new_tokens:
+            return forced
+        return forced + self._generate(prompt + forced, max_new_tokens - len(forced), stop_ids)
+
+    def _generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
         from kvconvert.runtime import SamplingParams
 
         params = SamplingParams(max_tokens=max_new_tokens, greedy=True, ignore_eos=True,
                                 stop_token_ids=tuple(stop_ids))
-        (out,) = self.llm.generate([ids.reshape(-1).tolist()], params)
+        (out,) = self.llm.generate([prompt], params)
         if out.error:
-            raise KVConvertError(f"{self.path}: the runtime could not run a {ids.numel()}-token prompt: {out.error}")
+            raise KVConvertError(f"{self.path}: the runtime could not run a {len(prompt)}-token prompt: {out.error}")
         tokens = list(out.token_ids)
         while tokens and tokens[-1] in stop_ids:  # the engine may return the stop token itself
             tokens.pop()
@@ -404,8 +427,9 @@ class LazyRunner:
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.loaded.logits(ids)
 
-    def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
-        return self.loaded.greedy(ids, max_new_tokens, stop_ids)
+    def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
+               min_new_tokens: int = 0) -> list[int]:
+        return self.loaded.greedy(ids, max_new_tokens, stop_ids, min_new_tokens)
 
     def describe(self) -> dict:
         return {"path": str(self.path), "engine": self.engine, "kv_dtype": self.kv_dtype,

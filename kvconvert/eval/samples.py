@@ -19,6 +19,7 @@ class GenSample:
     task: family/name, e.g. "passkey", "niah", "ruler/vt", "longbench/hotpotqa".
     sample_id: unique within the task. prompt_ids: token ids fed to both models.
     max_new_tokens: decoding budget. stop_ids: extra stop tokens (the models' EOS ids always stop).
+    min_new_tokens: steps at which stop tokens are masked out (LongBench's min_length for samsum).
     answers: gold strings the scorer compares against. meta: plotting/grouping data
     (length, depth, all_classes, ...), JSON-serializable.
     """
@@ -29,6 +30,7 @@ class GenSample:
     max_new_tokens: int
     answers: tuple[str, ...]
     stop_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -39,7 +41,7 @@ class GenSample:
 
     @property
     def content_hash(self) -> str:
-        payload = json.dumps([list(self.prompt_ids), self.max_new_tokens, list(self.stop_ids)])
+        payload = json.dumps([list(self.prompt_ids), self.max_new_tokens, list(self.stop_ids), self.min_new_tokens])
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     @property

@@ -191,7 +191,7 @@ def generate_all(runner: LazyRunner, role: str, samples: list[GenSample], pair: 
         result = cache.get(runner.fingerprint, sample.task, sample.sample_id, sample.content_hash)
         if result is None:
             ids = torch.tensor(sample.prompt_ids, dtype=torch.long)
-            tokens = runner.greedy(ids, sample.max_new_tokens, pair.stop_ids + sample.stop_ids)
+            tokens = runner.greedy(ids, sample.max_new_tokens, pair.stop_ids + sample.stop_ids, sample.min_new_tokens)
             result = {"tokens": tokens, "text": pair.tokenizer.decode(tokens, skip_special_tokens=True)}
             cache.put(runner.fingerprint, sample.task, sample.sample_id, sample.content_hash, result)
         results[(sample.task, sample.sample_id)] = result

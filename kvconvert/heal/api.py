@@ -82,17 +82,26 @@ def prepare_data(tokenizer, recipe: Recipe) -> HealData:
         data.info["layerwise"] = {"data": lw.data, "tokens": int(data.layerwise.numel()),
                                   "data_hash": data_hash(data.layerwise)}
     if (ds := recipe.distill) is not None:
-        data.distill = _distill_windows(windows, ds)
+        if ds.data not in texts:
+            texts[ds.data] = load_text(ds.data)
+        data.distill = _distill_windows(texts[ds.data], tokenizer, ds)
         data.info["distill"] = {"data": ds.data, "tokens_requested": ds.tokens,
                                 "unique_tokens": int(data.distill.numel()), "data_hash": data_hash(data.distill)}
     return data
 
 
-def _distill_windows(windows, ds: DistillStage) -> torch.Tensor:
-    """All whole seq_len windows the data holds (needed: stage.tokens, one pass)."""
-    need = ds.steps * ds.tokens_per_step // ds.seq_len
-    text_windows = windows(ds.data, need, ds.seq_len, "heal_distill")
-    return text_windows
+def _distill_windows(text: str, tokenizer, ds: DistillStage) -> torch.Tensor:
+    """All whole seq_len windows of the data, [N, seq_len]; the run reuses them at most
+    max_epochs times (the order is drawn per epoch by the distiller)."""
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    available = ids.numel() // ds.seq_len
+    need = ds.steps * ds.batch_size * ds.grad_accum  # windows, one process
+    if available * ds.max_epochs < need:
+        raise KVConvertError(
+            f"heal_distill (data {ds.data!r}): data too short: {available * ds.seq_len} tokens in whole {ds.seq_len}-token "
+            f"windows, need {need * ds.seq_len} (tokens) / max_epochs {ds.max_epochs}; use more data, fewer tokens "
+            "or a larger max_epochs")
+    return ids[: available * ds.seq_len].view(available, ds.seq_len)[:need]
 
 
 def fingerprint(*parts) -> str:

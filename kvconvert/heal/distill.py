@@ -159,6 +159,8 @@ class Distiller:
         teacher_dtype = torch.bfloat16 if self.stage.mixed_precision == "bf16" else torch.float32
         teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=teacher_dtype)
         student.config.use_cache = False
+        if self.stage.gradient_checkpointing:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         teacher.eval().requires_grad_(False)
         student.train()
         return student, teacher

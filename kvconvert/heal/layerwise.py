@@ -106,8 +106,13 @@ def relinearize_latent(x: torch.Tensor, w: dict, shape: MLAShape, limit: float) 
 
 
 def _lr_at(step: int, steps: int, lr: float) -> float:
-    """Cosine decay from lr to lr/20: late steps average out minibatch noise."""
-    return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / max(1, steps))))
+    """Linear warm-up over the first 10% of steps (Adam's first steps are ~lr-sized on every
+    element, too big for a block that already fits well), then cosine decay to lr/20."""
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: MLAShape, stage: LayerwiseStage,

@@ -35,7 +35,7 @@ class MLAOptions:
     calib_window: int = 512
     dtype: str = "bf16"
     key_weight: float = 0.3  # measured on SmolLM2: 0.3 beats 1.0 (ppl 128 vs 141 at rank 64 + rope 32)
-    query_weighted_rope: bool = True
+    query_weighted_rope: bool = False  # measured: plain complex PCA 125 vs query-weighted 128 (rank 64 + rope 32)
     rho: float = 3e-4
     refit_o_proj: bool = True
     stream: str = "converted"  # hidden states carried through the converted (or source) layers

@@ -21,7 +21,7 @@ class LayerPlan:
     key_weight: float = 0.3  # weight of key (score) errors vs value errors (both in output units)
     rho: float = 3e-4  # latent RMSNorm linearisation margin (mean(c^2) <= rho * eps)
     latent_eps: float = 1e-6  # eps of kv_a_layernorm (transformers hard-codes 1e-6)
-    query_weighted_rope: bool = True
+    query_weighted_rope: bool = False
 
     @staticmethod
     def for_source(head_dim: int, rank: int, rope_dim: int, **kw) -> "LayerPlan":

@@ -64,6 +64,7 @@ class LayerReplay:
     R_g of W_o[:, cols_g], ||d W_g^T|| = ||d R_g^T||, keeps it cheap).
     """
 
+    @torch.no_grad()
     def __init__(self, recorder: AttentionRecorder, layout: KVLayout, layer: int, kv_dtype: str):
         self.layout, self.kv_dtype = layout, kv_dtype
         self.attn = recorder.layers[layer].self_attn
@@ -115,6 +116,7 @@ class LayerReplay:
             return x if s is None else fake_quant(x, self.kv_dtype, s)
         return cache_hook(self.layout, row_hook)(0, rec["k"], rec["v"])
 
+    @torch.no_grad()
     def errors(self, scales: dict[str, torch.Tensor | None], full: bool = False) -> tuple[float, torch.Tensor]:
         """(total, per_group); total includes cross-group terms only when full=True (else their sum)."""
         total, per_group = 0.0, torch.zeros(self.groups, dtype=torch.float64)
@@ -126,6 +128,7 @@ class LayerReplay:
                 total += float((diff @ self.w_full.T).double().square().sum())
         return (total if full else float(per_group.sum())), per_group
 
+    @torch.no_grad()
     def reference_energy(self) -> float:
         return float(sum((r @ self.w_full.T).double().square().sum() for r in self.reference)) or 1.0
 

@@ -47,6 +47,16 @@ def test_greedy_stops_before_stop_token(hf_runner):
     assert hf_runner.greedy(ids, 0, ()) == []
 
 
+def test_min_new_tokens_masks_stop_ids_at_first_steps(hf_runner):
+    ids = torch.arange(5, 25)
+    first = hf_runner.greedy(ids, 1, ())[0]
+    assert hf_runner.greedy(ids, 5, (first,)) == []  # the stop token would end it at once
+    forced = hf_runner.greedy(ids, 5, (first,), min_new_tokens=1)
+    logits = hf_runner.logits(ids)[-1].clone()
+    logits[first] = float("-inf")
+    assert forced and forced[0] == int(logits.argmax())  # the best token that is not a stop id
+
+
 def test_runtime_runner_matches_transformers_with_fp32_kv(tiny_llama, hf_runner):
     if R.runtime_available() is not None:
         pytest.skip(f"kvconvert.runtime not importable: {R.runtime_available()}")
@@ -54,6 +64,8 @@ def test_runtime_runner_matches_transformers_with_fp32_kv(tiny_llama, hf_runner)
     ids = torch.arange(3, 60)
     torch.testing.assert_close(runtime.logits(ids), hf_runner.logits(ids), rtol=1e-4, atol=1e-4)
     assert runtime.greedy(ids, 10, (0,)) == hf_runner.greedy(ids, 10, (0,))
+    first = hf_runner.greedy(ids, 1, ())[0]
+    assert runtime.greedy(ids, 6, (first,), min_new_tokens=1) == hf_runner.greedy(ids, 6, (first,), min_new_tokens=1)
     assert runtime.fingerprint != hf_runner.fingerprint  # engine is part of the key
 
 

@@ -199,3 +199,30 @@ def test_impossible_format_and_existing_output(tiny_llama, tmp_path, capsys):
     out.mkdir()
     code, err = run(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "fp8", "--out", str(out)], capsys)
     assert code == 2 and "output exists" in err
+
+
+def test_in_place_sharded_with_rotation_keeps_manifest_and_logits(tiny_llama, calib_text, tmp_path, capsys):
+    """A sharded checkpoint written by CheckpointWriter (with manifest): rotated shards are rewritten, the new
+    scales go to their own shard in the index, the manifest's hashes stay valid, logits are unchanged."""
+    from kvconvert.checkpoint import CheckpointWriter, verify_manifest
+
+    folder = tmp_path / "sharded"
+    src = CheckpointReader(tiny_llama)
+    with CheckpointWriter(folder, max_shard_bytes=200_000) as w:
+        for name in src.keys():
+            w.add(name, src.get(name))
+        w.write_config(src.config)
+        w.copy_tokenizer(tiny_llama)
+    assert (folder / "model.safetensors.index.json").is_file()
+    code, err = run(["calibrate", "--src", str(folder), "--in-place", "--kv-dtype", "nvfp4", "--observer", "amax",
+                     "--calib-data", str(calib_text), *TINY], capsys)
+    assert code in (0, None), err
+    assert verify_manifest(folder) == []
+    index = read_json(folder / "model.safetensors.index.json")
+    assert index["weight_map"]["model.layers.1.self_attn.k_proj.k_scale"] == "kv-scales.safetensors"
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(folder)(input_ids=ids).logits, load_model(tiny_llama)(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert read_kv_scales(folder).kv_dtype == "nvfp4"

@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Benchmark `kvconvert calibrate`: perplexity on the held-out essays with the KV cache fake-quantized.
+
+For each configuration the real CLI path runs (calibrate -> checkpoint written to a temp folder),
+then kvconvert.quant.evaluate measures perplexity and token KL against the unquantized source on
+the same windows (eval_windows: the Paul Graham essays, 32 x 1024 by default = the issue's protocol).
+
+Targets (issue 5): FP8 E4M3 within +0.5% of the unquantized perplexity, NVFP4 within +3%.
+Writes docs/bench_calibrate.json and prints a markdown table.
+
+    python scripts/bench_calibrate.py --windows 8            # quick
+    python scripts/bench_calibrate.py                        # full protocol (32 x 1024)
+    python scripts/bench_calibrate.py --mla-path DIR         # also a DeepSeek-V3 (MLA) conversion
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"fp8": 0.5, "nvfp4": 3.0}
+
+# name -> CalibrateJob overrides. "naive" = per-tensor amax/448, no rotation (the brief's baseline).
+CONFIGS = {
+    "fp8 naive (amax, tensor)": dict(kv_dtype="fp8", observer="amax", rotate=False),
+    "fp8 mse, tensor": dict(kv_dtype="fp8", observer="mse", rotate=False),
+    "fp8 mse, head": dict(kv_dtype="fp8", observer="mse", granularity="head", rotate=False, fmt="vllm"),
+    "nvfp4 naive (amax, tensor)": dict(kv_dtype="nvfp4", observer="amax", rotate=False),
+    "nvfp4 mse, tensor": dict(kv_dtype="nvfp4", observer="mse", rotate=False),
+    "nvfp4 rotate + mse (default)": dict(kv_dtype="nvfp4", observer="mse", rotate=True),
+}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--src", default="smollm2-135m")
+    ap.add_argument("--mla-path", default=None, help="a converted DeepSeek-V3 (MLA) checkpoint to bench as well")
+    ap.add_argument("--windows", type=int, default=32, help="eval windows (protocol: 32)")
+    ap.add_argument("--window-len", type=int, default=1024, help="tokens per eval window (protocol: 1024)")
+    ap.add_argument("--calib-tokens", type=int, default=16384)
+    ap.add_argument("--configs", default=None, help="comma-separated substrings selecting configs")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_calibrate.json"))
+    return ap.parse_args()
+
+
+def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.data import eval_windows
+    from kvconvert.quant.capture import load_model
+    from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook
+    from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.run import CalibrateJob, run_calibrate
+    from kvconvert.quant.scales import read_kv_scales
+    from kvconvert.sources import resolve_source
+
+    path = resolve_source(src)
+    reader = CheckpointReader(path)
+    layout = detect_kv_layout(reader.config, reader.keys())
+    windows = eval_windows(AutoTokenizer.from_pretrained(path), args.windows, args.window_len)
+    reference = load_model(path)
+    candidates, calib = {}, {}
+    for name, overrides in configs.items():
+        if layout.is_mla and overrides.get("granularity") == "head":
+            continue
+        out = workdir / f"{label}-{len(calib)}"
+        job = CalibrateJob(src=str(path), out=out, calib_tokens=args.calib_tokens, **overrides)
+        print(f"[{label}] calibrating: {name}", file=sys.stderr, flush=True)
+        result = run_calibrate(job, echo=lambda msg: None)
+        report = result["report"]
+        calib[name] = {"time_s": report["time_s"], "seconds_per_million_tokens": report["seconds_per_million_tokens"],
+                       "tokens": report["calibration"]["tokens"], "threads": report["threads"]}
+        model = reference if report["rotation"] is None else load_model(out)
+        candidates[name] = (model, fake_quant_hook(layout, read_kv_scales(out)))
+    t0 = time.perf_counter()
+    results = evaluate_kv_quant(
+        reference, candidates, windows,
+        progress=lambda done, n: print(f"[{label}] eval window {done}/{n} ({time.perf_counter() - t0:.0f} s)",
+                                       file=sys.stderr, flush=True))
+    ref = results["reference"]
+    rows = [{"model": label, "config": "unquantized (fp32 cache)", "kv_dtype": None, "ppl": ref.ppl,
+             "delta_pct": 0.0, "kl": 0.0, "target_pct": None, "meets_target": None}]
+    for name, res in results.items():
+        if name == "reference":
+            continue
+        kv_dtype = configs[name]["kv_dtype"]
+        delta = (res.ppl / ref.ppl - 1) * 100
+        rows.append({"model": label, "config": name, "kv_dtype": kv_dtype, "ppl": res.ppl, "delta_pct": delta,
+                     "kl": res.kl, "target_pct": TARGETS.get(kv_dtype),
+                     "meets_target": delta <= TARGETS[kv_dtype] if kv_dtype in TARGETS else None,
+                     "calibration": calib[name]})
+    return rows
+
+
+def markdown(rows: list[dict], args) -> str:
+    lines = [f"Held-out essays, {args.windows} x {args.window_len} tokens, KV cache fake-quantized "
+             f"(calibration: {args.calib_tokens} tokens of pydoc text).", "",
+             "| model | config | ppl | vs fp32 | token KL | target | s / M calib tokens |",
+             "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
+    for r in rows:
+        target = "" if r["target_pct"] is None else (
+            f"<= +{r['target_pct']}% {'met' if r['meets_target'] else 'MISSED'}")
+        speed = "" if "calibration" not in r else f"{r['calibration']['seconds_per_million_tokens']:.0f}"
+        lines.append(f"| {r['model']} | {r['config']} | {r['ppl']:.3f} | {r['delta_pct']:+.2f}% | "
+                     f"{r['kl']:.5f} | {target} | {speed} |")
+    return "\n".join(lines)
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    configs = CONFIGS
+    if args.configs:
+        keys = [k.strip() for k in args.configs.split(",")]
+        configs = {n: c for n, c in CONFIGS.items() if any(k in n for k in keys)}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_calibrate_") as tmp:
+        rows += bench_model(args.src, args.src, args, configs, Path(tmp))
+        if args.mla_path:
+            rows += bench_model(args.mla_path, "MLA: " + Path(args.mla_path).name, args, configs, Path(tmp))
+    table = markdown(rows, args)
+    payload = {"protocol": {"eval": "Paul Graham essays (kvconvert.data.eval_windows)", "windows": args.windows,
+                            "window_len": args.window_len, "calib_data": "builtin", "calib_tokens": args.calib_tokens},
+               "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+               "rows": rows, "markdown": table}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

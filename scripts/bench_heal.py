@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""Benchmark MLA conversion + healing on SmolLM2-135M: one-shot vs healed, against the source.
+
+For each recipe (default: recipes/smollm2-135m-{25,50,33,12}pct.yaml): convert the source with the
+recipe's `convert` block, heal with its heal_* blocks (timed), then measure on identical held-out
+essay windows (kvconvert.data.eval_windows) the perplexity and mean next-token KL(source || model)
+of the one-shot conversion and of the healed model, and passkey accuracy (greedy, plain prompt) at
+the given lengths. Writes docs/bench_heal.json (updated after every recipe, so a partial run keeps
+its results) and prints a markdown table for docs/BENCHMARKS.md.
+
+    python scripts/bench_heal.py                         # the full protocol (hours on 2 shared cores)
+    python scripts/bench_heal.py --recipes recipes/smollm2-135m-25pct.yaml --windows 8 --passkey 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RECIPES = [f"recipes/smollm2-135m-{p}pct.yaml" for p in (25, 50, 33, 12)]
+TARGETS = {"ppl_increase_pct": 5.0, "kl_mean": 0.05, "passkey_drop": 0.1}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", default="smollm2-135m", help="source model (HF folder or built-in name)")
+    ap.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kvconvert-bench-heal")
+    ap.add_argument("--windows", type=int, default=32, help="held-out essay windows (protocol: 32)")
+    ap.add_argument("--window-len", type=int, default=1024)
+    ap.add_argument("--passkey", type=int, default=10, help="passkey prompts per length (0 = skip)")
+    ap.add_argument("--passkey-lengths", default="1024,2048")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a shared CPU)")
+    ap.add_argument("--reuse", action="store_true", help="reuse converted/healed folders already in --work")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench_heal.json")
+    return ap.parse_args(argv)
+
+
+def kv_fraction(src_cfg: dict, rank: int, rope: int) -> float:
+    """MLA cached values per token and layer (rank + rope) over the source's (2 x kv_heads x head_dim)."""
+    d = src_cfg.get("head_dim") or src_cfg["hidden_size"] // src_cfg["num_attention_heads"]
+    return (rank + rope) / (2 * src_cfg.get("num_key_value_heads", src_cfg["num_attention_heads"]) * d)
+
+
+def convert(source: Path, recipe, folder: Path, reuse: bool) -> dict:
+    from kvconvert.mla.convert import convert_to_mla
+
+    if reuse and (folder / "config.json").is_file():
+        return {"seconds": None, "reused": True}
+    t0, c0 = time.time(), time.process_time()
+    convert_to_mla(source, folder, recipe.convert.mla_options(overwrite=True, progress=False))
+    return {"seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1)}
+
+
+def heal_once(converted: Path, source: Path, recipe, folder: Path, reuse: bool) -> dict:
+    from kvconvert.heal.api import heal
+
+    if reuse and (folder / "heal_report.json").is_file():
+        rep = json.loads((folder / "heal_report.json").read_text())
+        return {"reused": True, **_heal_summary(rep)}
+    t0, c0 = time.time(), time.process_time()
+    rep = heal(converted, source, recipe, folder, overwrite=True, progress=True, restart=True)
+    return {"seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1),
+            **_heal_summary(rep)}
+
+
+def _heal_summary(rep: dict) -> dict:
+    out = {}
+    lw = rep["stages"].get("heal_layerwise")
+    if lw:
+        out["layerwise"] = {k: lw[k] for k in lw if k != "layers"}
+        out["layerwise_tokens"] = rep["data"]["layerwise"]["tokens"]
+    ds = rep["stages"].get("heal_distill")
+    if ds:
+        out["distill"] = ds
+        out["distill_tokens"] = ds.get("tokens", 0)
+    out["tokens"] = out.get("layerwise_tokens", 0) + out.get("distill_tokens", 0)
+    return out
+
+
+def evaluate(source: Path, models: dict[str, Path], args, tokenizer, cache: dict) -> dict:
+    from kvconvert.data import eval_windows
+    from kvconvert.heal.evaluate import load_causal_lm, passkey_accuracy, passkey_samples, window_metrics
+
+    ids = eval_windows(tokenizer, args.windows, args.window_len)
+    src_model = load_causal_lm(source)
+    cands = {name: load_causal_lm(path) for name, path in models.items()}
+    res = window_metrics(src_model, cands, ids, progress=True)
+    if args.passkey:
+        lengths = tuple(int(x) for x in args.passkey_lengths.split(","))
+        samples = passkey_samples(tokenizer, lengths, args.passkey)
+        if "source_passkey" not in cache:
+            cache["source_passkey"] = passkey_accuracy(src_model, tokenizer, samples)
+        res["source"]["passkey"] = cache["source_passkey"]
+        for name, model in cands.items():
+            res[name]["passkey"] = passkey_accuracy(model, tokenizer, samples)
+    return res
+
+
+def meets(metrics: dict, source_passkey: dict | None) -> dict:
+    ok = {"ppl": metrics["ppl_increase_pct"] <= TARGETS["ppl_increase_pct"], "kl": metrics["kl_mean"] <= TARGETS["kl_mean"]}
+    if source_passkey and "passkey" in metrics:
+        ok["passkey"] = all(metrics["passkey"][k] >= source_passkey[k] - TARGETS["passkey_drop"] - 1e-9
+                            for k in source_passkey)
+    return ok
+
+
+def markdown(results: dict) -> str:
+    rows = ["| KV | rank+rope | model | ppl (vs source) | KL(src‖model) | passkey 1K / 2K | heal time (wall / CPU) | heal tokens | targets |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results["recipes"].items():
+        m = r.get("metrics")
+        if not m:
+            continue
+        src = m["source"]
+        src_pk = src.get("passkey")
+        for label in ("one-shot", "healed"):
+            x = m[label]
+            pk = " / ".join(f"{x['passkey'][k] * 100:.0f}%" for k in x["passkey"]) if "passkey" in x else "-"
+            if label == "healed":
+                h = r["heal"]
+                time_s = f"{h.get('seconds', 0) / 60:.1f} / {h.get('cpu_seconds', 0) / 60:.1f} min"
+                tokens = f"{h.get('tokens', 0):,}"
+                ok = meets(x, src_pk)
+                verdict = ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in ok.items())
+            else:
+                time_s, tokens, verdict = "-", "-", "-"
+            rows.append(f"| {r['kv_pct']:.1f}% | {r['rank']}+{r['rope_dim']} | {label} | {x['ppl']:.2f} "
+                        f"({x['ppl_increase_pct']:+.1f}%) | {x['kl_mean']:.4f} | {pk} | {time_s} | {tokens} | {verdict} |")
+    src = results.get("source_metrics", {})
+    if src:
+        pk = " / ".join(f"{v * 100:.0f}%" for v in src.get("passkey", {}).values()) or "-"
+        rows.append(f"| 100% | source | source | {src['ppl']:.2f} | 0 | {pk} | - | - | - |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from kvconvert.heal.api import _resolve_teacher
+    from kvconvert.recipe import load_recipe
+
+    source = _resolve_teacher(args.source)
+    src_cfg = json.loads((source / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    results = {"protocol": {"source": str(args.source), "eval": f"{args.windows} x {args.window_len} essay tokens",
+                            "passkey": f"{args.passkey} per length at {args.passkey_lengths}", "targets": TARGETS},
+               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                           "load_avg_start": os.getloadavg()},
+               "recipes": {}}
+    cache: dict = {}
+    for recipe_path in args.recipes:
+        recipe = load_recipe(ROOT / recipe_path if not Path(recipe_path).is_absolute() else recipe_path)
+        name = recipe.name or Path(recipe_path).stem
+        work = args.work / name
+        print(f"== {name}", file=sys.stderr)
+        entry = {"recipe": str(recipe_path), "rank": recipe.convert.rank, "rope_dim": recipe.convert.rope_dim,
+                 "kv_pct": 100 * kv_fraction(src_cfg, recipe.convert.rank, recipe.convert.rope_dim or 64)}
+        entry["convert"] = convert(source, recipe, work / "converted", args.reuse)
+        entry["heal"] = heal_once(work / "converted", source, recipe, work / "healed", args.reuse)
+        entry["metrics"] = evaluate(source, {"one-shot": work / "converted", "healed": work / "healed"}, args, tokenizer, cache)
+        results["source_metrics"] = entry["metrics"]["source"]
+        results["recipes"][name] = entry
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    results["markdown"] = markdown(results)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(results["markdown"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
