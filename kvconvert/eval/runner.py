@@ -1,8 +1,8 @@
 """Model runners: one small interface over the engines that `kvconvert validate` can drive.
 
-    runner = make_runner(folder, engine="runtime" | "transformers", kv_dtype="auto")
+    runner = LazyRunner(folder, engine="runtime" | "transformers", kv_dtype="auto")  # loads on first use
     runner.logits(ids)                  # ids: LongTensor [T]  -> fp32 logits [T, vocab]
-    runner.greedy(ids, max_new_tokens, stop_ids)   # -> list[int], new tokens, stop token excluded
+    runner.greedy(ids, max_new_tokens, stop_ids, min_new_tokens=0)  # -> new token ids, stop excluded
 
 - TransformersRunner: AutoModelForCausalLM from the folder in fp32, no remote code, its own
   greedy loop (argmax, KV cache, no generation_config knobs such as repetition penalty).
@@ -41,28 +41,38 @@ PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 â€
 def checkpoint_fingerprint(folder: Path) -> str:
     """Content hash of a checkpoint folder, 16 hex chars.
 
-    With manifest.json (written by kvconvert's CheckpointWriter): sha256 of its per-file sha256
-    list, so a byte-identical re-export gets the same fingerprint. Without one: config.json's
-    bytes plus each weight file's name, size and mtime (cheap; a rewritten file changes it).
+    With a manifest.json (kvconvert's CheckpointWriter) that still describes the folder (every
+    weight file and config.json listed with its current size): sha256 of its per-file sha256
+    list, so a byte-identical copy or re-export gets the same fingerprint. Otherwise (no
+    manifest, or one that a later edit left stale): config.json's bytes plus each weight
+    file's name, size and mtime, so a rewritten file never reuses old cached results.
     """
     folder = Path(folder)
-    digest = hashlib.sha256()
-    manifest = folder / "manifest.json"
-    if manifest.is_file():
-        try:
-            files = json.loads(manifest.read_text())["files"]
-            digest.update(json.dumps({k: v["sha256"] for k, v in sorted(files.items())}).encode())
-            return digest.hexdigest()[:16]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError):
-            digest = hashlib.sha256()  # unreadable manifest: fall back to file stats
     config = folder / "config.json"
     if not config.is_file():
         raise CheckpointError(f"{folder}: config.json not found; expected a Hugging Face model folder")
+    files = _manifest_files(folder)
+    digest = hashlib.sha256()
+    if files is not None:
+        digest.update(json.dumps({k: v["sha256"] for k, v in sorted(files.items())}).encode())
+        return digest.hexdigest()[:16]
     digest.update(config.read_bytes())
     for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.json")):
         stat = path.stat()
         digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return digest.hexdigest()[:16]
+
+
+def _manifest_files(folder: Path) -> dict | None:
+    """manifest.json's file table when it matches the folder's weight files and config by size."""
+    try:
+        files = json.loads((folder / "manifest.json").read_text())["files"]
+        for path in [folder / "config.json", *folder.glob("*.safetensors")]:
+            if files[path.name]["bytes"] != path.stat().st_size:
+                return None
+        return files if all("sha256" in v for v in files.values()) else None
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 def eos_token_ids(folder: Path) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from kvconvert.errors import KVConvertError
               help="Instead of --rank/--rope-dim: KV values kept per token and layer, as a fraction of the "
                    "source's K+V (0.25, 25%%) or a count (96); the rank/rope split is chosen from measured errors.")
 @click.option("--rope-dim", type=int, default=None, help="qk_rope_head_dim (default min(64, head_dim)).")
+@click.option("--q-rank", type=int, default=None, help="q_lora_rank: low-rank queries (default: plain q_proj).")
 @click.option("--calib-data", default="builtin", show_default=True,
               help="builtin (Python's pydoc text), a .txt/.jsonl/.parquet file, or a datasets id.")
 @click.option("--calib-tokens", type=int, default=8192, show_default=True)
@@ -28,7 +29,7 @@ from kvconvert.errors import KVConvertError
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion summary as JSON.")
-def mla_cmd(src, rank, kv_budget, rope_dim, calib_data, calib_tokens, calib_window, key_weight, no_refit_o_proj, heal,
+def mla_cmd(src, rank, kv_budget, rope_dim, q_rank, calib_data, calib_tokens, calib_window, key_weight, no_refit_o_proj, heal,
             dtype, out_dir, overwrite, as_json):
     """Convert a Llama-family (MHA/GQA) checkpoint to Multi-head Latent Attention in stock DeepSeek-V3
     format (loads in transformers, vLLM and SGLang with no custom code)."""
@@ -51,7 +52,7 @@ def mla_cmd(src, rank, kv_budget, rope_dim, calib_data, calib_tokens, calib_wind
 
         budget = parse_budget(kv_budget, read_config(src_path))
         rank, rope_dim, _ = search_split(src_path, budget, calib_data, key_weight=key_weight)
-    opts = MLAOptions(rank=rank, rope_dim=rope_dim, calib_data=calib_data, calib_tokens=calib_tokens,
+    opts = MLAOptions(rank=rank, rope_dim=rope_dim, q_rank=q_rank, calib_data=calib_data, calib_tokens=calib_tokens,
                       calib_window=calib_window, key_weight=key_weight, refit_o_proj=not no_refit_o_proj,
                       dtype=dtype, overwrite=overwrite)
     convert_dir = out_dir if heal_target is None else out_dir.parent / f".{out_dir.name}.oneshot"

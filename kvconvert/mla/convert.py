@@ -18,7 +18,7 @@ from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_outpu
 from kvconvert.data import calibration_windows, data_hash
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
-from kvconvert.mla.convert_layer import LayerPlan, convert_attention, finalize_latent_norm, max_rank
+from kvconvert.mla.convert_layer import LayerPlan, convert_attention, factorize_query, finalize_latent_norm, max_rank
 from kvconvert.mla.llama_block import LlamaShape, llama_attention, llama_layer, rms_norm
 from kvconvert.mla.mla_block import MLAShape, mla_attention_heads
 from kvconvert.mla import factorize as fz
@@ -30,6 +30,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 class MLAOptions:
     rank: int
     rope_dim: int | None = None  # default min(64, head_dim)
+    q_rank: int | None = None  # q_lora_rank; None = plain q_proj
     calib_data: str = "builtin"
     calib_tokens: int = 8192
     calib_window: int = 512
@@ -76,6 +77,11 @@ def validate_plan(cfg: dict, opts: MLAOptions) -> tuple[int, int]:
     top = max_rank(cfg.get("num_key_value_heads", cfg["num_attention_heads"]), d, rope_dim)
     if not 1 <= opts.rank <= top:
         raise KVConvertError(f"--rank {opts.rank}: must be between 1 and {top} (2 x kv_heads x head_dim - rope_dim) for this model")
+    if opts.q_rank is not None:
+        q_rows = cfg["num_attention_heads"] * (min(d, opts.rank) + rope_dim)
+        top_q = min(cfg["hidden_size"], q_rows)
+        if not 1 <= opts.q_rank <= top_q:
+            raise KVConvertError(f"--q-rank {opts.q_rank}: must be between 1 and {top_q} for this model")
     return d, rope_dim
 
 
@@ -130,7 +136,7 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
 
     tokenizer = AutoTokenizer.from_pretrained(str(src_path))
     ids = calibration_windows(tokenizer, opts.calib_data, opts.calib_tokens, opts.calib_window)
-    out_cfg = fmt.deepseek_config(cfg, plan.rank, rope_dim, plan.nope_dim, plan.v_dim,
+    out_cfg = fmt.deepseek_config(cfg, plan.rank, rope_dim, plan.nope_dim, plan.v_dim, opts.q_rank,
                                   {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[opts.dtype])
     report = ConversionReport(source=source_name or str(src_path), options=asdict(opts), config=out_cfg,
                               calib_tokens=int(ids.numel()), calib_hash=data_hash(ids))
@@ -148,7 +154,8 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
             w = _layer_weights(reader, i)
             mla_w, layer_rep, hidden = _convert_one_layer(hidden, w, shape, mla_shape, plan, opts, i)
             for short, name in fmt.TARGET_ATTENTION.items():
-                writer.add(name.format(i=i), mla_w[short].to(out_dtype))
+                if short in mla_w:
+                    writer.add(name.format(i=i), mla_w[short].to(out_dtype))
             for src_name, dst_name in fmt.COPIED_LAYER_TENSORS.items():
                 writer.add(dst_name.format(i=i), reader.get(src_name.format(i=i)).to(out_dtype))
             report.layers.append(layer_rep)
@@ -179,6 +186,8 @@ def _convert_one_layer(hidden, w, shape: LlamaShape, mla_shape: MLAShape, plan: 
     result = convert_attention(w, cov_x, flat.mean(0), shape, plan)
     c = flat @ result.weights["kv_a_proj_with_mqa"][: plan.rank].T
     mla_w = finalize_latent_norm(result.weights, c.pow(2).mean(-1), plan)
+    if opts.q_rank is not None:
+        mla_w.update(factorize_query(mla_w.pop("q_proj"), flat, opts.q_rank, plan))
     y_src = llama_attention(xn, _f32(w), shape)  # source attention block output at this input
     rep = dict(layer=i, **result.report)
     rep["attn_rel_error"] = _attn_error(xn, mla_w, mla_shape, y_src)

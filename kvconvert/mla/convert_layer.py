@@ -122,3 +122,22 @@ def finalize_latent_norm(weights: dict, latent_sq_mean: torch.Tensor, plan: Laye
     out["kv_a_layernorm"] = torch.full((r,), w0, dtype=kv_a.dtype)
     out["kv_b_proj"] = weights["kv_b_proj"] * typical_rms
     return out
+
+
+def factorize_query(q_proj: torch.Tensor, flat_x: torch.Tensor, q_rank: int, plan: LayerPlan) -> dict:
+    """Low-rank queries (DeepSeek's q_lora): q_proj ~= q_b_proj @ RMSNorm(q_a_proj x).
+
+    Whitened SVD (minimises E||(W - W_r) x||^2 over the calibration inputs): W C^{1/2} = U S V^T,
+    q_a = V_r^T C^{-1/2}, q_b = U_r S_r. q_a_layernorm is linearised like the KV latent (tiny scale,
+    uniform weight) so the stock q_lora path computes the same product.
+    """
+    cov = flat_x.T @ flat_x / flat_x.shape[0]
+    c_half, c_half_inv = fz.sym_sqrt(cov)
+    u, s, vh = torch.linalg.svd(q_proj @ c_half, full_matrices=False)
+    q_a = vh[:q_rank] @ c_half_inv
+    q_b = u[:, :q_rank] * s[:q_rank]
+    lat_sq = (flat_x @ q_a.T).pow(2).mean(-1)
+    a = fz.linearize_norm_scale(float(lat_sq.max()), plan.latent_eps, plan.rho)
+    typical = float(lat_sq.mean().sqrt().clamp_min(1e-30))
+    w0 = plan.latent_eps ** 0.5 / (a * typical)
+    return {"q_a_proj": q_a * a, "q_a_layernorm": torch.full((q_rank,), w0, dtype=q_a.dtype), "q_b_proj": q_b * typical}

@@ -24,6 +24,9 @@ SOURCE_ATTENTION = {
 }
 TARGET_ATTENTION = {
     "q_proj": "model.layers.{i}.self_attn.q_proj.weight",
+    "q_a_proj": "model.layers.{i}.self_attn.q_a_proj.weight",
+    "q_a_layernorm": "model.layers.{i}.self_attn.q_a_layernorm.weight",
+    "q_b_proj": "model.layers.{i}.self_attn.q_b_proj.weight",
     "kv_a_proj_with_mqa": "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
     "kv_a_layernorm": "model.layers.{i}.self_attn.kv_a_layernorm.weight",
     "kv_b_proj": "model.layers.{i}.self_attn.kv_b_proj.weight",
@@ -71,7 +74,7 @@ def head_dim(cfg: dict) -> int:
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
-def deepseek_config(src: dict, rank: int, rope_dim: int, nope_dim: int, v_dim: int, dtype: str) -> dict:
+def deepseek_config(src: dict, rank: int, rope_dim: int, nope_dim: int, v_dim: int, q_rank: int | None, dtype: str) -> dict:
     """config.json for transformers' DeepseekV3ForCausalLM / vLLM / SGLang, all layers dense."""
     rope = rope_parameters(src)
     layers = src["num_hidden_layers"]
@@ -97,7 +100,7 @@ def deepseek_config(src: dict, rank: int, rope_dim: int, nope_dim: int, v_dim: i
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
         "kv_lora_rank": rank,
-        "q_lora_rank": None,
+        "q_lora_rank": q_rank,
         "qk_rope_head_dim": rope_dim,
         "qk_nope_head_dim": nope_dim,
         "v_head_dim": v_dim,

@@ -51,7 +51,12 @@ def mla_latent(xn: torch.Tensor, w: dict, s: MLAShape):
 def mla_attention_heads(xn: torch.Tensor, w: dict, s: MLAShape) -> torch.Tensor:
     """Per-head attention outputs before o_proj: [B, T, H * v_dim]."""
     B, T, _ = xn.shape
-    q = (xn @ w["q_proj"].T).view(B, T, s.heads, s.nope_dim + s.rope_dim).transpose(1, 2)
+    if "q_a_proj" in w:  # low-rank queries: q_b(RMSNorm(q_a x))
+        q_lat = rms_norm(xn @ w["q_a_proj"].T, w["q_a_layernorm"], s.latent_eps).to(xn.dtype)
+        q = q_lat @ w["q_b_proj"].T
+    else:
+        q = xn @ w["q_proj"].T
+    q = q.view(B, T, s.heads, s.nope_dim + s.rope_dim).transpose(1, 2)
     q_rope = apply_rope_interleaved(q[..., s.nope_dim:], torch.arange(T), s.inv_freq, s.attention_scaling)
     latent, k_rope = mla_latent(xn, w, s)
     kv = (latent @ w["kv_b_proj"].T).view(B, T, s.heads, s.nope_dim + s.v_dim).transpose(1, 2)

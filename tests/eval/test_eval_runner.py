@@ -109,15 +109,20 @@ def test_fingerprint_follows_content_engine_and_kv(tmp_path, tiny_llama, tiny_to
     assert base != R.runner_fingerprint(tiny_llama, "transformers", "bf16", "checkpoint")
 
 
-def test_manifest_fingerprint_ignores_creation_time(tmp_path):
+def test_manifest_fingerprint_ignores_creation_time_but_not_stale_manifests(tmp_path):
     import json
 
     for name, created in (("a", "2025-01-01"), ("b", "2026-01-01")):
         folder = tmp_path / name
         folder.mkdir()
         (folder / "config.json").write_text("{}")
-        (folder / "manifest.json").write_text(json.dumps({"created": created, "files": {"x": {"sha256": "00"}}}))
+        (folder / "model.safetensors").write_bytes(b"0123")
+        files = {"config.json": {"sha256": "c0", "bytes": 2}, "model.safetensors": {"sha256": "w0", "bytes": 4}}
+        (folder / "manifest.json").write_text(json.dumps({"created": created, "files": files}))
     assert R.checkpoint_fingerprint(tmp_path / "a") == R.checkpoint_fingerprint(tmp_path / "b")
+    before = R.checkpoint_fingerprint(tmp_path / "a")
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"012345")  # edited without updating the manifest
+    assert R.checkpoint_fingerprint(tmp_path / "a") != before
 
 
 def test_different_tokenizers_are_refused(tmp_path, tiny_tokenizer_dir, tiny_tokenizer):

@@ -139,3 +139,16 @@ def test_kv_budget_search_picks_lowest_measured_error(tmp_path, tokenizer_dir):
     assert rank + rope == 48 and len(table) >= 2
     assert min(t["mean_attn_error"] for t in table) == next(
         t["mean_attn_error"] for t in table if (t["rank"], t["rope_dim"]) == (rank, rope))
+
+
+def test_q_rank_full_is_exact_and_low_rank_loads(tmp_path, tokenizer_dir):
+    """--q-rank = hidden size reproduces plain q_proj through the stock q_lora path (q_a_layernorm
+    linearised); a smaller q-rank still loads and runs in stock transformers."""
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=1)
+    out = tmp_path / "mla-q"
+    convert_to_mla(src, out, MLAOptions(rank=32, rope_dim=32, q_rank=128, **FAST))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["q_lora_rank"] == 128
+    assert _logits_rel_error(src, out) < 1e-4
+    with pytest.raises(KVConvertError, match="--q-rank 100000"):
+        convert_to_mla(src, tmp_path / "bad", MLAOptions(rank=32, rope_dim=32, q_rank=100_000, **FAST))
