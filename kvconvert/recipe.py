@@ -21,7 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvconvert.errors import KVConvertError
 
-TRAINABLE_ATTENTION = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
+# low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
+TRAINABLE_ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+AttentionName = Literal["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
 class _Stage(BaseModel):
@@ -73,7 +76,7 @@ class LayerwiseStage(_Stage):
     lr: float = Field(3e-3, gt=0)
     target: Literal["student_input", "teacher_input", "student_residual"] = "student_input"
     refit_o_proj: bool = True
-    train: tuple[Literal["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], ...] = TRAINABLE_ATTENTION
+    train: tuple[AttentionName, ...] = TRAINABLE_ATTENTION
     seed: int = 0
 
     @model_validator(mode="after")
@@ -109,7 +112,7 @@ class DistillStage(_Stage):
     train: Literal["full", "lora"] = "full"
     lora_rank: int = Field(16, gt=0)
     lora_alpha: float = Field(16.0, gt=0)
-    targets: tuple[Literal["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], ...] = TRAINABLE_ATTENTION
+    targets: tuple[AttentionName, ...] = TRAINABLE_ATTENTION
     max_grad_norm: float = Field(1.0, gt=0)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False

@@ -142,7 +142,7 @@ def evaluate(report: dict, policy: Policy) -> list[dict]:
             continue
         found = estimate(report["samples"], name, settings.samples, settings.confidence, settings.seed)
         if found is None:
-            why = report.get("skipped", {}).get(name.split("_")[0], "not measured by this suite")
+            why = report.get("skipped", {}).get(GATE_METRICS[name].family, "not measured by this suite")
             status = "fail" if name in policy.require else "n/a"
             rows.append({"metric": name, "unit": GATE_METRICS[name].unit, "threshold": threshold, "status": status,
                          "reason": why})

@@ -39,7 +39,7 @@ def _heatmap(records: list[dict], role: str | None, title: str, path: Path) -> P
     lengths, depths, grid = _grid(records, role)
     fig, ax = plt.subplots(figsize=(max(4.5, 2.4 + 0.9 * len(lengths)), max(3.0, 1.4 + 0.45 * len(depths))))
     if role is None:
-        limit = max(1.0, float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0)
+        limit = max(10.0, float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 10.0)
         image = ax.imshow(grid, cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
     else:
         image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")

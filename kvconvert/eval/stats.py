@@ -37,6 +37,7 @@ class GateMetric:
     name: str
     unit: str
     description: str
+    family: str  # the task family whose samples it uses (key of a report's "skipped")
     tasks: Callable[[str], bool]
     columns: Callable[[dict], dict[str, float]]
     statistic: Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray]
@@ -90,18 +91,18 @@ def _lb_mean(key):
 
 
 GATE_METRICS: dict[str, GateMetric] = {m.name: m for m in (
-    GateMetric("perplexity_increase_pct", "%", "perplexity increase on the essays",
+    GateMetric("perplexity_increase_pct", "%", "perplexity increase on the essays", "perplexity",
                lambda t: t == "perplexity", _ppl_columns, _ppl_increase,
                lambda c, _: float(_ppl(c["source_nll"], c["n"])), lambda c, _: float(_ppl(c["candidate_nll"], c["n"]))),
-    GateMetric("kl_mean", "nats/token", "mean token KL(source || candidate) on the essays",
+    GateMetric("kl_mean", "nats/token", "mean token KL(source || candidate) on the essays", "perplexity",
                lambda t: t == "perplexity", _ppl_columns, _kl, lambda c, _: 0.0, lambda c, _: float(_kl(c, None))),
-    GateMetric("passkey_accuracy_drop", "pp", "passkey accuracy drop (percentage points)",
+    GateMetric("passkey_accuracy_drop", "pp", "passkey accuracy drop (percentage points)", "passkey",
                lambda t: t == "passkey", _scores, _acc_drop, _mean100("source"), _mean100("candidate")),
-    GateMetric("niah_accuracy_drop", "pp", "NIAH score drop (percentage points)",
+    GateMetric("niah_accuracy_drop", "pp", "NIAH score drop (percentage points)", "niah",
                lambda t: t == "niah", _scores, _acc_drop, _mean100("source"), _mean100("candidate")),
-    GateMetric("ruler_accuracy_drop", "pp", "RULER score drop, all tasks pooled (percentage points)",
+    GateMetric("ruler_accuracy_drop", "pp", "RULER score drop, all tasks pooled (percentage points)", "ruler",
                lambda t: t.startswith("ruler/"), _scores, _acc_drop, _mean100("source"), _mean100("candidate")),
-    GateMetric("longbench_avg_drop", "points", "LongBench average drop (mean over tasks, 0-100 scale)",
+    GateMetric("longbench_avg_drop", "points", "LongBench average drop (mean over tasks, 0-100 scale)", "longbench",
                lambda t: t.startswith("longbench/"), _scores, _longbench_drop, _lb_mean("source"),
                _lb_mean("candidate"), stratified=True),
 )}

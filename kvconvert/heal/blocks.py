@@ -18,7 +18,9 @@ from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla.llama_block import LlamaShape, llama_attention, llama_layer, llama_mlp, rms_norm
 from kvconvert.mla.mla_block import MLAShape, mla_attention
 
-STUDENT_ATTENTION = fmt.TARGET_ATTENTION  # short name -> "model.layers.{i}.self_attn.<name>.weight"
+# short name -> "model.layers.{i}.self_attn.<name>.weight"; a checkpoint has q_proj or, with
+# low-rank queries, q_a_proj + q_a_layernorm + q_b_proj.
+STUDENT_ATTENTION = fmt.TARGET_ATTENTION
 STUDENT_OTHER = {
     "input_layernorm": "model.layers.{i}.input_layernorm.weight",
     "post_attention_layernorm": "model.layers.{i}.post_attention_layernorm.weight",
@@ -62,12 +64,20 @@ def teacher_shape(cfg: dict) -> LlamaShape:
                       float(cfg.get("rms_norm_eps", 1e-5)), inv_freq, scaling)
 
 
-def read_layer(reader: CheckpointReader, names: dict[str, str], i: int, dtype=torch.float32) -> dict:
-    return {short: reader.get(name.format(i=i), dtype) for short, name in names.items()}
+def read_layer(reader: CheckpointReader, names: dict[str, str], i: int, dtype=torch.float32,
+               optional: bool = False) -> dict:
+    """Layer i's tensors by short name; optional=True skips names the checkpoint lacks."""
+    return {short: reader.get(name.format(i=i), dtype) for short, name in names.items()
+            if not optional or name.format(i=i) in reader}
 
 
 def student_layer_weights(reader: CheckpointReader, i: int, dtype=torch.float32) -> dict:
-    return read_layer(reader, {**STUDENT_ATTENTION, **STUDENT_OTHER}, i, dtype)
+    return {**read_layer(reader, STUDENT_ATTENTION, i, dtype, optional=True), **read_layer(reader, STUDENT_OTHER, i, dtype)}
+
+
+def attention_part(w: dict) -> dict:
+    """The attention tensors of a layer-weights dict (the ones present)."""
+    return {k: w[k] for k in STUDENT_ATTENTION if k in w}
 
 
 def teacher_layer_weights(reader: CheckpointReader, i: int, dtype=torch.float32) -> dict:

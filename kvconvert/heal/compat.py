@@ -24,9 +24,6 @@ def check_student_config(cfg: dict, where: Path) -> None:
         raise UnsupportedModelError(
             f"{where}: student model_type is {cfg.get('model_type')!r}, not 'deepseek_v3'; "
             "heal a checkpoint written by `kvconvert mla`")
-    if cfg.get("q_lora_rank") is not None:
-        raise UnsupportedModelError(f"{where}: q_lora_rank={cfg['q_lora_rank']} (low-rank queries) is not healed yet; "
-                                    "convert with plain q_proj (q_lora_rank null)")
     if cfg.get("first_k_dense_replace", 0) < cfg.get("num_hidden_layers", 0):
         raise UnsupportedModelError(f"{where}: MoE layers found (first_k_dense_replace < num_hidden_layers); "
                                     "only all-dense MLA conversions can be healed")

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.reparam import ScaledWeight, row_scales
-from kvconvert.recipe import DistillStage
+from kvconvert.recipe import TRAINABLE_ATTENTION, DistillStage
 
 STATE_FILE = "distill_state.pt"
 
@@ -59,7 +59,7 @@ def attention_modules(model) -> list[tuple[str, torch.nn.Module]]:
     """(checkpoint prefix, nn.Linear) for each trainable-kind attention projection of every layer."""
     out = []
     for i, layer in enumerate(model.model.layers):
-        for name in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        for name in TRAINABLE_ATTENTION:
             module = getattr(layer.self_attn, name, None)
             if module is not None:
                 out.append((f"model.layers.{i}.self_attn.{name}", module))
@@ -71,7 +71,7 @@ def attach_trainable(model, stage: DistillStage) -> list[str]:
     Returns the checkpoint names of the parametrized weights."""
     for p in model.parameters():
         p.requires_grad_(False)
-    rank = model.config.kv_lora_rank
+    rank = model.config.kv_lora_rank  # row_scales splits kv_a_proj_with_mqa's latent / RoPE rows
     names = []
     for prefix, module in attention_modules(model):
         short = prefix.rsplit(".", 1)[-1]

@@ -74,35 +74,51 @@ def latent_sq_mean_max(x: torch.Tensor, kv_a: torch.Tensor, rank: int) -> float:
 
 
 @torch.no_grad()
-def refit_o_proj(x: torch.Tensor, y: torch.Tensor, w: dict, shape: MLAShape) -> torch.Tensor:
-    """Least-squares o_proj [hidden, H*v] given the other weights (float64 normal equations)."""
+def refit_o_proj(x: torch.Tensor, y: torch.Tensor, w: dict, shape: MLAShape) -> tuple[torch.Tensor, float]:
+    """Least-squares o_proj [hidden, H*v] given the other weights (float64 normal equations), and
+    the resulting rel_err, read off the same statistics without another forward pass:
+    |A W^T - Y|^2 = tr(Y^T Y) - 2 <W, Y^T A> + <W, W A^T A>."""
     din = w["o_proj"].shape[1]
     cov = torch.zeros(din, din, dtype=torch.float64, device=x.device)
     cross = torch.zeros(y.shape[-1], din, dtype=torch.float64, device=x.device)
+    energy = 0.0
     n = 0
     for sl in _chunks(x.shape[0]):
         a = mla_attention_heads(x[sl], w, shape).reshape(-1, din).double()
         t = y[sl].reshape(-1, y.shape[-1]).double()
         cov += a.T @ a
         cross += t.T @ a
+        energy += float(t.pow(2).sum())
         n += a.shape[0]
-    return fz.refit_o_proj(cov.cpu() / n, cross.cpu() / n, w["o_proj"].double().cpu()).to(w["o_proj"])
+    w_o = fz.refit_o_proj(cov.cpu() / n, cross.cpu() / n, w["o_proj"].double().cpu())
+    cov, cross = cov.cpu(), cross.cpu()
+    err = energy - 2 * float((w_o * cross).sum()) + float((w_o * (w_o @ cov)).sum())
+    return w_o.to(w["o_proj"]), max(err, 0.0) / max(energy, 1e-300)
 
 
-def relinearize_latent(x: torch.Tensor, w: dict, shape: MLAShape, limit: float) -> tuple[dict, float]:
+def relinearize_latent(x: torch.Tensor, w: dict, shape: MLAShape, limit: float,
+                       limit_q: float | None = None) -> tuple[dict, float]:
     """Shrink the latent rows of kv_a (and grow kv_b_proj by the inverse) when training pushed
     max mean(c^2) above `limit`: in the linear range RMSNorm(b c) ~ b c / sqrt(eps), so kv_b / b
-    keeps the function. Returns (weights, applied factor b <= 1)."""
-    peak = latent_sq_mean_max(x, w["kv_a_proj_with_mqa"], shape.rank)
-    if peak <= limit:
-        return w, 1.0
-    b = math.sqrt(limit / peak)
+    keeps the function. With low-rank queries the same is done for q_a_proj / q_b_proj against
+    limit_q. Returns (weights, applied kv factor b <= 1)."""
     out = dict(w)
-    kv_a = w["kv_a_proj_with_mqa"].clone()
-    kv_a[: shape.rank] *= b
-    out["kv_a_proj_with_mqa"] = kv_a
-    out["kv_b_proj"] = w["kv_b_proj"] / b
-    return out, b
+    peak = latent_sq_mean_max(x, w["kv_a_proj_with_mqa"], shape.rank)
+    b, changed = 1.0, False
+    if peak > limit:
+        changed = True
+        b = math.sqrt(limit / peak)
+        kv_a = w["kv_a_proj_with_mqa"].clone()
+        kv_a[: shape.rank] *= b
+        out["kv_a_proj_with_mqa"] = kv_a
+        out["kv_b_proj"] = w["kv_b_proj"] / b
+    if "q_a_proj" in w and limit_q is not None:
+        q_peak = latent_sq_mean_max(x, w["q_a_proj"], w["q_a_proj"].shape[0])
+        if q_peak > limit_q:
+            changed = True
+            bq = math.sqrt(limit_q / q_peak)
+            out["q_a_proj"], out["q_b_proj"] = w["q_a_proj"] * bq, w["q_b_proj"] / bq
+    return (out, b) if changed else (w, 1.0)
 
 
 def _lr_at(step: int, steps: int, lr: float) -> float:
@@ -129,14 +145,16 @@ def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: 
     if x_val is not None:
         report["val_rel_err_before"] = relative_error(x_val, y_val, w0, shape)
     base_peak = latent_sq_mean_max(x, w0["kv_a_proj_with_mqa"], shape.rank)
+    base_q = latent_sq_mean_max(x, w0["q_a_proj"], w0["q_a_proj"].shape[0]) if "q_a_proj" in w0 else None
     w = _adam_fit(x, y, w0, shape, stage, generator) if stage.steps else dict(w0)
-    report["rel_err_adam"] = relative_error(x, y, w, shape)
     limit = max(base_peak, LINEAR_RHO * shape.latent_eps)
-    w, factor = relinearize_latent(x, w, shape, limit)
+    limit_q = max(base_q, LINEAR_RHO * shape.latent_eps) if base_q is not None else None
+    w, factor = relinearize_latent(x, w, shape, limit, limit_q)
     report["latent_rescale"] = factor
     if stage.refit_o_proj:
-        w["o_proj"] = refit_o_proj(x, y, w, shape)
-    report["rel_err_after"] = relative_error(x, y, w, shape)
+        w["o_proj"], report["rel_err_after"] = refit_o_proj(x, y, w, shape)
+    else:
+        report["rel_err_after"] = relative_error(x, y, w, shape)
     if report["rel_err_after"] > report["rel_err_before"]:  # never hand back a worse block
         w, report["reverted"] = w0, True
         report["rel_err_after"] = report["rel_err_before"]
@@ -147,8 +165,9 @@ def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: 
 
 
 def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseStage, generator) -> dict:
-    scales = {k: row_scales(k, w0[k], shape.rank).to(x.device)[:, None] for k in stage.train}
-    params = {k: torch.nn.Parameter(w0[k] / scales[k]) for k in stage.train}
+    names = [k for k in stage.train if k in w0]
+    scales = {k: row_scales(k, w0[k], shape.rank).to(x.device)[:, None] for k in names}
+    params = {k: torch.nn.Parameter(w0[k] / scales[k]) for k in names}
     opt = torch.optim.Adam(params.values(), lr=stage.lr)
     denom = y.pow(2).mean().clamp_min(1e-30)  # normalise: the loss reads as a relative error
     n = x.shape[0]
@@ -283,7 +302,7 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
             tw = {k: v.to(device) for k, v in blocks.teacher_layer_weights(teacher, i).items()}
             sw = {k: v.to(device) for k, v in blocks.student_layer_weights(student, i).items()}
             x, y, a_t = block_targets(h_t, h_s, tw, sw, t_shape, s_shape, stage.target)
-            attn = {k: sw[k] for k in blocks.STUDENT_ATTENTION}
+            attn = blocks.attention_part(sw)
             gen = torch.Generator().manual_seed(stage.seed * 100_003 + i)  # per layer: resumable
             fit = fit_attention_block(x[:n_fit], y[:n_fit], attn, s_shape.mla, stage, gen,
                                       x[n_fit:] if val_windows else None, y[n_fit:] if val_windows else None)
@@ -297,9 +316,9 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
                 state.save_layer(i, fitted, report, h_t, h_s)
             bar.update(1)
             bar.set_postfix(err=f"{report['rel_err_before']:.3f}->{report['rel_err_after']:.3f}")
-        for short, name in blocks.STUDENT_ATTENTION.items():
-            key = name.format(i=i)
-            writer.add(key, fitted[short].to(student.get(key).dtype))
+        for short, tensor in fitted.items():
+            key = blocks.STUDENT_ATTENTION[short].format(i=i)
+            writer.add(key, tensor.to(student.get(key).dtype))
         for name in blocks.STUDENT_OTHER.values():
             writer.add(name.format(i=i), student.get(name.format(i=i)))
     bar.close()

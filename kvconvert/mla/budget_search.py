@@ -91,7 +91,7 @@ def search_split(src_path: Path, budget: int, calib_data: str = "builtin", calib
                 mw["o_proj"] = _refit_o_proj(xn, mw, ms, y_src)
                 y = mla_attention_heads(xn, _f32(mw), ms) @ _f32(mw)["o_proj"].T
                 errors[(rank, rope)].append(float((y - y_src).norm() / y_src.norm()))
-        hidden = llama_layer(hidden, _f32(w), shape)
+        hidden = llama_layer(hidden, w, shape)
     table = [dict(rank=r, rope_dim=p, mean_attn_error=sum(e) / len(e)) for (r, p), e in errors.items()]
     best = min(table, key=lambda row: row["mean_attn_error"])
     if progress:

@@ -104,7 +104,7 @@ def _layer_weights(reader: CheckpointReader, i: int) -> dict:
     w = {k: reader.get(v.format(i=i), torch.float64) for k, v in fmt.SOURCE_ATTENTION.items()}
     for src in fmt.COPIED_LAYER_TENSORS:
         short = src.split(".")[-2]
-        w[short] = reader.get(src.format(i=i), torch.float32)
+        w[short] = reader.get(src.format(i=i))  # source dtype; cast per use (7B MLP: 0.5 GB in fp32)
     for name, t in w.items():
         if not torch.isfinite(t).all():
             raise KVConvertError(f"layer {i} {name}: source weights contain NaN or inf; the checkpoint is broken")
@@ -143,7 +143,7 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     out_dtype = DTYPES[opts.dtype]
     embed = reader.get("model.embed_tokens.weight")
     hidden = embed[ids].float()  # [N, T, hidden] calibration hidden states, carried layer to layer
-    with CheckpointWriter(out_dir, overwrite=opts.overwrite, source=report.source,
+    with CheckpointWriter(out_dir, overwrite=opts.overwrite, source=report.source, max_shard_bytes=256 * 2**20,
                           manifest_extra={"kvconvert_mla": {"rank": plan.rank, "rope_dim": rope_dim,
                                                             "calib_tokens": report.calib_tokens,
                                                             "calib_hash": report.calib_hash}}) as writer:
@@ -157,8 +157,10 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
                 if short in mla_w:
                     writer.add(name.format(i=i), mla_w[short].to(out_dtype))
             for src_name, dst_name in fmt.COPIED_LAYER_TENSORS.items():
-                writer.add(dst_name.format(i=i), reader.get(src_name.format(i=i)).to(out_dtype))
+                writer.add(dst_name.format(i=i), w[src_name.split(".")[-2]].to(out_dtype))
             report.layers.append(layer_rep)
+            del w, mla_w
+            reader.close()  # unmap this layer's pages: mapped file pages count in RSS
         writer.add("model.norm.weight", reader.get("model.norm.weight").to(out_dtype))
         lm_head_name = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
         lm_head = reader.get(lm_head_name)  # tied sources: written explicitly (DeepSeek-V3 unties)
@@ -201,13 +203,17 @@ def _convert_one_layer(hidden, w, shape: LlamaShape, mla_shape: MLAShape, plan: 
 
         hidden = h + llama_mlp(rms_norm(h, w["post_attention_layernorm"], shape.rms_eps), w)
     else:
-        hidden = llama_layer(hidden, _f32(w), shape)
+        hidden = llama_layer(hidden, w, shape)
     _check_finite(hidden, f"layer {i} output")
     return mla_w, rep, hidden
 
 
 def _f32(w: dict) -> dict:
-    return {k: v.float() for k, v in w.items()}
+    return {k: v.float() for k, v in w.items() if k in _ATTENTION_KEYS}
+
+
+_ATTENTION_KEYS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_a_layernorm", "q_b_proj",
+                   "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"}
 
 
 def _attn_error(xn, mla_w, mla_shape, y_src) -> float:

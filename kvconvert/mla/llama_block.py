@@ -86,11 +86,17 @@ def llama_attention(xn: torch.Tensor, w: dict, s: LlamaShape) -> torch.Tensor:
     return out.transpose(1, 2).reshape(B, T, -1) @ w["o_proj"].T
 
 
+def _mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in x's dtype (weights may be stored in bf16 to save memory)."""
+    return x @ weight.to(x.dtype).T
+
+
 def llama_mlp(xn: torch.Tensor, w: dict) -> torch.Tensor:
-    return (F.silu(xn @ w["gate_proj"].T) * (xn @ w["up_proj"].T)) @ w["down_proj"].T
+    return _mm(F.silu(_mm(xn, w["gate_proj"])) * _mm(xn, w["up_proj"]), w["down_proj"])
 
 
 def llama_layer(h: torch.Tensor, w: dict, s: LlamaShape) -> torch.Tensor:
     """One decoder layer: h + attn(norm(h)), then + mlp(norm(.)). w keys: short names (q_proj, ...)."""
-    h = h + llama_attention(rms_norm(h, w["input_layernorm"], s.rms_eps), w, s)
+    attn_w = {k: w[k].to(h.dtype) for k in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    h = h + llama_attention(rms_norm(h, w["input_layernorm"], s.rms_eps), attn_w, s)
     return h + llama_mlp(rms_norm(h, w["post_attention_layernorm"], s.rms_eps), w)

@@ -37,3 +37,21 @@ def save_tiny_llama(folder, vocab_size: int, seed: int = 0, tokenizer_dir=None, 
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(tokenizer_dir / name, folder / name)
     return folder
+
+
+def save_tiny_deepseek(folder, vocab_size: int, seed: int = 0, tokenizer_dir=None):
+    """A 2-layer random DeepSeek-V3 (MLA: latent 32, rope 16, all layers dense) via save_pretrained."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=2, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=0,
+        bos_token_id=0, rope_interleave=True)
+    DeepseekV3ForCausalLM(config).save_pretrained(str(folder))
+    if tokenizer_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(tokenizer_dir / name, folder / name)
+    return folder

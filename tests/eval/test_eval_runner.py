@@ -8,7 +8,7 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import runner as R
 
-from eval_fixtures import save_tiny_llama, train_tokenizer
+from eval_fixtures import save_tiny_deepseek, save_tiny_llama, train_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,21 @@ def test_runtime_runner_matches_transformers_with_fp32_kv(tiny_llama, hf_runner)
     first = hf_runner.greedy(ids, 1, ())[0]
     assert runtime.greedy(ids, 6, (first,), min_new_tokens=1) == hf_runner.greedy(ids, 6, (first,), min_new_tokens=1)
     assert runtime.fingerprint != hf_runner.fingerprint  # engine is part of the key
+
+
+def test_deepseek_v3_candidate_runs_in_both_engines(tmp_path, tiny_tokenizer_dir, tiny_tokenizer):
+    """A stock DeepSeek-V3 (MLA) checkpoint, what `kvconvert mla` writes, runs in transformers and
+    in the runtime with the same logits (fp32 KV) and the same greedy tokens."""
+    folder = save_tiny_deepseek(tmp_path / "dsv3", len(tiny_tokenizer), tokenizer_dir=tiny_tokenizer_dir)
+    hf = R.TransformersRunner(folder)
+    ids = torch.arange(3, 100)
+    logits = hf.logits(ids)
+    assert logits.shape == (97, len(tiny_tokenizer))
+    if R.runtime_available() is not None:
+        pytest.skip(f"kvconvert.runtime not importable: {R.runtime_available()}")
+    runtime = R.RuntimeRunner(folder, "fp32")
+    torch.testing.assert_close(runtime.logits(ids), logits, rtol=1e-4, atol=1e-4)
+    assert runtime.greedy(ids, 8, (0,)) == hf.greedy(ids, 8, (0,))
 
 
 def test_quantized_kv_without_scales_is_refused_before_loading(tiny_llama):

@@ -45,7 +45,7 @@ def test_functional_blocks_match_transformers(tiny_student, tiny_teacher):
 def test_fit_reduces_block_error(tiny_student, tiny_teacher):
     s_shape, t_shape, h, tw, sw = _layer0(tiny_student, tiny_teacher)
     x, y, _ = block_targets(h, h, tw, sw, t_shape, s_shape, "student_input")
-    attn = {k: sw[k] for k in blocks.STUDENT_ATTENTION}
+    attn = blocks.attention_part(sw)
     stage = LayerwiseStage(steps=40, batch_windows=4, lr=0.01)
     fit = fit_attention_block(x[:10], y[:10], attn, s_shape.mla, stage, torch.Generator().manual_seed(0),
                               x[10:], y[10:])
@@ -64,7 +64,7 @@ def test_relinearize_keeps_function(tiny_student, tiny_teacher):
     changes by about the nonlinearity (<= rho/2 relative), not more."""
     s_shape, t_shape, h, tw, sw = _layer0(tiny_student, tiny_teacher, n=2, t=64)
     x = blocks.rms_norm(h, sw["input_layernorm"], s_shape.rms_eps)
-    w = {k: sw[k] for k in blocks.STUDENT_ATTENTION}
+    w = blocks.attention_part(sw)
     r = s_shape.mla.rank
     grown = dict(w)
     kv_a = w["kv_a_proj_with_mqa"].clone()
@@ -128,3 +128,69 @@ def test_heal_layerwise_writes_stock_checkpoint(tiny_student, tiny_teacher, text
     for name in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"):
         assert torch.equal(s.get(name), h.get(name))
     assert not torch.equal(s.get("model.layers.0.self_attn.q_proj.weight"), h.get("model.layers.0.self_attn.q_proj.weight"))
+
+
+def test_cli_heal_layerwise_then_resume_state_is_cleaned(tiny_student, tiny_teacher, text_file, tmp_path):
+    import yaml
+
+    from kvconvert.cli import main
+    from kvconvert.heal.api import state_dir_for
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(layerwise_recipe(text_file, steps=5)))
+    out = tmp_path / "healed"
+    with pytest.raises(SystemExit) as info:
+        main(["heal", "--student", str(tiny_student), "--teacher", str(tiny_teacher), "--recipe", str(recipe),
+              "--out", str(out), "--no-progress", "--threads", "1"])
+    assert info.value.code in (0, None)
+    assert (out / "heal_report.json").is_file() and not state_dir_for(out).exists()
+
+
+def test_layerwise_resumes_from_saved_layers(tiny_student, tiny_teacher, text_file, tmp_path, monkeypatch):
+    """A layer-wise run interrupted after layer 0 reuses it and ends identical to a full run."""
+    from kvconvert.heal import layerwise
+    from kvconvert.heal.api import heal, state_dir_for
+
+    recipe = layerwise_recipe(text_file, steps=5)
+    full = tmp_path / "full"
+    heal(tiny_student, tiny_teacher, recipe, full, progress=False)
+
+    calls = []
+    real_fit = layerwise.fit_attention_block
+
+    def fit_then_stop(*a, **kw):
+        if calls:
+            raise KeyboardInterrupt  # the "kill" after layer 0 was saved
+        calls.append(1)
+        return real_fit(*a, **kw)
+
+    part = tmp_path / "part"
+    with monkeypatch.context() as patch:
+        patch.setattr(layerwise, "fit_attention_block", fit_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            heal(tiny_student, tiny_teacher, recipe, part, progress=False)
+    assert not part.exists() and (state_dir_for(part) / "layerwise" / "layer_00000.safetensors").is_file()
+    heal(tiny_student, tiny_teacher, recipe, part, progress=False)
+    a, b = CheckpointReader(full), CheckpointReader(part)
+    for name in a.keys():
+        assert torch.equal(a.get(name), b.get(name)), name
+
+
+def test_low_rank_query_student(tiny_teacher, text_file, tmp_path):
+    """A conversion with q_lora_rank (q_a_proj / q_b_proj) heals too; q_a_layernorm stays fixed."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from kvconvert.heal.api import heal
+    from kvconvert.mla.convert import MLAOptions, convert_to_mla
+
+    student = tmp_path / "qlora"
+    convert_to_mla(tiny_teacher, student, MLAOptions(rank=8, rope_dim=8, q_rank=16, calib_data=str(text_file),
+                                                     calib_tokens=1024, calib_window=128, dtype="fp32", progress=False))
+    out = tmp_path / "healed"
+    rep = heal(student, tiny_teacher, layerwise_recipe(text_file, steps=20), out, progress=False)
+    lw = rep["stages"]["heal_layerwise"]
+    assert lw["mean_rel_err_after"] < lw["mean_rel_err_before"]
+    s, h = CheckpointReader(student), CheckpointReader(out)
+    assert torch.equal(s.get("model.layers.0.self_attn.q_a_layernorm.weight"), h.get("model.layers.0.self_attn.q_a_layernorm.weight"))
+    assert not torch.equal(s.get("model.layers.0.self_attn.q_b_proj.weight"), h.get("model.layers.0.self_attn.q_b_proj.weight"))
+    assert DeepseekV3ForCausalLM.from_pretrained(str(out)).config.q_lora_rank == 16

@@ -103,14 +103,12 @@ def test_per_head_vllm_shapes_and_transformers_load(tiny_llama, calib_text, tmp_
 
 
 def test_nvfp4_rotated_checkpoint_keeps_logits(tiny_llama, calib_text, tmp_path, capsys):
-    out = calibrate(tiny_llama, tmp_path / "nv", capsys, "--kv-dtype", "nvfp4", "--observer", "mse",
+    out = calibrate(tiny_llama, tmp_path / "nv", capsys, "--kv-dtype", "nvfp4", "--observer", "percentile",
                     "--calib-data", str(calib_text))
     assert not (out / "config.json").read_text().count("quantization_config")
     assert read_json(out / "hf_quant_config.json")["quantization"]["kv_cache_quant_algo"] == "NVFP4"
     report = read_json(out / "calibration_report.json")
     assert report["rotation"]["value_rotation"].startswith("hadamard")
-    for entry in report["layers"]:
-        assert entry["search"]["rel_error_search"] <= entry["search"]["rel_error_amax"] + 1e-12
     ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = load_model(tiny_llama)(input_ids=ids).logits
@@ -130,6 +128,8 @@ def test_mla_row_scale_names(tiny_deepseek, calib_text, tmp_path, capsys):
         assert torch.equal(k.reshape(()), tensors[f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.k_scale"])
     report = read_json(out / "calibration_report.json")
     assert report["layout"] == "mla" and "kv_amax" in report["layers"][0]
+    for entry in report["layers"]:  # the search never ships scales worse than amax on its replay
+        assert entry["search"]["rel_error_search"] <= entry["search"]["rel_error_amax"]
 
 
 def test_in_place_rewrites_only_changed_files(tiny_llama, calib_text, tmp_path, capsys):
