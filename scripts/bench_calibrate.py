@@ -46,6 +46,7 @@ def parse_args():
     ap.add_argument("--windows", type=int, default=32, help="eval windows (protocol: 32)")
     ap.add_argument("--window-len", type=int, default=1024, help="tokens per eval window (protocol: 1024)")
     ap.add_argument("--calib-tokens", type=int, default=16384)
+    ap.add_argument("--search-tokens", type=int, default=1024, help="tokens replayed by the mse search")
     ap.add_argument("--configs", default=None, help="comma-separated substrings selecting configs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench_calibrate.json"))
@@ -74,7 +75,8 @@ def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> lis
         if layout.is_mla and overrides.get("granularity") == "head":
             continue
         out = workdir / f"{label}-{len(calib)}"
-        job = CalibrateJob(src=str(path), out=out, calib_tokens=args.calib_tokens, **overrides)
+        job = CalibrateJob(src=str(path), out=out, calib_tokens=args.calib_tokens,
+                           search_tokens=args.search_tokens, **overrides)
         print(f"[{label}] calibrating: {name}", file=sys.stderr, flush=True)
         result = run_calibrate(job, echo=lambda msg: None)
         report = result["report"]

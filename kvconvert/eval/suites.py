@@ -96,8 +96,8 @@ SUITES: dict[str, SuiteSpec] = {
         name="quick", description="pre-merge check (< 5 min on 2 CPU cores for SmolLM2-135M); no RULER",
         ppl_windows=4, ppl_window_len=512,
         passkey_lengths=(512, 1024), passkey_depths=(0.0, 0.5, 1.0),
-        niah_lengths=(512, 1024), niah_depths=DEPTHS_5,
-        longbench_per_task=1, longbench_context=1024, longbench_max_new=32, longbench_optional=True,
+        niah_lengths=(512, 1024), niah_depths=(0.0, 0.5, 1.0),
+        longbench_per_task=1, longbench_context=768, longbench_max_new=24, longbench_optional=True,
     ),
     "standard": SuiteSpec(
         name="standard", description="the project's protocol: 32 x 1024 essay tokens, retrieval to 4K, "

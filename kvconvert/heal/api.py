@@ -164,9 +164,10 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
 
 
 def heal_after_convert(student_dir: str | Path, teacher_dir: str | Path, recipe_or_preset, out_dir: str | Path,
-                       **kw) -> dict:
-    """For `kvconvert mla ... --heal layerwise|RECIPE.yaml`: heal the fresh conversion into out_dir."""
-    return heal(student_dir, teacher_dir, recipe_or_preset, out_dir, **kw)
+                       overwrite: bool = True, **kw) -> dict:
+    """For `kvconvert mla ... --heal layerwise|RECIPE.yaml`: heal the fresh conversion into out_dir.
+    overwrite defaults to True: the caller has already applied its own --overwrite policy to out_dir."""
+    return heal(student_dir, teacher_dir, recipe_or_preset, out_dir, overwrite=overwrite, **kw)
 
 
 def _resolve_teacher(teacher: str | Path) -> Path:

@@ -290,9 +290,12 @@ def plot_loss_curve(history: list[dict], path: Path, title: str = "heal: distill
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
     steps = [r["step"] for r in history]
-    for key in ("loss", "kl", "ce"):
-        if history and key in history[0]:
-            ax.plot(steps, [r[key] for r in history], label=key, lw=1.2)
+    for key, color in (("loss", "C0"), ("kl", "C1"), ("ce", "C2")):
+        if not history or key not in history[0] or (key == "kl" and "ce" not in history[0]):
+            continue  # with KL alone, loss == kl: one curve
+        values = [r[key] for r in history]
+        ax.plot(steps, values, color=color, lw=0.8, alpha=0.35)
+        ax.plot(steps, _ema(values), color=color, lw=1.6, label=f"{key} (EMA)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_yscale("log")
@@ -302,6 +305,15 @@ def plot_loss_curve(history: list[dict], path: Path, title: str = "heal: distill
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _ema(values: list[float], beta: float = 0.9) -> list[float]:
+    """Bias-corrected exponential moving average (minibatch losses are noisy)."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = beta * avg + (1 - beta) * v
+        out.append(avg / (1 - beta ** i))
+    return out
 
 
 def summarize(history: list[dict]) -> dict:

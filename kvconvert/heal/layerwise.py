@@ -137,7 +137,8 @@ def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: 
 
     x, y: [N, T, hidden] float32 (normed block inputs and targets). weights: the block's current
     attention weights (short names; kv_a_layernorm included and kept fixed). Returns float32
-    weights and a report with rel_err before/after each step (and on x_val/y_val when given).
+    weights and a report: rel_err before and after the fit (and on x_val/y_val when given),
+    latent_rescale (1.0 = the latent norm stayed in its linear range), seconds.
     """
     t0 = time.time()
     w0 = {k: v.detach().float().to(x.device) for k, v in weights.items()}

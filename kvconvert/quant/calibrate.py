@@ -22,7 +22,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.quant.capture import AttentionRecorder, cache_hook, check_finite, run_with_hook
-from kvconvert.quant.fake_quant import KV_DTYPES, check_kv_dtype, scale_from_amax
+from kvconvert.quant.fake_quant import check_kv_dtype, scale_from_amax
 from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.observers import GRANULARITIES, OBSERVERS, KVObserver
 from kvconvert.quant.rotate import (
@@ -31,7 +31,6 @@ from kvconvert.quant.rotate import (
 from kvconvert.quant.scales import KVScales
 from kvconvert.quant.search import search_layer_scales
 
-FORMATS = ("auto", "vllm", "modelopt", "both")
 
 
 @dataclass
@@ -50,7 +49,7 @@ class CalibrationSettings:
     rotate: bool | None = None
     rotation_block: int = 0
     rotation_seed: int | None = 0
-    key_strength: float = 0.5
+    key_strength: float = 0.0
     search_tokens: int = 1024
     batch_size: int = 4
 

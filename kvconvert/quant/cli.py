@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvconvert.quant.calibrate import FORMATS
-from kvconvert.quant.fake_quant import KV_DTYPES
-from kvconvert.quant.observers import GRANULARITIES, OBSERVERS
+from kvconvert.quant.options import FORMATS, GRANULARITIES, KV_DTYPES, OBSERVERS
 
 
 @click.command("calibrate")
@@ -22,23 +20,26 @@ from kvconvert.quant.observers import GRANULARITIES, OBSERVERS
 @click.option("--format", "fmt", default="auto", show_default=True,
               help=f"Export names: {', '.join(FORMATS)} (auto: fp8 -> both, nvfp4 -> modelopt, per-head/e5m2 -> vllm).")
 @click.option("--rotate/--no-rotate", default=None,
-              help="Fold Hadamard rotations (V / MLA latent) and RoPE-pair key scaling into the weights "
-                   "(exact, free at serving). Default: on for nvfp4, off for fp8.")
+              help="Fold a Hadamard rotation into V / the MLA latent (exact, free at serving). "
+                   "Default: on for nvfp4, off for fp8.")
 @click.option("--out", type=click.Path(), default=None, help="Output folder (written atomically).")
 @click.option("--in-place", is_flag=True, help="Rewrite only the changed files of --src (atomic per file, no backup).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
+@click.option("--search-tokens", default=1024, show_default=True, type=int,
+              help="Calibration tokens replayed by the mse scale search (the first windows).")
 @click.option("--batch-size", default=4, show_default=True, type=int, help="Windows per forward pass.")
 @click.option("--threads", default=None, type=int, help="torch CPU threads (default: torch's choice).")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def calibrate_cmd(src, kv_dtype, observer, granularity, percentile, calib_data, calib_tokens, window_len, fmt,
-                  rotate, out, in_place, overwrite, batch_size, threads, quiet):
+                  rotate, out, in_place, overwrite, search_tokens, batch_size, threads, quiet):
     """Calibrate static FP8 / NVFP4 KV-cache scales and write them in vLLM and/or ModelOpt names."""
     from kvconvert.quant.run import CalibrateJob, run_calibrate
 
     job = CalibrateJob(src=src, kv_dtype=kv_dtype, observer=observer, granularity=granularity,
                        percentile=percentile, calib_data=calib_data, calib_tokens=calib_tokens,
                        window_len=window_len, fmt=fmt, rotate=rotate, out=out, in_place=in_place,
-                       overwrite=overwrite, batch_size=batch_size, threads=threads)
+                       overwrite=overwrite, search_tokens=search_tokens, batch_size=batch_size,
+                       threads=threads)
     echo = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     result = run_calibrate(job, echo=echo)
     click.echo(f"wrote {result['path']} ({', '.join(result['formats'])} names; "

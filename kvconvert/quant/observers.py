@@ -18,8 +18,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 
-OBSERVERS = ("amax", "percentile", "mse")
-GRANULARITIES = ("tensor", "head")
+from kvconvert.quant.options import GRANULARITIES, OBSERVERS  # noqa: F401  (re-exported)
 
 
 class StreamingHistogram:

@@ -43,12 +43,13 @@ class CalibrateJob:
     overwrite: bool = False
     batch_size: int = 4
     threads: int | None = None
+    search_tokens: int = 1024
 
     def __post_init__(self):
         check_kv_dtype(self.kv_dtype)
         self.settings = CalibrationSettings(self.kv_dtype, observer=self.observer, granularity=self.granularity,
                                             percentile=self.percentile, rotate=self.rotate,
-                                            batch_size=self.batch_size)
+                                            batch_size=self.batch_size, search_tokens=self.search_tokens)
         self.formats = resolve_format(self.fmt, self.kv_dtype, self.granularity)
         if (self.out is None) == (not self.in_place):
             raise KVConvertError("give exactly one of --out DIR or --in-place")
