@@ -156,7 +156,7 @@ def print_gate_table(rows: list[dict], policy: Policy, report: dict, policy_path
     from rich.markup import escape
     from rich.table import Table
 
-    conf = int(round(100 * policy.bootstrap.confidence))
+    conf = round(100 * policy.bootstrap.confidence)
     table = Table(title=f"kvconvert gate: {policy_path.name} on the {report['suite']['name']} suite "
                         f"(decides on {policy.decide_on}, {conf}% paired bootstrap)")
     for column in ("metric", "source", "candidate", "degradation", f"{conf}% CI", "threshold", "result"):

@@ -140,7 +140,7 @@ def _assemble(tokenizer, head, tail, units, needles, counts: list[int]) -> Hayst
     text = "".join(pieces) + tail
     ids = encode(tokenizer, text)
     # Token position of a character offset = number of tokens of the text before it.
-    tokens_before = lambda offset: len(encode(tokenizer, text[:offset]))  # noqa: E731
+    tokens_before = lambda offset: len(encode(tokenizer, text[:offset]))
     positions = [tokens_before(needle_spans[i][0]) for i in range(len(needles))]
     lengths = [tokens_before(needle_spans[i][1]) - positions[i] for i in range(len(needles))]
     return Haystack(text=text, ids=ids, needle_positions=positions, needle_lengths=lengths,
@@ -164,7 +164,7 @@ def passkey_sample(tokenizer, length: int, depth: float, repeat: int, seed: int)
     The 5-digit key is drawn from a generator seeded by (seed, length, depth, repeat)."""
     sample_id = f"L{length}-d{depth:.2f}-r{repeat}"
     passkey = str(random.Random(f"passkey/{seed}/{sample_id}").randint(10000, 99999))
-    units = lambda k: " " + PASSKEY_FILLER  # noqa: E731 - every unit carries its separator
+    units = lambda k: " " + PASSKEY_FILLER  # every unit carries its separator
     hay = build_haystack(tokenizer, PASSKEY_INTRO, PASSKEY_QUESTION, units, [(depth, passkey_line(passkey))], length)
     max_new = len(tokenizer(" " + passkey, add_special_tokens=False).input_ids) + 2  # the key and a period
     return GenSample("passkey", sample_id, tuple(hay.ids), max_new, (passkey,),
@@ -343,7 +343,7 @@ def ruler_vt_sample(tokenizer, length: int, index: int, seed: int, num_chains: i
     for _, statements in chains:  # each chain's statements in order, at sorted random depths
         depths = sorted(rng.random() for _ in statements)
         placed += [(d, "\n" + s) for d, s in zip(depths, statements)]
-    units = lambda k: "\n" + RULER_NOISE  # noqa: E731
+    units = lambda k: "\n" + RULER_NOISE
     hay = build_haystack(tokenizer, head, tail, units, placed, length)
     budget = min(RULER_MAX_NEW["vt"], max_new or RULER_MAX_NEW["vt"])
     return GenSample("ruler/vt", f"L{length}-i{index}", tuple(hay.ids), budget, tuple(chains[0][0]),

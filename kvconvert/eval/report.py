@@ -135,17 +135,19 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _model_line(model: dict) -> str:
+    return (f"`{model['path']}` ({model['architecture']}, engine {model['engine']}, KV {model['kv_dtype']}, "
+            f"fingerprint {model['fingerprint']})")
+
+
 def render_markdown(report: dict, charts: list[str]) -> str:
     suite = report["suite"]
     lines = [
         f"# kvconvert validate: {suite['name']} suite (v{suite['version']})", "",
-        f"- source: `{report['source']['path']}` ({report['source']['architecture']}, engine "
-        f"{report['source']['engine']}, KV {report['source']['kv_dtype']}, fingerprint {report['source']['fingerprint']})",
-        f"- candidate: `{report['candidate']['path']}` ({report['candidate']['architecture']}, engine "
-        f"{report['candidate']['engine']}, KV {report['candidate']['kv_dtype']}, fingerprint "
-        f"{report['candidate']['fingerprint']})",
-        f"- context {report['settings']['context']} tokens, {report['seconds']} s, cache hits "
-        f"{report['cache']['hits']} / misses {report['cache']['misses']}, created {report['created']}", "",
+        f"- source: {_model_line(report['source'])}",
+        f"- candidate: {_model_line(report['candidate'])}",
+        (f"- context {report['settings']['context']} tokens, {report['seconds']} s, cache hits "
+         f"{report['cache']['hits']} / misses {report['cache']['misses']}, created {report['created']}"), "",
         "## Metrics", "", "| metric | source | candidate | delta | n |", "|---|---:|---:|---:|---:|",
     ]
     for name, m in report["metrics"].items():

@@ -18,8 +18,8 @@ given confidence. Vectorized: index matrices [B, n], fixed seed, so results are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

@@ -238,7 +238,7 @@ def run_validate(opts: ValidateOptions) -> dict:
     header = {
         "format": REPORT_FORMAT,
         "kvconvert_version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "suite": {"name": spec.name, "version": SUITE_VERSION, "spec": spec.as_dict()},
         "source": pair.source.describe(),
         "candidate": pair.candidate.describe(),

@@ -8,7 +8,6 @@ validate pipeline run in seconds without the SmolLM2 download.
 from __future__ import annotations
 
 import pytest
-
 from eval_fixtures import save_tiny_llama, train_tokenizer
 
 

@@ -4,11 +4,10 @@ import shutil
 
 import pytest
 import torch
+from eval_fixtures import save_tiny_deepseek, save_tiny_llama, train_tokenizer
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import runner as R
-
-from eval_fixtures import save_tiny_deepseek, save_tiny_llama, train_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,12 @@ import json
 import shutil
 
 import pytest
+from eval_fixtures import save_tiny_llama, train_tokenizer
 
 from kvconvert.cli import main
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.suites import SUITES
 from kvconvert.eval.validate import ValidateOptions, run_validate, window_stats
-
-from eval_fixtures import save_tiny_llama, train_tokenizer
-
 
 # The smoke suite with lengths that fit the tiny 512-token BPE (it needs ~2x the tokens of a
 # real tokenizer for the same prompt templates).
@@ -90,7 +88,7 @@ def test_rerun_resumes_from_cache_and_recomputes_torn_lines(tmp_path, tiny_repor
     assert resumed["cache"]["misses"] == 0 and resumed["cache"]["hits"] > 0
     assert resumed["metrics"] == first["metrics"]
     # simulate a run killed while writing: the last sample's result is a torn line
-    cache_file = sorted((out / "cache").glob("*__passkey.jsonl"))[0]
+    cache_file = next((out / "cache").glob("*__passkey.jsonl"))
     lines = cache_file.read_text().splitlines()
     last_id = json.loads(lines[-1])["id"]
     kept = [line for line in lines if json.loads(line)["id"] != last_id]
@@ -103,8 +101,7 @@ def test_rerun_resumes_from_cache_and_recomputes_torn_lines(tmp_path, tiny_repor
     assert json.loads(appended[-1])["id"] == last_id
 
 
-def test_different_model_changes_metrics(tmp_path, tiny_llama, tiny_tokenizer_dir, tiny_tokenizer, tiny_report):
-    out, first = tiny_report
+def test_different_model_changes_metrics(tmp_path, tiny_llama, tiny_tokenizer_dir, tiny_tokenizer):
     other = save_tiny_llama(tmp_path / "other", len(tiny_tokenizer), seed=3, tokenizer_dir=tiny_tokenizer_dir)
     report = validate(tiny_llama, other, tmp_path / "rep")
     assert report["metrics"]["kl_mean"]["candidate"] > 0.01
