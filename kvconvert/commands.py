@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,33 +52,7 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def safetensors_header(path: Path) -> dict:
-    """Header of one safetensors file {name: {dtype, shape, data_offsets}}, validated against the
-    file size (catches truncation) without reading any tensor data.
-
-    Layout: 8-byte little-endian header length N, N bytes of JSON, then the data buffer.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError("shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise ValueError("header length runs past the end of the file")
-            header = json.loads(f.read(n))
-        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-        end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
-        for v in tensors.values():
-            if not isinstance(v["dtype"], str) or math.prod(v["shape"]) < 0:
-                raise ValueError("malformed tensor entry")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-        raise CheckpointError(f"{path}: corrupt safetensors file ({exc}); re-download or re-export it") from None
-    if end != size - 8 - n:
-        raise CheckpointError(f"{path}: truncated or corrupt safetensors file (header needs {end} data bytes, "
-                              f"file has {size - 8 - n}); re-download or re-export it")
-    return tensors
+from kvconvert.st_header import safetensors_header  # noqa: E402  (torch-free)
 
 
 def weight_files(folder: Path) -> list[Path]:

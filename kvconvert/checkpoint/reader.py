@@ -8,7 +8,6 @@ the model.
 from __future__ import annotations
 
 import json
-import struct
 from functools import cached_property
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from kvconvert.errors import CheckpointError
+from kvconvert.st_header import safetensors_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -33,33 +33,8 @@ def read_config(folder: Path) -> dict:
 
 
 def check_safetensors_file(path: Path) -> None:
-    """Validate a safetensors file's header and size before any work: catches truncation.
-
-    Layout: 8-byte little-endian header length N, N bytes of JSON, then the data buffer whose
-    size must equal the largest end offset in the header.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError("file shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise ValueError("header length runs past the end of the file")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt safetensors file ({exc}); re-download or re-export it") from None
-    try:
-        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    except (AttributeError, KeyError, TypeError, IndexError):
-        raise CheckpointError(f"{path}: corrupt safetensors header (no data_offsets); re-download or re-export it") from None
-    data_size = size - 8 - n
-    if ends and max(ends) != data_size:
-        raise CheckpointError(
-            f"{path}: truncated or corrupt safetensors file (header needs {max(ends)} data bytes, "
-            f"file has {data_size}); re-download or re-export it"
-        )
+    """Validate a safetensors file's header and size before any work: catches truncation."""
+    safetensors_header(Path(path))
 
 
 class CheckpointReader:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.data import calibration_windows

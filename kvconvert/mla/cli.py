@@ -84,8 +84,7 @@ def _heal_plan(heal: str):
         if heal != "layerwise" and not Path(heal).is_file():
             raise KVConvertError(f"--heal {heal}: recipe file not found")
         try:
-            import kvconvert.heal  # noqa: F401
-            from kvconvert.heal import heal_after_convert  # noqa: F401
+            from kvconvert.heal import heal_after_convert  # noqa: F401  (fail before converting)
         except ImportError:
             raise KVConvertError("--heal: the healing module is not available in this install") from None
         return heal

@@ -156,30 +156,42 @@ def calibrate_model(model, layout: KVLayout, windows: torch.Tensor, settings: Ca
     log = log or (lambda msg: None)
     if layout.is_mla and settings.granularity == "head":
         raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
-    t0 = time.perf_counter()
+    clock = _Clock()
     plan = RotationPlan(layout)
     if settings.rotation_enabled:
         log("planning rotation")
         plan = plan_rotation(model, layout, settings, windows)
         apply_plan_to_model(model, plan)
-    t_rot = time.perf_counter() - t0
+    clock.lap("rotation")
     record = 0
     recorder = None
     if settings.observer == "mse":
         record = max(1, math.ceil(settings.search_tokens / windows.shape[1]))
         recorder = AttentionRecorder(model)
     try:
-        t1 = time.perf_counter()
         observers = observe_kv(model, layout, windows, settings.batch_size, recorder, record, progress)
-        t_obs = time.perf_counter() - t1
+        clock.lap("observe")
         scales, search_info = _scales_from_observers(model, layout, observers, settings, recorder, log)
+        clock.lap("search")
     finally:
         if recorder is not None:
             recorder.remove()
-    stats = {"time_rotation_s": t_rot, "time_observe_s": t_obs,
-             "time_search_s": time.perf_counter() - t1 - t_obs, "search": search_info,
-             "search_windows": record}
+    stats = {"wall_s": clock.wall, "cpu_s": clock.cpu, "search": search_info, "search_windows": record}
     return CalibrationResult(scales, plan, observers, stats)
+
+
+class _Clock:
+    """Wall and process-CPU seconds per phase (CPU time is what a shared machine cannot inflate)."""
+
+    def __init__(self):
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._w, self._c = time.perf_counter(), time.process_time()
+
+    def lap(self, name: str) -> None:
+        w, c = time.perf_counter(), time.process_time()
+        self.wall[name], self.cpu[name] = w - self._w, c - self._c
+        self._w, self._c = w, c
 
 
 def _scales_from_observers(model, layout, observers, settings, recorder, log):
