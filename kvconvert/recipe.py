@@ -87,7 +87,8 @@ class LayerwiseStage(_Stage):
 
 
 class DistillStage(_Stage):
-    """End-to-end distillation: KL(teacher || student) on next-token distributions (+ lm_weight x CE).
+    """End-to-end distillation: KL(teacher || student) on next-token distributions (+ lm_weight x CE,
+    + hidden_weight x the mean over layers of |h_s - h_t|^2 / |h_t|^2, the residual streams).
 
     tokens: training tokens in total (steps = tokens / (batch_size x seq_len x grad_accum)).
     train: full (the attention weights themselves) or lora (low-rank deltas merged at the end).
@@ -108,6 +109,7 @@ class DistillStage(_Stage):
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     kl_weight: float = Field(1.0, ge=0)
     lm_weight: float = Field(0.0, ge=0)
+    hidden_weight: float = Field(0.0, ge=0)
     temperature: float = Field(1.0, gt=0)
     train: Literal["full", "lora"] = "full"
     lora_rank: int = Field(16, gt=0)
@@ -123,8 +125,8 @@ class DistillStage(_Stage):
 
     @model_validator(mode="after")
     def _weights(self):
-        if self.kl_weight == 0 and self.lm_weight == 0:
-            raise ValueError("kl_weight and lm_weight are both 0: nothing to train on")
+        if self.kl_weight == 0 and self.lm_weight == 0 and self.hidden_weight == 0:
+            raise ValueError("kl_weight, lm_weight and hidden_weight are all 0: nothing to train on")
         return self
 
     @property

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvconvert.runtime.kv_cache import FP8Store, KVStore, NVFP4Store
+from kvconvert.runtime.kv_cache import FP8Store, KVStore, NVFP4Store, Workspace
 
 from kvconvert.errors import KVConvertError
 
@@ -63,18 +63,41 @@ class AttentionMetadata:
 
 
 class TorchAttention:
-    """Vectorized PyTorch reference: gather the sequence's blocks, dequantize, attend (SDPA)."""
+    """Vectorized PyTorch reference: gather the sequence's blocks, dequantize, attend.
+
+    Cache reads land in reusable workspace buffers (no fresh allocation per layer). K/V are read
+    heads-first, [B, KVH, S, D] (the gather's dtype-converting copy also transposes), so decode is
+    two batched matmuls and prefill is SDPA; MLA decode reads its rows in place.
+    """
 
     name = "torch"
 
-    # ---------------------------------------------------------------- cache writes
+    def __init__(self):
+        self.workspace = Workspace()
+
+    # ---------------------------------------------------------------- cache access
     def write(self, store: KVStore, x: torch.Tensor, meta: AttentionMetadata) -> None:
         """x [T, *row_shape] -> store at meta.slot_mapping."""
         store.write(meta.slot_mapping, x)
 
     def read_rows(self, store: KVStore, chunk: PrefillChunk, dtype: torch.dtype) -> torch.Tensor:
-        """The chunk's sequence context, dequantized: [context_len, *row_shape]."""
-        return store.gather(chunk.block_table[None], dtype)[0, : chunk.context_len]
+        """The chunk's sequence context, dequantized: [context_len, *row_shape] (a workspace
+        buffer: use it before the next read)."""
+        return self._rows(store, chunk.block_table[None], dtype, "rows")[0, : chunk.context_len]
+
+    def _rows(self, store: KVStore, block_tables: torch.Tensor, dtype: torch.dtype, name: str):
+        """The blocks' rows, dequantized: [B, n * block_size, *row_shape] (a workspace buffer)."""
+        b, width = block_tables.shape[0], block_tables.shape[1] * store.block_size
+        out = self.workspace.get(name, (b, width, *store.row_shape), dtype)
+        return store.gather(block_tables, out, self.workspace)
+
+    def _heads_first(self, store: KVStore, block_tables: torch.Tensor, dtype: torch.dtype, name: str):
+        """K or V of the blocks as [B, KVH, n * block_size, D] (contiguous) from [.., KVH, D] rows."""
+        b, width = block_tables.shape[0], block_tables.shape[1] * store.block_size
+        kvh, d = store.row_shape
+        buf = self.workspace.get(name, (b, kvh, width, d), dtype)
+        store.gather(block_tables, buf.transpose(1, 2), self.workspace)
+        return buf
 
     # ---------------------------------------------------------------- MHA / GQA
     def gqa(self, q: torch.Tensor, k_store: KVStore, v_store: KVStore, meta: AttentionMetadata,
@@ -86,26 +109,30 @@ class TorchAttention:
         if nd:
             out[:nd] = self.gqa_decode(q[:nd], k_store, v_store, meta, scale)
         for c in meta.prefills:
-            k = self.read_rows(k_store, c, q.dtype)  # [S, KVH, D]
-            v = self.read_rows(v_store, c, q.dtype)
-            qs = q[c.query_start: c.query_start + c.query_len]  # [L, H, D]
-            o = _sdpa(qs.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                      c.query_len, c.context_len, scale)
-            out[c.query_start: c.query_start + c.query_len] = o[0].transpose(0, 1)
+            table = c.block_table[None]
+            k = self._heads_first(k_store, table, q.dtype, "k")[:, :, : c.context_len]  # [1, KVH, S, D]
+            v = self._heads_first(v_store, table, q.dtype, "v")[:, :, : c.context_len]
+            span = slice(c.query_start, c.query_start + c.query_len)
+            o = _sdpa(q[span].transpose(0, 1)[None], k, v, c.query_len, c.context_len, scale)  # [1, H, L, D]
+            out[span] = o[0].transpose(0, 1)
         return out
 
     def gqa_decode(self, q, k_store, v_store, meta, scale):
-        """q [B, H, D], one token per sequence -> [B, H, D]."""
+        """q [B, H, D], one token per sequence -> [B, H, D].
+
+        K/V are read heads-first, [B, KVH, S, D]; each (sequence, KV head) pair is one batch entry
+        of two matmuls, its G = H / KVH query heads the rows: scores [B*KVH, G, S]."""
         b, h, d = q.shape
         s = meta.decode_max_len
-        k = k_store.gather(meta.decode_block_tables, q.dtype)[:, :s]  # [B, S, KVH, D]
-        v = v_store.gather(meta.decode_block_tables, q.dtype)[:, :s]
-        kvh = k.shape[2]
-        mask = meta.decode_mask  # [B, 1, 1, S]
-        # the G = H / KVH query heads of a KV head act as G queries against that head
-        qg = q.view(b, kvh, h // kvh, d)
-        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-        return o.reshape(b, h, -1)
+        k = self._heads_first(k_store, meta.decode_block_tables, q.dtype, "k")[:, :, :s]  # [B, KVH, S, D]
+        v = self._heads_first(v_store, meta.decode_block_tables, q.dtype, "v")[:, :, :s]
+        kvh = k.shape[1]
+        qg = q.reshape(b * kvh, h // kvh, d)
+        scores = torch.bmm(qg, k.flatten(0, 1).transpose(1, 2)) * scale  # [B*KVH, G, S]
+        if meta.decode_mask is not None:
+            scores = scores.view(b, kvh, h // kvh, s).masked_fill_(~meta.decode_mask, float("-inf")).flatten(0, 1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, v.flatten(0, 1)).view(b, h, d)
 
     # ---------------------------------------------------------------- MLA
     def mla_decode(self, q: torch.Tensor, store: KVStore, meta: AttentionMetadata, scale: float,
@@ -113,12 +140,15 @@ class TorchAttention:
         """Absorbed MLA decode, MQA over cached rows [latent | k_rope].
 
         q [B, H, latent_dim + rope] (q_nope @ W_UK, then q_rope) -> out [B, H, latent_dim]
-        (softmax(q . row * scale) @ latent; the caller applies W_UV).
+        = softmax(scale * q . row) @ latent (the caller applies W_UV). Two batched matmuls read the
+        rows in place (the latent is a strided view): no per-head K/V is ever formed.
         """
-        rows = store.gather(meta.decode_block_tables, q.dtype)[:, None, : meta.decode_max_len]  # [B, 1, S, R]
-        mask = meta.decode_mask
-        o = F.scaled_dot_product_attention(q[:, None], rows, rows[..., :latent_dim], attn_mask=mask, scale=scale)
-        return o[:, 0]
+        rows = self._rows(store, meta.decode_block_tables, q.dtype, "rows")[:, : meta.decode_max_len]  # [B, S, R]
+        scores = torch.bmm(q, rows.transpose(1, 2)) * scale  # [B, H, S]
+        if meta.decode_mask is not None:
+            scores.masked_fill_(~meta.decode_mask[:, 0], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, rows[..., :latent_dim])
 
 
 def _sdpa(q, k, v, query_len, context_len, scale):
@@ -155,6 +185,7 @@ class TritonAttention(TorchAttention):
         from kvconvert.kernels._triton_compat import require_triton
 
         require_triton()
+        super().__init__()
         self.kernels, self.layouts = kernels, cache_layout
 
     def write(self, store: KVStore, x: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -57,6 +57,26 @@ SCALE_NAMES = {
 }
 
 
+class Workspace:
+    """Reusable scratch buffers keyed by name and dtype, grown on demand.
+
+    A fresh large CPU allocation page-faults on first touch; reusing buffers made a decode
+    step's cache reads several times faster than allocating new tensors each layer. A buffer is
+    valid until the next get() of the same key, so callers consume it before asking again.
+    """
+
+    def __init__(self):
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self._buffers.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=dtype)
+            self._buffers[(name, dtype)] = buf
+        return buf[:n].view(shape)
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """What one token caches for one quantity of one layer.
@@ -99,8 +119,9 @@ class KVStore:
                 dst, rows = dst.view(torch.uint8), rows.view(torch.uint8)
             dst.view(self.num_blocks * self.block_size, *dst.shape[2:]).index_copy_(0, slots, rows)
 
-    def gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """block_tables [B, n] -> dequantized [B, n * block_size, *row_shape] in dtype."""
+    def gather(self, block_tables: torch.Tensor, out: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
+        """Read blocks block_tables [B, n] back, dequantized, into out [B, n * block_size, *row_shape]
+        (any float dtype and strides, e.g. a transposed view of a heads-first buffer); returns out."""
         raise NotImplementedError
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
@@ -108,10 +129,17 @@ class KVStore:
         for t in self.tensors():
             t[d] = t[s]
 
-    def _gather(self, t: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    def _gather(self, t: torch.Tensor, block_tables: torch.Tensor, workspace: Workspace | None,
+                name: str) -> torch.Tensor:
+        """Raw storage rows of the blocks: [B, n * block_size, ...] in t's dtype."""
         b, n = block_tables.shape
+        idx = block_tables.reshape(-1)
         # index_select: a plain row gather, several times faster on CPU than advanced indexing
-        return torch.index_select(t, 0, block_tables.reshape(-1)).view(b, n * self.block_size, *t.shape[2:])
+        if workspace is None:
+            raw = torch.index_select(t, 0, idx)
+        else:
+            raw = torch.index_select(t, 0, idx, out=workspace.get(name, (b * n, *t.shape[1:]), t.dtype))
+        return raw.view(b, n * self.block_size, *t.shape[2:])
 
 
 class FloatStore(KVStore):
@@ -125,8 +153,8 @@ class FloatStore(KVStore):
     def encode(self, x):
         return [(self.data, x.to(self.data.dtype))]
 
-    def gather(self, block_tables, dtype):
-        return self._gather(self.data, block_tables).to(dtype)
+    def gather(self, block_tables, out, workspace=None):
+        return out.copy_(self._gather(self.data, block_tables, workspace, "raw"))
 
 
 class ScaledStore(KVStore):
@@ -169,8 +197,9 @@ class FP8Store(ScaledStore):
         self._ensure_scale(x)
         return [(self.data, fp8_quantize(x, self.kv_scale, self.data.dtype))]
 
-    def gather(self, block_tables, dtype):
-        return fp8_dequantize(self._gather(self.data, block_tables), self.kv_scale, dtype)
+    def gather(self, block_tables, out, workspace=None):
+        raw = self._gather(self.data, block_tables, workspace, "raw")
+        return out.copy_(fp8_dequantize(raw, self.kv_scale, out.dtype))
 
 
 class NVFP4Store(ScaledStore):
@@ -206,13 +235,14 @@ class NVFP4Store(ScaledStore):
             pairs.append((self.rope, x[..., d:].to(self.rope.dtype)))
         return pairs
 
-    def gather(self, block_tables, dtype):
-        packed = self._gather(self.packed, block_tables)
-        scales = self._gather(self.block_scales, block_tables)
-        values = nvfp4_dequantize(packed, scales, self.global_scale, dtype)
-        if self.rope is None:
-            return values
-        return torch.cat([values, self._gather(self.rope, block_tables).to(dtype)], dim=-1)
+    def gather(self, block_tables, out, workspace=None):
+        packed = self._gather(self.packed, block_tables, workspace, "raw")
+        scales = self._gather(self.block_scales, block_tables, workspace, "raw_scales")
+        d = self.quantized_width
+        out[..., :d].copy_(nvfp4_dequantize(packed, scales, self.global_scale, out.dtype))
+        if self.rope is not None:
+            out[..., d:].copy_(self._gather(self.rope, block_tables, workspace, "raw_rope"))
+        return out
 
 
 def make_store(kv_dtype: str, num_blocks: int, block_size: int, spec: CacheSpec, kv_scale=None,

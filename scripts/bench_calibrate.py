@@ -30,12 +30,12 @@ TARGETS = {"fp8": 0.5, "nvfp4": 3.0}
 
 # name -> CalibrateJob overrides. "naive" = per-tensor amax/448, no rotation (the brief's baseline).
 CONFIGS = {
-    "fp8 naive (amax, tensor)": dict(kv_dtype="fp8", observer="amax", rotate=False),
-    "fp8 mse, tensor": dict(kv_dtype="fp8", observer="mse", rotate=False),
-    "fp8 mse, head": dict(kv_dtype="fp8", observer="mse", granularity="head", rotate=False, fmt="vllm"),
-    "nvfp4 naive (amax, tensor)": dict(kv_dtype="nvfp4", observer="amax", rotate=False),
-    "nvfp4 mse, tensor": dict(kv_dtype="nvfp4", observer="mse", rotate=False),
-    "nvfp4 rotate + mse (default)": dict(kv_dtype="nvfp4", observer="mse", rotate=True),
+    "fp8 naive (amax, tensor)": {"kv_dtype": "fp8", "observer": "amax", "rotate": False},
+    "fp8 mse, tensor": {"kv_dtype": "fp8", "observer": "mse", "rotate": False},
+    "fp8 mse, head": {"kv_dtype": "fp8", "observer": "mse", "granularity": "head", "rotate": False, "fmt": "vllm"},
+    "nvfp4 naive (amax, tensor)": {"kv_dtype": "nvfp4", "observer": "amax", "rotate": False},
+    "nvfp4 mse, tensor": {"kv_dtype": "nvfp4", "observer": "mse", "rotate": False},
+    "nvfp4 rotate + mse (default)": {"kv_dtype": "nvfp4", "observer": "mse", "rotate": True},
 }
 
 
@@ -107,8 +107,9 @@ def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> lis
 
 
 def markdown(rows: list[dict], args) -> str:
-    lines = [f"Held-out essays, {args.windows} x {args.window_len} tokens, KV cache fake-quantized "
-             f"(calibration: {args.calib_tokens} tokens of pydoc text).", "",
+    header = (f"Held-out essays, {args.windows} x {args.window_len} tokens, KV cache fake-quantized "
+              f"(calibration: {args.calib_tokens} tokens of pydoc text).")
+    lines = [header, "",
              "| model | config | ppl | vs fp32 | token KL | target | calibration time (wall s) |",
              "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:

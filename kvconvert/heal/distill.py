@@ -55,6 +55,15 @@ def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperat
     return kl.mean() * temperature ** 2
 
 
+def hidden_state_loss(teacher_states, student_states) -> torch.Tensor:
+    """Mean over layers of |h_s - h_t|^2 / |h_t|^2: transformers' hidden_states are the embeddings
+    (identical in both, skipped), the residual stream after each decoder layer but the last, and
+    the final normed state (what lm_head reads); each [B, T, hidden]."""
+    terms = [(s.float() - t.float()).pow(2).sum() / t.float().pow(2).sum().clamp_min(1e-30)
+             for t, s in zip(teacher_states[1:], student_states[1:])]
+    return torch.stack(terms).mean()
+
+
 def attention_modules(model) -> list[tuple[str, torch.nn.Module]]:
     """(checkpoint prefix, nn.Linear) for each trainable-kind attention projection of every layer."""
     out = []
@@ -211,12 +220,17 @@ class Distiller:
 
     def _loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
         s = self.stage
+        hidden = s.hidden_weight > 0
         with torch.no_grad():
-            t_logits = self.teacher(input_ids=batch).logits
+            t_out = self.teacher(input_ids=batch, output_hidden_states=hidden)
         with self.accelerator.autocast():
-            s_logits = self.student(input_ids=batch).logits
+            s_out = self.student(input_ids=batch, output_hidden_states=hidden)
+        t_logits, s_logits = t_out.logits, s_out.logits
         parts = {}
         loss = torch.zeros((), device=batch.device)
+        if hidden:
+            parts["hidden"] = hidden_state_loss(t_out.hidden_states, s_out.hidden_states)
+            loss = loss + s.hidden_weight * parts["hidden"]
         if s.kl_weight:
             parts["kl"] = kl_loss(t_logits, s_logits, s.temperature)
             loss = loss + s.kl_weight * parts["kl"]
@@ -290,8 +304,8 @@ def plot_loss_curve(history: list[dict], path: Path, title: str = "heal: distill
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
     steps = [r["step"] for r in history]
-    for key, color in (("loss", "C0"), ("kl", "C1"), ("ce", "C2")):
-        if not history or key not in history[0] or (key == "kl" and "ce" not in history[0]):
+    for key, color in (("loss", "C0"), ("kl", "C1"), ("ce", "C2"), ("hidden", "C3")):
+        if not history or key not in history[0] or (key == "kl" and len(history[0].keys() & {"ce", "hidden"}) == 0):
             continue  # with KL alone, loss == kl: one curve
         values = [r[key] for r in history]
         ax.plot(steps, values, color=color, lw=0.8, alpha=0.35)

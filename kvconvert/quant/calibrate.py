@@ -16,21 +16,28 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.quant.capture import AttentionRecorder, cache_hook, check_finite, run_with_hook
+from kvconvert.quant.capture import (
+    AttentionRecorder,
+    cache_hook,
+    check_finite,
+    run_with_hook,
+)
 from kvconvert.quant.fake_quant import check_kv_dtype, scale_from_amax
 from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.observers import GRANULARITIES, OBSERVERS, KVObserver
 from kvconvert.quant.rotate import (
-    RotationPlan, apply_plan_to_model, block_hadamard, pair_amax_from_channels, pair_equalizing_scale,
+    RotationPlan,
+    apply_plan_to_model,
+    block_hadamard,
+    pair_amax_from_channels,
+    pair_equalizing_scale,
 )
 from kvconvert.quant.scales import KVScales
 from kvconvert.quant.search import search_layer_scales
-
 
 
 @dataclass

@@ -11,8 +11,8 @@ return modified tensors (fake quantization), which the attention then reads, as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -111,6 +111,12 @@ def decoder_layers(model) -> list:
     if layers is None:
         raise UnsupportedModelError(f"{type(model).__name__}: no model.layers; not a decoder-only LM kvconvert knows")
     return list(layers)
+
+
+@torch.no_grad()
+def forward_with_hook(model, ids: torch.Tensor, hook: CacheHook) -> torch.Tensor:
+    """Logits [b, T, vocab] of one forward of ids [b, T] with a KVHookCache."""
+    return model(input_ids=ids, past_key_values=KVHookCache(hook, config=model.config), use_cache=True).logits
 
 
 @torch.no_grad()

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import torch
 
-from kvconvert.quant.capture import CacheHook, cache_hook, check_finite, load_model, run_with_hook
+from kvconvert.quant.capture import (
+    CacheHook,
+    cache_hook,
+    check_finite,
+    forward_with_hook,
+    load_model,
+)
 from kvconvert.quant.fake_quant import fake_quant
 from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.scales import KVScales
@@ -81,10 +87,7 @@ def evaluate_kv_quant(reference_model, candidates: dict[str, tuple], windows: to
         ref = torch.log_softmax(reference_model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
         acc["reference"].add(ref, targets, None)
         for name, (model, hook) in candidates.items():
-            holder = {}
-            run_with_hook(model, ids, hook, batch_size=ids.shape[0],
-                          on_logits=lambda _, logits: holder.__setitem__("logits", logits))
-            logprobs = torch.log_softmax(holder.pop("logits")[:, :-1].float(), -1)
+            logprobs = torch.log_softmax(forward_with_hook(model, ids, hook)[:, :-1].float(), -1)
             acc[name].add(logprobs, targets, ref)
         if progress is not None:
             progress(min(start + batch_size, windows.shape[0]), windows.shape[0])

@@ -177,7 +177,7 @@ def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVLayout, scales: KVS
     new_scales = scale_tensors(scales, layout, formats)
     with CheckpointWriter(out_dir, overwrite=overwrite, source=str(src_dir),
                           manifest_extra={"kv_calibration": {"kv_dtype": scales.kv_dtype, "formats": list(formats)}}) as w:
-        for name in reader.keys():
+        for name in reader.weight_map:
             if is_kv_scale_name(name):
                 continue  # an earlier calibration's scales are replaced
             w.add(name, rotated[name] if name in rotated else reader.get(name))
@@ -224,7 +224,7 @@ def rewrite_in_place(folder: Path, layout: KVLayout, scales: KVScales, plan: Rot
     reader = CheckpointReader(folder)
     rotated = rotated_tensors(reader, layout, plan)
     new_scales = scale_tensors(scales, layout, formats)
-    old_scale_names = {n for n in reader.keys() if is_kv_scale_name(n)}
+    old_scale_names = {n for n in reader.weight_map if is_kv_scale_name(n)}
     sharded = (folder / INDEX_NAME).is_file()
     scale_file = KV_SCALES_SHARD if sharded else SINGLE_NAME
     weight_map = dict(reader.weight_map)

@@ -20,7 +20,6 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.quant import formats as F
-
 from kvconvert.quant.options import KV_DTYPES
 
 _FP8_TORCH = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -17,8 +17,8 @@ from kvconvert.errors import KVConvertError
 def import_mtq():
     """modelopt.torch.quantization, or KVConvertError saying how to install it."""
     try:
-        import modelopt.torch.quantization as mtq  # noqa: F401
-    except Exception as exc:  # ImportError, or its own import-time failures
+        import modelopt.torch.quantization as mtq
+    except Exception as exc:  # noqa: BLE001 - ImportError, or modelopt's own import-time failures
         raise KVConvertError(f"nvidia-modelopt is not usable ({type(exc).__name__}: {exc}); "
                              "pip install 'kvconvert[modelopt]'") from None
     return mtq

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconvert.errors import KVConvertError
-
 from kvconvert.quant.options import GRANULARITIES, OBSERVERS  # noqa: F401  (re-exported)
 
 

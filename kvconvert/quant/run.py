@@ -16,9 +16,16 @@ import torch
 
 from kvconvert import __version__
 from kvconvert.errors import KVConvertError
-from kvconvert.quant.calibrate import CalibrationResult, CalibrationSettings, calibrate_model
+from kvconvert.quant.calibrate import (
+    CalibrationResult,
+    CalibrationSettings,
+    calibrate_model,
+)
 from kvconvert.quant.export import (
-    check_writable_in_place, resolve_format, rewrite_in_place, write_checkpoint,
+    check_writable_in_place,
+    resolve_format,
+    rewrite_in_place,
+    write_checkpoint,
 )
 from kvconvert.quant.fake_quant import check_kv_dtype
 from kvconvert.quant.layout import KVLayout
@@ -116,7 +123,7 @@ def build_report(job: CalibrateJob, src: Path, layout: KVLayout, result: Calibra
     wall, cpu = result.stats["wall_s"], result.stats["cpu_s"]
     return {
         "producer": f"kvconvert {__version__}",
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "source": str(src),
         "layout": layout.kind,
         "num_layers": layout.num_layers,

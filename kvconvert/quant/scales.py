@@ -94,7 +94,7 @@ def read_kv_scales(folder: str | Path) -> KVScales:
     reader = CheckpointReader(folder, verify=False)
     found: dict[tuple[int, str], torch.Tensor] = {}
     for pattern in (_MODELOPT_RE, _VLLM_RE):  # vLLM names overwrite ModelOpt ones when both exist
-        for name in reader.keys():
+        for name in reader.weight_map:
             m = pattern.match(name)
             if m:
                 found[(int(m.group(1)), m.group(2))] = reader.get(name, torch.float32).reshape(-1)

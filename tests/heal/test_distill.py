@@ -71,3 +71,14 @@ def test_lora_distill_merges(tiny_student, tiny_teacher, text_file, tmp_path):
     assert not torch.equal(q0, q1) and torch.linalg.matrix_rank(q1 - q0) <= 2  # merged low-rank delta
     assert torch.equal(s.get("model.layers.0.self_attn.kv_b_proj.weight"), h.get("model.layers.0.self_attn.kv_b_proj.weight"))
     DeepseekV3ForCausalLM.from_pretrained(str(out))
+
+
+def test_hidden_state_loss_reference():
+    from kvconvert.heal.distill import hidden_state_loss
+
+    torch.manual_seed(0)
+    t = [torch.randn(1, 4, 8) for _ in range(3)]
+    s = [t[0], t[1] + 0.1, t[2] * 2]
+    ref = ((0.1 ** 2 * 32) / t[1].pow(2).sum() + t[2].pow(2).sum() / t[2].pow(2).sum()) / 2
+    assert torch.allclose(hidden_state_loss(t, s), ref, rtol=1e-5)
+    assert float(hidden_state_loss(t, t)) == 0.0

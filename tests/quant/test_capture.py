@@ -48,7 +48,9 @@ def test_llama_cache_sees_post_rope_k_and_v(tiny_llama):
 
 @torch.no_grad()
 def test_mla_cache_sees_normed_latent_and_rope_key_in_engine_order(tiny_deepseek):
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        apply_rotary_pos_emb_interleave,
+    )
 
     model, layout = load_model(tiny_deepseek), layout_of(tiny_deepseek)
     assert (layout.kind, layout.head_dim, layout.kv_lora_rank, layout.rope_interleave) == ("mla", 48, 32, True)

@@ -5,14 +5,13 @@ import shutil
 
 import pytest
 import torch
+from conftest import read_json
 from safetensors.torch import load_file, save_file
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.cli import main
 from kvconvert.quant.capture import load_model
 from kvconvert.quant.scales import read_kv_scales
-
-from conftest import read_json
 
 TINY = ["--calib-tokens", "256", "--window-len", "64", "--batch-size", "2", "--quiet"]
 
@@ -54,7 +53,7 @@ def test_fp8_export_names_values_and_report(fp8_both, tiny_llama):
     for f in fp8_both.glob("*.safetensors"):
         tensors.update(load_file(f))
     src = CheckpointReader(tiny_llama)
-    for name in src.keys():  # weights copied bit for bit (no rotation for fp8 by default)
+    for name in src.weight_map:  # weights copied bit for bit (no rotation for fp8 by default)
         assert torch.equal(tensors[name], src.get(name)), name
     for layer, entry in enumerate(report["layers"]):
         k_amax, v_amax = max(entry["k_amax"]), max(entry["v_amax"])
@@ -209,7 +208,7 @@ def test_in_place_sharded_with_rotation_keeps_manifest_and_logits(tiny_llama, ca
     folder = tmp_path / "sharded"
     src = CheckpointReader(tiny_llama)
     with CheckpointWriter(folder, max_shard_bytes=200_000) as w:
-        for name in src.keys():
+        for name in src.weight_map:
             w.add(name, src.get(name))
         w.write_config(src.config)
         w.copy_tokenizer(tiny_llama)
@@ -226,3 +225,16 @@ def test_in_place_sharded_with_rotation_keeps_manifest_and_logits(tiny_llama, ca
         torch.testing.assert_close(load_model(folder)(input_ids=ids).logits, load_model(tiny_llama)(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
     assert read_kv_scales(folder).kv_dtype == "nvfp4"
+
+
+def test_fp8_e5m2_scales_without_engine_config(tiny_llama, calib_text, tmp_path, capsys):
+    out = calibrate(tiny_llama, tmp_path / "e5m2", capsys, "--kv-dtype", "fp8_e5m2", "--observer", "amax",
+                    "--calib-data", str(calib_text))
+    assert "quantization_config" not in read_json(out / "config.json")  # vLLM refuses e5m2 with an FP8-KV config
+    assert not (out / "hf_quant_config.json").exists()
+    report = read_json(out / "calibration_report.json")
+    k = load_file(out / "model.safetensors")["model.layers.0.self_attn.k_scale"]
+    assert k.item() == pytest.approx(max(report["layers"][0]["k_amax"]) / 57344, rel=1e-6)
+    code, err = run(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "fp8_e5m2", "--format", "modelopt",
+                     "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "no FP8 E5M2 KV cache" in err

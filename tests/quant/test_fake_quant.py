@@ -6,7 +6,11 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.quant import formats as F
 from kvconvert.quant.fake_quant import (
-    amax_from_scale, fake_quant, mla_row_from_engine, mla_row_to_engine, scale_from_amax,
+    amax_from_scale,
+    fake_quant,
+    mla_row_from_engine,
+    mla_row_to_engine,
+    scale_from_amax,
 )
 
 

@@ -2,16 +2,20 @@
 
 import pytest
 import torch
+from conftest import make_llama
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.quant.capture import load_model
 from kvconvert.quant.export import rotated_tensors
 from kvconvert.quant.layout import detect_kv_layout
 from kvconvert.quant.rotate import (
-    RotationPlan, apply_plan_to_model, block_hadamard, hadamard, pair_amax_from_channels, pair_equalizing_scale,
+    RotationPlan,
+    apply_plan_to_model,
+    block_hadamard,
+    hadamard,
+    pair_amax_from_channels,
+    pair_equalizing_scale,
 )
-
-from conftest import make_llama
 
 
 def logits(model, ids):

@@ -8,7 +8,12 @@ import torch
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.quant.calibrate import observe_kv
 from kvconvert.quant.capture import AttentionRecorder, cache_hook, load_model
-from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook, identity_hook, perplexity_with_fake_quant
+from kvconvert.quant.evaluate import (
+    evaluate_kv_quant,
+    fake_quant_hook,
+    identity_hook,
+    perplexity_with_fake_quant,
+)
 from kvconvert.quant.fake_quant import fake_quant, scale_from_amax
 from kvconvert.quant.layout import detect_kv_layout
 from kvconvert.quant.scales import KVScales
@@ -40,7 +45,7 @@ def test_dequant_mse_ratio_is_the_grid_argmin():
 @pytest.mark.parametrize("kind", ["llama", "deepseek"])
 def test_fast_replay_matches_module_replay(kind, tiny_llama, tiny_deepseek):
     path = tiny_llama if kind == "llama" else tiny_deepseek
-    layout, model, ids, recorder, observers = setup(path)
+    layout, _, _, recorder, observers = setup(path)
     layer = 1
     scales = {k: scale_from_amax(torch.tensor(o.amax_tensor), "nvfp4").float() * 0.7 for k, o in observers[layer].items()}
     replay = LayerReplay(recorder, layout, layer, "nvfp4")
@@ -58,7 +63,7 @@ def test_fast_replay_matches_module_replay(kind, tiny_llama, tiny_deepseek):
 
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 def test_search_never_worse_than_amax(tiny_llama, granularity):
-    layout, model, ids, recorder, observers = setup(tiny_llama)
+    layout, _, _, recorder, observers = setup(tiny_llama)
     for layer in (1,):
         amax = {k: scale_from_amax(o.statistic("amax", granularity), "fp8").float() for k, o in observers[layer].items()}
         scales, info = search_layer_scales(recorder, layout, layer, "fp8", amax)
@@ -68,7 +73,7 @@ def test_search_never_worse_than_amax(tiny_llama, granularity):
 
 
 def test_evaluate_matches_manual_cross_entropy_and_identity_has_zero_kl(tiny_llama):
-    layout, model, ids, recorder, observers = setup(tiny_llama, n=2, t=24)
+    layout, model, ids, recorder, _ = setup(tiny_llama, n=2, t=24)
     recorder.remove()
     tiny = KVScales("nvfp4", "tensor", "gqa", [torch.tensor(1e-3)] * 2, [torch.tensor(1e-3)] * 2)
     res = evaluate_kv_quant(model, {"same": (model, identity_hook), "coarse": (model, fake_quant_hook(layout, tiny))}, ids)
@@ -82,7 +87,7 @@ def test_evaluate_matches_manual_cross_entropy_and_identity_has_zero_kl(tiny_lla
 
 
 def test_perplexity_with_fake_quant_api(tiny_llama):
-    layout, model, ids, recorder, observers = setup(tiny_llama, n=1, t=24)
+    _, _, ids, recorder, observers = setup(tiny_llama, n=1, t=24)
     recorder.remove()
     scales = KVScales("fp8", "tensor", "gqa",
                       [scale_from_amax(torch.tensor(o["k"].amax_tensor), "fp8") for o in observers],
