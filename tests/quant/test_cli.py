@@ -1,5 +1,6 @@
 """`kvconvert calibrate` end to end on tiny checkpoints: outputs, names, round trips, bad input."""
 
+import importlib.util
 import json
 import shutil
 
@@ -94,7 +95,7 @@ def test_per_head_vllm_shapes_and_transformers_load(tiny_llama, calib_text, tmp_
     assert report["percentile"] == 99.99
     for h in range(2):  # percentile never exceeds the head's amax
         assert tensors["model.layers.0.self_attn.k_scale"][h, 0, 0] * 448 <= report["layers"][0]["k_amax"][h] * (1 + 1e-6)
-    if pytest.importorskip("compressed_tensors"):
+    if importlib.util.find_spec("compressed_tensors") is not None:  # transformers needs it for this config
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(out)
