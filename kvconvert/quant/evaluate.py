@@ -31,9 +31,18 @@ from kvconvert.quant.scales import KVScales
 
 def fake_quant_hook(layout: KVLayout, scales: KVScales) -> CacheHook:
     """Cache hook that quantize-dequantizes every cached tensor with `scales`."""
+    rope_tail = layout.qk_rope_head_dim if layout.is_mla and scales.kv_dtype == "nvfp4" else 0
+
     def row_hook(layer_idx: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         check_finite(layer_idx, kind, x)
-        return fake_quant(x, scales.kv_dtype, scales.scale(layer_idx, kind))
+        scale = scales.scale(layer_idx, kind)
+        if rope_tail:
+            # MLA + NVFP4 stores only the latent in NVFP4; k_rope stays bf16 (FlashMLA's layout, and
+            # what kvconvert.runtime and kvconvert.kernels store), so fake-quant the same way.
+            latent, rope = x[..., :-rope_tail], x[..., -rope_tail:]
+            return torch.cat([fake_quant(latent, "nvfp4", scale),
+                              rope.to(torch.bfloat16).to(x.dtype)], dim=-1)
+        return fake_quant(x, scales.kv_dtype, scale)
     return cache_hook(layout, row_hook)
 
 
