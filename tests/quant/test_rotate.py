@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_llama
+from conftest import make_deepseek, make_llama
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.quant.capture import load_model
@@ -73,7 +73,6 @@ def test_gqa_rotation_keeps_logits(tmp_path, bias):
 
 @pytest.mark.parametrize("interleave", [True, False])
 def test_mla_rotation_keeps_logits_with_nonuniform_norm(tmp_path, interleave):
-    from conftest import make_deepseek
 
     path = make_deepseek(tmp_path / "d", seed=6, rope_interleave=interleave)
     r = CheckpointReader(path)
