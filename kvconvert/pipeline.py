@@ -56,7 +56,8 @@ def _policy_path(policy: str) -> str:
 @click.option("--policy", default="default", show_default=True, help="Gate policy: a YAML file or a built-in name.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Recompute every stage (default: reuse finished stages).")
-def pipeline_cmd(src, rank, rope_dim, heal, kv_dtype, suite, policy, out_dir, overwrite):
+@click.option("--fail-on-gate", is_flag=True, help="Exit 1 when the gate fails (for CI); default: report and exit 0.")
+def pipeline_cmd(src, rank, rope_dim, heal, kv_dtype, suite, policy, out_dir, overwrite, fail_on_gate):
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     import json
 
@@ -81,5 +82,7 @@ def pipeline_cmd(src, rank, rope_dim, heal, kv_dtype, suite, policy, out_dir, ov
     pictures = sorted(p.name for p in report_dir.glob("*.png"))
     click.echo(f"\nReport: {report_dir / 'report.md'}\nPictures: {', '.join(pictures) or 'none'} in {report_dir}"
                f"\nConverted model: {mla_dir}  (+ KV scales: {candidate})\nTotal: {time.time() - t0:.0f} s")
-    if log[-1]["exit_code"] != 0:
+    gate_ok = log[-1]["exit_code"] == 0
+    click.secho(f"Gate ({Path(policy_file).name}): {'PASS' if gate_ok else 'FAIL'}", fg="green" if gate_ok else "red")
+    if not gate_ok and fail_on_gate:
         sys.exit(log[-1]["exit_code"])
