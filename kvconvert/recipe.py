@@ -69,11 +69,11 @@ class LayerwiseStage(_Stage):
     """
 
     data: str = "builtin"
-    tokens: int = Field(16384, gt=0)
+    tokens: int = Field(32768, gt=0)
     window: int = Field(512, gt=0)
     steps: int = Field(100, ge=0)
-    batch_windows: int = Field(2, gt=0)
-    lr: float = Field(3e-3, gt=0)
+    batch_windows: int = Field(1, gt=0)
+    lr: float = Field(5e-3, gt=0)
     target: Literal["student_input", "teacher_input", "student_residual"] = "student_input"
     refit_o_proj: bool = True
     train: tuple[AttentionName, ...] = TRAINABLE_ATTENTION
@@ -104,7 +104,7 @@ class DistillStage(_Stage):
     seq_len: int = Field(512, gt=0)
     batch_size: int = Field(1, gt=0)
     grad_accum: int = Field(1, gt=0)
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(5e-4, gt=0)
     warmup_steps: int = Field(10, ge=0)
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     kl_weight: float = Field(1.0, ge=0)

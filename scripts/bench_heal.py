@@ -39,7 +39,8 @@ def parse_args(argv=None):
     ap.add_argument("--passkey", type=int, default=10, help="passkey prompts per length (0 = skip)")
     ap.add_argument("--passkey-lengths", default="1024,2048")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a shared CPU)")
-    ap.add_argument("--reuse", action="store_true", help="reuse converted/healed folders already in --work")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse converted/healed folders already in --work and resume an interrupted heal")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench_heal.json")
     return ap.parse_args(argv)
 
@@ -67,7 +68,7 @@ def heal_once(converted: Path, source: Path, recipe, folder: Path, reuse: bool) 
         rep = json.loads((folder / "heal_report.json").read_text())
         return {"reused": True, **_heal_summary(rep)}
     t0, c0 = time.time(), time.process_time()
-    rep = heal(converted, source, recipe, folder, overwrite=True, progress=True, restart=True)
+    rep = heal(converted, source, recipe, folder, overwrite=True, progress=True, restart=not reuse)
     return {"seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1),
             **_heal_summary(rep)}
 

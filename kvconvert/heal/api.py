@@ -124,7 +124,8 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
 
     max_steps: stop the distillation after this many optimizer steps, keep the state and return
     {"finished": False} (rerun to resume). restart: discard any saved state first. device: where
-    the layer-wise stage runs (default cuda when available, else cpu). Returns the heal report.
+    the layer-wise stage runs (default cpu; cuda needs the device-aware RoPE noted in docs/heal.md).
+    The distillation stage uses accelerate's device (a GPU when one is visible). Returns the report.
     """
     t0 = time.time()
     recipe = resolve_recipe(recipe)
@@ -148,7 +149,7 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
         target = out if recipe.distill is None else state / "layerwise-checkpoint"
         report["stages"]["heal_layerwise"] = _layerwise_stage(
             s_reader, t_reader, data, recipe.layerwise, target, state, fp, report, progress,
-            device or ("cuda" if torch.cuda.is_available() else "cpu"), final=recipe.distill is None, overwrite=overwrite)
+            device or "cpu", final=recipe.distill is None, overwrite=overwrite)
         current = target
     if recipe.distill is not None:
         result = _distill_stage(current, teacher, data, recipe.distill, out, state, fp, report, progress,
