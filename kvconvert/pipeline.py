@@ -51,13 +51,15 @@ def _policy_path(policy: str) -> str:
 @click.option("--rank", type=int, default=96, show_default=True, help="kv_lora_rank of the MLA conversion.")
 @click.option("--rope-dim", type=int, default=32, show_default=True)
 @click.option("--heal", default="layerwise", show_default=True, help="none, layerwise or a recipe YAML.")
+@click.option("--calib-tokens", type=click.IntRange(min=512), default=None,
+              help="Calibration tokens for both convert and calibrate (default: each command's own default).")
 @click.option("--kv-dtype", type=click.Choice(["fp8", "nvfp4", "bf16"]), default="fp8", show_default=True)
 @click.option("--suite", default="quick", show_default=True)
 @click.option("--policy", default="default", show_default=True, help="Gate policy: a YAML file or a built-in name.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Recompute every stage (default: reuse finished stages).")
 @click.option("--fail-on-gate", is_flag=True, help="Exit 1 when the gate fails (for CI); default: report and exit 0.")
-def pipeline_cmd(src, rank, rope_dim, heal, kv_dtype, suite, policy, out_dir, overwrite, fail_on_gate):
+def pipeline_cmd(src, rank, rope_dim, heal, calib_tokens, kv_dtype, suite, policy, out_dir, overwrite, fail_on_gate):
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     import json
 
@@ -65,15 +67,16 @@ def pipeline_cmd(src, rank, rope_dim, heal, kv_dtype, suite, policy, out_dir, ov
     out_dir.mkdir(parents=True, exist_ok=True)
     mla_dir, cal_dir, report_dir = out_dir / "mla", out_dir / f"mla-{kv_dtype}", out_dir / "report"
     log: list = []
+    calib = [] if calib_tokens is None else ["--calib-tokens", str(calib_tokens)]
     t0 = time.time()
     if overwrite or not _done(mla_dir, "manifest.json"):
         _run("convert", ["mla", "--src", src, "--rank", str(rank), "--rope-dim", str(rope_dim), "--heal", heal,
-                         "--out", str(mla_dir), "--overwrite"], log)
+                         *calib, "--out", str(mla_dir), "--overwrite"], log)
     candidate = mla_dir
     if kv_dtype != "bf16":
         if overwrite or not _done(cal_dir, "manifest.json"):
-            _run("calibrate", ["calibrate", "--src", str(mla_dir), "--kv-dtype", kv_dtype, "--out", str(cal_dir),
-                               "--overwrite"], log)
+            _run("calibrate", ["calibrate", "--src", str(mla_dir), "--kv-dtype", kv_dtype, *calib,
+                               "--out", str(cal_dir), "--overwrite"], log)
         candidate = cal_dir
     _run("validate", ["validate", "--source", src, "--candidate", str(candidate), "--kv-dtype", kv_dtype,
                       "--suite", suite, "--out", str(report_dir)], log)

@@ -75,7 +75,7 @@ def search_split(src_path: Path, budget: int, calib_data: str = "builtin", calib
     hidden = reader.get("model.embed_tokens.weight")[ids].float()
     errors = {s: [] for s in splits}
     for i in range(max(probe_layers) + 1):
-        w = _layer_weights(reader, i)
+        w = {**_layer_weights(reader, i, "attention"), **_layer_weights(reader, i, "mlp")}
         if i in probe_layers:
             xn = rms_norm(hidden, w["input_layernorm"], shape.rms_eps)
             flat = xn.reshape(-1, xn.shape[-1]).double()

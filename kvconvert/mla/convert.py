@@ -100,11 +100,17 @@ def source_rope(cfg: dict, d: int) -> tuple[torch.Tensor, float]:
     return inv.to(torch.float64), float(scaling)
 
 
-def _layer_weights(reader: CheckpointReader, i: int) -> dict:
-    w = {k: reader.get(v.format(i=i), torch.float64) for k, v in fmt.SOURCE_ATTENTION.items()}
-    for src in fmt.COPIED_LAYER_TENSORS:
-        short = src.split(".")[-2]
-        w[short] = reader.get(src.format(i=i))  # source dtype; cast per use (7B MLP: 0.5 GB in fp32)
+def _layer_weights(reader: CheckpointReader, i: int, part: str) -> dict:
+    """One layer's source tensors, copied out of the map: part "attention" = q/k/v/o_proj in
+    float64 plus both norms; part "mlp" = the MLP in the source dtype (7B: 0.5 GB in fp32), read
+    only after the attention math so the two never sit in memory together."""
+    if part == "attention":
+        w = {k: reader.get(v.format(i=i), torch.float64) for k, v in fmt.SOURCE_ATTENTION.items()}
+        names = [n for n in fmt.COPIED_LAYER_TENSORS if "layernorm" in n]
+    else:
+        w, names = {}, [n for n in fmt.COPIED_LAYER_TENSORS if ".mlp." in n]
+    for src in names:
+        w[src.split(".")[-2]] = reader.get(src.format(i=i))  # source dtype; cast per use
     for name, t in w.items():
         if not torch.isfinite(t).all():
             raise KVConvertError(f"layer {i} {name}: source weights contain NaN or inf; the checkpoint is broken")
@@ -149,10 +155,14 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
                                                             "calib_hash": report.calib_hash}}) as writer:
         writer.add("model.embed_tokens.weight", embed.to(out_dtype))
         del embed  # only one layer plus the hidden states stay in memory from here on
+        reader.close()  # reader.get copies out of the map: unmap now, mapped file pages count in RSS
         layers = range(cfg["num_hidden_layers"])
         for i in tqdm(layers, desc="mla: layers", disable=not opts.progress):
-            w = _layer_weights(reader, i)
-            mla_w, layer_rep, hidden = _convert_one_layer(hidden, w, shape, mla_shape, plan, opts, i)
+            w = _layer_weights(reader, i, "attention")
+            reader.close()  # copied out: drop the mapped pages before the heavy math (they count in RSS)
+            mla_w, layer_rep, hidden = _convert_one_layer(hidden, w, shape, mla_shape, plan, opts, i,
+                                                          load_mlp=lambda: _layer_weights(reader, i, "mlp"))
+            reader.close()
             for short, name in fmt.TARGET_ATTENTION.items():
                 if short in mla_w:
                     writer.add(name.format(i=i), mla_w[short].to(out_dtype))
@@ -160,7 +170,6 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
                 writer.add(dst_name.format(i=i), w[src_name.split(".")[-2]].to(out_dtype))
             report.layers.append(layer_rep)
             del w, mla_w
-            reader.close()  # unmap this layer's pages: mapped file pages count in RSS
         writer.add("model.norm.weight", reader.get("model.norm.weight").to(out_dtype))
         lm_head_name = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
         lm_head = reader.get(lm_head_name)  # tied sources: written explicitly (DeepSeek-V3 unties)
@@ -179,8 +188,12 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     return report
 
 
-def _convert_one_layer(hidden, w, shape: LlamaShape, mla_shape: MLAShape, plan: LayerPlan, opts: MLAOptions, i: int):
-    """Convert layer i and advance the calibration hidden states through it."""
+def _convert_one_layer(hidden, w, shape: LlamaShape, mla_shape: MLAShape, plan: LayerPlan, opts: MLAOptions, i: int,
+                       load_mlp=None):
+    """Convert layer i and advance the calibration hidden states through it.
+
+    w: the layer's attention weights and norms; load_mlp() returns its MLP weights, which are added
+    to w once the attention is converted (None: w already holds them)."""
     xn = rms_norm(hidden, w["input_layernorm"], shape.rms_eps)  # [N, T, hidden] fp32
     _check_finite(xn, f"layer {i} input")
     flat = xn.reshape(-1, xn.shape[-1]).double()
@@ -196,6 +209,9 @@ def _convert_one_layer(hidden, w, shape: LlamaShape, mla_shape: MLAShape, plan: 
     if opts.refit_o_proj:
         mla_w["o_proj"] = _refit_o_proj(xn, mla_w, mla_shape, y_src)
         rep["attn_rel_error_refit"] = _attn_error(xn, mla_w, mla_shape, y_src)
+    del y_src
+    if load_mlp is not None:
+        w.update(load_mlp())
     if opts.stream == "converted":
         attn = mla_attention_heads(xn, _f32(mla_w), mla_shape) @ _f32(mla_w)["o_proj"].T
         h = hidden + attn
