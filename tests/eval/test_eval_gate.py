@@ -136,7 +136,7 @@ def test_every_gate_metric_has_a_policy_threshold():
 
 
 def test_shipped_policies_load():
-    for name in ("default.yaml", "strict.yaml"):
+    for name in ("default.yaml", "strict.yaml", "smoke.yaml"):
         pol = G.load_policy(RECIPES / name)
         assert pol.decide_on == "ci_low"
         assert all(v is not None for v in pol.thresholds.model_dump().values())
