@@ -63,14 +63,26 @@ class HealData:
     info: dict = field(default_factory=dict)
 
 
-def prepare_data(tokenizer, recipe: Recipe) -> HealData:
-    """Tokenize every stage's data up front; too little text raises before any training."""
+def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progress: bool = False) -> HealData:
+    """Tokenize every stage's data up front; too little text raises before any training.
+
+    `data: teacher` in a stage: text sampled from the teacher (kvconvert.heal.teacher_data), enough
+    for the larger of the two stages (they share it), generated once and cached."""
     data = HealData()
     texts: dict[str, str] = {}
 
+    def load(source: str) -> str:
+        if source != TEACHER_DATA:
+            return load_text(source)
+        if teacher is None:
+            raise KVConvertError("data: teacher needs the teacher model (kvconvert heal --teacher)")
+        from kvconvert.heal.teacher_data import sample_teacher_text
+
+        return sample_teacher_text(teacher, teacher_tokens_needed(recipe), progress=progress)
+
     def windows(source: str, count: int, length: int, what: str) -> torch.Tensor:
         if source not in texts:
-            texts[source] = load_text(source)
+            texts[source] = load(source)
         try:
             return token_windows(tokenizer, texts[source], count, length)
         except KVConvertError as exc:
@@ -83,11 +95,25 @@ def prepare_data(tokenizer, recipe: Recipe) -> HealData:
                                   "data_hash": data_hash(data.layerwise)}
     if (ds := recipe.distill) is not None:
         if ds.data not in texts:
-            texts[ds.data] = load_text(ds.data)
+            texts[ds.data] = load(ds.data)
         data.distill = _distill_windows(texts[ds.data], tokenizer, ds)
         data.info["distill"] = {"data": ds.data, "tokens_requested": ds.tokens,
                                 "unique_tokens": int(data.distill.numel()), "data_hash": data_hash(data.distill)}
     return data
+
+
+TEACHER_DATA = "teacher"
+
+
+def teacher_tokens_needed(recipe: Recipe) -> int:
+    """Tokens the teacher must write for the stages with `data: teacher` (10% spare for the
+    windows' cut points and re-tokenization)."""
+    need = 0
+    if (lw := recipe.layerwise) is not None and lw.data == TEACHER_DATA:
+        need = max(need, (max(2, lw.tokens // lw.window) + LAYERWISE_VAL_WINDOWS) * lw.window)
+    if (ds := recipe.distill) is not None and ds.data == TEACHER_DATA:
+        need = max(need, ds.steps * ds.batch_size * ds.grad_accum * ds.seq_len)
+    return int(need * 1.1) + 1
 
 
 def _distill_windows(text: str, tokenizer, ds: DistillStage) -> torch.Tensor:
@@ -136,7 +162,7 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
     notes = compat.check_pair(s_reader, t_reader)
     tokenizer = compat.load_tokenizer(teacher, "teacher")
-    data = prepare_data(tokenizer, recipe)
+    data = prepare_data(tokenizer, recipe, teacher, progress)
     state = state_dir_for(out)
     if restart and state.exists():
         shutil.rmtree(state)
