@@ -1,0 +1,26 @@
+"""`kvconvert mla ... --heal RECIPE.yaml`: convert, heal into --out, leave no one-shot folder behind."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from click.testing import CliRunner
+
+from kvconvert.cli import cli
+
+
+def test_mla_cli_chains_healing(tiny_teacher, text_file, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"heal_layerwise": {"data": str(text_file), "tokens": 512, "window": 128,
+                                                         "steps": 3, "lr": 0.01}}))
+    out = tmp_path / "healed"
+    result = CliRunner().invoke(cli, ["mla", "--src", str(tiny_teacher), "--rank", "8", "--rope-dim", "8",
+                                      "--calib-data", str(text_file), "--calib-tokens", "1024", "--calib-window", "128",
+                                      "--dtype", "fp32", "--heal", str(recipe), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kvconvert_mla"]["rank"] == 8  # the converter's entry survives healing
+    assert manifest["kvconvert_heal"]["data"]["layerwise"]["tokens"] > 0
+    assert not (tmp_path / ".healed.oneshot").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["healed", "recipe.yaml"]
