@@ -29,7 +29,7 @@ OPENINGS = (
     "The problem with", "In the summer of", "Most people believe", "The first step in starting a company is",
     "Climate change", "She opened the door and", "The difference between", "Why do we",
 )
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 
 
 def teacher_text_cache(teacher: Path, num_tokens: int, seed: int) -> Path:
@@ -80,8 +80,8 @@ def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, bat
             out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=0.95, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
         for prompt, row in zip(prompts, out[:, enc.input_ids.shape[1]:]):
-            text = tok.decode(row, skip_special_tokens=True).strip()
-            samples.append(f"{prompt} {text}".strip())
+            # the continuation's first token carries its own leading space (or punctuation)
+            samples.append((prompt + tok.decode(row, skip_special_tokens=True)).strip())
             made += int((row != tok.pad_token_id).sum())
         bar.update(min(made, num_tokens) - bar.n)
     bar.close()
