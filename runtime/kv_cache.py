@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +90,7 @@ class CacheSpec:
     rope_tail: int = 0
 
 
-class KVStore:
+class KVStore(ABC):
     """One cached quantity of one layer: logical shape [num_blocks, block_size, *row_shape].
 
     encode(x) turns new rows into (storage tensor, encoded rows) pairs; write scatters them to
@@ -100,17 +101,17 @@ class KVStore:
         self.num_blocks, self.block_size, self.spec = num_blocks, block_size, spec
         self.row_shape = spec.row_shape
 
+    @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """The storage tensors, each [num_blocks, block_size, ...]."""
-        raise NotImplementedError
 
     @property
     def bytes_per_token(self) -> int:
         return sum(t[0, 0].numel() * t.element_size() for t in self.tensors())
 
+    @abstractmethod
     def encode(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """x [T, *row_shape] -> [(storage tensor, rows [T, ...] in its dtype)]."""
-        raise NotImplementedError
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Store x [T, *row_shape] at flat slots [T] (slot = block * block_size + offset)."""
@@ -119,10 +120,10 @@ class KVStore:
                 dst, rows = dst.view(torch.uint8), rows.view(torch.uint8)
             dst.view(self.num_blocks * self.block_size, *dst.shape[2:]).index_copy_(0, slots, rows)
 
+    @abstractmethod
     def gather(self, block_tables: torch.Tensor, out: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
         """Read blocks block_tables [B, n] back, dequantized, into out [B, n * block_size, *row_shape]
         (any float dtype and strides, e.g. a transposed view of a heads-first buffer); returns out."""
-        raise NotImplementedError
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)

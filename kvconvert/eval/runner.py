@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -193,7 +194,7 @@ def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str) -
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-class ModelRunner:
+class ModelRunner(ABC):
     """Interface shared by the engines.
 
     Attributes: path, engine, kv_dtype (resolved), max_context (longest sequence it can run),
@@ -215,15 +216,15 @@ class ModelRunner:
         return {"path": str(self.path), "engine": self.engine, "kv_dtype": self.kv_dtype,
                 "fingerprint": self.fingerprint, "architecture": (self.config.get("architectures") or ["?"])[0]}
 
+    @abstractmethod
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: int64 [T] -> fp32 logits [T, vocab]; row t predicts token t+1."""
-        raise NotImplementedError
 
+    @abstractmethod
     def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
                min_new_tokens: int = 0) -> list[int]:
         """Greedy continuation of ids [T]: at most max_new_tokens ids, ending before a stop id;
         stop ids cannot be chosen for the first min_new_tokens steps."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release the model's memory."""
