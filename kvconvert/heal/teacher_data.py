@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -35,12 +34,12 @@ GENERATOR_VERSION = 3
 def teacher_text_cache(teacher: Path, num_tokens: int, seed: int) -> Path:
     """Where the samples for (teacher weights, size, seed) are cached, under $KVCONVERT_HOME."""
     from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.sources import kvconvert_home
 
     reader = CheckpointReader(teacher, verify=False)
     key = json.dumps({"v": GENERATOR_VERSION, "config": reader.config, "bytes": reader.total_bytes,
                       "tokens": num_tokens, "seed": seed}, sort_keys=True, default=str)
-    home = Path(os.environ.get("KVCONVERT_HOME", Path.home() / ".cache" / "kvconvert"))
-    return home / "teacher-text" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt"
+    return kvconvert_home() / "teacher-text" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt"
 
 
 def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, batch_size: int = 32,
