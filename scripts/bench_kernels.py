@@ -191,6 +191,9 @@ def check_kernels(torch):
 
 
 def time_ms(fn) -> float:
+    """Device time of one call (median), launch gaps removed: the call is captured in a CUDA graph
+    and its replays are timed with events. A decode step in a serving engine runs inside a graph
+    too (vLLM, SGLang), so this is the number that matters; ``eager_ms`` adds the Python launch cost."""
     if DEVICE == "cpu":  # --cpu-smoke: one timed call, no CUDA events
         fn()
         start = time.perf_counter()
@@ -198,7 +201,24 @@ def time_ms(fn) -> float:
         return (time.perf_counter() - start) * 1e3
     import triton.testing
 
+    fn()  # compile outside the capture
+    return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
+
+
+def eager_ms(fn) -> float:
+    """Wall time per call launched from Python (median of event-timed calls): includes launch overhead."""
+    if DEVICE == "cpu":
+        return time_ms(fn)
+    import triton.testing
+
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def dequant_first_ms(torch, cache) -> float:
+    """The unfused alternative's extra step: dequantize the whole cache to bf16 with PyTorch ops
+    (kvconvert.quant.formats) before a bf16 kernel reads it. Timed eagerly (its lookup tables are
+    built on the host, which a graph capture refuses); its kernels are large, so launch cost is small."""
+    return eager_ms(lambda: [t.to(torch.bfloat16) for t in cache.dequantize()])
 
 
 def copy_bandwidth(torch) -> float:
@@ -231,7 +251,7 @@ def tune(run_with, grid, splits_candidates):
 def bench_mla(torch, args, contexts, grid, peak):
     from kvconvert.kernels.mla_decode import default_num_splits, paged_mla_decode_triton
 
-    rows, tuning = [], {}
+    rows, tuning, plain_ms = [], {}, {}
     for mode in MLA_MODES:
         cache, qn, qr, tables, lens, scale = mla_case(torch, mode, args.batch, args.mla_heads, args.tune_context, args.block_size)
         base = default_num_splits(args.batch, math.ceil(args.mla_heads / 16), args.tune_context, 16)
@@ -246,8 +266,13 @@ def bench_mla(torch, args, contexts, grid, peak):
             cache, qn, qr, tables, lens, scale = mla_case(torch, mode, args.batch, args.mla_heads, context, args.block_size)
             n_splits = max(1, round(default_num_splits(args.batch, math.ceil(args.mla_heads / 16), context, 16) * split_ratio))
             cfg = {**best, "num_splits": n_splits}
-            ms = time_ms(lambda: paged_mla_decode_triton(qn, qr, cache, tables, lens, scale, **cfg))
-            rows.append(result_row("triton", mode, cache, args.batch, context, ms, peak, cfg))
+            call = lambda: paged_mla_decode_triton(qn, qr, cache, tables, lens, scale, **cfg)  # noqa: E731
+            ms = time_ms(call)
+            rows.append(result_row("triton", mode, cache, args.batch, context, ms, peak, cfg, eager=eager_ms(call)))
+            if mode == "none":
+                plain_ms[context] = ms
+            elif context in plain_ms:
+                rows[-1]["unfused_us"] = (dequant_first_ms(torch, cache) + plain_ms[context]) * 1e3
             if mode == "none":
                 rows += mla_baselines(torch, cache, qn, qr, tables, lens, scale, args.batch, context, peak)
             torch.cuda.empty_cache()
@@ -258,7 +283,7 @@ def bench_gqa(torch, args, contexts, grid, peak, shape=(32, 8, 128)):
     from kvconvert.kernels.gqa_decode import paged_gqa_decode_triton
 
     hq, hk, d = shape
-    rows, tuning = [], {}
+    rows, tuning, plain_ms = [], {}, {}
     for mode in GQA_MODES:
         cache, q, tables, lens, scale = gqa_case(torch, mode, args.batch, hq, hk, d, args.tune_context, args.block_size)
         run = lambda cfg: paged_gqa_decode_triton(q, cache, tables, lens, scale, **cfg)  # noqa: E731
@@ -268,21 +293,27 @@ def bench_gqa(torch, args, contexts, grid, peak, shape=(32, 8, 128)):
             continue
         for context in contexts:
             cache, q, tables, lens, scale = gqa_case(torch, mode, args.batch, hq, hk, d, context, args.block_size)
-            ms = time_ms(lambda: paged_gqa_decode_triton(q, cache, tables, lens, scale, **best))
-            rows.append(result_row("triton", mode, cache, args.batch, context, ms, peak, best))
+            call = lambda: paged_gqa_decode_triton(q, cache, tables, lens, scale, **best)  # noqa: E731
+            ms = time_ms(call)
+            rows.append(result_row("triton", mode, cache, args.batch, context, ms, peak, best, eager=eager_ms(call)))
+            if mode == "none":
+                plain_ms[context] = ms
+            elif context in plain_ms:
+                rows[-1]["unfused_us"] = (dequant_first_ms(torch, cache) + plain_ms[context]) * 1e3
             if mode in ("none", "fp8"):
                 rows += gqa_baselines(torch, mode, cache, q, tables, lens, scale, args.batch, context, peak)
             torch.cuda.empty_cache()
     return rows, tuning
 
 
-def result_row(impl, mode, cache, batch, context, ms, peak, cfg=None, error=None):
+def result_row(impl, mode, cache, batch, context, ms, peak, cfg=None, error=None, eager=None):
     kv_bytes = batch * context * bytes_per_token(cache)
     bw = kv_bytes / (ms * 1e-3) if ms else None
     return {
         "impl": impl, "mode": mode, "batch": batch, "context": context, "bytes_per_token": bytes_per_token(cache),
         "time_us": ms * 1e3 if ms else None, "kv_GBps": bw / 1e9 if bw else None,
         "frac_of_peak": bw / peak if (bw and peak) else None, "config": cfg, "error": error,
+        "eager_us": eager * 1e3 if eager else None, "unfused_us": None,
     }
 
 
@@ -355,6 +386,10 @@ def markdown(report) -> str:
     lines = [
         f"## Kernel benchmark ({report['device']})",
         "",
+        "time: device time of one decode step (stage 1 + LSE merge) replayed from a CUDA graph, median; "
+        "eager: the same step launched from Python (adds launch overhead); unfused: PyTorch dequantizes the "
+        "whole cache to bf16, then the bf16 kernel runs (the path the fused kernel replaces).",
+        "",
         f"Decode step, batch {report['batch']}, block size {report['block_size']}; bandwidth = bytes of KV read / time. "
         f"Peak HBM (spec): {peak:.0f} GB/s; measured copy: {report['copy_bandwidth_GBps']:.0f} GB/s."
         if peak else f"Measured copy bandwidth: {report['copy_bandwidth_GBps']:.0f} GB/s (spec peak unknown for this device).",
@@ -365,17 +400,20 @@ def markdown(report) -> str:
         rows = report.get(kernel, [])
         if not rows:
             continue
-        lines += ["", f"### {title}", "", "| impl | mode | bytes/token | context | time (us) | KV GB/s | % of peak | config |",
-                  "|---|---|---:|---:|---:|---:|---:|---|"]
+        lines += ["", f"### {title}", "",
+                  "| impl | mode | bytes/token | context | time (us) | KV GB/s | % of peak | eager (us) | unfused (us) | config |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             if r["error"]:
-                lines.append(f"| {r['impl']} | {r['mode']} | {r['bytes_per_token']} | {r['context']} | - | - | - | error: {r['error'][:60]} |")
+                lines.append(f"| {r['impl']} | {r['mode']} | {r['bytes_per_token']} | {r['context']} | - | - | - | - | - | error: {r['error'][:60]} |")
                 continue
             frac = f"{100 * r['frac_of_peak']:.0f}%" if r["frac_of_peak"] else "-"
             cfg = r["config"] or {}
             cfg_s = " ".join(f"{k}={v}" for k, v in cfg.items() if v is not None)
+            eager = f"{r['eager_us']:.1f}" if r.get("eager_us") else "-"
+            unfused = f"{r['unfused_us']:.1f}" if r.get("unfused_us") else "-"
             lines.append(f"| {r['impl']} | {r['mode']} | {r['bytes_per_token']} | {r['context']} | {r['time_us']:.1f} | "
-                         f"{r['kv_GBps']:.0f} | {frac} | {cfg_s} |")
+                         f"{r['kv_GBps']:.0f} | {frac} | {eager} | {unfused} | {cfg_s} |")
     return "\n".join(lines) + "\n"
 
 

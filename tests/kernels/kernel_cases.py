@@ -43,3 +43,16 @@ def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor, atol: float, rtol: fl
     empty = torch.isinf(ref)
     assert torch.equal(torch.isinf(lse), empty)
     torch.testing.assert_close(lse[~empty], ref[~empty], atol=atol, rtol=rtol)
+
+
+# bf16 dot operands are wrong in Triton's interpreter (it has no bf16 matrix unit): CPU runs test
+# fp16 only; compiled GPU runs test both (a bf16-only layout bug was found on an H100 this way).
+LOW_PRECISION_DOTS = [
+    "fp16",
+    pytest.param("bf16", marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="bf16 dots need a GPU (wrong in the interpreter)")),
+]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    return float((out.double() - ref.double()).norm() / ref.double().norm())

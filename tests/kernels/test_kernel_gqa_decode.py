@@ -1,6 +1,7 @@
 """Paged GQA decode: Triton kernel (interpreter) vs the float64 PyTorch reference, per cache mode.
 
-Tolerances as for MLA: fp32 dot operands, atol = rtol = 1e-4 (output and LSE); fp16 operands 5e-3.
+Tolerances as for MLA: fp32 dot operands, atol = rtol = 1e-4 (output and LSE); fp16 operands 5e-3;
+bf16 operands (GPU only) ||out - ref|| / ||ref|| < 1e-2.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from kvconvert.kernels.attention import paged_gqa_decode
 from kvconvert.kernels.cache_layout import GQACacheLayer
 from kvconvert.kernels.gqa_decode import paged_gqa_decode_reference
 
-from kernel_cases import DEVICE, assert_lse_close, make_paging
+from kernel_cases import DEVICE, LOW_PRECISION_DOTS, assert_lse_close, make_paging, relative_error
 
 # (mode, per-head scales)
 MODES = [("none", False), ("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True)]
@@ -62,6 +63,17 @@ def test_gqa_fp16_dot_and_fp16_cache():
     assert out.dtype == torch.float16
     torch.testing.assert_close(out, ref_out, atol=5e-3, rtol=5e-3)
     assert_lse_close(lse, ref_lse, atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("dot", LOW_PRECISION_DOTS)
+@pytest.mark.parametrize("mode,per_head", MODES)
+def test_gqa_low_precision_dot_operands_every_mode(mode, per_head, dot):
+    """Both dots with rounded operands on a Llama-3-like head (D 128, group 4), every cache mode."""
+    cache, q, tables, lens, scale = build_case(mode, per_head, 8, 2, 128, 16, [300, 0, 77], seed=4)
+    out, lse = paged_gqa_decode(q, cache, tables, lens, scale, dot=dot)
+    ref_out, ref_lse = paged_gqa_decode_reference(q, cache, tables, lens, scale)
+    assert relative_error(out, ref_out) < 1e-2
+    assert_lse_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
 
 
 def test_gqa_reference_equals_dense_attention():

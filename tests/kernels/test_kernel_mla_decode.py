@@ -2,7 +2,8 @@
 
 Tolerances: fp32 dot operands (the CPU default) accumulate in fp32 against a float64 reference on
 the same dequantized cache: atol = rtol = 1e-4 on the output and the LSE. fp16 dot operands round
-q, the latent and the probabilities to 11 bits: atol = rtol = 5e-3.
+q, the latent and the probabilities to 11 bits: atol = rtol = 5e-3. bf16 operands (8 bits, GPU only):
+||out - ref|| / ||ref|| < 1e-2 and LSE within 1e-2.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvconvert.kernels.attention import paged_mla_decode
 from kvconvert.kernels.cache_layout import MLACacheLayer, mla_fp8_tile
 from kvconvert.kernels.mla_decode import paged_mla_decode_reference
 
-from kernel_cases import DEVICE, assert_lse_close, make_paging
+from kernel_cases import DEVICE, LOW_PRECISION_DOTS, assert_lse_close, make_paging, relative_error
 
 MODES = ("none", "fp8", "fp8_tile", "nvfp4")
 # (heads, kv_lora_rank, rope_dim): SmolLM2 conversions (9 heads, rope 32) and one small DeepSeek case
@@ -80,6 +81,18 @@ def test_mla_fp16_dot_operands(mode):
     assert out.dtype == torch.float16
     torch.testing.assert_close(out, ref_out, atol=5e-3, rtol=5e-3)
     assert_lse_close(lse, ref_lse, atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("dot", LOW_PRECISION_DOTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_mla_low_precision_dot_operands_every_mode(mode, dot):
+    """Both dots (QK^T and P@V) with rounded operands, on the DeepSeek shape: every dequant path
+    must feed the matrix units correctly (the P@V operand is the latent tile itself)."""
+    cache, qn, qr, tables, lens, scale, _ = build_case(mode, 16, 512, 64, 64, [300, 1, 129], seed=3)
+    out, lse = paged_mla_decode(qn, qr, cache, tables, lens, scale, dot=dot)
+    ref_out, ref_lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
+    assert relative_error(out, ref_out) < 1e-2
+    assert_lse_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
 
 
 def test_mla_reference_equals_dense_attention_over_logical_tokens():
