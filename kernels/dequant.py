@@ -9,7 +9,11 @@ dequantized to fp32, bit-exact with :mod:`kvconvert.quant.formats`:
   read from an aux tensor (FlashMLA-like per-tile scales).
 * ``MODE_NVFP4``   (3): packed uint8 (element 2i in the low nibble) decoded to E2M1, times the
   e4m3 block scale of each 16 features (aux tensor), times the fp32 global ``scale``:
-  ``(e2m1 * s_b) * g`` in that order, as in ``nvfp4_dequantize``.
+  ``(e2m1 * s_b) * g`` in that order, as in ``nvfp4_dequantize``. NVFP4 rows are not returned as
+  one tile but as two ``[BLOCK_N, BLOCK_D // 2]`` halves, even and odd features
+  (:func:`load_nvfp4_halves`): the packed bytes load contiguously (vectorized) and each nibble
+  plane feeds its own dot, so no register shuffle re-interleaves them. The kernels split q and the
+  output the same way: ``q . k = q[0::2] . k_even + q[1::2] . k_odd``.
 
 Per-group scales are expanded to features by a broadcast+reshape when ``AUX_BROADCAST`` (the group
 is a power of two that tiles BLOCK_D) and by a gather otherwise (e.g. FP8 tiles of 96 or 80).
@@ -87,26 +91,46 @@ if HAS_TRITON:
         row_off / aux_row_off: int64 ``[BLOCK_N]`` element offsets of each row in the data / aux
         tensor (features contiguous). Masked rows and features beyond D read as 0.
         """
+        tl.static_assert(MODE != 3, "NVFP4 rows load as even/odd halves: use load_nvfp4_halves")
         offs_d = tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (offs_d < D)[None, :]
-        if MODE == 3:
-            # feature d lives in byte d // 2 (low nibble for even d). Each byte is loaded for both of
-            # its features (the second load hits L1, so HBM traffic is unchanged) rather than
-            # unpacked with tl.interleave: on an H100 (Triton 3.6) the interleaved layout fed into a
-            # bf16/fp16 tl.dot as the B operand gave wrong P@V results (rel. error ~1.6).
-            packed = tl.load(data_ptr + row_off[:, None] + (offs_d // 2)[None, :], mask=mask, other=0).to(tl.int32)
-            x = e2m1_code_to_f32((packed >> ((offs_d & 1) * 4)[None, :]) & 15)
-        else:
-            x = tl.load(data_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(data_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         if MODE == 1:
             x = x * scale
-        if MODE >= 2:
+        if MODE == 2:
             x = x * load_group_scales(
                 aux_ptr, aux_row_off, offs_d, row_mask, D, AUX_GROUP, AUX_BROADCAST, BLOCK_N, BLOCK_D
             )
-        if MODE == 3:
-            x = x * scale
         return x
+
+    @triton.jit
+    def load_nvfp4_halves(
+        data_ptr,
+        row_off,
+        row_mask,
+        D,
+        aux_ptr,
+        aux_row_off,
+        scale,
+        AUX_BROADCAST: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """NVFP4 rows as two fp32 tiles ``[BLOCK_N, BLOCK_D // 2]``: (features 0, 2, 4, ..., 1, 3, 5, ...).
+
+        Byte j of a row holds features 2j (low nibble) and 2j+1 (high nibble), and both lie in
+        block-scale group 2j // 16 = j // 8: the halves share one scale tile with groups of 8.
+        (An earlier version re-interleaved the nibbles with tl.interleave; on an H100 with Triton
+        3.6 that tile was mis-laid-out as the B operand of a bf16 dot: P@V rel. error ~1.6.)
+        """
+        HALF: tl.constexpr = BLOCK_D // 2
+        offs_j = tl.arange(0, HALF)
+        mask = row_mask[:, None] & (offs_j < D // 2)[None, :]
+        packed = tl.load(data_ptr + row_off[:, None] + offs_j[None, :], mask=mask, other=0).to(tl.int32)
+        s = load_group_scales(aux_ptr, aux_row_off, offs_j, row_mask, D // 2, 8, AUX_BROADCAST, BLOCK_N, HALF)
+        even = (e2m1_code_to_f32(packed & 15) * s) * scale
+        odd = (e2m1_code_to_f32(packed >> 4) * s) * scale
+        return even, odd
 
 
 def aux_broadcastable(group: int, block_d: int) -> bool:

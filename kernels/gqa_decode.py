@@ -44,7 +44,7 @@ from .merge import merge_lse_triton
 GQA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "nvfp4": MODE_NVFP4}
 
 if HAS_TRITON:
-    from .dequant import load_dequant_tile
+    from .dequant import load_dequant_tile, load_nvfp4_halves
 
     @triton.jit
     def _gqa_decode_split_kernel(
@@ -120,6 +120,87 @@ if HAS_TRITON:
         tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _gqa_decode_split_nvfp4_kernel(
+        q_ptr, k_ptr, v_ptr, k_aux_ptr, v_aux_ptr, k_scale_ptr, v_scale_ptr,
+        block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+        qk_scale_log2,
+        GROUP, D, block_size, num_splits, groups_per_kv,
+        stride_q_b, stride_q_h,
+        stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
+        stride_ka_blk, stride_ka_tok, stride_ka_head, stride_va_blk, stride_va_tok, stride_va_head,
+        stride_k_scale, stride_v_scale,
+        stride_bt_b,
+        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
+        AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """As ``_gqa_decode_split_kernel`` for NVFP4 K and V, on even/odd feature halves:
+        q.k = q[0::2].k_even + q[1::2].k_odd; out[0::2] and out[1::2] accumulate separately."""
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1) // groups_per_kv
+        in_group = (tl.program_id(1) % groups_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)
+        split = tl.program_id(2)
+        h_mask = in_group < GROUP
+        offs_h = kv_head * GROUP + in_group
+        HALF: tl.constexpr = BLOCK_D // 2
+        offs_j = tl.arange(0, HALF)
+
+        seq_len = tl.load(seq_lens_ptr + b)
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        q_rows = q_ptr + b * stride_q_b + offs_h[:, None] * stride_q_h
+        j_mask = h_mask[:, None] & (offs_j < D // 2)[None, :]
+        q_even = tl.load(q_rows + 2 * offs_j[None, :], mask=j_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+        q_odd = tl.load(q_rows + 2 * offs_j[None, :] + 1, mask=j_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+        k_scale = tl.load(k_scale_ptr + kv_head * stride_k_scale)
+        v_scale = tl.load(v_scale_ptr + kv_head * stride_v_scale)
+        kvh = kv_head.to(tl.int64)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, HALF], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            phys = tl.load(block_tables_ptr + b * stride_bt_b + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+            slot = (offs_n % block_size).to(tl.int64)
+            k_even, k_odd = load_nvfp4_halves(
+                k_ptr, phys * stride_k_blk + slot * stride_k_tok + kvh * stride_k_head, n_mask, D,
+                k_aux_ptr, phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head, k_scale,
+                AUX_BROADCAST, BLOCK_N, BLOCK_D,
+            )
+            v_even, v_odd = load_nvfp4_halves(
+                v_ptr, phys * stride_v_blk + slot * stride_v_tok + kvh * stride_v_head, n_mask, D,
+                v_aux_ptr, phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head, v_scale,
+                AUX_BROADCAST, BLOCK_N, BLOCK_D,
+            )
+            qk = tl.dot(q_even, tl.trans(k_even.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            qk += tl.dot(q_odd, tl.trans(k_odd.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p = p.to(DOT_DTYPE)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        nonempty = l_i > 0
+        l_safe = tl.where(nonempty, l_i, 1.0)
+        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        out_rows = part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
+        tl.store(out_rows + 2 * offs_j[None, :], acc_even / l_safe[:, None], mask=j_mask)
+        tl.store(out_rows + 2 * offs_j[None, :] + 1, acc_odd / l_safe[:, None], mask=j_mask)
+        tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
+
+
 def _check_decode_inputs(q, cache: GQACacheLayer, block_tables, seq_lens, softmax_scale) -> None:
     check_softmax_scale(softmax_scale)
     if not isinstance(cache, GQACacheLayer):
@@ -172,7 +253,12 @@ def paged_gqa_decode_triton(
     part_out = torch.empty(batch, q_heads, splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     k, v = cache.k, cache.v
-    _gqa_decode_split_kernel[(batch, cache.kv_heads * groups_per_kv, splits)](
+    nvfp4 = cache.mode == "nvfp4"
+    kernel = _gqa_decode_split_nvfp4_kernel if nvfp4 else _gqa_decode_split_kernel
+    mode_consts = {} if nvfp4 else {"MODE": GQA_MODE_IDS[cache.mode]}
+    # NVFP4: even/odd halves of BLOCK_D // 2 features share block-scale groups of 8 bytes
+    broadcast = aux_broadcastable(8, block_d // 2) if nvfp4 else aux_broadcastable(16, block_d)
+    kernel[(batch, cache.kv_heads * groups_per_kv, splits)](
         q, k, v, k_aux, v_aux, k_scale, v_scale, block_tables, seq_lens, part_out, part_lse,
         check_softmax_scale(softmax_scale) * LOG2E,
         group, d, cache.block_size, splits, groups_per_kv,
@@ -182,7 +268,7 @@ def paged_gqa_decode_triton(
         _scale_stride(k_scale), _scale_stride(v_scale),
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        MODE=GQA_MODE_IDS[cache.mode], AUX_BROADCAST=aux_broadcastable(16, block_d), **dot_constexprs(resolve_dot(dot, q)),
+        **mode_consts, AUX_BROADCAST=broadcast, **dot_constexprs(resolve_dot(dot, q)),
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )

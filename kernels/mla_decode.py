@@ -54,7 +54,7 @@ from .merge import merge_lse_triton
 MLA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "fp8_tile": MODE_FP8_TILE, "nvfp4": MODE_NVFP4}
 
 if HAS_TRITON:
-    from .dequant import load_dequant_tile
+    from .dequant import load_dequant_tile, load_nvfp4_halves
 
     @triton.jit
     def _mla_decode_split_kernel(
@@ -139,6 +139,91 @@ if HAS_TRITON:
         tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _mla_decode_split_nvfp4_kernel(
+        q_nope_ptr, q_rope_ptr,
+        kv_ptr, rope_ptr, aux_ptr, scale_ptr,
+        block_tables_ptr, seq_lens_ptr,
+        part_out_ptr, part_lse_ptr,
+        qk_scale_log2,
+        H, R, P, block_size, num_splits,
+        stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
+        stride_kv_blk, stride_kv_tok, stride_rope_blk, stride_rope_tok, stride_aux_blk, stride_aux_tok,
+        stride_bt_b,
+        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
+        AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):
+        """As ``_mla_decode_split_kernel`` for an NVFP4 latent, computed on even/odd feature halves:
+        q.c = q[0::2].c_even + q[1::2].c_odd and out[0::2] / out[1::2] accumulate separately, so the
+        packed nibbles never need re-interleaving. RoPE rows are plain (16/32-bit)."""
+        b = tl.program_id(0)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        split = tl.program_id(2)
+        h_mask = offs_h < H
+        HALF: tl.constexpr = BLOCK_R // 2
+        offs_j = tl.arange(0, HALF)
+        offs_p = tl.arange(0, BLOCK_P)
+
+        seq_len = tl.load(seq_lens_ptr + b)
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        qn_rows = q_nope_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h
+        j_mask = h_mask[:, None] & (offs_j < R // 2)[None, :]
+        q_even = tl.load(qn_rows + 2 * offs_j[None, :], mask=j_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+        q_odd = tl.load(qn_rows + 2 * offs_j[None, :] + 1, mask=j_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+        q_rope = tl.load(
+            q_rope_ptr + b * stride_qr_b + offs_h[:, None] * stride_qr_h + offs_p[None, :],
+            mask=h_mask[:, None] & (offs_p < P)[None, :], other=0.0,
+        ).to(tl.float32).to(DOT_DTYPE)
+        scale = tl.load(scale_ptr)  # nvfp4 global scale
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, HALF], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            phys = tl.load(block_tables_ptr + b * stride_bt_b + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+            slot = (offs_n % block_size).to(tl.int64)
+            c_even, c_odd = load_nvfp4_halves(
+                kv_ptr, phys * stride_kv_blk + slot * stride_kv_tok, n_mask, R,
+                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok, scale,
+                AUX_BROADCAST, BLOCK_N, BLOCK_R,
+            )
+            rope = load_dequant_tile(
+                rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P,
+                aux_ptr, 0, scale, 0, 16, False, BLOCK_N, BLOCK_P,
+            )
+            c_even = c_even.to(DOT_DTYPE)
+            c_odd = c_odd.to(DOT_DTYPE)
+            qk = tl.dot(q_even, tl.trans(c_even), input_precision=DOT_PRECISION)
+            qk += tl.dot(q_odd, tl.trans(c_odd), input_precision=DOT_PRECISION)
+            qk += tl.dot(q_rope, tl.trans(rope.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p = p.to(DOT_DTYPE)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p, c_even, input_precision=DOT_PRECISION)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, c_odd, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        nonempty = l_i > 0
+        l_safe = tl.where(nonempty, l_i, 1.0)
+        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        out_rows = part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
+        tl.store(out_rows + 2 * offs_j[None, :], acc_even / l_safe[:, None], mask=j_mask)
+        tl.store(out_rows + 2 * offs_j[None, :] + 1, acc_odd / l_safe[:, None], mask=j_mask)
+        tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
+
+
 def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq_lens, softmax_scale) -> None:
     check_softmax_scale(softmax_scale)
     if not isinstance(cache, MLACacheLayer):
@@ -194,7 +279,7 @@ def paged_mla_decode_triton(
     splits = num_splits or default_num_splits(batch, head_groups, max_context, block_n)
     part_out = torch.empty(batch, heads, splits, r, dtype=torch.float32, device=data.device)
     part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=data.device)
-    _mla_decode_split_kernel[(batch, head_groups, splits)](
+    args = (
         q_nope, q_rope, data, rope, aux, scale, block_tables, seq_lens, part_out, part_lse,
         check_softmax_scale(softmax_scale) * LOG2E,
         heads, r, p, cache.block_size, splits,
@@ -202,10 +287,19 @@ def paged_mla_decode_triton(
         data.stride(0), data.stride(1), rope.stride(0), rope.stride(1), aux.stride(0), aux.stride(1),
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        MODE=mode, ROPE_MODE=rope_mode, AUX_GROUP=aux_group, AUX_BROADCAST=aux_broadcastable(aux_group, block_r),
+    )
+    consts = dict(
         **dot_constexprs(resolve_dot(dot, q_nope)), BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
         num_warps=num_warps, num_stages=num_stages,
     )
+    grid = (batch, head_groups, splits)
+    if mode == MODE_NVFP4:  # even/odd halves of BLOCK_R // 2 features, block-scale groups of 8 bytes
+        _mla_decode_split_nvfp4_kernel[grid](*args, AUX_BROADCAST=aux_broadcastable(8, block_r // 2), **consts)
+    else:
+        _mla_decode_split_kernel[grid](
+            *args, MODE=mode, ROPE_MODE=rope_mode, AUX_GROUP=aux_group,
+            AUX_BROADCAST=aux_broadcastable(aux_group, block_r), **consts,
+        )
     if splits == 1:
         return part_out[:, :, 0].to(q_nope.dtype).contiguous(), part_lse[:, :, 0].contiguous()
     return merge_lse_triton(part_out, part_lse, out_dtype=q_nope.dtype)
