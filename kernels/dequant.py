@@ -1,15 +1,17 @@
 """In-kernel KV dequantization shared by the decode kernels (``@triton.jit`` helpers).
 
 Every helper loads a ``[BLOCK_N, BLOCK_D]`` tile of cached rows (tokens x features) and returns it
-dequantized to fp32, bit-exact with :mod:`kvconvert.quant.formats`:
+in the dot operand dtype. Together with the scalar scale the kernel applies after its dots, the
+values are exactly those of :mod:`kvconvert.quant.formats` (the only rounding is the dot dtype's):
 
 * ``MODE_PLAIN``   (0): 16/32-bit values, upcast to fp32 right after the load.
-* ``MODE_FP8``     (1): float8 values times one fp32 ``scale`` (per tensor, or the head's own).
+* ``MODE_FP8``     (1): float8 values times one fp32 ``scale`` (per tensor, or the head's own), the
+  scale applied by the kernel to the dot results.
 * ``MODE_FP8_TILE``(2): float8 values times an fp32 scale per ``AUX_GROUP`` consecutive features,
   read from an aux tensor (FlashMLA-like per-tile scales).
 * ``MODE_NVFP4``   (3): packed uint8 (element 2i in the low nibble) decoded to E2M1, times the
-  e4m3 block scale of each 16 features (aux tensor), times the fp32 global ``scale``:
-  ``(e2m1 * s_b) * g`` in that order, as in ``nvfp4_dequantize``. NVFP4 rows are not returned as
+  e4m3 block scale of each 16 features (aux tensor), times the fp32 global ``scale`` (applied by
+  the kernel to the dot results; ``e2m1 * s_b`` is exact in fp16, so no rounding is added). NVFP4 rows are not returned as
   one tile but as two ``[BLOCK_N, BLOCK_D // 2]`` halves, even and odd features
   (:func:`load_nvfp4_halves`): the packed bytes load contiguously (vectorized) and each nibble
   plane feeds its own dot, so no register shuffle re-interleaves them. The kernels split q and the
@@ -37,12 +39,16 @@ DOT_PRECISIONS = ("fp32", "bf16", "fp16")
 if HAS_TRITON:
 
     @triton.jit
-    def e2m1_code_to_f32(code):
-        """int32 codes 0..15 -> fp32 E2M1 values: m<4 -> m/2; m in 4,5 -> m-2; m in 6,7 -> 2(m-4)."""
-        m = code & 7
-        mf = m.to(tl.float32)
-        mag = tl.where(m < 4, mf * 0.5, tl.where(m < 6, mf - 2.0, (mf - 4.0) * 2.0))
-        return tl.where((code & 8) != 0, -mag, mag)
+    def e2m1_code_to_f16(code):
+        """int32 codes 0..15 -> exact fp16 E2M1 values, by bit placement rather than arithmetic.
+
+        The magnitude bits (e1 e0 m) go to fp16 bits 11..9 (the exponent's two low bits and the
+        mantissa's top bit), the sign to bit 15. That fp16 is the E2M1 value times 2^-14 for every
+        code, the E2M1 subnormal (e = 0: 0 or 0.5) landing on an fp16 subnormal, so one exact
+        multiply by 2^14 finishes the decode.
+        """
+        bits = ((code & 8) << 12) | ((code & 7) << 9)
+        return (bits.to(tl.uint16).to(tl.float16, bitcast=True) * 16384.0).to(tl.float16)
 
     @triton.jit
     def load_group_scales(
@@ -53,55 +59,59 @@ if HAS_TRITON:
         D,
         AUX_GROUP: tl.constexpr,
         AUX_BROADCAST: tl.constexpr,
+        S_DTYPE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        """fp32 ``[BLOCK_N, BLOCK_D]``: the scale of each feature's group, from aux rows at aux_row_off."""
+        """``[BLOCK_N, BLOCK_D]`` in S_DTYPE: the scale of each feature's group, from aux rows at aux_row_off."""
         n_groups = D // AUX_GROUP
         if AUX_BROADCAST:
             N_AUX: tl.constexpr = BLOCK_D // AUX_GROUP
             offs_a = tl.arange(0, N_AUX)
             a_mask = row_mask[:, None] & (offs_a < n_groups)[None, :]
             s = tl.load(aux_ptr + aux_row_off[:, None] + offs_a[None, :], mask=a_mask, other=0.0)
-            s = s.to(tl.float32)
+            s = s.to(tl.float32).to(S_DTYPE)  # convert the small [BLOCK_N, N_AUX] tile, then expand
             s = tl.broadcast_to(s[:, :, None], (BLOCK_N, N_AUX, AUX_GROUP))
             return tl.reshape(s, (BLOCK_N, BLOCK_D))
         else:
             g_mask = row_mask[:, None] & (offs_d < D)[None, :]
             s = tl.load(aux_ptr + aux_row_off[:, None] + (offs_d // AUX_GROUP)[None, :], mask=g_mask, other=0.0)
-            return s.to(tl.float32)
+            return s.to(tl.float32).to(S_DTYPE)
 
     @triton.jit
-    def load_dequant_tile(
+    def load_kv_tile(
         data_ptr,
         row_off,
         row_mask,
         D,
         aux_ptr,
         aux_row_off,
-        scale,
         MODE: tl.constexpr,
         AUX_GROUP: tl.constexpr,
         AUX_BROADCAST: tl.constexpr,
+        OUT_DTYPE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        """Dequantized fp32 tile ``[BLOCK_N, BLOCK_D]`` of rows starting at ``data_ptr + row_off``.
+        """Tile ``[BLOCK_N, BLOCK_D]`` in OUT_DTYPE (the dot operand dtype) of rows at ``data_ptr + row_off``.
 
         row_off / aux_row_off: int64 ``[BLOCK_N]`` element offsets of each row in the data / aux
         tensor (features contiguous). Masked rows and features beyond D read as 0.
+
+        MODE_FP8 tiles are the raw float8 values, exact in bf16/fp16/fp32: the per-tensor or per-head
+        scale is a scalar per program, so the kernel applies it to the fp32 dot results instead of
+        to every element (one multiply per score / output instead of one per cached value).
+        MODE_FP8_TILE tiles are fully dequantized (fp32 product, one rounding to OUT_DTYPE).
         """
         tl.static_assert(MODE != 3, "NVFP4 rows load as even/odd halves: use load_nvfp4_halves")
         offs_d = tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (offs_d < D)[None, :]
         x = tl.load(data_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MODE == 1:
-            x = x * scale
         if MODE == 2:
             x = x * load_group_scales(
-                aux_ptr, aux_row_off, offs_d, row_mask, D, AUX_GROUP, AUX_BROADCAST, BLOCK_N, BLOCK_D
+                aux_ptr, aux_row_off, offs_d, row_mask, D, AUX_GROUP, AUX_BROADCAST, tl.float32, BLOCK_N, BLOCK_D
             )
-        return x
+        return x.to(OUT_DTYPE)
 
     @triton.jit
     def load_nvfp4_halves(
@@ -111,12 +121,16 @@ if HAS_TRITON:
         D,
         aux_ptr,
         aux_row_off,
-        scale,
         AUX_BROADCAST: tl.constexpr,
+        OUT_DTYPE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        """NVFP4 rows as two fp32 tiles ``[BLOCK_N, BLOCK_D // 2]``: (features 0, 2, 4, ..., 1, 3, 5, ...).
+        """NVFP4 rows as two tiles ``[BLOCK_N, BLOCK_D // 2]`` in OUT_DTYPE: features 0, 2, 4, ... and 1, 3, 5, ...
+
+        Values are ``e2m1 * block_scale`` without the fp32 global scale (a scalar per program that
+        the kernel applies to the dot results). That product is exact in fp16 and so in every dot
+        dtype: a 2-bit by 4-bit significand, magnitude between 2^-10 and 6 * 448 = 2688.
 
         Byte j of a row holds features 2j (low nibble) and 2j+1 (high nibble), and both lie in
         block-scale group 2j // 16 = j // 8: the halves share one scale tile with groups of 8.
@@ -127,9 +141,9 @@ if HAS_TRITON:
         offs_j = tl.arange(0, HALF)
         mask = row_mask[:, None] & (offs_j < D // 2)[None, :]
         packed = tl.load(data_ptr + row_off[:, None] + offs_j[None, :], mask=mask, other=0).to(tl.int32)
-        s = load_group_scales(aux_ptr, aux_row_off, offs_j, row_mask, D // 2, 8, AUX_BROADCAST, BLOCK_N, HALF)
-        even = (e2m1_code_to_f32(packed & 15) * s) * scale
-        odd = (e2m1_code_to_f32(packed >> 4) * s) * scale
+        s = load_group_scales(aux_ptr, aux_row_off, offs_j, row_mask, D // 2, 8, AUX_BROADCAST, tl.float16, BLOCK_N, HALF)
+        even = (e2m1_code_to_f16(packed & 15) * s).to(OUT_DTYPE)
+        odd = (e2m1_code_to_f16(packed >> 4) * s).to(OUT_DTYPE)
         return even, odd
 
 

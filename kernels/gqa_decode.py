@@ -44,7 +44,7 @@ from .merge import merge_lse_triton
 GQA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "nvfp4": MODE_NVFP4}
 
 if HAS_TRITON:
-    from .dequant import load_dequant_tile, load_nvfp4_halves
+    from .dequant import load_kv_tile, load_nvfp4_halves
 
     @triton.jit
     def _gqa_decode_split_kernel(
@@ -90,25 +90,29 @@ if HAS_TRITON:
             n_mask = offs_n < end
             phys = tl.load(block_tables_ptr + b * stride_bt_b + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
             slot = (offs_n % block_size).to(tl.int64)
-            k = load_dequant_tile(
+            k = load_kv_tile(
                 k_ptr, phys * stride_k_blk + slot * stride_k_tok + kvh * stride_k_head, n_mask, D,
-                k_aux_ptr, phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head, k_scale,
-                MODE, 16, AUX_BROADCAST, BLOCK_N, BLOCK_D,
+                k_aux_ptr, phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head,
+                MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D,
             )
-            v = load_dequant_tile(
+            v = load_kv_tile(
                 v_ptr, phys * stride_v_blk + slot * stride_v_tok + kvh * stride_v_head, n_mask, D,
-                v_aux_ptr, phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head, v_scale,
-                MODE, 16, AUX_BROADCAST, BLOCK_N, BLOCK_D,
+                v_aux_ptr, phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head,
+                MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D,
             )
-            qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if MODE == 1:  # raw fp8 keys: the head's scale, applied to the scores
+                qk = qk * k_scale
             qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        if MODE == 1:  # raw fp8 values: the head's scale, applied to the output
+            acc = acc * v_scale
         nonempty = l_i > 0
         l_safe = tl.where(nonempty, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -172,25 +176,29 @@ if HAS_TRITON:
             slot = (offs_n % block_size).to(tl.int64)
             k_even, k_odd = load_nvfp4_halves(
                 k_ptr, phys * stride_k_blk + slot * stride_k_tok + kvh * stride_k_head, n_mask, D,
-                k_aux_ptr, phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head, k_scale,
-                AUX_BROADCAST, BLOCK_N, BLOCK_D,
+                k_aux_ptr, phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head,
+                AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D,
             )
             v_even, v_odd = load_nvfp4_halves(
                 v_ptr, phys * stride_v_blk + slot * stride_v_tok + kvh * stride_v_head, n_mask, D,
-                v_aux_ptr, phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head, v_scale,
-                AUX_BROADCAST, BLOCK_N, BLOCK_D,
+                v_aux_ptr, phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head,
+                AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D,
             )
-            qk = tl.dot(q_even, tl.trans(k_even.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-            qk += tl.dot(q_odd, tl.trans(k_odd.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            qk = tl.dot(q_even, tl.trans(k_even), input_precision=DOT_PRECISION)
+            qk += tl.dot(q_odd, tl.trans(k_odd), input_precision=DOT_PRECISION)
+            qk = qk * k_scale  # the keys' global scale
             qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             p = p.to(DOT_DTYPE)
-            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PRECISION)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PRECISION)
             m_i = m_new
+
+        acc_even = acc_even * v_scale  # the values' global scale
+        acc_odd = acc_odd * v_scale
 
         nonempty = l_i > 0
         l_safe = tl.where(nonempty, l_i, 1.0)

@@ -54,7 +54,7 @@ from .merge import merge_lse_triton
 MLA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "fp8_tile": MODE_FP8_TILE, "nvfp4": MODE_NVFP4}
 
 if HAS_TRITON:
-    from .dequant import load_dequant_tile, load_nvfp4_halves
+    from .dequant import load_kv_tile, load_nvfp4_halves
 
     @triton.jit
     def _mla_decode_split_kernel(
@@ -96,7 +96,7 @@ if HAS_TRITON:
         # dot operands: fp32 (IEEE) or rounded once to bf16/fp16 for tensor cores
         q_nope = q_nope.to(DOT_DTYPE)
         q_rope = q_rope.to(DOT_DTYPE)
-        scale = tl.load(scale_ptr)  # fp8 dequant scale / nvfp4 global scale (unused for plain)
+        scale = tl.load(scale_ptr)  # fp8 tensor scale (unused for plain and fp8_tile)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -106,19 +106,20 @@ if HAS_TRITON:
             n_mask = offs_n < end
             phys = tl.load(block_tables_ptr + b * stride_bt_b + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
             slot = (offs_n % block_size).to(tl.int64)
-            latent = load_dequant_tile(
+            latent = load_kv_tile(
                 kv_ptr, phys * stride_kv_blk + slot * stride_kv_tok, n_mask, R,
-                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok, scale,
-                MODE, AUX_GROUP, AUX_BROADCAST, BLOCK_N, BLOCK_R,
+                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok,
+                MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R,
             )
-            rope = load_dequant_tile(
+            rope = load_kv_tile(
                 rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P,
-                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok, scale,
-                ROPE_MODE, AUX_GROUP, AUX_BROADCAST, BLOCK_N, BLOCK_P,
+                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok,
+                ROPE_MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_P,
             )
-            latent = latent.to(DOT_DTYPE)
             qk = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
-            qk += tl.dot(q_rope, tl.trans(rope.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            qk += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION)
+            if MODE == 1:  # fp8 row (latent and RoPE): the tensor scale, applied to the scores
+                qk = qk * scale
             qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -127,6 +128,8 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), latent, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        if MODE == 1:  # the latent values were unscaled fp8
+            acc = acc * scale
         # an empty range (l_i == 0) stores out 0 and lse -inf, so the merge gives it weight 0
         nonempty = l_i > 0
         l_safe = tl.where(nonempty, l_i, 1.0)
@@ -193,18 +196,18 @@ if HAS_TRITON:
             slot = (offs_n % block_size).to(tl.int64)
             c_even, c_odd = load_nvfp4_halves(
                 kv_ptr, phys * stride_kv_blk + slot * stride_kv_tok, n_mask, R,
-                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok, scale,
-                AUX_BROADCAST, BLOCK_N, BLOCK_R,
+                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok,
+                AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R,
             )
-            rope = load_dequant_tile(
+            rope = load_kv_tile(
                 rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P,
-                aux_ptr, 0, scale, 0, 16, False, BLOCK_N, BLOCK_P,
+                aux_ptr, 0, 0, 16, False, DOT_DTYPE, BLOCK_N, BLOCK_P,
             )
-            c_even = c_even.to(DOT_DTYPE)
-            c_odd = c_odd.to(DOT_DTYPE)
+            # the global scale multiplies the latent's scores (not RoPE's) and, below, its output
             qk = tl.dot(q_even, tl.trans(c_even), input_precision=DOT_PRECISION)
             qk += tl.dot(q_odd, tl.trans(c_odd), input_precision=DOT_PRECISION)
-            qk += tl.dot(q_rope, tl.trans(rope.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            qk = qk * scale
+            qk += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION)
             qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -215,6 +218,8 @@ if HAS_TRITON:
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p, c_odd, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        acc_even = acc_even * scale  # the latent values lacked the global scale
+        acc_odd = acc_odd * scale
         nonempty = l_i > 0
         l_safe = tl.where(nonempty, l_i, 1.0)
         lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
