@@ -11,8 +11,8 @@ values are exactly those of :mod:`kvconvert.quant.formats` (the only rounding is
   read from an aux tensor (FlashMLA-like per-tile scales).
 * ``MODE_NVFP4``   (3): packed uint8 (element 2i in the low nibble) decoded to E2M1, times the
   e4m3 block scale of each 16 features (aux tensor), times the fp32 global ``scale`` (applied by
-  the kernel to the dot results; ``e2m1 * s_b`` is exact in fp16, so no rounding is added). NVFP4 rows are not returned as
-  one tile but as two ``[BLOCK_N, BLOCK_D // 2]`` halves, even and odd features
+  the kernel to the dot results; ``e2m1 * s_b`` is exact in fp16, so no rounding is added).
+  NVFP4 rows are not returned as one tile but as two ``[BLOCK_N, BLOCK_D // 2]`` halves, even and odd features
   (:func:`load_nvfp4_halves`): the packed bytes load contiguously (vectorized) and each nibble
   plane feeds its own dot, so no register shuffle re-interleaves them. The kernels split q and the
   output the same way: ``q . k = q[0::2] . k_even + q[1::2] . k_odd``.
@@ -106,6 +106,7 @@ if HAS_TRITON:
         tl.static_assert(MODE != 3, "NVFP4 rows load as even/odd halves: use load_nvfp4_halves")
         offs_d = tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (offs_d < D)[None, :]
+        # through fp32 even for float8 -> bf16: a direct conversion measured the same on an H100
         x = tl.load(data_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         if MODE == 2:
             x = x * load_group_scales(

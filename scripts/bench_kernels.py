@@ -13,7 +13,7 @@ Writes docs/bench_kernels.json and docs/bench_kernels.md (a markdown section). W
 (or without Triton) it prints that the benchmark was not run and exits 0; the kernels' correctness
 on CPU is covered by tests/kernels in the Triton interpreter.
 
-    python scripts/bench_kernels.py            # full: ~5 min on an H100
+    python scripts/bench_kernels.py            # full: about 1 min on an H100
     python scripts/bench_kernels.py --quick    # 1K and 8K contexts, a small tuning grid
     python scripts/bench_kernels.py --cpu-smoke  # plumbing check in the Triton interpreter (numbers meaningless)
 """
@@ -146,8 +146,10 @@ def rel_err(torch, a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
-def LOW_DOT() -> str:  # noqa: N802 - bf16 dots are wrong in the interpreter; fp16 is exact there
-    return "fp16" if DEVICE == "cpu" else "bf16"
+def check_dots() -> list[tuple[str, float]]:
+    """(dot precision, max rel. error) pairs to check; bf16 dots are wrong in the interpreter."""
+    low = [("fp16", 1e-2)] if DEVICE == "cpu" else [("bf16", 1e-2), ("fp16", 1e-2)]
+    return low + [("fp32", 1e-4)]
 
 
 def check_kernels(torch):
@@ -167,7 +169,7 @@ def check_kernels(torch):
             cache, qn, qr, tables, lens, scale = mla_case(torch, mode, 3, heads, 300, 64, rank, rope, seed=1)
             lens = torch.tensor([300, 1, 129], dtype=torch.int32, device=DEVICE)
             ref, ref_lse = paged_mla_decode_reference(qn.float(), qr.float(), cache, tables, lens, scale)
-            for dot, tol in ((LOW_DOT(), 1e-2), ("fp32", 1e-4)):
+            for dot, tol in check_dots():
                 out, lse = paged_mla_decode_triton(qn.float(), qr.float(), cache, tables, lens, scale, dot=dot)
                 err = rel_err(torch, out, ref)
                 results.append({"kernel": "mla", "mode": mode, "shape": f"R{rank}+{rope} H{heads}", "dot": dot,
@@ -177,7 +179,7 @@ def check_kernels(torch):
             cache, q, tables, lens, scale = gqa_case(torch, mode, 3, hq, hk, d, 300, 16, seed=2)
             lens = torch.tensor([300, 0, 77], dtype=torch.int32, device=DEVICE)
             ref, _ = paged_gqa_decode_reference(q.float(), cache, tables, lens, scale)
-            for dot, tol in ((LOW_DOT(), 1e-2), ("fp32", 1e-4)):
+            for dot, tol in check_dots():
                 out, _ = paged_gqa_decode_triton(q.float(), cache, tables, lens, scale, dot=dot)
                 err = rel_err(torch, out, ref)
                 results.append({"kernel": "gqa", "mode": mode, "shape": f"{hq}q/{hk}kv D{d}", "dot": dot,
@@ -255,7 +257,7 @@ def bench_mla(torch, args, contexts, grid, peak):
     for mode in MLA_MODES:
         cache, qn, qr, tables, lens, scale = mla_case(torch, mode, args.batch, args.mla_heads, args.tune_context, args.block_size)
         base = default_num_splits(args.batch, math.ceil(args.mla_heads / 16), args.tune_context, 16)
-        splits = sorted({max(1, base // 2), base, base * 2})
+        splits = sorted({max(1, base // 2), base, base * 2, base * 4})
         run = lambda cfg: paged_mla_decode_triton(qn, qr, cache, tables, lens, scale, **cfg)  # noqa: E731
         best, tried = tune(run, grid, splits)
         tuning[mode] = {"best": best, "tried": tried}
@@ -273,6 +275,9 @@ def bench_mla(torch, args, contexts, grid, peak):
                 plain_ms[context] = ms
             elif context in plain_ms:
                 rows[-1]["unfused_us"] = (dequant_first_ms(torch, cache) + plain_ms[context]) * 1e3
+            if mode != "none":  # quantized values are exact in fp16: the same step with fp16 dot operands
+                ms16 = time_ms(lambda: paged_mla_decode_triton(qn, qr, cache, tables, lens, scale, dot="fp16", **cfg))
+                rows.append(result_row("triton-fp16dot", mode, cache, args.batch, context, ms16, peak, cfg))
             if mode == "none":
                 rows += mla_baselines(torch, cache, qn, qr, tables, lens, scale, args.batch, context, peak)
             torch.cuda.empty_cache()
@@ -300,6 +305,9 @@ def bench_gqa(torch, args, contexts, grid, peak, shape=(32, 8, 128)):
                 plain_ms[context] = ms
             elif context in plain_ms:
                 rows[-1]["unfused_us"] = (dequant_first_ms(torch, cache) + plain_ms[context]) * 1e3
+            if mode != "none":
+                ms16 = time_ms(lambda: paged_gqa_decode_triton(q, cache, tables, lens, scale, dot="fp16", **best))
+                rows.append(result_row("triton-fp16dot", mode, cache, args.batch, context, ms16, peak, best))
             if mode in ("none", "fp8"):
                 rows += gqa_baselines(torch, mode, cache, q, tables, lens, scale, args.batch, context, peak)
             torch.cuda.empty_cache()
