@@ -7,7 +7,7 @@ import pytest
 from kvconvert.errors import KVConvertError, OutputExistsError, UnsupportedModelError
 from kvconvert.heal.api import heal, state_dir_for
 
-from conftest import build_llama, build_tokenizer, convert_tiny, distill_recipe, layerwise_recipe
+from heal_cases import build_llama, build_tokenizer, convert_tiny, distill_recipe, layerwise_recipe
 
 
 def _no_training_happened(out):

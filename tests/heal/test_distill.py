@@ -8,7 +8,7 @@ from kvconvert.checkpoint import CheckpointReader
 from kvconvert.heal.api import heal, state_dir_for
 from kvconvert.heal.distill import kl_loss
 
-from conftest import distill_recipe
+from heal_cases import distill_recipe
 
 
 def test_kl_loss_reference():

@@ -15,7 +15,7 @@ from kvconvert.mla.llama_block import llama_attention
 from kvconvert.mla.mla_block import mla_attention
 from kvconvert.recipe import LayerwiseStage
 
-from conftest import layerwise_recipe
+from heal_cases import layerwise_recipe
 
 
 def _layer0(student, teacher, n=12, t=128, seed=0):

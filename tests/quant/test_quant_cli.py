@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import read_json
+from quant_cases import read_json
 from safetensors.torch import load_file, save_file
 
 from kvconvert.checkpoint import CheckpointReader

@@ -2,14 +2,7 @@
 
 import pytest
 import torch
-import importlib.util
-from pathlib import Path
-
-# Load this folder's conftest by path: `from conftest import` picks whichever conftest pytest registered last.
-_spec = importlib.util.spec_from_file_location("quant_conftest", Path(__file__).with_name("conftest.py"))
-_helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_helpers)
-make_deepseek, make_llama = _helpers.make_deepseek, _helpers.make_llama
+from quant_cases import make_deepseek, make_llama
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.quant.capture import load_model

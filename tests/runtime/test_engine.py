@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import VOCAB, add_tensors, build_deepseek
+from runtime_cases import VOCAB, add_tensors, build_deepseek
 from kvconvert.runtime import LLM, SamplingParams
 from kvconvert.runtime.model_runner import top_p_filter
 

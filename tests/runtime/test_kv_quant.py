@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, add_tensors, load_reference
+from runtime_cases import VOCAB, add_tensors, load_reference
 from kvconvert.runtime import LLM, SamplingParams
 from transformers import DynamicCache
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, build_deepseek, build_llama, load_reference
+from runtime_cases import VOCAB, build_deepseek, build_llama, load_reference
 from kvconvert.runtime import LLM, SamplingParams
 from kvconvert.runtime.layers import rope_inv_freq, rope_parameters, yarn_softmax_scale
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-from conftest import VOCAB
+from runtime_cases import VOCAB
 
 from kvconvert.cli import cli
 

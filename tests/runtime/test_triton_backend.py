@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import VOCAB
+from runtime_cases import VOCAB
 from kvconvert.runtime import LLM, SamplingParams
 
 from kvconvert.errors import KVConvertError

@@ -1,0 +1,76 @@
+"""Tiny random Llama / DeepSeek-V3 checkpoints built with transformers (fast, no network).
+
+Helpers shared by this folder's tests (fixtures live in conftest.py). A uniquely named module, so
+`from runtime_cases import ...` resolves to this folder whatever pytest collected first."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file, save_file
+
+VOCAB = 96
+
+
+def _perturb_norms(model, seed: int) -> None:
+    """Random RMSNorm weights (transformers initialises them to 1, which would hide norm bugs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+
+
+def build_llama(path, *, heads=4, kv_heads=2, tie=True, rope=None, bias=False, seed=0, layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=256,
+        tie_word_embeddings=tie, rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=bias, mlp_bias=bias, initializer_range=0.15, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def build_deepseek(path, *, interleave=True, q_lora_rank=None, rope=None, bias=False, seed=0, layers=2,
+                   kv_lora_rank=32):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=layers, n_routed_experts=4,
+        tie_word_embeddings=False, max_position_embeddings=256, rope_interleave=interleave,
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0}, attention_bias=bias,
+        initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def add_tensors(src, dst, extra: dict[str, torch.Tensor], config_update: dict | None = None):
+    """Copy a single-file checkpoint to dst with extra tensors (e.g. KV scales) and config keys."""
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(src / "model.safetensors")
+    tensors.update(extra)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config.update(config_update or {})
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def load_reference(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
