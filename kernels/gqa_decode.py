@@ -45,6 +45,12 @@ GQA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "nvfp4": MODE_NVFP4}
 
 if HAS_TRITON:
     from .dequant import load_kv_tile, load_nvfp4_halves
+    from .split_softmax import (
+        finish_softmax,
+        online_softmax_step,
+        paged_slots,
+        split_token_range,
+    )
 
     @triton.jit
     def _gqa_decode_split_kernel(
@@ -69,10 +75,7 @@ if HAS_TRITON:
         offs_h = kv_head * GROUP + in_group  # query heads served by this KV head
         offs_d = tl.arange(0, BLOCK_D)
 
-        seq_len = tl.load(seq_lens_ptr + b)
-        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
+        start, end = split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
         q = tl.load(
             q_ptr + b * stride_q_b + offs_h[:, None] * stride_q_h + offs_d[None, :],
@@ -88,8 +91,7 @@ if HAS_TRITON:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            phys = tl.load(block_tables_ptr + b * stride_bt_b + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-            slot = (offs_n % block_size).to(tl.int64)
+            phys, slot = paged_slots(block_tables_ptr + b * stride_bt_b, offs_n, n_mask, block_size)
             k = load_kv_tile(
                 k_ptr, phys * stride_k_blk + slot * stride_k_tok + kvh * stride_k_head, n_mask, D,
                 k_aux_ptr, phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head,
@@ -103,20 +105,13 @@ if HAS_TRITON:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if MODE == 1:  # raw fp8 keys: the head's scale, applied to the scores
                 qk = qk * k_scale
-            qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-            m_i = m_new
 
         if MODE == 1:  # raw fp8 values: the head's scale, applied to the output
             acc = acc * v_scale
-        nonempty = l_i > 0
-        l_safe = tl.where(nonempty, l_i, 1.0)
+        l_safe, lse = finish_softmax(m_i, l_i)
         out = acc / l_safe[:, None]
-        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
         tl.store(
             part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s + offs_d[None, :],
             out, mask=h_mask[:, None] & (offs_d < D)[None, :],
@@ -152,10 +147,7 @@ if HAS_TRITON:
         HALF: tl.constexpr = BLOCK_D // 2
         offs_j = tl.arange(0, HALF)
 
-        seq_len = tl.load(seq_lens_ptr + b)
-        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
+        start, end = split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
         q_rows = q_ptr + b * stride_q_b + offs_h[:, None] * stride_q_h
         j_mask = h_mask[:, None] & (offs_j < D // 2)[None, :]
@@ -172,8 +164,7 @@ if HAS_TRITON:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            phys = tl.load(block_tables_ptr + b * stride_bt_b + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-            slot = (offs_n % block_size).to(tl.int64)
+            phys, slot = paged_slots(block_tables_ptr + b * stride_bt_b, offs_n, n_mask, block_size)
             k_even, k_odd = load_nvfp4_halves(
                 k_ptr, phys * stride_k_blk + slot * stride_k_tok + kvh * stride_k_head, n_mask, D,
                 k_aux_ptr, phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head,
@@ -187,22 +178,15 @@ if HAS_TRITON:
             qk = tl.dot(q_even, tl.trans(k_even), input_precision=DOT_PRECISION)
             qk += tl.dot(q_odd, tl.trans(k_odd), input_precision=DOT_PRECISION)
             qk = qk * k_scale  # the keys' global scale
-            qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
             p = p.to(DOT_DTYPE)
             acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PRECISION)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PRECISION)
-            m_i = m_new
 
         acc_even = acc_even * v_scale  # the values' global scale
         acc_odd = acc_odd * v_scale
 
-        nonempty = l_i > 0
-        l_safe = tl.where(nonempty, l_i, 1.0)
-        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        l_safe, lse = finish_softmax(m_i, l_i)
         out_rows = part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
         tl.store(out_rows + 2 * offs_j[None, :], acc_even / l_safe[:, None], mask=j_mask)
         tl.store(out_rows + 2 * offs_j[None, :] + 1, acc_odd / l_safe[:, None], mask=j_mask)

@@ -55,6 +55,12 @@ MLA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "fp8_tile": MODE_FP8_TILE, 
 
 if HAS_TRITON:
     from .dequant import load_kv_tile, load_nvfp4_halves
+    from .split_softmax import (
+        finish_softmax,
+        online_softmax_step,
+        paged_slots,
+        split_token_range,
+    )
 
     @triton.jit
     def _mla_decode_split_kernel(
@@ -79,10 +85,7 @@ if HAS_TRITON:
         offs_r = tl.arange(0, BLOCK_R)
         offs_p = tl.arange(0, BLOCK_P)
 
-        seq_len = tl.load(seq_lens_ptr + b)
-        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
+        start, end = split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
         # queries upcast to fp32 right after the load
         q_nope = tl.load(
@@ -104,8 +107,7 @@ if HAS_TRITON:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            phys = tl.load(block_tables_ptr + b * stride_bt_b + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-            slot = (offs_n % block_size).to(tl.int64)
+            phys, slot = paged_slots(block_tables_ptr + b * stride_bt_b, offs_n, n_mask, block_size)
             latent = load_kv_tile(
                 kv_ptr, phys * stride_kv_blk + slot * stride_kv_tok, n_mask, R,
                 aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok,
@@ -120,21 +122,13 @@ if HAS_TRITON:
             qk += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION)
             if MODE == 1:  # fp8 row (latent and RoPE): the tensor scale, applied to the scores
                 qk = qk * scale
-            qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), latent, input_precision=DOT_PRECISION)
-            m_i = m_new
 
         if MODE == 1:  # the latent values were unscaled fp8
             acc = acc * scale
-        # an empty range (l_i == 0) stores out 0 and lse -inf, so the merge gives it weight 0
-        nonempty = l_i > 0
-        l_safe = tl.where(nonempty, l_i, 1.0)
+        l_safe, lse = finish_softmax(m_i, l_i)
         out = acc / l_safe[:, None]
-        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
         tl.store(
             part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s + offs_r[None, :],
             out, mask=h_mask[:, None] & (offs_r < R)[None, :],
@@ -170,10 +164,7 @@ if HAS_TRITON:
         offs_j = tl.arange(0, HALF)
         offs_p = tl.arange(0, BLOCK_P)
 
-        seq_len = tl.load(seq_lens_ptr + b)
-        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
+        start, end = split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
         qn_rows = q_nope_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h
         j_mask = h_mask[:, None] & (offs_j < R // 2)[None, :]
@@ -192,8 +183,7 @@ if HAS_TRITON:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            phys = tl.load(block_tables_ptr + b * stride_bt_b + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-            slot = (offs_n % block_size).to(tl.int64)
+            phys, slot = paged_slots(block_tables_ptr + b * stride_bt_b, offs_n, n_mask, block_size)
             c_even, c_odd = load_nvfp4_halves(
                 kv_ptr, phys * stride_kv_blk + slot * stride_kv_tok, n_mask, R,
                 aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok,
@@ -208,21 +198,14 @@ if HAS_TRITON:
             qk += tl.dot(q_odd, tl.trans(c_odd), input_precision=DOT_PRECISION)
             qk = qk * scale
             qk += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION)
-            qk = tl.where(n_mask[None, :], qk * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
             p = p.to(DOT_DTYPE)
             acc_even = acc_even * alpha[:, None] + tl.dot(p, c_even, input_precision=DOT_PRECISION)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p, c_odd, input_precision=DOT_PRECISION)
-            m_i = m_new
 
         acc_even = acc_even * scale  # the latent values lacked the global scale
         acc_odd = acc_odd * scale
-        nonempty = l_i > 0
-        l_safe = tl.where(nonempty, l_i, 1.0)
-        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        l_safe, lse = finish_softmax(m_i, l_i)
         out_rows = part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
         tl.store(out_rows + 2 * offs_j[None, :], acc_even / l_safe[:, None], mask=j_mask)
         tl.store(out_rows + 2 * offs_j[None, :] + 1, acc_odd / l_safe[:, None], mask=j_mask)
