@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from ._triton_compat import HAS_TRITON, tl, triton
 
-LN2 = 0.6931471805599453
-
 if HAS_TRITON:
 
     @triton.jit
@@ -46,4 +44,5 @@ if HAS_TRITON:
         stores as 0, and LSE -inf, so the merge gives it weight 0."""
         nonempty = l_i > 0
         l_safe = tl.where(nonempty, l_i, 1.0)
-        return l_safe, tl.where(nonempty, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+        # ln(2) literal: a @jit function may only read module globals that are tl.constexpr
+        return l_safe, tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
