@@ -250,6 +250,23 @@ def tune(run_with, grid, splits_candidates):
     return (best[0] if best else None), tried
 
 
+def measure_step(torch, step, mode, cache, batch, context, peak, cfg, plain_ms) -> list[dict]:
+    """Rows for one (mode, context): the decode ``step(dot=...)`` timed from a CUDA graph and eagerly,
+    the dequantize-first alternative (quantized modes, next to the plain time at this context), and
+    the same step with fp16 dot operands (exact for quantized values). ``plain_ms`` collects the
+    plain mode's times; MODES lists "none" first so they exist when the quantized modes run."""
+    call = lambda: step(dot=None)  # noqa: E731
+    ms = time_ms(call)
+    rows = [result_row("triton", mode, cache, batch, context, ms, peak, cfg, eager=eager_ms(call))]
+    if mode == "none":
+        plain_ms[context] = ms
+        return rows
+    if context in plain_ms:
+        rows[0]["unfused_us"] = (dequant_first_ms(torch, cache) + plain_ms[context]) * 1e3
+    rows.append(result_row("triton-fp16dot", mode, cache, batch, context, time_ms(lambda: step(dot="fp16")), peak, cfg))
+    return rows
+
+
 def bench_mla(torch, args, contexts, grid, peak):
     from kvconvert.kernels.mla_decode import default_num_splits, paged_mla_decode_triton
 
@@ -268,16 +285,8 @@ def bench_mla(torch, args, contexts, grid, peak):
             cache, qn, qr, tables, lens, scale = mla_case(torch, mode, args.batch, args.mla_heads, context, args.block_size)
             n_splits = max(1, round(default_num_splits(args.batch, math.ceil(args.mla_heads / 16), context, 16) * split_ratio))
             cfg = {**best, "num_splits": n_splits}
-            call = lambda: paged_mla_decode_triton(qn, qr, cache, tables, lens, scale, **cfg)  # noqa: E731
-            ms = time_ms(call)
-            rows.append(result_row("triton", mode, cache, args.batch, context, ms, peak, cfg, eager=eager_ms(call)))
-            if mode == "none":
-                plain_ms[context] = ms
-            elif context in plain_ms:
-                rows[-1]["unfused_us"] = (dequant_first_ms(torch, cache) + plain_ms[context]) * 1e3
-            if mode != "none":  # quantized values are exact in fp16: the same step with fp16 dot operands
-                ms16 = time_ms(lambda: paged_mla_decode_triton(qn, qr, cache, tables, lens, scale, dot="fp16", **cfg))
-                rows.append(result_row("triton-fp16dot", mode, cache, args.batch, context, ms16, peak, cfg))
+            step = lambda dot: paged_mla_decode_triton(qn, qr, cache, tables, lens, scale, dot=dot, **cfg)  # noqa: E731
+            rows += measure_step(torch, step, mode, cache, args.batch, context, peak, cfg, plain_ms)
             if mode == "none":
                 rows += mla_baselines(torch, cache, qn, qr, tables, lens, scale, args.batch, context, peak)
             torch.cuda.empty_cache()
@@ -298,16 +307,8 @@ def bench_gqa(torch, args, contexts, grid, peak, shape=(32, 8, 128)):
             continue
         for context in contexts:
             cache, q, tables, lens, scale = gqa_case(torch, mode, args.batch, hq, hk, d, context, args.block_size)
-            call = lambda: paged_gqa_decode_triton(q, cache, tables, lens, scale, **best)  # noqa: E731
-            ms = time_ms(call)
-            rows.append(result_row("triton", mode, cache, args.batch, context, ms, peak, best, eager=eager_ms(call)))
-            if mode == "none":
-                plain_ms[context] = ms
-            elif context in plain_ms:
-                rows[-1]["unfused_us"] = (dequant_first_ms(torch, cache) + plain_ms[context]) * 1e3
-            if mode != "none":
-                ms16 = time_ms(lambda: paged_gqa_decode_triton(q, cache, tables, lens, scale, dot="fp16", **best))
-                rows.append(result_row("triton-fp16dot", mode, cache, args.batch, context, ms16, peak, best))
+            step = lambda dot: paged_gqa_decode_triton(q, cache, tables, lens, scale, dot=dot, **best)  # noqa: E731
+            rows += measure_step(torch, step, mode, cache, args.batch, context, peak, best, plain_ms)
             if mode in ("none", "fp8"):
                 rows += gqa_baselines(torch, mode, cache, q, tables, lens, scale, args.batch, context, peak)
             torch.cuda.empty_cache()
