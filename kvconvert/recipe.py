@@ -146,8 +146,10 @@ class CalibrateStage(_Stage):
     granularity: str = "tensor"
     percentile: float = Field(99.99, gt=0, le=100)
     rotate: bool | None = None
+    key_phase: bool = True
+    value_rotation: bool | None = None
     rotation_block: int = Field(0, ge=0)
-    key_strength: float = Field(0.5, ge=0, le=1)
+    key_strength: float = Field(0.0, ge=0, le=1)
     search_tokens: int = Field(2048, ge=0)
     calib_data: str = "builtin"
     calib_tokens: int = Field(8192, gt=0)

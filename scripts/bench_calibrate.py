@@ -29,13 +29,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"fp8": 0.5, "nvfp4": 3.0}
 
 # name -> CalibrateJob overrides. "naive" = per-tensor amax/448, no rotation (the brief's baseline).
+# "key phase" = per-RoPE-pair q/k phases folded into the weights (on by default when rotating);
+# "V rotation" = Hadamard on V (nvfp4 default).
 CONFIGS = {
     "fp8 naive (amax, tensor)": {"kv_dtype": "fp8", "observer": "amax", "rotate": False},
-    "fp8 mse, tensor": {"kv_dtype": "fp8", "observer": "mse", "rotate": False},
-    "fp8 mse, head": {"kv_dtype": "fp8", "observer": "mse", "granularity": "head", "rotate": False, "fmt": "vllm"},
+    "fp8 amax + key phase": {"kv_dtype": "fp8", "observer": "amax"},
+    "fp8 mse + key phase (default)": {"kv_dtype": "fp8", "observer": "mse"},
+    "fp8 amax, head + key phase": {"kv_dtype": "fp8", "observer": "amax", "granularity": "head", "fmt": "vllm"},
+    "fp8 mse, head + key phase": {"kv_dtype": "fp8", "observer": "mse", "granularity": "head", "fmt": "vllm"},
     "nvfp4 naive (amax, tensor)": {"kv_dtype": "nvfp4", "observer": "amax", "rotate": False},
-    "nvfp4 mse, tensor": {"kv_dtype": "nvfp4", "observer": "mse", "rotate": False},
-    "nvfp4 rotate + mse (default)": {"kv_dtype": "nvfp4", "observer": "mse", "rotate": True},
+    "nvfp4 V rotation + mse": {"kv_dtype": "nvfp4", "observer": "mse", "key_phase": False},
+    "nvfp4 V rotation + key phase + mse (default)": {"kv_dtype": "nvfp4", "observer": "mse"},
 }
 
 

@@ -29,12 +29,15 @@ from kvconvert.quant.capture import (
 from kvconvert.quant.fake_quant import check_kv_dtype, scale_from_amax
 from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.observers import GRANULARITIES, OBSERVERS, KVObserver
+from kvconvert.quant.pair_stats import PairMomentObserver, PairMoments
 from kvconvert.quant.rotate import (
     RotationPlan,
     apply_plan_to_model,
     block_hadamard,
     pair_amax_from_channels,
     pair_equalizing_scale,
+    pair_noise,
+    pair_phase,
 )
 from kvconvert.quant.scales import KVScales
 from kvconvert.quant.search import search_layer_scales
@@ -44,9 +47,12 @@ from kvconvert.quant.search import search_layer_scales
 class CalibrationSettings:
     """How to calibrate (independent of where the result is written).
 
-    rotate: None = automatic (on for nvfp4, off for fp8). rotation_block: Hadamard block for V /
-    the MLA latent (0 = largest power of two dividing the dim, capped at 128). key_strength: RoPE-pair
-    equalization strength for keys (0 = off; used when rotating for nvfp4).
+    rotate: fold exact weight rewrites at all (None = on). What is folded when rotating:
+    key_phase: per-RoPE-pair phases of q/k that minimize the scores' rounding noise (rotate.pair_phase),
+    for every dtype that quantizes keys (not the MLA k_rope under nvfp4, which stays bf16).
+    value_rotation: Hadamard on V / the MLA latent (None = nvfp4 only; FP8's relative rounding does not
+    care). rotation_block: its Hadamard block (0 = largest power of two dividing the dim, capped at
+    128). key_strength: RoPE-pair amax equalization for nvfp4 keys (0 = off: measured worse).
     """
 
     kv_dtype: str
@@ -54,6 +60,8 @@ class CalibrationSettings:
     granularity: str = "tensor"
     percentile: float = 99.99
     rotate: bool | None = None
+    key_phase: bool = True
+    value_rotation: bool | None = None
     rotation_block: int = 0
     rotation_seed: int | None = 0
     key_strength: float = 0.0
@@ -75,7 +83,16 @@ class CalibrationSettings:
 
     @property
     def rotation_enabled(self) -> bool:
-        return self.kv_dtype == "nvfp4" if self.rotate is None else self.rotate
+        return self.rotate is not False and (self.key_phase or self.value_rotation_enabled
+                                             or self.key_strength > 0)
+
+    @property
+    def value_rotation_enabled(self) -> bool:
+        return self.kv_dtype == "nvfp4" if self.value_rotation is None else self.value_rotation
+
+    def key_phase_enabled(self, layout: KVLayout) -> bool:
+        """Phases only help where the (rope) keys are quantized: not the MLA k_rope under nvfp4 (bf16)."""
+        return self.key_phase and not (layout.is_mla and self.kv_dtype == "nvfp4")
 
 
 @dataclass
@@ -123,23 +140,54 @@ def observe_kv(model, layout: KVLayout, windows: torch.Tensor, batch_size: int,
 
 
 def plan_rotation(model, layout: KVLayout, settings: CalibrationSettings, windows: torch.Tensor) -> RotationPlan:
-    """Rotation for V / the MLA latent (Hadamard) and, for nvfp4, RoPE-pair key scaling.
+    """Hadamard for V / the MLA latent and per-RoPE-pair key factors (phase and, optionally, scale).
 
-    Key pair scales come from a statistics pass over (at most 8 of) the calibration windows.
+    Key statistics come from one pass over (at most 8 of) the calibration windows.
     """
-    dim = layout.kv_lora_rank if layout.is_mla else layout.head_dim
-    block = settings.rotation_block or (dim & -dim)
-    block = min(block, 128) if not settings.rotation_block else block
-    rot = block_hadamard(dim, block, settings.rotation_seed)
-    desc = {"value_rotation": f"hadamard block {block}" + (f", random signs seed {settings.rotation_seed}"
-                                                           if settings.rotation_seed is not None else ""),
-            "applies_to": "latent (MLA)" if layout.is_mla else "V per KV head"}
-    pair_scales = None
+    stat_windows = windows[:8]
+    desc: dict = {}
+    rot = None
+    if settings.value_rotation_enabled:
+        dim = layout.kv_lora_rank if layout.is_mla else layout.head_dim
+        block = settings.rotation_block or min(dim & -dim, 128)
+        rot = block_hadamard(dim, block, settings.rotation_seed)
+        desc["value_rotation"] = f"hadamard block {block}" + (
+            f", random signs seed {settings.rotation_seed}" if settings.rotation_seed is not None else "")
+        desc["applies_to"] = "latent (MLA)" if layout.is_mla else "V per KV head"
+    factors = None
+    if settings.key_phase_enabled(layout):
+        moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size)
+        factors = [pair_phase(m.q_moment, m.k_moment) for m in moments]
+        desc["key_pair_phase"] = _phase_summary(moments, factors, stat_windows)
     if settings.kv_dtype == "nvfp4" and settings.key_strength > 0:
-        stats = observe_kv(model, layout, windows[:8], settings.batch_size)
-        pair_scales = [_key_pair_scale(layout, obs, settings.key_strength) for obs in stats]
-        desc["key_pair_scaling"] = {"strength": settings.key_strength, "source_windows": int(min(8, windows.shape[0]))}
-    return RotationPlan(layout, rot, pair_scales, desc)
+        stats = observe_kv(model, layout, stat_windows, settings.batch_size)
+        scales = [_key_pair_scale(layout, obs, settings.key_strength) for obs in stats]
+        factors = scales if factors is None else [f * s for f, s in zip(factors, scales)]
+        desc["key_pair_scaling"] = {"strength": settings.key_strength, "source_windows": int(stat_windows.shape[0])}
+    return RotationPlan(layout, rot, factors, desc)
+
+
+def observe_pair_moments(model, layout: KVLayout, windows: torch.Tensor, batch_size: int) -> list[PairMoments]:
+    """Post-RoPE q/k pair moments per layer over all `windows` ([N, T]) (kvconvert.quant.pair_stats)."""
+    observer = PairMomentObserver(model, layout)
+    try:
+        with torch.no_grad():
+            for start in range(0, windows.shape[0], batch_size):
+                model(input_ids=windows[start:start + batch_size], use_cache=False)
+        return observer.result()
+    finally:
+        observer.remove()
+
+
+def _phase_summary(moments: list[PairMoments], factors: list[torch.Tensor], windows: torch.Tensor) -> dict:
+    """What the phases are predicted to do: the rope-key score noise after / before, per layer."""
+    ratio = []
+    for m, f in zip(moments, factors):
+        before = pair_noise(m.q_moment, m.k_moment, m.q_power, m.k_power).sum()
+        after = pair_noise(m.q_moment, m.k_moment, m.q_power, m.k_power, f).sum()
+        ratio.append(round(float(after / before), 4) if float(before) > 0 else 1.0)
+    return {"source_windows": int(windows.shape[0]), "predicted_noise_ratio_per_layer": ratio,
+            "predicted_noise_ratio_mean": round(sum(ratio) / len(ratio), 4)}
 
 
 def _key_pair_scale(layout: KVLayout, obs: dict[str, KVObserver], strength: float) -> torch.Tensor:

@@ -20,8 +20,9 @@ from kvconvert.quant.options import FORMATS, GRANULARITIES, KV_DTYPES, OBSERVERS
 @click.option("--format", "fmt", default="auto", show_default=True,
               help=f"Export names: {', '.join(FORMATS)} (auto: fp8 -> both, nvfp4 -> modelopt, per-head/e5m2 -> vllm).")
 @click.option("--rotate/--no-rotate", default=None,
-              help="Fold a Hadamard rotation into V / the MLA latent (exact, free at serving). "
-                   "Default: on for nvfp4, off for fp8.")
+              help="Fold exact rewrites into the weights (outputs unchanged in full precision, free at "
+                   "serving): per-RoPE-pair q/k phases that cut the keys' rounding noise (fp8, nvfp4), and a "
+                   "Hadamard rotation of V / the MLA latent (nvfp4). Default: on.")
 @click.option("--out", type=click.Path(), default=None, help="Output folder (written atomically).")
 @click.option("--in-place", is_flag=True, help="Rewrite only the changed files of --src (atomic per file, no backup).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")

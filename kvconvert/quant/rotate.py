@@ -6,20 +6,20 @@ GQA / MHA (Llama naming; weights ``[out, in]``):
 * V rotation. For each KV head g an orthogonal R (head_dim x head_dim): the cache holds R v.
   ``v_proj[g] <- R @ v_proj[g]`` (and its bias), and for every query head h reading g,
   ``o_proj[:, h] <- o_proj[:, h] @ R^T``, so attention outputs R (sum p v) and o_proj undoes R.
-* Key pair scaling. RoPE rotates pair (i, i + head_dim/2) of every head by the same angle, so a
-  positive scale alpha_i shared by both members of a pair commutes with it: ``k_proj`` pair rows
-  times alpha_i, the matching ``q_proj`` rows of every query head in the group divided by alpha_i;
-  every score q.k is unchanged. Equalizing the pairs' magnitudes helps block formats (NVFP4), where
-  one large channel sets the block scale of 15 others. Mixing different pairs would not commute with
-  RoPE; only this (and 2x2 rotations within a pair) is allowed on post-RoPE keys.
-
+* Key pair factors. RoPE multiplies pair (i, i + head_dim/2) of every head, read as the complex
+  number c_i = x_i + j x_{i+d/2}, by e^{j theta_i t}. Any complex factor z_i per pair commutes with
+  that: ``k_proj`` pair rows times z_i, the matching ``q_proj`` rows of every query head in the group
+  times z_i / |z_i|^2, and every score q.k = sum_i Re(q_i conj(k_i)) is unchanged. |z_i| is a scale
+  (equalizing the pairs' magnitudes for block formats, NVFP4), arg z_i a phase: it decides how the
+  pair's product q.k splits between its two stored channels, which sets how much rounding noise the
+  score gets (see :func:`pair_phase`). Mixing different pairs would not commute with RoPE.
 DeepSeek-V3 MLA:
 * Latent rotation. The cached latent is kv_a_layernorm(c) = w * c / rms(c) with c the first
   kv_lora_rank outputs of ``kv_a_proj_with_mqa``. rms is rotation-invariant but the weight w is not
   (w * Rc != R (w * c) unless w is uniform), so w is first folded into ``kv_b_proj`` columns
   (``kv_b <- kv_b diag(w)``, ``w <- 1``); then ``kv_a[:rank] <- R kv_a[:rank]`` and
   ``kv_b <- kv_b R^T``.
-* k_rope pair scaling: like the key pair scaling above, on the shared rope key (rows after the
+* k_rope pair factors: like the key pair factors above, on the shared rope key (rows after the
   latent in ``kv_a_proj_with_mqa``) and the rope rows of every query head (``q_proj`` or
   ``q_b_proj``). Pairs are (2i, 2i+1) when ``rope_interleave`` is set, else (i, i + r/2).
 
@@ -79,17 +79,18 @@ class RotationPlan:
     """What to rewrite in each layer's attention weights (see module docstring).
 
     value_rotation: [dim, dim] orthogonal (float64) applied to V per KV head (gqa) or to the latent
-    (mla), or None. key_pair_scale[l]: float64 [kv_heads, dim/2] (gqa) or [rope/2] (mla), or None.
+    (mla), or None. key_pair_factor[l]: complex128 [kv_heads, dim/2] (gqa) or [rope/2] (mla), nonzero,
+    or None (real tensors are taken as pure scales).
     """
 
     layout: KVLayout
     value_rotation: torch.Tensor | None = None
-    key_pair_scale: list[torch.Tensor] | None = None
+    key_pair_factor: list[torch.Tensor] | None = None
     description: dict = field(default_factory=dict)
 
     @property
     def is_identity(self) -> bool:
-        return self.value_rotation is None and self.key_pair_scale is None
+        return self.value_rotation is None and self.key_pair_factor is None
 
     def apply(self, layer: int, w: dict[str, torch.Tensor], num_q_heads: int) -> dict[str, torch.Tensor]:
         """Rewrite one layer's attention tensors.
@@ -99,7 +100,7 @@ class RotationPlan:
         """
         orig = {k: t.dtype for k, t in w.items()}
         w64 = {k: t.double() for k, t in w.items()}
-        pair = None if self.key_pair_scale is None else self.key_pair_scale[layer].double()
+        pair = None if self.key_pair_factor is None else self.key_pair_factor[layer].to(torch.complex128)
         if self.layout.is_mla:
             changed = _apply_mla(self.layout, w64, self.value_rotation, pair, num_q_heads)
         else:
@@ -127,18 +128,16 @@ def _apply_gqa(layout: KVLayout, w, rot, pair, n_q: int) -> dict:
         out["o_proj.weight"] = torch.einsum("ohj,ij->ohi", o, rot).reshape(o.shape[0], n_q * d)
     if pair is not None:
         if "k_norm.weight" in w or "q_norm.weight" in w:
-            raise UnsupportedModelError("key pair scaling is not supported with q_norm/k_norm (Qwen3-style) attention")
+            raise UnsupportedModelError("key pair factors are not supported with q_norm/k_norm (Qwen3-style) attention")
         _require(w, ["k_proj.weight", "q_proj.weight"])
-        first, second = rope_pairs(d, interleave=False)
-        per_dim = torch.empty(n_kv, d, dtype=torch.float64)
-        per_dim[:, first], per_dim[:, second] = pair, pair  # [kv_heads, d]
-        out["k_proj.weight"] = (w["k_proj.weight"].view(n_kv, d, -1) * per_dim[..., None]).reshape(n_kv * d, -1)
-        q_div = per_dim.repeat_interleave(group, dim=0)  # [n_q, d]
-        out["q_proj.weight"] = (w["q_proj.weight"].view(n_q, d, -1) / q_div[..., None]).reshape(n_q * d, -1)
+        pairs = rope_pairs(d, interleave=False)
+        q_factor = query_factor(pair).repeat_interleave(group, dim=0)  # [n_q, d/2]
+        out["k_proj.weight"] = multiply_pairs(w["k_proj.weight"].view(n_kv, d, -1), pair, pairs).reshape(n_kv * d, -1)
+        out["q_proj.weight"] = multiply_pairs(w["q_proj.weight"].view(n_q, d, -1), q_factor, pairs).reshape(n_q * d, -1)
         if "k_proj.bias" in w:
-            out["k_proj.bias"] = (w["k_proj.bias"].view(n_kv, d) * per_dim).reshape(-1)
+            out["k_proj.bias"] = multiply_pairs(w["k_proj.bias"].view(n_kv, d, 1), pair, pairs).reshape(-1)
         if "q_proj.bias" in w:
-            out["q_proj.bias"] = (w["q_proj.bias"].view(n_q, d) / q_div).reshape(-1)
+            out["q_proj.bias"] = multiply_pairs(w["q_proj.bias"].view(n_q, d, 1), q_factor, pairs).reshape(-1)
     return out
 
 
@@ -158,21 +157,70 @@ def _apply_mla(layout: KVLayout, w, rot, pair, n_q: int) -> dict:
         if kv_a_bias is not None:
             kv_a_bias[:rank] = rot @ kv_a_bias[:rank]
     if pair is not None:
-        first, second = rope_pairs(rope, layout.rope_interleave)
-        per_dim = torch.empty(rope, dtype=torch.float64)
-        per_dim[first], per_dim[second] = pair, pair
-        kv_a[rank:] = kv_a[rank:] * per_dim[:, None]
+        pairs = rope_pairs(rope, layout.rope_interleave)
+        kv_a[rank:] = multiply_pairs(kv_a[rank:][None], pair[None], pairs)[0]
         if kv_a_bias is not None:
-            kv_a_bias[rank:] = kv_a_bias[rank:] * per_dim
+            kv_a_bias[rank:] = multiply_pairs(kv_a_bias[rank:, None][None], pair[None], pairs).reshape(-1)
         q_name = "q_proj.weight" if "q_proj.weight" in w else "q_b_proj.weight"
         _require(w, [q_name])
         q = w[q_name].view(n_q, -1, w[q_name].shape[-1]).clone()  # [heads, nope + rope, in]
-        q[:, -rope:] = q[:, -rope:] / per_dim[None, :, None]
+        q[:, -rope:] = multiply_pairs(q[:, -rope:], query_factor(pair)[None].expand(n_q, -1), pairs)
         out[q_name] = q.reshape(-1, q.shape[-1])
     out["kv_a_proj_with_mqa.weight"] = kv_a
     if kv_a_bias is not None:
         out["kv_a_proj_with_mqa.bias"] = kv_a_bias
     return out
+
+
+def query_factor(key_factor: torch.Tensor) -> torch.Tensor:
+    """The query pair factor that keeps Re(q conj(k)) when k is multiplied by z: z / |z|^2 (= 1/conj z)."""
+    return key_factor / key_factor.abs().square()
+
+
+def multiply_pairs(rows: torch.Tensor, factor: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Multiply each RoPE pair of weight rows, read as complex x_first + j x_second, by a factor.
+
+    rows: float64 [heads, dim, in]; factor: complex128 [heads, dim/2]; pairs: (first, second) indices
+    of length dim/2. Returns new rows [heads, dim, in] (x + jy) * (a + jb) = (ax - by) + j(bx + ay).
+    """
+    first, second = pairs
+    a, b = factor.real[..., None], factor.imag[..., None]  # [heads, dim/2, 1]
+    x, y = rows[:, first], rows[:, second]
+    out = rows.clone()
+    out[:, first], out[:, second] = a * x - b * y, b * x + a * y
+    return out
+
+
+def pair_phase(q_moment: torch.Tensor, k_moment: torch.Tensor) -> torch.Tensor:
+    """Unit pair factors e^{j alpha} that minimize the rounding noise of q.k under element-wise
+    relative rounding (FP8: every stored key value gets an independent relative error of variance s^2).
+
+    A pair contributes Re(q conj(k)) = q_x k_x + q_y k_y to a score; rounding k_x, k_y adds noise of
+    variance s^2 (q_x^2 k_x^2 + q_y^2 k_y^2). With q = r e^{j psi}, k = rho e^{j phi} that is
+    s^2 r^2 rho^2 (2 + cos(2 psi - 2 phi) + cos(2 psi + 2 phi)) / 4. Rotating both by alpha leaves the
+    difference term alone and turns the sum term into Re(e^{4 j alpha} q^2 k^2). With queries and keys
+    independent, E[q^2 k^2] = E[q^2] E[k^2] =: Z, minimized by 4 alpha = pi - arg Z: the noise term
+    Re Z / 4 becomes -|Z| / 4 (pair_noise). A pair whose phase RoPE spreads over a window (high
+    frequency) has Z ~ 0 and gains nothing; slow pairs with a steady large product gain most.
+
+    q_moment, k_moment: complex128 [..., pairs], the mean of q^2 and k^2 of post-RoPE pairs (q summed
+    over the query heads that read the KV head). Returns complex128 [..., pairs] of modulus 1.
+    """
+    z = q_moment * k_moment
+    return torch.polar(torch.ones_like(z.real), (math.pi - torch.angle(z)) / 4)
+
+
+def pair_noise(q_moment, k_moment, q_power, k_power, factor=None) -> torch.Tensor:
+    """Mean relative-rounding noise of the scores per pair, in units of the rounding variance s^2
+    (see pair_phase), over independent queries and keys.
+
+    q_power, k_power: float64 [..., pairs], the mean of |q|^2 and |k|^2; factor: the unit pair factor
+    applied to both (None = identity). Returns float64 [..., pairs].
+    """
+    rotated = q_moment * k_moment
+    if factor is not None:
+        rotated = rotated * factor ** 4
+    return q_power * k_power / 2 + ((q_moment * k_moment.conj()).real + rotated.real) / 4
 
 
 def pair_equalizing_scale(pair_amax: torch.Tensor, strength: float, max_ratio: float = 16.0) -> torch.Tensor:

@@ -45,6 +45,7 @@ class CalibrateJob:
     window_len: int = 512
     fmt: str = "auto"
     rotate: bool | None = None
+    key_phase: bool = True
     out: str | Path | None = None
     in_place: bool = False
     overwrite: bool = False
@@ -55,7 +56,7 @@ class CalibrateJob:
     def __post_init__(self):
         check_kv_dtype(self.kv_dtype)
         self.settings = CalibrationSettings(self.kv_dtype, observer=self.observer, granularity=self.granularity,
-                                            percentile=self.percentile, rotate=self.rotate,
+                                            percentile=self.percentile, rotate=self.rotate, key_phase=self.key_phase,
                                             batch_size=self.batch_size, search_tokens=self.search_tokens)
         self.formats = resolve_format(self.fmt, self.kv_dtype, self.granularity)
         if (self.out is None) == (not self.in_place):

@@ -54,8 +54,15 @@ def test_fp8_export_names_values_and_report(fp8_both, tiny_llama):
     for f in fp8_both.glob("*.safetensors"):
         tensors.update(load_file(f))
     src = CheckpointReader(tiny_llama)
-    for name in src.weight_map:  # weights copied bit for bit (no rotation for fp8 by default)
-        assert torch.equal(tensors[name], src.get(name)), name
+    for name in src.weight_map:  # fp8 folds key pair phases: only q_proj / k_proj change
+        same = torch.equal(tensors[name], src.get(name))
+        assert same != name.endswith(("q_proj.weight", "k_proj.weight")), name
+    assert len(report["rotation"]["key_pair_phase"]["predicted_noise_ratio_per_layer"]) == 2
+    assert "value_rotation" not in report["rotation"]
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(fp8_both)(input_ids=ids).logits,
+                                   load_model(tiny_llama)(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     for layer, entry in enumerate(report["layers"]):
         k_amax, v_amax = max(entry["k_amax"]), max(entry["v_amax"])
         k = tensors[f"model.layers.{layer}.self_attn.k_scale"]
@@ -108,7 +115,7 @@ def test_nvfp4_rotated_checkpoint_keeps_logits(tiny_llama, calib_text, tmp_path,
     assert not (out / "config.json").read_text().count("quantization_config")
     assert read_json(out / "hf_quant_config.json")["quantization"]["kv_cache_quant_algo"] == "NVFP4"
     report = read_json(out / "calibration_report.json")
-    assert report["rotation"]["value_rotation"].startswith("hadamard")
+    assert report["rotation"]["value_rotation"].startswith("hadamard") and "key_pair_phase" in report["rotation"]
     ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = load_model(tiny_llama)(input_ids=ids).logits

@@ -46,7 +46,10 @@ def random_plan(layout, seed=0):
     g = torch.Generator().manual_seed(seed)
     dim = layout.kv_lora_rank if layout.is_mla else layout.head_dim
     pairs = (layout.qk_rope_head_dim // 2,) if layout.is_mla else (layout.num_kv_heads, layout.head_dim // 2)
-    key = [0.25 + 3 * torch.rand(pairs, generator=g, dtype=torch.float64) for _ in range(layout.num_layers)]
+    # complex pair factors: a scale and a phase per RoPE pair
+    key = [torch.polar(0.25 + 3 * torch.rand(pairs, generator=g, dtype=torch.float64),
+                       2 * torch.pi * torch.rand(pairs, generator=g, dtype=torch.float64))
+           for _ in range(layout.num_layers)]
     return RotationPlan(layout, block_hadamard(dim, 16, seed=seed), key)
 
 
