@@ -125,6 +125,16 @@ def test_nvfp4_rotated_checkpoint_keeps_logits(tiny_llama, calib_text, tmp_path,
                            CheckpointReader(tiny_llama).get("model.layers.0.self_attn.v_proj.weight"))
 
 
+def test_no_key_phase_leaves_queries_and_keys(tiny_llama, calib_text, tmp_path, capsys):
+    out = calibrate(tiny_llama, tmp_path / "nv", capsys, "--kv-dtype", "nvfp4", "--observer", "amax",
+                    "--no-key-phase", "--calib-data", str(calib_text))
+    rotation = read_json(out / "calibration_report.json")["rotation"]
+    assert "key_pair_phase" not in rotation and rotation["value_rotation"].startswith("hadamard")
+    written, src = CheckpointReader(out), CheckpointReader(tiny_llama)
+    for name in src.weight_map:  # only V / o_proj carry the Hadamard
+        assert torch.equal(written.get(name), src.get(name)) != name.endswith(("v_proj.weight", "o_proj.weight")), name
+
+
 def test_mla_row_scale_names(tiny_deepseek, calib_text, tmp_path, capsys):
     out = calibrate(tiny_deepseek, tmp_path / "mla", capsys, "--kv-dtype", "fp8", "--observer", "mse",
                     "--calib-data", str(calib_text))
