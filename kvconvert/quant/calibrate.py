@@ -52,7 +52,7 @@ class CalibrationSettings:
     for every dtype that quantizes keys (not the MLA k_rope under nvfp4, which stays bf16).
     value_rotation: Hadamard on V / the MLA latent (None = nvfp4 only; FP8's relative rounding does not
     care). rotation_block: its Hadamard block (0 = largest power of two dividing the dim, capped at
-    128). key_strength: RoPE-pair amax equalization for nvfp4 keys (0 = off: measured worse).
+    128). key_strength: RoPE-pair amax equalization of the keys (0 = off: measured worse for nvfp4).
     """
 
     kv_dtype: str
@@ -159,7 +159,7 @@ def plan_rotation(model, layout: KVLayout, settings: CalibrationSettings, window
         moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size)
         factors = [pair_phase(m.q_moment, m.k_moment) for m in moments]
         desc["key_pair_phase"] = _phase_summary(moments, factors, stat_windows)
-    if settings.kv_dtype == "nvfp4" and settings.key_strength > 0:
+    if settings.key_strength > 0:
         stats = observe_kv(model, layout, stat_windows, settings.batch_size)
         scales = [_key_pair_scale(layout, obs, settings.key_strength) for obs in stats]
         factors = scales if factors is None else [f * s for f, s in zip(factors, scales)]
