@@ -171,9 +171,7 @@ def observe_pair_moments(model, layout: KVLayout, windows: torch.Tensor, batch_s
     """Post-RoPE q/k pair moments per layer over all `windows` ([N, T]) (kvconvert.quant.pair_stats)."""
     observer = PairMomentObserver(model, layout)
     try:
-        with torch.no_grad():
-            for start in range(0, windows.shape[0], batch_size):
-                model(input_ids=windows[start:start + batch_size], use_cache=False)
+        run_with_hook(model, windows, lambda layer, key, value: (key, value), batch_size=batch_size)
         return observer.result()
     finally:
         observer.remove()
