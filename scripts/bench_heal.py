@@ -39,6 +39,8 @@ def parse_args(argv=None):
     ap.add_argument("--passkey", type=int, default=10, help="passkey prompts per length (0 = skip)")
     ap.add_argument("--passkey-lengths", default="1024,2048")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a shared CPU)")
+    ap.add_argument("--device", default=None,
+                    help="device for the layer-wise stage, teacher data and evaluation (default: cuda if visible)")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse converted/healed folders already in --work and resume an interrupted heal")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench_heal.json")
@@ -61,14 +63,14 @@ def convert(source: Path, recipe, folder: Path, reuse: bool) -> dict:
     return {"seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1)}
 
 
-def heal_once(converted: Path, source: Path, recipe, folder: Path, reuse: bool) -> dict:
+def heal_once(converted: Path, source: Path, recipe, folder: Path, reuse: bool, device: str) -> dict:
     from kvconvert.heal.api import heal
 
     if reuse and (folder / "heal_report.json").is_file():
         rep = json.loads((folder / "heal_report.json").read_text())
         return {"reused": True, **_heal_summary(rep)}
     t0, c0 = time.time(), time.process_time()
-    rep = heal(converted, source, recipe, folder, overwrite=True, progress=True, restart=not reuse)
+    rep = heal(converted, source, recipe, folder, overwrite=True, progress=True, restart=not reuse, device=device)
     return {"seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1),
             **_heal_summary(rep)}
 
@@ -92,8 +94,8 @@ def evaluate(source: Path, models: dict[str, Path], args, tokenizer, cache: dict
     from kvconvert.heal.evaluate import load_causal_lm, passkey_accuracy, passkey_samples, window_metrics
 
     ids = eval_windows(tokenizer, args.windows, args.window_len)
-    src_model = load_causal_lm(source)
-    cands = {name: load_causal_lm(path) for name, path in models.items()}
+    src_model = load_causal_lm(source, args.device)
+    cands = {name: load_causal_lm(path, args.device) for name, path in models.items()}
     res = window_metrics(src_model, cands, ids, progress=True)
     if args.passkey:
         lengths = tuple(int(x) for x in args.passkey_lengths.split(","))
@@ -145,6 +147,8 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -158,6 +162,7 @@ def main(argv=None) -> int:
     results = {"protocol": {"source": str(args.source), "eval": f"{args.windows} x {args.window_len} essay tokens",
                             "passkey": f"{args.passkey} per length at {args.passkey_lengths}", "targets": TARGETS},
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                           "device": args.device, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
                            "load_avg_start": os.getloadavg()},
                "recipes": {}}
     cache: dict = {}
@@ -169,7 +174,7 @@ def main(argv=None) -> int:
         entry = {"recipe": str(recipe_path), "rank": recipe.convert.rank, "rope_dim": recipe.convert.rope_dim,
                  "kv_pct": 100 * kv_fraction(src_cfg, recipe.convert.rank, recipe.convert.rope_dim or 64)}
         entry["convert"] = convert(source, recipe, work / "converted", args.reuse)
-        entry["heal"] = heal_once(work / "converted", source, recipe, work / "healed", args.reuse)
+        entry["heal"] = heal_once(work / "converted", source, recipe, work / "healed", args.reuse, args.device)
         entry["metrics"] = evaluate(source, {"one-shot": work / "converted", "healed": work / "healed"}, args, tokenizer, cache)
         results["source_metrics"] = entry["metrics"]["source"]
         results["recipes"][name] = entry

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -63,7 +64,12 @@ class HealData:
     info: dict = field(default_factory=dict)
 
 
-def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progress: bool = False) -> HealData:
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progress: bool = False,
+                 device: str = "cpu") -> HealData:
     """Tokenize every stage's data up front; too little text raises before any training.
 
     `data: teacher` in a stage: text sampled from the teacher (kvconvert.heal.teacher_data), enough
@@ -78,7 +84,7 @@ def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progres
             raise KVConvertError("data: teacher needs the teacher model (kvconvert heal --teacher)")
         from kvconvert.heal.teacher_data import sample_teacher_text
 
-        return sample_teacher_text(teacher, teacher_tokens_needed(recipe), progress=progress)
+        return sample_teacher_text(teacher, teacher_tokens_needed(recipe), progress=progress, device=device)
 
     def windows(source: str, count: int, length: int, what: str) -> torch.Tensor:
         if source not in texts:
@@ -112,7 +118,8 @@ def teacher_tokens_needed(recipe: Recipe) -> int:
     if (lw := recipe.layerwise) is not None and lw.data == TEACHER_DATA:
         need = max(need, (max(2, lw.tokens // lw.window) + LAYERWISE_VAL_WINDOWS) * lw.window)
     if (ds := recipe.distill) is not None and ds.data == TEACHER_DATA:
-        need = max(need, ds.steps * ds.batch_size * ds.grad_accum * ds.seq_len)
+        # the distiller reuses the windows up to max_epochs times: that many fewer unique tokens
+        need = max(need, math.ceil(ds.steps * ds.batch_size * ds.grad_accum / ds.max_epochs) * ds.seq_len)
     return int(need * 1.1) + 1
 
 
@@ -150,8 +157,9 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
 
     max_steps: stop the distillation after this many optimizer steps, keep the state and return
     {"finished": False} (rerun to resume). restart: discard any saved state first. device: where
-    the layer-wise stage runs (default cpu; cuda needs the device-aware RoPE noted in docs/heal.md).
-    The distillation stage uses accelerate's device (a GPU when one is visible). Returns the report.
+    the layer-wise stage and the teacher's data generation run (default: cuda when a GPU is
+    visible, else cpu). The distillation stage uses accelerate's device (a GPU when one is
+    visible). Returns the report.
     """
     t0 = time.time()
     recipe = resolve_recipe(recipe)
@@ -162,7 +170,8 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
     notes = compat.check_pair(s_reader, t_reader)
     tokenizer = compat.load_tokenizer(teacher, "teacher")
-    data = prepare_data(tokenizer, recipe, teacher, progress)
+    device = device or default_device()
+    data = prepare_data(tokenizer, recipe, teacher, progress, device)
     state = state_dir_for(out)
     if restart and state.exists():
         shutil.rmtree(state)
@@ -175,7 +184,7 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
         target = out if recipe.distill is None else state / "layerwise-checkpoint"
         report["stages"]["heal_layerwise"] = _layerwise_stage(
             s_reader, t_reader, data, recipe.layerwise, target, state, fp, report, progress,
-            device or "cpu", final=recipe.distill is None, overwrite=overwrite)
+            device, final=recipe.distill is None, overwrite=overwrite)
         current = target
     if recipe.distill is not None:
         result = _distill_stage(current, teacher, data, recipe.distill, out, state, fp, report, progress,

@@ -20,7 +20,7 @@ import click
 @click.option("--restart", is_flag=True, help="Discard saved progress instead of resuming it.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None,
               help="Stop distillation after this many steps and keep its state (rerun to resume).")
-@click.option("--device", default=None, help="Device for the layer-wise stage (default cpu).")
+@click.option("--device", default=None, help="Device for the layer-wise stage and teacher data (default: cuda if visible, else cpu).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, device, threads, no_progress):

@@ -2,7 +2,8 @@
 on identical held-out windows, and passkey retrieval accuracy (greedy, plain LongLoRA prompt).
 
 Models are transformers CausalLMs (the source LlamaForCausalLM, candidates DeepseekV3ForCausalLM),
-float32 on the CPU, one window at a time (logits [1, T, V] are the largest temporaries).
+float32 on one device (the CPU unless load_causal_lm is given another), one window at a time
+(logits [1, T, V] are the largest temporaries).
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import torch
 import torch.nn.functional as F
 
 
-def load_causal_lm(folder: str | Path):
+def load_causal_lm(folder: str | Path, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    return model.eval()
+    return model.eval().to(device)
+
+
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 @torch.no_grad()
@@ -34,13 +39,14 @@ def window_metrics(source, candidates: dict, ids: torch.Tensor, progress: bool =
     kl = {name: 0.0 for name in candidates}
     count = 0
     for row in tqdm(ids, desc="eval: windows", disable=not progress):
-        x = row[None]
+        x = row[None].to(_device_of(source))
         target = x[:, 1:]
         src = F.log_softmax(source(input_ids=x).logits[:, :-1].float(), -1)
         nll["source"] += float(-src.gather(-1, target[..., None]).sum())
         for name, model in candidates.items():
-            cand = F.log_softmax(model(input_ids=x).logits[:, :-1].float(), -1)
+            cand = F.log_softmax(model(input_ids=x.to(_device_of(model))).logits[:, :-1].float(), -1)
             nll[name] += float(-cand.gather(-1, target[..., None]).sum())
+            cand = cand.to(src.device)
             kl[name] += float((src.exp() * (src - cand)).sum())
         count += target.numel()
     src_ppl = math.exp(nll["source"] / count)
@@ -70,7 +76,7 @@ def passkey_accuracy(model, tokenizer, samples) -> dict:
 
     hits: dict[int, list[float]] = {}
     for sample in samples:
-        ids = torch.tensor([sample.prompt_ids])
+        ids = torch.tensor([sample.prompt_ids], device=_device_of(model))
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=sample.max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.eos_token_id)
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

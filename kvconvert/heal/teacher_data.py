@@ -31,29 +31,34 @@ OPENINGS = (
 GENERATOR_VERSION = 3
 
 
-def teacher_text_cache(teacher: Path, num_tokens: int, seed: int) -> Path:
-    """Where the samples for (teacher weights, size, seed) are cached, under $KVCONVERT_HOME."""
+def teacher_text_cache(teacher: Path, num_tokens: int, seed: int, device: str = "cpu") -> Path:
+    """Where the samples for (teacher weights, size, seed, device kind) are cached, under
+    $KVCONVERT_HOME. The device is part of the key: sampling on a GPU draws other random numbers
+    (and batches differently), so its text differs from the CPU's for the same seed."""
     from kvconvert.checkpoint import CheckpointReader
     from kvconvert.sources import kvconvert_home
 
     reader = CheckpointReader(teacher, verify=False)
+    kind = torch.device(device).type
     key = json.dumps({"v": GENERATOR_VERSION, "config": reader.config, "bytes": reader.total_bytes,
-                      "tokens": num_tokens, "seed": seed}, sort_keys=True, default=str)
+                      "tokens": num_tokens, "seed": seed, **({} if kind == "cpu" else {"device": kind})},
+                     sort_keys=True, default=str)
     return kvconvert_home() / "teacher-text" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt"
 
 
-def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, batch_size: int = 32,
-                        new_tokens: int = 512, progress: bool = True) -> str:
+def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, batch_size: int | None = None,
+                        new_tokens: int = 512, progress: bool = True, device: str = "cpu") -> str:
     """About `num_tokens` tokens of text sampled from `teacher` (temperature 1, top-p 0.95).
 
     Sequences of `new_tokens` continue OPENINGS in turn; each sample is its opening plus the
     continuation, samples joined by blank lines. Cached (see teacher_text_cache); a broken or
-    missing teacher raises before anything is generated.
+    missing teacher raises before anything is generated. batch_size: sequences per generate()
+    call (default 32 on the CPU, 256 on a GPU, where generation is launch-bound at small batches).
     """
     if num_tokens < 1:
         raise KVConvertError(f"teacher data: need a positive number of tokens, got {num_tokens}")
     teacher = Path(teacher)
-    cache = teacher_text_cache(teacher, num_tokens, seed)
+    cache = teacher_text_cache(teacher, num_tokens, seed, device)
     if cache.is_file():
         with open(cache, encoding="utf-8", newline="") as f:  # newline="": keep any \r the model wrote
             return f.read()
@@ -61,7 +66,9 @@ def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, bat
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(teacher))
-    model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32).eval().to(device)
+    if batch_size is None:
+        batch_size = 32 if torch.device(device).type == "cpu" else 256
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -72,7 +79,7 @@ def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, bat
         prompts = [OPENINGS[(k + i) % len(OPENINGS)] for i in range(batch_size)]
         k += batch_size
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # generate() has no generator arg
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         with torch.no_grad():
             # EOS suppressed: every row runs the full length (an instruct model would stop after a
             # few sentences and leave most of the batch as padding), like concatenated documents.

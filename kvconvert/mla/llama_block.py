@@ -35,7 +35,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0, dtype=torch.float32):
     """cos, sin of shape [T, 2 * len(inv_freq)] in transformers' rotate_half layout."""
-    freqs = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    freqs = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device, torch.float64)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
@@ -80,7 +80,7 @@ def llama_attention(xn: torch.Tensor, w: dict, s: LlamaShape) -> torch.Tensor:
     """Attention block output (after o_proj) [B, T, hidden] for normed input xn."""
     B, T, _ = xn.shape
     q, k, v = project_qkv(xn, w, s)
-    cos, sin = rope_cos_sin(torch.arange(T), s.inv_freq, s.attention_scaling, xn.dtype)
+    cos, sin = rope_cos_sin(torch.arange(T, device=xn.device), s.inv_freq, s.attention_scaling, xn.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out = attention_heads(q, k, v, s.head_dim ** -0.5)
     return out.transpose(1, 2).reshape(B, T, -1) @ w["o_proj"].T

@@ -33,7 +33,7 @@ class MLAShape:
 
 def apply_rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0):
     """x [..., T, R] with pairs (2j, 2j+1) rotated by inv_freq[j] * pos (complex multiply)."""
-    ang = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    ang = positions.to(x.device, torch.float64)[:, None] * inv_freq.to(x.device, torch.float64)[None, :]
     cos, sin = (ang.cos() * scaling).to(x.dtype), (ang.sin() * scaling).to(x.dtype)
     re, im = x[..., 0::2], x[..., 1::2]
     out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)

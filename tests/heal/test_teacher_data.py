@@ -50,3 +50,17 @@ def test_heal_on_teacher_data_runs_end_to_end(tiny_student, tiny_teacher, home, 
     report = heal(tiny_student, tiny_teacher, recipe, tmp_path / "healed", progress=False)
     assert report["data"]["layerwise"]["data"] == "teacher"
     assert (tmp_path / "healed" / "config.json").is_file()
+
+
+def test_teacher_writes_only_the_unique_tokens_the_epochs_need():
+    # 10 windows of 64 tokens in all, each seen up to 4 times: ceil(10 / 4) = 3 unique windows
+    recipe = Recipe.model_validate({"heal_distill": {"data": "teacher", "tokens": 640, "seq_len": 64, "max_epochs": 4}})
+    assert teacher_tokens_needed(recipe) == int(3 * 64 * 1.1) + 1
+
+
+def test_cache_key_separates_devices(tiny_teacher, home):
+    # a GPU draws other random numbers for the same seed: its text must not pose as the CPU's
+    cpu = teacher_text_cache(tiny_teacher, 200, 0)
+    assert teacher_text_cache(tiny_teacher, 200, 0, "cpu") == cpu
+    assert teacher_text_cache(tiny_teacher, 200, 0, "cuda") != cpu
+    assert teacher_text_cache(tiny_teacher, 200, 0, "cuda:1") == teacher_text_cache(tiny_teacher, 200, 0, "cuda")
