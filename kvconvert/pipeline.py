@@ -2,8 +2,13 @@
 convert to MLA (-> heal) -> calibrate KV scales -> validate against the source -> gate.
 
 Each stage runs as its own `kvconvert ...` process and is printed first, so the pipeline doubles as
-documentation of the individual commands. A stage whose output already exists is reused when
---resume is given (the default), so an interrupted pipeline continues where it stopped.
+documentation of the individual commands. A stage whose output already exists is reused (unless
+--overwrite), so an interrupted pipeline continues where it stopped.
+
+With --recipe, the recipe's blocks drive every stage (recipe_stages): `convert` gives the `kvconvert
+mla` flags, the heal blocks run through `--heal RECIPE`, `calibrate` gives the `kvconvert calibrate`
+flags (no block: the KV cache stays unquantized), `validate` the suite and the gate policy. A key the
+recipe leaves out takes the command's own default.
 """
 
 from __future__ import annotations
@@ -36,18 +41,70 @@ def _done(folder: Path, marker: str) -> bool:
     return (folder / marker).is_file()
 
 
-def _policy_path(policy: str) -> str:
-    path = Path(policy)
-    if path.is_file():
-        return str(path)
-    candidate = REPO_GATES / f"{policy}.yaml"
-    if candidate.is_file():
-        return str(candidate)
+def _policy_path(policy: str, base: Path | None = None) -> str:
+    """A policy file (as given, or relative to `base`, the recipe's folder) or a built-in name."""
+    for path in (Path(policy), *((base / policy,) if base is not None else ())):
+        if path.is_file():
+            return str(path)
+    for candidate in (REPO_GATES / f"{policy}.yaml", REPO_GATES / Path(policy).name):
+        if candidate.is_file():
+            return str(candidate)
     raise KVConvertError(f"--policy {policy}: not a file and not a built-in policy in {REPO_GATES}")
+
+
+# recipe key -> CLI flag, per stage (booleans: (on flag, off flag); None = no flag for that value)
+CONVERT_FLAGS = {"rank": "--rank", "rope_dim": "--rope-dim", "q_rank": "--q-rank", "calib_data": "--calib-data",
+                 "calib_tokens": "--calib-tokens", "calib_window": "--calib-window", "key_weight": "--key-weight",
+                 "dtype": "--dtype", "rho": "--rho", "stream": "--stream", "refit_o_proj": (None, "--no-refit-o-proj")}
+CALIBRATE_FLAGS = {"kv_dtype": "--kv-dtype", "observer": "--observer", "granularity": "--granularity",
+                   "percentile": "--percentile", "rotate": ("--rotate", "--no-rotate"),
+                   "key_phase": ("--key-phase", "--no-key-phase"),
+                   "value_rotation": ("--value-rotation", "--no-value-rotation"), "rotation_block": "--rotation-block",
+                   "key_strength": "--key-strength", "search_tokens": "--search-tokens", "calib_data": "--calib-data",
+                   "calib_tokens": "--calib-tokens", "format": "--format"}
+
+
+def _flags(options: dict, table: dict) -> list[str]:
+    args: list[str] = []
+    for key, value in options.items():
+        flag = table[key]  # KeyError = a recipe key without a CLI flag: caught by tests/test_pipeline.py
+        if isinstance(flag, tuple):
+            chosen = flag[0] if value else flag[1]
+            args += [chosen] if chosen else []
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path) -> tuple[list[tuple[str, list[str]]], str, str]:
+    """The pipeline's commands for a recipe: ([(stage, kvconvert args)] for convert and calibrate,
+    the validated candidate's kv_dtype, the gate policy file). Validate and gate follow in run order."""
+    if recipe.convert is None or not recipe.convert.enabled:
+        raise KVConvertError(f"{recipe_path}: the pipeline needs a `convert` block (rank, rope_dim, ...)")
+    mla_dir = out_dir / "mla"
+    heal = str(recipe_path) if recipe.heals() else "none"
+    stages = [("convert", ["mla", "--src", src, *_flags(recipe.convert.options(), CONVERT_FLAGS),
+                           "--heal", heal, "--out", str(mla_dir), "--overwrite"])]
+    kv_dtype = "auto"
+    cal = recipe.calibrate if recipe.calibrate is not None and recipe.calibrate.enabled else None
+    if cal is not None:
+        kv_dtype = cal.kv_dtype
+        stages.append(("calibrate", ["calibrate", "--src", str(mla_dir), *_flags(cal.options(), CALIBRATE_FLAGS),
+                                     "--out", str(out_dir / f"mla-{kv_dtype}"), "--overwrite"]))
+    val = recipe.validate_
+    if val is not None and val.kv_dtype != "auto":
+        kv_dtype = val.kv_dtype
+    policy = _policy_path(val.gate if val is not None and val.gate else "default", recipe_path.parent)
+    return stages, kv_dtype, policy
+
+
+RECIPE_OWNS = ("rank", "rope_dim", "heal", "calib_tokens", "kv_dtype", "suite", "policy")
 
 
 @click.command("pipeline")
 @click.option("--src", default="smollm2-135m", show_default=True, help="Source model (folder, built-in name, hub id).")
+@click.option("--recipe", "recipe_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Recipe YAML whose blocks drive every stage (its `source` replaces --src when set).")
 @click.option("--rank", type=int, default=96, show_default=True, help="kv_lora_rank of the MLA conversion.")
 @click.option("--rope-dim", type=int, default=32, show_default=True)
 @click.option("--heal", default="layerwise", show_default=True, help="none, layerwise or a recipe YAML.")
@@ -59,33 +116,65 @@ def _policy_path(policy: str) -> str:
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Recompute every stage (default: reuse finished stages).")
 @click.option("--fail-on-gate", is_flag=True, help="Exit 1 when the gate fails (for CI); default: report and exit 0.")
-def pipeline_cmd(src, rank, rope_dim, heal, calib_tokens, kv_dtype, suite, policy, out_dir, overwrite, fail_on_gate):
+def pipeline_cmd(src, recipe_file, rank, rope_dim, heal, calib_tokens, kv_dtype, suite, policy, out_dir, overwrite,
+                 fail_on_gate):
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     import json
 
-    policy_file = _policy_path(policy)
+    if recipe_file is not None:
+        stages, kv_dtype, policy_file, suite, engine, src = _from_recipe(recipe_file, src, out_dir)
+    else:
+        stages = _from_flags(src, rank, rope_dim, heal, calib_tokens, kv_dtype, out_dir)
+        policy_file, engine = _policy_path(policy), "auto"
     out_dir.mkdir(parents=True, exist_ok=True)
-    mla_dir, cal_dir, report_dir = out_dir / "mla", out_dir / f"mla-{kv_dtype}", out_dir / "report"
+    report_dir = out_dir / "report"
     log: list = []
-    calib = [] if calib_tokens is None else ["--calib-tokens", str(calib_tokens)]
     t0 = time.time()
-    if overwrite or not _done(mla_dir, "manifest.json"):
-        _run("convert", ["mla", "--src", src, "--rank", str(rank), "--rope-dim", str(rope_dim), "--heal", heal,
-                         *calib, "--out", str(mla_dir), "--overwrite"], log)
-    candidate = mla_dir
-    if kv_dtype != "bf16":
-        if overwrite or not _done(cal_dir, "manifest.json"):
-            _run("calibrate", ["calibrate", "--src", str(mla_dir), "--kv-dtype", kv_dtype, *calib,
-                               "--out", str(cal_dir), "--overwrite"], log)
-        candidate = cal_dir
+    candidate = out_dir / "mla"
+    for stage, args in stages:
+        candidate = Path(args[args.index("--out") + 1])
+        if overwrite or not _done(candidate, "manifest.json"):
+            _run(stage, args, log)
     _run("validate", ["validate", "--source", src, "--candidate", str(candidate), "--kv-dtype", kv_dtype,
-                      "--suite", suite, "--out", str(report_dir)], log)
+                      "--suite", suite, *(["--engine", engine] if engine != "auto" else []),
+                      "--out", str(report_dir)], log)
     _run("gate", ["gate", "--report", str(report_dir / "report.json"), "--policy", policy_file], log)
     (out_dir / "pipeline.json").write_text(json.dumps({"stages": log, "seconds": round(time.time() - t0, 1)}, indent=2))
     pictures = sorted(p.name for p in report_dir.glob("*.png"))
     click.echo(f"\nReport: {report_dir / 'report.md'}\nPictures: {', '.join(pictures) or 'none'} in {report_dir}"
-               f"\nConverted model: {mla_dir}  (+ KV scales: {candidate})\nTotal: {time.time() - t0:.0f} s")
+               f"\nConverted model: {out_dir / 'mla'}  (validated: {candidate})\nTotal: {time.time() - t0:.0f} s")
     gate_ok = log[-1]["exit_code"] == 0
     click.secho(f"Gate ({Path(policy_file).name}): {'PASS' if gate_ok else 'FAIL'}", fg="green" if gate_ok else "red")
     if not gate_ok and fail_on_gate:
         sys.exit(log[-1]["exit_code"])
+
+
+def _from_flags(src, rank, rope_dim, heal, calib_tokens, kv_dtype, out_dir: Path) -> list:
+    mla_dir = out_dir / "mla"
+    calib = [] if calib_tokens is None else ["--calib-tokens", str(calib_tokens)]
+    stages = [("convert", ["mla", "--src", src, "--rank", str(rank), "--rope-dim", str(rope_dim), "--heal", heal,
+                           *calib, "--out", str(mla_dir), "--overwrite"])]
+    if kv_dtype != "bf16":
+        stages.append(("calibrate", ["calibrate", "--src", str(mla_dir), "--kv-dtype", kv_dtype, *calib,
+                                     "--out", str(out_dir / f"mla-{kv_dtype}"), "--overwrite"]))
+    return stages
+
+
+def _from_recipe(recipe_file: Path, src: str, out_dir: Path):
+    from kvconvert.recipe import load_recipe
+
+    ctx = click.get_current_context()
+    given = [name for name in RECIPE_OWNS
+             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise KVConvertError(f"{flags}: set by the recipe ({recipe_file}); change the recipe instead")
+    recipe = load_recipe(recipe_file)
+    if recipe.source and ctx.get_parameter_source("src") == click.core.ParameterSource.COMMANDLINE and src != recipe.source:
+        raise KVConvertError(f"--src {src}: the recipe's source is {recipe.source}; drop --src or edit the recipe")
+    src = recipe.source or src
+    stages, kv_dtype, policy_file = recipe_stages(recipe, recipe_file, src, out_dir)
+    val = recipe.validate_
+    suite = val.suite if val is not None else "quick"
+    engine = val.engine if val is not None else "auto"
+    return stages, kv_dtype, policy_file, suite, engine, src

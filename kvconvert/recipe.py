@@ -34,25 +34,31 @@ class _Stage(BaseModel):
 
 
 class ConvertStage(_Stage):
-    """Mirrors kvconvert.mla.convert.MLAOptions (rank = kv_lora_rank, rope_dim = qk_rope_head_dim)."""
+    """Mirrors kvconvert.mla.convert.MLAOptions (rank = kv_lora_rank, rope_dim = qk_rope_head_dim,
+    q_rank = q_lora_rank). A key left out takes the converter's own default (the same as
+    `kvconvert mla`), so a recipe and the CLI never convert differently by accident."""
 
     rank: int = Field(gt=0)
     rope_dim: int | None = Field(None, gt=0)
-    calib_data: str = "builtin"
-    calib_tokens: int = Field(8192, gt=0)
-    calib_window: int = Field(512, gt=0)
-    dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
-    key_weight: float = Field(0.1, ge=0)
-    rho: float = Field(1e-3, gt=0, lt=1)
-    refit_o_proj: bool = True
-    stream: Literal["converted", "source"] = "converted"
+    q_rank: int | None = Field(None, gt=0)
+    calib_data: str | None = None
+    calib_tokens: int | None = Field(None, gt=0)
+    calib_window: int | None = Field(None, gt=0)
+    dtype: Literal["bf16", "fp32", "fp16"] | None = None
+    key_weight: float | None = Field(None, ge=0)
+    rho: float | None = Field(None, gt=0, lt=1)
+    refit_o_proj: bool | None = None
+    stream: Literal["converted", "source"] | None = None
+
+    def options(self) -> dict:
+        """The keys the recipe sets (everything else is the converter's default)."""
+        return self.model_dump(exclude={"enabled"}, exclude_none=True)
 
     def mla_options(self, overwrite: bool = False, progress: bool = True):
         """The converter's options object (imported lazily: the recipe schema needs no torch)."""
         from kvconvert.mla.convert import MLAOptions
 
-        fields = self.model_dump(exclude={"enabled"})
-        return MLAOptions(**fields, overwrite=overwrite, progress=progress)
+        return MLAOptions(**self.options(), overwrite=overwrite, progress=progress)
 
 
 class LayerwiseStage(_Stage):
@@ -139,21 +145,25 @@ class DistillStage(_Stage):
 
 
 class CalibrateStage(_Stage):
-    """KV-cache scale calibration (mirrors kvconvert.quant.calibrate.CalibrationSettings)."""
+    """KV-cache scale calibration: the options of `kvconvert calibrate` (kvconvert.quant.run.CalibrateJob).
+    A key left out takes the command's own default."""
 
-    kv_dtype: Literal["fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"] = "fp8"
-    observer: str = "mse"
-    granularity: str = "tensor"
-    percentile: float = Field(99.99, gt=0, le=100)
+    kv_dtype: Literal["fp8", "fp8_e5m2", "nvfp4"] = "fp8"  # kvconvert.quant.options.KV_DTYPES
+    observer: str | None = None
+    granularity: str | None = None
+    percentile: float | None = Field(None, gt=0, le=100)
     rotate: bool | None = None
-    key_phase: bool = True
+    key_phase: bool | None = None
     value_rotation: bool | None = None
-    rotation_block: int = Field(0, ge=0)
-    key_strength: float = Field(0.0, ge=0, le=1)
-    search_tokens: int = Field(2048, ge=0)
-    calib_data: str = "builtin"
-    calib_tokens: int = Field(8192, gt=0)
-    format: Literal["auto", "vllm", "modelopt", "both"] = "auto"
+    rotation_block: int | None = Field(None, ge=0)
+    key_strength: float | None = Field(None, ge=0, le=1)
+    search_tokens: int | None = Field(None, ge=0)
+    calib_data: str | None = None
+    calib_tokens: int | None = Field(None, gt=0)
+    format: Literal["auto", "vllm", "modelopt", "both"] | None = None
+
+    def options(self) -> dict:
+        return self.model_dump(exclude={"enabled"}, exclude_none=True)
 
 
 class ValidateStage(_Stage):

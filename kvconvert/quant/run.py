@@ -46,6 +46,9 @@ class CalibrateJob:
     fmt: str = "auto"
     rotate: bool | None = None
     key_phase: bool = True
+    value_rotation: bool | None = None
+    rotation_block: int = 0
+    key_strength: float = 0.0
     out: str | Path | None = None
     in_place: bool = False
     overwrite: bool = False
@@ -57,6 +60,8 @@ class CalibrateJob:
         check_kv_dtype(self.kv_dtype)
         self.settings = CalibrationSettings(self.kv_dtype, observer=self.observer, granularity=self.granularity,
                                             percentile=self.percentile, rotate=self.rotate, key_phase=self.key_phase,
+                                            value_rotation=self.value_rotation, rotation_block=self.rotation_block,
+                                            key_strength=self.key_strength,
                                             batch_size=self.batch_size, search_tokens=self.search_tokens)
         self.formats = resolve_format(self.fmt, self.kv_dtype, self.granularity)
         if (self.out is None) == (not self.in_place):
