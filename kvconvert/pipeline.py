@@ -76,21 +76,27 @@ def _flags(options: dict, table: dict) -> list[str]:
     return args
 
 
+def _commands(src: str, convert: dict, heal: str, calibrate: dict | None, out_dir: Path) -> list[tuple[str, list[str]]]:
+    """[(stage, kvconvert args)]: `mla` into out_dir/mla, then (calibrate given) `calibrate` into
+    out_dir/mla-<kv_dtype>. convert / calibrate: recipe keys -> values (CONVERT_FLAGS, CALIBRATE_FLAGS)."""
+    mla_dir = out_dir / "mla"
+    stages = [("convert", ["mla", "--src", src, *_flags(convert, CONVERT_FLAGS), "--heal", heal,
+                           "--out", str(mla_dir), "--overwrite"])]
+    if calibrate is not None:
+        stages.append(("calibrate", ["calibrate", "--src", str(mla_dir), *_flags(calibrate, CALIBRATE_FLAGS),
+                                     "--out", str(out_dir / f"mla-{calibrate['kv_dtype']}"), "--overwrite"]))
+    return stages
+
+
 def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path) -> tuple[list[tuple[str, list[str]]], str, str]:
     """The pipeline's commands for a recipe: ([(stage, kvconvert args)] for convert and calibrate,
     the validated candidate's kv_dtype, the gate policy file). Validate and gate follow in run order."""
     if recipe.convert is None or not recipe.convert.enabled:
         raise KVConvertError(f"{recipe_path}: the pipeline needs a `convert` block (rank, rope_dim, ...)")
-    mla_dir = out_dir / "mla"
     heal = str(recipe_path) if recipe.heals() else "none"
-    stages = [("convert", ["mla", "--src", src, *_flags(recipe.convert.options(), CONVERT_FLAGS),
-                           "--heal", heal, "--out", str(mla_dir), "--overwrite"])]
-    kv_dtype = "auto"
     cal = recipe.calibrate if recipe.calibrate is not None and recipe.calibrate.enabled else None
-    if cal is not None:
-        kv_dtype = cal.kv_dtype
-        stages.append(("calibrate", ["calibrate", "--src", str(mla_dir), *_flags(cal.options(), CALIBRATE_FLAGS),
-                                     "--out", str(out_dir / f"mla-{kv_dtype}"), "--overwrite"]))
+    stages = _commands(src, recipe.convert.options(), heal, cal.options() if cal is not None else None, out_dir)
+    kv_dtype = cal.kv_dtype if cal is not None else "auto"
     val = recipe.validate_
     if val is not None and val.kv_dtype != "auto":
         kv_dtype = val.kv_dtype
@@ -150,14 +156,9 @@ def pipeline_cmd(src, recipe_file, rank, rope_dim, heal, calib_tokens, kv_dtype,
 
 
 def _from_flags(src, rank, rope_dim, heal, calib_tokens, kv_dtype, out_dir: Path) -> list:
-    mla_dir = out_dir / "mla"
-    calib = [] if calib_tokens is None else ["--calib-tokens", str(calib_tokens)]
-    stages = [("convert", ["mla", "--src", src, "--rank", str(rank), "--rope-dim", str(rope_dim), "--heal", heal,
-                           *calib, "--out", str(mla_dir), "--overwrite"])]
-    if kv_dtype != "bf16":
-        stages.append(("calibrate", ["calibrate", "--src", str(mla_dir), "--kv-dtype", kv_dtype, *calib,
-                                     "--out", str(out_dir / f"mla-{kv_dtype}"), "--overwrite"]))
-    return stages
+    calib = {} if calib_tokens is None else {"calib_tokens": calib_tokens}
+    calibrate = None if kv_dtype == "bf16" else {"kv_dtype": kv_dtype, **calib}
+    return _commands(src, {"rank": rank, "rope_dim": rope_dim, **calib}, heal, calibrate, out_dir)
 
 
 def _from_recipe(recipe_file: Path, src: str, out_dir: Path):

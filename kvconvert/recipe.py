@@ -32,6 +32,10 @@ class _Stage(BaseModel):
 
     enabled: bool = True
 
+    def options(self) -> dict:
+        """The keys this block sets, without `enabled`; a None key is left to the command's default."""
+        return self.model_dump(exclude={"enabled"}, exclude_none=True)
+
 
 class ConvertStage(_Stage):
     """Mirrors kvconvert.mla.convert.MLAOptions (rank = kv_lora_rank, rope_dim = qk_rope_head_dim,
@@ -49,10 +53,6 @@ class ConvertStage(_Stage):
     rho: float | None = Field(None, gt=0, lt=1)
     refit_o_proj: bool | None = None
     stream: Literal["converted", "source"] | None = None
-
-    def options(self) -> dict:
-        """The keys the recipe sets (everything else is the converter's default)."""
-        return self.model_dump(exclude={"enabled"}, exclude_none=True)
 
     def mla_options(self, overwrite: bool = False, progress: bool = True):
         """The converter's options object (imported lazily: the recipe schema needs no torch)."""
@@ -161,9 +161,6 @@ class CalibrateStage(_Stage):
     calib_data: str | None = None
     calib_tokens: int | None = Field(None, gt=0)
     format: Literal["auto", "vllm", "modelopt", "both"] | None = None
-
-    def options(self) -> dict:
-        return self.model_dump(exclude={"enabled"}, exclude_none=True)
 
 
 class ValidateStage(_Stage):

@@ -147,15 +147,14 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from kvconvert.heal.api import _resolve_teacher
+    from kvconvert.heal.api import _resolve_teacher, default_device
     from kvconvert.recipe import load_recipe
 
+    args.device = args.device or default_device()
     source = _resolve_teacher(args.source)
     src_cfg = json.loads((source / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(source))

@@ -110,3 +110,13 @@ def test_recipe_kv_dtypes_are_the_calibrators():
     from kvconvert.quant.options import KV_DTYPES
 
     assert set(get_args(CalibrateStage.model_fields["kv_dtype"].annotation)) == set(KV_DTYPES)
+
+
+def test_flag_pipeline_builds_the_same_commands_as_a_recipe(tmp_path):
+    from kvconvert.pipeline import _from_flags
+
+    stages = _from_flags("smollm2-135m", 160, 32, "layerwise", 2048, "fp8", tmp_path)
+    conv, cal = (_parse(cmd, args[1:]) for cmd, (_, args) in zip((mla_cmd, calibrate_cmd), stages))
+    assert (conv["rank"], conv["rope_dim"], conv["calib_tokens"], conv["heal"]) == (160, 32, 2048, "layerwise")
+    assert (cal["kv_dtype"], cal["calib_tokens"], cal["out"]) == ("fp8", 2048, str(tmp_path / "mla-fp8"))
+    assert [s for s, _ in _from_flags("x", 64, 32, "none", None, "bf16", tmp_path)] == ["convert"]
