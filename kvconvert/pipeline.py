@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 
 from kvconvert.errors import KVConvertError
+from kvconvert.targets import DEFAULT_TARGET, TARGETS
 
 REPO_GATES = Path(__file__).resolve().parents[1] / "recipes" / "gates"
 
@@ -55,7 +56,8 @@ def _policy_path(policy: str, base: Path | None = None) -> str:
 # recipe key -> CLI flag, per stage (booleans: (on flag, off flag); None = no flag for that value)
 CONVERT_FLAGS = {"rank": "--rank", "rope_dim": "--rope-dim", "q_rank": "--q-rank", "calib_data": "--calib-data",
                  "calib_tokens": "--calib-tokens", "calib_window": "--calib-window", "key_weight": "--key-weight",
-                 "dtype": "--dtype", "rho": "--rho", "stream": "--stream", "refit_o_proj": (None, "--no-refit-o-proj")}
+                 "dtype": "--dtype", "rho": "--rho", "stream": "--stream", "target": "--target",
+                 "refit_o_proj": (None, "--no-refit-o-proj")}
 CALIBRATE_FLAGS = {"kv_dtype": "--kv-dtype", "observer": "--observer", "granularity": "--granularity",
                    "percentile": "--percentile", "rotate": ("--rotate", "--no-rotate"),
                    "key_phase": ("--key-phase", "--no-key-phase"),
@@ -104,15 +106,18 @@ def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path) -> tuple[l
     return stages, kv_dtype, policy
 
 
-RECIPE_OWNS = ("rank", "rope_dim", "heal", "calib_tokens", "kv_dtype", "suite", "policy")
+RECIPE_OWNS = ("rank", "rope_dim", "target", "heal", "calib_tokens", "kv_dtype", "suite", "policy")
 
 
 @click.command("pipeline")
 @click.option("--src", default="smollm2-135m", show_default=True, help="Source model (folder, built-in name, hub id).")
 @click.option("--recipe", "recipe_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Recipe YAML whose blocks drive every stage (its `source` replaces --src when set).")
-@click.option("--rank", type=int, default=96, show_default=True, help="kv_lora_rank of the MLA conversion.")
-@click.option("--rope-dim", type=int, default=32, show_default=True)
+@click.option("--rank", type=int, default=None,
+              help="kv_lora_rank of the MLA conversion (default: the largest latent the --target engine serves).")
+@click.option("--rope-dim", type=int, default=None, help="qk_rope_head_dim (default: with --rank's default).")
+@click.option("--target", type=click.Choice(list(TARGETS)), default=DEFAULT_TARGET, show_default=True,
+              help="Engine the checkpoint is for (see `kvconvert mla --target`).")
 @click.option("--heal", default="layerwise", show_default=True, help="none, layerwise or a recipe YAML.")
 @click.option("--calib-tokens", type=click.IntRange(min=512), default=None,
               help="Calibration tokens for both convert and calibrate (default: each command's own default).")
@@ -122,7 +127,7 @@ RECIPE_OWNS = ("rank", "rope_dim", "heal", "calib_tokens", "kv_dtype", "suite", 
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Recompute every stage (default: reuse finished stages).")
 @click.option("--fail-on-gate", is_flag=True, help="Exit 1 when the gate fails (for CI); default: report and exit 0.")
-def pipeline_cmd(src, recipe_file, rank, rope_dim, heal, calib_tokens, kv_dtype, suite, policy, out_dir, overwrite,
+def pipeline_cmd(src, recipe_file, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir, overwrite,
                  fail_on_gate):
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     import json
@@ -130,7 +135,9 @@ def pipeline_cmd(src, recipe_file, rank, rope_dim, heal, calib_tokens, kv_dtype,
     if recipe_file is not None:
         stages, kv_dtype, policy_file, suite, engine, src = _from_recipe(recipe_file, src, out_dir)
     else:
-        stages = _from_flags(src, rank, rope_dim, heal, calib_tokens, kv_dtype, out_dir)
+        if rank is None:
+            rank, rope_dim = _default_shape(src, target, rope_dim)
+        stages = _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, out_dir)
         policy_file, engine = _policy_path(policy), "auto"
     out_dir.mkdir(parents=True, exist_ok=True)
     report_dir = out_dir / "report"
@@ -155,10 +162,32 @@ def pipeline_cmd(src, recipe_file, rank, rope_dim, heal, calib_tokens, kv_dtype,
         sys.exit(log[-1]["exit_code"])
 
 
-def _from_flags(src, rank, rope_dim, heal, calib_tokens, kv_dtype, out_dir: Path) -> list:
+def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, out_dir: Path) -> list:
     calib = {} if calib_tokens is None else {"calib_tokens": calib_tokens}
     calibrate = None if kv_dtype == "bf16" else {"kv_dtype": kv_dtype, **calib}
-    return _commands(src, {"rank": rank, "rope_dim": rope_dim, **calib}, heal, calibrate, out_dir)
+    shape = {"rank": rank, **({"rope_dim": rope_dim} if rope_dim is not None else {}), "target": target}
+    return _commands(src, {**shape, **calib}, heal, calibrate, out_dir)
+
+
+def _default_shape(src: str, target: str, rope_dim: int | None) -> tuple[int, int]:
+    """The largest MLA latent the target engine serves that is smaller than the source's K+V."""
+    from kvconvert.checkpoint import read_config
+    from kvconvert.mla.deepseek_format import head_dim
+    from kvconvert.sources import resolve_source
+    from kvconvert.targets import get_target, servable_shapes
+
+    cfg = read_config(resolve_source(src))
+    kv_heads, d = cfg.get("num_key_value_heads", cfg["num_attention_heads"]), head_dim(cfg)
+    engine = get_target(target)
+    if engine.latent_sizes is None:
+        raise KVConvertError(f"--target {target} serves every shape: give --rank (and --rope-dim)")
+    shapes = [(r, p) for r, p in servable_shapes(engine, kv_heads, d)
+              if r + p < 2 * kv_heads * d and rope_dim in (None, p)]
+    if not shapes:
+        raise KVConvertError(f"{src}: {target} serves no MLA latent smaller than this model's K+V "
+                             f"({2 * kv_heads * d} values per token and layer); quantize its KV cache instead "
+                             "(kvconvert calibrate) or pass --target any with --rank")
+    return shapes[0]
 
 
 def _from_recipe(recipe_file: Path, src: str, out_dir: Path):

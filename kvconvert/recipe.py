@@ -20,6 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvconvert.errors import KVConvertError
+from kvconvert.targets import TARGETS
 
 # Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
 # low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
@@ -53,6 +54,7 @@ class ConvertStage(_Stage):
     rho: float | None = Field(None, gt=0, lt=1)
     refit_o_proj: bool | None = None
     stream: Literal["converted", "source"] | None = None
+    target: Literal[tuple(TARGETS)] | None = None  # engine the checkpoint is for (kvconvert.targets)
 
     def mla_options(self, overwrite: bool = False, progress: bool = True):
         """The converter's options object (imported lazily: the recipe schema needs no torch)."""

@@ -55,7 +55,7 @@ def eval_model(path: Path, windows: int, ref: torch.Tensor | None = None):
 def convert_subprocess(src: str, out: Path, rank: int, rope: int, extra: list[str]) -> dict:
     """Run the real CLI in a child process; its peak RSS comes from RUSAGE_CHILDREN."""
     cmd = [sys.executable, "-m", "kvconvert.cli", "mla", "--src", src, "--rank", str(rank), "--rope-dim", str(rope),
-           "--out", str(out), "--overwrite", "--json", *extra]
+           "--target", "any", "--out", str(out), "--overwrite", "--json", *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -22,7 +22,7 @@ CALIBRATE_PARAM = {"format": "fmt"}
 
 EVERY_CONVERT_KEY = {"rank": 48, "rope_dim": 16, "q_rank": 96, "calib_data": "essays", "calib_tokens": 1024,
                      "calib_window": 256, "dtype": "fp32", "key_weight": 0.5, "rho": 1e-3, "stream": "source",
-                     "refit_o_proj": False}
+                     "target": "any", "refit_o_proj": False}
 EVERY_CALIBRATE_KEY = {"kv_dtype": "nvfp4", "observer": "percentile", "granularity": "head", "percentile": 99.9,
                        "rotate": True, "key_phase": False, "value_rotation": False, "rotation_block": 32,
                        "key_strength": 0.5, "search_tokens": 0, "calib_data": "essays", "calib_tokens": 2048,
@@ -115,8 +115,9 @@ def test_recipe_kv_dtypes_are_the_calibrators():
 def test_flag_pipeline_builds_the_same_commands_as_a_recipe(tmp_path):
     from kvconvert.pipeline import _from_flags
 
-    stages = _from_flags("smollm2-135m", 160, 32, "layerwise", 2048, "fp8", tmp_path)
+    stages = _from_flags("smollm2-135m", 160, 32, "any", "layerwise", 2048, "fp8", tmp_path)
     conv, cal = (_parse(cmd, args[1:]) for cmd, (_, args) in zip((mla_cmd, calibrate_cmd), stages))
     assert (conv["rank"], conv["rope_dim"], conv["calib_tokens"], conv["heal"]) == (160, 32, 2048, "layerwise")
     assert (cal["kv_dtype"], cal["calib_tokens"], cal["out"]) == ("fp8", 2048, str(tmp_path / "mla-fp8"))
-    assert [s for s, _ in _from_flags("x", 64, 32, "none", None, "bf16", tmp_path)] == ["convert"]
+    assert (conv["target"]) == "any"
+    assert [s for s, _ in _from_flags("x", 64, 32, "any", "none", None, "bf16", tmp_path)] == ["convert"]

@@ -16,23 +16,37 @@ from kvconvert.data import calibration_windows
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla.convert_layer import LayerPlan, max_rank
+from kvconvert.targets import get_target, rope_dims_for, servable_shapes
 
 
-def candidate_splits(cfg: dict, budget: int) -> list[tuple[int, int]]:
-    """(rank, rope_dim) pairs with rank + rope_dim == budget, rope_dim a valid fold of head_dim."""
+def candidate_splits(cfg: dict, budget: int, target: str = "any") -> list[tuple[int, int]]:
+    """(rank, rope_dim) pairs to try for a budget of KV values per token and layer. For a research
+    target: rank + rope_dim == budget, rope_dim a valid fold of head_dim (>= 8). For an engine: the
+    shapes it serves at its largest latent size within the budget (kvconvert.targets)."""
     d = fmt.head_dim(cfg)
     kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    out = []
-    for slots in range(1, d // 2 + 1):
-        rope = 2 * slots
-        if (d // 2) % slots or rope < 8 or rope > min(64, d):
-            continue
-        rank = budget - rope
-        if 1 <= rank <= max_rank(kv_heads, d, rope):
-            out.append((rank, rope))
+    engine = get_target(target)
+    if engine.latent_sizes is not None:
+        return _servable_within(engine, budget, kv_heads, d)
+    out = [(budget - rope, rope) for rope in rope_dims_for(d)
+           if rope >= 8 and 1 <= budget - rope <= max_rank(kv_heads, d, rope)]
     if not out:
         raise KVConvertError(f"--kv-budget {budget}: no valid rank + rope-dim split (rope-dim must fold head_dim {d})")
     return out
+
+
+def _servable_within(engine, budget: int, kv_heads: int, d: int) -> list[tuple[int, int]]:
+    shapes = [s for s in servable_shapes(engine, kv_heads, d) if sum(s) <= budget]
+    if not shapes:
+        full = 2 * kv_heads * d
+        sizes = ", ".join(f"{n} ({100 * n / full:.0f}%)" for n in sorted(engine.latent_sizes) if n < full) or "none"
+        raise KVConvertError(
+            f"--kv-budget {budget} values per token and layer: {engine.name} serves MLA latents of "
+            f"{', '.join(map(str, sorted(engine.latent_sizes)))} values only ({engine.note}); for this model "
+            f"(K+V = {full} values) that means: {sizes}. Raise the budget, quantize the source's KV cache instead "
+            "(kvconvert calibrate), or pass --target any for a research shape.")
+    best = max(sum(s) for s in shapes)
+    return [s for s in shapes if sum(s) == best]
 
 
 def parse_budget(text: str, cfg: dict) -> int:
@@ -51,8 +65,23 @@ def parse_budget(text: str, cfg: dict) -> int:
 
 
 def search_split(src_path: Path, budget: int, calib_data: str = "builtin", calib_tokens: int = 2048,
-                 probes: int = 3, key_weight: float = 0.3, progress: bool = True) -> tuple[int, int, list[dict]]:
-    """(rank, rope_dim, table) minimising the mean o_proj-refitted attention error on probe layers."""
+                 probes: int = 3, key_weight: float = 0.3, progress: bool = True,
+                 target: str = "any") -> tuple[int, int, list[dict]]:
+    """(rank, rope_dim, table) minimising the mean o_proj-refitted attention error on probe layers
+    among the splits the target engine serves (a single servable split is returned unmeasured)."""
+    reader = CheckpointReader(src_path)
+    cfg = reader.config
+    fmt.check_source_config(cfg)
+    splits = candidate_splits(cfg, budget, target)
+    if len(splits) == 1:
+        (rank, rope), = splits
+        if progress:
+            print(f"kv budget {budget}: {target} serves one split here: rank {rank} + rope {rope}")
+        return rank, rope, [dict(rank=rank, rope_dim=rope, mean_attn_error=None)]
+    return _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probes, key_weight, progress)
+
+
+def _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probes, key_weight, progress):
     from transformers import AutoTokenizer
 
     from kvconvert.mla.convert import _f32, _layer_weights, _refit_o_proj, source_rope
@@ -60,17 +89,13 @@ def search_split(src_path: Path, budget: int, calib_data: str = "builtin", calib
     from kvconvert.mla.llama_block import LlamaShape, llama_attention, llama_layer, rms_norm
     from kvconvert.mla.mla_block import MLAShape, mla_attention_heads
 
-    reader = CheckpointReader(src_path)
-    cfg = reader.config
-    fmt.check_source_config(cfg)
-    splits = candidate_splits(cfg, budget)
     d, H = fmt.head_dim(cfg), cfg["num_attention_heads"]
     G = cfg.get("num_key_value_heads", H)
     inv_freq, att = source_rope(cfg, d)
     shape = LlamaShape(cfg["hidden_size"], H, G, d, cfg.get("rms_norm_eps", 1e-5), inv_freq, att)
     layers = cfg["num_hidden_layers"]
     probe_layers = sorted({round((k + 0.5) * layers / probes) for k in range(probes)} - {layers})
-    tok = AutoTokenizer.from_pretrained(str(src_path))
+    tok = AutoTokenizer.from_pretrained(str(reader.path))
     ids = calibration_windows(tok, calib_data, calib_tokens, 256)
     hidden = reader.get("model.embed_tokens.weight")[ids].float()
     errors = {s: [] for s in splits}

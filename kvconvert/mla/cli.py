@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from kvconvert.errors import KVConvertError
+from kvconvert.targets import DEFAULT_TARGET, TARGETS
 
 
 @click.command("mla")
@@ -28,13 +29,16 @@ from kvconvert.errors import KVConvertError
               help="Latent-norm linear range: mean(c^2) <= rho * eps on calibration tokens (default 3e-4).")
 @click.option("--stream", type=click.Choice(["converted", "source"]), default=None,
               help="Calibration hidden states carried through the converted layers (default) or the source's.")
+@click.option("--target", type=click.Choice(list(TARGETS)), default=DEFAULT_TARGET, show_default=True,
+              help="Engine the checkpoint is for: only MLA shapes it serves are written (vllm: latent 576 or 320; "
+                   "tensorrt-llm: 512 + 64). kvconvert (the bundled runtime) and any allow every shape.")
 @click.option("--heal", default="none", show_default=True, help="none, layerwise, or a recipe YAML.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32", "fp16"]), default="bf16", show_default=True)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion summary as JSON.")
 def mla_cmd(src, rank, kv_budget, rope_dim, q_rank, calib_data, calib_tokens, calib_window, key_weight, no_refit_o_proj,
-            rho, stream, heal, dtype, out_dir, overwrite, as_json):
+            rho, stream, target, heal, dtype, out_dir, overwrite, as_json):
     """Convert a Llama-family (MHA/GQA) checkpoint to Multi-head Latent Attention in stock DeepSeek-V3
     format (loads in transformers, vLLM and SGLang with no custom code)."""
     import json
@@ -55,11 +59,11 @@ def mla_cmd(src, rank, kv_budget, rope_dim, q_rank, calib_data, calib_tokens, ca
         from kvconvert.mla.budget_search import parse_budget, search_split
 
         budget = parse_budget(kv_budget, read_config(src_path))
-        rank, rope_dim, _ = search_split(src_path, budget, calib_data, key_weight=key_weight)
+        rank, rope_dim, _ = search_split(src_path, budget, calib_data, key_weight=key_weight, target=target)
     extra = {k: v for k, v in (("rho", rho), ("stream", stream)) if v is not None}
     opts = MLAOptions(rank=rank, rope_dim=rope_dim, q_rank=q_rank, calib_data=calib_data, calib_tokens=calib_tokens,
                       calib_window=calib_window, key_weight=key_weight, refit_o_proj=not no_refit_o_proj,
-                      dtype=dtype, overwrite=overwrite, **extra)
+                      dtype=dtype, target=target, overwrite=overwrite, **extra)
     convert_dir = out_dir if heal_target is None else out_dir.parent / f".{out_dir.name}.oneshot"
     report = convert_to_mla(src_path, convert_dir, opts if heal_target is None else _replace(opts, overwrite=True),
                             source_name=str(src))

@@ -22,6 +22,7 @@ from kvconvert.mla.convert_layer import LayerPlan, convert_attention, factorize_
 from kvconvert.mla.llama_block import LlamaShape, llama_attention, llama_layer, rms_norm
 from kvconvert.mla.mla_block import MLAShape, mla_attention_heads
 from kvconvert.mla import factorize as fz
+from kvconvert.targets import DEFAULT_TARGET, check_servable, get_target
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -40,12 +41,14 @@ class MLAOptions:
     rho: float = 3e-4
     refit_o_proj: bool = True
     stream: str = "converted"  # hidden states carried through the converted (or source) layers
+    target: str = DEFAULT_TARGET  # the serving engine; its MLA shapes only (kvconvert.targets)
     overwrite: bool = False
     progress: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise KVConvertError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        get_target(self.target)
         if self.stream not in ("converted", "source"):
             raise KVConvertError(f"stream {self.stream!r}: choose converted or source")
         if self.calib_tokens < self.calib_window:
@@ -74,9 +77,11 @@ def validate_plan(cfg: dict, opts: MLAOptions) -> tuple[int, int]:
     if rope_dim > d or (d // 2) % (rope_dim // 2):
         valid = [2 * s for s in range(1, d // 2 + 1) if (d // 2) % s == 0]
         raise KVConvertError(f"--rope-dim {rope_dim}: must divide the head_dim {d} into whole frequency groups; valid: {valid}")
-    top = max_rank(cfg.get("num_key_value_heads", cfg["num_attention_heads"]), d, rope_dim)
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    top = max_rank(kv_heads, d, rope_dim)
     if not 1 <= opts.rank <= top:
         raise KVConvertError(f"--rank {opts.rank}: must be between 1 and {top} (2 x kv_heads x head_dim - rope_dim) for this model")
+    check_servable(opts.target, opts.rank, rope_dim, kv_heads, d)
     if opts.q_rank is not None:
         q_rows = cfg["num_attention_heads"] * (min(d, opts.rank) + rope_dim)
         top_q = min(cfg["hidden_size"], q_rows)

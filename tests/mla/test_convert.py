@@ -11,7 +11,7 @@ from kvconvert.mla.convert import MLAOptions, convert_to_mla
 
 from mla_tiny_models import make_tiny_llama
 
-FAST = dict(dtype="fp32", calib_tokens=1024, calib_window=256, progress=False)
+FAST = dict(dtype="fp32", calib_tokens=1024, calib_window=256, progress=False, target="any")  # research shapes
 
 
 def _logits_rel_error(src, out, seed=0):
@@ -110,7 +110,7 @@ def test_cli_writes_checkpoint_and_refuses_existing(tmp_path, tokenizer_dir):
     from kvconvert.cli import cli
 
     src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2)
-    args = ["mla", "--src", str(src), "--rank", "24", "--rope-dim", "16", "--calib-tokens", "512",
+    args = ["mla", "--src", str(src), "--rank", "24", "--rope-dim", "16", "--target", "any", "--calib-tokens", "512",
             "--calib-window", "256", "--dtype", "bf16", "--out", str(tmp_path / "out"), "--json"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output

@@ -1,0 +1,94 @@
+"""The serving engines a converted checkpoint is for, and the MLA shapes each of them takes.
+
+`kvconvert mla --target` (default vllm) writes only latents the target serves, so a stock engine
+never refuses the checkpoint at its first request. The engine facts (docs/engines.md has the
+sources and the tests that check them here):
+
+* vLLM: its common MLA code (MLACommonMetadata) accepts kv_lora_rank + qk_rope_head_dim of 576 or
+  320 only ("Head dimension 192 is not supported by MLA"); its fastest decode kernels (FlashMLA,
+  TRTLLM-gen, CPU_MLA) take 576 = 512 + 64 only, the Triton MLA backend serves 320.
+* TensorRT-LLM: DeepSeek's MLA kernels are built for kv_lora_rank 512 and qk_rope_head_dim 64.
+* kvconvert: the bundled paged runtime serves every shape (research shapes, per-layer studies).
+
+This module is torch-free (the CLI's `budget`/`plan` import it without loading a model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvconvert.errors import KVConvertError
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    # kv_lora_rank + qk_rope_head_dim values the engine serves; None = every shape
+    latent_sizes: tuple[int, ...] | None
+    # qk_rope_head_dim the engine's kernels assume; None = any valid rope dim
+    rope_dims: tuple[int, ...] | None
+    note: str
+
+    def serves(self, rank: int, rope_dim: int) -> bool:
+        return ((self.latent_sizes is None or rank + rope_dim in self.latent_sizes)
+                and (self.rope_dims is None or rope_dim in self.rope_dims))
+
+
+TARGETS: dict[str, Target] = {
+    "vllm": Target("vllm", (576, 320), None,
+                   "vLLM's MLA takes kv_lora_rank + qk_rope_head_dim = 576 or 320 (its FlashMLA / "
+                   "TRTLLM-gen / CPU decode kernels: 576 = 512 + 64 only)"),
+    "tensorrt-llm": Target("tensorrt-llm", (576,), (64,),
+                           "TensorRT-LLM's DeepSeek MLA kernels take kv_lora_rank 512 + qk_rope_head_dim 64"),
+    "kvconvert": Target("kvconvert", None, None, "the bundled paged runtime serves every shape"),
+    "any": Target("any", None, None, "every shape (research; not every engine serves it)"),
+}
+DEFAULT_TARGET = "vllm"
+
+
+def get_target(name: str) -> Target:
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise KVConvertError(f"--target {name!r}: choose one of {', '.join(TARGETS)}") from None
+
+
+def rope_dims_for(head_dim: int) -> list[int]:
+    """qk_rope_head_dim values that fold head_dim's frequencies into whole groups (even, <= 64)."""
+    half = head_dim // 2
+    return [2 * s for s in range(1, half + 1) if half % s == 0 and 2 * s <= min(64, head_dim)]
+
+
+def servable_shapes(target: Target, kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
+    """(rank, rope_dim) pairs (rope_dim >= 8) this target serves for a source with kv_heads x head_dim, largest
+    latent first and, within a latent size, the larger RoPE part first (DeepSeek's 64 when it fits).
+    rank is capped at 2 x kv_heads x head_dim - rope_dim (beyond it the latent holds nothing new)."""
+    if target.latent_sizes is None:
+        raise ValueError("servable_shapes needs a target with a fixed list of latent sizes")
+    out = []
+    for size in sorted(target.latent_sizes, reverse=True):
+        for rope in sorted((r for r in rope_dims_for(head_dim) if r >= 8), reverse=True):
+            rank = size - rope
+            if 1 <= rank <= 2 * kv_heads * head_dim - rope and target.serves(rank, rope):
+                out.append((rank, rope))
+    return out
+
+
+def check_servable(target_name: str, rank: int, rope_dim: int, kv_heads: int, head_dim: int) -> None:
+    """Refuse a shape the target engine would refuse at its first request, naming what it serves."""
+    target = get_target(target_name)
+    if target.serves(rank, rope_dim):
+        return
+    full = 2 * kv_heads * head_dim
+    shapes = servable_shapes(target, kv_heads, head_dim)
+    if shapes:
+        fits = "; ".join(f"--rank {r} --rope-dim {p} ({r + p} values, {100 * (r + p) / full:.0f}% of the source K+V)"
+                         for r, p in shapes[:2])
+        hint = f"Servable for this model: {fits}."
+    else:
+        hint = (f"No servable shape fits this model: its K+V holds {full} values per token and layer, fewer than "
+                f"the smallest latent {target.name} takes ({min(target.latent_sizes)}).")
+    raise KVConvertError(
+        f"--rank {rank} --rope-dim {rope_dim}: a latent of {rank + rope_dim} values per token and layer, which "
+        f"{target.name} does not serve: {target.note}. {hint} Use --target any (or kvconvert, the bundled "
+        "runtime) to write it anyway as a research shape.")
