@@ -1,4 +1,6 @@
-"""Write calibrated KV scales into a checkpoint, in the names engines read (BRIEF §3).
+"""Write calibrated KV scales into a checkpoint: folded into the weights by powers of two (fold.py,
+so engines that ignore the scales store the calibrated values too), the rest in the names engines
+read (docs/calibrate.md, docs/engines.md).
 
 vLLM / compressed-tensors (``--format vllm``):
   ``model.layers.N.self_attn.k_scale`` / ``.v_scale`` float32, shape ``[1]`` (per tensor) or
@@ -34,6 +36,7 @@ from safetensors.torch import save_file
 
 from kvconvert import __version__
 from kvconvert.errors import CheckpointError, KVConvertError
+from kvconvert.quant.fold import fold_layer, fold_plan
 from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.rotate import RotationPlan
 from kvconvert.quant.scales import KVScales, is_kv_scale_name
@@ -120,17 +123,36 @@ def output_config(src_config: dict, scales: KVScales, formats: tuple[str, ...]) 
     return config
 
 
-def rotated_tensors(reader, layout: KVLayout, plan: RotationPlan) -> dict[str, torch.Tensor]:
-    """Full names -> rotated tensors (only those the plan changes), read layer by layer."""
-    if plan.is_identity:
+def rotated_tensors(reader, layout: KVLayout, plan: RotationPlan,
+                    fold: list[tuple[float, float]] | None = None) -> dict[str, torch.Tensor]:
+    """Full names -> rotated (then scale-folded, see quant/fold.py) tensors, only those that change,
+    read layer by layer. fold: [(f_k, f_v)] per layer from fold.fold_plan, or None."""
+    if plan.is_identity and fold is None:
         return {}
     out = {}
     for layer in range(layout.num_layers):
         prefix = f"model.layers.{layer}.self_attn."
         local = {k[len(prefix):]: v for k, v in reader.tensors(prefix).items() if not is_kv_scale_name(k)}
-        for name, tensor in plan.apply(layer, local, layout.num_q_heads).items():
+        changed = plan.apply(layer, local, layout.num_q_heads) if not plan.is_identity else {}
+        if fold is not None:
+            changed.update(fold_layer({**local, **changed}, layout, *fold[layer]))
+        for name, tensor in changed.items():
             out[prefix + name] = tensor
     return out
+
+
+def folded_export(reader, layout: KVLayout, scales: KVScales, plan: RotationPlan, formats: tuple[str, ...],
+                  report: dict) -> tuple[dict, dict, dict]:
+    """(changed weights, scale tensors to write, report): the calibrated scales folded into the weights
+    by powers of two; the remaining scales (in (0.5, 1]) are the ones written under every name."""
+    factors, remaining = fold_plan(scales)
+    changed = rotated_tensors(reader, layout, plan, factors)
+    report = {**report, "scale_folding": {
+        "rule": "weights producing the cache / f, weights reading it * f, f = 2^ceil(log2 scale); "
+                "written scales = calibrated / f",
+        "f_k": [fk for fk, _ in factors], "f_v": [fv for _, fv in factors],
+        "written_scales": remaining.to_json()}}
+    return changed, scale_tensors(remaining, layout, formats), report
 
 
 def plot_scales(scales: KVScales, path_or_buffer, title: str) -> None:
@@ -173,8 +195,7 @@ def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVLayout, scales: KVS
     from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
 
     reader = CheckpointReader(src_dir)
-    rotated = rotated_tensors(reader, layout, plan)
-    new_scales = scale_tensors(scales, layout, formats)
+    rotated, new_scales, report = folded_export(reader, layout, scales, plan, formats, report)
     with CheckpointWriter(out_dir, overwrite=overwrite, source=str(src_dir),
                           manifest_extra={"kv_calibration": {"kv_dtype": scales.kv_dtype, "formats": list(formats)}}) as w:
         for name in reader.weight_map:
@@ -222,8 +243,7 @@ def rewrite_in_place(folder: Path, layout: KVLayout, scales: KVScales, plan: Rot
 
     folder = Path(folder)
     reader = CheckpointReader(folder)
-    rotated = rotated_tensors(reader, layout, plan)
-    new_scales = scale_tensors(scales, layout, formats)
+    rotated, new_scales, report = folded_export(reader, layout, scales, plan, formats, report)
     old_scale_names = {n for n in reader.weight_map if is_kv_scale_name(n)}
     sharded = (folder / INDEX_NAME).is_file()
     scale_file = KV_SCALES_SHARD if sharded else SINGLE_NAME

@@ -54,23 +54,28 @@ def test_fp8_export_names_values_and_report(fp8_both, tiny_llama):
     for f in fp8_both.glob("*.safetensors"):
         tensors.update(load_file(f))
     src = CheckpointReader(tiny_llama)
-    for name in src.weight_map:  # fp8 folds key pair phases: only q_proj / k_proj change
+    fold = report["scale_folding"]
+    for name in src.weight_map:  # key pair phases change q/k_proj; scale folding (powers of two) v/o_proj
         same = torch.equal(tensors[name], src.get(name))
-        assert same != name.endswith(("q_proj.weight", "k_proj.weight")), name
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        folds_v = layer is not None and fold["f_v"][layer] != 1.0
+        assert same != (name.endswith(("q_proj.weight", "k_proj.weight"))
+                        or (folds_v and name.endswith(("v_proj.weight", "o_proj.weight")))), name
     assert len(report["rotation"]["key_pair_phase"]["predicted_noise_ratio_per_layer"]) == 2
     assert "value_rotation" not in report["rotation"]
     ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(load_model(fp8_both)(input_ids=ids).logits,
                                    load_model(tiny_llama)(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
-    for layer, entry in enumerate(report["layers"]):
+    for layer, entry in enumerate(report["layers"]):  # written scale x folded power of two = amax / 448
         k_amax, v_amax = max(entry["k_amax"]), max(entry["v_amax"])
+        f_k, f_v = fold["f_k"][layer], fold["f_v"][layer]
         k = tensors[f"model.layers.{layer}.self_attn.k_scale"]
-        assert k.dtype == torch.float32 and k.shape == (1,)
-        assert k.item() == pytest.approx(k_amax / 448, rel=1e-6)
-        assert tensors[f"model.layers.{layer}.self_attn.v_scale"].item() == pytest.approx(v_amax / 448, rel=1e-6)
+        assert k.dtype == torch.float32 and k.shape == (1,) and 0.5 < k.item() <= 1.0
+        assert k.item() * f_k == pytest.approx(k_amax / 448, rel=1e-6)
+        assert tensors[f"model.layers.{layer}.self_attn.v_scale"].item() * f_v == pytest.approx(v_amax / 448, rel=1e-6)
         assert tensors[f"model.layers.{layer}.self_attn.k_proj.k_scale"].shape == ()
-        assert tensors[f"model.layers.{layer}.self_attn.v_proj.v_scale"].item() == pytest.approx(v_amax / 448, rel=1e-6)
+        assert tensors[f"model.layers.{layer}.self_attn.v_proj.v_scale"].item() * f_v == pytest.approx(v_amax / 448, rel=1e-6)
     config = read_json(fp8_both / "config.json")
     scheme = config["quantization_config"]["kv_cache_scheme"]
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
@@ -79,7 +84,7 @@ def test_fp8_export_names_values_and_report(fp8_both, tiny_llama):
     assert hq["producer"]["name"] == "kvconvert" and hq["quantization"] == {"quant_algo": None, "kv_cache_quant_algo": "FP8"}
     assert (fp8_both / "kv_scales.png").read_bytes()[:4] == b"\x89PNG"
     scales = read_kv_scales(fp8_both)
-    assert scales.k[1].item() == pytest.approx(max(report["layers"][1]["k_amax"]) / 448, rel=1e-6)
+    assert scales.k[1].item() * fold["f_k"][1] == pytest.approx(max(report["layers"][1]["k_amax"]) / 448, rel=1e-6)
 
 
 def test_transformers_loads_vllm_format(fp8_both):
@@ -100,8 +105,9 @@ def test_per_head_vllm_shapes_and_transformers_load(tiny_llama, calib_text, tmp_
     assert read_json(out / "config.json")["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
     report = read_json(out / "calibration_report.json")
     assert report["percentile"] == 99.99
+    f_k = report["scale_folding"]["f_k"][0]
     for h in range(2):  # percentile never exceeds the head's amax
-        assert tensors["model.layers.0.self_attn.k_scale"][h, 0, 0] * 448 <= report["layers"][0]["k_amax"][h] * (1 + 1e-6)
+        assert tensors["model.layers.0.self_attn.k_scale"][h, 0, 0] * f_k * 448 <= report["layers"][0]["k_amax"][h] * (1 + 1e-6)
     if importlib.util.find_spec("compressed_tensors") is not None:  # transformers needs it for this config
         from transformers import AutoModelForCausalLM
 
@@ -131,8 +137,13 @@ def test_no_key_phase_leaves_queries_and_keys(tiny_llama, calib_text, tmp_path, 
     rotation = read_json(out / "calibration_report.json")["rotation"]
     assert "key_pair_phase" not in rotation and rotation["value_rotation"].startswith("hadamard")
     written, src = CheckpointReader(out), CheckpointReader(tiny_llama)
-    for name in src.weight_map:  # only V / o_proj carry the Hadamard
-        assert torch.equal(written.get(name), src.get(name)) != name.endswith(("v_proj.weight", "o_proj.weight")), name
+    f_k = read_json(out / "calibration_report.json")["scale_folding"]["f_k"]
+    for name in src.weight_map:  # only V / o_proj carry the Hadamard; q/k move by the folded power of two only
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            f = f_k[int(name.split(".")[2])]
+            assert torch.equal(written.get(name), src.get(name) * (f if "q_proj" in name else 1 / f)), name
+        else:
+            assert torch.equal(written.get(name), src.get(name)) != name.endswith(("v_proj.weight", "o_proj.weight")), name
 
 
 def test_mla_row_scale_names(tiny_deepseek, calib_text, tmp_path, capsys):
@@ -252,7 +263,8 @@ def test_fp8_e5m2_scales_without_engine_config(tiny_llama, calib_text, tmp_path,
     assert not (out / "hf_quant_config.json").exists()
     report = read_json(out / "calibration_report.json")
     k = load_file(out / "model.safetensors")["model.layers.0.self_attn.k_scale"]
-    assert k.item() == pytest.approx(max(report["layers"][0]["k_amax"]) / 57344, rel=1e-6)
+    f_k = report["scale_folding"]["f_k"][0]
+    assert k.item() * f_k == pytest.approx(max(report["layers"][0]["k_amax"]) / 57344, rel=1e-6)
     code, err = run(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "fp8_e5m2", "--format", "modelopt",
                      "--out", str(tmp_path / "x")], capsys)
     assert code == 2 and "no FP8 E5M2 KV cache" in err
