@@ -35,11 +35,11 @@ from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
 from kvconvert.heal import blocks
 from kvconvert.heal.reparam import row_scales
 from kvconvert.mla import factorize as fz
+from kvconvert.mla.convert_layer import LATENT_LINEAR_RHO
 from kvconvert.mla.mla_block import MLAShape, mla_attention, mla_attention_heads
 from kvconvert.recipe import LayerwiseStage
 
 CHUNK_WINDOWS = 8  # windows per forward when evaluating on the whole calibration set
-LINEAR_RHO = 1e-3  # kv_a_layernorm stays linear while mean(c^2) <= rho * eps (as the converter)
 
 
 @dataclass
@@ -148,8 +148,8 @@ def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: 
     base_peak = latent_sq_mean_max(x, w0["kv_a_proj_with_mqa"], shape.rank)
     base_q = latent_sq_mean_max(x, w0["q_a_proj"], w0["q_a_proj"].shape[0]) if "q_a_proj" in w0 else None
     w = _adam_fit(x, y, w0, shape, stage, generator) if stage.steps else dict(w0)
-    limit = max(base_peak, LINEAR_RHO * shape.latent_eps)
-    limit_q = max(base_q, LINEAR_RHO * shape.latent_eps) if base_q is not None else None
+    limit = max(base_peak, LATENT_LINEAR_RHO * shape.latent_eps)
+    limit_q = max(base_q, LATENT_LINEAR_RHO * shape.latent_eps) if base_q is not None else None
     w, factor = relinearize_latent(x, w, shape, limit, limit_q)
     report["latent_rescale"] = factor
     if stage.refit_o_proj:

@@ -18,7 +18,7 @@ from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_outpu
 from kvconvert.data import calibration_windows, data_hash
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
-from kvconvert.mla.convert_layer import LayerPlan, convert_attention, factorize_query, finalize_latent_norm, max_rank
+from kvconvert.mla.convert_layer import LATENT_LINEAR_RHO, LayerPlan, convert_attention, factorize_query, finalize_latent_norm, max_rank
 from kvconvert.mla.llama_block import LlamaShape, llama_attention, llama_layer, rms_norm
 from kvconvert.mla.mla_block import MLAShape, mla_attention_heads
 from kvconvert.mla import factorize as fz
@@ -38,7 +38,7 @@ class MLAOptions:
     dtype: str = "bf16"
     key_weight: float = 0.3  # measured on SmolLM2: 0.3 beats 1.0 (ppl 128 vs 141 at rank 64 + rope 32)
     query_weighted_rope: bool = False  # measured: plain complex PCA 125 vs query-weighted 128 (rank 64 + rope 32)
-    rho: float = 3e-4
+    rho: float = LATENT_LINEAR_RHO
     refit_o_proj: bool = True
     stream: str = "converted"  # hidden states carried through the converted (or source) layers
     target: str = DEFAULT_TARGET  # the serving engine; its MLA shapes only (kvconvert.targets)

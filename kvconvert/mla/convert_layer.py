@@ -10,6 +10,11 @@ from kvconvert.mla import factorize as fz
 from kvconvert.mla.llama_block import LlamaShape
 
 
+# The latent RMSNorm stays linear while mean(c^2) <= rho * eps on every calibration token: 3e-4
+# keeps the per-token error <= 1.5e-4 (docs/mla.md). One value for the converter and the healer.
+LATENT_LINEAR_RHO = 3e-4
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """Target sizes shared by every layer (DeepSeek has one kv_lora_rank for all layers)."""
@@ -19,7 +24,7 @@ class LayerPlan:
     nope_dim: int  # qk_nope_head_dim = min(head_dim, rank)
     v_dim: int  # v_head_dim = min(head_dim, rank)
     key_weight: float = 0.3  # weight of key (score) errors vs value errors (both in output units)
-    rho: float = 3e-4  # latent RMSNorm linearisation margin (mean(c^2) <= rho * eps)
+    rho: float = LATENT_LINEAR_RHO  # latent RMSNorm linearisation margin (mean(c^2) <= rho * eps)
     latent_eps: float = 1e-6  # eps of kv_a_layernorm (transformers hard-codes 1e-6)
     query_weighted_rope: bool = False
 
