@@ -22,6 +22,8 @@ from pathlib import Path
 import click
 
 from kvconvert.errors import KVConvertError
+from kvconvert.mla.options import MLAOptions
+from kvconvert.stage_options import options_as_flags
 from kvconvert.targets import DEFAULT_TARGET, TARGETS
 
 REPO_GATES = Path(__file__).resolve().parents[1] / "recipes" / "gates"
@@ -53,11 +55,8 @@ def _policy_path(policy: str, base: Path | None = None) -> str:
     raise KVConvertError(f"--policy {policy}: not a file and not a built-in policy in {REPO_GATES}")
 
 
-# recipe key -> CLI flag, per stage (booleans: (on flag, off flag); None = no flag for that value)
-CONVERT_FLAGS = {"rank": "--rank", "rope_dim": "--rope-dim", "q_rank": "--q-rank", "calib_data": "--calib-data",
-                 "calib_tokens": "--calib-tokens", "calib_window": "--calib-window", "key_weight": "--key-weight",
-                 "dtype": "--dtype", "rho": "--rho", "stream": "--stream", "target": "--target",
-                 "refit_o_proj": (None, "--no-refit-o-proj")}
+# recipe key -> CLI flag for calibrate (booleans: (on flag, off flag)); convert's flags are generated
+# from its options model (kvconvert.mla.options, kvconvert.stage_options)
 CALIBRATE_FLAGS = {"kv_dtype": "--kv-dtype", "observer": "--observer", "granularity": "--granularity",
                    "percentile": "--percentile", "rotate": ("--rotate", "--no-rotate"),
                    "key_phase": ("--key-phase", "--no-key-phase"),
@@ -78,11 +77,12 @@ def _flags(options: dict, table: dict) -> list[str]:
     return args
 
 
-def _commands(src: str, convert: dict, heal: str, calibrate: dict | None, out_dir: Path) -> list[tuple[str, list[str]]]:
+def _commands(src: str, convert: MLAOptions, heal: str, calibrate: dict | None,
+              out_dir: Path) -> list[tuple[str, list[str]]]:
     """[(stage, kvconvert args)]: `mla` into out_dir/mla, then (calibrate given) `calibrate` into
-    out_dir/mla-<kv_dtype>. convert / calibrate: recipe keys -> values (CONVERT_FLAGS, CALIBRATE_FLAGS)."""
+    out_dir/mla-<kv_dtype>. calibrate: recipe keys -> values (CALIBRATE_FLAGS)."""
     mla_dir = out_dir / "mla"
-    stages = [("convert", ["mla", "--src", src, *_flags(convert, CONVERT_FLAGS), "--heal", heal,
+    stages = [("convert", ["mla", "--src", src, *options_as_flags(convert), "--heal", heal,
                            "--out", str(mla_dir), "--overwrite"])]
     if calibrate is not None:
         stages.append(("calibrate", ["calibrate", "--src", str(mla_dir), *_flags(calibrate, CALIBRATE_FLAGS),
@@ -97,7 +97,7 @@ def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path) -> tuple[l
         raise KVConvertError(f"{recipe_path}: the pipeline needs a `convert` block (rank, rope_dim, ...)")
     heal = str(recipe_path) if recipe.heals() else "none"
     cal = recipe.calibrate if recipe.calibrate is not None and recipe.calibrate.enabled else None
-    stages = _commands(src, recipe.convert.options(), heal, cal.options() if cal is not None else None, out_dir)
+    stages = _commands(src, recipe.convert.mla_options(), heal, cal.options() if cal is not None else None, out_dir)
     kv_dtype = cal.kv_dtype if cal is not None else "auto"
     val = recipe.validate_
     if val is not None and val.kv_dtype != "auto":
@@ -165,8 +165,8 @@ def pipeline_cmd(src, recipe_file, rank, rope_dim, target, heal, calib_tokens, k
 def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, out_dir: Path) -> list:
     calib = {} if calib_tokens is None else {"calib_tokens": calib_tokens}
     calibrate = None if kv_dtype == "bf16" else {"kv_dtype": kv_dtype, **calib}
-    shape = {"rank": rank, **({"rope_dim": rope_dim} if rope_dim is not None else {}), "target": target}
-    return _commands(src, {**shape, **calib}, heal, calibrate, out_dir)
+    convert = MLAOptions(rank=rank, rope_dim=rope_dim, target=target, **calib)
+    return _commands(src, convert, heal, calibrate, out_dir)
 
 
 def _default_shape(src: str, target: str, rope_dim: int | None) -> tuple[int, int]:

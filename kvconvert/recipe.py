@@ -1,7 +1,7 @@
 """Recipes: one YAML file that says how to build a checkpoint, one top-level block per stage.
 
     name: smollm2-135m-25pct
-    convert:        {rank: 64, rope_dim: 32, dtype: fp32}           # kvconvert mla (MLAOptions)
+    convert:        {rank: 64, rope_dim: 32, dtype: fp32}           # kvconvert mla (mla/options.py)
     heal_layerwise: {tokens: 16384, window: 512, steps: 120}        # fit each attention block
     heal_distill:   {tokens: 200000, seq_len: 512, lr: 1.0e-3}      # end-to-end KL to the source
     calibrate:      {kv_dtype: fp8}                                 # KV-cache scales
@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvconvert.errors import KVConvertError
-from kvconvert.targets import TARGETS
+from kvconvert.mla.options import MLAOptions
 
 # Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
 # low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
@@ -38,29 +38,19 @@ class _Stage(BaseModel):
         return self.model_dump(exclude={"enabled"}, exclude_none=True)
 
 
-class ConvertStage(_Stage):
-    """Mirrors kvconvert.mla.convert.MLAOptions (rank = kv_lora_rank, rope_dim = qk_rope_head_dim,
-    q_rank = q_lora_rank). A key left out takes the converter's own default (the same as
-    `kvconvert mla`), so a recipe and the CLI never convert differently by accident."""
+class ConvertStage(MLAOptions):
+    """The `convert` block is kvconvert.mla.options.MLAOptions itself (rank = kv_lora_rank, rope_dim =
+    qk_rope_head_dim, q_rank = q_lora_rank, ...): a key left out takes the converter's default, the
+    one `kvconvert mla` shows, because there is only one."""
 
-    rank: int = Field(gt=0)
-    rope_dim: int | None = Field(None, gt=0)
-    q_rank: int | None = Field(None, gt=0)
-    calib_data: str | None = None
-    calib_tokens: int | None = Field(None, gt=0)
-    calib_window: int | None = Field(None, gt=0)
-    dtype: Literal["bf16", "fp32", "fp16"] | None = None
-    key_weight: float | None = Field(None, ge=0)
-    rho: float | None = Field(None, gt=0, lt=1)
-    refit_o_proj: bool | None = None
-    stream: Literal["converted", "source"] | None = None
-    target: Literal[tuple(TARGETS)] | None = None  # engine the checkpoint is for (kvconvert.targets)
+    enabled: bool = True
 
-    def mla_options(self, overwrite: bool = False, progress: bool = True):
-        """The converter's options object (imported lazily: the recipe schema needs no torch)."""
-        from kvconvert.mla.convert import MLAOptions
+    def options(self) -> dict:
+        """The keys this block sets (what a printed command line needs), without `enabled`."""
+        return self.model_dump(exclude={"enabled"}, exclude_unset=True)
 
-        return MLAOptions(**self.options(), overwrite=overwrite, progress=progress)
+    def mla_options(self) -> MLAOptions:
+        return MLAOptions(**self.model_dump(exclude={"enabled"}))
 
 
 class LayerwiseStage(_Stage):

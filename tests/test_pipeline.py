@@ -10,14 +10,14 @@ from click.testing import CliRunner
 from kvconvert.cli import cli
 from kvconvert.errors import KVConvertError
 from kvconvert.mla.cli import mla_cmd
-from kvconvert.pipeline import CALIBRATE_FLAGS, CONVERT_FLAGS, recipe_stages
+from kvconvert.pipeline import CALIBRATE_FLAGS, recipe_stages
 from kvconvert.quant.cli import calibrate_cmd
 from kvconvert.recipe import CalibrateStage, ConvertStage, load_recipe, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 # recipe key -> the click parameter that receives it (where the names differ)
-CONVERT_PARAM = {"refit_o_proj": "no_refit_o_proj"}
+CONVERT_PARAM: dict[str, str] = {}
 CALIBRATE_PARAM = {"format": "fmt"}
 
 EVERY_CONVERT_KEY = {"rank": 48, "rope_dim": 16, "q_rank": 96, "calib_data": "essays", "calib_tokens": 1024,
@@ -35,12 +35,13 @@ def _parse(command, args: list[str]) -> dict:
 
 
 def _expected(key, value, rename):
-    return (rename.get(key, key), (not value) if key == "refit_o_proj" else value)
+    return (rename.get(key, key), value)
 
 
 def test_the_tables_cover_every_recipe_key():
-    assert set(CONVERT_FLAGS) == set(ConvertStage.model_fields) - {"enabled"}
     assert set(CALIBRATE_FLAGS) == set(CalibrateStage.model_fields) - {"enabled"}
+    convert_params = {p.name for p in mla_cmd.params}  # generated from the options model
+    assert set(ConvertStage.model_fields) - {"enabled"} <= convert_params
 
 
 def test_every_key_reaches_the_commands_with_its_value(tmp_path):
@@ -78,9 +79,13 @@ def test_shipped_recipes_make_valid_commands(path, tmp_path):
 def test_unset_keys_take_the_commands_defaults(tmp_path):
     recipe = parse_recipe({"convert": {"rank": 64}, "calibrate": {}}, "r.yaml")
     stages, kv_dtype, _ = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path)
-    defaults = _parse(mla_cmd, ["--src", "x", "--rank", "64", "--out", "o"])
-    assert _parse(mla_cmd, stages[0][1][1:])["key_weight"] == defaults["key_weight"] == 0.3
-    assert recipe.convert.mla_options().key_weight == 0.3  # the library path agrees with the CLI
+    from kvconvert.mla.options import MLAOptions
+    from kvconvert.stage_options import build_options
+
+    # the printed command builds the same options as the recipe, and both take the model's defaults
+    cli_opts = build_options(MLAOptions, _parse(mla_cmd, stages[0][1][1:]))
+    assert cli_opts == recipe.convert.mla_options() == MLAOptions(rank=64)
+    assert stages[0][1][1:4] == ["--src", "smollm2-135m", "--rank"] and "--key-weight" not in stages[0][1]
     assert kv_dtype == "fp8" and stages[1][1][stages[1][1].index("--kv-dtype") + 1] == "fp8"
 
 

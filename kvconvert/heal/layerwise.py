@@ -35,7 +35,7 @@ from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
 from kvconvert.heal import blocks
 from kvconvert.heal.reparam import row_scales
 from kvconvert.mla import factorize as fz
-from kvconvert.mla.convert_layer import LATENT_LINEAR_RHO
+from kvconvert.mla.options import LATENT_LINEAR_RHO
 from kvconvert.mla.mla_block import MLAShape, mla_attention, mla_attention_heads
 from kvconvert.recipe import LayerwiseStage
 

@@ -7,66 +7,48 @@ from pathlib import Path
 import click
 
 from kvconvert.errors import KVConvertError
-from kvconvert.targets import DEFAULT_TARGET, TARGETS
+from kvconvert.mla.options import MLAOptions
+from kvconvert.stage_options import build_options, click_options
 
 
 @click.command("mla")
 @click.option("--src", required=True, help="Source model: local HF folder, built-in name (smollm2-135m) or hub id.")
-@click.option("--rank", type=int, default=None, help="kv_lora_rank: size of the cached latent per token and layer.")
 @click.option("--kv-budget", default=None,
               help="Instead of --rank/--rope-dim: KV values kept per token and layer, as a fraction of the "
-                   "source's K+V (0.25, 25%%) or a count (96); the rank/rope split is chosen from measured errors.")
-@click.option("--rope-dim", type=int, default=None, help="qk_rope_head_dim (default min(64, head_dim)).")
-@click.option("--q-rank", type=int, default=None, help="q_lora_rank: low-rank queries (default: plain q_proj).")
-@click.option("--calib-data", default="builtin", show_default=True,
-              help="builtin (Python's pydoc text), a .txt/.jsonl/.parquet file, or a datasets id.")
-@click.option("--calib-tokens", type=int, default=8192, show_default=True)
-@click.option("--calib-window", type=int, default=512, show_default=True, help="Tokens per calibration window.")
-@click.option("--key-weight", type=float, default=0.3, show_default=True,
-              help="Weight of key (attention score) errors against value errors in the latent objective.")
-@click.option("--no-refit-o-proj", is_flag=True, help="Skip the least-squares o_proj refit.")
-@click.option("--rho", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
-              help="Latent-norm linear range: mean(c^2) <= rho * eps on calibration tokens (default 3e-4).")
-@click.option("--stream", type=click.Choice(["converted", "source"]), default=None,
-              help="Calibration hidden states carried through the converted layers (default) or the source's.")
-@click.option("--target", type=click.Choice(list(TARGETS)), default=DEFAULT_TARGET, show_default=True,
-              help="Engine the checkpoint is for: only MLA shapes it serves are written (vllm: latent 576 or 320; "
-                   "tensorrt-llm: 512 + 64). kvconvert (the bundled runtime) and any allow every shape.")
+                   "source's K+V (0.25, 25%) or a count (96); the split is chosen among the shapes --target serves.")
+@click_options(MLAOptions)
 @click.option("--heal", default="none", show_default=True, help="none, layerwise, or a recipe YAML.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp32", "fp16"]), default="bf16", show_default=True)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion summary as JSON.")
-def mla_cmd(src, rank, kv_budget, rope_dim, q_rank, calib_data, calib_tokens, calib_window, key_weight, no_refit_o_proj,
-            rho, stream, target, heal, dtype, out_dir, overwrite, as_json):
+def mla_cmd(src, kv_budget, heal, out_dir, overwrite, as_json, **params):
     """Convert a Llama-family (MHA/GQA) checkpoint to Multi-head Latent Attention in stock DeepSeek-V3
     format (loads in transformers, vLLM and SGLang with no custom code)."""
     import json
 
     from kvconvert.checkpoint import check_output_path
-    from kvconvert.mla.convert import MLAOptions, convert_to_mla
+    from kvconvert.mla.convert import convert_to_mla
     from kvconvert.sources import resolve_source
 
     check_output_path(out_dir, overwrite)
     heal_target = _heal_plan(heal)
     src_path = resolve_source(src)
-    if (rank is None) == (kv_budget is None):
+    if (params["rank"] is None) == (kv_budget is None):
         raise KVConvertError("give exactly one of --rank or --kv-budget")
     if kv_budget is not None:
-        if rope_dim is not None:
+        if params["rope_dim"] is not None:
             raise KVConvertError("--kv-budget chooses --rope-dim itself; drop --rope-dim (or use --rank)")
         from kvconvert.checkpoint import read_config
         from kvconvert.mla.budget_search import parse_budget, search_split
 
+        probe = build_options(MLAOptions, params, rank=1)  # checks the other options before the search
         budget = parse_budget(kv_budget, read_config(src_path))
-        rank, rope_dim, _ = search_split(src_path, budget, calib_data, key_weight=key_weight, target=target)
-    extra = {k: v for k, v in (("rho", rho), ("stream", stream)) if v is not None}
-    opts = MLAOptions(rank=rank, rope_dim=rope_dim, q_rank=q_rank, calib_data=calib_data, calib_tokens=calib_tokens,
-                      calib_window=calib_window, key_weight=key_weight, refit_o_proj=not no_refit_o_proj,
-                      dtype=dtype, target=target, overwrite=overwrite, **extra)
+        params["rank"], params["rope_dim"], _ = search_split(src_path, budget, probe.calib_data,
+                                                             key_weight=probe.key_weight, target=probe.target)
+    opts = build_options(MLAOptions, params)
     convert_dir = out_dir if heal_target is None else out_dir.parent / f".{out_dir.name}.oneshot"
-    report = convert_to_mla(src_path, convert_dir, opts if heal_target is None else _replace(opts, overwrite=True),
-                            source_name=str(src))
+    report = convert_to_mla(src_path, convert_dir, opts, source_name=str(src),
+                            overwrite=overwrite or heal_target is not None)
     if heal_target is not None:
         from kvconvert.heal import heal_after_convert
 
@@ -78,12 +60,6 @@ def mla_cmd(src, rank, kv_budget, rope_dim, q_rank, calib_data, calib_tokens, ca
             shutil.rmtree(convert_dir, ignore_errors=True)
     summary = _summary(report, out_dir)
     click.echo(json.dumps(summary, indent=2) if as_json else _table(summary))
-
-
-def _replace(opts, **kw):
-    from dataclasses import replace
-
-    return replace(opts, **kw)
 
 
 def _heal_plan(heal: str):

@@ -18,41 +18,14 @@ from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_outpu
 from kvconvert.data import calibration_windows, data_hash
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
-from kvconvert.mla.convert_layer import LATENT_LINEAR_RHO, LayerPlan, convert_attention, factorize_query, finalize_latent_norm, max_rank
+from kvconvert.mla.convert_layer import LayerPlan, convert_attention, factorize_query, finalize_latent_norm, max_rank
 from kvconvert.mla.llama_block import LlamaShape, llama_attention, llama_layer, rms_norm
 from kvconvert.mla.mla_block import MLAShape, mla_attention_heads
 from kvconvert.mla import factorize as fz
-from kvconvert.targets import DEFAULT_TARGET, check_servable, get_target
+from kvconvert.mla.options import MLAOptions
+from kvconvert.targets import check_servable
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-
-@dataclass
-class MLAOptions:
-    rank: int
-    rope_dim: int | None = None  # default min(64, head_dim)
-    q_rank: int | None = None  # q_lora_rank; None = plain q_proj
-    calib_data: str = "builtin"
-    calib_tokens: int = 8192
-    calib_window: int = 512
-    dtype: str = "bf16"
-    key_weight: float = 0.3  # measured on SmolLM2: 0.3 beats 1.0 (ppl 128 vs 141 at rank 64 + rope 32)
-    query_weighted_rope: bool = False  # measured: plain complex PCA 125 vs query-weighted 128 (rank 64 + rope 32)
-    rho: float = LATENT_LINEAR_RHO
-    refit_o_proj: bool = True
-    stream: str = "converted"  # hidden states carried through the converted (or source) layers
-    target: str = DEFAULT_TARGET  # the serving engine; its MLA shapes only (kvconvert.targets)
-    overwrite: bool = False
-    progress: bool = True
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise KVConvertError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        get_target(self.target)
-        if self.stream not in ("converted", "source"):
-            raise KVConvertError(f"stream {self.stream!r}: choose converted or source")
-        if self.calib_tokens < self.calib_window:
-            raise KVConvertError(f"--calib-tokens {self.calib_tokens} is less than one window ({self.calib_window})")
 
 
 @dataclass
@@ -127,12 +100,13 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
         raise KVConvertError(f"{what}: activations became NaN/inf during calibration; check the source checkpoint and data")
 
 
-def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name: str | None = None) -> ConversionReport:
+def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name: str | None = None,
+                   overwrite: bool = False, progress: bool = True) -> ConversionReport:
     t0 = time.time()
     reader = CheckpointReader(src_path)
     cfg = reader.config
     d, rope_dim = validate_plan(cfg, opts)
-    check_output_path(Path(out_dir), opts.overwrite)
+    check_output_path(Path(out_dir), overwrite)
     ensure_free_space(Path(out_dir), int(reader.total_bytes * DTYPES[opts.dtype].itemsize / 4 * 1.2))
     plan = LayerPlan.for_source(d, opts.rank, rope_dim, key_weight=opts.key_weight, rho=opts.rho,
                                query_weighted_rope=opts.query_weighted_rope)
@@ -149,12 +123,12 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     ids = calibration_windows(tokenizer, opts.calib_data, opts.calib_tokens, opts.calib_window)
     out_cfg = fmt.deepseek_config(cfg, plan.rank, rope_dim, plan.nope_dim, plan.v_dim, opts.q_rank,
                                   {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[opts.dtype])
-    report = ConversionReport(source=source_name or str(src_path), options=asdict(opts), config=out_cfg,
+    report = ConversionReport(source=source_name or str(src_path), options=opts.model_dump(), config=out_cfg,
                               calib_tokens=int(ids.numel()), calib_hash=data_hash(ids))
     out_dtype = DTYPES[opts.dtype]
     embed = reader.get("model.embed_tokens.weight")
     hidden = embed[ids].float()  # [N, T, hidden] calibration hidden states, carried layer to layer
-    with CheckpointWriter(out_dir, overwrite=opts.overwrite, source=report.source, max_shard_bytes=256 * 2**20,
+    with CheckpointWriter(out_dir, overwrite=overwrite, source=report.source, max_shard_bytes=256 * 2**20,
                           manifest_extra={"kvconvert_mla": {"rank": plan.rank, "rope_dim": rope_dim,
                                                             "calib_tokens": report.calib_tokens,
                                                             "calib_hash": report.calib_hash}}) as writer:
@@ -162,7 +136,7 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
         del embed  # only one layer plus the hidden states stay in memory from here on
         reader.close()  # reader.get copies out of the map: unmap now, mapped file pages count in RSS
         layers = range(cfg["num_hidden_layers"])
-        for i in tqdm(layers, desc="mla: layers", disable=not opts.progress):
+        for i in tqdm(layers, desc="mla: layers", disable=not progress):
             w = _layer_weights(reader, i, "attention")
             reader.close()  # copied out: drop the mapped pages before the heavy math (they count in RSS)
             mla_w, layer_rep, hidden = _convert_one_layer(hidden, w, shape, mla_shape, plan, opts, i,

@@ -8,11 +8,7 @@ import torch
 
 from kvconvert.mla import factorize as fz
 from kvconvert.mla.llama_block import LlamaShape
-
-
-# The latent RMSNorm stays linear while mean(c^2) <= rho * eps on every calibration token: 3e-4
-# keeps the per-token error <= 1.5e-4 (docs/mla.md). One value for the converter and the healer.
-LATENT_LINEAR_RHO = 3e-4
+from kvconvert.mla.options import LATENT_LINEAR_RHO
 
 
 @dataclass(frozen=True)

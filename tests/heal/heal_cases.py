@@ -49,7 +49,7 @@ def convert_tiny(teacher: Path, out: Path, text_file: Path, rank: int = 8, rope_
     from kvconvert.mla.convert import MLAOptions, convert_to_mla
 
     convert_to_mla(teacher, out, MLAOptions(rank=rank, rope_dim=rope_dim, target="any", calib_data=str(text_file), calib_tokens=1024,
-                                            calib_window=128, dtype="fp32", progress=False))
+                                            calib_window=128, dtype="fp32"), progress=False)
     return out
 
 

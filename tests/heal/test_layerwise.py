@@ -183,7 +183,7 @@ def test_low_rank_query_student(tiny_teacher, text_file, tmp_path):
 
     student = tmp_path / "qlora"
     convert_to_mla(tiny_teacher, student, MLAOptions(rank=8, rope_dim=8, q_rank=16, target="any", calib_data=str(text_file),
-                                                     calib_tokens=1024, calib_window=128, dtype="fp32", progress=False))
+                                                     calib_tokens=1024, calib_window=128, dtype="fp32"), progress=False)
     out = tmp_path / "healed"
     rep = heal(student, tiny_teacher, layerwise_recipe(text_file, steps=20), out, progress=False)
     lw = rep["stages"]["heal_layerwise"]

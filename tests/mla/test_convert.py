@@ -11,7 +11,7 @@ from kvconvert.mla.convert import MLAOptions, convert_to_mla
 
 from mla_tiny_models import make_tiny_llama
 
-FAST = dict(dtype="fp32", calib_tokens=1024, calib_window=256, progress=False, target="any")  # research shapes
+FAST = dict(dtype="fp32", calib_tokens=1024, calib_window=256, target="any")  # research shapes
 
 
 def _logits_rel_error(src, out, seed=0):
@@ -30,7 +30,7 @@ def test_mqa_full_rank_matches_source_in_stock_transformers(tmp_path, tokenizer_
     RMSNorm linearisation (<= rho/2 per token): relative logit error < 1e-4."""
     src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=1)
     out = tmp_path / "mla"
-    convert_to_mla(src, out, MLAOptions(rank=2 * 32 - 32, rope_dim=32, **FAST))
+    convert_to_mla(src, out, MLAOptions(rank=2 * 32 - 32, rope_dim=32, **FAST), progress=False)
     assert _logits_rel_error(src, out) < 1e-4
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v3" and cfg["q_lora_rank"] is None
@@ -48,7 +48,7 @@ def test_gqa_error_tracks_rope_energy_lost(tmp_path, tokenizer_dir):
     errors, kept = [], []
     for src in (exact_src, lossy_src):
         out = tmp_path / f"{src.name}-mla"
-        rep = convert_to_mla(src, out, MLAOptions(rank=2 * 2 * 32 - 32, rope_dim=32, refit_o_proj=False, **FAST))
+        rep = convert_to_mla(src, out, MLAOptions(rank=2 * 2 * 32 - 32, rope_dim=32, refit_o_proj=False, **FAST), progress=False)
         errors.append(_logits_rel_error(src, out))
         kept.append(min(layer["rope_energy_kept"] for layer in rep.layers))
     assert kept[0] > 0.999999 and errors[0] < 1e-4
@@ -57,7 +57,7 @@ def test_gqa_error_tracks_rope_energy_lost(tmp_path, tokenizer_dir):
 
 def test_low_rank_refit_reduces_attention_error(tmp_path, tokenizer_dir):
     src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2)
-    rep = convert_to_mla(src, tmp_path / "out", MLAOptions(rank=24, rope_dim=16, **FAST))
+    rep = convert_to_mla(src, tmp_path / "out", MLAOptions(rank=24, rope_dim=16, **FAST), progress=False)
     for layer in rep.layers:
         assert layer["attn_rel_error_refit"] <= layer["attn_rel_error"] + 1e-9
 
@@ -71,7 +71,7 @@ def test_low_rank_refit_reduces_attention_error(tmp_path, tokenizer_dir):
 def test_bad_plans_fail_before_work(tmp_path, tokenizer_dir, kw, match):
     src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2)
     with pytest.raises(KVConvertError, match=match):
-        convert_to_mla(src, tmp_path / "out", MLAOptions(**kw, **FAST))
+        convert_to_mla(src, tmp_path / "out", MLAOptions(**kw, **FAST), progress=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -81,11 +81,11 @@ def test_unsupported_architecture(tmp_path, tokenizer_dir):
     cfg["attention_bias"] = True
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="biases"):
-        convert_to_mla(src, tmp_path / "out", MLAOptions(rank=16, rope_dim=16, **FAST))
+        convert_to_mla(src, tmp_path / "out", MLAOptions(rank=16, rope_dim=16, **FAST), progress=False)
     cfg["model_type"] = "qwen3"
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="not supported yet"):
-        convert_to_mla(src, tmp_path / "out", MLAOptions(rank=16, rope_dim=16, **FAST))
+        convert_to_mla(src, tmp_path / "out", MLAOptions(rank=16, rope_dim=16, **FAST), progress=False)
 
 
 def test_nan_weights_and_existing_output(tmp_path, tokenizer_dir):
@@ -94,12 +94,12 @@ def test_nan_weights_and_existing_output(tmp_path, tokenizer_dir):
     src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2)
     (tmp_path / "exists").mkdir()
     with pytest.raises(KVConvertError, match="--overwrite"):
-        convert_to_mla(src, tmp_path / "exists", MLAOptions(rank=16, rope_dim=16, **FAST))
+        convert_to_mla(src, tmp_path / "exists", MLAOptions(rank=16, rope_dim=16, **FAST), progress=False)
     state = load_file(src / "model.safetensors")
     state["model.layers.1.self_attn.k_proj.weight"][0, 0] = float("nan")
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KVConvertError, match="layer 1 k_proj: source weights contain NaN"):
-        convert_to_mla(src, tmp_path / "out", MLAOptions(rank=16, rope_dim=16, **FAST))
+        convert_to_mla(src, tmp_path / "out", MLAOptions(rank=16, rope_dim=16, **FAST), progress=False)
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.tmp-*")), "temp folder must be cleaned up"
 
@@ -146,9 +146,9 @@ def test_q_rank_full_is_exact_and_low_rank_loads(tmp_path, tokenizer_dir):
     linearised); a smaller q-rank still loads and runs in stock transformers."""
     src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=1)
     out = tmp_path / "mla-q"
-    convert_to_mla(src, out, MLAOptions(rank=32, rope_dim=32, q_rank=128, **FAST))
+    convert_to_mla(src, out, MLAOptions(rank=32, rope_dim=32, q_rank=128, **FAST), progress=False)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["q_lora_rank"] == 128
     assert _logits_rel_error(src, out) < 1e-4
     with pytest.raises(KVConvertError, match="--q-rank 100000"):
-        convert_to_mla(src, tmp_path / "bad", MLAOptions(rank=32, rope_dim=32, q_rank=100_000, **FAST))
+        convert_to_mla(src, tmp_path / "bad", MLAOptions(rank=32, rope_dim=32, q_rank=100_000, **FAST), progress=False)
