@@ -26,7 +26,7 @@ mode                  ``data``                                     extra tensors
   any divisor works in the kernels, which read T from ``scales``' shape.
 * ``nvfp4`` quantizes only the latent (blocks of 16, e4m3 block scales, fp32 global scale); the
   RoPE key stays 16-bit like FlashMLA's: it is 11% of the row and carries the position signal
-  that 4-bit codes would blur. The global scale is the exported kv scale / 6 (BRIEF §3).
+  that 4-bit codes would blur. The global scale is the exported kv scale / 6 (docs/formats.md).
 
 GQA (:class:`GQACacheLayer`), ``k`` and ``v`` alike, ``H = kv_heads``, ``D = head_dim``:
 

@@ -1,6 +1,6 @@
 """Paged MLA decode (weight-absorbed, MQA over the latent) with fused KV dequantization.
 
-Math (one layer, one new token per sequence; DeepSeek-V3 absorbed form, BRIEF §4)::
+Math (one layer, one new token per sequence; DeepSeek-V3 absorbed form, docs/formats.md)::
 
     score[b, h, t] = softmax_scale * (q_nope_absorbed[b, h] . c[t] + q_rope[b, h] . k_rope[t])
     out[b, h]      = sum_t softmax_t(score[b, h, :]) * c[t]           (latent-space output)

@@ -72,7 +72,7 @@ KV_FORMATS: dict[str, KVFormat] = {
         KVFormat("fp16", 16, None, 0, "IEEE float16"),
         KVFormat("fp8", 8, None, 0, "FP8 E4M3/E5M2 with per-tensor (or per-head) fp32 scales"),
         KVFormat("int8", 8, None, 0, "int8 with per-tensor (or per-head) scales"),
-        # NVFP4 (BRIEF §3): E2M1 codes, one E4M3 scale per 16 values along the vector, one fp32
+        # NVFP4 (docs/formats.md): E2M1 codes, one E4M3 scale per 16 values along the vector, one fp32
         # global scale per tensor (4 bytes per layer: negligible, not counted).
         KVFormat("nvfp4", 4, 16, 1, "NVFP4: 4-bit E2M1 + one E4M3 scale byte per 16 values"),
         # Our int4 convention: symmetric 4-bit integers, one fp16 scale per group of 32 values

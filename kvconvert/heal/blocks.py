@@ -29,7 +29,7 @@ STUDENT_OTHER = {
     "down_proj": "model.layers.{i}.mlp.down_proj.weight",
 }
 TEACHER_LAYER = {**fmt.SOURCE_ATTENTION, **STUDENT_OTHER}
-KV_A_LAYERNORM_EPS = 1e-6  # transformers' DeepseekV3Attention hard-codes it (BRIEF section 2)
+KV_A_LAYERNORM_EPS = 1e-6  # transformers' DeepseekV3Attention hard-codes it (docs/formats.md)
 
 
 @dataclass(frozen=True)

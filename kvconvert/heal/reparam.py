@@ -1,7 +1,7 @@
 """Optimising converted attention weights in their own units.
 
 The converter scales the latent rows of kv_a_proj_with_mqa by a tiny factor (~1e-4..1e-2) so that
-kv_a_layernorm acts linearly (BRIEF section 2), and compensates in kv_a_layernorm / kv_b_proj. A
+kv_a_layernorm acts linearly (docs/formats.md, "The latent RMSNorm made linear"), and compensates in kv_a_layernorm / kv_b_proj. A
 plain Adam step of size lr would change those rows by lr in absolute terms: thousands of times their
 size. We therefore optimise P with W = s[:, None] * P, where s is a fixed per-row scale (the RMS of
 the row's block: latent rows vs RoPE rows of kv_a, whole tensor for the others). Adam is invariant
