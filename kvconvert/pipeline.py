@@ -77,27 +77,35 @@ def _flags(options: dict, table: dict) -> list[str]:
     return args
 
 
-def _commands(src: str, convert: MLAOptions, heal: str, calibrate: dict | None,
+def _commands(src: str, convert: MLAOptions | None, heal: str, calibrate: dict | None,
               out_dir: Path) -> list[tuple[str, list[str]]]:
-    """[(stage, kvconvert args)]: `mla` into out_dir/mla, then (calibrate given) `calibrate` into
-    out_dir/mla-<kv_dtype>. calibrate: recipe keys -> values (CALIBRATE_FLAGS)."""
-    mla_dir = out_dir / "mla"
-    stages = [("convert", ["mla", "--src", src, *options_as_flags(convert), "--heal", heal,
-                           "--out", str(mla_dir), "--overwrite"])]
+    """[(stage, kvconvert args)]: `mla` into out_dir/mla (convert given), then (calibrate given)
+    `calibrate` of that (or of the source itself: "don't convert, just quantize") into
+    out_dir/<mla|source>-<kv_dtype>. calibrate: recipe keys -> values (CALIBRATE_FLAGS)."""
+    if convert is None and calibrate is None:
+        raise KVConvertError("nothing to build: no MLA conversion and no KV calibration (give one of them)")
+    stages, model, name = [], src, "source"
+    if convert is not None:
+        model, name = str(out_dir / "mla"), "mla"
+        stages.append(("convert", ["mla", "--src", src, *options_as_flags(convert), "--heal", heal,
+                                   "--out", model, "--overwrite"]))
     if calibrate is not None:
-        stages.append(("calibrate", ["calibrate", "--src", str(mla_dir), *_flags(calibrate, CALIBRATE_FLAGS),
-                                     "--out", str(out_dir / f"mla-{calibrate['kv_dtype']}"), "--overwrite"]))
+        stages.append(("calibrate", ["calibrate", "--src", model, *_flags(calibrate, CALIBRATE_FLAGS),
+                                     "--out", str(out_dir / f"{name}-{calibrate['kv_dtype']}"), "--overwrite"]))
     return stages
 
 
 def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path) -> tuple[list[tuple[str, list[str]]], str, str]:
     """The pipeline's commands for a recipe: ([(stage, kvconvert args)] for convert and calibrate,
     the validated candidate's kv_dtype, the gate policy file). Validate and gate follow in run order."""
-    if recipe.convert is None or not recipe.convert.enabled:
-        raise KVConvertError(f"{recipe_path}: the pipeline needs a `convert` block (rank, rope_dim, ...)")
+    convert = recipe.convert.mla_options() if recipe.convert is not None and recipe.convert.enabled else None
+    if convert is None and recipe.heals():
+        raise KVConvertError(f"{recipe_path}: heal blocks need a `convert` block (rank, rope_dim, ...)")
     heal = str(recipe_path) if recipe.heals() else "none"
     cal = recipe.calibrate if recipe.calibrate is not None and recipe.calibrate.enabled else None
-    stages = _commands(src, recipe.convert.mla_options(), heal, cal.options() if cal is not None else None, out_dir)
+    if convert is None and cal is None:
+        raise KVConvertError(f"{recipe_path}: the pipeline needs a `convert` or a `calibrate` block")
+    stages = _commands(src, convert, heal, cal.options() if cal is not None else None, out_dir)
     kv_dtype = cal.kv_dtype if cal is not None else "auto"
     val = recipe.validate_
     if val is not None and val.kv_dtype != "auto":
@@ -113,6 +121,9 @@ RECIPE_OWNS = ("rank", "rope_dim", "target", "heal", "calib_tokens", "kv_dtype",
 @click.option("--src", default="smollm2-135m", show_default=True, help="Source model (folder, built-in name, hub id).")
 @click.option("--recipe", "recipe_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Recipe YAML whose blocks drive every stage (its `source` replaces --src when set).")
+@click.option("--mla/--no-mla", "convert", default=True, show_default=True,
+              help="--no-mla: keep the source's attention and only calibrate its KV cache (\"don't convert, just "
+                   "quantize\").")
 @click.option("--rank", type=int, default=None,
               help="kv_lora_rank of the MLA conversion (default: the largest latent the --target engine serves).")
 @click.option("--rope-dim", type=int, default=None, help="qk_rope_head_dim (default: with --rank's default).")
@@ -127,7 +138,7 @@ RECIPE_OWNS = ("rank", "rope_dim", "target", "heal", "calib_tokens", "kv_dtype",
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Recompute every stage (default: reuse finished stages).")
 @click.option("--fail-on-gate", is_flag=True, help="Exit 1 when the gate fails (for CI); default: report and exit 0.")
-def pipeline_cmd(src, recipe_file, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir, overwrite,
+def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir, overwrite,
                  fail_on_gate):
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     import json
@@ -135,15 +146,18 @@ def pipeline_cmd(src, recipe_file, rank, rope_dim, target, heal, calib_tokens, k
     if recipe_file is not None:
         stages, kv_dtype, policy_file, suite, engine, src = _from_recipe(recipe_file, src, out_dir)
     else:
-        if rank is None:
+        if not convert:
+            _refuse_mla_flags()
+            rank = None
+        elif rank is None:
             rank, rope_dim = _default_shape(src, target, rope_dim)
-        stages = _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, out_dir)
+        stages = _from_flags(src, rank, rope_dim, target, heal if convert else "none", calib_tokens, kv_dtype, out_dir)
         policy_file, engine = _policy_path(policy), "auto"
     out_dir.mkdir(parents=True, exist_ok=True)
     report_dir = out_dir / "report"
     log: list = []
     t0 = time.time()
-    candidate = out_dir / "mla"
+    candidate = Path(src)
     for stage, args in stages:
         candidate = Path(args[args.index("--out") + 1])
         if overwrite or not _done(candidate, "manifest.json"):
@@ -155,7 +169,7 @@ def pipeline_cmd(src, recipe_file, rank, rope_dim, target, heal, calib_tokens, k
     (out_dir / "pipeline.json").write_text(json.dumps({"stages": log, "seconds": round(time.time() - t0, 1)}, indent=2))
     pictures = sorted(p.name for p in report_dir.glob("*.png"))
     click.echo(f"\nReport: {report_dir / 'report.md'}\nPictures: {', '.join(pictures) or 'none'} in {report_dir}"
-               f"\nConverted model: {out_dir / 'mla'}  (validated: {candidate})\nTotal: {time.time() - t0:.0f} s")
+               f"\nValidated model: {candidate}\nTotal: {time.time() - t0:.0f} s")
     gate_ok = log[-1]["exit_code"] == 0
     click.secho(f"Gate ({Path(policy_file).name}): {'PASS' if gate_ok else 'FAIL'}", fg="green" if gate_ok else "red")
     if not gate_ok and fail_on_gate:
@@ -165,8 +179,17 @@ def pipeline_cmd(src, recipe_file, rank, rope_dim, target, heal, calib_tokens, k
 def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, out_dir: Path) -> list:
     calib = {} if calib_tokens is None else {"calib_tokens": calib_tokens}
     calibrate = None if kv_dtype == "bf16" else {"kv_dtype": kv_dtype, **calib}
-    convert = MLAOptions(rank=rank, rope_dim=rope_dim, target=target, **calib)
+    convert = MLAOptions(rank=rank, rope_dim=rope_dim, target=target, **calib) if rank is not None else None
     return _commands(src, convert, heal, calibrate, out_dir)
+
+
+def _refuse_mla_flags() -> None:
+    ctx = click.get_current_context()
+    given = [name for name in ("rank", "rope_dim", "target", "heal")
+             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise KVConvertError(f"{flags}: belong to the MLA conversion, which --no-mla skips; drop them or --no-mla")
 
 
 def _default_shape(src: str, target: str, rope_dim: int | None) -> tuple[int, int]:

@@ -95,9 +95,28 @@ def test_recipe_without_calibrate_validates_the_unquantized_model(tmp_path):
     assert [s for s, _ in stages] == ["convert"] and kv_dtype == "auto"
 
 
-def test_recipe_needs_a_convert_block(tmp_path):
-    with pytest.raises(KVConvertError, match="needs a `convert` block"):
-        recipe_stages(parse_recipe({"calibrate": {}}, "r.yaml"), tmp_path / "r.yaml", "x", tmp_path)
+def test_recipe_needs_a_convert_or_calibrate_block(tmp_path):
+    with pytest.raises(KVConvertError, match="needs a `convert` or a `calibrate` block"):
+        recipe_stages(parse_recipe({"validate": {}}, "r.yaml"), tmp_path / "r.yaml", "x", tmp_path)
+    with pytest.raises(KVConvertError, match="heal blocks need a `convert` block"):
+        recipe_stages(parse_recipe({"heal_layerwise": {}, "calibrate": {}}, "r.yaml"), tmp_path / "r.yaml", "x", tmp_path)
+
+
+def test_calibrate_only_recipe_quantizes_the_source(tmp_path):
+    """No convert block: "don't convert, just quantize" - calibrate runs on the source itself."""
+    stages, kv_dtype, _ = recipe_stages(parse_recipe({"calibrate": {"kv_dtype": "nvfp4"}}, "r.yaml"),
+                                        tmp_path / "r.yaml", "smollm2-135m", tmp_path)
+    (name, args), = stages
+    params = _parse(calibrate_cmd, args[1:])
+    assert (name, kv_dtype, params["src"], params["out"]) == ("calibrate", "nvfp4", "smollm2-135m",
+                                                              str(tmp_path / "source-nvfp4"))
+
+
+def test_no_mla_flag_refuses_conversion_flags(tmp_path):
+    result = CliRunner().invoke(cli, ["pipeline", "--no-mla", "--rank", "256", "--out", str(tmp_path / "o")])
+    assert isinstance(result.exception, KVConvertError) and "--rank: belong to the MLA conversion" in str(result.exception)
+    result = CliRunner().invoke(cli, ["pipeline", "--no-mla", "--kv-dtype", "bf16", "--out", str(tmp_path / "o")])
+    assert isinstance(result.exception, KVConvertError) and "nothing to build" in str(result.exception)
 
 
 def test_flags_the_recipe_owns_are_refused_before_any_work(tmp_path):
