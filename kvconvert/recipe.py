@@ -133,7 +133,12 @@ class DistillStage(_Stage):
 
     @property
     def steps(self) -> int:
-        return max(1, self.tokens // self.tokens_per_step)
+        return self.steps_on(1)
+
+    def steps_on(self, processes: int) -> int:
+        """Optimizer steps for `tokens` in total when `processes` data-parallel processes each take
+        tokens_per_step per step (same data, same lr schedule length in tokens, however launched)."""
+        return max(1, self.tokens // (self.tokens_per_step * processes))
 
 
 class CalibrateStage(_Stage):

@@ -153,10 +153,11 @@ class Distiller:
         # Our own scheduler, one step per optimizer step (accelerate's wrapper would step it once
         # per process), on the optimizer inside accelerate's wrapper.
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(stage, stage.steps))
+        self.steps = stage.steps_on(self.accelerator.num_processes)  # `tokens` is the total over processes
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(stage, self.steps))
         self.teacher = self.teacher.to(self.accelerator.device)
         world = self.accelerator.num_processes
-        micro = stage.steps * stage.grad_accum * world * stage.batch_size
+        micro = self.steps * stage.grad_accum * world * stage.batch_size
         self.order = window_order(ids.shape[0], micro, stage.seed)
         self.history: list[dict] = []
         self.step = 0
@@ -253,6 +254,7 @@ class Distiller:
             loss_sum += float(loss.detach()) / s.grad_accum
             for k, v in parts.items():
                 totals[k] = totals.get(k, 0.0) + v / s.grad_accum
+        loss_sum, totals = self._mean_over_processes(loss_sum, totals)
         grad_norm = self.accelerator.clip_grad_norm_(
             [p for p in self.student.parameters() if p.requires_grad], s.max_grad_norm)
         self.optimizer.step()
@@ -265,12 +267,22 @@ class Distiller:
         self.step += 1
         return record
 
+    def _mean_over_processes(self, loss: float, parts: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """The step's loss and parts averaged over every process's micro-batches (what one process
+        with the same global batch logs); a no-op in a single process."""
+        if self.accelerator.num_processes == 1:
+            return loss, parts
+        names = sorted(parts)
+        values = torch.tensor([loss, *(parts[k] for k in names)], dtype=torch.float64, device=self.accelerator.device)
+        values = self.accelerator.reduce(values, reduction="mean")
+        return float(values[0]), {k: float(v) for k, v in zip(names, values[1:])}
+
     def run(self, max_steps: int | None = None) -> DistillResult:
-        """Train to stage.steps (or stop after max_steps total steps, saving state)."""
+        """Train to self.steps (or stop after max_steps total steps, saving state)."""
         s = self.stage
         t0 = time.time()
-        stop = s.steps if max_steps is None else min(s.steps, max_steps)
-        bar = tqdm(total=s.steps, initial=self.step, desc="heal: distill", unit="step",
+        stop = self.steps if max_steps is None else min(self.steps, max_steps)
+        bar = tqdm(total=self.steps, initial=self.step, desc="heal: distill", unit="step",
                    disable=not self.progress or not self.accelerator.is_main_process)
         try:
             while self.step < stop:
@@ -279,14 +291,14 @@ class Distiller:
                 bar.update(1)
                 if self.step % s.log_every == 0:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens'] / max(record['seconds'], 1e-9):.0f}")
-                if s.checkpoint_every and self.step % s.checkpoint_every == 0 and self.step < s.steps:
+                if s.checkpoint_every and self.step % s.checkpoint_every == 0 and self.step < self.steps:
                     self.save_state()
         except KeyboardInterrupt:
             self.save_state()
             raise
         finally:
             bar.close()
-        finished = self.step >= s.steps
+        finished = self.step >= self.steps
         if not finished:
             self.save_state()
         model = self.accelerator.unwrap_model(self.student)

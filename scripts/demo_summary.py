@@ -1,0 +1,138 @@
+"""The end of the README's main job (scripts/demo.sh): the candidates it built side by side (KV bytes
+per token, quality against the source, the engines that serve them, the gate), a picture, and one
+sentence that says what was shipped and what was traded.
+
+    python scripts/demo_summary.py --policy default --png out/demo/summary.png \
+        "MLA 256+64 + FP8=out/demo/mla320-fp8" "FP8 KV=out/demo/fp8"
+
+Each candidate is LABEL=PIPELINE_OUT (a `kvconvert pipeline --out` folder: its report/report.json
+and the validated model). The last candidate whose gate passes is the one shipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kvconvert.kvmath import kv_bytes_per_token, kv_shape
+
+
+def _candidate_bytes(report: dict) -> tuple[int, int]:
+    """(candidate, source bf16) KV bytes per token, from the models' configs (kvconvert.kvmath)."""
+    def config(path):
+        return json.loads((Path(path) / "config.json").read_text())
+    kv_dtype = report["candidate"]["kv_dtype"]
+    return (kv_bytes_per_token(kv_shape(config(report["candidate"]["path"])), kv_dtype),
+            kv_bytes_per_token(kv_shape(config(report["source"]["path"])), "bf16"))
+
+
+def _gate(report_path: Path, policy: str) -> bool:
+    proc = subprocess.run([sys.executable, "-m", "kvconvert.cli", "gate", "--report", str(report_path),
+                           "--policy", policy], capture_output=True, text=True)
+    return proc.returncode == 0
+
+
+def _engines(report: dict) -> str:
+    arch, kv = report["candidate"]["architecture"], report["candidate"]["kv_dtype"]
+    if arch.startswith("Deepseek"):
+        cfg = json.loads((Path(report["candidate"]["path"]) / "config.json").read_text())
+        latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+        vllm = latent in (576, 320) and kv in ("bf16", "fp8")
+        return "vLLM, kvconvert" if vllm else "kvconvert runtime only"
+    return "vLLM, TensorRT-LLM, kvconvert" if kv in ("bf16", "fp8") else "TensorRT-LLM (SM100), kvconvert"
+
+
+def summarize(label: str, out: Path, policy: str) -> dict:
+    report_path = out / "report" / "report.json"
+    report = json.loads(report_path.read_text())
+    m = report["metrics"]
+    cand, src = _candidate_bytes(report)
+    return {"label": label, "bytes": cand, "fraction": cand / src, "ppl_pct": m["perplexity"]["delta_pct"],
+            "kl": m["kl_mean"]["candidate"], "passkey_drop": _drop(m, "passkey_accuracy"),
+            "niah_drop": _drop(m, "niah_accuracy"), "engines": _engines(report),
+            "gate": _gate(report_path, policy), "suite": report["suite"]["name"]}
+
+
+def _drop(metrics: dict, name: str) -> float | None:
+    entry = metrics.get(name)
+    return None if entry is None else entry["source"] - entry["candidate"]
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict], policy: str) -> None:
+    print(f"\n{'candidate':<26} {'KV B/token':>10} {'of bf16':>8} {'ppl':>8} {'KL':>7} {'passkey':>8} {'NIAH':>7}"
+          f"  {'gate (' + policy + ')':<16} served by")
+    for r in rows:
+        print(f"{r['label']:<26} {r['bytes']:>10d} {r['fraction']:>7.0%} {r['ppl_pct']:>+7.1f}% {r['kl']:>7.3f} "
+              f"{_fmt(r['passkey_drop'], '+.0f'):>6}pp {_fmt(r['niah_drop'], '+.0f'):>5}pp  "
+              f"{'PASS' if r['gate'] else 'FAIL':<16} {r['engines']}")
+    print("(ppl: perplexity increase on the essays; KL: mean token KL(source || candidate); passkey / NIAH: "
+          "accuracy drop in points; all against the source on identical inputs)")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for r in rows:
+        color = "tab:green" if r["gate"] else "tab:red"
+        ax.scatter(100 * r["fraction"], r["kl"], s=80, color=color, zorder=3)
+        ax.annotate(f"{r['label']}\nppl {r['ppl_pct']:+.1f}%, gate {'PASS' if r['gate'] else 'FAIL'}",
+                    (100 * r["fraction"], r["kl"]), textcoords="offset points", xytext=(8, 6), fontsize=8)
+    ax.scatter([100], [0], s=80, color="gray", zorder=3)
+    ax.annotate("source (bf16 KV)", (100, 0), textcoords="offset points", xytext=(-90, 8), fontsize=8)
+    ax.set_xlabel("KV-cache bytes per token, % of the source in bf16")
+    ax.set_ylabel("mean token KL(source || candidate), nats")
+    ax.set_xlim(0, 110)
+    ax.set_ylim(bottom=-0.02)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"Quality per KV byte ({rows[0]['suite']} suite); green = passes the gate", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def verdict(rows: list[dict]) -> str:
+    shipped = [r for r in rows if r["gate"]]
+    if not shipped:
+        return "No candidate passed the gate: nothing is shipped; see the reports for what failed."
+    best = shipped[-1]
+    text = (f"Shipped: {best['label']} - the KV cache at {best['fraction']:.0%} of the source's bf16 bytes "
+            f"({best['bytes']} B/token), perplexity {best['ppl_pct']:+.1f}%, KL {best['kl']:.3f}: the gate passes.")
+    smaller = [r for r in rows if r["fraction"] < best["fraction"] and not r["gate"]]
+    if smaller:
+        s = min(smaller, key=lambda r: r["fraction"])
+        text += (f" Traded: {s['label']} would cut it to {s['fraction']:.0%} but costs perplexity "
+                 f"{s['ppl_pct']:+.1f}% and KL {s['kl']:.3f} one-shot, past the gate; healing it needs a GPU "
+                 "(recipes/*-gpu.yaml, docs/BENCHMARKS.md).")
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("candidates", nargs="+", help="LABEL=PIPELINE_OUT, in the order to show them")
+    ap.add_argument("--policy", default="default")
+    ap.add_argument("--png", type=Path, required=True)
+    args = ap.parse_args()
+    rows = []
+    for item in args.candidates:
+        label, _, folder = item.partition("=")
+        rows.append(summarize(label, Path(folder), args.policy))
+    print_table(rows, args.policy)
+    plot(rows, args.png)
+    print(f"\nPicture: {args.png}")
+    print("\n" + verdict(rows))
+    return 0 if any(r["gate"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
