@@ -127,11 +127,14 @@ def pipeline_cmd(src, recipe_file, rank, rope_dim, heal, calib_tokens, kv_dtype,
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     import json
 
+    from kvconvert.checkpoint import check_writable
+
     if recipe_file is not None:
         stages, kv_dtype, policy_file, suite, engine, src = _from_recipe(recipe_file, src, out_dir)
     else:
         stages = _from_flags(src, rank, rope_dim, heal, calib_tokens, kv_dtype, out_dir)
         policy_file, engine = _policy_path(policy), "auto"
+    check_writable(out_dir)  # before the first stage (kvconvert.checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
     report_dir = out_dir / "report"
     log: list = []
