@@ -179,10 +179,14 @@ def print_gate_table(rows: list[dict], policy: Policy, report: dict, policy_path
         digits = 5 if row["unit"] == "nats/token" else 3
         ci = "-" if row["low"] is None else escape(f"[{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]")
         style = {"pass": "green", "undecided": "yellow"}.get(row["status"], "red")
-        result = f"[{style}]{row['status'].upper()}[/]" + (f" ({escape(row['reason'])})" if "reason" in row else "")
+        result = f"[{style}]{row['status'].upper()}[/]"  # an undecided row's reason follows the table
         table.add_row(f"{row['metric']} ({row['unit']})", f"{row['source']:.{digits}f}", f"{row['candidate']:.{digits}f}",
                       f"{row['point']:+.{digits}f}", ci, f"{row['threshold']:g}", result)
     rule = {"ci_low": f"the {conf}% CI's lower bound", "point": "the estimate",
             "ci_high": f"the {conf}% CI's upper bound"}[policy.decide_on]
     table.caption = f"degradation = candidate worse than source (positive = worse); FAIL when {rule} > threshold"
-    Console(width=max(Console().width, 132)).print(table)
+    console = Console(width=max(Console().width, 132))
+    console.print(table)
+    for row in rows:
+        if "point" in row and "reason" in row:
+            console.print(f"{row['metric']}: {row['status'].upper()}, {escape(row['reason'])}", soft_wrap=True)
