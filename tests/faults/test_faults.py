@@ -108,13 +108,14 @@ def test_calib_tokens_below_one_window_refused(faults, tmp_path):
 
 # ------------------------------------------------------------------ writability and space
 
-@pytest.mark.parametrize("command", ["mla", "calibrate", "validate", "pipeline"])
+@pytest.mark.parametrize("command", ["mla", "calibrate", "heal", "validate", "pipeline"])
 def test_read_only_output_refused_at_start(faults, tmp_path, mounts, command):
     ro = mounts(tmp_path / "ro", "ro,size=1m")
     out = ro / "out"
     src = faults["base"]
     args = {"mla": ["mla", "--src", src, *TINY_MLA, "--out", out],
             "calibrate": ["calibrate", "--src", src, *TINY_CAL, "--out", out],
+            "heal": ["heal", "--student", src, "--teacher", src, "--recipe", "layerwise", "--out", out],
             "validate": ["validate", "--source", src, "--candidate", src, "--suite", "smoke", "--out", out],
             "pipeline": ["pipeline", "--src", src, "--rank", "16", "--out", out]}
     t0 = time.time()
