@@ -68,13 +68,15 @@ def expected_tensors(cfg: dict) -> dict[str, str] | None:
 
 
 def _where(reader: CheckpointReader, name: str) -> Path:
-    """The file a missing tensor should be in: the single file, else the shard holding the rest of
-    its layer (or the index when nothing of the layer is there)."""
+    """The file a missing tensor should be in: the single file, else the shard holding its
+    nearest neighbours (same module, else same layer), else the index."""
     if not (reader.path / INDEX_NAME).is_file():
         return reader.path / SINGLE_NAME
-    layer = name.split(".")[:3]  # model, layers, 3
-    for key, shard in reader.weight_map.items():
-        if key.split(".")[:3] == layer:
+    parts = name.split(".")
+    for keep in range(len(parts) - 1, 2, -1):  # model.layers.1.mlp.up_proj -> ... -> model.layers.1
+        prefix = ".".join(parts[:keep]) + "."
+        shard = next((f for key, f in reader.weight_map.items() if key.startswith(prefix)), None)
+        if shard is not None:
             return reader.path / shard
     return reader.path / INDEX_NAME
 

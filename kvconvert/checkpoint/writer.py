@@ -94,18 +94,21 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def check_writable(out_dir: Path) -> None:
-    """Create and remove a hidden folder where the output will be written (its nearest existing
-    ancestor), turning EACCES/EROFS/ENOTDIR into one line instead of a traceback hours later."""
+    """Create and remove a hidden folder where the output will be written: beside it (checkpoints
+    are written into a temp folder there and renamed) and, for an existing folder, inside it
+    (reports). Turns EACCES/EROFS/ENOTDIR into one line at start, not a traceback hours later."""
     out_dir = Path(out_dir).absolute()
-    where = _existing_ancestor(out_dir if out_dir.is_dir() else out_dir.parent)
-    if not where.is_dir():
-        raise CheckpointError(f"{out_dir}: {where} is a file, not a folder; choose another --out")
-    try:
-        probe = tempfile.mkdtemp(prefix=f".{out_dir.name}.probe-", dir=where)
-        os.rmdir(probe)
-    except OSError as exc:
-        raise CheckpointError(f"{out_dir}: cannot write in {where} ({exc.strerror}); "
-                              "choose a writable --out (read-only mount or no permission)") from None
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir}: exists and is a file, not a folder; choose another --out")
+    places = [_existing_ancestor(out_dir.parent)] + ([out_dir] if out_dir.is_dir() else [])
+    for where in places:
+        if not where.is_dir():
+            raise CheckpointError(f"{out_dir}: {where} is a file, not a folder; choose another --out")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=f".{out_dir.name}.probe-", dir=where))
+        except OSError as exc:
+            raise CheckpointError(f"{out_dir}: cannot write in {where} ({exc.strerror}); "
+                                  "choose a writable --out (read-only mount or no permission)") from None
 
 
 def _pid_alive(pid: int) -> bool:

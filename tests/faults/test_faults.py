@@ -283,3 +283,33 @@ def test_unknown_recipe_key_lists_the_allowed_keys(faults, tmp_path):
     out = tmp_path / "out"
     refused(kvconvert("pipeline", "--src", faults["base"], "--recipe", tmp_path / "r.yaml", "--out", out), out,
             "unknown key 'convert.rnak' (allowed here: enabled, rank, rope_dim")
+
+
+def test_missing_tensor_in_a_sharded_checkpoint_names_the_layers_shard(faults, tmp_path):
+    """Sharded: the message names the shard that holds the rest of the layer (in-process: the
+    check itself; the CLI paths above run the same function)."""
+    from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_tensors_present
+    from kvconvert.errors import CheckpointError
+
+    src = CheckpointReader(faults["base"])
+    gone = "model.layers.1.mlp.up_proj.weight"
+    with CheckpointWriter(tmp_path / "sharded", max_shard_bytes=64 * 1024) as w:
+        for name in src.keys():
+            if name != gone:
+                w.add(name, src.get(name))
+        w.write_config(src.config)
+    reader = CheckpointReader(tmp_path / "sharded")
+    shards = {f for k, f in reader.weight_map.items() if k.startswith("model.layers.1.mlp.")}
+    assert len(set(reader.weight_map.values())) > 2
+    with pytest.raises(CheckpointError, match=rf"tensor '{gone}' is missing; config.json requires it") as info:
+        check_tensors_present(reader)
+    assert str(info.value).split(":")[0] in {str(tmp_path / "sharded" / f) for f in shards}
+
+
+def test_output_that_is_a_file_refused(tmp_path):
+    from kvconvert.checkpoint import check_writable
+    from kvconvert.errors import CheckpointError
+
+    (tmp_path / "report").write_text("x")
+    with pytest.raises(CheckpointError, match="exists and is a file, not a folder"):
+        check_writable(tmp_path / "report")
