@@ -163,7 +163,12 @@ def estimate_checkpoint_bytes(src: str | Path, itemsize: int | None = None, unti
 
     src = Path(src)
     index = src / INDEX_NAME
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [SINGLE_NAME]
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [SINGLE_NAME]
+    except (OSError, ValueError, KeyError, AttributeError):
+        return 0  # not a readable checkpoint: CheckpointReader says what is wrong, in its own words
+    if not all((src / shard).is_file() for shard in shards):
+        return 0
     total, names = 0, {}
     for shard in shards:
         for name, meta in safetensors_header(src / shard).items():
