@@ -8,7 +8,7 @@
   attention_bias / mlp_bias say so, lm_head unless tied) against the safetensors index or header.
   A missing tensor is named with the file where it should be; transformers would otherwise fill it
   with random values and the runtime would fail later with a bare KeyError.
-- Weights: every floating tensor is read once and summed in float64 (see `_all_finite`), so a NaN
+- Weights: every floating tensor is read once and its min/max taken (see `_all_finite`), so a NaN
   or inf is found before hours of conversion, not when the conversion reaches its layer.
 """
 

@@ -313,3 +313,23 @@ def test_output_that_is_a_file_refused(tmp_path):
     (tmp_path / "report").write_text("x")
     with pytest.raises(CheckpointError, match="exists and is a file, not a folder"):
         check_writable(tmp_path / "report")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_all_finite_matches_isfinite_reference(dtype):
+    """The scan's min/max test against torch.isfinite(t).all(), for NaN / +inf / -inf anywhere,
+    non-contiguous views and empty tensors (exact: a boolean per tensor)."""
+    import torch
+
+    from kvconvert.checkpoint.writer import _all_finite
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    assert _all_finite(torch.empty(0, dtype=dt))
+    for bad in (float("nan"), float("inf"), float("-inf"), None):
+        for pos in (0, 777, 4095):
+            t = torch.randn(64, 64, generator=gen).to(dt)
+            if bad is not None:
+                t.view(-1)[pos] = bad
+            for view in (t, t.t(), t[::2]):
+                assert _all_finite(view) == bool(torch.isfinite(view).all()), (bad, pos)
