@@ -52,6 +52,8 @@ def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature
     from kvconvert.sources import resolve_source
 
     prompt = read_prompt(prompt, prompt_file)
+    if not prompt:
+        raise KVConvertError("empty prompt: give --prompt some text or a non-empty --prompt-file")
     params = SamplingParams(max_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p, seed=seed)
     t0 = time.perf_counter()
     path = resolve_source(model)
@@ -60,8 +62,6 @@ def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature
               kv_memory=parse_size(kv_memory), block_size=block_size, max_num_seqs=1)
     tokenizer = llm.tokenizer
     load_s = time.perf_counter() - t0
-    if not prompt:
-        raise KVConvertError("empty prompt: give --prompt some text or a non-empty --prompt-file")
     output = _run(llm, prompt, params, tokenizer, stream=not as_json)
     if output.error:
         raise KVConvertError(output.error)
