@@ -43,8 +43,8 @@ def parse_size(text: str | None) -> int | None:
 @click.option("--kv-memory", default=None, help="KV pool size, e.g. 512M (default: up to 1G).")
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, timing) instead.")
-def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature, top_p, seed, kv_dtype, kv_scales, backend,
-                 kv_memory, block_size, as_json):
+def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature, top_p, seed, kv_dtype, kv_scales,
+                 backend, kv_memory, block_size, as_json):
     """Generate text with the bundled paged-KV runtime (Llama and DeepSeek-V3 MLA checkpoints)."""
     from kvconvert.runtime import LLM, SamplingParams
 

@@ -44,7 +44,8 @@ def _layer_names_deepseek(cfg: dict, i: int) -> dict[str, str]:
     q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if cfg.get("q_lora_rank") else ("q_proj",)
     parts = (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
     names = {fmt.TARGET_ATTENTION[p].format(i=i): "every layer" for p in parts}
-    names.update({f"model.layers.{i}.{n}.weight": "every layer" for n in ("input_layernorm", "post_attention_layernorm")})
+    norms = ("input_layernorm", "post_attention_layernorm")
+    names.update({f"model.layers.{i}.{n}.weight": "every layer" for n in norms})
     if i < cfg.get("first_k_dense_replace", cfg["num_hidden_layers"]):
         names.update({f"model.layers.{i}.mlp.{p}.weight": "dense layers" for p in _LLAMA_MLP})
     return names

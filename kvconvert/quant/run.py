@@ -69,7 +69,8 @@ class CalibrateJob:
         if self.calib_tokens <= 0 or self.window_len <= 1:
             raise KVConvertError("--calib-tokens must be > 0 and --window-len > 1")
         if self.calib_tokens < self.window_len:  # calibration_windows would round up to one whole window
-            raise KVConvertError(f"--calib-tokens {self.calib_tokens} is less than one window (--window-len {self.window_len}); raise --calib-tokens or lower --window-len")
+            raise KVConvertError(f"--calib-tokens {self.calib_tokens} is less than one window (--window-len "
+                                 f"{self.window_len}); raise --calib-tokens or lower --window-len")
         if self.threads is not None and self.threads < 1:
             raise KVConvertError("--threads must be >= 1")
 

@@ -53,7 +53,8 @@ def faults(tmp_path_factory) -> dict[str, Path]:
         "nan": _variant(base, root / "nan", tensors=nan),
         "missing": _variant(base, root / "missing", tensors=lambda w: w.pop("model.layers.1.self_attn.k_proj.weight")),
         "bias": _variant(base, root / "bias", config=lambda c: c.update(attention_bias=True)),
-        "sliding": _variant(base, root / "sliding", config=lambda c: c.update(sliding_window=256, use_sliding_window=True)),
+        "sliding": _variant(base, root / "sliding",
+                            config=lambda c: c.update(sliding_window=256, use_sliding_window=True)),
         "tied": _variant(base, root / "tied", tensors=tie,
                          config=lambda c: c.update(tie_word_embeddings=True, vocab_size=16384)),
     }
