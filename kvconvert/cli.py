@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from kvconvert.errors import KVConvertError
+from kvconvert.errors import KVConvertError, raise_on_sigterm
 
 # command name -> "module:attribute". Modules own their click commands.
 LAZY_COMMANDS: dict[str, str] = {
@@ -74,6 +74,7 @@ def cli(ctx, debug):
 
 def main(argv=None):
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: atomic cleanup and the message below
     try:
         cli.main(args=argv, standalone_mode=False)
     except click.exceptions.Abort:

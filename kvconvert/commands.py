@@ -175,6 +175,10 @@ def inspect_report(info: ModelInfo) -> dict:
         notes.append(f"{sum(w is not None for w in windows)} of {len(windows)} layers use a sliding window")
     if kvmath.text_config(info.config).get("attention_bias") or info.config.get("model_type") == "qwen2":
         notes.append("attention projections have biases")
+    from kvconvert.mla.deepseek_format import unsupported_features  # torch-free; the check every command runs
+
+    notes += [f"not supported by kvconvert (mla, calibrate, generate and validate refuse it): {f}"
+              for f in unsupported_features(info.config)]
     quant = info.config.get("quantization_config")
     report["quantization"] = quant.get("quant_method") if isinstance(quant, dict) else None
     report.update(parameters=info.parameters, parameters_source=info.parameters_source,

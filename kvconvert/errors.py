@@ -1,5 +1,8 @@
 """User-facing errors: one line that says what is wrong and what to do; the CLI exits with code 2."""
 
+import signal
+import threading
+
 
 class KVConvertError(Exception):
     """A problem with the user's input or environment (not a bug). Printed without traceback."""
@@ -17,3 +20,29 @@ class CheckpointError(KVConvertError):
 
 class OutputExistsError(KVConvertError):
     """The output path exists and --overwrite was not given."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C: `with` blocks unwind (CheckpointWriter removes its temp folder)
+    and the CLI prints its one-line "Interrupted" message instead of dying mid-write."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated("terminated (SIGTERM)")
+
+
+def raise_on_sigterm():
+    """Make SIGTERM raise Terminated. Main thread only (Python runs handlers there); returns the
+    previous handler for restore_sigterm (None when nothing was changed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous in (signal.SIG_IGN, _on_sigterm):
+        return None
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return previous
+
+
+def restore_sigterm(previous) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)

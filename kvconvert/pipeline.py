@@ -143,6 +143,8 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     import json
 
+    from kvconvert.checkpoint import check_writable
+
     if recipe_file is not None:
         stages, kv_dtype, policy_file, suite, engine, src = _from_recipe(recipe_file, src, out_dir)
     else:
@@ -153,6 +155,7 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
             rank, rope_dim = _default_shape(src, target, rope_dim)
         stages = _from_flags(src, rank, rope_dim, target, heal if convert else "none", calib_tokens, kv_dtype, out_dir)
         policy_file, engine = _policy_path(policy), "auto"
+    check_writable(out_dir)  # before the first stage (kvconvert.checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
     report_dir = out_dir / "report"
     log: list = []

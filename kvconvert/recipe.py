@@ -199,8 +199,25 @@ class Recipe(BaseModel):
 def _describe(err: dict) -> str:
     loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
     if err["type"] == "extra_forbidden":
-        return f"unknown key {loc!r}"
+        allowed = _allowed_keys(err["loc"][:-1])
+        return f"unknown key {loc!r}" + (f" (allowed here: {', '.join(allowed)})" if allowed else "")
     return f"{loc}: {err['msg']}"
+
+
+def _allowed_keys(parent: tuple) -> list[str]:
+    """The keys a recipe block accepts, as written in YAML (aliases such as `validate`)."""
+    import typing
+
+    model = Recipe
+    for part in parent:
+        fields = {f.alias or name: f for name, f in model.model_fields.items()}
+        if part not in fields:
+            return []
+        args = [a for a in typing.get_args(fields[part].annotation) if isinstance(a, type)] or [fields[part].annotation]
+        model = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return [f.alias or name for name, f in model.model_fields.items()]
 
 
 def parse_recipe(data: object, origin: str = "<recipe>") -> Recipe:

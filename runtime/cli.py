@@ -28,7 +28,9 @@ def parse_size(text: str | None) -> int | None:
 
 @click.command("generate")
 @click.option("--model", "model", required=True, help="HF model folder (or built-in name, e.g. smollm2-135m).")
-@click.option("--prompt", required=True, help="Prompt text (no chat template is applied).")
+@click.option("--prompt", default=None, help="Prompt text (no chat template is applied).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Read the prompt from a UTF-8 file ('-': standard input) instead of --prompt (long prompts).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--greedy", is_flag=True, help="Argmax decoding (ignores temperature/top-p).")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
@@ -41,26 +43,48 @@ def parse_size(text: str | None) -> int | None:
 @click.option("--kv-memory", default=None, help="KV pool size, e.g. 512M (default: up to 1G).")
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, timing) instead.")
-def generate_cmd(model, prompt, max_new_tokens, greedy, temperature, top_p, seed, kv_dtype, kv_scales, backend,
-                 kv_memory, block_size, as_json):
+def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature, top_p, seed, kv_dtype, kv_scales,
+                 backend, kv_memory, block_size, as_json):
     """Generate text with the bundled paged-KV runtime (Llama and DeepSeek-V3 MLA checkpoints)."""
     from kvconvert.runtime import LLM, SamplingParams
 
+    from kvconvert.checkpoint import check_checkpoint
     from kvconvert.sources import resolve_source
 
+    prompt = read_prompt(prompt, prompt_file)
+    if not prompt:
+        raise KVConvertError("empty prompt: give --prompt some text or a non-empty --prompt-file")
     params = SamplingParams(max_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p, seed=seed)
     t0 = time.perf_counter()
-    llm = LLM(resolve_source(model), kv_dtype=kv_dtype, kv_scales=kv_scales, attention_backend=backend,
+    path = resolve_source(model)
+    check_checkpoint(path)  # unsupported config, missing tensors, NaN/inf weights: refuse before generating
+    llm = LLM(path, kv_dtype=kv_dtype, kv_scales=kv_scales, attention_backend=backend,
               kv_memory=parse_size(kv_memory), block_size=block_size, max_num_seqs=1)
     tokenizer = llm.tokenizer
     load_s = time.perf_counter() - t0
-    if not prompt:
-        raise KVConvertError("empty prompt: give --prompt some text")
     output = _run(llm, prompt, params, tokenizer, stream=not as_json)
     if output.error:
         raise KVConvertError(output.error)
     if as_json:
         click.echo(json.dumps(_summary(llm, output, tokenizer, load_s)))
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt from --prompt, or from --prompt-file (a path, '-' = standard input): a long
+    prompt (hundreds of KB) does not fit in one command-line argument."""
+    if (prompt is None) == (prompt_file is None):
+        raise KVConvertError("give exactly one of --prompt TEXT or --prompt-file PATH ('-' reads standard input)")
+    if prompt_file is None:
+        return prompt
+    try:
+        if prompt_file == "-":
+            return sys.stdin.read()
+        with open(prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise KVConvertError(f"--prompt-file {prompt_file}: not UTF-8 text; save the prompt as UTF-8") from None
+    except OSError as exc:
+        raise KVConvertError(f"--prompt-file {prompt_file}: cannot read it ({exc.strerror})") from None
 
 
 def _run(llm, prompt, params, tokenizer, stream: bool):

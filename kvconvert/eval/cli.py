@@ -46,9 +46,20 @@ def validate_cmd(source, candidate, kv_dtype, source_kv_dtype, kv_scales, engine
                            kv_dtype=kv_dtype, source_kv_dtype=source_kv_dtype, kv_scales=kv_scales,
                            longbench_dir=longbench_dir, resume=not no_resume, progress=not no_progress,
                            threads=threads)
+    _preflight(source, candidate, out)
     report = run_validate(opts)
     print_summary(report)
     click.echo(f"report: {out / 'report.json'} and {out / 'report.md'}")
+
+
+def _preflight(source: str, candidate: str, out: Path) -> None:
+    """Up-front checks (kvconvert.checkpoint): --out writable, both models supported and intact."""
+    from kvconvert.checkpoint import check_checkpoint, check_writable
+    from kvconvert.sources import resolve_source
+
+    check_writable(out)
+    for model in (source, candidate):
+        check_checkpoint(resolve_source(model))
 
 
 @click.command("gate")

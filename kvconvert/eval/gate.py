@@ -19,7 +19,10 @@ paired-bootstrap interval of the degradation, so a metric fails only when the ca
 worse than allowed with the stated confidence (noise on a handful of samples cannot fail it).
 point: the plain estimate. ci_high: the upper bound (pass only when the candidate is shown to be
 within the threshold). A metric the report does not measure (e.g. RULER in the quick suite) is
-shown as "n/a" and passes unless it is listed under `require`.
+shown as "n/a" and passes unless it is listed under `require`. A metric measured on too few
+samples for an interval (one LongBench sample per task) is "undecided" under ci_low / ci_high:
+the gate claims no confidence it does not have; it passes unless listed under `require` (then it
+fails), and `decide_on: point` (a declared non-statistical rule) decides it on the estimate.
 """
 
 from __future__ import annotations
@@ -119,11 +122,13 @@ def load_report(path: Path) -> dict:
         raise KVConvertError(f"{path}: report not found; run `kvconvert validate ... --out DIR` first")
     try:
         report = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise KVConvertError(f"{path}: not a valid report ({exc.msg})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KVConvertError(f"{path}: not a valid report ({getattr(exc, 'msg', exc)}; truncated or corrupt?); "
+                             "re-run kvconvert validate with the same --out to rewrite it") from None
     suite = report.get("suite") if isinstance(report, dict) else None
     if not isinstance(suite, dict) or "version" not in suite or "samples" not in report:
-        raise KVConvertError(f"{path}: not a kvconvert validate report (no suite or samples)")
+        raise KVConvertError(f"{path}: not a kvconvert validate report (no suite or samples); "
+                             "pass the report.json that kvconvert validate --out DIR wrote, or re-run validate")
     if suite["version"] != SUITE_VERSION:
         raise KVConvertError(
             f"{path}: made with suite version {suite['version']} of the {suite.get('name')} suite, this kvconvert "
@@ -145,9 +150,14 @@ def evaluate(report: dict, policy: Policy) -> list[dict]:
             rows.append({"metric": name, "unit": GATE_METRICS[name].unit, "threshold": threshold, "status": status,
                          "reason": why})
             continue
+        row = {**found.as_dict(), "unit": GATE_METRICS[name].unit, "threshold": threshold}
         decided = {"ci_low": found.low, "point": found.point, "ci_high": found.high}[policy.decide_on]
-        rows.append({**found.as_dict(), "unit": GATE_METRICS[name].unit, "threshold": threshold,
-                     "decided": decided, "status": "pass" if decided <= threshold else "fail"})
+        if decided is None:
+            rows.append({**row, "status": "fail" if name in policy.require else "undecided",
+                         "reason": f"not enough samples to decide: {found.no_interval}; "
+                                   "run a larger suite, or gate on the estimate with decide_on: point"})
+            continue
+        rows.append({**row, "decided": decided, "status": "pass" if decided <= threshold else "fail"})
     return rows
 
 
@@ -162,16 +172,21 @@ def print_gate_table(rows: list[dict], policy: Policy, report: dict, policy_path
     for column in ("metric", "source", "candidate", "degradation", f"{conf}% CI", "threshold", "result"):
         table.add_column(column, justify="left" if column in ("metric", "result") else "right")
     for row in rows:
-        if row["status"] == "n/a" or "point" not in row:
+        if "point" not in row:
             table.add_row(f"{row['metric']} ({row['unit']})", "-", "-", "-", "-", f"{row['threshold']:g}",
                           f"[yellow]{row['status'].upper()}[/] ({escape(row['reason'])})")
             continue
-        style = "green" if row["status"] == "pass" else "red"
         digits = 5 if row["unit"] == "nats/token" else 3
+        ci = "-" if row["low"] is None else escape(f"[{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]")
+        style = {"pass": "green", "undecided": "yellow"}.get(row["status"], "red")
+        result = f"[{style}]{row['status'].upper()}[/]"  # an undecided row's reason follows the table
         table.add_row(f"{row['metric']} ({row['unit']})", f"{row['source']:.{digits}f}", f"{row['candidate']:.{digits}f}",
-                      f"{row['point']:+.{digits}f}", escape(f"[{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]"),
-                      f"{row['threshold']:g}", f"[{style}]{row['status'].upper()}[/]")
+                      f"{row['point']:+.{digits}f}", ci, f"{row['threshold']:g}", result)
     rule = {"ci_low": f"the {conf}% CI's lower bound", "point": "the estimate",
             "ci_high": f"the {conf}% CI's upper bound"}[policy.decide_on]
     table.caption = f"degradation = candidate worse than source (positive = worse); FAIL when {rule} > threshold"
-    Console(width=max(Console().width, 132)).print(table)
+    console = Console(width=max(Console().width, 132))
+    console.print(table)
+    for row in rows:
+        if "point" in row and "reason" in row:
+            console.print(f"{row['metric']}: {row['status'].upper()}, {escape(row['reason'])}", soft_wrap=True)

@@ -162,7 +162,8 @@ def render_markdown(report: dict, charts: list[str]) -> str:
                   "| quantity | estimate | CI low | CI high | n |", "|---|---:|---:|---:|---:|"]
         for name, e in report["estimates"].items():
             unit = GATE_METRICS[name].unit
-            lines.append(f"| {name} [{unit}] | {e['point']:.4f} | {e['low']:.4f} | {e['high']:.4f} | {e['n']} |")
+            ci = ("too few samples", "") if e.get("low") is None else (f"{e['low']:.4f}", f"{e['high']:.4f}")
+            lines.append(f"| {name} [{unit}] | {e['point']:.4f} | {ci[0]} | {ci[1]} | {e['n']} |")
     if report["skipped"] or report["notes"]:
         lines += ["", "## Notes", ""]
         lines += [f"- skipped {k}: {v}" for k, v in report["skipped"].items()]

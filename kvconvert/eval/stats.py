@@ -14,6 +14,12 @@ Paired bootstrap: resample *samples* (windows, prompts) with replacement, keepin
 source and candidate results together, recompute the statistic; LongBench resamples within each
 task (stratified) so every task keeps its count. The interval is the percentile interval at the
 given confidence. Vectorized: index matrices [B, n], fixed seed, so results are reproducible.
+
+No interval without variation to resample: a task (stratum) with one sample resamples to itself
+every time, so with one sample per task the bootstrap gives a zero-width "interval" that says
+nothing about noise. An interval is reported only when every stratum (all samples, when not
+stratified) has at least MIN_SAMPLES_FOR_INTERVAL samples; otherwise low/high are None and
+`no_interval` says why, and the gate reports "not enough samples to decide".
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvconvert.errors import KVConvertError
+
+MIN_SAMPLES_FOR_INTERVAL = 2  # per stratum: one sample has no spread to resample
 
 
 @dataclass(frozen=True)
@@ -110,16 +118,18 @@ GATE_METRICS: dict[str, GateMetric] = {m.name: m for m in (
 
 @dataclass
 class Estimate:
-    """A gated quantity on one report: point estimate, CI bounds, source/candidate values."""
+    """A gated quantity on one report: point estimate, CI bounds (None: too few samples for an
+    interval, see no_interval), source/candidate values."""
 
     metric: str
     point: float
-    low: float
-    high: float
+    low: float | None
+    high: float | None
     source: float
     candidate: float
     n: int
     confidence: float
+    no_interval: str | None = None  # why there is no interval (None when there is one)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -163,9 +173,23 @@ def estimate(samples: dict[str, list[dict]], name: str, n_boot: int = 2000, conf
         return None
     columns, strata = found
     point = float(metric.statistic(columns, strata))
+    values = (metric.source_value(columns, strata), metric.candidate_value(columns, strata), len(strata), confidence)
+    too_few = too_few_samples(strata, metric.stratified)
+    if too_few is not None:
+        return Estimate(name, point, None, None, *values, no_interval=too_few)
     idx = resample_indices(strata, n_boot, np.random.default_rng(seed), metric.stratified)
     boot = metric.statistic({k: v[idx] for k, v in columns.items()}, strata)
     alpha = (1.0 - confidence) / 2.0
     low, high = np.quantile(boot, [alpha, 1.0 - alpha])
-    return Estimate(name, point, float(low), float(high), metric.source_value(columns, strata),
-                    metric.candidate_value(columns, strata), len(strata), confidence)
+    return Estimate(name, point, float(low), float(high), *values)
+
+
+def too_few_samples(strata: np.ndarray, stratified: bool) -> str | None:
+    """Why the bootstrap cannot give an interval for these samples (None: it can)."""
+    counts = np.unique(strata, return_counts=True)[1] if stratified else np.array([len(strata)])
+    if counts.min() >= MIN_SAMPLES_FOR_INTERVAL:
+        return None
+    if stratified:
+        return (f"{int((counts < MIN_SAMPLES_FOR_INTERVAL).sum())} of {len(counts)} tasks have 1 sample "
+                f"(an interval needs >= {MIN_SAMPLES_FOR_INTERVAL} per task)")
+    return f"{len(strata)} sample (an interval needs >= {MIN_SAMPLES_FOR_INTERVAL})"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_output_path
+from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_output_path, estimate_checkpoint_bytes
 from kvconvert.data import data_hash, load_text, token_windows
 from kvconvert.errors import KVConvertError
 from kvconvert.heal import compat
@@ -166,7 +166,7 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     if not recipe.heals():
         raise KVConvertError("the recipe has no enabled heal_layerwise or heal_distill stage: nothing to heal")
     student, teacher, out = Path(student), Path(_resolve_teacher(teacher)), Path(out)
-    check_output_path(out, overwrite)
+    check_output_path(out, overwrite, needed_bytes=estimate_checkpoint_bytes(student))
     s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
     notes = compat.check_pair(s_reader, t_reader)
     tokenizer = compat.load_tokenizer(teacher, "teacher")

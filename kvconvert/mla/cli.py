@@ -26,13 +26,14 @@ def mla_cmd(src, kv_budget, heal, out_dir, overwrite, as_json, **params):
     format (loads in transformers, vLLM and SGLang with no custom code)."""
     import json
 
-    from kvconvert.checkpoint import check_output_path
+    from kvconvert.checkpoint import check_checkpoint, check_output_path
     from kvconvert.mla.convert import convert_to_mla
     from kvconvert.sources import resolve_source
 
     check_output_path(out_dir, overwrite)
     heal_target = _heal_plan(heal)
     src_path = resolve_source(src)
+    check_checkpoint(src_path)  # config features, missing tensors, NaN/inf: before any conversion work
     if (params["rank"] is None) == (kv_budget is None):
         raise KVConvertError("give exactly one of --rank or --kv-budget")
     if kv_budget is not None:

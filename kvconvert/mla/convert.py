@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_output_path, ensure_free_space
+from kvconvert.checkpoint import (CheckpointReader, CheckpointWriter, check_output_path, ensure_free_space,
+                                  estimate_checkpoint_bytes)
 from kvconvert.data import calibration_windows, data_hash
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
@@ -107,7 +108,8 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     cfg = reader.config
     d, rope_dim = validate_plan(cfg, opts)
     check_output_path(Path(out_dir), overwrite)
-    ensure_free_space(Path(out_dir), int(reader.total_bytes * DTYPES[opts.dtype].itemsize / 4 * 1.2))
+    ensure_free_space(Path(out_dir), int(estimate_checkpoint_bytes(src_path, DTYPES[opts.dtype].itemsize, untie=True)
+                                         * 1.2))  # lm_head written as its own copy; 1.2: MLA attention size
     plan = LayerPlan.for_source(d, opts.rank, rope_dim, key_weight=opts.key_weight, rho=opts.rho,
                                query_weighted_rope=opts.query_weighted_rope)
     H = cfg["num_attention_heads"]

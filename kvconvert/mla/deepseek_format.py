@@ -42,8 +42,61 @@ SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
 SUPPORTED_ROPE_TYPES = {"default", "llama3", "linear"}
 
 
+# Config keys that change the attention or logits math in ways no kvconvert path implements
+# (conversion, calibration and the runtime all compute plain full-context softmax attention).
+UNSUPPORTED_KEYS = {
+    "attn_logit_softcapping": "attention-logit soft-capping",
+    "final_logit_softcapping": "final-logit soft-capping",
+    "attention_chunk_size": "chunked attention",
+    "use_qk_norm": "query/key normalization (qk-norm)",
+    "qk_layernorm": "query/key normalization (qk-norm)",
+}
+
+
+def unsupported_features(cfg: dict) -> list[str]:
+    """What in a config.json no kvconvert path computes, one phrase each ([] = nothing).
+
+    Shared by every command that reads a model (mla, calibrate, generate, validate) and by
+    `inspect`, so a feature refused on one path is refused on all. A sliding window counts only
+    when it is shorter than max_position_embeddings (otherwise it never drops a token); which
+    layers use one follows kvmath.layer_windows (the same rule `inspect` and `budget` use)."""
+    from kvconvert import kvmath
+
+    text = kvmath.text_config(cfg)
+    found = []
+    try:
+        windows = kvmath.layer_windows(text)
+    except (KeyError, TypeError):
+        windows = []
+    limit = text.get("max_position_embeddings")
+    sliding = [w for w in windows if w is not None and (not isinstance(limit, int) or w < limit)]
+    if sliding:
+        flag = f", use_sliding_window={text['use_sliding_window']}" if "use_sliding_window" in text else ""
+        found.append(f"sliding-window attention (sliding_window={text['sliding_window']}{flag}: "
+                     f"{len(sliding)} of {len(windows)} layers)")
+    layer_types = text.get("layer_types")
+    if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types) and not sliding:
+        kinds = sorted({str(t) for t in layer_types if t != "full_attention"})
+        found.append(f"layer_types {', '.join(kinds)} (only full_attention is computed)")
+    for key, what in UNSUPPORTED_KEYS.items():
+        if text.get(key) not in (None, False, 0):
+            found.append(f"{what} ({key}={text[key]!r})")
+    return found
+
+
+def check_supported_features(cfg: dict, where: str = "config.json") -> None:
+    """Refuse a config whose attention no kvconvert path computes: the result would silently
+    differ from the source (a sliding-window model converted or run as full attention)."""
+    found = unsupported_features(cfg)
+    if found:
+        raise UnsupportedModelError(
+            f"{where}: not supported: {'; '.join(found)}. kvconvert converts, calibrates and runs full-context "
+            "attention only, so the result would silently differ from the model; if the model was trained "
+            "without it, remove the key from config.json")
+
+
 def check_source_config(cfg: dict) -> None:
-    """Refuse sources we would convert into a silently wrong model."""
+    """Refuse sources `kvconvert mla` would convert into a silently wrong model."""
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
@@ -51,10 +104,7 @@ def check_source_config(cfg: dict) -> None:
             f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}); biases, qk-norm and sliding windows need their own path")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise UnsupportedModelError("not supported yet: attention/MLP biases (stock DeepSeek-V3 has none)")
-    if cfg.get("sliding_window") not in (None, 0) and mt == "mistral":
-        raise UnsupportedModelError(
-            f"not supported yet: sliding-window attention (sliding_window={cfg['sliding_window']}); "
-            "DeepSeek-V3 attends to the full context")
+    check_supported_features(cfg)
     rope = rope_parameters(cfg)
     if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(f"not supported yet: rope_type {rope.get('rope_type')!r}")

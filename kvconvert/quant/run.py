@@ -68,6 +68,9 @@ class CalibrateJob:
             raise KVConvertError("give exactly one of --out DIR or --in-place")
         if self.calib_tokens <= 0 or self.window_len <= 1:
             raise KVConvertError("--calib-tokens must be > 0 and --window-len > 1")
+        if self.calib_tokens < self.window_len:  # calibration_windows would round up to one whole window
+            raise KVConvertError(f"--calib-tokens {self.calib_tokens} is less than one window (--window-len "
+                                 f"{self.window_len}); raise --calib-tokens or lower --window-len")
         if self.threads is not None and self.threads < 1:
             raise KVConvertError("--threads must be >= 1")
 
@@ -76,7 +79,7 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     """Run the job; returns {"path", "formats", "tokens", "time_s", "report"}."""
     from transformers import AutoTokenizer
 
-    from kvconvert.checkpoint import CheckpointReader, check_output_path
+    from kvconvert.checkpoint import CheckpointReader, check_checkpoint, check_output_path, estimate_checkpoint_bytes
     from kvconvert.data import calibration_windows, data_hash
     from kvconvert.quant.capture import load_model
     from kvconvert.quant.layout import detect_kv_layout
@@ -90,8 +93,9 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     if job.in_place:
         check_writable_in_place(out)
     else:
-        check_output_path(out, job.overwrite)
+        check_output_path(out, job.overwrite, needed_bytes=estimate_checkpoint_bytes(src))
     reader = CheckpointReader(src)
+    check_checkpoint(reader)  # config features, missing tensors (e.g. declared biases), NaN/inf
     layout = detect_kv_layout(reader.config, reader.keys())
     if layout.is_mla and job.granularity == "head":
         raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")

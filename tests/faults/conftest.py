@@ -1,0 +1,82 @@
+"""Fixtures for the fault tests: one tiny checkpoint per fault, built offline from the tiny Llama of
+tests/quant (word-level tokenizer, 2 layers, hidden 64), plus tmpfs mounts for full and read-only
+disks (the tests run as root, for whom chmod does not stop a write; a mount does)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
+from quant_cases import make_llama  # noqa: E402
+
+
+def _variant(base: Path, folder: Path, tensors=None, config=None) -> Path:
+    """A copy of `base` with its tensors / config.json changed by the given functions."""
+    shutil.copytree(base, folder)
+    if tensors is not None:
+        weights = load_file(folder / "model.safetensors")
+        tensors(weights)
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    if config is not None:
+        cfg = json.loads((folder / "config.json").read_text())
+        config(cfg)
+        (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def faults(tmp_path_factory) -> dict[str, Path]:
+    """name -> model folder. base: healthy; nan: NaN in layer 1's k_proj; missing: layer 1's
+    k_proj removed; bias: config declares attention_bias without bias tensors; sliding: a Llama
+    config with sliding_window 256 (< max_position_embeddings 512) and use_sliding_window true;
+    tied: tied embeddings (no lm_head) and a 16384-row embedding, so lm_head's own copy matters."""
+    root = tmp_path_factory.mktemp("faults")
+    base = make_llama(root / "base")
+
+    def nan(w):
+        w["model.layers.1.self_attn.k_proj.weight"][0, 0] = float("nan")
+
+    def tie(w):
+        del w["lm_head.weight"]
+        w["model.embed_tokens.weight"] = torch.randn(16384, w["model.embed_tokens.weight"].shape[1]) * 0.02
+
+    return {
+        "base": base,
+        "nan": _variant(base, root / "nan", tensors=nan),
+        "missing": _variant(base, root / "missing", tensors=lambda w: w.pop("model.layers.1.self_attn.k_proj.weight")),
+        "bias": _variant(base, root / "bias", config=lambda c: c.update(attention_bias=True)),
+        "sliding": _variant(base, root / "sliding",
+                            config=lambda c: c.update(sliding_window=256, use_sliding_window=True)),
+        "tied": _variant(base, root / "tied", tensors=tie,
+                         config=lambda c: c.update(tie_word_embeddings=True, vocab_size=16384)),
+    }
+
+
+def _mount(path: Path, options: str) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs root in a container that allows it")
+    return path
+
+
+@pytest.fixture
+def mounts():
+    """mounts(path, options) mounts a tmpfs (e.g. "size=3m" or "ro,size=1m"); unmounted at teardown."""
+    made = []
+
+    def mount(path: Path, options: str) -> Path:
+        made.append(_mount(path, options))
+        return path
+
+    yield mount
+    for path in reversed(made):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
