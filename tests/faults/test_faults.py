@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TINY_CAL = ["--kv-dtype", "fp8", "--observer", "amax", "--calib-tokens", "256", "--window-len", "64",
             "--batch-size", "2", "--quiet", "--threads", "1"]
-TINY_MLA = ["--rank", "16", "--calib-tokens", "512", "--calib-window", "128", "--dtype", "bf16"]
+TINY_MLA = ["--rank", "16", "--target", "any", "--calib-tokens", "512", "--calib-window", "128", "--dtype", "bf16"]
 
 
 def kvconvert(*args, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -117,7 +117,7 @@ def test_read_only_output_refused_at_start(faults, tmp_path, mounts, command):
             "calibrate": ["calibrate", "--src", src, *TINY_CAL, "--out", out],
             "heal": ["heal", "--student", src, "--teacher", src, "--recipe", "layerwise", "--out", out],
             "validate": ["validate", "--source", src, "--candidate", src, "--suite", "smoke", "--out", out],
-            "pipeline": ["pipeline", "--src", src, "--rank", "16", "--out", out]}
+            "pipeline": ["pipeline", "--src", src, "--rank", "16", "--target", "any", "--out", out]}
     t0 = time.time()
     done = kvconvert(*args[command])
     refused(done, out, f"{out}: cannot write in {ro} (Read-only file system)")
@@ -202,7 +202,7 @@ def test_sigterm_mid_write_cleans_up_like_ctrl_c(faults, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "kvconvert.cli", "mla", "--src", str(faults["base"]), "--rank", "16",
-                             "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "--target", "any", "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.time() + 120
     while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.time() < deadline:
@@ -282,7 +282,7 @@ def test_unknown_recipe_key_lists_the_allowed_keys(faults, tmp_path):
     (tmp_path / "r.yaml").write_text("convert:\n  rank: 16\n  rnak: 8\n")
     out = tmp_path / "out"
     refused(kvconvert("pipeline", "--src", faults["base"], "--recipe", tmp_path / "r.yaml", "--out", out), out,
-            "unknown key 'convert.rnak' (allowed here: enabled, rank, rope_dim")
+            "unknown key 'convert.rnak' (allowed here: rank, rope_dim, q_rank")
 
 
 def test_missing_tensor_in_a_sharded_checkpoint_names_the_layers_shard(faults, tmp_path):
