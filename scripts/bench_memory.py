@@ -5,7 +5,9 @@
                                  [--workdir DIR] [--keep] [--threads N]
 
 Each stage is the real command run in its own child process; its peak RSS is that child's own
-ru_maxrss (os.wait4), not the bench's. Stages:
+ru_maxrss (os.wait4), not the bench's. Linux carries the parent's RSS high-water mark into a
+child across fork + exec, so this process imports no torch (it stays ~15 MB, the floor of every
+figure) and writes the random checkpoints in a child too. Stages:
   mla        kvconvert mla --rank 256 --rope-dim 64 (TinyLlama only by default: the 7B-shaped
              conversion takes over an hour here; docs/BENCHMARKS.md has its 3.57 GB / 84.5 min run)
   calibrate  kvconvert calibrate --kv-dtype fp8 (--calib-tokens, default 2048)
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_mla import LLAMA_SHAPES, write_random_llama  # noqa: E402  (one source of truth for random checkpoints)
+from bench_mla import LLAMA_SHAPES  # noqa: E402  (one source of truth for random checkpoints; no torch)
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_OUT = ROOT / "docs" / "bench_memory.json"
@@ -80,15 +82,21 @@ def stage_command(stage: str, src: Path, work: Path, args, ran: set[str]) -> lis
     raise SystemExit(f"unknown stage {stage}")
 
 
-def bench_shape(shape: str, stages: list[str], args) -> dict:
-    from kvconvert.sources import resolve_source
+def write_source(src: Path, shape: str) -> None:
+    """The random checkpoint, written by a child process (see the module docstring)."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; "
+            "from bench_mla import write_random_llama; from kvconvert.sources import resolve_source; "
+            f"write_random_llama(Path({str(src)!r}), resolve_source('smollm2-135m'), {shape!r})")
+    t0 = time.time()
+    subprocess.run([sys.executable, "-c", code], check=True)
+    print(f"wrote {src} in {time.time() - t0:.0f} s", flush=True)
 
+
+def bench_shape(shape: str, stages: list[str], args) -> dict:
     work = Path(args.workdir) / shape
     src = work / "source"
     if not (src / "config.json").is_file():
-        t0 = time.time()
-        write_random_llama(src, resolve_source("smollm2-135m"), shape)
-        print(f"wrote {src} in {time.time() - t0:.0f} s", flush=True)
+        write_source(src, shape)
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     rows, ran = {}, set()
     for stage in stages:

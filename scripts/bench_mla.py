@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 JSON_OUT = ROOT / "docs" / "bench_mla.json"
 # TransMLA @9c0d254 on SmolLM2-135M, one-shot, same essays protocol (32 x 1024), measured on this
@@ -31,8 +29,9 @@ TRANSMLA = {"source": 24.68, "160:32": (57.76, 104, 7.6), "96:32": (99.29, 101, 
             "64:32": (149.84, 98, 7.5), "32:16": (286.34, 165, 7.7)}
 
 
-def eval_model(path: Path, windows: int, ref: torch.Tensor | None = None):
+def eval_model(path: Path, windows: int, ref=None):
     """(perplexity, mean token KL(ref || model), log-probs) on the essays windows."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvconvert.data import eval_windows
@@ -108,6 +107,7 @@ RANDOM_VOCAB = 49152
 def write_random_llama(folder: Path, tokenizer_dir: Path, shape: str = "llama-2-7b", layers: int | None = None) -> None:
     """Random bf16 weights in a real Llama config's shapes (LLAMA_SHAPES), written layer by layer
     so this process never holds the model. Shared by bench_mla.py and bench_memory.py."""
+    import torch  # here, not at the top: bench_memory imports this module and must stay small
     from kvconvert.checkpoint import CheckpointWriter
 
     dims = dict(LLAMA_SHAPES[shape])
