@@ -2,7 +2,10 @@
 """Peak memory and wall time of each stage on random-weight checkpoints in real models' shapes.
 
   python scripts/bench_memory.py [--shapes tinyllama-1.1b,llama-2-7b] [--stages mla,calibrate,generate,validate]
-                                 [--workdir DIR] [--keep] [--threads N]
+                                 [--workdir DIR] [--keep] [--threads N (default 1)]
+
+Children run with OMP_NUM_THREADS=--threads (default 1: on a CPU shared with other jobs, two
+OpenMP threads spin against each other and a bf16 matrix-vector product can take 100x longer).
 
 Each stage is the real command run in its own child process; its peak RSS is that child's own
 ru_maxrss (os.wait4), not the bench's. Linux carries the parent's RSS high-water mark into a
@@ -47,11 +50,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 KVCONVERT = [sys.executable, "-m", "kvconvert.cli"]
 
 
-def run_child(cmd: list[str], log: Path) -> dict:
+def run_child(cmd: list[str], log: Path, threads: int | None = None) -> dict:
     """Run cmd with output to log; its own peak RSS (ru_maxrss, KiB on Linux) and wall time."""
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.time()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     row = {"command": " ".join(str(c) for c in cmd), "seconds": round(time.time() - t0, 1),
@@ -101,7 +105,7 @@ def bench_shape(shape: str, stages: list[str], args) -> dict:
     rows, ran = {}, set()
     for stage in stages:
         shutil.rmtree(work / "report", ignore_errors=True)  # validate must compute, not reuse a cache
-        row = run_child(stage_command(stage, src, work, args, ran), work / f"{stage}.log")
+        row = run_child(stage_command(stage, src, work, args, ran), work / f"{stage}.log", args.threads)
         target = TARGETS_GB.get((shape, stage))
         if target:
             row["target_gb"] = target
@@ -164,7 +168,7 @@ def main():
     ap.add_argument("--shapes", default="tinyllama-1.1b")
     ap.add_argument("--stages", default=None, help="comma list (default per shape: see DEFAULT_STAGES)")
     ap.add_argument("--calib-tokens", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS (and --threads) of every stage")
     ap.add_argument("--workdir", default=os.environ.get("TMPDIR", "/tmp") + "/kvc-bench-memory")
     ap.add_argument("--keep", action="store_true", help="keep the random checkpoints for reruns")
     ap.add_argument("--no-doc", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
