@@ -5,6 +5,12 @@
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, greedy=True))
     logits = llm.score(token_ids)          # [T, vocab] fp32, through the paged path
 
+Weights run in the dtype the checkpoint stores (`dtype=None`/"auto": a bf16 checkpoint stays bf16,
+its tensors views of the memory-mapped safetensors files, so loading copies nothing) or in
+"bf16"/"fp16"/"fp32" on request (converted copies). Before reading any weight the engine estimates
+weights + KV pool + one step's activations from config.json (kvconvert.runtime.memory) and
+refuses with a KVConvertError naming the option that would fit.
+
 Requests run with continuous batching over a paged KV cache; a request that cannot run (empty,
 too long for the context, too big for the block pool) comes back with `error` set and
 finish_reason "error" while the others complete.
