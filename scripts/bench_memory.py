@@ -178,9 +178,14 @@ def main():
         if shape not in LLAMA_SHAPES:
             raise SystemExit(f"unknown shape {shape}; choose from {', '.join(LLAMA_SHAPES)}")
         stages = args.stages.split(",") if args.stages else DEFAULT_STAGES[shape]
-        results[shape] = bench_shape(shape, stages, args)
-        results[shape]["command"] = "python scripts/bench_memory.py " + " ".join(sys.argv[1:])
-    results["command"] = "; ".join(r["command"] for r in results.values() if isinstance(r, dict) and "command" in r)
+        fresh = bench_shape(shape, stages, args)
+        old = results.get(shape, {})  # a run of some stages updates those rows only
+        fresh["stages"] = {**old.get("stages", {}), **fresh["stages"]}
+        invocation = "python scripts/bench_memory.py " + " ".join(sys.argv[1:])
+        fresh["commands"] = list(dict.fromkeys(old.get("commands", []) + [invocation]))
+        results[shape] = fresh
+    results["command"] = "; ".join(dict.fromkeys(c for r in results.values() if isinstance(r, dict)
+                                                 for c in r.get("commands", [])))
     JSON_OUT.parent.mkdir(exist_ok=True)
     JSON_OUT.write_text(json.dumps(results, indent=2))
     if not args.no_doc:

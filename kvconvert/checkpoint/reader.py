@@ -42,6 +42,16 @@ def check_safetensors_file(path: Path) -> None:
     safetensors_header(Path(path))
 
 
+def _drop_pages(mm: mmap.mmap, start: int, end: int) -> None:
+    """Let the kernel drop the mapped pages wholly inside [start, end) from this process's RSS
+    (MADV_DONTNEED; the mapping is private and never written, so a later read re-faults the
+    file's bytes). Pages shared with a neighbouring tensor stay."""
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi > lo and hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
 class CheckpointReader:
     """Read an HF checkpoint folder lazily.
 
@@ -151,7 +161,11 @@ class CheckpointReader:
         if (base + start) % stored.itemsize:  # a view needs element alignment; copy the rare odd one
             raw = raw.clone()
         tensor = raw.view(stored).view(entry["shape"])
-        return tensor if dtype is None or dtype == stored else tensor.to(dtype)
+        if dtype is None or dtype == stored:
+            return tensor
+        converted = tensor.to(dtype)
+        _drop_pages(mm, base + start, base + end)  # the source pages are not needed any more
+        return converted
 
     def _map(self, filename: str) -> tuple[mmap.mmap, int, dict]:
         """(mmap of the whole shard, offset of its data buffer, header) opened once per shard."""

@@ -142,3 +142,26 @@ def test_triton_decode_of_bf16_model_matches_torch(bf16_model, kv_dtype):
         ref = LLM(bf16_model, kv_dtype="fp32", dtype="fp32").score(prompt + torch_out[:parted])[-1]
         top = ref.topk(2).values
         assert float(top[0] - top[1]) < 0.1, (torch_out, triton_out)
+
+
+def _rss_file_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) / 1024
+    pytest.skip("no /proc/self/status RssFile (not Linux)")
+
+
+def test_converted_reads_leave_no_mapped_pages_resident(tmp_path):
+    """dtype != stored: the fp32 copy is made and the bf16 source pages are dropped (MADV_DONTNEED),
+    so an fp32 load costs 4 bytes per parameter, not 6; mapped views keep theirs (they are the weights)."""
+    big = torch.randn(8192, 4096).to(torch.bfloat16)  # 64 MiB
+    save_file({"w": big}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    with CheckpointReader(tmp_path) as reader:
+        before = _rss_file_mb()
+        converted = reader.mapped("w", torch.float32)
+        assert torch.equal(converted, big.float())
+        assert _rss_file_mb() - before < 16
+        view = reader.mapped("w")
+        float(view.float().sum())  # touch every page
+        assert _rss_file_mb() - before > 48
