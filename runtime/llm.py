@@ -19,7 +19,7 @@ finish_reason "error" while the others complete.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -100,9 +100,7 @@ class LLM:
         if self.dtype == torch.float32:
             hints.append(("--dtype bf16 (dtype=torch.bfloat16)", self.memory_estimate(config, torch.bfloat16)))
         if need.kv_cache > 1 << 28:
-            small = self.memory_estimate(config, self.dtype)
-            small = type(small)(small.weights, 1 << 28, small.activations)
-            hints.append(("a smaller KV pool (--kv-memory 256M)", small))
+            hints.append(("a smaller KV pool (--kv-memory 256M)", replace(need, kv_cache=1 << 28)))
         check_memory(need, f"{self.model_path.name} in {str(self.dtype).removeprefix('torch.')}", hints)
 
     def _max_model_len(self, config: dict) -> int:
