@@ -42,9 +42,11 @@ def parse_size(text: str | None) -> int | None:
 @click.option("--backend", type=click.Choice(ATTENTION_BACKENDS), default="torch", show_default=True)
 @click.option("--kv-memory", default=None, help="KV pool size, e.g. 512M (default: up to 1G).")
 @click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
+              help="Weights/activations: auto = as stored (bf16 checkpoints stay bf16, mapped from the files).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, timing) instead.")
 def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature, top_p, seed, kv_dtype, kv_scales,
-                 backend, kv_memory, block_size, as_json):
+                 backend, kv_memory, block_size, dtype, as_json):
     """Generate text with the bundled paged-KV runtime (Llama and DeepSeek-V3 MLA checkpoints)."""
     from kvconvert.runtime import LLM, SamplingParams
 
@@ -59,7 +61,7 @@ def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature
     path = resolve_source(model)
     check_checkpoint(path)  # unsupported config, missing tensors, NaN/inf weights: refuse before generating
     llm = LLM(path, kv_dtype=kv_dtype, kv_scales=kv_scales, attention_backend=backend,
-              kv_memory=parse_size(kv_memory), block_size=block_size, max_num_seqs=1)
+              kv_memory=parse_size(kv_memory), block_size=block_size, max_num_seqs=1, dtype=dtype)
     tokenizer = llm.tokenizer
     load_s = time.perf_counter() - t0
     output = _run(llm, prompt, params, tokenizer, stream=not as_json)
@@ -120,6 +122,7 @@ def _summary(llm, output, tokenizer, load_s: float) -> dict:
         "finish_reason": output.finish_reason,
         "prompt_tokens": len(output.prompt_token_ids),
         "kv_dtype": llm.config.kv_dtype,
+        "dtype": str(llm.dtype).removeprefix("torch."),
         "kv_bytes_per_token": llm.kv_bytes_per_token,
         "backend": llm.config.attention_backend,
         "timing": {

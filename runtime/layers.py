@@ -35,21 +35,44 @@ def activation(name: str):
 
 
 class GatedMLP:
-    """down(act(gate(x)) * up(x)); gate and up are fused into one matmul. x [T, hidden]."""
+    """down(act(gate(x)) * up(x)). x [T, hidden]. gate and up stay separate tensors: fusing them
+    would copy weights that are mapped from the checkpoint (twice the resident bytes)."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str,
                  biases: tuple | None = None):
-        self.intermediate = gate.shape[0]
-        self.gate_up = torch.cat([gate, up], 0)
-        self.down = down
-        gb, ub, db = biases or (None, None, None)
-        self.gate_up_bias = torch.cat([gb, ub], 0) if gb is not None else None
-        self.down_bias = db
+        self.gate, self.up, self.down = gate, up, down
+        self.gate_bias, self.up_bias, self.down_bias = biases or (None, None, None)
         self.act = activation(act)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up, self.gate_up_bias).split(self.intermediate, dim=-1)
-        return linear(self.act(gate) * up, self.down, self.down_bias)
+        gate = linear(x, self.gate, self.gate_bias)
+        return linear(self.act(gate) * linear(x, self.up, self.up_bias), self.down, self.down_bias)
+
+
+def final_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The last RMSNorm, kept in fp32 (its output feeds the fp32 logits)."""
+    h = x.float()
+    return weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+
+LOGIT_CHUNK = 8192  # vocabulary rows upcast at a time: bounds the fp32 copy of lm_head (8192 x hidden)
+
+
+def fp32_logits(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """hidden [N, hidden] -> fp32 logits [N, vocab] with fp32 products and output.
+
+    A bf16 matmul accumulates in fp32 but rounds its output to bf16 (8 bits: a logit of 20 lands on
+    a 0.125 grid), which perplexity and KL would see; so bf16/fp16 weights are upcast a chunk of
+    rows at a time and multiplied in fp32. fp32 weights go straight through.
+    """
+    hidden = hidden.float()
+    if lm_head.dtype == torch.float32:
+        return F.linear(hidden, lm_head)
+    out = hidden.new_empty(hidden.shape[0], lm_head.shape[0])
+    for lo in range(0, lm_head.shape[0], LOGIT_CHUNK):
+        hi = min(lo + LOGIT_CHUNK, lm_head.shape[0])
+        out[:, lo:hi] = F.linear(hidden, lm_head[lo:hi].float())
+    return out
 
 
 # ------------------------------------------------------------------------------------ RoPE

@@ -5,6 +5,12 @@
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, greedy=True))
     logits = llm.score(token_ids)          # [T, vocab] fp32, through the paged path
 
+Weights run in the dtype the checkpoint stores (`dtype=None`/"auto": a bf16 checkpoint stays bf16,
+its tensors views of the memory-mapped safetensors files, so loading copies nothing) or in
+"bf16"/"fp16"/"fp32" on request (converted copies). Before reading any weight the engine estimates
+weights + KV pool + one step's activations from config.json (kvconvert.runtime.memory) and
+refuses with a KVConvertError naming the option that would fit.
+
 Requests run with continuous batching over a paged KV cache; a request that cannot run (empty,
 too long for the context, too big for the block pool) comes back with `error` set and
 finish_reason "error" while the others complete.
@@ -13,7 +19,7 @@ finish_reason "error" while the others complete.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,7 +28,8 @@ from kvconvert.runtime.block_manager import BlockManager
 from kvconvert.runtime.config import DEFAULT_KV_MEMORY, EngineConfig, SamplingParams
 from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token, read_kv_scales
 from kvconvert.runtime.model_runner import ModelRunner
-from kvconvert.runtime.models import load_model, model_type
+from kvconvert.runtime.memory import check_memory, estimate_memory, resolve_dtype
+from kvconvert.runtime.models import kv_layout, load_model, model_type, stored_dtype
 from kvconvert.runtime.scheduler import Scheduler
 from kvconvert.runtime.sequence import Sequence
 
@@ -48,7 +55,7 @@ class Output:
 
 class LLM:
     def __init__(self, model_path, kv_dtype: str = "bf16", block_size: int = 16, num_blocks: int | None = None,
-                 kv_memory: int | None = None, attention_backend: str = "torch", dtype: torch.dtype = torch.float32,
+                 kv_memory: int | None = None, attention_backend: str = "torch", dtype: torch.dtype | str | None = None,
                  kv_scales: str = "checkpoint", max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True):
         self.config = EngineConfig(
@@ -61,11 +68,13 @@ class LLM:
         model_type(reader.config)  # unsupported architecture: fail before reading any weight
         self.attention = make_attention(attention_backend, kv_dtype)
         self.max_model_len = self._max_model_len(reader.config)
-        self.model = load_model(reader, dtype=dtype, max_positions=self.max_model_len)
-        layout = self.model.kv_layout()
-        scales, dynamic = read_kv_scales(reader, layout, kv_dtype, kv_scales)
+        layout = kv_layout(reader.config)
         self.kv_bytes_per_token = bytes_per_token(layout, kv_dtype)
         self.num_blocks = self._num_blocks()
+        self.dtype = resolve_dtype(dtype, stored_dtype(reader))
+        self._check_memory(reader.config)
+        self.model = load_model(reader, dtype=self.dtype, max_positions=self.max_model_len)
+        scales, dynamic = read_kv_scales(reader, layout, kv_dtype, kv_scales)
         self.cache = PagedKVCache(layout, self.num_blocks, block_size, kv_dtype, scales, dynamic)
         self.block_manager = BlockManager(self.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len, self.model.vocab_size,
@@ -77,6 +86,23 @@ class LLM:
         reader.close()
 
     # ---------------------------------------------------------------- setup helpers
+    def memory_estimate(self, config: dict, dtype: torch.dtype):
+        """What this engine needs with weights in `dtype` (kvconvert.runtime.memory)."""
+        cfg = self.config
+        return estimate_memory(config, dtype, kv_cache_bytes=self.num_blocks * cfg.block_size * self.kv_bytes_per_token,
+                               tokens_per_step=min(cfg.max_num_batched_tokens, self.max_model_len),
+                               context=self.max_model_len)
+
+    def _check_memory(self, config: dict) -> None:
+        """Refuse before reading any weight when the model, its KV pool and one step cannot fit."""
+        need = self.memory_estimate(config, self.dtype)
+        hints = []
+        if self.dtype == torch.float32:
+            hints.append(("--dtype bf16 (dtype=torch.bfloat16)", self.memory_estimate(config, torch.bfloat16)))
+        if need.kv_cache > 1 << 28:
+            hints.append(("a smaller KV pool (--kv-memory 256M)", replace(need, kv_cache=1 << 28)))
+        check_memory(need, f"{self.model_path.name} in {str(self.dtype).removeprefix('torch.')}", hints)
+
     def _max_model_len(self, config: dict) -> int:
         limit = config.get("max_position_embeddings")
         wanted = self.config.max_model_len

@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 JSON_OUT = ROOT / "docs" / "bench_mla.json"
 # TransMLA @9c0d254 on SmolLM2-135M, one-shot, same essays protocol (32 x 1024), measured on this
@@ -31,8 +29,9 @@ TRANSMLA = {"source": 24.68, "160:32": (57.76, 104, 7.6), "96:32": (99.29, 101, 
             "64:32": (149.84, 98, 7.5), "32:16": (286.34, 165, 7.7)}
 
 
-def eval_model(path: Path, windows: int, ref: torch.Tensor | None = None):
+def eval_model(path: Path, windows: int, ref=None):
     """(perplexity, mean token KL(ref || model), log-probs) on the essays windows."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvconvert.data import eval_windows
@@ -94,27 +93,44 @@ def bench_smollm2(args) -> dict:
     return {"windows": args.windows, "calib_tokens": args.calib_tokens, "source_ppl": src_ppl, "rows": rows}
 
 
-def write_random_llama7b(folder: Path, tokenizer_dir: Path, layers: int) -> None:
-    """Random bf16 weights in Llama-2-7B's shapes (vocab 49152 so SmolLM2's tokenizer fits),
-    written layer by layer so this process never holds the model."""
+# Real configs' shapes for random-weight checkpoints (the vocabulary is SmolLM2's 49152 so its
+# tokenizer fits: TinyLlama's 32000 and Llama-2's 32000 would leave tokenizer ids out of range).
+LLAMA_SHAPES = {
+    "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                           num_key_value_heads=4, head_dim=64, max_position_embeddings=2048),
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, head_dim=128, max_position_embeddings=4096),
+}
+RANDOM_VOCAB = 49152
+
+
+def write_random_llama(folder: Path, tokenizer_dir: Path, shape: str = "llama-2-7b", layers: int | None = None) -> None:
+    """Random bf16 weights in a real Llama config's shapes (LLAMA_SHAPES), written layer by layer
+    so this process never holds the model. Shared by bench_mla.py and bench_memory.py."""
+    import torch  # here, not at the top: bench_memory imports this module and must stay small
     from kvconvert.checkpoint import CheckpointWriter
 
-    hid, inter, heads, vocab = 4096, 11008, 32, 49152
+    dims = dict(LLAMA_SHAPES[shape])
+    if layers is not None:
+        dims["num_hidden_layers"] = layers
+    hid, inter, vocab = dims["hidden_size"], dims["intermediate_size"], RANDOM_VOCAB
+    q_dim = dims["num_attention_heads"] * dims["head_dim"]
+    kv_dim = dims["num_key_value_heads"] * dims["head_dim"]
     g = torch.Generator().manual_seed(0)
 
     def rnd(*shape, std=0.02):
         return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hid, "intermediate_size": inter,
-           "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": 128,
-           "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
-           "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
-    with CheckpointWriter(folder, overwrite=True, source="random llama-2-7b shapes", max_shard_bytes=2 * 2**30) as w:
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **dims, "vocab_size": vocab,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+           "torch_dtype": "bfloat16"}
+    with CheckpointWriter(folder, overwrite=True, source=f"random {shape} shapes", max_shard_bytes=2 * 2**30) as w:
         w.add("model.embed_tokens.weight", rnd(vocab, hid))
-        for i in range(layers):
+        for i in range(dims["num_hidden_layers"]):
             p = f"model.layers.{i}."
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                w.add(p + f"self_attn.{name}.weight", rnd(hid, hid))
+            for name, rows in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+                w.add(p + f"self_attn.{name}.weight", rnd(rows, hid))
+            w.add(p + "self_attn.o_proj.weight", rnd(hid, q_dim))
             w.add(p + "mlp.gate_proj.weight", rnd(inter, hid))
             w.add(p + "mlp.up_proj.weight", rnd(inter, hid))
             w.add(p + "mlp.down_proj.weight", rnd(hid, inter))
@@ -133,7 +149,7 @@ def bench_llama7b(args) -> dict:
     src = work / "llama-2-7b-random"
     if not (src / "config.json").is_file():
         t0 = time.time()
-        write_random_llama7b(src, resolve_source("smollm2-135m"), args.layers)
+        write_random_llama(src, resolve_source("smollm2-135m"), "llama-2-7b", args.layers)
         print(f"wrote {src} in {time.time() - t0:.0f} s", flush=True)
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     out = work / "llama-2-7b-mla"

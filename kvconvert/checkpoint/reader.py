@@ -8,6 +8,7 @@ the model.
 from __future__ import annotations
 
 import json
+import mmap
 from functools import cached_property
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from kvconvert.errors import CheckpointError
 from kvconvert.st_header import safetensors_header
 
 INDEX_NAME = "model.safetensors.index.json"
+# safetensors dtype names -> torch dtypes (those a checkpoint's weights and scales use)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 SINGLE_NAME = "model.safetensors"
 
 
@@ -37,6 +42,16 @@ def check_safetensors_file(path: Path) -> None:
     safetensors_header(Path(path))
 
 
+def _drop_pages(mm: mmap.mmap, start: int, end: int) -> None:
+    """Let the kernel drop the mapped pages wholly inside [start, end) from this process's RSS
+    (MADV_DONTNEED; the mapping is private and never written, so a later read re-faults the
+    file's bytes). Pages shared with a neighbouring tensor stay."""
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi > lo and hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
 class CheckpointReader:
     """Read an HF checkpoint folder lazily.
 
@@ -50,6 +65,7 @@ class CheckpointReader:
         self.config = read_config(self.path)
         self.weight_map = self._weight_map()
         self._handles: dict[str, object] = {}
+        self._maps: dict[str, tuple[mmap.mmap, int, dict]] = {}
         if verify:
             for name in sorted(set(self.weight_map.values())):
                 check_safetensors_file(self.path / name)
@@ -120,9 +136,49 @@ class CheckpointReader:
             tensor = tensor.to(dtype)
         return tensor
 
-    def tensors(self, prefix: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """All tensors whose names start with `prefix` (e.g. 'model.layers.3.')."""
-        return {k: self.get(k, dtype) for k in self.weight_map if k.startswith(prefix)}
+    def tensors(self, prefix: str, dtype: torch.dtype | None = None, mapped: bool = False) -> dict[str, torch.Tensor]:
+        """All tensors whose names start with `prefix` (e.g. 'model.layers.3.'); mapped=True: see `mapped`."""
+        read = self.mapped if mapped else self.get
+        return {k: read(k, dtype) for k in self.weight_map if k.startswith(prefix)}
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype `name` is stored in (from the safetensors header; no data is read)."""
+        return _ST_DTYPES[self._map(self._file(name))[2][name]["dtype"]]
+
+    def mapped(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor as a view of the file's pages (mmap, copy-on-write), not a copy: it costs no
+        anonymous memory; the pages it touches are page cache the kernel can drop and re-read.
+        Only when `dtype` differs from the stored dtype is a converted copy made. Do not write
+        to the view (it would copy the touched pages privately)."""
+        mm, base, header = self._map(self._file(name))
+        entry = header[name]
+        start, end = entry["data_offsets"]
+        stored = _ST_DTYPES.get(entry["dtype"])
+        if stored is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']}, which cannot be mapped")
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - start, offset=base + start) if end > start \
+            else torch.empty(0, dtype=torch.uint8)
+        if (base + start) % stored.itemsize:  # a view needs element alignment; copy the rare odd one
+            raw = raw.clone()
+        tensor = raw.view(stored).view(entry["shape"])
+        if dtype is None or dtype == stored:
+            return tensor
+        converted = tensor.to(dtype)
+        _drop_pages(mm, base + start, base + end)  # the source pages are not needed any more
+        return converted
+
+    def _map(self, filename: str) -> tuple[mmap.mmap, int, dict]:
+        """(mmap of the whole shard, offset of its data buffer, header) opened once per shard."""
+        if filename not in self._maps:
+            path = self.path / filename
+            header = safetensors_header(path)
+            with open(path, "rb") as f:
+                base = 8 + int.from_bytes(f.read(8), "little")
+                # ACCESS_COPY: a private, writable (so torch.frombuffer accepts it) mapping whose
+                # untouched pages stay shared with the page cache.
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[filename] = (mm, base, header)
+        return self._maps[filename]
 
     @cached_property
     def total_bytes(self) -> int:
@@ -138,7 +194,9 @@ class CheckpointReader:
         return total
 
     def close(self) -> None:
+        """Drop the open shards. Mapped tensors keep their own mapping alive until they are freed."""
         self._handles.clear()
+        self._maps.clear()
 
     def __enter__(self):
         return self

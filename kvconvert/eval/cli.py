@@ -30,10 +30,12 @@ from kvconvert.eval.suites import SUITES
               help="LongBench-mini folder (default: $KVCONVERT_LONGBENCH_DIR or shared/data/longbench-mini).")
 @click.option("--no-resume", is_flag=True, help="Recompute every sample instead of reusing cached results.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
+              help="Both models' weights/activations: auto = as stored (bf16 checkpoints run in bf16).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch CPU threads (default: torch's choice; 1 is faster on a CPU shared with other jobs).")
 def validate_cmd(source, candidate, kv_dtype, source_kv_dtype, kv_scales, engine, suite, out, longbench_dir,
-                 no_resume, no_progress, threads):
+                 no_resume, no_progress, dtype, threads):
     """Run SOURCE and CANDIDATE on identical inputs; write a report with per-metric deltas.
 
     Perplexity and token KL on the essays, passkey, NIAH, RULER-style tasks and LongBench-mini,
@@ -45,7 +47,7 @@ def validate_cmd(source, candidate, kv_dtype, source_kv_dtype, kv_scales, engine
     opts = ValidateOptions(source=source, candidate=candidate, out=out, suite=suite, engine=engine,
                            kv_dtype=kv_dtype, source_kv_dtype=source_kv_dtype, kv_scales=kv_scales,
                            longbench_dir=longbench_dir, resume=not no_resume, progress=not no_progress,
-                           threads=threads)
+                           threads=threads, dtype=dtype)
     _preflight(source, candidate, out)
     report = run_validate(opts)
     print_summary(report)

@@ -4,7 +4,11 @@
     runner.logits(ids)                  # ids: LongTensor [T]  -> fp32 logits [T, vocab]
     runner.greedy(ids, max_new_tokens, stop_ids, min_new_tokens=0)  # -> new token ids, stop excluded
 
-- TransformersRunner: AutoModelForCausalLM from the folder in fp32, no remote code, its own
+Weights run in `dtype`: "auto" = as stored (a bf16 checkpoint runs in bf16, the runtime maps its
+weights from the files), or bf16/fp16/fp32 on request. `close()` frees a model before the next
+one loads; `check_memory()` refuses up front when one model cannot fit (kvconvert.runtime.memory).
+
+- TransformersRunner: AutoModelForCausalLM from the folder (stored dtype), no remote code, its own
   greedy loop (argmax, KV cache, no generation_config knobs such as repetition penalty).
   K/V stay fp32 ("auto"/"fp32"); bf16/fp16 round every cached K/V; fp8/fp8_e5m2/nvfp4 use
   kvconvert.quant's fake-quant cache (quantize-dequantize of what an engine caches, with the
@@ -20,6 +24,7 @@ format. Cached per-sample results are keyed by it.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import sys
@@ -184,9 +189,21 @@ def check_kv_scales(path: Path, engine: str, kv_dtype: str, kv_scales: str) -> N
                              f"which is missing; {hint}, or use --engine runtime")
 
 
-def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str) -> str:
-    """16 hex chars naming (checkpoint content, engine, KV format, KV scale source)."""
+def resolve_weight_dtype(path: Path, dtype: str | torch.dtype | None) -> torch.dtype:
+    """--dtype auto|bf16|fp16|fp32 -> the torch dtype the model runs in (auto = as stored)."""
+    from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.runtime.memory import resolve_dtype
+
+    with CheckpointReader(path, verify=False) as reader:
+        return resolve_dtype(dtype, reader.stored_dtype("model.embed_tokens.weight"))
+
+
+def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str,
+                       dtype: torch.dtype = torch.float32) -> str:
+    """16 hex chars naming (checkpoint content, engine, KV format, KV scale source, weight dtype)."""
     key = f"{checkpoint_fingerprint(path)}|{engine}|kv={kv_dtype}"
+    if dtype != torch.float32:  # fp32 runs keep the fingerprints they had before --dtype existed
+        key += f"|dtype={str(dtype).removeprefix('torch.')}"
     if engine == "transformers" and torch.cuda.is_available():  # GPU kernels round differently
         key += "|cuda"
     if engine == "runtime" and kv_dtype in QUANTIZED_KV:
@@ -203,18 +220,22 @@ class ModelRunner(ABC):
 
     engine = "abstract"
 
-    def __init__(self, path: Path, kv_dtype: str, kv_scales: str = "checkpoint"):
+    def __init__(self, path: Path, kv_dtype: str, kv_scales: str = "checkpoint", dtype: str | torch.dtype = "auto",
+                 max_len: int | None = None):
         self.path = Path(path)
         self.kv_dtype = resolve_kv_dtype(self.engine, kv_dtype, kv_scales)
         self.kv_scales = kv_scales
         self.config = json.loads((self.path / "config.json").read_text())
         self.max_context = int(self.config.get("max_position_embeddings") or 2048)
+        self.max_len = min(max_len or self.max_context, self.max_context)  # longest sequence this run needs
         self.vocab_size = int(self.config["vocab_size"])
-        self.fingerprint = runner_fingerprint(self.path, self.engine, self.kv_dtype, kv_scales)
+        self.dtype = resolve_weight_dtype(self.path, dtype)
+        self.fingerprint = runner_fingerprint(self.path, self.engine, self.kv_dtype, kv_scales, self.dtype)
 
     def describe(self) -> dict:
         return {"path": str(self.path), "engine": self.engine, "kv_dtype": self.kv_dtype,
-                "fingerprint": self.fingerprint, "architecture": (self.config.get("architectures") or ["?"])[0]}
+                "dtype": str(self.dtype).removeprefix("torch."), "fingerprint": self.fingerprint,
+                "architecture": (self.config.get("architectures") or ["?"])[0]}
 
     @abstractmethod
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -237,10 +258,11 @@ class TransformersRunner(ModelRunner):
 
     engine = "transformers"
 
-    def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint"):
-        super().__init__(path, kv_dtype, kv_scales)
+    def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint", dtype="auto",
+                 max_len: int | None = None):
+        super().__init__(path, kv_dtype, kv_scales, dtype, max_len)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = _load_transformers_model(self.path).to(self.device)
+        self.model = _load_transformers_model(self.path, self.dtype).to(self.device)
         self.kv_hook = _kv_hook(self.path, self.config, self.kv_dtype)
 
     def _cache(self):
@@ -285,19 +307,19 @@ class TransformersRunner(ModelRunner):
         del self.model
 
 
-def _load_transformers_model(path: Path):
-    """fp32 model, eval mode, no remote code. kvconvert.quant's loader is used when present: it
+def _load_transformers_model(path: Path, dtype: torch.dtype = torch.float32):
+    """Model in `dtype`, eval mode, no remote code. kvconvert.quant's loader is used when present: it
     drops a KV-cache quantization_config (from calibration) that transformers would act on."""
     try:
         from kvconvert.quant.capture import load_model
     except Exception:  # kvconvert.quant missing or broken: plain transformers
         load_model = None
     if load_model is not None:
-        return load_model(path, dtype=torch.float32)
+        return load_model(path, dtype=dtype)
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as exc:
         raise UnsupportedModelError(
             f"{path}: transformers cannot load this checkpoint ({type(exc).__name__}: "
@@ -330,21 +352,45 @@ def _kv_hook(path: Path, config: dict, kv_dtype: str):
     return fake_quant_hook(layout, scales)
 
 
+RUNTIME_BLOCK = 16
+
+
+def runtime_blocks(max_len: int) -> int:
+    """KV blocks for one sequence of max_len tokens (+1 spare)."""
+    return -(-max_len // RUNTIME_BLOCK) + 1
+
+
+def memory_need(config: dict, engine: str, kv_dtype: str, dtype: torch.dtype, max_len: int):
+    """MemoryEstimate of one runner holding one sequence of max_len tokens (config.json only)."""
+    from kvconvert.runtime.kv_cache import bytes_per_token
+    from kvconvert.runtime.memory import estimate_memory
+    from kvconvert.runtime.models import kv_layout
+
+    if engine == "runtime":
+        kv = runtime_blocks(max_len) * RUNTIME_BLOCK * bytes_per_token(kv_layout(config), kv_dtype)
+        return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=min(2048, max_len), context=max_len)
+    # transformers: the whole sequence in one forward, its K/V cached in the model's dtype
+    from kvconvert.runtime.memory import DTYPES
+
+    kv = bytes_per_token(kv_layout(config), {v: k for k, v in DTYPES.items() if v is not None}[dtype]) * max_len
+    return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=max_len, context=max_len)
+
+
 class RuntimeRunner(ModelRunner):
     """kvconvert.runtime.LLM: the bundled paged-KV engine. Prefix caching is off and one
     sequence runs at a time, so every sample is computed the same way whatever ran before it."""
 
     engine = "runtime"
 
-    def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint",
-                 attention_backend: str = "torch"):
-        super().__init__(path, kv_dtype, kv_scales)
+    def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint", dtype="auto",
+                 max_len: int | None = None, attention_backend: str = "torch"):
+        super().__init__(path, kv_dtype, kv_scales, dtype, max_len)
         from kvconvert.runtime import LLM
 
-        block_size = 16
-        self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=kv_scales, block_size=block_size,
-                       num_blocks=-(-self.max_context // block_size) + 1,  # one sequence of the full context
-                       attention_backend=attention_backend, enable_prefix_caching=False, max_num_seqs=1)
+        self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=kv_scales, block_size=RUNTIME_BLOCK,
+                       num_blocks=runtime_blocks(self.max_len),  # one sequence of max_len tokens
+                       max_model_len=self.max_len, attention_backend=attention_backend,
+                       enable_prefix_caching=False, max_num_seqs=1, dtype=self.dtype)
         self.max_context = int(self.llm.max_model_len)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -417,7 +463,8 @@ class LazyRunner:
     """A runner that loads its model on first use, so a run whose results are all cached loads
     nothing. path, engine, kv_dtype, max_context, vocab_size and fingerprint are known up front."""
 
-    def __init__(self, path: Path, engine: str, kv_dtype: str = "auto", kv_scales: str = "checkpoint"):
+    def __init__(self, path: Path, engine: str, kv_dtype: str = "auto", kv_scales: str = "checkpoint",
+                 dtype: str | torch.dtype = "auto"):
         if engine not in RUNNERS:
             raise KVConvertError(f"--engine {engine!r} is unknown; choose runtime or transformers")
         self.path, self.engine, self.kv_scales = Path(path), engine, kv_scales
@@ -425,15 +472,29 @@ class LazyRunner:
         check_kv_scales(self.path, engine, self.kv_dtype, kv_scales)
         self.config = json.loads((self.path / "config.json").read_text())
         self.max_context = int(self.config.get("max_position_embeddings") or 2048)
+        self.max_len: int | None = None  # set by the caller once it knows its longest sequence
         self.vocab_size = int(self.config["vocab_size"])
-        self.fingerprint = runner_fingerprint(self.path, engine, self.kv_dtype, kv_scales)
+        self.dtype = resolve_weight_dtype(self.path, dtype)
+        self.fingerprint = runner_fingerprint(self.path, engine, self.kv_dtype, kv_scales, self.dtype)
         self._runner: ModelRunner | None = None
 
     @property
     def loaded(self) -> ModelRunner:
         if self._runner is None:
-            self._runner = RUNNERS[self.engine](self.path, self.kv_dtype, self.kv_scales)
+            self._runner = RUNNERS[self.engine](self.path, self.kv_dtype, self.kv_scales, self.dtype, self.max_len)
         return self._runner
+
+    def memory_need(self, dtype: torch.dtype | None = None):
+        max_len = min(self.max_len or self.max_context, self.max_context)
+        return memory_need(self.config, self.engine, self.kv_dtype, dtype or self.dtype, max_len)
+
+    def check_memory(self, role: str) -> None:
+        """Refuse before loading when this model (with one sequence of max_len tokens) cannot fit."""
+        from kvconvert.runtime.memory import check_memory
+
+        hints = [("--dtype bf16", self.memory_need(torch.bfloat16))] if self.dtype == torch.float32 else []
+        check_memory(self.memory_need(), f"validate's {role} ({self.path.name}, {self.engine} engine, "
+                                         f"{str(self.dtype).removeprefix('torch.')})", hints)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.loaded.logits(ids)
@@ -444,9 +505,11 @@ class LazyRunner:
 
     def describe(self) -> dict:
         return {"path": str(self.path), "engine": self.engine, "kv_dtype": self.kv_dtype,
-                "fingerprint": self.fingerprint, "architecture": (self.config.get("architectures") or ["?"])[0]}
+                "dtype": str(self.dtype).removeprefix("torch."), "fingerprint": self.fingerprint,
+                "architecture": (self.config.get("architectures") or ["?"])[0]}
 
     def close(self) -> None:
         if self._runner is not None:
             self._runner.close()
             self._runner = None
+            gc.collect()  # free the weights (and unmap mapped ones) before another model loads

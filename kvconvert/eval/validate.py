@@ -1,8 +1,10 @@
 """`kvconvert validate`: run source and candidate on identical inputs and write a report.
 
-Order of work: build every sample (so missing data fails before any model runs), perplexity +
-KL (both models, window by window), then every generation sample with the source, then with the
-candidate (one model in memory at a time for those). Each sample's
+Order of work: build every sample (so missing data fails before any model runs) and check that
+each model fits in memory; then the source alone: its logits of every perplexity window (kept on
+disk under REPORT_DIR/cache, fp32) and its generation samples; the source is freed; then the
+candidate alone: its logits of each window against the source's from disk (perplexity + KL) and its
+generation samples. One model is in memory at a time, and each is loaded once. Each sample's
 result is cached under REPORT_DIR/cache as soon as it is done, keyed by (model fingerprint, task,
 sample id, content hash): rerunning the same command resumes, and a result computed for a model
 is reused by any later report on the same model and samples.
@@ -39,6 +41,8 @@ class ValidateOptions:
     source_kv_dtype: the source's (default auto). kv_scales: where the runtime takes fp8/nvfp4
     scales from (checkpoint | dynamic). resume=False recomputes every sample. threads: torch CPU
     threads (None = torch's default; 1 is much faster on a CPU that other jobs share).
+    dtype: both models' weights/activations: auto (= as stored: bf16 checkpoints run in bf16),
+    bf16, fp16 or fp32.
     """
 
     source: str
@@ -53,6 +57,7 @@ class ValidateOptions:
     resume: bool = True
     progress: bool = True
     threads: int | None = None
+    dtype: str = "auto"
     notes: list[str] = field(default_factory=list)
 
 
@@ -80,8 +85,8 @@ def prepare(opts: ValidateOptions) -> Pair:
     engine = resolve_engine(opts.engine)
     source_tok = load_tokenizer(source_path)
     check_same_tokenizer(source_tok, load_tokenizer(candidate_path), source_path, candidate_path)
-    source = LazyRunner(source_path, engine, opts.source_kv_dtype, opts.kv_scales)
-    candidate = LazyRunner(candidate_path, engine, opts.kv_dtype, opts.kv_scales)
+    source = LazyRunner(source_path, engine, opts.source_kv_dtype, opts.kv_scales, opts.dtype)
+    candidate = LazyRunner(candidate_path, engine, opts.kv_dtype, opts.kv_scales, opts.dtype)
     if source.vocab_size != candidate.vocab_size:
         raise KVConvertError(f"vocab sizes differ: source {source.vocab_size}, candidate {candidate.vocab_size}; "
                              "logits cannot be compared")
@@ -114,26 +119,68 @@ def window_stats(source_logits: torch.Tensor, candidate_logits: torch.Tensor, id
     return {**total, "n_tokens": len(targets)}
 
 
-def run_perplexity(pair: Pair, spec: SuiteSpec, cache: ResultCache, opts: ValidateOptions,
-                   skipped: dict[str, str]) -> list[dict]:
-    from kvconvert.data import data_hash, eval_windows
+def perplexity_windows(pair: Pair, spec: SuiteSpec, opts: ValidateOptions, skipped: dict[str, str]) -> list:
+    """The suite's essay windows ([T] id tensors), or [] (with the reason in `skipped`)."""
+    from kvconvert.data import eval_windows
 
+    if not spec.ppl_windows:
+        return []
     if spec.ppl_window_len > pair.context:
         skipped["perplexity"] = f"windows of {spec.ppl_window_len} tokens exceed the context {pair.context}"
         note(opts, f"perplexity skipped: {skipped['perplexity']}")
         return []
-    windows = eval_windows(pair.tokenizer, spec.ppl_windows, spec.ppl_window_len)
+    return list(eval_windows(pair.tokenizer, spec.ppl_windows, spec.ppl_window_len))
+
+
+class SourceLogits:
+    """The source's fp32 logits of each window not yet in the result cache, on disk (safetensors)
+    until the candidate has been compared with them: the two models never need to be resident
+    together. `folder` is removed on close."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def put(self, i: int, logits: torch.Tensor) -> None:
+        from safetensors.torch import save_file
+
+        tmp = self.folder / f".w{i}.tmp"
+        save_file({"logits": logits.float().contiguous()}, str(tmp))
+        tmp.replace(self.folder / f"w{i}.safetensors")  # atomic
+
+    def get(self, i: int) -> torch.Tensor:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.folder / f"w{i}.safetensors"))["logits"]
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def run_perplexity(pair: Pair, windows: list, role: str, store: SourceLogits, cache: ResultCache,
+                   opts: ValidateOptions) -> list[dict] | None:
+    """One model's pass over the windows whose results are not cached yet.
+
+    role "source": keep its logits in `store`. role "candidate": compare with the stored source
+    logits and cache each window's result. Returns the per-window records after the candidate pass."""
+    from kvconvert.data import data_hash
+
     key = f"{pair.source.fingerprint}-{pair.candidate.fingerprint}"
+    runner = pair.source if role == "source" else pair.candidate
     records = []
-    for i in _progress(range(len(windows)), "perplexity + KL", opts):
+    for i in _progress(range(len(windows)), f"{role} perplexity", opts):
         ids = windows[i]
         sample_id, content = f"w{i}", data_hash(ids)
         result = cache.get(key, "perplexity", sample_id, content)
-        if result is None:
-            result = window_stats(pair.source.logits(ids), pair.candidate.logits(ids), ids)
+        if result is None and role == "source":
+            store.put(i, runner.logits(ids))
+        elif result is None:
+            result = window_stats(store.get(i), runner.logits(ids), ids)
             cache.put(key, "perplexity", sample_id, content, result)
-        records.append({"id": sample_id, **result})
-    return records
+        records.append({"id": sample_id, **(result or {})})
+    return records if role == "candidate" else None
 
 
 # --------------------------------------------------------------------------- generation samples
@@ -257,7 +304,8 @@ def run_validate(opts: ValidateOptions) -> dict:
 
 def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, opts: ValidateOptions
               ) -> tuple[dict[str, list[dict]], dict[str, str], dict[str, float]]:
-    """Per-sample records by task, skipped task families (with reasons), seconds per phase."""
+    """Per-sample records by task, skipped task families (with reasons), seconds per phase.
+    The source runs everything first and is freed, then the candidate (see the module docstring)."""
     samples: dict[str, list[dict]] = {}
     skipped: dict[str, str] = {}
     phases: dict[str, float] = {}
@@ -268,15 +316,23 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, opts: ValidateOpt
         phases[name], clock = time.time() - clock, time.time()
 
     gen_samples = build_samples(pair, spec, opts, skipped)  # data problems surface before any model runs
+    windows = perplexity_windows(pair, spec, opts, skipped)
+    size_runners(pair, windows, gen_samples)
     lap("build_samples")
-    if spec.ppl_windows:
-        samples["perplexity"] = run_perplexity(pair, spec, cache, opts, skipped)
-        lap("perplexity")
     outputs = {}
-    for role, runner in (("source", pair.source), ("candidate", pair.candidate)):
-        outputs[role] = generate_all(runner, role, gen_samples, pair, cache, opts)
-        runner.close()
-        lap(f"{role}_generation")
+    store = SourceLogits(Path(opts.out) / "cache" / f"source-logits-{pair.source.fingerprint}")
+    try:
+        for role, runner in (("source", pair.source), ("candidate", pair.candidate)):
+            if windows:
+                records = run_perplexity(pair, windows, role, store, cache, opts)
+                if records is not None:
+                    samples["perplexity"] = records
+                lap(f"{role}_perplexity")
+            outputs[role] = generate_all(runner, role, gen_samples, pair, cache, opts)
+            runner.close()
+            lap(f"{role}_generation")
+    finally:
+        store.close()
     for sample in gen_samples:
         key = (sample.task, sample.sample_id)
         samples.setdefault(sample.task, []).append({
@@ -286,3 +342,12 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, opts: ValidateOpt
                for role in ("source", "candidate")},
         })
     return samples, skipped, phases
+
+
+def size_runners(pair: Pair, windows: list, gen_samples: list[GenSample]) -> None:
+    """Give both runners the longest sequence this run needs (their KV pools are sized to it, not
+    to the model's whole context) and refuse up front when either model cannot fit alone."""
+    lengths = [len(w) for w in windows] + [s.prompt_len + s.max_new_tokens for s in gen_samples]
+    for role, runner in (("source", pair.source), ("candidate", pair.candidate)):
+        runner.max_len = max(lengths, default=runner.max_context)
+        runner.check_memory(role)

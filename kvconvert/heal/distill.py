@@ -120,11 +120,73 @@ def lr_lambda(stage: DistillStage, total: int):
     return factor
 
 
+def _config(folder: Path) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())
+
+
 def window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
     """[count] window indexes: concatenated seeded permutations (epochs) of range(n_windows)."""
     epochs = math.ceil(count / n_windows)
     perms = [torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 7919 + e)) for e in range(epochs)]
     return torch.cat(perms)[:count]
+
+
+# --------------------------------------------------------------------------- memory (checked up front)
+
+def distill_memory(student: dict, teacher: dict, stage: DistillStage) -> dict[str, int]:
+    """Bytes distillation needs with both models resident (pure: configs in, numbers out).
+
+    student: fp32 weights, plus for each trainable attention weight its gradient and Adam's two
+    moments (3 x 4 bytes; full training counts every attention weight, LoRA far less, so this is
+    an upper bound). teacher: its weights in bf16 under mixed_precision bf16, else fp32.
+    activations, per token of a micro-batch (batch_size x seq_len), fp32, kept for the backward
+    pass by every student layer (~16 x hidden + 4 x intermediate, plus the eager attention
+    probabilities, heads x seq_len); with gradient checkpointing only each layer's input plus one
+    layer's worth; logits: teacher, student, their log-softmax and the gradient, 4 x vocab.
+    """
+    from kvconvert.kvmath import parameter_count
+
+    hidden, layers = student["hidden_size"], student["num_hidden_layers"]
+    heads, vocab = student["num_attention_heads"], student["vocab_size"]
+    inter = student.get("intermediate_size") or 4 * hidden
+    rank, rope = student["kv_lora_rank"], student["qk_rope_head_dim"]
+    nope, v = student["qk_nope_head_dim"], student["v_head_dim"]
+    attention = hidden * heads * (nope + rope) + hidden * (rank + rope) + rank * heads * (nope + v) + heads * v * hidden
+    tokens, seq = stage.batch_size * stage.seq_len, stage.seq_len
+    per_layer = tokens * (16 * hidden + 4 * inter + 2 * heads * seq)
+    kept = layers * tokens * hidden + per_layer if stage.gradient_checkpointing else layers * per_layer
+    return {
+        "student": 4 * parameter_count(student) + 12 * layers * attention,
+        "teacher": (2 if stage.mixed_precision == "bf16" else 4) * parameter_count(teacher),
+        "activations": 4 * (kept + 4 * tokens * vocab),
+    }
+
+
+# The interpreter, torch, transformers and accelerate, and allocator slack: fitted so the estimate
+# bounds the measured SmolLM2-135M run (rank 256 + rope 64, seq_len 512: 4.57 GB peak RSS, parts 3.70 GB).
+DISTILL_BASE_BYTES = 1 << 30
+
+
+def check_distill_memory(student: dict, teacher: dict, stage: DistillStage, device: torch.device) -> None:
+    """Refuse before loading anything when the two models and one micro-batch cannot fit on `device`."""
+    from kvconvert.runtime.memory import available_memory, gb
+
+    parts = distill_memory(student, teacher, stage)
+    need = sum(parts.values()) + DISTILL_BASE_BYTES
+    if device.type == "cuda":
+        have, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    else:
+        have, where = available_memory(), "available in RAM"
+    if need <= have:
+        return
+    detail = ", ".join(f"{k} {gb(b)}" for k, b in parts.items())
+    raise KVConvertError(
+        f"heal_distill needs the student and the teacher resident at once: about {gb(need)} ({detail}) at "
+        f"seq_len {stage.seq_len} x batch {stage.batch_size}, but only {gb(have)} is {where}. Run it on a GPU with "
+        f"more memory (recipes/*-gpu.yaml), or shard it over several GPUs with `accelerate launch` + FSDP "
+        f"(docs/heal.md, 'One GPU, several GPUs'); or heal with the streaming layer-wise stage only "
+        f"(heal_distill: enabled: false); gradient_checkpointing and mixed_precision bf16 also lower the need "
+        f"(docs/heal.md has the table per model size)")
 
 
 class Distiller:
@@ -143,6 +205,7 @@ class Distiller:
         self.accelerator = Accelerator(mixed_precision=stage.mixed_precision,
                                        cpu=cpu if cpu is not None else not torch.cuda.is_available())
         set_seed(stage.seed)
+        check_distill_memory(_config(student_dir), _config(teacher_dir), stage, self.accelerator.device)
         self.student, self.teacher = self._load_models(student_dir, teacher_dir)
         self.names = attach_trainable(self.student, stage)
         params = [p for p in self.student.parameters() if p.requires_grad]
@@ -163,6 +226,7 @@ class Distiller:
         self.step = 0
 
     def _load_models(self, student_dir: Path, teacher_dir: Path):
+        """Both models, whole (the up-front check_distill_memory has said they fit)."""
         from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
 
         student = DeepseekV3ForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)

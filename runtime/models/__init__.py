@@ -39,6 +39,16 @@ def kv_layout(config: dict):
     return _model_class(config).layout_from_config(config)
 
 
-def load_model(reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
-    """Build the runtime model for the checkpoint behind `reader` (a CheckpointReader)."""
+def stored_dtype(reader) -> torch.dtype:
+    """The dtype the checkpoint stores its weights in (that of the token embeddings)."""
+    return reader.stored_dtype("model.embed_tokens.weight")
+
+
+def load_model(reader, dtype: torch.dtype | str | None = None, max_positions: int | None = None):
+    """Build the runtime model for the checkpoint behind `reader` (a CheckpointReader).
+    dtype: None/"auto" = as stored (bf16 weights stay bf16, mapped from the files), or
+    "bf16"/"fp16"/"fp32"/a torch dtype (converted copies where the stored dtype differs)."""
+    from kvconvert.runtime.memory import resolve_dtype
+
+    dtype = resolve_dtype(dtype, stored_dtype(reader))
     return _model_class(reader.config)(reader, dtype=dtype, max_positions=max_positions)

@@ -27,6 +27,8 @@ from kvconvert.runtime.kv_cache import CacheSpec
 from kvconvert.runtime.layers import (
     GatedMLP,
     Rotary,
+    final_norm,
+    fp32_logits,
     linear,
     rms_norm,
     rope_parameters,
@@ -44,33 +46,30 @@ class DeepseekV3Layer:
         self.post_norm = w["post_attention_layernorm.weight"]
         kv_a = w["self_attn.kv_a_proj_with_mqa.weight"]  # [rank + rope, hidden]
         kv_a_bias = w.get("self_attn.kv_a_proj_with_mqa.bias")
+        # q (or q_a) and kv_a read the same input but stay separate tensors: no fused copy of
+        # weights mapped from the checkpoint
+        self.kv_a, self.kv_a_bias = kv_a, kv_a_bias
         if m.q_lora_rank is None:
-            # q_proj and kv_a_proj read the same input: one matmul
-            q = w["self_attn.q_proj.weight"]
-            self.q_and_kv_a = torch.cat([q, kv_a], 0)
-            self.q_and_kv_a_bias = None if kv_a_bias is None else torch.cat([torch.zeros(q.shape[0]).to(kv_a_bias), kv_a_bias])
+            self.q, self.q_bias = w["self_attn.q_proj.weight"], None
             self.q_a = None
         else:
-            q_a = w["self_attn.q_a_proj.weight"]
-            q_a_bias = w.get("self_attn.q_a_proj.bias")
-            self.q_and_kv_a = torch.cat([q_a, kv_a], 0)
-            self.q_and_kv_a_bias = None if kv_a_bias is None else torch.cat([q_a_bias, kv_a_bias])
-            self.q_a = q_a.shape[0]
+            self.q_a, self.q_a_bias = w["self_attn.q_a_proj.weight"], w.get("self_attn.q_a_proj.bias")
             self.q_a_norm = w["self_attn.q_a_layernorm.weight"]
             self.q_b = w["self_attn.q_b_proj.weight"]
         self.kv_a_norm = w["self_attn.kv_a_layernorm.weight"]
         kv_b = w["self_attn.kv_b_proj.weight"]  # [H * (nope + v), rank]
         self.kv_b = kv_b
         per_head = kv_b.view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        self.w_uk = per_head[:, : m.qk_nope_head_dim].contiguous()  # [H, nope, rank]
-        self.w_uv = per_head[:, m.qk_nope_head_dim:].contiguous()  # [H, v, rank]
+        self.w_uk = per_head[:, : m.qk_nope_head_dim]  # [H, nope, rank] (strided views of kv_b: no copy)
+        self.w_uv = per_head[:, m.qk_nope_head_dim:]  # [H, v, rank]
         self.o = w["self_attn.o_proj.weight"]
         self.o_bias = w.get("self_attn.o_proj.bias")
         self.mlp = GatedMLP(w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"], m.hidden_act)
 
 
 class DeepseekV3ForCausalLM:
-    """Weights as plain tensors; forward(input_ids [T], positions [T], ...) -> hidden [T, hidden]."""
+    """Weights as plain tensors; forward(input_ids [T], positions [T], ...) -> hidden [T, hidden].
+    dtype: as LlamaForCausalLM's (weights mapped when stored in it; norms, softmax, logits fp32)."""
 
     architecture = "deepseek_v3"
 
@@ -107,14 +106,14 @@ class DeepseekV3ForCausalLM:
             )
 
     def _load(self, reader, dtype):
-        get = lambda name: reader.get(name, dtype)
+        get = lambda name: reader.mapped(name, dtype)
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         self.lm_head = get("lm_head.weight") if "lm_head.weight" in reader else self.embed
         self.layers = []
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}."
-            w = {k[len(prefix):]: v for k, v in reader.tensors(prefix, dtype).items()}
+            w = {k[len(prefix):]: v for k, v in reader.tensors(prefix, dtype, mapped=True).items()}
             self.layers.append(DeepseekV3Layer(w, self))
 
     # ---------------------------------------------------------------- cache layout
@@ -130,22 +129,22 @@ class DeepseekV3ForCausalLM:
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta: AttentionMetadata,
                 attn) -> torch.Tensor:
-        x = self.embed[input_ids]
+        x = self.embed[input_ids].to(self.dtype)
         angles = self.rotary.angles(positions)
         for layer, stores in zip(self.layers, cache.layers):
             x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), angles, stores["kv"], meta, attn)
             x = x + layer.mlp(rms_norm(x, layer.post_norm, self.eps))
-        return rms_norm(x, self.norm, self.eps)
+        return final_norm(x, self.norm, self.eps)
 
     def _queries_and_rows(self, layer: DeepseekV3Layer, x, angles):
         """-> q_nope [T, H, nope], q_rope [T, H, rope] (RoPE'd), rows [T, rank + rope] to cache."""
         t, h = x.shape[0], self.num_heads
         rank, rope = self.kv_lora_rank, self.qk_rope_head_dim
-        fused = linear(x, layer.q_and_kv_a, layer.q_and_kv_a_bias)
+        kv_a = linear(x, layer.kv_a, layer.kv_a_bias)
         if layer.q_a is None:
-            q, kv_a = fused.split([fused.shape[1] - rank - rope, rank + rope], dim=-1)
+            q = linear(x, layer.q, layer.q_bias)
         else:
-            q_a, kv_a = fused.split([layer.q_a, rank + rope], dim=-1)
+            q_a = linear(x, layer.q_a, layer.q_a_bias)
             q = linear(rms_norm(q_a, layer.q_a_norm, LATENT_NORM_EPS), layer.q_b)
         q = q.view(t, h, self.qk_nope_head_dim + rope)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, rope], dim=-1)
@@ -188,5 +187,5 @@ class DeepseekV3ForCausalLM:
         return o.transpose(0, 1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (already normed) -> fp32 logits [N, vocab]."""
-        return linear(hidden, self.lm_head).float()
+        """hidden [N, hidden] (already normed, fp32) -> fp32 logits [N, vocab]."""
+        return fp32_logits(hidden, self.lm_head)

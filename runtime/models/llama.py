@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from kvconvert.runtime.attention import AttentionMetadata
 from kvconvert.runtime.kv_cache import CacheSpec
-from kvconvert.runtime.layers import GatedMLP, Rotary, linear, rms_norm, rope_parameters
+from kvconvert.runtime.layers import GatedMLP, Rotary, final_norm, fp32_logits, linear, rms_norm, rope_parameters
 
 from kvconvert.errors import UnsupportedModelError
 
@@ -20,10 +20,8 @@ class LlamaLayer:
     def __init__(self, w: dict[str, torch.Tensor], cfg: LlamaForCausalLM):
         self.input_norm = w["input_layernorm.weight"]
         self.post_norm = w["post_attention_layernorm.weight"]
-        q, k, v = (w[f"self_attn.{p}_proj.weight"] for p in "qkv")
-        self.qkv = torch.cat([q, k, v], 0)  # one matmul for q, k, v
-        biases = [w.get(f"self_attn.{p}_proj.bias") for p in "qkv"]
-        self.qkv_bias = torch.cat(biases, 0) if biases[0] is not None else None
+        # q, k, v stay three tensors (no fused copy of weights mapped from the checkpoint)
+        self.qkv = [(w[f"self_attn.{p}_proj.weight"], w.get(f"self_attn.{p}_proj.bias")) for p in "qkv"]
         self.o = w["self_attn.o_proj.weight"]
         self.o_bias = w.get("self_attn.o_proj.bias")
         mlp_biases = tuple(w.get(f"mlp.{p}_proj.bias") for p in ("gate", "up", "down"))
@@ -32,7 +30,12 @@ class LlamaLayer:
 
 
 class LlamaForCausalLM:
-    """Weights as plain tensors; forward(input_ids [T], positions [T], ...) -> hidden [T, hidden]."""
+    """Weights as plain tensors; forward(input_ids [T], positions [T], ...) -> hidden [T, hidden].
+
+    dtype: the weights' and activations' dtype. Weights already stored in it are views of the
+    checkpoint's files (mapped, not copied); others are converted copies. RMSNorm statistics and
+    softmax run in fp32, the final norm and the logits entirely in fp32 (see fp32_logits).
+    """
 
     architecture = "llama"
 
@@ -60,14 +63,14 @@ class LlamaForCausalLM:
         self._load(reader, dtype)
 
     def _load(self, reader, dtype):
-        get = lambda name: reader.get(name, dtype)
+        get = lambda name: reader.mapped(name, dtype)
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         self.lm_head = get("lm_head.weight") if "lm_head.weight" in reader else self.embed
         self.layers = []
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}."
-            w = {k[len(prefix):]: v for k, v in reader.tensors(prefix, dtype).items()}
+            w = {k[len(prefix):]: v for k, v in reader.tensors(prefix, dtype, mapped=True).items()}
             self.layers.append(LlamaLayer(w, self))
 
     # ---------------------------------------------------------------- cache layout
@@ -84,17 +87,17 @@ class LlamaForCausalLM:
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta: AttentionMetadata,
                 attn) -> torch.Tensor:
-        x = self.embed[input_ids]
+        x = self.embed[input_ids].to(self.dtype)
         angles = self.rotary.angles(positions)
         for layer, stores in zip(self.layers, cache.layers):
             x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), angles, stores, meta, attn)
             x = x + layer.mlp(rms_norm(x, layer.post_norm, self.eps))
-        return rms_norm(x, self.norm, self.eps)
+        return final_norm(x, self.norm, self.eps)
 
     def _attention(self, layer: LlamaLayer, x, angles, stores, meta, attn):
         t = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([hq * d, hk * d, hk * d], dim=-1)
+        q, k, v = (linear(x, w, b) for w, b in layer.qkv)
         q = self.rotary(q.view(t, hq, d), angles)
         k = self.rotary(k.view(t, hk, d), angles)
         attn.write(stores["k"], k, meta)
@@ -103,5 +106,5 @@ class LlamaForCausalLM:
         return linear(out.reshape(t, hq * d), layer.o, layer.o_bias)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (already normed) -> fp32 logits [N, vocab]."""
-        return linear(hidden, self.lm_head).float()
+        """hidden [N, hidden] (already normed, fp32) -> fp32 logits [N, vocab]."""
+        return fp32_logits(hidden, self.lm_head)

@@ -64,3 +64,16 @@ def test_generate_reports_request_errors(model_with_tokenizer):
     assert isinstance(result.exception, KVConvertError) and "context is 256 tokens" in str(result.exception)
     result = _run(["--model", str(model_with_tokenizer), "--prompt", "w1", "--kv-dtype", "fp8"])
     assert isinstance(result.exception, KVConvertError) and "--kv-scales dynamic" in str(result.exception)
+
+
+def test_generate_dtype_option(model_with_tokenizer):
+    """--dtype: auto keeps the stored fp32; bf16 converts; the same greedy tokens on this model."""
+    base = ["--model", str(model_with_tokenizer), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "4", "--greedy",
+            "--json"]
+    outs = {}
+    for dtype in ("auto", "bf16"):
+        result = _run([*base, "--dtype", dtype])
+        assert result.exit_code == 0, result.output
+        outs[dtype] = json.loads(result.output)
+    assert outs["auto"]["dtype"] == "float32" and outs["bf16"]["dtype"] == "bfloat16"
+    assert len(outs["bf16"]["token_ids"]) == 4

@@ -1,0 +1,197 @@
+#!/usr/bin/env python
+"""Peak memory and wall time of each stage on random-weight checkpoints in real models' shapes.
+
+  python scripts/bench_memory.py [--shapes tinyllama-1.1b,llama-2-7b] [--stages mla,calibrate,generate,validate]
+                                 [--workdir DIR] [--keep] [--threads N (default 1)]
+
+Children run with OMP_NUM_THREADS=--threads (default 1: on a CPU shared with other jobs, two
+OpenMP threads spin against each other and a bf16 matrix-vector product can take 100x longer).
+
+Each stage is the real command run in its own child process; its peak RSS is that child's own
+ru_maxrss (os.wait4), not the bench's. Linux carries the parent's RSS high-water mark into a
+child across fork + exec, so this process imports no torch (it stays ~15 MB, the floor of every
+figure) and writes the random checkpoints in a child too. Stages:
+  mla        kvconvert mla --rank 256 --rope-dim 64 (TinyLlama only by default: the 7B-shaped
+             conversion takes over an hour here; docs/BENCHMARKS.md has its 3.57 GB / 84.5 min run)
+  calibrate  kvconvert calibrate --kv-dtype fp8 (--calib-tokens, default 2048)
+  generate   kvconvert generate, 8 new tokens, greedy, --dtype auto (bf16 as stored); generate-fp32
+             the same with --dtype fp32 (TinyLlama only by default, for comparison)
+  validate   kvconvert validate's run_validate, smoke-sized: 2 perplexity/KL windows of 512 tokens
+             plus one 512-token passkey sample, runtime engine; candidate = the MLA output when that
+             stage ran, else the source itself with an FP8 KV cache (dynamic scales), so both
+             models really run.
+Writes docs/bench_memory.json (merged per shape) and the table in docs/BENCHMARKS.md (between
+the bench_memory markers). Random weights prove memory and speed, not quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_mla import LLAMA_SHAPES  # noqa: E402  (one source of truth for random checkpoints; no torch)
+
+ROOT = Path(__file__).resolve().parents[1]
+JSON_OUT = ROOT / "docs" / "bench_memory.json"
+DOC = ROOT / "docs" / "BENCHMARKS.md"
+BEGIN, END = "<!-- bench_memory:begin -->", "<!-- bench_memory:end -->"
+DEFAULT_STAGES = {"tinyllama-1.1b": ["mla", "calibrate", "generate", "generate-fp32", "validate"],
+                  "llama-2-7b": ["generate", "validate"]}
+TARGETS_GB = {("tinyllama-1.1b", "generate"): 3.5, ("llama-2-7b", "generate"): 16.0,
+              ("tinyllama-1.1b", "calibrate"): 1.5, ("llama-2-7b", "calibrate"): 4.0}
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+KVCONVERT = [sys.executable, "-m", "kvconvert.cli"]
+
+
+def run_child(cmd: list[str], log: Path, threads: int | None = None) -> dict:
+    """Run cmd with output to log; its own peak RSS (ru_maxrss, KiB on Linux) and wall time."""
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    t0 = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    row = {"command": " ".join(str(c) for c in cmd), "seconds": round(time.time() - t0, 1),
+           "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2), "rc": proc.returncode}
+    if proc.returncode != 0:
+        row["error_tail"] = log.read_text()[-1500:]
+    return row
+
+
+def stage_command(stage: str, src: Path, work: Path, args, ran: set[str]) -> list[str]:
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    if stage == "mla":
+        return [*KVCONVERT, "mla", "--src", str(src), "--rank", "256", "--rope-dim", "64", "--out", str(work / "mla"),
+                "--overwrite", "--heal", "none", "--calib-tokens", "512", "--calib-window", "256", "--dtype", "bf16"]
+    if stage == "calibrate":
+        return [*KVCONVERT, "calibrate", "--src", str(src), "--kv-dtype", "fp8", "--out", str(work / "fp8"),
+                "--overwrite", "--calib-tokens", str(args.calib_tokens), "--window-len", "512", "--quiet", *threads]
+    if stage.startswith("generate"):
+        dtype = "fp32" if stage == "generate-fp32" else "auto"
+        return [*KVCONVERT, "generate", "--model", str(src), "--prompt", PROMPT, "--max-new-tokens", "8", "--greedy",
+                "--json", "--dtype", dtype]
+    if stage == "validate":
+        mla = work / "mla"
+        candidate = ["--candidate", str(mla)] if "mla" in ran and (mla / "config.json").is_file() else \
+            ["--candidate", str(src), "--kv-dtype", "fp8", "--kv-scales", "dynamic"]
+        return [sys.executable, __file__, "_validate", "--source", str(src), *candidate,
+                "--out", str(work / "report"), *threads]
+    raise SystemExit(f"unknown stage {stage}")
+
+
+def write_source(src: Path, shape: str) -> None:
+    """The random checkpoint, written by a child process (see the module docstring)."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; "
+            "from bench_mla import write_random_llama; from kvconvert.sources import resolve_source; "
+            f"write_random_llama(Path({str(src)!r}), resolve_source('smollm2-135m'), {shape!r})")
+    t0 = time.time()
+    subprocess.run([sys.executable, "-c", code], check=True)
+    print(f"wrote {src} in {time.time() - t0:.0f} s", flush=True)
+
+
+def bench_shape(shape: str, stages: list[str], args) -> dict:
+    work = Path(args.workdir) / shape
+    src = work / "source"
+    if not (src / "config.json").is_file():
+        write_source(src, shape)
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    rows, ran = {}, set()
+    for stage in stages:
+        shutil.rmtree(work / "report", ignore_errors=True)  # validate must compute, not reuse a cache
+        row = run_child(stage_command(stage, src, work, args, ran), work / f"{stage}.log", args.threads)
+        target = TARGETS_GB.get((shape, stage))
+        if target:
+            row["target_gb"] = target
+        rows[stage] = row
+        ran.add(stage) if row["rc"] == 0 else None
+        print(json.dumps({"shape": shape, "stage": stage, **row}), flush=True)
+    for name in ("mla", "fp8", "report"):
+        shutil.rmtree(work / name, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(src, ignore_errors=True)
+    return {"shape": shape, "weights_gb": round(size / 1e9, 2), "config": LLAMA_SHAPES[shape], "stages": rows}
+
+
+def markdown(results: dict) -> str:
+    lines = ["| shape (random bf16 weights) | stage | peak RSS (child) | target | wall time |", "|---|---|---|---|---|"]
+    for shape, r in results.items():
+        if not isinstance(r, dict) or "stages" not in r:
+            continue
+        for stage, row in r["stages"].items():
+            target = f"< {row['target_gb']} GB" if row.get("target_gb") else "-"
+            rss = f"{row['peak_rss_gb']:.2f} GB" if row["rc"] == 0 else f"failed (rc {row['rc']})"
+            lines.append(f"| {shape} ({r['weights_gb']} GB) | {stage} | {rss} | {target} | {row['seconds']} s |")
+    return "\n".join(lines)
+
+
+def write_doc(results: dict) -> None:
+    text = DOC.read_text()
+    block = f"{BEGIN}\n{markdown(results)}\n\nCommand: `{results.get('command', '')}`\n{END}"
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
+
+
+def validate_child(argv: list[str]) -> None:
+    """The validate stage's child: run_validate on the smoke-sized suite."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source")
+    ap.add_argument("--candidate")
+    ap.add_argument("--out")
+    ap.add_argument("--kv-dtype", default="auto")
+    ap.add_argument("--kv-scales", default="checkpoint")
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    from kvconvert.eval.suites import SuiteSpec
+    from kvconvert.eval.validate import ValidateOptions, run_validate
+
+    suite = SuiteSpec(name="bench-memory", description="smoke-sized: 2 x 512-token windows, one passkey",
+                      ppl_windows=2, ppl_window_len=512, passkey_lengths=(512,), passkey_depths=(0.5,), longbench=False)
+    run_validate(ValidateOptions(source=a.source, candidate=a.candidate, out=Path(a.out), suite=suite,
+                                 engine="runtime", kv_dtype=a.kv_dtype, kv_scales=a.kv_scales, progress=False,
+                                 threads=a.threads))
+
+
+def main():
+    if sys.argv[1:2] == ["_validate"]:
+        return validate_child(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="tinyllama-1.1b")
+    ap.add_argument("--stages", default=None, help="comma list (default per shape: see DEFAULT_STAGES)")
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS (and --threads) of every stage")
+    ap.add_argument("--workdir", default=os.environ.get("TMPDIR", "/tmp") + "/kvc-bench-memory")
+    ap.add_argument("--keep", action="store_true", help="keep the random checkpoints for reruns")
+    ap.add_argument("--no-doc", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    args = ap.parse_args()
+    results = json.loads(JSON_OUT.read_text()) if JSON_OUT.is_file() else {}
+    for shape in args.shapes.split(","):
+        if shape not in LLAMA_SHAPES:
+            raise SystemExit(f"unknown shape {shape}; choose from {', '.join(LLAMA_SHAPES)}")
+        stages = args.stages.split(",") if args.stages else DEFAULT_STAGES[shape]
+        fresh = bench_shape(shape, stages, args)
+        old = results.get(shape, {})  # a run of some stages updates those rows only
+        fresh["stages"] = {**old.get("stages", {}), **fresh["stages"]}
+        invocation = "python scripts/bench_memory.py " + " ".join(sys.argv[1:])
+        fresh["commands"] = list(dict.fromkeys(old.get("commands", []) + [invocation]))
+        results[shape] = fresh
+    results["command"] = "; ".join(dict.fromkeys(c for r in results.values() if isinstance(r, dict)
+                                                 for c in r.get("commands", [])))
+    JSON_OUT.parent.mkdir(exist_ok=True)
+    JSON_OUT.write_text(json.dumps(results, indent=2))
+    if not args.no_doc:
+        write_doc(results)
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
