@@ -133,3 +133,46 @@ def test_llama_fp8_scales_load_with_checkpoint_values(tmp_path, vllm_python, tok
             want = float(written[f"{prefix}.{name}"].float().reshape(-1)[0])
             assert want != 1.0 and got[name] == want, (layer, name, got[name], want)
     assert torch.isfinite(logprobs).all() and logprobs.shape == (63,)
+
+
+def test_validate_engine_vllm_without_vllm_fails_before_the_suite(tmp_path, monkeypatch):
+    from kvconvert.cli import main
+
+    monkeypatch.setenv("KVCONVERT_VLLM_PYTHON", str(tmp_path / "none" / "python"))
+    with pytest.raises(SystemExit) as info:
+        main(["validate", "--source", str(tmp_path / "a"), "--candidate", str(tmp_path / "b"), "--engine", "vllm",
+              "--out", str(tmp_path / "r")])
+    assert info.value.code == 2
+    assert not (tmp_path / "r").exists()
+
+
+@vllm
+def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, vllm_python, tokenizer_dir):
+    """`validate --engine vllm` adds vLLM's perplexity and KL on the suite's own windows. Source
+    in fp32 in both engines: vLLM's source perplexity equals transformers' within 1e-4 relative;
+    the fp8 candidate runs with the scales vLLM loaded from the checkpoint (not 1.0)."""
+    from kvconvert.eval.engine_vllm import run_vllm_perplexity, write_with_vllm
+    from kvconvert.eval.suites import SuiteSpec
+    from kvconvert.eval.validate import ValidateOptions, run_validate
+
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=2)
+    fp8 = tmp_path / "fp8"
+    run_cli("calibrate", "--src", str(src), "--kv-dtype", "fp8", "--format", "vllm", "--observer", "amax",
+            "--calib-tokens", "512", "--window-len", "256", "--out", str(fp8), "--quiet")
+    suite = SuiteSpec(name="ppl", description="perplexity only", ppl_windows=2, ppl_window_len=96, longbench=False)
+    out = tmp_path / "report"
+    opts = ValidateOptions(source=str(src), candidate=str(fp8), out=out, suite=suite, engine="transformers",
+                           kv_dtype="fp8", progress=False, threads=1)
+    report = run_validate(opts)
+    section = run_vllm_perplexity(opts, report)
+    write_with_vllm(report, out)
+    assert "error" not in section, section.get("error")
+    assert section["settings"]["kv_cache_dtype"] == {"source": "auto", "candidate": "fp8"}
+    assert section["tokens"] == report["metrics"]["perplexity"]["tokens"] == 2 * 95
+    bundled = report["metrics"]["perplexity"]["source"]
+    assert abs(section["perplexity"]["source"] / bundled - 1) < 1e-4
+    assert section["logprob_check_max"] < 1e-3 and section["kl_mean"] >= 0
+    assert not section["kv_scales_loaded"]["candidate"]["all_one"]
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["engines"]["vllm"]["perplexity"] == section["perplexity"]
+    assert "## Stock vLLM (same perplexity windows)" in (out / "report.md").read_text()
