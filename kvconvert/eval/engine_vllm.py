@@ -97,7 +97,7 @@ def _start(paths: dict, kv: dict, window_len: int, python, section: dict) -> dic
     try:
         for role in ("source", "candidate"):
             worker = VLLMWorker(paths[role], dtype="float32", kv_cache_dtype=kv[role],
-                                max_model_len=max(window_len, 64), python=python).start()
+                                max_model_len=window_len + 16, python=python).start()  # + the 1 sampled token
             workers[role] = worker
             info = worker.info()
             section.setdefault("vllm_version", info["vllm_version"])
@@ -168,7 +168,8 @@ def markdown_section(report: dict) -> list[str]:
     engine = bundled.get("engine", "bundled")
     kv = section["settings"]["kv_cache_dtype"]
     lines += [f"vLLM {section.get('vllm_version', '?')}, float32 weights, KV cache source {kv['source']} / "
-              f"candidate {kv['candidate']}, attention {section.get('attention', {}).get('candidate')}; "
+              f"candidate {kv['candidate']}, attention backend "
+              f"{', '.join(sorted(set(section.get('attention', {}).get('candidate', {}).values()))) or '?'}; "
               f"{section['settings']['windows']} x {section['settings']['window_len']} tokens. KL from vLLM's full "
               "logits (captured at its logits processor; their log-softmax matches vLLM's prompt logprobs within "
               f"{section['logprob_check_max']:.1e}).", "",
