@@ -26,7 +26,8 @@ from kvconvert.eval.suites import SUITES
                    "the bundled runtime, plus perplexity and KL computed by stock vLLM on the same windows, side by "
                    "side in the report (vLLM from ./.venv-vllm: bash scripts/setup_vllm.sh).")
 @click.option("--vllm-python", type=click.Path(dir_okay=False), default=None,
-              help="--engine vllm: the python that has vllm (default $KVCONVERT_VLLM_PYTHON, else ./.venv-vllm/bin/python).")
+              help="--engine vllm: the python that has vllm "
+                   "(default $KVCONVERT_VLLM_PYTHON, else ./.venv-vllm/bin/python).")
 @click.option("--suite", type=click.Choice(list(SUITES)), default="quick", show_default=True,
               help="smoke (tests) < quick (< 5 min on CPU) < standard (~30 min) < full (GPU).")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),

@@ -184,7 +184,7 @@ def markdown_section(report: dict) -> list[str]:
         other = "-" if theirs is None else f"{theirs:.{digits}f}"
         lines.append(f"| {name} | {ours:.{digits}f} | {other} |")
     scales = section.get("kv_scales_loaded", {}).get("candidate")
-    if scales and scales["layers"]:
+    if scales and scales["layers"] and kv["candidate"].startswith("fp8"):
         lines += ["", f"KV scales vLLM loaded for the candidate: {scales['layers']} layers, k {scales['k_min']:.4g}.."
                       f"{scales['k_max']:.4g}, v {scales['v_min']:.4g}..{scales['v_max']:.4g}"
                       + (" (all 1.0: none loaded)" if scales["all_one"] else "") + "."]
