@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -66,11 +67,12 @@ class VLLMWorker:
     dtype: the model's dtype in vLLM ("float32", "bfloat16"); kv_cache_dtype: vLLM's KV cache
     ("auto" = the model dtype, "fp8", ...); compile: vLLM's torch.compile mode instead of eager.
     The worker's log (vLLM's output) goes to `log_path`, and its tail into any error message.
+    timeout: seconds to wait for any one answer (the load included) before the worker is killed.
     """
 
     def __init__(self, model: str | os.PathLike, dtype: str = "float32", kv_cache_dtype: str = "auto",
                  max_model_len: int = 2048, python: str | os.PathLike | None = None, compile: bool = False,
-                 log_path: str | os.PathLike | None = None):
+                 log_path: str | os.PathLike | None = None, timeout: float = 1800.0):
         self.python = vllm_python(python)
         self.model = Path(model).resolve()
         if not (self.model / "config.json").is_file():
@@ -80,6 +82,7 @@ class VLLMWorker:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvconvert-vllm-")
         self.log_path = Path(log_path) if log_path else Path(self._tmp.name) / "vllm.log"
         self.proc: subprocess.Popen | None = None
+        self.timeout = timeout
         self._log = None
         self.load_seconds: float | None = None
 
@@ -121,6 +124,15 @@ class VLLMWorker:
         self.close()
 
     def _read(self) -> dict:
+        # One answer is outstanding at a time, so nothing is left buffered between answers and
+        # select() on the pipe tells whether the next line has started to arrive.
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        if not ready:
+            tail = self._log_tail()
+            self.proc.kill()
+            self.proc.wait()
+            self.close()
+            raise KVConvertError(f"vLLM worker for {self.model} gave no answer in {self.timeout:.0f} s; killed {tail}")
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()

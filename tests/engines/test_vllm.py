@@ -177,3 +177,13 @@ def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, 
     saved = json.loads((out / "report.json").read_text())
     assert saved["engines"]["vllm"]["perplexity"] == section["perplexity"]
     assert "## Stock vLLM (same perplexity windows)" in (out / "report.md").read_text()
+
+
+@vllm
+def test_worker_that_does_not_answer_in_time_is_killed(tmp_path, vllm_python, tokenizer_dir):
+    """A hung engine must not hang kvconvert (or CI): no answer within `timeout` -> killed, clear error."""
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=1)
+    worker = VLLMWorker(src, timeout=1)
+    with pytest.raises(KVConvertError, match=r"gave no answer in 1 s; killed"):
+        worker.start()
+    assert worker.proc is None
