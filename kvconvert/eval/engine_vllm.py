@@ -108,6 +108,10 @@ def _start(paths: dict, kv: dict, window_len: int, python, section: dict) -> dic
             worker.close()
         raise
     scales = section["kv_scales_loaded"]["candidate"]
+    if kv["candidate"].startswith("fp8") and "CPU_MLA" in section["attention"]["candidate"].values():
+        section["notes"].append("CPU_MLA prefill attends to fresh K/V, not the fp8 cache (measured: identical "
+                                "logprobs with kv_cache_dtype auto): these numbers are the candidate without KV "
+                                "quantization; its fp8 decode crashes in vLLM 0.32 on CPU (docs/engines.md)")
     if kv["candidate"].startswith("fp8") and scales["all_one"]:
         section["notes"].append("vLLM loaded no KV scale for the candidate (every layer at 1.0): its fp8 cache "
                                 "stores K/V unscaled (vLLM 0.32 attaches no scale to DeepSeek's MLAAttention)")
