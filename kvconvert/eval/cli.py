@@ -20,8 +20,14 @@ from kvconvert.eval.suites import SUITES
               help="Source's KV-cache format.")
 @click.option("--kv-scales", type=click.Choice(["checkpoint", "dynamic"]), default="checkpoint", show_default=True,
               help="Runtime engine: fp8/nvfp4 scales from the checkpoint or from the first prefill.")
-@click.option("--engine", type=click.Choice(["auto", "runtime", "transformers"]), default="auto", show_default=True,
-              help="auto = the bundled runtime when it imports, else transformers (with a note).")
+@click.option("--engine", type=click.Choice(["auto", "runtime", "transformers", "vllm"]), default="auto",
+              show_default=True,
+              help="auto = the bundled runtime when it imports, else transformers (with a note). vllm = the suite in "
+                   "the bundled runtime, plus perplexity and KL computed by stock vLLM on the same windows, side by "
+                   "side in the report (vLLM from ./.venv-vllm: bash scripts/setup_vllm.sh).")
+@click.option("--vllm-python", type=click.Path(dir_okay=False), default=None,
+              help="--engine vllm: the python that has vllm "
+                   "(default $KVCONVERT_VLLM_PYTHON, else ./.venv-vllm/bin/python).")
 @click.option("--suite", type=click.Choice(list(SUITES)), default="quick", show_default=True,
               help="smoke (tests) < quick (< 5 min on CPU) < standard (~30 min) < full (GPU).")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
@@ -34,8 +40,8 @@ from kvconvert.eval.suites import SUITES
               help="Both models' weights/activations: auto = as stored (bf16 checkpoints run in bf16).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch CPU threads (default: torch's choice; 1 is faster on a CPU shared with other jobs).")
-def validate_cmd(source, candidate, kv_dtype, source_kv_dtype, kv_scales, engine, suite, out, longbench_dir,
-                 no_resume, no_progress, dtype, threads):
+def validate_cmd(source, candidate, kv_dtype, source_kv_dtype, kv_scales, engine, vllm_python, suite, out,
+                 longbench_dir, no_resume, no_progress, dtype, threads):
     """Run SOURCE and CANDIDATE on identical inputs; write a report with per-metric deltas.
 
     Perplexity and token KL on the essays, passkey, NIAH, RULER-style tasks and LongBench-mini,
@@ -44,13 +50,29 @@ def validate_cmd(source, candidate, kv_dtype, source_kv_dtype, kv_scales, engine
     from kvconvert.eval.report import print_summary
     from kvconvert.eval.validate import ValidateOptions, run_validate
 
-    opts = ValidateOptions(source=source, candidate=candidate, out=out, suite=suite, engine=engine,
-                           kv_dtype=kv_dtype, source_kv_dtype=source_kv_dtype, kv_scales=kv_scales,
-                           longbench_dir=longbench_dir, resume=not no_resume, progress=not no_progress,
-                           threads=threads, dtype=dtype)
+    with_vllm = engine == "vllm"
+    if with_vllm:  # fail before hours of suite work when vLLM is not there
+        from kvconvert.eval.engine_vllm import check_vllm, vllm_kv_dtype
+
+        check_vllm(vllm_python)
+        vllm_kv_dtype(kv_dtype, "candidate")
+        vllm_kv_dtype(source_kv_dtype, "source")
+    elif vllm_python:
+        raise click.UsageError("--vllm-python goes with --engine vllm")
+    opts = ValidateOptions(source=source, candidate=candidate, out=out, suite=suite,
+                           engine="auto" if with_vllm else engine, kv_dtype=kv_dtype,
+                           source_kv_dtype=source_kv_dtype, kv_scales=kv_scales, longbench_dir=longbench_dir,
+                           resume=not no_resume, progress=not no_progress, threads=threads, dtype=dtype)
     _preflight(source, candidate, out)
     report = run_validate(opts)
+    if with_vllm:
+        from kvconvert.eval.engine_vllm import markdown_section, run_vllm_perplexity, write_with_vllm
+
+        run_vllm_perplexity(opts, report, vllm_python)
+        write_with_vllm(report, out)
     print_summary(report)
+    if with_vllm:
+        click.echo("\n".join(markdown_section(report)).strip())
     click.echo(f"report: {out / 'report.json'} and {out / 'report.md'}")
 
 

