@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The CI smoke pipeline on the embedded default model (SmolLM2-135M-Instruct): convert to MLA at
-# 50% of the source KV (rank 160 + rope 32, one-shot), calibrate FP8 KV scales, validate against the
-# source with the quick suite in the bundled runtime, and gate with recipes/gates/smoke.yaml.
-# Exits non-zero when any stage fails or the gate fails. Needs scripts/setup.sh to have run.
+# The CI smoke pipeline on the embedded default model (SmolLM2-135M-Instruct): convert to MLA at the
+# largest latent stock vLLM serves for it (the default --target vllm shape: rank 256 + rope 64 = 320
+# of 384 K+V values per token and layer, one-shot), calibrate FP8 KV scales (folded into the weights),
+# validate against the source with the quick suite in the bundled runtime, and gate with
+# recipes/gates/smoke.yaml. Exits non-zero when any stage fails or the gate fails. Needs
+# scripts/setup.sh to have run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 out="${1:-${TMPDIR:-/tmp}/kvconvert-smoke}"
-kvconvert pipeline --src smollm2-135m --rank 160 --rope-dim 32 --heal none --kv-dtype fp8 \
-  --policy smoke --out "$out" --overwrite --fail-on-gate
+kvconvert pipeline --src smollm2-135m --heal none --kv-dtype fp8 --policy smoke --out "$out" --overwrite --fail-on-gate
