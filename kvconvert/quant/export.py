@@ -26,13 +26,11 @@ vLLM names for kvconvert's runtime, with no quantization_config.
 from __future__ import annotations
 
 import io
-import json
 import os
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from kvconvert import __version__
 from kvconvert.errors import CheckpointError, KVConvertError
@@ -41,7 +39,6 @@ from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.rotate import RotationPlan
 from kvconvert.quant.scales import KVScales, is_kv_scale_name
 
-KV_SCALES_SHARD = "kv-scales.safetensors"
 
 
 def resolve_format(fmt: str, kv_dtype: str, granularity: str) -> tuple[str, ...]:
@@ -189,15 +186,24 @@ def png_bytes(scales: KVScales, title: str) -> bytes:
     return buf.getvalue()
 
 
+# files a calibrated checkpoint gets anew; every other regular file of the source is carried over
+# (generation_config.json, conversion/heal reports and their pictures, ...)
+_REWRITTEN = ("config.json", "manifest.json", "hf_quant_config.json", "calibration_report.json", "kv_scales.png",
+              "model.safetensors.index.json")
+
+
 def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVLayout, scales: KVScales, plan: RotationPlan,
                      formats: tuple[str, ...], report: dict, overwrite: bool = False) -> Path:
-    """New checkpoint at out_dir (atomic, via CheckpointWriter): weights copied or rotated + scales."""
+    """New checkpoint at out_dir (atomic, via CheckpointWriter): weights copied or rotated and folded,
+    the scales, and the source's other files. out_dir may be src_dir itself (--in-place): the new
+    folder is built beside it and swapped in at the end, so a failure leaves the source untouched."""
     from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
 
     reader = CheckpointReader(src_dir)
     rotated, new_scales, report = folded_export(reader, layout, scales, plan, formats, report)
+    calibration = {"kv_dtype": scales.kv_dtype, "formats": list(formats)}
     with CheckpointWriter(out_dir, overwrite=overwrite, source=str(src_dir),
-                          manifest_extra={"kv_calibration": {"kv_dtype": scales.kv_dtype, "formats": list(formats)}}) as w:
+                          manifest_extra={"kv_calibration": calibration}) as w:
         for name in reader.weight_map:
             if is_kv_scale_name(name):
                 continue  # an earlier calibration's scales are replaced
@@ -205,7 +211,8 @@ def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVLayout, scales: KVS
         for name, tensor in new_scales.items():
             w.add(name, tensor)
         w.write_config(output_config(reader.config, scales, formats))
-        w.copy_tokenizer(src_dir)
+        tokenizer = w.copy_tokenizer(src_dir)
+        _carry_other_files(Path(src_dir), w, skip=set(tokenizer))
         if "modelopt" in formats:
             w.write_json("hf_quant_config.json", hf_quant_config(scales))
         w.write_json("calibration_report.json", report)
@@ -216,124 +223,23 @@ def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVLayout, scales: KVS
     return out_dir
 
 
+def _carry_other_files(src_dir: Path, writer, skip: set[str]) -> None:
+    for path in sorted(src_dir.iterdir()):
+        if (path.is_file() and not path.name.startswith(".") and path.name not in skip
+                and path.name not in _REWRITTEN and path.suffix != ".safetensors"):
+            writer.copy_file(path)
+
+
 def _title(report: dict) -> str:
     return (f"{Path(str(report.get('source', ''))).name}: {report['kv_dtype']} KV scales, observer "
             f"{report['observer']}, {report['granularity']}, {report['calibration']['tokens']} tokens")
 
 
-# ------------------------------------------------------------------------------------------------
-# in place
-# ------------------------------------------------------------------------------------------------
-
-
 def rewrite_in_place(folder: Path, layout: KVLayout, scales: KVScales, plan: RotationPlan,
-                     formats: tuple[str, ...], report: dict) -> list[str]:
-    """Rewrite only the files that change, each atomically (temp file + rename); no backup is kept.
-
-    Changed: shards holding rotated tensors or an earlier calibration's scales, the shard receiving
-    the new scales (model.safetensors for single-file checkpoints, else kv-scales.safetensors plus
-    the index), config.json, hf_quant_config.json, calibration_report.json, kv_scales.png and
-    manifest.json (hashes of changed files). All temp files are written and fsynced before the
-    first rename, so a failure while computing or writing leaves the checkpoint untouched.
-    Returns the names of the files written or removed.
-    """
-    from kvconvert.checkpoint import CheckpointReader
-    from kvconvert.checkpoint.reader import INDEX_NAME, SINGLE_NAME
-    from kvconvert.checkpoint.writer import sha256_file
-
-    folder = Path(folder)
-    reader = CheckpointReader(folder)
-    rotated, new_scales, report = folded_export(reader, layout, scales, plan, formats, report)
-    old_scale_names = {n for n in reader.weight_map if is_kv_scale_name(n)}
-    sharded = (folder / INDEX_NAME).is_file()
-    scale_file = KV_SCALES_SHARD if sharded else SINGLE_NAME
-    weight_map = dict(reader.weight_map)
-    affected = {weight_map[n] for n in set(rotated) | old_scale_names} | {scale_file}
-
-    files: dict[str, bytes | None] = {}  # final name -> content (None = delete)
-    temps: dict[str, Path] = {}
-    try:
-        for fname in sorted(affected):
-            tensors = {n: reader.get(n) for n, f in weight_map.items() if f == fname and n not in old_scale_names}
-            tensors.update({n: t for n, t in rotated.items() if weight_map.get(n) == fname})
-            if fname == scale_file:
-                tensors.update(new_scales)
-            if not tensors:
-                files[fname] = None
-                continue
-            temps[fname] = _temp_path(folder, fname)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(temps[fname]), metadata={"format": "pt"})
-        for n in old_scale_names:
-            weight_map.pop(n, None)
-        if sharded:
-            weight_map.update({n: scale_file for n in new_scales})
-            index = json.loads((folder / INDEX_NAME).read_text())
-            total = int(index.get("metadata", {}).get("total_size", 0))
-            total -= sum(_nbytes(reader.get(n)) for n in old_scale_names)
-            total += sum(_nbytes(t) for t in new_scales.values())  # rotated tensors keep their size
-            files[INDEX_NAME] = _json_bytes({**index, "metadata": {**index.get("metadata", {}), "total_size": total},
-                                             "weight_map": weight_map})
-        files["config.json"] = _json_bytes(output_config(reader.config, scales, formats))
-        if "modelopt" in formats:
-            files["hf_quant_config.json"] = _json_bytes(hf_quant_config(scales))
-        elif (folder / "hf_quant_config.json").is_file():
-            files["hf_quant_config.json"] = None
-        files["calibration_report.json"] = _json_bytes(report)
-        files["kv_scales.png"] = png_bytes(scales, _title(report))
-        for name, content in files.items():
-            if content is not None:
-                temps[name] = _temp_path(folder, name)
-                temps[name].write_bytes(content)
-        if (folder / "manifest.json").is_file():
-            manifest = json.loads((folder / "manifest.json").read_text())
-            entries = manifest.setdefault("files", {})
-            for name, content in files.items():
-                if content is None:
-                    entries.pop(name, None)
-            for name, tmp in temps.items():
-                entries[name] = {"sha256": sha256_file(tmp), "bytes": tmp.stat().st_size}
-            manifest["kv_calibration"] = {"kv_dtype": scales.kv_dtype, "formats": list(formats), "in_place": True}
-            temps["manifest.json"] = _temp_path(folder, "manifest.json")
-            temps["manifest.json"].write_bytes(_json_bytes(manifest))
-        for tmp in temps.values():
-            _fsync(tmp)
-    except BaseException:
-        for tmp in temps.values():
-            tmp.unlink(missing_ok=True)
-        raise
-    reader.close()
-    for name, tmp in temps.items():
-        os.replace(tmp, folder / name)
-    for name, content in files.items():
-        if content is None:
-            (folder / name).unlink(missing_ok=True)
-    _fsync_dir(folder)
-    return sorted(set(temps) | {n for n, c in files.items() if c is None})
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _temp_path(folder: Path, name: str) -> Path:
-    return folder / f".{name}.kvconvert-tmp-{os.getpid()}"
-
-
-def _json_bytes(obj) -> bytes:
-    return (json.dumps(obj, indent=2) + "\n").encode()
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+                     formats: tuple[str, ...], report: dict) -> None:
+    """--in-place: the calibrated checkpoint replaces `folder` atomically (CheckpointWriter builds it
+    beside the folder and swaps it in; the old folder is removed only after the swap)."""
+    write_checkpoint(folder, folder, layout, scales, plan, formats, {**report, "in_place": True}, overwrite=True)
 
 
 def check_writable_in_place(folder: Path) -> None:

@@ -160,16 +160,19 @@ def test_mla_row_scale_names(tiny_deepseek, calib_text, tmp_path, capsys):
         assert entry["search"]["rel_error_search"] <= entry["search"]["rel_error_amax"]
 
 
-def test_in_place_rewrites_only_changed_files(tiny_llama, calib_text, tmp_path, capsys):
+def test_in_place_replaces_the_folder_and_keeps_its_other_files(tiny_llama, calib_text, tmp_path, capsys):
     folder = tmp_path / "inplace"
     shutil.copytree(tiny_llama, folder)
     tokenizer_before = (folder / "tokenizer.json").read_bytes()
+    (folder / "conversion_report.json").write_text('{"kept": true}')  # e.g. written by kvconvert mla
     for _ in range(2):  # a second calibration replaces the first one's scales
         code, err = run(["calibrate", "--src", str(folder), "--in-place", "--kv-dtype", "fp8", "--observer", "amax",
                          "--format", "vllm", "--calib-data", str(calib_text), *TINY], capsys)
         assert code in (0, None), err
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []  # no temp files, no backup
     assert (folder / "tokenizer.json").read_bytes() == tokenizer_before
+    assert read_json(folder / "conversion_report.json") == {"kept": True}
+    assert read_json(folder / "calibration_report.json")["in_place"] is True
     names = list(load_file(folder / "model.safetensors"))
     assert names.count("model.layers.0.self_attn.k_scale") == 1
     assert "quantization_config" in read_json(folder / "config.json")
@@ -231,8 +234,8 @@ def test_impossible_format_and_existing_output(tiny_llama, tmp_path, capsys):
 
 
 def test_in_place_sharded_with_rotation_keeps_manifest_and_logits(tiny_llama, calib_text, tmp_path, capsys):
-    """A sharded checkpoint written by CheckpointWriter (with manifest): rotated shards are rewritten, the new
-    scales go to their own shard in the index, the manifest's hashes stay valid, logits are unchanged."""
+    """A sharded checkpoint written by CheckpointWriter (with manifest): rewritten in place (rotated and
+    folded weights, the scales in the index), the manifest's hashes valid, logits unchanged."""
     from kvconvert.checkpoint import CheckpointWriter, verify_manifest
 
     folder = tmp_path / "sharded"
@@ -247,8 +250,7 @@ def test_in_place_sharded_with_rotation_keeps_manifest_and_logits(tiny_llama, ca
                      "--calib-data", str(calib_text), *TINY], capsys)
     assert code in (0, None), err
     assert verify_manifest(folder) == []
-    index = read_json(folder / "model.safetensors.index.json")
-    assert index["weight_map"]["model.layers.1.self_attn.k_proj.k_scale"] == "kv-scales.safetensors"
+    assert "model.layers.1.self_attn.k_proj.k_scale" in CheckpointReader(folder).weight_map
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
     ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
