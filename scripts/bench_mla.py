@@ -94,27 +94,35 @@ def bench_smollm2(args) -> dict:
     return {"windows": args.windows, "calib_tokens": args.calib_tokens, "source_ppl": src_ppl, "rows": rows}
 
 
-def write_random_llama7b(folder: Path, tokenizer_dir: Path, layers: int) -> None:
-    """Random bf16 weights in Llama-2-7B's shapes (vocab 49152 so SmolLM2's tokenizer fits),
-    written layer by layer so this process never holds the model."""
+LLAMA2_7B_SHAPE = {"hidden": 4096, "intermediate": 11008, "heads": 32, "kv_heads": 32, "head_dim": 128}
+TINYLLAMA_SHAPE = {"hidden": 2048, "intermediate": 5632, "heads": 32, "kv_heads": 4, "head_dim": 64}
+
+
+def write_random_llama7b(folder: Path, tokenizer_dir: Path, layers: int, shape: dict | None = None) -> None:
+    """Random bf16 weights in Llama-2-7B's shapes, or `shape` (see TINYLLAMA_SHAPE), vocab 49152
+    so SmolLM2's tokenizer fits; written layer by layer so this process never holds the model."""
     from kvconvert.checkpoint import CheckpointWriter
 
-    hid, inter, heads, vocab = 4096, 11008, 32, 49152
+    s = shape or LLAMA2_7B_SHAPE
+    hid, inter, heads, kv_heads, head_dim, vocab = (s["hidden"], s["intermediate"], s["heads"], s["kv_heads"],
+                                                   s["head_dim"], 49152)
     g = torch.Generator().manual_seed(0)
 
     def rnd(*shape, std=0.02):
         return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hid, "intermediate_size": inter,
-           "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": 128,
+           "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
            "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
            "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
     with CheckpointWriter(folder, overwrite=True, source="random llama-2-7b shapes", max_shard_bytes=2 * 2**30) as w:
         w.add("model.embed_tokens.weight", rnd(vocab, hid))
         for i in range(layers):
             p = f"model.layers.{i}."
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                w.add(p + f"self_attn.{name}.weight", rnd(hid, hid))
+            w.add(p + "self_attn.q_proj.weight", rnd(heads * head_dim, hid))
+            w.add(p + "self_attn.k_proj.weight", rnd(kv_heads * head_dim, hid))
+            w.add(p + "self_attn.v_proj.weight", rnd(kv_heads * head_dim, hid))
+            w.add(p + "self_attn.o_proj.weight", rnd(hid, heads * head_dim))
             w.add(p + "mlp.gate_proj.weight", rnd(inter, hid))
             w.add(p + "mlp.up_proj.weight", rnd(inter, hid))
             w.add(p + "mlp.down_proj.weight", rnd(hid, inter))
