@@ -1,6 +1,9 @@
 """`kvconvert calibrate`: static FP8 / NVFP4 KV-cache scales from calibration data.
 
-Pipeline (all on CPU, fp32):
+Pipeline (all on CPU, fp32). `kvconvert calibrate` runs it layer by layer (calibrate_streamed,
+stream.py: one decoder layer's weights in memory at a time); calibrate_model runs the same steps on a
+whole transformers model (the reference in tests, and the fallback for architectures the functional
+blocks do not cover: biases, qk-norm, MoE, sliding windows):
 1. detect what the engine caches (layout.py) and refuse checkpoints with no recognised attention;
 2. optionally fold rotations into the weights (rotate.py) - planned from a short statistics pass;
 3. one pass over ALL calibration windows with a cache hook: streaming observers (observers.py),

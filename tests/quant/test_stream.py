@@ -37,8 +37,8 @@ def both_paths(path, settings: CalibrationSettings, tokens: int, window: int):
     return calibrate_model(load_model(path), layout, ids, settings), calibrate_streamed(reader, layout, ids, settings)
 
 
-def assert_same_calibration(whole, streamed, phase_weight_floor: float = 0.0):
-    for kind in ("k", "v"):
+def assert_same_calibration(whole, streamed, scales: bool = True):
+    for kind in ("k", "v") if scales else ():
         for layer, (a, b) in enumerate(zip(getattr(whole.scales, kind), getattr(streamed.scales, kind))):
             torch.testing.assert_close(b, a, rtol=SCALE_RTOL, atol=0.0, msg=f"{kind} scale, layer {layer}")
     assert (whole.plan.key_pair_factor is None) == (streamed.plan.key_pair_factor is None)
@@ -76,9 +76,22 @@ def test_streamed_equals_whole_model_mla(tmp_path, interleave, kv_dtype):
 
 @pytest.mark.slow
 def test_streamed_equals_whole_model_smollm2(smollm2_path):
-    whole, streamed = both_paths(smollm2_path, CalibrationSettings("fp8"), 2048, 512)
-    assert_same_calibration(whole, streamed)
-    assert [i["k"] for i in whole.stats["search"]] == [i["k"] for i in streamed.stats["search"]]
+    """Statistics (amax per channel, key phases) agree to fp32 rounding. The mse search's argmin is
+    not well conditioned on a real model: FP8 candidates a factor 2 apart round identically but for
+    subnormals, and neighbouring ratios can differ by < 0.3% in output error. Measured (1024 tokens):
+    28 of 30 layers pick identical ratios; layer 3 V 1.54 vs 1.35 (errors 2.434e-3 vs 2.439e-3) and
+    layer 20 K 1.14 vs 2.28 (2x). So each layer's searched error must agree, not its argmin."""
+    settings = CalibrationSettings("fp8", batch_size=2)
+    whole, streamed = both_paths(smollm2_path, settings, 1024, 512)
+    assert_same_calibration(whole, streamed, scales=False)
+    same = 0
+    for a, b in zip(whole.stats["search"], streamed.stats["search"]):
+        assert b["rel_error_search"] == pytest.approx(a["rel_error_search"], rel=1e-2)
+        assert b["rel_error_amax"] == pytest.approx(a["rel_error_amax"], rel=1e-3)
+        same += (a["k"], a["v"]) == (b["k"], b["v"])
+    assert same >= 0.9 * len(whole.stats["search"])
+    amax = CalibrationSettings("fp8", observer="amax", batch_size=2)
+    assert_same_calibration(*both_paths(smollm2_path, amax, 1024, 512))
 
 
 LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
