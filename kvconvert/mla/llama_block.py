@@ -76,14 +76,22 @@ def attention_heads(q, k, v, scale: float) -> torch.Tensor:
     return out[..., :dv]
 
 
+def llama_qkv(xn: torch.Tensor, w: dict, s: LlamaShape):
+    """Post-RoPE q [B, H, T, d], k and v [B, G, T, d]: what the KV cache holds (k, v) and what reads it."""
+    q, k, v = project_qkv(xn, w, s)
+    cos, sin = rope_cos_sin(torch.arange(xn.shape[1], device=xn.device), s.inv_freq, s.attention_scaling, xn.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def llama_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: LlamaShape) -> torch.Tensor:
+    """Per-head attention outputs before o_proj, [B, T, H * d], from post-RoPE q/k and v."""
+    B, _, T, _ = q.shape
+    return attention_heads(q, k, v, s.head_dim ** -0.5).transpose(1, 2).reshape(B, T, -1)
+
+
 def llama_attention(xn: torch.Tensor, w: dict, s: LlamaShape) -> torch.Tensor:
     """Attention block output (after o_proj) [B, T, hidden] for normed input xn."""
-    B, T, _ = xn.shape
-    q, k, v = project_qkv(xn, w, s)
-    cos, sin = rope_cos_sin(torch.arange(T, device=xn.device), s.inv_freq, s.attention_scaling, xn.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = attention_heads(q, k, v, s.head_dim ** -0.5)
-    return out.transpose(1, 2).reshape(B, T, -1) @ w["o_proj"].T
+    return llama_attend(*llama_qkv(xn, w, s), s) @ w["o_proj"].T
 
 
 def _mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

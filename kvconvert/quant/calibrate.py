@@ -1,6 +1,9 @@
 """`kvconvert calibrate`: static FP8 / NVFP4 KV-cache scales from calibration data.
 
-Pipeline (all on CPU, fp32):
+Pipeline (all on CPU, fp32). `kvconvert calibrate` runs it layer by layer (calibrate_streamed,
+stream.py: one decoder layer's weights in memory at a time); calibrate_model runs the same steps on a
+whole transformers model (the reference in tests, and the fallback for architectures the functional
+blocks do not cover: biases, qk-norm, MoE, sliding windows):
 1. detect what the engine caches (layout.py) and refuse checkpoints with no recognised attention;
 2. optionally fold rotations into the weights (rotate.py) - planned from a short statistics pass;
 3. one pass over ALL calibration windows with a cache hook: streaming observers (observers.py),
@@ -40,7 +43,9 @@ from kvconvert.quant.rotate import (
     pair_phase,
 )
 from kvconvert.quant.scales import KVScales
-from kvconvert.quant.search import search_layer_scales
+from kvconvert.quant.search import LayerReplay, search_replay_scales
+
+STAT_WINDOWS = 8  # windows of the rotation-planning statistics
 
 
 @dataclass
@@ -144,16 +149,9 @@ def plan_rotation(model, layout: KVLayout, settings: CalibrationSettings, window
 
     Key statistics come from one pass over (at most 8 of) the calibration windows.
     """
-    stat_windows = windows[:8]
+    stat_windows = windows[:STAT_WINDOWS]
     desc: dict = {}
-    rot = None
-    if settings.value_rotation_enabled:
-        dim = layout.kv_lora_rank if layout.is_mla else layout.head_dim
-        block = settings.rotation_block or min(dim & -dim, 128)
-        rot = block_hadamard(dim, block, settings.rotation_seed)
-        desc["value_rotation"] = f"hadamard block {block}" + (
-            f", random signs seed {settings.rotation_seed}" if settings.rotation_seed is not None else "")
-        desc["applies_to"] = "latent (MLA)" if layout.is_mla else "V per KV head"
+    rot = value_rotation(layout, settings, desc)
     factors = None
     if settings.key_phase_enabled(layout):
         moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size)
@@ -165,6 +163,18 @@ def plan_rotation(model, layout: KVLayout, settings: CalibrationSettings, window
         factors = scales if factors is None else [f * s for f, s in zip(factors, scales)]
         desc["key_pair_scaling"] = {"strength": settings.key_strength, "source_windows": int(stat_windows.shape[0])}
     return RotationPlan(layout, rot, factors, desc)
+
+
+def value_rotation(layout: KVLayout, settings: CalibrationSettings, desc: dict) -> torch.Tensor | None:
+    """The Hadamard for V / the MLA latent (None when off); describes it in desc."""
+    if not settings.value_rotation_enabled:
+        return None
+    dim = layout.kv_lora_rank if layout.is_mla else layout.head_dim
+    block = settings.rotation_block or min(dim & -dim, 128)
+    desc["value_rotation"] = f"hadamard block {block}" + (
+        f", random signs seed {settings.rotation_seed}" if settings.rotation_seed is not None else "")
+    desc["applies_to"] = "latent (MLA)" if layout.is_mla else "V per KV head"
+    return block_hadamard(dim, block, settings.rotation_seed)
 
 
 def observe_pair_moments(model, layout: KVLayout, windows: torch.Tensor, batch_size: int) -> list[PairMoments]:
@@ -243,27 +253,96 @@ class _Clock:
 
     def lap(self, name: str) -> None:
         w, c = time.perf_counter(), time.process_time()
-        self.wall[name], self.cpu[name] = w - self._w, c - self._c
+        self.wall[name] = self.wall.get(name, 0.0) + w - self._w  # phases recur per layer when streamed
+        self.cpu[name] = self.cpu.get(name, 0.0) + c - self._c
         self._w, self._c = w, c
 
 
 def _scales_from_observers(model, layout, observers, settings, recorder, log):
-    ks, vs, info = [], [], []
-    for layer, obs in enumerate(observers):
-        amax = {kind: o.statistic(settings.observer, settings.granularity, settings.percentile)
-                for kind, o in obs.items()}
-        for kind, a in amax.items():
-            if not bool(torch.isfinite(a).all()) or bool((a <= 0).any()):
-                raise KVConvertError(
-                    f"layer {layer}: the cached {kind} is all zeros or non-finite on the calibration data "
-                    f"(amax {a.tolist()}); cannot derive a scale - use more or different --calib-data")
-        scale = {kind: scale_from_amax(a, settings.kv_dtype).float() for kind, a in amax.items()}
-        if settings.observer == "mse":
-            scale, layer_info = search_layer_scales(recorder, layout, layer, settings.kv_dtype, scale)
-            info.append(layer_info)
-            log(f"layer {layer}: search {layer_info}")
-        k = scale["kv"] if layout.is_mla else scale["k"]
-        v = scale["kv"] if layout.is_mla else scale["v"]
-        ks.append(k)
-        vs.append(v)
-    return KVScales(settings.kv_dtype, settings.granularity, layout.kind, ks, vs), info
+    per_layer = [_layer_scales(layout, layer, obs, settings, lambda layer=layer: LayerReplay(
+        recorder, layout, layer, settings.kv_dtype), log) for layer, obs in enumerate(observers)]
+    return _kv_scales(layout, settings, [s for s, _ in per_layer]), [i for _, i in per_layer if i is not None]
+
+
+def _layer_scales(layout, layer, obs, settings, make_replay, log):
+    """(kind -> scale, search info or None) of one layer from its observers (and a replay, for mse)."""
+    amax = {kind: o.statistic(settings.observer, settings.granularity, settings.percentile)
+            for kind, o in obs.items()}
+    for kind, a in amax.items():
+        if not bool(torch.isfinite(a).all()) or bool((a <= 0).any()):
+            raise KVConvertError(
+                f"layer {layer}: the cached {kind} is all zeros or non-finite on the calibration data "
+                f"(amax {a.tolist()}); cannot derive a scale - use more or different --calib-data")
+    scale = {kind: scale_from_amax(a, settings.kv_dtype).float() for kind, a in amax.items()}
+    if settings.observer != "mse":
+        return scale, None
+    scale, info = search_replay_scales(make_replay(), layout, settings.kv_dtype, scale)
+    log(f"layer {layer}: search {info}")
+    return scale, info
+
+
+def _kv_scales(layout, settings, per_layer: list[dict]) -> KVScales:
+    ks = [s["kv"] if layout.is_mla else s["k"] for s in per_layer]
+    vs = [s["kv"] if layout.is_mla else s["v"] for s in per_layer]
+    return KVScales(settings.kv_dtype, settings.granularity, layout.kind, ks, vs)
+
+
+def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings: CalibrationSettings,
+                       progress=None, log=None) -> CalibrationResult:
+    """Calibrate a checkpoint layer by layer (kvconvert.quant.stream), never building the model.
+
+    Same statistics, rotation plan and scales as calibrate_model on the whole fp32 model (to fp32
+    rounding), in the memory of one layer plus the calibration hidden states.
+    """
+    from kvconvert.quant.stream import LayerStream, apply_rotation, search_record_windows
+
+    log = log or (lambda msg: None)
+    if layout.is_mla and settings.granularity == "head":
+        raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
+    clock = _Clock()
+    stream = LayerStream(reader, layout, windows, settings.batch_size)
+    desc: dict = {}
+    rot = value_rotation(layout, settings, desc) if settings.rotation_enabled else None
+    phase = settings.rotation_enabled and settings.key_phase_enabled(layout)
+    strength = settings.key_strength if settings.rotation_enabled else 0.0
+    factors, phases, moments = ([] if phase or strength > 0 else None), [], []
+    record = search_record_windows(settings.search_tokens, windows.shape[1]) if settings.observer == "mse" else 0
+    observers, scales, infos = [], [], []
+    clock.lap("load")
+    for i in range(layout.num_layers):
+        attn, rest = stream.read_layer(i)
+        clock.lap("load")
+        if factors is not None:  # key factors from this layer's (unrotated) statistics, then folded
+            m, key_obs = stream.statistics(i, attn, rest, phase, strength > 0)
+            factor = None
+            if phase:
+                factor = pair_phase(m.q_moment, m.k_moment)
+                moments.append(m)
+                phases.append(factor)
+            if strength > 0:
+                scale = _key_pair_scale(layout, key_obs, strength)
+                factor = scale if factor is None else factor * scale
+            factors.append(factor)
+        layer_plan = RotationPlan(layout, rot, factors)
+        if not layer_plan.is_identity:
+            attn = apply_rotation(layer_plan, i, attn, layout.num_q_heads)
+        clock.lap("rotation")
+        obs, records = stream.advance(i, attn, rest, record)
+        del rest
+        clock.lap("observe")
+        scale, info = _layer_scales(layout, i, obs, settings, lambda: stream.replay(attn, records, settings.kv_dtype), log)
+        clock.lap("search")
+        observers.append(obs)
+        scales.append(scale)
+        if info is not None:
+            infos.append(info)
+        del attn, records
+        if progress is not None:
+            progress(i + 1, layout.num_layers)
+    if phase:
+        desc["key_pair_phase"] = _phase_summary(moments, phases, windows[:STAT_WINDOWS])
+    if strength > 0:
+        desc["key_pair_scaling"] = {"strength": strength, "source_windows": int(windows[:STAT_WINDOWS].shape[0])}
+    plan = RotationPlan(layout, rot, factors, desc)
+    stats = {"wall_s": clock.wall, "cpu_s": clock.cpu, "search": infos, "search_windows": record}
+    return CalibrationResult(_kv_scales(layout, settings, scales), plan, observers, stats)

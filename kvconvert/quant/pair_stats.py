@@ -71,14 +71,45 @@ def post_rope_pairs(attn, layout: KVLayout, hidden_states: torch.Tensor, positio
     return complex_pairs(q, layout.rope_interleave) * phase, complex_pairs(k, layout.rope_interleave) * phase
 
 
+class PairMomentSums:
+    """Running sums of post-RoPE pair moments per layer; feed with add(layer, q, k), read .result()."""
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        self.sums: list[dict[str, torch.Tensor] | None] = [None] * layout.num_layers
+        self.tokens = [0] * layout.num_layers
+
+    def add(self, index: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """q [b, T, n_q, pairs], k [b, T, n_kv, pairs] complex128 post-RoPE pairs (post_rope_pairs)."""
+        n_kv = k.shape[2]
+        group = q.shape[2] // n_kv
+        qg = q.view(*q.shape[:2], n_kv, group, q.shape[-1])  # query heads grouped by the KV head they read
+        part = {"q_moment": (qg * qg).sum((0, 1, 3)), "q_power": (qg.abs() ** 2).sum((0, 1, 3)),
+                "k_moment": (k * k).sum((0, 1)), "k_power": (k.abs() ** 2).sum((0, 1))}
+        prev = self.sums[index]
+        self.sums[index] = part if prev is None else {key: prev[key] + part[key] for key in part}
+        self.tokens[index] += q.shape[0] * q.shape[1]
+
+    def layer_result(self, index: int) -> PairMoments:
+        sums = self.sums[index]
+        if sums is None:
+            raise UnsupportedModelError(f"layer {index}: attention never ran during the statistics pass")
+        mean = {key: v / self.tokens[index] for key, v in sums.items()}
+        if self.layout.is_mla:
+            mean = {key: v[0] for key, v in mean.items()}  # one shared k_rope "head"
+        return PairMoments(**mean)
+
+    def result(self) -> list[PairMoments]:
+        return [self.layer_result(i) for i in range(len(self.sums))]
+
+
 class PairMomentObserver:
     """Registers the pre-hooks; call .result() after the forward passes, .remove() when done."""
 
     def __init__(self, model, layout: KVLayout):
         self.layout = layout
         self.layers = decoder_layers(model)
-        self.sums: list[dict[str, torch.Tensor] | None] = [None] * len(self.layers)
-        self.tokens = [0] * len(self.layers)
+        self.sums = PairMomentSums(layout)
         self._handles = [layer.self_attn.register_forward_pre_hook(self._hook(i), with_kwargs=True)
                          for i, layer in enumerate(self.layers)]
 
@@ -90,30 +121,11 @@ class PairMomentObserver:
                 raise UnsupportedModelError("attention was called without hidden_states/position_embeddings; "
                                             "cannot measure RoPE pair statistics (use --no-rotate)")
             with torch.no_grad():
-                q, k = post_rope_pairs(module, self.layout, h, pe)
-                self._accumulate(index, q, k)
+                self.sums.add(index, *post_rope_pairs(module, self.layout, h, pe))
         return hook
 
-    def _accumulate(self, index: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        n_kv = k.shape[2]
-        group = q.shape[2] // n_kv
-        qg = q.view(*q.shape[:2], n_kv, group, q.shape[-1])  # query heads grouped by the KV head they read
-        part = {"q_moment": (qg * qg).sum((0, 1, 3)), "q_power": (qg.abs() ** 2).sum((0, 1, 3)),
-                "k_moment": (k * k).sum((0, 1)), "k_power": (k.abs() ** 2).sum((0, 1))}
-        prev = self.sums[index]
-        self.sums[index] = part if prev is None else {key: prev[key] + part[key] for key in part}
-        self.tokens[index] += q.shape[0] * q.shape[1]
-
     def result(self) -> list[PairMoments]:
-        out = []
-        for index, sums in enumerate(self.sums):
-            if sums is None:
-                raise UnsupportedModelError(f"layer {index}: attention never ran during the statistics pass")
-            mean = {key: v / self.tokens[index] for key, v in sums.items()}
-            if self.layout.is_mla:
-                mean = {key: v[0] for key, v in mean.items()}  # one shared k_rope "head"
-            out.append(PairMoments(**mean))
-        return out
+        return self.sums.result()
 
     def remove(self) -> None:
         for h in self._handles:

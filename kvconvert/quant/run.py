@@ -8,6 +8,7 @@ later (non-finite activations, bad scales) is raised before anything is written.
 from __future__ import annotations
 
 import datetime as _dt
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from kvconvert.quant.calibrate import (
     CalibrationResult,
     CalibrationSettings,
     calibrate_model,
+    calibrate_streamed,
 )
 from kvconvert.quant.export import (
     check_writable_in_place,
@@ -68,9 +70,11 @@ class CalibrateJob:
             raise KVConvertError("give exactly one of --out DIR or --in-place")
         if self.calib_tokens <= 0 or self.window_len <= 1:
             raise KVConvertError("--calib-tokens must be > 0 and --window-len > 1")
-        if self.calib_tokens < self.window_len:  # calibration_windows would round up to one whole window
-            raise KVConvertError(f"--calib-tokens {self.calib_tokens} is less than one window (--window-len "
-                                 f"{self.window_len}); raise --calib-tokens or lower --window-len")
+        if self.calib_tokens < self.window_len:  # as `kvconvert mla`: never round up silently
+            raise KVConvertError(f"--calib-tokens {self.calib_tokens} is less than one window ({self.window_len}); "
+                                 f"use --calib-tokens {self.window_len} or more, or a smaller --window-len")
+        if self.batch_size < 1:
+            raise KVConvertError("--batch-size must be >= 1")
         if self.threads is not None and self.threads < 1:
             raise KVConvertError("--threads must be >= 1")
 
@@ -83,6 +87,7 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     from kvconvert.data import calibration_windows, data_hash
     from kvconvert.quant.capture import load_model
     from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.stream import stream_unsupported
     from kvconvert.sources import resolve_source
 
     if job.threads:
@@ -99,13 +104,21 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     layout = detect_kv_layout(reader.config, reader.keys())
     if layout.is_mla and job.granularity == "head":
         raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
+    whole_model = stream_unsupported(reader.config, layout)
+    check_memory(job, reader, layout, whole_model)
     tokenizer = AutoTokenizer.from_pretrained(src)
     windows = calibration_windows(tokenizer, job.calib_data, job.calib_tokens, job.window_len)
     echo(f"calibrating {layout.kind} ({layout.num_layers} layers) on {windows.numel()} tokens of "
          f"{job.calib_data!r}: {job.kv_dtype}, observer {job.observer}, {job.granularity}")
-    model = load_model(src)
-    result = calibrate_model(model, layout, windows, job.settings,
-                             progress=lambda done, n: echo(f"  observed {done}/{n} windows"))
+    if whole_model is None:
+        result = calibrate_streamed(reader, layout, windows, job.settings,
+                                    progress=lambda done, n: echo(f"  calibrated layer {done}/{n}"))
+    else:
+        echo(f"  {whole_model}: not in the layer-streamed blocks; loading the whole model in fp32")
+        result = calibrate_model(load_model(src), layout, windows, job.settings,
+                                 progress=lambda done, n: echo(f"  observed {done}/{n} windows"))
+    result.stats["path"] = "whole-model (fp32)" if whole_model else "layer-streamed"
+    result.stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     elapsed = time.perf_counter() - t_start
     report = build_report(job, src, layout, result, windows, data_hash(windows), elapsed)
     if job.in_place:
@@ -113,6 +126,24 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     else:
         write_checkpoint(src, out, layout, result.scales, result.plan, job.formats, report, job.overwrite)
     return {"path": out, "formats": job.formats, "tokens": int(windows.numel()), "time_s": elapsed, "report": report}
+
+
+def check_memory(job: CalibrateJob, reader, layout: KVLayout, whole_model: str | None) -> None:
+    """Refuse up front when the estimated peak memory exceeds what the machine has available."""
+    from kvconvert.quant.memory import (GB, MemoryEstimate, available_memory, calibration_memory,
+                                        check_calibration_memory)
+
+    if whole_model is None:
+        rotating = job.settings.rotation_enabled
+        est = calibration_memory(reader.config, job.calib_tokens, job.window_len, job.batch_size,
+                                 job.search_tokens, key_phase=rotating and job.settings.key_phase_enabled(layout),
+                                 value_rotation=rotating and job.settings.value_rotation_enabled)
+    else:  # the fp32 model (4 bytes per stored parameter) plus a batch's logits and activations
+        params = reader.num_parameters()
+        vocab = int(reader.config.get("vocab_size") or 0)
+        est = MemoryEstimate(fixed=int(0.6 * GB) + 4 * params + 8 * job.batch_size * job.window_len * vocab,
+                             per_token=0, tokens=job.calib_tokens)
+    check_calibration_memory(est, available_memory(), job.window_len, job.batch_size)
 
 
 def build_report(job: CalibrateJob, src: Path, layout: KVLayout, result: CalibrationResult,
@@ -152,6 +183,8 @@ def build_report(job: CalibrateJob, src: Path, layout: KVLayout, result: Calibra
                         "window_len": int(windows.shape[1]), "data_hash": hash_,
                         "search_windows": result.stats.get("search_windows", 0)},
         "rotation": result.plan.description or None,
+        "path": result.stats.get("path"),
+        "peak_rss_mb_before_export": result.stats.get("peak_rss_mb"),
         "time_s": {"total": elapsed, **wall},
         "cpu_s": cpu,
         # the observation pass scales with tokens; rotation planning and the mse search are fixed costs

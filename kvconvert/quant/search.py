@@ -51,17 +51,65 @@ def argmin_prefer_last(errors: torch.Tensor) -> int:
     return int(torch.nonzero(errors <= errors.min()).max())
 
 
-class LayerReplay:
+class _Replay:
     """Replays one attention layer on recorded inputs with given per-kind scales, cheaply.
 
-    The layer is run once through the real module, capturing what it caches (K/V, or the MLA
-    latent and k_rope) and the arguments of its attention function (queries, mask, scaling). Each
-    trial then only re-quantizes the cached tensors (MLA: and re-expands them with kv_b_proj, as
-    the module does) and re-runs the attention function - no projections.
+    Subclasses fill ``records`` (each with the cached tensors "k"/"v" in transformers' cache layout,
+    which is what cache hooks see: K/V, or the MLA latent and k_rope, plus whatever ``_attend``
+    needs) and call ``_setup`` with the o_proj weight. Each trial then only re-quantizes the cached
+    tensors (MLA: and re-expands them with kv_b_proj) and re-runs the attention - no projections.
 
     errors(scales) -> (total, per_group [groups]): squared error of the o_proj output vs the
     unquantized replay; per group through that group's o_proj columns only (an orthogonal factor
     R_g of W_o[:, cols_g], ||d W_g^T|| = ||d R_g^T||, keeps it cheap).
+    """
+
+    layout: KVLayout
+    kv_dtype: str
+    records: list[dict]
+
+    @torch.no_grad()
+    def _setup(self, o_weight: torch.Tensor) -> None:
+        w = o_weight.detach().double()  # [hidden, heads * v_dim]
+        self.groups = self.layout.num_kv_heads
+        self.width = w.shape[1] // self.groups
+        self.w_full = w.float()
+        self.r_groups = [torch.linalg.qr(w[:, g * self.width:(g + 1) * self.width], mode="r").R.float()
+                         for g in range(self.groups)]
+        self.reference = [self._attend(rec, rec["k"], rec["v"]) for rec in self.records]
+
+    def _attend(self, rec: dict, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Attention output before o_proj, flattened to [tokens, heads * v_dim]."""
+        raise NotImplementedError
+
+    def _quantized(self, rec: dict, scales: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        def row_hook(layer_idx, kind, x):
+            s = scales.get(kind)
+            return x if s is None else fake_quant(x, self.kv_dtype, s)
+        return cache_hook(self.layout, row_hook)(0, rec["k"], rec["v"])
+
+    @torch.no_grad()
+    def errors(self, scales: dict[str, torch.Tensor | None], full: bool = False) -> tuple[float, torch.Tensor]:
+        """(total, per_group); total includes cross-group terms only when full=True (else their sum)."""
+        total, per_group = 0.0, torch.zeros(self.groups, dtype=torch.float64)
+        for rec, ref in zip(self.records, self.reference):
+            diff = self._attend(rec, *self._quantized(rec, scales)) - ref
+            for g, r in enumerate(self.r_groups):
+                per_group[g] += float((diff[:, g * self.width:(g + 1) * self.width] @ r.T).double().square().sum())
+            if full:
+                total += float((diff @ self.w_full.T).double().square().sum())
+        return (total if full else float(per_group.sum())), per_group
+
+    @torch.no_grad()
+    def reference_energy(self) -> float:
+        return float(sum((r @ self.w_full.T).double().square().sum() for r in self.reference)) or 1.0
+
+
+class LayerReplay(_Replay):
+    """Replay of a transformers attention module on inputs an AttentionRecorder recorded.
+
+    The layer is run once through the real module, capturing what it caches and the arguments of
+    its attention function (queries, mask, scaling); trials re-run only that function.
     """
 
     @torch.no_grad()
@@ -69,13 +117,7 @@ class LayerReplay:
         self.layout, self.kv_dtype = layout, kv_dtype
         self.attn = recorder.layers[layer].self_attn
         self.records = self._capture(recorder, layer)
-        w = self.attn.o_proj.weight.detach().double()  # [hidden, heads * v_dim]
-        self.groups = layout.num_kv_heads
-        self.width = w.shape[1] // self.groups
-        self.w_full = w.float()
-        self.r_groups = [torch.linalg.qr(w[:, g * self.width:(g + 1) * self.width], mode="r").R.float()
-                         for g in range(self.groups)]
-        self.reference = [self._attend(rec, rec["k"], rec["v"]) for rec in self.records]
+        self._setup(self.attn.o_proj.weight)
 
     def _capture(self, recorder: AttentionRecorder, layer: int) -> list[dict]:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -104,36 +146,28 @@ class LayerReplay:
         return records
 
     def _attend(self, rec: dict, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Attention output before o_proj, flattened to [tokens, heads * v_dim]."""
         if self.layout.is_mla:  # the cache holds (latent, k_rope); the module expands them
             key, value = self.attn.expand_kv(key, value)
         out = rec["fn"](self.attn, rec["q"], key, value, rec["mask"], **rec["kwargs"])[0]
         return out.reshape(-1, self.w_full.shape[1])
 
-    def _quantized(self, rec: dict, scales: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        def row_hook(layer_idx, kind, x):
-            s = scales.get(kind)
-            return x if s is None else fake_quant(x, self.kv_dtype, s)
-        return cache_hook(self.layout, row_hook)(0, rec["k"], rec["v"])
+
+class BlockReplay(_Replay):
+    """Replay of a functional attention block (kvconvert.quant.stream): records are
+    {"q", "k", "v"} with k/v in transformers' cache layout; attend(q, k, v) -> [B, T, heads * v_dim]."""
 
     @torch.no_grad()
-    def errors(self, scales: dict[str, torch.Tensor | None], full: bool = False) -> tuple[float, torch.Tensor]:
-        """(total, per_group); total includes cross-group terms only when full=True (else their sum)."""
-        total, per_group = 0.0, torch.zeros(self.groups, dtype=torch.float64)
-        for rec, ref in zip(self.records, self.reference):
-            diff = self._attend(rec, *self._quantized(rec, scales)) - ref
-            for g, r in enumerate(self.r_groups):
-                per_group[g] += float((diff[:, g * self.width:(g + 1) * self.width] @ r.T).double().square().sum())
-            if full:
-                total += float((diff @ self.w_full.T).double().square().sum())
-        return (total if full else float(per_group.sum())), per_group
+    def __init__(self, records: list[dict], attend, o_weight: torch.Tensor, layout: KVLayout, kv_dtype: str):
+        self.layout, self.kv_dtype = layout, kv_dtype
+        self.records, self.attend = records, attend
+        self._setup(o_weight)
 
-    @torch.no_grad()
-    def reference_energy(self) -> float:
-        return float(sum((r @ self.w_full.T).double().square().sum() for r in self.reference)) or 1.0
+    def _attend(self, rec: dict, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out = self.attend(rec["q"], key, value)
+        return out.reshape(-1, out.shape[-1])
 
 
-def _search_kind(replay: LayerReplay, current: dict, kind: str, base: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+def _search_kind(replay: _Replay, current: dict, kind: str, base: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     """Chosen ratio for `kind` ([] per tensor or [heads]); other kinds held at `current`."""
     per_head = base.dim() == 1
 
@@ -158,14 +192,20 @@ def _search_kind(replay: LayerReplay, current: dict, kind: str, base: torch.Tens
 @torch.no_grad()
 def search_layer_scales(recorder: AttentionRecorder, layout: KVLayout, layer: int, kv_dtype: str,
                         amax_scales: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    """Scales for one layer minimizing the attention-output error on the recorded inputs.
+    """search_replay_scales on a transformers attention layer replayed from an AttentionRecorder."""
+    return search_replay_scales(LayerReplay(recorder, layout, layer, kv_dtype), layout, kv_dtype, amax_scales)
+
+
+@torch.no_grad()
+def search_replay_scales(replay: _Replay, layout: KVLayout, kv_dtype: str,
+                         amax_scales: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Scales for one layer minimizing the attention-output error on the replayed inputs.
 
     amax_scales: kind -> float32 [] or [heads] (the amax scales, the search's starting point).
     Kinds are searched in order (K with V quantized at its amax scale, then V with the chosen K).
     Returns (scales, info): info[kind] = chosen ratios, and the relative output error with amax
     scales and with the chosen ones.
     """
-    replay = LayerReplay(recorder, layout, layer, kv_dtype)
     energy = replay.reference_energy()
     start = {k: s.clone() for k, s in amax_scales.items()}
     before, _ = replay.errors(start, full=True)

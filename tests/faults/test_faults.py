@@ -103,7 +103,7 @@ def test_calib_tokens_below_one_window_refused(faults, tmp_path):
     out = tmp_path / "out"
     args = [a if a != "256" else "10" for a in TINY_CAL]
     refused(kvconvert("calibrate", "--src", faults["base"], *args, "--out", out), out,
-            "--calib-tokens 10 is less than one window (--window-len 64)")
+            "--calib-tokens 10 is less than one window (64)")
 
 
 # ------------------------------------------------------------------ writability and space

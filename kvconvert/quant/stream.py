@@ -1,0 +1,253 @@
+"""Layer-streamed calibration: the calibration forward runs one decoder layer at a time.
+
+Only the embeddings' rows of the calibration tokens, the hidden states [windows, T, hidden] (fp32,
+carried from layer to layer), one layer's weights and one batch of activations are in memory:
+1. hidden = embed_tokens[ids] (the embedding matrix is read, indexed and dropped);
+2. per layer: its weights are read from safetensors in their stored dtype (the mapped pages are
+   dropped right after, they count in RSS); the attention weights are cast to fp32 (the whole-model
+   path's precision), the MLP stays in the stored dtype and is cast per matmul;
+   a. rotation planning (optional): the post-RoPE q/k pair moments (pair_stats) of the first 8
+      windows at this layer's input give the key phases, which are folded into this layer's
+      q/k weights (rotate.RotationPlan.apply, the same code the export uses);
+   b. every window, in batches: the cached tensors (Llama: post-RoPE K, V; DeepSeek-V3: the latent
+      after kv_a_layernorm and the post-RoPE k_rope) go through the observers; the first windows'
+      queries and cached tensors are kept for the mse search; the hidden states advance through
+      attention + MLP;
+   c. this layer's scales: observer statistic / 448, or the attention-output search
+      (search.BlockReplay on the kept windows);
+3. the scales and the rotation plan go to the export, which rewrites the weights file by file.
+The model maths are the functional blocks of kvconvert.mla (llama_block, mla_block), shared with
+`kvconvert mla` and the healing code. Rotations are exact, so the hidden states after a rotated
+layer equal the unrotated ones up to fp32 rounding, and every layer's statistics equal those of
+the whole-model path (calibrate.calibrate_model, the reference in tests) to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvconvert.errors import KVConvertError
+from kvconvert.quant.calibrate import STAT_WINDOWS
+from kvconvert.mla.llama_block import LlamaShape, llama_attend, llama_mlp, llama_qkv, rms_norm
+from kvconvert.mla.mla_block import MLAShape, mla_attend, mla_latent, mla_query
+from kvconvert.quant.capture import cache_hook, check_finite
+from kvconvert.quant.fake_quant import mla_row_from_engine, mla_row_to_engine
+from kvconvert.quant.layout import KVLayout
+from kvconvert.quant.observers import KVObserver
+from kvconvert.quant.pair_stats import PairMoments, PairMomentSums, complex_pairs
+from kvconvert.quant.rotate import RotationPlan, pair_phase
+from kvconvert.quant.search import BlockReplay
+
+GQA_MODEL_TYPES = {"llama", "mistral"}
+
+
+def stream_unsupported(config: dict, layout: KVLayout) -> str | None:
+    """Why the functional blocks cannot run this checkpoint (None: they can)."""
+    cfg = config.get("text_config", config)
+    mt = cfg.get("model_type")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        return "attention/MLP biases"
+    if cfg.get("hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.get('hidden_act')!r}"
+    if layout.is_mla:
+        if int(cfg.get("first_k_dense_replace", 0)) < layout.num_layers:
+            return "mixture-of-experts layers"
+        return None
+    if mt not in GQA_MODEL_TYPES:
+        return f"model_type {mt!r} (the streamed path knows {', '.join(sorted(GQA_MODEL_TYPES))} and deepseek_v3)"
+    if mt == "mistral" and cfg.get("sliding_window") not in (None, 0):
+        return "sliding-window attention"
+    return None
+
+
+def _hf_config(path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    return config
+
+
+class _Family:
+    """One architecture's layer maths on top of the functional blocks.
+
+    attention weights: names relative to self_attn ("q_proj.weight", ...), as RotationPlan.apply
+    takes them; cache(xn, w) -> (q, k, v) with k, v in transformers' cache layout (what the cache
+    hooks see, see capture.py) and q what attend reads; attend(q, k, v, w) -> [B, T, heads * v_dim].
+    """
+
+    attention: tuple[str, ...]
+
+    def __init__(self, layout: KVLayout, config):
+        self.layout = layout
+        self.rms_eps = float(config.rms_norm_eps)
+
+    @staticmethod
+    def _short(w: dict) -> dict:
+        return {k.removesuffix(".weight"): v for k, v in w.items()}
+
+
+class _LlamaFamily(_Family):
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __init__(self, layout: KVLayout, config):
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        super().__init__(layout, config)
+        rotary = LlamaRotaryEmbedding(config)
+        self.shape = LlamaShape(config.hidden_size, layout.num_q_heads, layout.num_kv_heads, layout.head_dim,
+                                self.rms_eps, rotary.inv_freq.double(), float(rotary.attention_scaling))
+
+    def cache(self, xn, w):
+        return llama_qkv(xn, self._short(w), self.shape)
+
+    def attend(self, q, k, v, w):
+        return llama_attend(q, k, v, self.shape)
+
+    def pairs(self, q, k, v):
+        """complex128 post-RoPE pairs q [b, T, H, d/2], k [b, T, G, d/2] (pair_stats conventions)."""
+        return complex_pairs(q.transpose(1, 2), False), complex_pairs(k.transpose(1, 2), False)
+
+
+class _MLAFamily(_Family):
+    attention = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                 "kv_b_proj", "o_proj")
+
+    def __init__(self, layout: KVLayout, config):
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
+
+        super().__init__(layout, config)
+        rotary = DeepseekV3RotaryEmbedding(config)
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        mscale = yarn_apply_mscale(config.rope_parameters, qk ** -0.5) / qk ** -0.5
+        # transformers builds kv_a_layernorm / q_a_layernorm with eps 1e-6 whatever the config says
+        self.shape = MLAShape(layout.num_q_heads, layout.kv_lora_rank, layout.qk_rope_head_dim,
+                              config.qk_nope_head_dim, config.v_head_dim, 1e-6, rotary.inv_freq.double(),
+                              float(rotary.attention_scaling), float(mscale), layout.rope_interleave)
+
+    def cache(self, xn, w):
+        w = self._short(w)
+        latent, k_rope = mla_latent(xn, w, self.shape)  # k_rope in the weights' (engine) pair order
+        row = torch.cat([latent, k_rope], dim=-1)[:, None]  # engine row [B, 1, T, r + R]
+        latent_hf, k_rope_hf = mla_row_from_engine(row, self.layout.kv_lora_rank, self.layout.rope_interleave)
+        return mla_query(xn, w, self.shape), latent_hf, k_rope_hf
+
+    def attend(self, q, latent_hf, k_rope_hf, w):
+        row = mla_row_to_engine(latent_hf, k_rope_hf, self.layout.rope_interleave)[:, 0]
+        rank = self.layout.kv_lora_rank
+        return mla_attend(q, row[..., :rank], row[..., rank:], self._short(w), self.shape)
+
+    def pairs(self, q, latent_hf, k_rope_hf):
+        """complex128 post-RoPE pairs of the queries' rope dims [b, T, H, R/2] and k_rope [b, T, 1, R/2]."""
+        inter = self.layout.rope_interleave
+        row = mla_row_to_engine(latent_hf, k_rope_hf, inter)[..., self.layout.kv_lora_rank:]
+        q_rope = q[..., -self.layout.qk_rope_head_dim:]
+        return complex_pairs(q_rope.transpose(1, 2), inter), complex_pairs(row.transpose(1, 2), inter)
+
+
+@dataclass
+class LayerResult:
+    observers: dict[str, KVObserver]
+    records: list[dict]  # queries and cached tensors of the first windows (mse search)
+    moments: PairMoments | None
+    factor: torch.Tensor | None  # key pair factor folded into this layer
+
+
+class LayerStream:
+    """Reads a checkpoint layer by layer and runs calibration windows through it (see module doc)."""
+
+    def __init__(self, reader, layout: KVLayout, windows: torch.Tensor, batch_size: int):
+        self.reader, self.layout, self.batch_size = reader, layout, batch_size
+        config = _hf_config(reader.path)
+        self.family = _MLAFamily(layout, config) if layout.is_mla else _LlamaFamily(layout, config)
+        embed = reader.get("model.embed_tokens.weight")
+        self.hidden = embed[windows].float()  # [N, T, hidden]: the only activations kept across layers
+        del embed
+        reader.close()  # drop the mapped pages (file-backed pages count in RSS)
+
+    def read_layer(self, i: int) -> tuple[dict, dict]:
+        """(attention weights in fp32, named relative to self_attn; norms and MLP in the stored dtype)."""
+        prefix = f"model.layers.{i}."
+        attn = {}
+        for short in self.family.attention:
+            name = f"{prefix}self_attn.{short}.weight"
+            if name in self.reader:
+                attn[f"{short}.weight"] = self.reader.get(name, torch.float32)
+        rest = {n: self.reader.get(f"{prefix}{n}.weight") for n in ("input_layernorm", "post_attention_layernorm")}
+        rest.update({n: self.reader.get(f"{prefix}mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")})
+        self.reader.close()
+        return attn, rest
+
+    def batches(self, stop: int | None = None):
+        n = self.hidden.shape[0] if stop is None else min(stop, self.hidden.shape[0])
+        for start in range(0, n, self.batch_size):
+            yield start, min(start + self.batch_size, n)
+
+    @torch.no_grad()
+    def statistics(self, i: int, attn: dict, rest: dict, key_phase: bool, key_obs: bool):
+        """Pair moments and/or K observers of the first STAT_WINDOWS windows at layer i (unrotated)."""
+        sums = PairMomentSums(self.layout) if key_phase else None
+        obs = self._new_observers() if key_obs else None
+        for a, b in self.batches(STAT_WINDOWS):
+            q, k, v = self.family.cache(rms_norm(self.hidden[a:b], rest["input_layernorm"], self.family.rms_eps), attn)
+            if sums is not None:
+                sums.add(i, *self.family.pairs(q, k, v))
+            if obs is not None:
+                self._observe(i, obs, k, v)
+        return (sums.layer_result(i) if sums else None), obs
+
+    def _new_observers(self) -> dict[str, KVObserver]:
+        return {kind: KVObserver(self.layout.num_kv_heads, self.layout.head_dim) for kind in self.layout.kinds}
+
+    def _observe(self, i: int, obs: dict[str, KVObserver], k, v) -> None:
+        def row_hook(layer_idx, kind, x):
+            check_finite(layer_idx, kind, x)
+            obs[kind].observe(x)
+            return x
+        cache_hook(self.layout, row_hook)(i, k, v)
+
+    @torch.no_grad()
+    def advance(self, i: int, attn: dict, rest: dict, record_windows: int) -> tuple[dict[str, KVObserver], list[dict]]:
+        """Observe layer i's cache on every window, keep the first windows' records, and replace the
+        hidden states by the layer's output."""
+        obs, records = self._new_observers(), []
+        eps, o_proj = self.family.rms_eps, attn["o_proj.weight"]
+        for a, b in self.batches():
+            h = self.hidden[a:b]
+            q, k, v = self.family.cache(rms_norm(h, rest["input_layernorm"], eps), attn)
+            self._observe(i, obs, k, v)
+            if a < record_windows:
+                records.append({"q": q, "k": k, "v": v})
+            h = h + self.family.attend(q, k, v, attn) @ o_proj.T
+            del q, k, v
+            h = h + llama_mlp(rms_norm(h, rest["post_attention_layernorm"], eps), rest)
+            if not bool(torch.isfinite(h).all()):
+                raise KVConvertError(f"layer {i}: the hidden states became NaN/inf during calibration; "
+                                     "the checkpoint or the calibration data is broken at this layer")
+            self.hidden[a:b] = h
+        return obs, records
+
+    def replay(self, attn: dict, records: list[dict], kv_dtype: str) -> BlockReplay:
+        return BlockReplay(records, lambda q, k, v: self.family.attend(q, k, v, attn), attn["o_proj.weight"],
+                           self.layout, kv_dtype)
+
+
+def apply_rotation(plan: RotationPlan, layer: int, attn: dict, num_q_heads: int) -> dict:
+    """attn with the plan's rewrite of `layer` folded in (fp32 in, fp32 out; math in float64).
+
+    Only the tensors the rewrite reads are passed (it works on float64 copies: a 7B layer's four
+    projections would be 0.5 GB)."""
+    used = attn
+    if not plan.layout.is_mla:
+        names = (("v_proj.weight", "o_proj.weight") if plan.value_rotation is not None else ()) + \
+                (("q_proj.weight", "k_proj.weight") if plan.key_pair_factor is not None else ())
+        used = {n: attn[n] for n in names}
+    return {**attn, **plan.apply(layer, used, num_q_heads)}
+
+
+def search_record_windows(search_tokens: int, window_len: int) -> int:
+    return max(1, math.ceil(search_tokens / window_len))
