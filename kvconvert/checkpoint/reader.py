@@ -167,6 +167,15 @@ class CheckpointReader:
         _drop_pages(mm, base + start, base + end)  # the source pages are not needed any more
         return converted
 
+    def copy_and_drop(self, name: str) -> torch.Tensor:
+        """One tensor copied out of its mapped pages, which are then dropped from this process (for
+        a single pass over a checkpoint bigger than memory: RSS holds the copies, not the file)."""
+        mm, base, header = self._map(self._file(name))
+        start, end = header[name]["data_offsets"]
+        tensor = self.mapped(name).clone()
+        _drop_pages(mm, base + start, base + end)
+        return tensor
+
     def _map(self, filename: str) -> tuple[mmap.mmap, int, dict]:
         """(mmap of the whole shard, offset of its data buffer, header) opened once per shard."""
         if filename not in self._maps:

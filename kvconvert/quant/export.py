@@ -26,6 +26,7 @@ vLLM names for kvconvert's runtime, with no quantization_config.
 from __future__ import annotations
 
 import io
+import re
 import os
 import tempfile
 from pathlib import Path
@@ -120,36 +121,51 @@ def output_config(src_config: dict, scales: KVScales, formats: tuple[str, ...]) 
     return config
 
 
-def rotated_tensors(reader, layout: KVLayout, plan: RotationPlan,
-                    fold: list[tuple[float, float]] | None = None) -> dict[str, torch.Tensor]:
-    """Full names -> rotated (then scale-folded, see quant/fold.py) tensors, only those that change,
-    read layer by layer. fold: [(f_k, f_v)] per layer from fold.fold_plan, or None."""
-    if plan.is_identity and fold is None:
-        return {}
-    out = {}
-    for layer in range(layout.num_layers):
-        prefix = f"model.layers.{layer}.self_attn."
-        local = {k[len(prefix):]: v for k, v in reader.tensors(prefix).items() if not is_kv_scale_name(k)}
-        changed = plan.apply(layer, local, layout.num_q_heads) if not plan.is_identity else {}
-        if fold is not None:
-            changed.update(fold_layer({**local, **changed}, layout, *fold[layer]))
-        for name, tensor in changed.items():
-            out[prefix + name] = tensor
+def changed_attention(reader, layout: KVLayout, plan: RotationPlan, fold: tuple[float, float] | None,
+                      layer: int) -> dict[str, torch.Tensor]:
+    """Full names -> one layer's attention tensors rotated (then scale-folded, see quant/fold.py),
+    only those that change. fold: this layer's (f_k, f_v) from fold.fold_plan, or None."""
+    prefix = f"model.layers.{layer}.self_attn."
+    local = {k[len(prefix):]: v for k, v in reader.tensors(prefix).items() if not is_kv_scale_name(k)}
+    changed = plan.apply(layer, local, layout.num_q_heads) if not plan.is_identity else {}
+    if fold is not None:
+        changed.update(fold_layer({**local, **changed}, layout, *fold))
+    return {prefix + name: tensor for name, tensor in changed.items()}
+
+
+def rotated_tensors(reader, layout: KVLayout, plan: RotationPlan) -> dict[str, torch.Tensor]:
+    """Every layer's rotated attention tensors at once (tests; the export streams per layer)."""
+    out: dict[str, torch.Tensor] = {}
+    for layer in range(layout.num_layers if not plan.is_identity else 0):
+        out.update(changed_attention(reader, layout, plan, None, layer))
     return out
 
 
-def folded_export(reader, layout: KVLayout, scales: KVScales, plan: RotationPlan, formats: tuple[str, ...],
-                  report: dict) -> tuple[dict, dict, dict]:
-    """(changed weights, scale tensors to write, report): the calibrated scales folded into the weights
-    by powers of two; the remaining scales (in (0.5, 1]) are the ones written under every name."""
+def fold_report(scales: KVScales) -> tuple[list[tuple[float, float]], KVScales, dict]:
+    """(per-layer (f_k, f_v), the remaining scales written under every name, the report entry)."""
     factors, remaining = fold_plan(scales)
-    changed = rotated_tensors(reader, layout, plan, factors)
-    report = {**report, "scale_folding": {
-        "rule": "weights producing the cache / f, weights reading it * f, f = 2^ceil(log2 scale); "
-                "written scales = calibrated / f",
-        "f_k": [fk for fk, _ in factors], "f_v": [fv for _, fv in factors],
-        "written_scales": remaining.to_json()}}
-    return changed, scale_tensors(remaining, layout, formats), report
+    entry = {"rule": "weights producing the cache / f, weights reading it * f, f = 2^ceil(log2 scale); "
+                     "written scales = calibrated / f",
+             "f_k": [fk for fk, _ in factors], "f_v": [fv for _, fv in factors], "written_scales": remaining.to_json()}
+    return factors, remaining, entry
+
+
+_LAYER_ATTENTION = re.compile(r"^model\.layers\.(\d+)\.self_attn\.")
+
+
+def _export_tensors(reader, layout: KVLayout, plan: RotationPlan, factors):
+    """(name, tensor) for every weight, in the reader's order, one layer's changes in memory at a
+    time; each tensor read is copied out of its pages and the pages are dropped (a 7B export's
+    RSS stays near one shard, not the whole checkpoint)."""
+    cached_layer, changed = None, {}
+    for name in reader.weight_map:
+        if is_kv_scale_name(name):
+            continue  # an earlier calibration's scales are replaced
+        m = _LAYER_ATTENTION.match(name)
+        if m is not None and int(m.group(1)) != cached_layer:
+            cached_layer = int(m.group(1))
+            changed = changed_attention(reader, layout, plan, factors[cached_layer], cached_layer)
+        yield name, changed[name] if name in changed else reader.copy_and_drop(name)
 
 
 def plot_scales(scales: KVScales, path_or_buffer, title: str) -> None:
@@ -188,6 +204,7 @@ def png_bytes(scales: KVScales, title: str) -> bytes:
 
 # files a calibrated checkpoint gets anew; every other regular file of the source is carried over
 # (generation_config.json, conversion/heal reports and their pictures, ...)
+EXPORT_SHARD_BYTES = 1 << 30  # the writer's buffer: the export's memory beyond one layer
 _REWRITTEN = ("config.json", "manifest.json", "hf_quant_config.json", "calibration_report.json", "kv_scales.png",
               "model.safetensors.index.json")
 
@@ -200,14 +217,14 @@ def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVLayout, scales: KVS
     from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
 
     reader = CheckpointReader(src_dir)
-    rotated, new_scales, report = folded_export(reader, layout, scales, plan, formats, report)
+    factors, remaining, folding = fold_report(scales)
+    report = {**report, "scale_folding": folding}
+    new_scales = scale_tensors(remaining, layout, formats)
     calibration = {"kv_dtype": scales.kv_dtype, "formats": list(formats)}
-    with CheckpointWriter(out_dir, overwrite=overwrite, source=str(src_dir),
+    with CheckpointWriter(out_dir, overwrite=overwrite, source=str(src_dir), max_shard_bytes=EXPORT_SHARD_BYTES,
                           manifest_extra={"kv_calibration": calibration}) as w:
-        for name in reader.weight_map:
-            if is_kv_scale_name(name):
-                continue  # an earlier calibration's scales are replaced
-            w.add(name, rotated[name] if name in rotated else reader.get(name))
+        for name, tensor in _export_tensors(reader, layout, plan, factors):
+            w.add(name, tensor)
         for name, tensor in new_scales.items():
             w.add(name, tensor)
         w.write_config(output_config(reader.config, scales, formats))

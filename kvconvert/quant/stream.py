@@ -38,7 +38,7 @@ from kvconvert.quant.fake_quant import mla_row_from_engine, mla_row_to_engine
 from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.observers import KVObserver
 from kvconvert.quant.pair_stats import PairMoments, PairMomentSums, complex_pairs
-from kvconvert.quant.rotate import RotationPlan, pair_phase
+from kvconvert.quant.rotate import RotationPlan
 from kvconvert.quant.search import BlockReplay
 
 GQA_MODEL_TYPES = {"llama", "mistral"}

@@ -74,3 +74,28 @@ def test_one_layer_is_read_without_loading_the_checkpoint(big_dir):
     assert read["layer_bytes"] == LAYER_BYTES
     assert 13.49 < read["sum"] / (4 * 1280 * 1024) < 13.51  # layer 13's values, uniform on [13, 14)
     assert read["increase"] < checkpoint_bytes / 4, (read["increase"], checkpoint_bytes)
+
+
+def test_copy_and_drop_returns_the_tensor_and_releases_its_pages(tmp_path):
+    """The export's single pass: each tensor copied out, its mapped pages dropped from RSS."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kvconvert.checkpoint import CheckpointReader
+
+    big = torch.randn(2048, 1024).to(torch.bfloat16)  # 4 MiB: whole pages
+    save_file({"a": big, "b": torch.arange(10, dtype=torch.int64)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    reader = CheckpointReader(tmp_path, verify=False)
+
+    def rss_file_kb() -> int:
+        line = next(l for l in open("/proc/self/status") if l.startswith("RssFile:"))
+        return int(line.split()[1])
+
+    mapped = reader.mapped("a")
+    mapped.float().sum()  # touch every page of the mapping
+    touched = rss_file_kb()
+    copy = reader.copy_and_drop("a")
+    assert torch.equal(copy, big) and torch.equal(reader.copy_and_drop("b"), torch.arange(10))
+    del mapped
+    assert rss_file_kb() <= touched - 3 * 1024  # at least 3 of the 4 MiB left the process
