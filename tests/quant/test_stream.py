@@ -78,20 +78,11 @@ def test_streamed_equals_whole_model_mla(tmp_path, interleave, kv_dtype):
 
 @pytest.mark.slow
 def test_streamed_equals_whole_model_smollm2(smollm2_path):
-    """Statistics (amax per channel, key phases) agree to fp32 rounding. The mse search's argmin is
-    not well conditioned on a real model: FP8 candidates a factor 2 apart round identically but for
-    subnormals, and neighbouring ratios can differ by < 0.3% in output error. Measured (1024 tokens):
-    28 of 30 layers pick identical ratios; layer 3 V 1.54 vs 1.35 (errors 2.434e-3 vs 2.439e-3) and
-    layer 20 K 1.14 vs 2.28 (2x). So each layer's searched error must agree, not its argmin."""
-    settings = CalibrationSettings("fp8", batch_size=2)
-    whole, streamed = both_paths(smollm2_path, settings, 1024, 512)
-    assert_same_calibration(whole, streamed, scales=False)
-    same = 0
-    for a, b in zip(whole.stats["search"], streamed.stats["search"]):
-        assert b["rel_error_search"] == pytest.approx(a["rel_error_search"], rel=1e-2)
-        assert b["rel_error_amax"] == pytest.approx(a["rel_error_amax"], rel=1e-3)
-        same += (a["k"], a["v"]) == (b["k"], b["v"])
-    assert same >= 0.9 * len(whole.stats["search"])
+    """On the real model, the statistics the scales come from (amax per channel, key phases) agree
+    to fp32 rounding. The mse search is compared on the tiny models above: on SmolLM2 its argmin is
+    not well conditioned (measured, 1024 tokens: 28 of 30 layers pick identical ratios; layer 3 V
+    1.54 vs 1.35 with errors 2.434e-3 vs 2.439e-3, layer 20 K 1.14 vs 2.28), and running it twice
+    costs ~8 CPU-minutes, too much for CI."""
     amax = CalibrationSettings("fp8", observer="amax", batch_size=2)
     assert_same_calibration(*both_paths(smollm2_path, amax, 1024, 512))
 
