@@ -30,8 +30,13 @@ def _candidate_bytes(report: dict) -> tuple[int, int]:
 
 
 def _gate(report_path: Path, policy: str) -> bool:
+    """The real `kvconvert gate` (exit 0 = pass, 1 = fail; anything else is an error, not a verdict)."""
+    from kvconvert.pipeline import _policy_path
+
     proc = subprocess.run([sys.executable, "-m", "kvconvert.cli", "gate", "--report", str(report_path),
-                           "--policy", policy], capture_output=True, text=True)
+                           "--policy", _policy_path(policy)], capture_output=True, text=True)
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"kvconvert gate failed on {report_path}:\n{proc.stderr}")
     return proc.returncode == 0
 
 
@@ -76,7 +81,7 @@ def print_table(rows: list[dict], policy: str) -> None:
           "accuracy drop in points; all against the source on identical inputs)")
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, kl_limit: float | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,8 +97,12 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.annotate("source (bf16 KV)", (100, 0), textcoords="offset points", xytext=(-90, 8), fontsize=8)
     ax.set_xlabel("KV-cache bytes per token, % of the source in bf16")
     ax.set_ylabel("mean token KL(source || candidate), nats")
+    if kl_limit is not None:
+        ax.axhline(kl_limit, color="tab:gray", ls="--", lw=1)
+        ax.annotate(f"gate: KL <= {kl_limit}", (2, kl_limit), textcoords="offset points", xytext=(0, 4), fontsize=8)
+    top = max([r["kl"] for r in rows] + [kl_limit or 0])
     ax.set_xlim(0, 110)
-    ax.set_ylim(bottom=-0.02)
+    ax.set_ylim(-0.05 * top, 1.4 * top)
     ax.grid(True, alpha=0.3)
     ax.set_title(f"Quality per KV byte ({rows[0]['suite']} suite); green = passes the gate", fontsize=10)
     fig.tight_layout()
@@ -128,7 +137,10 @@ def main() -> int:
         label, _, folder = item.partition("=")
         rows.append(summarize(label, Path(folder), args.policy))
     print_table(rows, args.policy)
-    plot(rows, args.png)
+    from kvconvert.eval.gate import load_policy
+    from kvconvert.pipeline import _policy_path
+
+    plot(rows, args.png, load_policy(Path(_policy_path(args.policy))).thresholds.kl_mean)
     print(f"\nPicture: {args.png}")
     print("\n" + verdict(rows))
     return 0 if any(r["gate"] for r in rows) else 1
