@@ -199,3 +199,17 @@ class Rotary:
             return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def load_decoder(reader, dtype, num_layers: int, make_layer) -> tuple:
+    """(embed, final norm, lm_head, [make_layer(weights) per layer]) mapped from the checkpoint in
+    `dtype` (views of the files when it is the stored dtype); lm_head falls back to the tied embedding."""
+    def get(name):
+        return reader.mapped(name, dtype)
+    embed = get("model.embed_tokens.weight")
+    lm_head = get("lm_head.weight") if "lm_head.weight" in reader else embed
+    layers = []
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}."
+        layers.append(make_layer({k[len(prefix):]: v for k, v in reader.tensors(prefix, dtype, mapped=True).items()}))
+    return embed, get("model.norm.weight"), lm_head, layers

@@ -30,6 +30,7 @@ from kvconvert.runtime.layers import (
     final_norm,
     fp32_logits,
     linear,
+    load_decoder,
     rms_norm,
     rope_parameters,
     yarn_softmax_scale,
@@ -106,15 +107,8 @@ class DeepseekV3ForCausalLM:
             )
 
     def _load(self, reader, dtype):
-        get = lambda name: reader.mapped(name, dtype)
-        self.embed = get("model.embed_tokens.weight")
-        self.norm = get("model.norm.weight")
-        self.lm_head = get("lm_head.weight") if "lm_head.weight" in reader else self.embed
-        self.layers = []
-        for i in range(self.num_layers):
-            prefix = f"model.layers.{i}."
-            w = {k[len(prefix):]: v for k, v in reader.tensors(prefix, dtype, mapped=True).items()}
-            self.layers.append(DeepseekV3Layer(w, self))
+        self.embed, self.norm, self.lm_head, self.layers = load_decoder(
+            reader, dtype, self.num_layers, lambda w: DeepseekV3Layer(w, self))
 
     # ---------------------------------------------------------------- cache layout
     def kv_layout(self) -> list[dict[str, CacheSpec]]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from kvconvert.runtime.attention import AttentionMetadata
 from kvconvert.runtime.kv_cache import CacheSpec
-from kvconvert.runtime.layers import GatedMLP, Rotary, final_norm, fp32_logits, linear, rms_norm, rope_parameters
+from kvconvert.runtime.layers import (GatedMLP, Rotary, final_norm, fp32_logits, linear, load_decoder, rms_norm,
+                                      rope_parameters)
 
 from kvconvert.errors import UnsupportedModelError
 
@@ -63,15 +64,8 @@ class LlamaForCausalLM:
         self._load(reader, dtype)
 
     def _load(self, reader, dtype):
-        get = lambda name: reader.mapped(name, dtype)
-        self.embed = get("model.embed_tokens.weight")
-        self.norm = get("model.norm.weight")
-        self.lm_head = get("lm_head.weight") if "lm_head.weight" in reader else self.embed
-        self.layers = []
-        for i in range(self.num_layers):
-            prefix = f"model.layers.{i}."
-            w = {k[len(prefix):]: v for k, v in reader.tensors(prefix, dtype, mapped=True).items()}
-            self.layers.append(LlamaLayer(w, self))
+        self.embed, self.norm, self.lm_head, self.layers = load_decoder(
+            reader, dtype, self.num_layers, lambda w: LlamaLayer(w, self))
 
     # ---------------------------------------------------------------- cache layout
     def kv_layout(self) -> list[dict[str, CacheSpec]]:
