@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from kvconvert.checkpoint.reader import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from kvconvert.checkpoint.writer import _all_finite
 from kvconvert.errors import CheckpointError
@@ -97,18 +99,27 @@ def check_tensors_present(reader: CheckpointReader) -> None:
         "Re-export or re-download the checkpoint, or fix config.json if it declares what the model does not have")
 
 
+def _scan_view(reader: CheckpointReader, name: str) -> torch.Tensor:
+    """The tensor as a view of its file pages (no copy); a copy for dtypes torch cannot map."""
+    try:
+        return reader.mapped(name)
+    except CheckpointError:
+        return reader.get(name)
+
+
 def check_finite_weights(reader: CheckpointReader, names: list[str] | None = None) -> float:
     """Read every floating tensor once and refuse NaN/inf, naming the tensor and its file.
     Returns the seconds it took (about the time to read the files once)."""
     t0 = time.perf_counter()
     try:
         for name in names if names is not None else reader.keys():
-            tensor = reader.get(name)
+            tensor = _scan_view(reader, name)
             if tensor.is_floating_point() and not _all_finite(tensor):
                 raise CheckpointError(
                     f"{reader.path / reader.weight_map[name]}: tensor {name!r} contains NaN or inf; the checkpoint "
                     "is broken: re-download or re-export it")
             del tensor
+            reader.drop_pages(name)  # peak RSS: one tensor's pages, not the checkpoint's
     finally:
         reader.close()  # drop the mapped pages the scan touched
     return time.perf_counter() - t0

@@ -170,11 +170,16 @@ class CheckpointReader:
     def copy_and_drop(self, name: str) -> torch.Tensor:
         """One tensor copied out of its mapped pages, which are then dropped from this process (for
         a single pass over a checkpoint bigger than memory: RSS holds the copies, not the file)."""
+        tensor = self.mapped(name).clone()
+        self.drop_pages(name)
+        return tensor
+
+    def drop_pages(self, name: str) -> None:
+        """Drop the pages of `name` that this process's mapping touched (re-read on the next access);
+        views of it made earlier read the file again, they stay valid."""
         mm, base, header = self._map(self._file(name))
         start, end = header[name]["data_offsets"]
-        tensor = self.mapped(name).clone()
         _drop_pages(mm, base + start, base + end)
-        return tensor
 
     def _map(self, filename: str) -> tuple[mmap.mmap, int, dict]:
         """(mmap of the whole shard, offset of its data buffer, header) opened once per shard."""

@@ -99,3 +99,26 @@ def test_copy_and_drop_returns_the_tensor_and_releases_its_pages(tmp_path):
     assert torch.equal(copy, big) and torch.equal(reader.copy_and_drop("b"), torch.arange(10))
     del mapped
     assert rss_file_kb() <= touched - 3 * 1024  # at least 3 of the 4 MiB left the process
+
+
+def test_the_finite_scan_holds_one_tensor_not_the_checkpoint(tmp_path):
+    """check_finite_weights reads every weight; its peak RSS must not grow with the checkpoint
+    (a 7B scan would otherwise hold 13.5 GB of file pages)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.checkpoint.checks import check_finite_weights
+
+    save_file({f"t{i}": torch.randn(1024, 1024) for i in range(16)}, str(tmp_path / "model.safetensors"))  # 64 MiB
+    (tmp_path / "config.json").write_text("{}")
+    code = textwrap.dedent(f"""
+        import resource
+        from kvconvert.checkpoint import CheckpointReader
+        from kvconvert.checkpoint.checks import check_finite_weights
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        check_finite_weights(CheckpointReader({str(tmp_path)!r}, verify=False))
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+    """)
+    grown_mb = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert grown_mb < 24, f"the scan's peak grew by {grown_mb} MB for a 64 MB checkpoint"
