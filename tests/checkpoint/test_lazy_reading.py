@@ -110,7 +110,8 @@ def test_the_finite_scan_holds_one_tensor_not_the_checkpoint(tmp_path):
     from kvconvert.checkpoint import CheckpointReader
     from kvconvert.checkpoint.checks import check_finite_weights
 
-    save_file({f"t{i}": torch.randn(1024, 1024) for i in range(16)}, str(tmp_path / "model.safetensors"))  # 64 MiB
+    weights = {f"t{i}": torch.randn(1024, 1024).to(torch.bfloat16) for i in range(64)}  # 128 MiB in bf16
+    save_file(weights, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text("{}")
     code = textwrap.dedent(f"""
         import resource
@@ -121,4 +122,4 @@ def test_the_finite_scan_holds_one_tensor_not_the_checkpoint(tmp_path):
         print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
     """)
     grown_mb = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-    assert grown_mb < 24, f"the scan's peak grew by {grown_mb} MB for a 64 MB checkpoint"
+    assert grown_mb < 32, f"the scan's peak grew by {grown_mb} MB for a 128 MB checkpoint"  # was 133 MB
