@@ -23,6 +23,7 @@ import click
 
 from kvconvert.errors import KVConvertError
 from kvconvert.mla.options import MLAOptions
+from kvconvert.quant.options import CalibrateOptions
 from kvconvert.stage_options import options_as_flags
 from kvconvert.targets import DEFAULT_TARGET, TARGETS
 
@@ -55,33 +56,11 @@ def _policy_path(policy: str, base: Path | None = None) -> str:
     raise KVConvertError(f"--policy {policy}: not a file and not a built-in policy in {REPO_GATES}")
 
 
-# recipe key -> CLI flag for calibrate (booleans: (on flag, off flag)); convert's flags are generated
-# from its options model (kvconvert.mla.options, kvconvert.stage_options)
-CALIBRATE_FLAGS = {"kv_dtype": "--kv-dtype", "observer": "--observer", "granularity": "--granularity",
-                   "percentile": "--percentile", "rotate": ("--rotate", "--no-rotate"),
-                   "key_phase": ("--key-phase", "--no-key-phase"),
-                   "value_rotation": ("--value-rotation", "--no-value-rotation"), "rotation_block": "--rotation-block",
-                   "key_strength": "--key-strength", "search_tokens": "--search-tokens", "calib_data": "--calib-data",
-                   "calib_tokens": "--calib-tokens", "format": "--format"}
-
-
-def _flags(options: dict, table: dict) -> list[str]:
-    args: list[str] = []
-    for key, value in options.items():
-        flag = table[key]  # KeyError = a recipe key without a CLI flag: caught by tests/test_pipeline.py
-        if isinstance(flag, tuple):
-            chosen = flag[0] if value else flag[1]
-            args += [chosen] if chosen else []
-        else:
-            args += [flag, str(value)]
-    return args
-
-
-def _commands(src: str, convert: MLAOptions | None, heal: str, calibrate: dict | None,
+def _commands(src: str, convert: MLAOptions | None, heal: str, calibrate: CalibrateOptions | None,
               out_dir: Path) -> list[tuple[str, list[str]]]:
     """[(stage, kvconvert args)]: `mla` into out_dir/mla (convert given), then (calibrate given)
     `calibrate` of that (or of the source itself: "don't convert, just quantize") into
-    out_dir/<mla|source>-<kv_dtype>. calibrate: recipe keys -> values (CALIBRATE_FLAGS)."""
+    out_dir/<mla|source>-<kv_dtype>; each stage's flags come from its options model."""
     if convert is None and calibrate is None:
         raise KVConvertError("nothing to build: no MLA conversion and no KV calibration (give one of them)")
     stages, model, name = [], src, "source"
@@ -90,8 +69,8 @@ def _commands(src: str, convert: MLAOptions | None, heal: str, calibrate: dict |
         stages.append(("convert", ["mla", "--src", src, *options_as_flags(convert), "--heal", heal,
                                    "--out", model, "--overwrite"]))
     if calibrate is not None:
-        stages.append(("calibrate", ["calibrate", "--src", model, *_flags(calibrate, CALIBRATE_FLAGS),
-                                     "--out", str(out_dir / f"{name}-{calibrate['kv_dtype']}"), "--overwrite"]))
+        stages.append(("calibrate", ["calibrate", "--src", model, *options_as_flags(calibrate, keep=("kv_dtype",)),
+                                     "--out", str(out_dir / f"{name}-{calibrate.kv_dtype}"), "--overwrite"]))
     return stages
 
 
@@ -105,7 +84,7 @@ def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path) -> tuple[l
     cal = recipe.calibrate if recipe.calibrate is not None and recipe.calibrate.enabled else None
     if convert is None and cal is None:
         raise KVConvertError(f"{recipe_path}: the pipeline needs a `convert` or a `calibrate` block")
-    stages = _commands(src, convert, heal, cal.options() if cal is not None else None, out_dir)
+    stages = _commands(src, convert, heal, cal.calibrate_options() if cal is not None else None, out_dir)
     kv_dtype = cal.kv_dtype if cal is not None else "auto"
     val = recipe.validate_
     if val is not None and val.kv_dtype != "auto":
@@ -181,7 +160,7 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
 
 def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, out_dir: Path) -> list:
     calib = {} if calib_tokens is None else {"calib_tokens": calib_tokens}
-    calibrate = None if kv_dtype == "bf16" else {"kv_dtype": kv_dtype, **calib}
+    calibrate = None if kv_dtype == "bf16" else CalibrateOptions(kv_dtype=kv_dtype, **calib)
     convert = MLAOptions(rank=rank, rope_dim=rope_dim, target=target, **calib) if rank is not None else None
     return _commands(src, convert, heal, calibrate, out_dir)
 

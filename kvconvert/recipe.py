@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvconvert.errors import KVConvertError
 from kvconvert.mla.options import MLAOptions
+from kvconvert.quant.options import CalibrateOptions
 
 # Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
 # low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
@@ -141,23 +142,17 @@ class DistillStage(_Stage):
         return max(1, self.tokens // (self.tokens_per_step * processes))
 
 
-class CalibrateStage(_Stage):
-    """KV-cache scale calibration: the options of `kvconvert calibrate` (kvconvert.quant.run.CalibrateJob).
-    A key left out takes the command's own default."""
+class CalibrateStage(CalibrateOptions):
+    """The `calibrate` block is kvconvert.quant.options.CalibrateOptions itself (the options of
+    `kvconvert calibrate`): a key left out takes the one default there is."""
 
-    kv_dtype: Literal["fp8", "fp8_e5m2", "nvfp4"] = "fp8"  # kvconvert.quant.options.KV_DTYPES
-    observer: str | None = None
-    granularity: str | None = None
-    percentile: float | None = Field(None, gt=0, le=100)
-    rotate: bool | None = None
-    key_phase: bool | None = None
-    value_rotation: bool | None = None
-    rotation_block: int | None = Field(None, ge=0)
-    key_strength: float | None = Field(None, ge=0, le=1)
-    search_tokens: int | None = Field(None, ge=0)
-    calib_data: str | None = None
-    calib_tokens: int | None = Field(None, gt=0)
-    format: Literal["auto", "vllm", "modelopt", "both"] | None = None
+    enabled: bool = True
+
+    def options(self) -> dict:
+        return self.model_dump(exclude={"enabled"}, exclude_unset=True)
+
+    def calibrate_options(self) -> CalibrateOptions:
+        return CalibrateOptions(**self.model_dump(exclude={"enabled"}))
 
 
 class ValidateStage(_Stage):

@@ -83,13 +83,13 @@ def _describe(err: dict) -> str:
     return f"{_flag(str(err['loc'][0]))}: {msg}" if err["loc"] else msg
 
 
-def options_as_flags(opts: StageOptions, flags: dict[str, str] | None = None) -> list[str]:
-    """The command-line flags that reproduce `opts` (only values that differ from the defaults)."""
+def options_as_flags(opts: StageOptions, flags: dict[str, str] | None = None, keep: tuple[str, ...] = ()) -> list[str]:
+    """The command-line flags that reproduce `opts` (values that differ from the defaults, and `keep`)."""
     flags = flags or {}
     out: list[str] = []
     for name, field in type(opts).model_fields.items():
         value = getattr(opts, name)
-        if not field.is_required() and value == field.get_default():
+        if name not in keep and not field.is_required() and value == field.get_default():
             continue
         flag = flags.get(name, _flag(name))
         if isinstance(value, bool):

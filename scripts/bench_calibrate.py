@@ -28,15 +28,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"fp8": 0.5, "nvfp4": 3.0}
 
-# name -> CalibrateJob overrides. "naive" = per-tensor amax/448, no rotation (the brief's baseline).
+# name -> CalibrateOptions overrides. "naive" = per-tensor amax/448, no rotation (the brief's baseline).
 # "key phase" = per-RoPE-pair q/k phases folded into the weights (on by default when rotating);
 # "V rotation" = Hadamard on V (nvfp4 default).
 CONFIGS = {
     "fp8 naive (amax, tensor)": {"kv_dtype": "fp8", "observer": "amax", "rotate": False},
     "fp8 amax + key phase": {"kv_dtype": "fp8", "observer": "amax"},
     "fp8 mse + key phase (default)": {"kv_dtype": "fp8", "observer": "mse"},
-    "fp8 amax, head + key phase": {"kv_dtype": "fp8", "observer": "amax", "granularity": "head", "fmt": "vllm"},
-    "fp8 mse, head + key phase": {"kv_dtype": "fp8", "observer": "mse", "granularity": "head", "fmt": "vllm"},
+    "fp8 amax, head + key phase": {"kv_dtype": "fp8", "observer": "amax", "granularity": "head", "format": "vllm"},
+    "fp8 mse, head + key phase": {"kv_dtype": "fp8", "observer": "mse", "granularity": "head", "format": "vllm"},
     "nvfp4 naive (amax, tensor)": {"kv_dtype": "nvfp4", "observer": "amax", "rotate": False},
     "nvfp4 V rotation + mse": {"kv_dtype": "nvfp4", "observer": "mse", "key_phase": False},
     "nvfp4 V rotation + key phase + mse (default)": {"kv_dtype": "nvfp4", "observer": "mse"},
@@ -65,6 +65,7 @@ def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> lis
     from kvconvert.quant.capture import load_model
     from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook
     from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.options import CalibrateOptions
     from kvconvert.quant.run import CalibrateJob, run_calibrate
     from kvconvert.quant.scales import read_kv_scales
     from kvconvert.sources import resolve_source
@@ -79,8 +80,8 @@ def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> lis
         if layout.is_mla and overrides.get("granularity") == "head":
             continue
         out = workdir / f"{label}-{len(calib)}"
-        job = CalibrateJob(src=str(path), out=out, calib_tokens=args.calib_tokens,
-                           search_tokens=args.search_tokens, **overrides)
+        options = CalibrateOptions(calib_tokens=args.calib_tokens, search_tokens=args.search_tokens, **overrides)
+        job = CalibrateJob(src=str(path), options=options, out=out)
         print(f"[{label}] calibrating: {name}", file=sys.stderr, flush=True)
         result = run_calibrate(job, echo=lambda msg: None)
         report = result["report"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,52 +29,32 @@ from kvconvert.quant.export import (
     rewrite_in_place,
     write_checkpoint,
 )
-from kvconvert.quant.fake_quant import check_kv_dtype
 from kvconvert.quant.layout import KVLayout
+from kvconvert.quant.options import CalibrateOptions
 
 
 @dataclass
 class CalibrateJob:
-    """Arguments of `kvconvert calibrate` (validated in __post_init__; see the CLI help)."""
+    """One `kvconvert calibrate` run: what to calibrate (options: kvconvert.quant.options.CalibrateOptions,
+    the recipe block and the CLI's flags) and where to write it."""
 
     src: str
-    kv_dtype: str
-    observer: str = "mse"
-    granularity: str = "tensor"
-    percentile: float = 99.99
-    calib_data: str = "builtin"
-    calib_tokens: int = 16384
-    window_len: int = 512
-    fmt: str = "auto"
-    rotate: bool | None = None
-    key_phase: bool = True
-    value_rotation: bool | None = None
-    rotation_block: int = 0
-    key_strength: float = 0.0
+    options: CalibrateOptions = field(default_factory=CalibrateOptions)
     out: str | Path | None = None
     in_place: bool = False
     overwrite: bool = False
-    batch_size: int = 4
     threads: int | None = None
-    search_tokens: int = 1024
 
     def __post_init__(self):
-        check_kv_dtype(self.kv_dtype)
-        self.settings = CalibrationSettings(self.kv_dtype, observer=self.observer, granularity=self.granularity,
-                                            percentile=self.percentile, rotate=self.rotate, key_phase=self.key_phase,
-                                            value_rotation=self.value_rotation, rotation_block=self.rotation_block,
-                                            key_strength=self.key_strength,
-                                            batch_size=self.batch_size, search_tokens=self.search_tokens)
-        self.formats = resolve_format(self.fmt, self.kv_dtype, self.granularity)
+        o = self.options
+        self.settings = CalibrationSettings(o.kv_dtype, observer=o.observer, granularity=o.granularity,
+                                            percentile=o.percentile, rotate=o.rotate, key_phase=o.key_phase,
+                                            value_rotation=o.value_rotation, rotation_block=o.rotation_block,
+                                            key_strength=o.key_strength, batch_size=o.batch_size,
+                                            search_tokens=o.search_tokens)
+        self.formats = resolve_format(o.format, o.kv_dtype, o.granularity)
         if (self.out is None) == (not self.in_place):
             raise KVConvertError("give exactly one of --out DIR or --in-place")
-        if self.calib_tokens <= 0 or self.window_len <= 1:
-            raise KVConvertError("--calib-tokens must be > 0 and --window-len > 1")
-        if self.calib_tokens < self.window_len:  # as `kvconvert mla`: never round up silently
-            raise KVConvertError(f"--calib-tokens {self.calib_tokens} is less than one window ({self.window_len}); "
-                                 f"use --calib-tokens {self.window_len} or more, or a smaller --window-len")
-        if self.batch_size < 1:
-            raise KVConvertError("--batch-size must be >= 1")
         if self.threads is not None and self.threads < 1:
             raise KVConvertError("--threads must be >= 1")
 
@@ -102,14 +82,14 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     reader = CheckpointReader(src)
     check_checkpoint(reader)  # config features, missing tensors (e.g. declared biases), NaN/inf
     layout = detect_kv_layout(reader.config, reader.keys())
-    if layout.is_mla and job.granularity == "head":
+    if layout.is_mla and job.options.granularity == "head":
         raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
     whole_model = stream_unsupported(reader.config, layout)
     check_memory(job, reader, layout, whole_model)
     tokenizer = AutoTokenizer.from_pretrained(src)
-    windows = calibration_windows(tokenizer, job.calib_data, job.calib_tokens, job.window_len)
+    windows = calibration_windows(tokenizer, job.options.calib_data, job.options.calib_tokens, job.options.window_len)
     echo(f"calibrating {layout.kind} ({layout.num_layers} layers) on {windows.numel()} tokens of "
-         f"{job.calib_data!r}: {job.kv_dtype}, observer {job.observer}, {job.granularity}")
+         f"{job.options.calib_data!r}: {job.options.kv_dtype}, observer {job.options.observer}, {job.options.granularity}")
     if whole_model is None:
         result = calibrate_streamed(reader, layout, windows, job.settings,
                                     progress=lambda done, n: echo(f"  calibrated layer {done}/{n}"))
@@ -135,15 +115,15 @@ def check_memory(job: CalibrateJob, reader, layout: KVLayout, whole_model: str |
 
     if whole_model is None:
         rotating = job.settings.rotation_enabled
-        est = calibration_memory(reader.config, job.calib_tokens, job.window_len, job.batch_size,
-                                 job.search_tokens, key_phase=rotating and job.settings.key_phase_enabled(layout),
+        est = calibration_memory(reader.config, job.options.calib_tokens, job.options.window_len, job.options.batch_size,
+                                 job.options.search_tokens, key_phase=rotating and job.settings.key_phase_enabled(layout),
                                  value_rotation=rotating and job.settings.value_rotation_enabled)
     else:  # the fp32 model (4 bytes per stored parameter) plus a batch's logits and activations
         params = reader.num_parameters()
         vocab = int(reader.config.get("vocab_size") or 0)
-        est = MemoryEstimate(fixed=int(0.6 * GB) + 4 * params + 8 * job.batch_size * job.window_len * vocab,
-                             per_token=0, tokens=job.calib_tokens)
-    check_calibration_memory(est, available_memory(), job.window_len, job.batch_size)
+        est = MemoryEstimate(fixed=int(0.6 * GB) + 4 * params + 8 * job.options.batch_size * job.options.window_len * vocab,
+                             per_token=0, tokens=job.options.calib_tokens)
+    check_calibration_memory(est, available_memory(), job.options.window_len, job.options.batch_size)
 
 
 def build_report(job: CalibrateJob, src: Path, layout: KVLayout, result: CalibrationResult,
@@ -170,16 +150,16 @@ def build_report(job: CalibrateJob, src: Path, layout: KVLayout, result: Calibra
         "num_layers": layout.num_layers,
         "num_kv_heads": layout.num_kv_heads,
         "head_dim": layout.head_dim,
-        "kv_dtype": job.kv_dtype,
-        "observer": job.observer,
-        "percentile": job.percentile if job.observer == "percentile" else None,
-        "granularity": job.granularity,
+        "kv_dtype": job.options.kv_dtype,
+        "observer": job.options.observer,
+        "percentile": job.options.percentile if job.options.observer == "percentile" else None,
+        "granularity": job.options.granularity,
         "formats": list(job.formats),
-        "scale_convention": ("amax / 57344 (fp8 e5m2)" if job.kv_dtype == "fp8_e5m2" else
-                             "amax / 448; NVFP4 global scale = scale / 6" if job.kv_dtype == "nvfp4" else "amax / 448"),
+        "scale_convention": ("amax / 57344 (fp8 e5m2)" if job.options.kv_dtype == "fp8_e5m2" else
+                             "amax / 448; NVFP4 global scale = scale / 6" if job.options.kv_dtype == "nvfp4" else "amax / 448"),
         "mla_row": ("one scale for the cached [latent | k_rope] row, written as k_scale and v_scale"
                     if layout.is_mla else None),
-        "calibration": {"data": job.calib_data, "tokens": tokens, "windows": int(windows.shape[0]),
+        "calibration": {"data": job.options.calib_data, "tokens": tokens, "windows": int(windows.shape[0]),
                         "window_len": int(windows.shape[1]), "data_hash": hash_,
                         "search_windows": result.stats.get("search_windows", 0)},
         "rotation": result.plan.description or None,
