@@ -294,6 +294,7 @@ def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings
     Same statistics, rotation plan and scales as calibrate_model on the whole fp32 model (to fp32
     rounding), in the memory of one layer plus the calibration hidden states.
     """
+    from kvconvert.quant.memory import release_heap
     from kvconvert.quant.stream import LayerStream, apply_rotation, search_record_windows
 
     log = log or (lambda msg: None)
@@ -337,6 +338,7 @@ def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings
         if info is not None:
             infos.append(info)
         del attn, records
+        release_heap()
         if progress is not None:
             progress(i + 1, layout.num_layers)
     if phase:

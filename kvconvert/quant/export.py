@@ -126,7 +126,8 @@ def changed_attention(reader, layout: KVLayout, plan: RotationPlan, fold: tuple[
     """Full names -> one layer's attention tensors rotated (then scale-folded, see quant/fold.py),
     only those that change. fold: this layer's (f_k, f_v) from fold.fold_plan, or None."""
     prefix = f"model.layers.{layer}.self_attn."
-    local = {k[len(prefix):]: v for k, v in reader.tensors(prefix).items() if not is_kv_scale_name(k)}
+    local = {k[len(prefix):]: reader.copy_and_drop(k) for k in reader.weight_map
+             if k.startswith(prefix) and not is_kv_scale_name(k)}
     changed = plan.apply(layer, local, layout.num_q_heads) if not plan.is_identity else {}
     if fold is not None:
         changed.update(fold_layer({**local, **changed}, layout, *fold))
@@ -204,7 +205,7 @@ def png_bytes(scales: KVScales, title: str) -> bytes:
 
 # files a calibrated checkpoint gets anew; every other regular file of the source is carried over
 # (generation_config.json, conversion/heal reports and their pictures, ...)
-EXPORT_SHARD_BYTES = 1 << 30  # the writer's buffer: the export's memory beyond one layer
+EXPORT_SHARD_BYTES = 256 << 20  # the writer buffers a shard (and serializes it once more): 2 x this, as mla
 _REWRITTEN = ("config.json", "manifest.json", "hf_quant_config.json", "calibration_report.json", "kv_scales.png",
               "model.safetensors.index.json")
 

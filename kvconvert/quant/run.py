@@ -30,6 +30,7 @@ from kvconvert.quant.export import (
     write_checkpoint,
 )
 from kvconvert.quant.layout import KVLayout
+from kvconvert.quant.memory import release_heap
 from kvconvert.quant.options import CalibrateOptions
 
 
@@ -101,6 +102,8 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     result.stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     elapsed = time.perf_counter() - t_start
     report = build_report(job, src, layout, result, windows, data_hash(windows), elapsed)
+    reader.close()
+    release_heap()  # the layer loop's freed blocks, before the export allocates its own
     if job.in_place:
         rewrite_in_place(out, layout, result.scales, result.plan, job.formats, report)
     else:
