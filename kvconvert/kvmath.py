@@ -198,6 +198,10 @@ def mla_whatif(shape: KVShape, kv_lora_rank: int, rope_dim: int) -> KVShape:
 def kv_bytes_per_token(shape: KVShape, fmt: KVFormat | str) -> int:
     """Bytes one token occupies in the cache, all layers together."""
     fmt = kv_format(fmt) if isinstance(fmt, str) else fmt
+    if shape.kind == MLA and fmt.bits < 8:
+        # 4-bit formats keep MLA's k_rope in 16 bits (kvconvert's runtime and kernels, like FlashMLA's
+        # FP8 layout): it carries the position signal 4-bit codes would blur (docs/formats.md)
+        return shape.num_layers * (fmt.vector_bytes(shape.kv_lora_rank) + 2 * shape.qk_rope_head_dim)
     return shape.num_layers * sum(fmt.vector_bytes(n) for n in shape.cached_vectors)
 
 

@@ -22,7 +22,8 @@ GiB = 2**30
 
 # preset: (bf16 bytes/token, nvfp4 bytes/token), hand-calculated.
 # Non-MLA: layers x 2 (K and V) x kv_heads x head_dim x 2 bytes; nvfp4 per head vector of head_dim
-# values: head_dim/2 bytes of codes + head_dim/16 E4M3 scale bytes. MLA: layers x (512 + 64) values.
+# values: head_dim/2 bytes of codes + head_dim/16 E4M3 scale bytes. MLA: layers x (512 + 64) values;
+# 4-bit: the latent in 4 bits (256 + 32 bytes), k_rope kept in 16 bits (128 bytes), as the runtime stores it.
 HAND_PER_TOKEN = {
     "llama-2-7b": (32 * 2 * 32 * 128 * 2, 32 * 2 * 32 * (64 + 8)),
     "llama-2-70b": (80 * 2 * 8 * 128 * 2, 80 * 2 * 8 * (64 + 8)),
@@ -32,8 +33,8 @@ HAND_PER_TOKEN = {
     "mistral-7b": (32 * 2 * 8 * 128 * 2, 32 * 2 * 8 * (64 + 8)),
     "qwen2.5-7b": (28 * 2 * 4 * 128 * 2, 28 * 2 * 4 * (64 + 8)),
     "qwen2.5-72b": (80 * 2 * 8 * 128 * 2, 80 * 2 * 8 * (64 + 8)),
-    "deepseek-v2-lite": (27 * (512 + 64) * 2, 27 * (288 + 36)),
-    "deepseek-v3": (61 * (512 + 64) * 2, 61 * (288 + 36)),
+    "deepseek-v2-lite": (27 * (512 + 64) * 2, 27 * (288 + 128)),
+    "deepseek-v3": (61 * (512 + 64) * 2, 61 * (288 + 128)),
     "smollm2-135m": (30 * 2 * 3 * 64 * 2, 30 * 2 * 3 * (32 + 4)),
 }
 

@@ -84,7 +84,7 @@ def test_deepseek_config_file(tmp_path):
     report = _inspect(str(path))
     assert report["attention_kind"] == "MLA" and report["path"] is None
     assert (report["kv_lora_rank"], report["qk_rope_head_dim"], report["head_dim"]) == (512, 64, None)
-    assert report["kv_bytes_per_token"] == {"bf16": 61 * 576 * 2, "fp8": 61 * 576, "nvfp4": 61 * (288 + 36)}
+    assert report["kv_bytes_per_token"] == {"bf16": 61 * 576 * 2, "fp8": 61 * 576, "nvfp4": 61 * (288 + 128)}
     assert report["parameters"] == 671_026_419_200 and report["parameters_source"] == "config"
 
 

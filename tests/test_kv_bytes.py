@@ -1,0 +1,32 @@
+"""The planner's KV bytes (kvconvert.kvmath: `budget`, `inspect`) equal what the runtime allocates
+(kvconvert.runtime.kv_cache.bytes_per_token) for every architecture and format both support."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconvert.kvmath import kv_bytes_per_token, kv_shape
+from kvconvert.runtime.kv_cache import bytes_per_token
+from kvconvert.runtime.models import kv_layout
+
+LLAMA_GQA = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+             "hidden_size": 576, "head_dim": 64}
+LLAMA_MHA = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "hidden_size": 4096}
+DEEPSEEK = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128, "hidden_size": 7168,
+            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+            "first_k_dense_replace": 61, "n_routed_experts": 1}
+SMOLLM2_MLA = {**DEEPSEEK, "num_hidden_layers": 30, "num_attention_heads": 9, "hidden_size": 576,
+               "kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}
+
+
+@pytest.mark.parametrize("config", [LLAMA_GQA, LLAMA_MHA, DEEPSEEK, SMOLLM2_MLA],
+                         ids=["llama-gqa", "llama-mha", "deepseek-v3", "smollm2-mla-320"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp32", "fp8", "nvfp4"])
+def test_planner_bytes_equal_runtime_bytes(config, kv_dtype):
+    assert kv_bytes_per_token(kv_shape(config), kv_dtype) == bytes_per_token(kv_layout(config), kv_dtype)
+
+
+def test_deepseek_v3_nvfp4_keeps_k_rope_in_16_bits():
+    # 512 latent values: 256 bytes of E2M1 codes + 32 E4M3 block scales; k_rope 64 x 2 bytes
+    assert kv_bytes_per_token(kv_shape(DEEPSEEK), "nvfp4") == 61 * (256 + 32 + 128)
