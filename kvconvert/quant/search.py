@@ -21,6 +21,8 @@ output error, and a layer whose searched scales do worse than amax there keeps a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from kvconvert.quant.capture import AttentionRecorder, cache_hook
@@ -51,7 +53,7 @@ def argmin_prefer_last(errors: torch.Tensor) -> int:
     return int(torch.nonzero(errors <= errors.min()).max())
 
 
-class _Replay:
+class _Replay(ABC):
     """Replays one attention layer on recorded inputs with given per-kind scales, cheaply.
 
     Subclasses fill ``records`` (each with the cached tensors "k"/"v" in transformers' cache layout,
@@ -78,9 +80,9 @@ class _Replay:
                          for g in range(self.groups)]
         self.reference = [self._attend(rec, rec["k"], rec["v"]) for rec in self.records]
 
+    @abstractmethod
     def _attend(self, rec: dict, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Attention output before o_proj, flattened to [tokens, heads * v_dim]."""
-        raise NotImplementedError
 
     def _quantized(self, rec: dict, scales: dict) -> tuple[torch.Tensor, torch.Tensor]:
         def row_hook(layer_idx, kind, x):
