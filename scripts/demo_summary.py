@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from kvconvert.kvmath import kv_bytes_per_token, kv_shape
+from kvconvert.targets import TARGETS
 
 
 def _candidate_bytes(report: dict) -> tuple[int, int]:
@@ -44,8 +45,7 @@ def _engines(report: dict) -> str:
     arch, kv = report["candidate"]["architecture"], report["candidate"]["kv_dtype"]
     if arch.startswith("Deepseek"):
         cfg = json.loads((Path(report["candidate"]["path"]) / "config.json").read_text())
-        latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
-        vllm = latent in (576, 320) and kv in ("bf16", "fp8")
+        vllm = TARGETS["vllm"].serves(cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) and kv in ("bf16", "fp8")
         return "vLLM, kvconvert" if vllm else "kvconvert runtime only"
     return "vLLM, TensorRT-LLM, kvconvert" if kv in ("bf16", "fp8") else "TensorRT-LLM (SM100), kvconvert"
 

@@ -94,18 +94,6 @@ def calibration_memory(config: dict, tokens: int, window_len: int, batch_size: i
                           per_token=d["hidden"] * FP32, tokens=tokens)
 
 
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where unknown: the check is skipped)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def check_calibration_memory(est: MemoryEstimate, available: int | None, window_len: int, batch_size: int) -> None:
     """Refuse (KVConvertError) when the estimate exceeds the available memory, naming what would fit."""
     if available is None or est.total <= available:

@@ -113,7 +113,8 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
 
 def check_memory(job: CalibrateJob, reader, layout: KVLayout, whole_model: str | None) -> None:
     """Refuse up front when the estimated peak memory exceeds what the machine has available."""
-    from kvconvert.quant.memory import (GB, MemoryEstimate, available_memory, calibration_memory,
+    from kvconvert.runtime.memory import available_memory  # one reading of the machine (cgroup-aware)
+    from kvconvert.quant.memory import (GB, MemoryEstimate, calibration_memory,
                                         check_calibration_memory)
 
     if whole_model is None:
