@@ -27,12 +27,9 @@ from __future__ import annotations
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import E2M1_MAX, FP8_E4M3_MAX, FP8_E5M2_MAX, NVFP4_BLOCK
 
-FP8_E4M3_MAX = 448.0
-FP8_E5M2_MAX = 57344.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_MAX = 6.0
-NVFP4_BLOCK = 16
 
 FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
