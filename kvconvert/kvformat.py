@@ -41,7 +41,7 @@ class KVFormat:
     torch_dtype: str | None = None  # torch dtype the values are stored in; None: packed codes
     block: int | None = None  # values sharing one block scale, along head_dim; None: no block scales
     block_scale: str | None = None  # number format of a block scale
-    block_scale_bytes: int = 0
+    block_scale_bytes: int = 0  # bytes of one block scale
     amax_divisor: float | None = None  # exported kv scale = amax / amax_divisor
     mla_rope_16bit: bool = False  # MLA: k_rope stays 16-bit, only the latent takes this format
     kernel_mode: str | None = None  # kvconvert.kernels cache mode; None: the Triton kernels cannot read it
@@ -50,12 +50,6 @@ class KVFormat:
     modelopt_algo: str | None = None  # hf_quant_config.json kv_cache_quant_algo (ModelOpt / TensorRT-LLM)
     engines: tuple[str, ...] = ()  # kvconvert.targets names that serve it; () = planning only
     aliases: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if self.bits not in (4, 8, 16, 32):
-            raise ValueError(f"{self.name}: bits must be 4, 8, 16 or 32, got {self.bits}")
-        if (self.block is None) != (self.block_scale_bytes == 0):
-            raise ValueError(f"{self.name}: a block size needs block scale bytes and vice versa")
 
     @property
     def bytes_per_value(self) -> float:
@@ -140,6 +134,7 @@ def kv_dtype_names(engine: str | None = None, quantized: bool | None = None, ali
 
 RUNTIME_KV_DTYPES = kv_dtype_names(_RUNTIME, aliases=True)  # kvconvert.runtime's kv_dtype choices
 CALIBRATE_KV_DTYPES = kv_dtype_names(_RUNTIME, quantized=True)  # `kvconvert calibrate --kv-dtype`
+VALIDATE_KV_DTYPES = kv_dtype_names(_RUNTIME, aliases=True, auto=True)  # `kvconvert validate`, recipes
 
 # ----------------------------------------------------------------------------------------------
 # checkpoint names of the KV scales: "model.layers.{i}.self_attn." + suffix, per export format and
@@ -176,6 +171,7 @@ def markdown_table() -> str:
         name = " / ".join(f"`{n}`" for n in (f.name, *f.aliases))
         blocks = f"{f.block_scale} per {f.block}" if f.block else "-"
         rope = "16-bit" if f.mla_rope_16bit else "as the latent"
+        engines = ", ".join(f.engines) or "planning only"
         rows.append(f"| {name} | {f.bits} | {blocks} | {f.scale_rule} | {rope} | {f.kernel_mode or '-'} | "
-                    f"{', '.join(f.exports) or '-'} | {f.modelopt_algo or '-'} | {', '.join(f.engines) or 'planning only'} |")
+                    f"{', '.join(f.exports) or '-'} | {f.modelopt_algo or '-'} | {engines} |")
     return "\n".join(rows)

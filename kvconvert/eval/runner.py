@@ -34,11 +34,10 @@ from pathlib import Path
 import torch
 
 from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelError
-from kvconvert.kvformat import AUTO, RUNTIME_KV_DTYPES, kv_format
+from kvconvert.kvformat import AUTO, kv_format
+from kvconvert.kvformat import VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES  # "auto": the engine's own cache
 
 ENGINES = ("runtime", "transformers")
-# "auto" = the engine's own unquantized cache (runtime: bf16, transformers: fp32).
-KV_DTYPE_CHOICES = (AUTO, *RUNTIME_KV_DTYPES)
 
 
 def _quantized(kv_dtype: str) -> bool:
@@ -155,7 +154,8 @@ def fake_quant_available() -> str | None:
 
 
 def resolve_kv_dtype(engine: str, kv_dtype: str, kv_scales: str = "checkpoint") -> str:
-    """The KV format a runner will really use; errors for combinations an engine cannot run."""
+    """The KV format a runner will really use ("auto": runtime bf16, transformers fp32); errors for
+    combinations an engine cannot run."""
     if kv_dtype not in KV_DTYPE_CHOICES:
         raise KVConvertError(f"--kv-dtype {kv_dtype!r} is unknown; choose one of {', '.join(KV_DTYPE_CHOICES)}")
     if engine != "transformers":
