@@ -49,6 +49,7 @@ class KVFormat:
     compressed_tensors: bool = False  # config.json gets a compressed-tensors kv_cache_scheme (vLLM)
     modelopt_algo: str | None = None  # hf_quant_config.json kv_cache_quant_algo (ModelOpt / TensorRT-LLM)
     engines: tuple[str, ...] = ()  # kvconvert.targets names that serve it; () = planning only
+    vllm_cache_dtype: str | None = None  # vLLM's kv_cache_dtype for it ("auto": the model's dtype)
     aliases: tuple[str, ...] = ()
 
     @property
@@ -87,17 +88,19 @@ _E4M3_SCALED = dict(quantized=True, amax_divisor=FP8_E4M3_MAX)
 
 KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("bf16", "bfloat16", 16, False, "bfloat16", kernel_mode="none",
-             engines=("vllm", "tensorrt-llm", _RUNTIME)),
+             engines=("vllm", "tensorrt-llm", _RUNTIME), vllm_cache_dtype="bfloat16"),
     KVFormat("fp16", "IEEE float16", 16, False, "float16", kernel_mode="none",
-             engines=("vllm", "tensorrt-llm", _RUNTIME)),
-    KVFormat("fp32", "IEEE float32", 32, False, "float32", kernel_mode="none", engines=("vllm", _RUNTIME)),
+             engines=("vllm", "tensorrt-llm", _RUNTIME), vllm_cache_dtype="float16"),
+    # vLLM has no fp32 cache dtype: "auto" caches in the model's dtype, fp32 for `validate --engine vllm`
+    KVFormat("fp32", "IEEE float32", 32, False, "float32", kernel_mode="none", engines=("vllm", _RUNTIME),
+             vllm_cache_dtype="auto"),
     KVFormat("fp8", "FP8 E4M3", 8, torch_dtype="float8_e4m3fn", kernel_mode="fp8", exports=("vllm", "modelopt"),
              compressed_tensors=True, modelopt_algo="FP8", engines=("vllm", "tensorrt-llm", _RUNTIME),
-             aliases=("fp8_e4m3",), **_E4M3_SCALED),
+             vllm_cache_dtype="fp8", aliases=("fp8_e4m3",), **_E4M3_SCALED),
     # no checkpoint format in either engine (vLLM refuses it with a kv-cache scheme, ModelOpt has no
     # E5M2 KV): its scales go under the vLLM names for kvconvert's runtime, with no config
     KVFormat("fp8_e5m2", "FP8 E5M2", 8, True, "float8_e5m2", amax_divisor=FP8_E5M2_MAX, exports=("vllm",),
-             engines=("vllm", _RUNTIME)),
+             engines=("vllm", _RUNTIME), vllm_cache_dtype="fp8_e5m2"),
     # vLLM: GQA NVFP4 KV on SM100 only, refused for MLA; compressed-tensors has no static NVFP4 scheme
     KVFormat("nvfp4", "NVFP4", 4, block=NVFP4_BLOCK, block_scale="e4m3", block_scale_bytes=1,
              mla_rope_16bit=True, kernel_mode="nvfp4", exports=("modelopt",), modelopt_algo="NVFP4",
@@ -166,12 +169,13 @@ def scale_names(kind: str, layer: int) -> list[str]:
 def markdown_table() -> str:
     """The registry as the markdown table of docs/formats.md."""
     rows = ["| name | bits | block scales | exported scale | MLA k_rope | kernel mode | scale names | "
-            "hf_quant_config | engines |", "|" + " --- |" * 9]
+            "hf_quant_config | vLLM kv_cache_dtype | engines |", "|" + " --- |" * 10]
     for f in KV_FORMATS.values():
         name = " / ".join(f"`{n}`" for n in (f.name, *f.aliases))
         blocks = f"{f.block_scale} per {f.block}" if f.block else "-"
         rope = "16-bit" if f.mla_rope_16bit else "as the latent"
         engines = ", ".join(f.engines) or "planning only"
-        rows.append(f"| {name} | {f.bits} | {blocks} | {f.scale_rule} | {rope} | {f.kernel_mode or '-'} | "
-                    f"{', '.join(f.exports) or '-'} | {f.modelopt_algo or '-'} | {engines} |")
+        cells = (name, f.bits, blocks, f.scale_rule, rope, f.kernel_mode, ", ".join(f.exports), f.modelopt_algo,
+                 f.vllm_cache_dtype, engines)
+        rows.append("| " + " | ".join(str(c or "-") for c in cells) + " |")
     return "\n".join(rows)
