@@ -138,6 +138,7 @@ def kv_dtype_names(engine: str | None = None, quantized: bool | None = None, ali
 RUNTIME_KV_DTYPES = kv_dtype_names(_RUNTIME, aliases=True)  # kvconvert.runtime's kv_dtype choices
 CALIBRATE_KV_DTYPES = kv_dtype_names(_RUNTIME, quantized=True)  # `kvconvert calibrate --kv-dtype`
 VALIDATE_KV_DTYPES = kv_dtype_names(_RUNTIME, aliases=True, auto=True)  # `kvconvert validate`, recipes
+INSPECT_KV_DTYPES = ("bf16", "fp8", "nvfp4")  # `kvconvert inspect` lists one format per width: 16, 8, 4 bits
 
 # ----------------------------------------------------------------------------------------------
 # checkpoint names of the KV scales: "model.layers.{i}.self_attn." + suffix, per export format and
