@@ -35,8 +35,9 @@ class EngineConfig:
     max_num_seqs: most sequences in one step. max_num_batched_tokens: token budget of one step
     (long prompts are prefilled in chunks of at most this many tokens). max_model_len: longest
     sequence (prompt + generated); None = the checkpoint's max_position_embeddings.
-    kv_dtype: cache storage format (kvconvert.kvformat.RUNTIME_KV_DTYPES). kv_scales: where fp8/nvfp4 scales come from:
-    "checkpoint" (k_scale / v_scale tensors, required) or "dynamic" (amax of the first prefill).
+    kv_dtype: cache storage format (kvconvert.kvformat.RUNTIME_KV_DTYPES). kv_scales: where fp8/nvfp4
+    scales come from: "checkpoint" (k_scale / v_scale tensors, required) or "dynamic" (amax of the
+    first prefill).
     attention_backend: "torch" (reference, CPU) or "triton" (kvconvert.kernels).
     """
 

@@ -38,12 +38,12 @@ from kvconvert.kvformat import AUTO, kv_format
 from kvconvert.kvformat import VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES  # "auto": the engine's own cache
 
 ENGINES = ("runtime", "transformers")
+PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 — naïve café 東京 <tag>\n\tend."
 
 
 def _quantized(kv_dtype: str) -> bool:
     """Stored with scales (fp8, fp8_e5m2, nvfp4); "auto" is not."""
     return kv_dtype != AUTO and kv_format(kv_dtype).quantized
-PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 — naïve café 東京 <tag>\n\tend."
 
 
 # --------------------------------------------------------------------------- fingerprints

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvconvert.kvformat import kv_format
 from kvconvert.quant.capture import (
     CacheHook,
     cache_hook,
@@ -24,7 +25,6 @@ from kvconvert.quant.capture import (
     forward_with_hook,
     load_model,
 )
-from kvconvert.kvformat import kv_format
 from kvconvert.quant.fake_quant import fake_quant
 from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.scales import KVScales

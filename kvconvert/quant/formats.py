@@ -79,16 +79,6 @@ def _as_scale(scale: float | torch.Tensor, device: torch.device, what: str) -> t
 # ----------------------------------------------------------------------------------------------
 
 
-def fp8_amax_scale(amax: float | torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
-    """Dequant scale that maps ``amax`` onto the FP8 format's max: ``amax / max(dtype)``."""
-    return amax / _fp8_max(dtype)
-
-
-def kv_scale_from_amax(amax: float | torch.Tensor):
-    """Exported ``k_scale`` / ``v_scale`` for FP8 and NVFP4 KV caches: ``amax / 448`` (BRIEF §3)."""
-    return amax / FP8_E4M3_MAX
-
-
 def nvfp4_global_scale_from_kv_scale(kv_scale: float | torch.Tensor):
     """NVFP4 dequant global scale from an exported kv scale: ``kv_scale / 6`` (= amax / (6*448))."""
     return kv_scale / E2M1_MAX
@@ -256,8 +246,6 @@ __all__ = [
     "E2M1_VALUES",
     "E2M1_MAX",
     "NVFP4_BLOCK",
-    "fp8_amax_scale",
-    "kv_scale_from_amax",
     "nvfp4_global_scale_from_kv_scale",
     "fp8_quantize",
     "fp8_dequantize",
