@@ -158,7 +158,7 @@ def scale_name(export: str, kind: str, layer: int) -> str:
 
 
 def scale_names(kind: str, layer: int) -> list[str]:
-    """Every name a reader accepts for a scale, in order of preference (vLLM's first)."""
+    """The names kvconvert writes for a scale, in the order readers prefer them (vLLM's first)."""
     return [scale_name(export, kind, layer) for export in SCALE_SUFFIXES]
 
 
