@@ -46,12 +46,13 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import KERNEL_MODES
 from kvconvert.quant import formats as F
 
 from .append import kv_append
 
-MLA_MODES = ("none", "fp8", "fp8_tile", "nvfp4")
-GQA_MODES = ("none", "fp8", "nvfp4")
+GQA_MODES = KERNEL_MODES  # none, fp8, nvfp4: the registry formats' kernel modes
+MLA_MODES = (*KERNEL_MODES, "fp8_tile")  # + FlashMLA's dynamic per-tile layout (no checkpoint format)
 FP8_DTYPE = torch.float8_e4m3fn
 PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

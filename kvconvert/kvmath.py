@@ -7,87 +7,22 @@ What is cached per token and per layer:
 * MLA (DeepSeek-V2/V3): one latent row of ``kv_lora_rank`` values plus one shared RoPE key of
   ``qk_rope_head_dim`` values: ``kv_lora_rank + qk_rope_head_dim`` values (576 for DeepSeek-V3).
 
-Bytes per value depend on the cache format, counted with everything the format really stores
-(see `KV_FORMATS`): NVFP4 is 4-bit values PLUS one E4M3 scale byte per block of 16 values, i.e.
-0.5625 bytes/value, not the 0.5 that is commonly quoted.
+Bytes per value depend on the cache format (kvconvert.kvformat, the one registry), counted with
+everything the format really stores: NVFP4 is 4-bit values PLUS one E4M3 scale byte per block of
+16 values, i.e. 0.5625 bytes/value, not the 0.5 that is commonly quoted; MLA keeps k_rope 16-bit.
 
 Example: SmolLM2-135M in bf16 caches 30 layers x 2 x 3 heads x 64 x 2 bytes = 23040 bytes/token.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
 from kvconvert.errors import KVConvertError, UnsupportedModelError
+from kvconvert.kvformat import KV_FORMATS, KVFormat, kv_format  # noqa: F401 (KV_FORMATS: commands.py)
 
 MHA, GQA, MQA, MLA = "MHA", "GQA", "MQA", "MLA"
-
-
-# ----------------------------------------------------------------------------------------------
-# cache formats
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KVFormat:
-    """A KV-cache number format: `bits` per value plus one `scale_bytes` scale per `group_size`
-    consecutive values of a cached vector (group_size None: only per-tensor scales, whose few
-    bytes per layer are negligible and not counted)."""
-
-    name: str
-    bits: int
-    group_size: int | None
-    scale_bytes: int
-    description: str
-
-    def __post_init__(self):
-        if self.bits not in (4, 8, 16, 32):
-            raise ValueError(f"{self.name}: bits must be 4, 8, 16 or 32, got {self.bits}")
-        if (self.group_size is None) != (self.scale_bytes == 0):
-            raise ValueError(f"{self.name}: a group size needs scale bytes and vice versa")
-        if self.group_size is not None and self.group_size <= 0:
-            raise ValueError(f"{self.name}: group_size must be positive")
-
-    @property
-    def bytes_per_value(self) -> float:
-        """Average bytes per value for vectors whose length is a multiple of the group size."""
-        scale = self.scale_bytes / self.group_size if self.group_size else 0.0
-        return self.bits / 8 + scale
-
-    def vector_bytes(self, num_values: int) -> int:
-        """Bytes to store one cached vector of `num_values` values (values, then group scales;
-        a partial last group still needs its own scale)."""
-        value_bytes = math.ceil(num_values * self.bits / 8)
-        groups = math.ceil(num_values / self.group_size) if self.group_size else 0
-        return value_bytes + groups * self.scale_bytes
-
-
-KV_FORMATS: dict[str, KVFormat] = {
-    f.name: f
-    for f in (
-        KVFormat("fp32", 32, None, 0, "IEEE float32"),
-        KVFormat("bf16", 16, None, 0, "bfloat16"),
-        KVFormat("fp16", 16, None, 0, "IEEE float16"),
-        KVFormat("fp8", 8, None, 0, "FP8 E4M3/E5M2 with per-tensor (or per-head) fp32 scales"),
-        KVFormat("int8", 8, None, 0, "int8 with per-tensor (or per-head) scales"),
-        # NVFP4 (docs/formats.md): E2M1 codes, one E4M3 scale per 16 values along the vector, one fp32
-        # global scale per tensor (4 bytes per layer: negligible, not counted).
-        KVFormat("nvfp4", 4, 16, 1, "NVFP4: 4-bit E2M1 + one E4M3 scale byte per 16 values"),
-        # Our int4 convention: symmetric 4-bit integers, one fp16 scale per group of 32 values
-        # (0.5 + 2/32 = 0.5625 bytes/value, the same as NVFP4). Asymmetric schemes with an extra
-        # zero-point per group would cost 0.625 bytes/value.
-        KVFormat("int4", 4, 32, 2, "int4: symmetric, one fp16 scale per group of 32 values"),
-    )
-}
-
-
-def kv_format(name: str) -> KVFormat:
-    try:
-        return KV_FORMATS[name.lower()]
-    except KeyError:
-        raise KVConvertError(f"unknown KV dtype {name!r}; choose one of {', '.join(KV_FORMATS)}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,6 +92,12 @@ class KVShape:
     def values_per_token_per_layer(self) -> int:
         return sum(self.cached_vectors)
 
+    def layer_bytes(self, fmt: KVFormat | str) -> int:
+        """Bytes one token caches in one layer (MLA: k_rope is the row's tail, see KVFormat.vector_bytes)."""
+        fmt = kv_format(fmt) if isinstance(fmt, str) else fmt
+        rope_tail = self.qk_rope_head_dim if self.kind == MLA else 0
+        return sum(fmt.vector_bytes(n, rope_tail) for n in self.cached_vectors)
+
 
 def head_dim(config: dict) -> int | None:
     """Per-head dimension: explicit `head_dim`, else hidden_size / num_attention_heads."""
@@ -197,12 +138,7 @@ def mla_whatif(shape: KVShape, kv_lora_rank: int, rope_dim: int) -> KVShape:
 
 def kv_bytes_per_token(shape: KVShape, fmt: KVFormat | str) -> int:
     """Bytes one token occupies in the cache, all layers together."""
-    fmt = kv_format(fmt) if isinstance(fmt, str) else fmt
-    if shape.kind == MLA and fmt.bits < 8:
-        # 4-bit formats keep MLA's k_rope in 16 bits (kvconvert's runtime and kernels, like FlashMLA's
-        # FP8 layout): it carries the position signal 4-bit codes would blur (docs/formats.md)
-        return shape.num_layers * (fmt.vector_bytes(shape.kv_lora_rank) + 2 * shape.qk_rope_head_dim)
-    return shape.num_layers * sum(fmt.vector_bytes(n) for n in shape.cached_vectors)
+    return shape.num_layers * shape.layer_bytes(fmt)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,8 +172,7 @@ def kv_bytes_per_request(shape: KVShape, fmt: KVFormat | str, context: int,
     window of tokens."""
     if context <= 0:
         raise KVConvertError(f"--context must be positive, got {context}")
-    fmt = kv_format(fmt) if isinstance(fmt, str) else fmt
-    per_layer = sum(fmt.vector_bytes(n) for n in shape.cached_vectors)
+    per_layer = shape.layer_bytes(fmt)
     windows = windows if windows is not None else [None] * shape.num_layers
     if len(windows) != shape.num_layers:
         raise KVConvertError(f"{len(windows)} layer windows for {shape.num_layers} layers")

@@ -20,6 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import VALIDATE_KV_DTYPES
 from kvconvert.mla.options import MLAOptions
 from kvconvert.quant.options import CalibrateOptions
 
@@ -160,7 +161,7 @@ class ValidateStage(_Stage):
 
     suite: Literal["smoke", "quick", "standard", "full"] = "quick"
     engine: Literal["auto", "runtime", "transformers"] = "auto"
-    kv_dtype: str = "auto"
+    kv_dtype: Literal[VALIDATE_KV_DTYPES] = "auto"
     gate: str | None = None  # path of a gate policy YAML (recipes/gates/*.yaml)
 
 

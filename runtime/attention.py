@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kvconvert.runtime.kv_cache import FP8Store, KVStore, NVFP4Store, Workspace
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import kv_format
 
 
 def causal_mask(query_len: int, context_len: int) -> torch.Tensor:
@@ -170,7 +171,7 @@ class TritonAttention(TorchAttention):
     name = "triton"
 
     def __init__(self, kv_dtype: str):
-        if kv_dtype == "fp8_e5m2":
+        if kv_format(kv_dtype).kernel_mode is None:  # fp8_e5m2
             raise KVConvertError("the Triton kernels read fp8 e4m3 caches only; use kv_dtype fp8 or --backend torch")
         try:
             from kvconvert.kernels import attention as kernels

@@ -8,7 +8,8 @@ import sys
 import time
 
 import click
-from kvconvert.runtime.config import ATTENTION_BACKENDS, KV_DTYPES, KV_SCALE_SOURCES
+from kvconvert.kvformat import RUNTIME_KV_DTYPES
+from kvconvert.runtime.config import ATTENTION_BACKENDS, KV_SCALE_SOURCES
 
 from kvconvert.errors import KVConvertError
 
@@ -36,7 +37,7 @@ def parse_size(text: str | None) -> int | None:
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible tokens).")
-@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="bf16", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(RUNTIME_KV_DTYPES), default="bf16", show_default=True)
 @click.option("--kv-scales", type=click.Choice(KV_SCALE_SOURCES), default="checkpoint", show_default=True,
               help="fp8/nvfp4 scales: from the checkpoint, or from the first prefill's amax (dynamic).")
 @click.option("--backend", type=click.Choice(ATTENTION_BACKENDS), default="torch", show_default=True)

@@ -9,12 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import RUNTIME_KV_DTYPES, kv_format
 
-# kv_dtype name -> storage kind. 16/32-bit caches store the values as-is; fp8 stores one byte per
-# value plus a per-tensor (or per-head) scale; nvfp4 stores half a byte per value plus one e4m3
-# scale per 16 values plus a global scale.
-KV_DTYPES = ("bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")
-QUANTIZED_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")
 KV_SCALE_SOURCES = ("checkpoint", "dynamic")
 ATTENTION_BACKENDS = ("torch", "triton")
 
@@ -39,8 +35,9 @@ class EngineConfig:
     max_num_seqs: most sequences in one step. max_num_batched_tokens: token budget of one step
     (long prompts are prefilled in chunks of at most this many tokens). max_model_len: longest
     sequence (prompt + generated); None = the checkpoint's max_position_embeddings.
-    kv_dtype: cache storage format (see KV_DTYPES). kv_scales: where fp8/nvfp4 scales come from:
-    "checkpoint" (k_scale / v_scale tensors, required) or "dynamic" (amax of the first prefill).
+    kv_dtype: cache storage format (kvconvert.kvformat.RUNTIME_KV_DTYPES). kv_scales: where fp8/nvfp4
+    scales come from: "checkpoint" (k_scale / v_scale tensors, required) or "dynamic" (amax of the
+    first prefill).
     attention_backend: "torch" (reference, CPU) or "triton" (kvconvert.kernels).
     """
 
@@ -64,8 +61,9 @@ class EngineConfig:
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         if self.num_blocks is not None and self.kv_memory is not None:
             raise KVConvertError("give num_blocks or kv_memory, not both")
-        if self.kv_dtype not in KV_DTYPES:
-            raise KVConvertError(f"kv_dtype {self.kv_dtype!r} is not supported; choose one of {', '.join(KV_DTYPES)}")
+        if self.kv_dtype not in RUNTIME_KV_DTYPES:
+            raise KVConvertError(
+                f"kv_dtype {self.kv_dtype!r} is not supported; choose one of {', '.join(RUNTIME_KV_DTYPES)}")
         if self.kv_scales not in KV_SCALE_SOURCES:
             raise KVConvertError(f"kv_scales {self.kv_scales!r} is not supported; choose checkpoint or dynamic")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -75,7 +73,7 @@ class EngineConfig:
 
     @property
     def quantized(self) -> bool:
-        return self.kv_dtype in QUANTIZED_KV_DTYPES
+        return kv_format(self.kv_dtype).quantized
 
 
 @dataclass

@@ -13,13 +13,12 @@ Storage formats (kv_dtype):
     k_rope tail stays bf16 ([num_blocks, block_size, rope]) like FlashMLA's layout, since it is a
     small part of the row and carries the position signal. This is the layout of
     kvconvert.kernels.cache_layout, so the Triton kernels read the runtime's cache as is.
-Scales come from the checkpoint, where the exported value is kv_scale = amax / 448 for both FP8
-and NVFP4 (kvconvert.quant.formats), under either name:
-  vLLM / compressed-tensors: model.layers.N.self_attn.k_scale, .v_scale
-  ModelOpt / TensorRT-LLM:   model.layers.N.self_attn.k_proj.k_scale, .v_proj.v_scale
+Formats, scale conventions and scale names are kvconvert.kvformat's: the checkpoint's kv_scale is
+amax / 448 for FP8 E4M3 and NVFP4, amax / 57344 for FP8 E5M2 (what kv_scales="dynamic" derives
+too), under the vLLM / compressed-tensors name (model.layers.N.self_attn.k_scale, .v_scale), the
+ModelOpt / TensorRT-LLM one (self_attn.k_proj.k_scale, .v_proj.v_scale) or vLLM's shared kv_scale.
 An MLA checkpoint has one scale for the whole cached row: self_attn.k_scale (v_scale equal), or
-the ModelOpt-style self_attn.kv_a_proj_with_mqa.k_scale. FP8 E5M2 scales are amax / 57344 (the
-format's max), which is also what kv_scales="dynamic" derives for it.
+the ModelOpt-style self_attn.kv_a_proj_with_mqa.k_scale.
 Quantization uses kvconvert.quant.formats (bit-exact references) on write and on read.
 """
 
@@ -33,29 +32,14 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import RUNTIME_KV_DTYPES, SHARED_SCALE_SUFFIX, KVFormat, kv_format, scale_names
 from kvconvert.quant.formats import (
-    fp8_amax_scale,
     fp8_dequantize,
     fp8_quantize,
-    kv_scale_from_amax,
     nvfp4_dequantize,
     nvfp4_global_scale_from_kv_scale,
     nvfp4_quantize,
 )
-
-FLOAT_KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FP8_KV = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-# checkpoint tensor names of the scale of each cached quantity, in order of preference
-# (vLLM also maps a shared "kv_scale"; SGLang remaps MLA's kv_a_proj_with_mqa.k_scale)
-SCALE_NAMES = {
-    "k": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.k_proj.k_scale",
-          "model.layers.{i}.self_attn.kv_scale"),
-    "v": ("model.layers.{i}.self_attn.v_scale", "model.layers.{i}.self_attn.v_proj.v_scale",
-          "model.layers.{i}.self_attn.kv_scale"),
-    "kv": ("model.layers.{i}.self_attn.k_scale", "model.layers.{i}.self_attn.kv_a_proj_with_mqa.k_scale",
-           "model.layers.{i}.self_attn.kv_scale"),
-}
 
 
 class Workspace:
@@ -159,13 +143,12 @@ class FloatStore(KVStore):
 
 
 class ScaledStore(KVStore):
-    """A quantized store with a kv_scale (amax / 448): from the checkpoint, or, when dynamic,
-    from the amax of the first tensor written (per tensor)."""
+    """A quantized store with a kv_scale (fmt.scale_from_amax): from the checkpoint, or, when
+    dynamic, from the amax of the first tensor written (per tensor)."""
 
-    def __init__(self, num_blocks, block_size, spec, kv_scale: torch.Tensor | None, dynamic: bool):
+    def __init__(self, num_blocks, block_size, spec, fmt: KVFormat, kv_scale: torch.Tensor | None, dynamic: bool):
         super().__init__(num_blocks, block_size, spec)
-        self.kv_scale = kv_scale
-        self.dynamic = dynamic
+        self.fmt, self.kv_scale, self.dynamic = fmt, kv_scale, dynamic
 
     def _ensure_scale(self, x: torch.Tensor) -> None:
         if self.kv_scale is not None:
@@ -176,23 +159,16 @@ class ScaledStore(KVStore):
         if not math.isfinite(amax):
             raise KVConvertError("non-finite K/V values in the first prefill: cannot derive a dynamic KV scale")
         # an all-zero tensor leaves any positive scale exact; use 1.0
-        self.kv_scale = torch.tensor(self.scale_from_amax(amax) if amax > 0 else 1.0, dtype=torch.float32)
-
-    def scale_from_amax(self, amax: float) -> float:
-        """The exported kv scale for this format: amax / 448 (FP8 E4M3 and NVFP4)."""
-        return kv_scale_from_amax(amax)
+        self.kv_scale = torch.tensor(self.fmt.scale_from_amax(amax) if amax > 0 else 1.0, dtype=torch.float32)
 
 
 class FP8Store(ScaledStore):
-    def __init__(self, num_blocks, block_size, spec, fp8_dtype, kv_scale, dynamic):
-        super().__init__(num_blocks, block_size, spec, kv_scale, dynamic)
-        self.data = torch.zeros(num_blocks, block_size, *spec.row_shape, dtype=fp8_dtype)
+    def __init__(self, num_blocks, block_size, spec, fmt, kv_scale, dynamic):
+        super().__init__(num_blocks, block_size, spec, fmt, kv_scale, dynamic)
+        self.data = torch.zeros(num_blocks, block_size, *spec.row_shape, dtype=getattr(torch, fmt.torch_dtype))
 
     def tensors(self):
         return [self.data]
-
-    def scale_from_amax(self, amax: float) -> float:
-        return fp8_amax_scale(amax, self.data.dtype)  # amax / 448 (e4m3) or amax / 57344 (e5m2)
 
     def encode(self, x):
         self._ensure_scale(x)
@@ -206,8 +182,8 @@ class FP8Store(ScaledStore):
 class NVFP4Store(ScaledStore):
     """NVFP4 over the row (minus a bf16 RoPE tail, if the spec has one)."""
 
-    def __init__(self, num_blocks, block_size, spec, kv_scale, dynamic):
-        super().__init__(num_blocks, block_size, spec, kv_scale, dynamic)
+    def __init__(self, num_blocks, block_size, spec, fmt, kv_scale, dynamic):
+        super().__init__(num_blocks, block_size, spec, fmt, kv_scale, dynamic)
         *lead, width = spec.row_shape
         d = width - spec.rope_tail
         if d % 16:
@@ -248,29 +224,21 @@ class NVFP4Store(ScaledStore):
 
 def make_store(kv_dtype: str, num_blocks: int, block_size: int, spec: CacheSpec, kv_scale=None,
                dynamic: bool = False) -> KVStore:
-    if kv_dtype in FLOAT_KV:
-        return FloatStore(num_blocks, block_size, spec, FLOAT_KV[kv_dtype])
-    if kv_dtype in FP8_KV:
-        return FP8Store(num_blocks, block_size, spec, FP8_KV[kv_dtype], kv_scale, dynamic)
-    if kv_dtype == "nvfp4":
-        return NVFP4Store(num_blocks, block_size, spec, kv_scale, dynamic)
-    raise KVConvertError(f"kv_dtype {kv_dtype!r} is not supported")
+    if kv_dtype not in RUNTIME_KV_DTYPES:
+        raise KVConvertError(f"kv_dtype {kv_dtype!r} is not supported; choose one of {', '.join(RUNTIME_KV_DTYPES)}")
+    fmt = kv_format(kv_dtype)
+    if not fmt.quantized:
+        return FloatStore(num_blocks, block_size, spec, getattr(torch, fmt.torch_dtype))
+    store = FP8Store if fmt.torch_dtype else NVFP4Store  # NVFP4: packed codes + block scales
+    return store(num_blocks, block_size, spec, fmt, kv_scale, dynamic)
 
 
 def bytes_per_token(layout: list[dict[str, CacheSpec]], kv_dtype: str) -> int:
-    """Exact cache bytes one token takes over all layers (constant per-tensor scales excluded)."""
-    total = 0
-    for layer in layout:
-        for spec in layer.values():
-            n = math.prod(spec.row_shape)
-            if kv_dtype in FLOAT_KV:
-                total += n * FLOAT_KV[kv_dtype].itemsize
-            elif kv_dtype in FP8_KV:
-                total += n
-            else:
-                q = n - spec.rope_tail
-                total += q // 2 + q // 16 + 2 * spec.rope_tail
-    return total
+    """Exact cache bytes one token takes over all layers (constant per-tensor scales excluded):
+    kvconvert.kvformat's vector_bytes per cached row, as the planner (kvconvert.kvmath) counts."""
+    fmt = kv_format(kv_dtype)
+    return sum(math.prod(spec.row_shape[:-1]) * fmt.vector_bytes(spec.row_shape[-1], spec.rope_tail)
+               for layer in layout for spec in layer.values())
 
 
 class PagedKVCache:
@@ -308,7 +276,7 @@ def read_kv_scales(reader, layout: list[dict[str, CacheSpec]], kv_dtype: str, so
     "checkpoint" every layer must have them (KVConvertError otherwise); with "dynamic" they are
     computed from the first prefill and a warning says so.
     """
-    if kv_dtype in FLOAT_KV:
+    if not kv_format(kv_dtype).quantized:
         return [{} for _ in layout], False
     if source == "dynamic":
         warnings.warn(
@@ -325,7 +293,7 @@ def read_kv_scales(reader, layout: list[dict[str, CacheSpec]], kv_dtype: str, so
 
 
 def _read_scale(reader, layer: int, name: str, row_shape: tuple[int, ...], kv_dtype: str) -> torch.Tensor:
-    candidates = [c.format(i=layer) for c in SCALE_NAMES[name]]
+    candidates = [*scale_names(name, layer), f"model.layers.{layer}.self_attn.{SHARED_SCALE_SUFFIX}"]
     found = next((c for c in candidates if c in reader), None)
     if found is None:
         raise KVConvertError(

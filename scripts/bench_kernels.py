@@ -48,8 +48,7 @@ PEAK_BANDWIDTH = [
     ("L4", 0.3e12),
 ]
 
-MLA_MODES = ("none", "fp8", "fp8_tile", "nvfp4")
-GQA_MODES = ("none", "fp8", "nvfp4")
+from kvconvert.kernels.cache_layout import GQA_MODES, MLA_MODES  # noqa: E402
 # (block_n, num_warps, num_stages) candidates tuned per mode at the tuning context
 TUNE_GRID = [(16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 8, 2), (64, 8, 3)]
 QUICK_GRID = [(16, 4, 2), (32, 8, 2), (64, 8, 2)]

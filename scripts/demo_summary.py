@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import kv_bytes_per_token, kv_shape
 from kvconvert.targets import TARGETS
 
@@ -42,12 +43,13 @@ def _gate(report_path: Path, policy: str) -> bool:
 
 
 def _engines(report: dict) -> str:
+    """The engines serving the candidate's KV format (kvconvert.kvformat) and, for MLA, its latent shape."""
     arch, kv = report["candidate"]["architecture"], report["candidate"]["kv_dtype"]
+    engines = kv_format(kv).engines
     if arch.startswith("Deepseek"):
         cfg = json.loads((Path(report["candidate"]["path"]) / "config.json").read_text())
-        vllm = TARGETS["vllm"].serves(cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) and kv in ("bf16", "fp8")
-        return "vLLM, kvconvert" if vllm else "kvconvert runtime only"
-    return "vLLM, TensorRT-LLM, kvconvert" if kv in ("bf16", "fp8") else "TensorRT-LLM (SM100), kvconvert"
+        engines = [e for e in engines if TARGETS[e].serves(cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])]
+    return ", ".join(engines)
 
 
 def summarize(label: str, out: Path, policy: str) -> dict:

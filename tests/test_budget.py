@@ -131,24 +131,6 @@ def test_head_dim_falls_back_to_hidden_over_heads():
     assert kvmath.head_dim({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 64}) == 64
 
 
-def test_format_bytes_per_value():
-    expected = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "nvfp4": 0.5 + 1 / 16, "int4": 0.5 + 2 / 32}
-    assert {n: f.bytes_per_value for n, f in kvmath.KV_FORMATS.items()} == expected
-
-
-def test_vector_bytes_counts_a_partial_group_scale():
-    nvfp4 = kvmath.kv_format("nvfp4")
-    assert nvfp4.vector_bytes(16) == 8 + 1
-    assert nvfp4.vector_bytes(24) == 12 + 2  # second block half full still needs its scale
-    assert nvfp4.vector_bytes(576) == 288 + 36
-    assert kvmath.kv_format("int4").vector_bytes(64) == 32 + 2 * 2
-
-
-def test_unknown_kv_dtype_lists_the_known_ones():
-    with pytest.raises(KVConvertError, match="nvfp4"):
-        kvmath.kv_format("fp6")
-
-
 def test_mla_whatif_on_llama():
     shape = kvmath.kv_shape(PRESETS["llama-3.1-70b"]["config"])
     mla = kvmath.mla_whatif(shape, 512, 64)

@@ -1,12 +1,14 @@
-"""The planner's KV bytes (kvconvert.kvmath: `budget`, `inspect`) equal what the runtime allocates
-(kvconvert.runtime.kv_cache.bytes_per_token) for every architecture and format both support."""
+"""The planner's KV bytes (kvconvert.kvmath: `budget`, `inspect`) equal what the runtime really
+allocates (the bytes of kvconvert.runtime's cache tensors), for every registry format and architecture."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvconvert.kvmath import kv_bytes_per_token, kv_shape
-from kvconvert.runtime.kv_cache import bytes_per_token
+from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import ALIASES, KV_FORMATS, RUNTIME_KV_DTYPES
+from kvconvert.kvmath import kv_bytes_per_request, kv_bytes_per_token, kv_shape
+from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token
 from kvconvert.runtime.models import kv_layout
 
 LLAMA_GQA = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -18,13 +20,27 @@ DEEPSEEK = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention
             "first_k_dense_replace": 61, "n_routed_experts": 1}
 SMOLLM2_MLA = {**DEEPSEEK, "num_hidden_layers": 30, "num_attention_heads": 9, "hidden_size": 576,
                "kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}
+CONFIGS = pytest.mark.parametrize("config", [LLAMA_GQA, LLAMA_MHA, DEEPSEEK, SMOLLM2_MLA],
+                                  ids=["llama-gqa", "llama-mha", "deepseek-v3", "smollm2-mla-320"])
 
 
-@pytest.mark.parametrize("config", [LLAMA_GQA, LLAMA_MHA, DEEPSEEK, SMOLLM2_MLA],
-                         ids=["llama-gqa", "llama-mha", "deepseek-v3", "smollm2-mla-320"])
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp32", "fp8", "nvfp4"])
-def test_planner_bytes_equal_runtime_bytes(config, kv_dtype):
-    assert kv_bytes_per_token(kv_shape(config), kv_dtype) == bytes_per_token(kv_layout(config), kv_dtype)
+@CONFIGS
+@pytest.mark.parametrize("kv_dtype", [*KV_FORMATS, *ALIASES])
+def test_planner_bytes_equal_runtime_allocated_bytes(config, kv_dtype):
+    planned = kv_bytes_per_token(kv_shape(config), kv_dtype)
+    if kv_dtype not in RUNTIME_KV_DTYPES:  # planning-only formats (int8, int4): the runtime refuses them
+        with pytest.raises(KVConvertError, match="not supported; choose one of"):
+            PagedKVCache(kv_layout(config), 1, 1, kv_dtype, dynamic=True)
+        return
+    cache = PagedKVCache(kv_layout(config), num_blocks=1, block_size=1, kv_dtype=kv_dtype, dynamic=True)
+    assert planned == cache.bytes_per_token == bytes_per_token(kv_layout(config), kv_dtype)
+
+
+@CONFIGS
+@pytest.mark.parametrize("kv_dtype", list(KV_FORMATS))
+def test_request_bytes_are_context_times_token_bytes(config, kv_dtype):
+    shape = kv_shape(config)
+    assert kv_bytes_per_request(shape, kv_dtype, 1000) == 1000 * kv_bytes_per_token(shape, kv_dtype)
 
 
 def test_deepseek_v3_nvfp4_keeps_k_rope_in_16_bits():

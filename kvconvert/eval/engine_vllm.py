@@ -24,15 +24,14 @@ import sys
 from pathlib import Path
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import AUTO, kv_format
 
-# kvconvert's --kv-dtype -> vLLM's kv_cache_dtype (None: vLLM has no such cache)
-VLLM_KV_DTYPES = {"auto": "auto", "fp32": "auto", "bf16": "bfloat16", "fp16": "float16", "fp8": "fp8",
-                  "fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2", "nvfp4": None}
 TASK = "vllm_perplexity"
 
 
 def vllm_kv_dtype(kv_dtype: str, role: str) -> str:
-    value = VLLM_KV_DTYPES.get(kv_dtype)
+    """kvconvert's --kv-dtype -> vLLM's kv_cache_dtype (kvconvert.kvformat)."""
+    value = AUTO if kv_dtype == AUTO else kv_format(kv_dtype).vllm_cache_dtype
     if value is None:
         raise KVConvertError(f"--engine vllm: the {role}'s KV format {kv_dtype!r} has no vLLM cache here "
                              "(vLLM's NVFP4 KV needs a Blackwell GPU and is refused for MLA); pass another --kv-dtype")

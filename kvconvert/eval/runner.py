@@ -34,12 +34,16 @@ from pathlib import Path
 import torch
 
 from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelError
+from kvconvert.kvformat import AUTO, kv_format
+from kvconvert.kvformat import VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES  # "auto": the engine's own cache
 
 ENGINES = ("runtime", "transformers")
-# "auto" = the engine's own unquantized cache (runtime: bf16, transformers: fp32).
-KV_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")
-QUANTIZED_KV = ("fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")  # stored with scales
 PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 — naïve café 東京 <tag>\n\tend."
+
+
+def _quantized(kv_dtype: str) -> bool:
+    """Stored with scales (fp8, fp8_e5m2, nvfp4); "auto" is not."""
+    return kv_dtype != AUTO and kv_format(kv_dtype).quantized
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -150,15 +154,16 @@ def fake_quant_available() -> str | None:
 
 
 def resolve_kv_dtype(engine: str, kv_dtype: str, kv_scales: str = "checkpoint") -> str:
-    """The KV format a runner will really use; errors for combinations an engine cannot run."""
+    """The KV format a runner will really use ("auto": runtime bf16, transformers fp32); errors for
+    combinations an engine cannot run."""
     if kv_dtype not in KV_DTYPE_CHOICES:
         raise KVConvertError(f"--kv-dtype {kv_dtype!r} is unknown; choose one of {', '.join(KV_DTYPE_CHOICES)}")
     if engine != "transformers":
         return "bf16" if kv_dtype == "auto" else kv_dtype
     if kv_dtype in ("auto", "fp32"):
         return "fp32"
-    kv_dtype = "fp8" if kv_dtype == "fp8_e4m3" else kv_dtype
-    if kv_dtype in QUANTIZED_KV:
+    kv_dtype = kv_format(kv_dtype).name  # the transformers hook knows canonical names only (fp8_e4m3 -> fp8)
+    if _quantized(kv_dtype):
         reason = fake_quant_available()
         if reason is not None:
             raise KVConvertError(
@@ -173,7 +178,7 @@ def resolve_kv_dtype(engine: str, kv_dtype: str, kv_scales: str = "checkpoint") 
 def check_kv_scales(path: Path, engine: str, kv_dtype: str, kv_scales: str) -> None:
     """A quantized KV format with checkpoint scales needs scales in the checkpoint: say so before
     any model is loaded (the transformers engine also needs calibrate's calibration_report.json)."""
-    if kv_dtype not in QUANTIZED_KV or kv_scales != "checkpoint":
+    if not _quantized(kv_dtype) or kv_scales != "checkpoint":
         return
     from kvconvert.checkpoint import CheckpointReader
 
@@ -206,7 +211,7 @@ def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str,
         key += f"|dtype={str(dtype).removeprefix('torch.')}"
     if engine == "transformers" and torch.cuda.is_available():  # GPU kernels round differently
         key += "|cuda"
-    if engine == "runtime" and kv_dtype in QUANTIZED_KV:
+    if engine == "runtime" and _quantized(kv_dtype):
         key += f"|scales={kv_scales}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -335,8 +340,8 @@ def _kv_hook(path: Path, config: dict, kv_dtype: str):
     """
     if kv_dtype == "fp32":
         return None
-    if kv_dtype in ("bf16", "fp16"):
-        low = torch.bfloat16 if kv_dtype == "bf16" else torch.float16
+    if not kv_format(kv_dtype).quantized:  # bf16, fp16
+        low = getattr(torch, kv_format(kv_dtype).torch_dtype)
         return lambda layer, key, value: (key.to(low).to(key.dtype), value.to(low).to(value.dtype))
     from kvconvert.checkpoint import CheckpointReader
     from kvconvert.quant.evaluate import fake_quant_hook

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import kv_format
 from kvconvert.quant.capture import (
     AttentionRecorder,
     cache_hook,
@@ -97,7 +98,7 @@ class CalibrationSettings:
 
     def key_phase_enabled(self, layout: KVLayout) -> bool:
         """Phases only help where the (rope) keys are quantized: not the MLA k_rope under nvfp4 (bf16)."""
-        return self.key_phase and not (layout.is_mla and self.kv_dtype == "nvfp4")
+        return self.key_phase and not (layout.is_mla and kv_format(self.kv_dtype).mla_rope_16bit)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvconvert.kvformat import kv_format
 from kvconvert.quant.capture import (
     CacheHook,
     cache_hook,
@@ -31,7 +32,7 @@ from kvconvert.quant.scales import KVScales
 
 def fake_quant_hook(layout: KVLayout, scales: KVScales) -> CacheHook:
     """Cache hook that quantize-dequantizes every cached tensor with `scales`."""
-    rope_tail = layout.qk_rope_head_dim if layout.is_mla and scales.kv_dtype == "nvfp4" else 0
+    rope_tail = layout.qk_rope_head_dim if layout.is_mla and kv_format(scales.kv_dtype).mla_rope_16bit else 0
 
     def row_hook(layer_idx: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         check_finite(layer_idx, kind, x)
@@ -40,7 +41,7 @@ def fake_quant_hook(layout: KVLayout, scales: KVScales) -> CacheHook:
             # MLA + NVFP4 stores only the latent in NVFP4; k_rope stays bf16 (FlashMLA's layout, and
             # what kvconvert.runtime and kvconvert.kernels store), so fake-quant the same way.
             latent, rope = x[..., :-rope_tail], x[..., -rope_tail:]
-            return torch.cat([fake_quant(latent, "nvfp4", scale),
+            return torch.cat([fake_quant(latent, scales.kv_dtype, scale),
                               rope.to(torch.bfloat16).to(x.dtype)], dim=-1)
         return fake_quant(x, scales.kv_dtype, scale)
     return cache_hook(layout, row_hook)

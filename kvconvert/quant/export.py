@@ -17,10 +17,11 @@ MLA (DeepSeek-V3): the engine caches one [latent | k_rope] row and vLLM applies 
 whole row; kvconvert writes that one row scale as both ``self_attn.k_scale`` and ``.v_scale`` (vLLM)
 and as ``self_attn.kv_a_proj_with_mqa.k_scale`` (ModelOpt-style name SGLang remaps for MLA).
 
-Scale convention: amax/448 for FP8 E4M3 and for NVFP4 (ModelOpt >= 0.42 / TensorRT-LLM); the NVFP4
-global scale is k_scale/6. FP8 E5M2 (amax/57344) has no checkpoint format in either engine (vLLM
-refuses fp8_e5m2 with a kv-cache scheme, ModelOpt has no E5M2 KV): its scales are written under the
-vLLM names for kvconvert's runtime, with no quantization_config.
+Which format goes under which names, its scale convention and its ModelOpt algorithm name are
+kvconvert.kvformat's: amax/448 for FP8 E4M3 and for NVFP4 (ModelOpt >= 0.42 / TensorRT-LLM; the
+NVFP4 global scale is k_scale/6); FP8 E5M2 (amax/57344) has no checkpoint format in either engine
+(vLLM refuses fp8_e5m2 with a kv-cache scheme, ModelOpt has no E5M2 KV): its scales are written
+under the vLLM names for kvconvert's runtime, with no quantization_config.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from kvconvert import __version__
 from kvconvert.errors import CheckpointError, KVConvertError
+from kvconvert.kvformat import SCALE_SUFFIXES, kv_format, scale_name
 from kvconvert.quant.fold import fold_layer, fold_plan
 from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.rotate import RotationPlan
@@ -44,24 +46,20 @@ from kvconvert.quant.scales import KVScales, is_kv_scale_name
 
 def resolve_format(fmt: str, kv_dtype: str, granularity: str) -> tuple[str, ...]:
     """Export formats for a request: ("vllm",), ("modelopt",) or both. Refuses impossible combinations."""
-    if fmt == "auto":
-        if kv_dtype == "nvfp4":
-            fmt = "modelopt"
-        elif kv_dtype == "fp8_e5m2" or granularity == "head":
-            fmt = "vllm"
-        else:
-            fmt = "both"
-    formats = ("vllm", "modelopt") if fmt == "both" else (fmt,)
+    kv = kv_format(kv_dtype)
+    if fmt == "auto":  # every export the format has; per-head scales only under the vLLM names
+        fmt = kv.exports[0] if len(kv.exports) == 1 else "vllm" if granularity == "head" else "both"
+    formats = tuple(SCALE_SUFFIXES) if fmt == "both" else (fmt,)
     for f in formats:
-        if f not in ("vllm", "modelopt"):
+        if f not in SCALE_SUFFIXES:
             raise KVConvertError(f"unknown --format {fmt!r}: use auto, vllm, modelopt or both")
-    if "modelopt" in formats and kv_dtype == "fp8_e5m2":
-        raise KVConvertError("ModelOpt/TensorRT-LLM have no FP8 E5M2 KV cache: use --format vllm or --kv-dtype fp8")
+    if "modelopt" in formats and "modelopt" not in kv.exports:
+        raise KVConvertError(f"ModelOpt/TensorRT-LLM have no {kv.title} KV cache: use --format vllm or --kv-dtype fp8")
     if "modelopt" in formats and granularity == "head":
         raise KVConvertError("ModelOpt/TensorRT-LLM read per-tensor KV scales only: use --granularity tensor or --format vllm")
-    if "vllm" in formats and kv_dtype == "nvfp4":
-        raise KVConvertError(
-            "compressed-tensors/vLLM have no static NVFP4 KV-cache scheme: use --format modelopt (the default for nvfp4)")
+    if "vllm" in formats and "vllm" not in kv.exports:
+        raise KVConvertError(f"compressed-tensors/vLLM have no static {kv.title} KV-cache scheme: use --format "
+                             f"modelopt (the default for {kv.name})")
     return formats
 
 
@@ -69,24 +67,19 @@ def scale_tensors(scales: KVScales, layout: KVLayout, formats: tuple[str, ...]) 
     """Checkpoint tensors for the scales, by name (see module docstring for names and shapes)."""
     out = {}
     for layer in range(scales.num_layers):
-        prefix = f"model.layers.{layer}.self_attn."
-        k, v = scales.k[layer].float(), scales.v[layer].float()
-        if "vllm" in formats:
+        if "vllm" in formats:  # the MLA row's one scale as both k_scale and v_scale
             shape = (-1, 1, 1) if scales.granularity == "head" else (1,)
-            out[prefix + "k_scale"] = k.reshape(shape).clone()
-            out[prefix + "v_scale"] = v.reshape(shape).clone()
+            for kind in ("k", "v"):
+                out[scale_name("vllm", kind, layer)] = scales.scale(layer, kind).float().reshape(shape).clone()
         if "modelopt" in formats:
-            if layout.is_mla:
-                out[prefix + "kv_a_proj_with_mqa.k_scale"] = k.reshape(()).clone()
-            else:
-                out[prefix + "k_proj.k_scale"] = k.reshape(()).clone()
-                out[prefix + "v_proj.v_scale"] = v.reshape(()).clone()
+            for kind in layout.kinds:
+                out[scale_name("modelopt", kind, layer)] = scales.scale(layer, kind).float().reshape(()).clone()
     return out
 
 
 def quantization_config(scales: KVScales) -> dict | None:
     """compressed-tensors quantization_config for config.json (None for fp8_e5m2, see docstring)."""
-    if scales.kv_dtype != "fp8":
+    if not kv_format(scales.kv_dtype).compressed_tensors:
         return None
     return {
         "quant_method": "compressed-tensors",
@@ -108,7 +101,7 @@ def hf_quant_config(scales: KVScales) -> dict:
     return {
         "producer": {"name": "kvconvert", "version": __version__},
         "quantization": {"quant_algo": None,
-                         "kv_cache_quant_algo": {"fp8": "FP8", "nvfp4": "NVFP4"}[scales.kv_dtype]},
+                         "kv_cache_quant_algo": kv_format(scales.kv_dtype).modelopt_algo},
     }
 
 
@@ -188,7 +181,7 @@ def plot_scales(scales: KVScales, path_or_buffer, title: str) -> None:
         ax.plot(layers, stacked.amax(1), color=color, marker="o", ms=3, label=label + (" (max over heads)" if stacked.shape[1] > 1 else ""))
     ax.set_yscale("log")
     ax.set_xlabel("layer")
-    ax.set_ylabel("scale (amax / 448)" if scales.kv_dtype != "fp8_e5m2" else "scale (amax / 57344)")
+    ax.set_ylabel(f"scale (amax / {kv_format(scales.kv_dtype).amax_divisor:g})")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

@@ -1,7 +1,7 @@
 """Quantize-dequantize ("fake quant") of what the engine caches, bit-exact with kvconvert.quant.formats.
 
-Scale convention (BRIEF §3): the exported ``k_scale`` / ``v_scale`` is ``amax / 448`` for FP8 E4M3
-and NVFP4 (``amax / 57344`` for FP8 E5M2). FP8 stores ``fp8(x / scale)``; NVFP4 uses the global
+Scale convention (kvconvert.kvformat): the exported ``k_scale`` / ``v_scale`` is ``amax / 448`` for
+FP8 E4M3 and NVFP4 (``amax / 57344`` for FP8 E5M2). FP8 stores ``fp8(x / scale)``; NVFP4 uses the global
 dequant scale ``scale / 6`` and E4M3 block scales over blocks of 16 along the last dim.
 
 Tensor layout here is transformers' cache layout ``[batch, heads, tokens, dim]``; a per-head scale
@@ -19,30 +19,25 @@ from __future__ import annotations
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import CALIBRATE_KV_DTYPES, KVFormat, kv_format
 from kvconvert.quant import formats as F
-from kvconvert.quant.options import KV_DTYPES
-
-_FP8_TORCH = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def check_kv_dtype(kv_dtype: str) -> str:
-    if kv_dtype not in KV_DTYPES:
-        raise KVConvertError(f"unknown kv-dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
-    return kv_dtype
+def check_kv_dtype(kv_dtype: str) -> KVFormat:
+    """The format of a calibrated kv_dtype (fp8, fp8_e5m2, nvfp4); KVConvertError for any other."""
+    if kv_dtype not in CALIBRATE_KV_DTYPES:
+        raise KVConvertError(f"unknown kv-dtype {kv_dtype!r}: use one of {', '.join(CALIBRATE_KV_DTYPES)}")
+    return kv_format(kv_dtype)
 
 
 def scale_from_amax(amax: torch.Tensor | float, kv_dtype: str):
     """Exported scale for a KV amax: amax/448 for fp8 (E4M3) and nvfp4, amax/57344 for fp8_e5m2."""
-    check_kv_dtype(kv_dtype)
-    if kv_dtype == "fp8_e5m2":
-        return F.fp8_amax_scale(amax, torch.float8_e5m2)
-    return F.kv_scale_from_amax(amax)
+    return check_kv_dtype(kv_dtype).scale_from_amax(amax)
 
 
 def amax_from_scale(scale: torch.Tensor | float, kv_dtype: str):
     """Inverse of :func:`scale_from_amax`: the largest |x| the scale represents without clipping."""
-    check_kv_dtype(kv_dtype)
-    return scale * (F.FP8_E5M2_MAX if kv_dtype == "fp8_e5m2" else F.FP8_E4M3_MAX)
+    return check_kv_dtype(kv_dtype).amax_from_scale(scale)
 
 
 def _head_broadcast(scale: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
@@ -61,10 +56,10 @@ def fake_quant(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | float) -> t
     scale: exported scale (python float, 0-d tensor, or [heads] per head). FP8 rounds x/scale to the
     format (RNE, saturating); NVFP4 quantizes blocks of 16 along dim with global scale scale/6.
     """
-    check_kv_dtype(kv_dtype)
+    fmt = check_kv_dtype(kv_dtype)
     s = _head_broadcast(scale, x)
-    if kv_dtype in _FP8_TORCH:
-        q = F.fp8_quantize(x, s, _FP8_TORCH[kv_dtype])
+    if fmt.torch_dtype:  # fp8: one code per value
+        q = F.fp8_quantize(x, s, getattr(torch, fmt.torch_dtype))
         return F.fp8_dequantize(q, s).to(x.dtype)
     g = F.nvfp4_global_scale_from_kv_scale(s)
     packed, block_scales = F.nvfp4_quantize(x, g)

@@ -27,12 +27,9 @@ from __future__ import annotations
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import E2M1_MAX, FP8_E4M3_MAX, FP8_E5M2_MAX, NVFP4_BLOCK
 
-FP8_E4M3_MAX = 448.0
-FP8_E5M2_MAX = 57344.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_MAX = 6.0
-NVFP4_BLOCK = 16
 
 FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
@@ -80,16 +77,6 @@ def _as_scale(scale: float | torch.Tensor, device: torch.device, what: str) -> t
 # ----------------------------------------------------------------------------------------------
 # scale conventions
 # ----------------------------------------------------------------------------------------------
-
-
-def fp8_amax_scale(amax: float | torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
-    """Dequant scale that maps ``amax`` onto the FP8 format's max: ``amax / max(dtype)``."""
-    return amax / _fp8_max(dtype)
-
-
-def kv_scale_from_amax(amax: float | torch.Tensor):
-    """Exported ``k_scale`` / ``v_scale`` for FP8 and NVFP4 KV caches: ``amax / 448`` (BRIEF §3)."""
-    return amax / FP8_E4M3_MAX
 
 
 def nvfp4_global_scale_from_kv_scale(kv_scale: float | torch.Tensor):
@@ -259,8 +246,6 @@ __all__ = [
     "E2M1_VALUES",
     "E2M1_MAX",
     "NVFP4_BLOCK",
-    "fp8_amax_scale",
-    "kv_scale_from_amax",
     "nvfp4_global_scale_from_kv_scale",
     "fp8_quantize",
     "fp8_dequantize",

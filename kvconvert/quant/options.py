@@ -4,9 +4,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from kvconvert.kvformat import CALIBRATE_KV_DTYPES as KV_DTYPES
 from kvconvert.stage_options import StageOptions
 
-KV_DTYPES = ("fp8", "fp8_e5m2", "nvfp4")
 OBSERVERS = ("amax", "percentile", "mse")
 GRANULARITIES = ("tensor", "head")
 FORMATS = ("auto", "vllm", "modelopt", "both")

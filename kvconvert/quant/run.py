@@ -17,6 +17,7 @@ import torch
 
 from kvconvert import __version__
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import kv_format
 from kvconvert.quant.calibrate import (
     CalibrationResult,
     CalibrationSettings,
@@ -159,8 +160,7 @@ def build_report(job: CalibrateJob, src: Path, layout: KVLayout, result: Calibra
         "percentile": job.options.percentile if job.options.observer == "percentile" else None,
         "granularity": job.options.granularity,
         "formats": list(job.formats),
-        "scale_convention": ("amax / 57344 (fp8 e5m2)" if job.options.kv_dtype == "fp8_e5m2" else
-                             "amax / 448; NVFP4 global scale = scale / 6" if job.options.kv_dtype == "nvfp4" else "amax / 448"),
+        "scale_convention": kv_format(job.options.kv_dtype).scale_rule,
         "mla_row": ("one scale for the cached [latent | k_rope] row, written as k_scale and v_scale"
                     if layout.is_mla else None),
         "calibration": {"data": job.options.calib_data, "tokens": tokens, "windows": int(windows.shape[0]),

@@ -19,16 +19,17 @@ from pathlib import Path
 import torch
 
 from kvconvert.errors import CheckpointError, KVConvertError
+from kvconvert.kvformat import SCALE_SUFFIXES, scale_names
 from kvconvert.quant.fake_quant import check_kv_dtype
 from kvconvert.quant.observers import GRANULARITIES
 
-_VLLM_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
-_MODELOPT_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj|kv_a_proj_with_mqa)\.([kv])_scale$")
+_SCALE_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.(?:%s)$" % "|".join(
+    re.escape(suffix) for names in SCALE_SUFFIXES.values() for suffix in names.values()))
 
 
 def is_kv_scale_name(name: str) -> bool:
     """True for every tensor name kvconvert writes for KV scales (both formats)."""
-    return bool(_VLLM_RE.match(name) or _MODELOPT_RE.match(name))
+    return bool(_SCALE_RE.match(name))
 
 
 @dataclass
@@ -92,20 +93,19 @@ def read_kv_scales(folder: str | Path) -> KVScales:
         raise CheckpointError(f"{folder}: no calibration_report.json; run `kvconvert calibrate` on it first")
     report = json.loads(report_path.read_text())
     reader = CheckpointReader(folder, verify=False)
-    found: dict[tuple[int, str], torch.Tensor] = {}
-    for pattern in (_MODELOPT_RE, _VLLM_RE):  # vLLM names overwrite ModelOpt ones when both exist
-        for name in reader.weight_map:
-            m = pattern.match(name)
-            if m:
-                found[(int(m.group(1)), m.group(2))] = reader.get(name, torch.float32).reshape(-1)
-    n_layers = int(report["num_layers"])
+
+    def first(names: list[str]) -> torch.Tensor | None:  # vLLM names win over ModelOpt ones
+        name = next((n for n in names if n in reader.weight_map), None)
+        return None if name is None else reader.get(name, torch.float32).reshape(-1)
+
     granularity = report["granularity"]
     ks, vs = [], []
-    for layer in range(n_layers):
-        if (layer, "k") not in found:
+    for layer in range(int(report["num_layers"])):
+        k = first(scale_names("k", layer) + scale_names("kv", layer))
+        if k is None:
             raise CheckpointError(f"{folder}: no k_scale for layer {layer}; recalibrate")
-        k = found[(layer, "k")]
-        v = found.get((layer, "v"), k)  # MLA ModelOpt export writes k_scale only
+        v = first(scale_names("v", layer))
+        v = k if v is None else v  # MLA ModelOpt export writes k_scale only
         ks.append(k if granularity == "head" else k.reshape(()))
         vs.append(v if granularity == "head" else v.reshape(()))
     return KVScales(report["kv_dtype"], granularity, report["layout"], ks, vs)

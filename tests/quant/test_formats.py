@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import kv_format
 from kvconvert.quant import formats as F
 
 FINITE = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False, width=32)
@@ -117,11 +118,11 @@ def test_fp8_zeros_and_bf16_input():
 
 
 def test_scale_conventions():
-    assert F.kv_scale_from_amax(448.0) == 1.0
-    assert F.fp8_amax_scale(57344.0, torch.float8_e5m2) == 1.0
-    assert F.nvfp4_global_scale_from_kv_scale(F.kv_scale_from_amax(2688.0)) == 1.0  # 6*448
+    assert kv_format("fp8").scale_from_amax(448.0) == 1.0
+    assert kv_format("fp8_e5m2").scale_from_amax(57344.0) == 1.0
+    assert F.nvfp4_global_scale_from_kv_scale(kv_format("nvfp4").scale_from_amax(2688.0)) == 1.0  # 6*448
     amax = torch.tensor([10.7736, 0.6014])
-    assert torch.allclose(F.kv_scale_from_amax(amax) * 448, amax)
+    assert torch.allclose(kv_format("fp8").scale_from_amax(amax) * 448, amax)
 
 
 def test_fp8_tile_quantize_roundtrip_and_zero_tile():
@@ -271,7 +272,7 @@ def test_nvfp4_per_head_broadcast_equals_per_head_calls():
     torch.manual_seed(2)
     x = torch.randn(6, 3, 64) * torch.tensor([0.1, 1.0, 10.0]).reshape(1, 3, 1)
     amax = x.abs().amax(dim=(0, 2)).reshape(3, 1)
-    g = F.nvfp4_global_scale_from_kv_scale(F.kv_scale_from_amax(amax))
+    g = F.nvfp4_global_scale_from_kv_scale(kv_format("nvfp4").scale_from_amax(amax))
     packed, scales = F.nvfp4_quantize(x, g)
     assert packed.shape == (6, 3, 32) and scales.shape == (6, 3, 4) and scales.dtype == torch.float8_e4m3fn
     for h in range(3):

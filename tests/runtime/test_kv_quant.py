@@ -17,7 +17,10 @@ from kvconvert.runtime import LLM, SamplingParams
 from transformers import DynamicCache
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import kv_format
 from kvconvert.quant import formats as F
+
+kv_scale_from_amax = kv_format("fp8").scale_from_amax  # amax / 448: FP8 E4M3 and NVFP4 alike
 
 ATOL = 1e-4
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -78,12 +81,12 @@ def _calibrate(ref, prompt, per_head: bool, mla: bool):
     for layer in cache.layers:
         k, v = layer.keys, layer.values  # Llama [1, H, S, D]; MLA latent / k_rope [1, 1, S, *]
         if mla:
-            s = 0.7 * F.kv_scale_from_amax(torch.cat([k, v], -1).abs().amax())
+            s = 0.7 * kv_scale_from_amax(torch.cat([k, v], -1).abs().amax())
             scales.append((s, s))
         elif per_head:
-            scales.append(tuple(0.7 * F.kv_scale_from_amax(t.abs().amax(dim=(0, 2, 3))) for t in (k, v)))
+            scales.append(tuple(0.7 * kv_scale_from_amax(t.abs().amax(dim=(0, 2, 3))) for t in (k, v)))
         else:
-            scales.append(tuple(0.7 * F.kv_scale_from_amax(t.abs().amax()) for t in (k, v)))
+            scales.append(tuple(0.7 * kv_scale_from_amax(t.abs().amax()) for t in (k, v)))
     return scales
 
 
@@ -159,8 +162,8 @@ def test_dynamic_scales_use_the_first_prefill_amax(llama_gqa):
         llm = LLM(llama_gqa, kv_dtype="fp8", kv_scales="dynamic")
     out = llm.generate([prompt], SamplingParams(max_tokens=16, greedy=True, ignore_eos=True))[0]
     layer0 = llm.cache.layers[0]
-    torch.testing.assert_close(layer0["k"].kv_scale, F.kv_scale_from_amax(cache.layers[0].keys.abs().amax()))
-    torch.testing.assert_close(layer0["v"].kv_scale, F.kv_scale_from_amax(cache.layers[0].values.abs().amax()))
+    torch.testing.assert_close(layer0["k"].kv_scale, kv_scale_from_amax(cache.layers[0].keys.abs().amax()))
+    torch.testing.assert_close(layer0["v"].kv_scale, kv_scale_from_amax(cache.layers[0].values.abs().amax()))
     scales = [(layer["k"].kv_scale, layer["v"].kv_scale) for layer in llm.cache.layers]
     _, ref_tokens = _reference(ref, prompt, llama_fns("fp8", scales), 16)
     assert out.token_ids == ref_tokens

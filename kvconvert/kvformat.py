@@ -1,0 +1,182 @@
+"""The KV-cache formats kvconvert knows, defined once. Pure Python: no torch import.
+
+Every other module (the planner's byte counts, the runtime's stores and CLI choices, calibrate's
+exported scales and names, the kernels' cache modes, validate's choices) reads these entries;
+docs/formats.md ("The format registry") has the table :func:`markdown_table` writes.
+
+Conventions (docs/formats.md, "KV-cache number formats and scales"):
+
+* A quantized format is stored with scales; the checkpoint's exported ``k_scale`` / ``v_scale`` is
+  ``amax / amax_divisor``: 448 (the E4M3 max) for FP8 E4M3 and for NVFP4, 57344 for FP8 E5M2.
+  Those scales are per tensor (or per KV head), fp32, a few bytes per layer: not counted in bytes.
+* NVFP4: E2M1 codes, one E4M3 scale per block of 16 values along head_dim (the latent for MLA),
+  plus an fp32 global scale = kv_scale / 6.
+* Under a 4-bit format MLA keeps k_rope (the last qk_rope_head_dim values of its cached row) in
+  16 bits, as the runtime and kernels store it: it carries the position signal.
+* `engines` are kvconvert.targets names (which MLA shapes each engine serves is there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvconvert.errors import KVConvertError
+
+FP8_E4M3_MAX = 448.0
+FP8_E5M2_MAX = 57344.0
+E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+ROPE_BYTES = 2  # a 16-bit value of MLA's k_rope kept out of a 4-bit format
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One KV-cache number format (module docstring for the conventions)."""
+
+    name: str
+    title: str
+    bits: int  # per stored value
+    quantized: bool  # stored with scales (a calibrated or dynamic kv scale per tensor / head)
+    torch_dtype: str | None = None  # torch dtype the values are stored in; None: packed codes
+    block: int | None = None  # values sharing one block scale, along head_dim; None: no block scales
+    block_scale: str | None = None  # number format of a block scale
+    block_scale_bytes: int = 0  # bytes of one block scale
+    amax_divisor: float | None = None  # exported kv scale = amax / amax_divisor
+    mla_rope_16bit: bool = False  # MLA: k_rope stays 16-bit, only the latent takes this format
+    kernel_mode: str | None = None  # kvconvert.kernels cache mode; None: the Triton kernels cannot read it
+    exports: tuple[str, ...] = ()  # checkpoint scale names it is written under (SCALE_SUFFIXES keys)
+    compressed_tensors: bool = False  # config.json gets a compressed-tensors kv_cache_scheme (vLLM)
+    modelopt_algo: str | None = None  # hf_quant_config.json kv_cache_quant_algo (ModelOpt / TensorRT-LLM)
+    engines: tuple[str, ...] = ()  # kvconvert.targets names that serve it; () = planning only
+    vllm_cache_dtype: str | None = None  # vLLM's kv_cache_dtype for it ("auto": the model's dtype)
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def bytes_per_value(self) -> float:
+        """Average bytes per value for vectors whose length is a multiple of the block."""
+        return self.bits / 8 + (self.block_scale_bytes / self.block if self.block else 0.0)
+
+    def vector_bytes(self, num_values: int, rope_tail: int = 0) -> int:
+        """Bytes to store one cached vector of `num_values` values: the codes, then one scale per
+        block (a partial last block still needs its own). `rope_tail`: the vector is an MLA row whose
+        last `rope_tail` values are k_rope, kept 16-bit by a format with mla_rope_16bit."""
+        tail = rope_tail if self.mla_rope_16bit else 0
+        n = num_values - tail
+        blocks = math.ceil(n / self.block) if self.block else 0
+        return math.ceil(n * self.bits / 8) + blocks * self.block_scale_bytes + ROPE_BYTES * tail
+
+    @property
+    def scale_rule(self) -> str:
+        """How the exported kv scale is made (calibration_report.json's scale_convention)."""
+        if self.amax_divisor is None:
+            return "-"
+        nvfp4 = f"; NVFP4 global scale = scale / {E2M1_MAX:g}" if self.block_scale == "e4m3" else ""
+        return f"amax / {self.amax_divisor:g}{nvfp4}"
+
+    def scale_from_amax(self, amax):
+        """Exported kv scale for an amax (float or tensor): amax / amax_divisor."""
+        return amax / self.amax_divisor
+
+    def amax_from_scale(self, scale):
+        """The largest |x| an exported scale represents without clipping."""
+        return scale * self.amax_divisor
+
+
+_RUNTIME = "kvconvert"  # the bundled paged runtime (kvconvert.targets)
+_E4M3_SCALED = dict(quantized=True, amax_divisor=FP8_E4M3_MAX)
+
+KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
+    KVFormat("bf16", "bfloat16", 16, False, "bfloat16", kernel_mode="none",
+             engines=("vllm", "tensorrt-llm", _RUNTIME), vllm_cache_dtype="bfloat16"),
+    KVFormat("fp16", "IEEE float16", 16, False, "float16", kernel_mode="none",
+             engines=("vllm", "tensorrt-llm", _RUNTIME), vllm_cache_dtype="float16"),
+    # vLLM has no fp32 cache dtype: "auto" caches in the model's dtype, fp32 for `validate --engine vllm`
+    KVFormat("fp32", "IEEE float32", 32, False, "float32", kernel_mode="none", engines=("vllm", _RUNTIME),
+             vllm_cache_dtype="auto"),
+    KVFormat("fp8", "FP8 E4M3", 8, torch_dtype="float8_e4m3fn", kernel_mode="fp8", exports=("vllm", "modelopt"),
+             compressed_tensors=True, modelopt_algo="FP8", engines=("vllm", "tensorrt-llm", _RUNTIME),
+             vllm_cache_dtype="fp8", aliases=("fp8_e4m3",), **_E4M3_SCALED),
+    # no checkpoint format in either engine (vLLM refuses it with a kv-cache scheme, ModelOpt has no
+    # E5M2 KV): its scales go under the vLLM names for kvconvert's runtime, with no config
+    KVFormat("fp8_e5m2", "FP8 E5M2", 8, True, "float8_e5m2", amax_divisor=FP8_E5M2_MAX, exports=("vllm",),
+             engines=("vllm", _RUNTIME), vllm_cache_dtype="fp8_e5m2"),
+    # vLLM: GQA NVFP4 KV on SM100 only, refused for MLA; compressed-tensors has no static NVFP4 scheme
+    KVFormat("nvfp4", "NVFP4", 4, block=NVFP4_BLOCK, block_scale="e4m3", block_scale_bytes=1,
+             mla_rope_16bit=True, kernel_mode="nvfp4", exports=("modelopt",), modelopt_algo="NVFP4",
+             engines=("tensorrt-llm", _RUNTIME), **_E4M3_SCALED),
+    # planning only (`kvconvert budget`): int8 with per-tensor scales; our int4 convention, symmetric
+    # 4-bit integers with one fp16 scale per 32 values (0.5625 bytes/value, as NVFP4)
+    KVFormat("int8", "int8", 8, True),
+    KVFormat("int4", "int4", 4, True, block=32, block_scale="fp16", block_scale_bytes=2, mla_rope_16bit=True),
+)}
+ALIASES = {alias: f.name for f in KV_FORMATS.values() for alias in f.aliases}
+AUTO = "auto"  # a CLI's "the engine's own unquantized cache"
+KERNEL_MODES = tuple(dict.fromkeys(f.kernel_mode for f in KV_FORMATS.values() if f.kernel_mode))
+
+
+def kv_format(name: str) -> KVFormat:
+    """The format named `name` (or one of its aliases), case-insensitive."""
+    key = name.lower()
+    try:
+        return KV_FORMATS[ALIASES.get(key, key)]
+    except KeyError:
+        raise KVConvertError(f"unknown KV dtype {name!r}; choose one of {', '.join(KV_FORMATS)}") from None
+
+
+def kv_dtype_names(engine: str | None = None, quantized: bool | None = None, aliases: bool = False,
+                   auto: bool = False) -> tuple[str, ...]:
+    """Format names in registry order: those `engine` serves (None: all), only the quantized or the
+    unquantized ones, each followed by its aliases, "auto" first."""
+    names = [AUTO] if auto else []
+    for f in KV_FORMATS.values():
+        if (engine is None or engine in f.engines) and (quantized is None or f.quantized == quantized):
+            names += [f.name, *(f.aliases if aliases else ())]
+    return tuple(names)
+
+
+RUNTIME_KV_DTYPES = kv_dtype_names(_RUNTIME, aliases=True)  # kvconvert.runtime's kv_dtype choices
+CALIBRATE_KV_DTYPES = kv_dtype_names(_RUNTIME, quantized=True)  # `kvconvert calibrate --kv-dtype`
+VALIDATE_KV_DTYPES = kv_dtype_names(_RUNTIME, aliases=True, auto=True)  # `kvconvert validate`, recipes
+INSPECT_KV_DTYPES = ("bf16", "fp8", "nvfp4")  # `kvconvert inspect` lists one format per width: 16, 8, 4 bits
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint names of the KV scales: "model.layers.{i}.self_attn." + suffix, per export format and
+# cached quantity ("k", "v", or "kv" = MLA's one [latent | k_rope] row, whose scale vLLM reads as
+# k_scale; SGLang remaps the ModelOpt-style kv_a_proj_with_mqa.k_scale)
+# ----------------------------------------------------------------------------------------------
+
+SCALE_SUFFIXES = {
+    "vllm": {"k": "k_scale", "v": "v_scale", "kv": "k_scale"},  # compressed-tensors / vLLM
+    "modelopt": {"k": "k_proj.k_scale", "v": "v_proj.v_scale", "kv": "kv_a_proj_with_mqa.k_scale"},  # + TRT-LLM
+}
+SHARED_SCALE_SUFFIX = "kv_scale"  # read only: vLLM maps one shared kv_scale to both K and V
+
+
+def scale_name(export: str, kind: str, layer: int) -> str:
+    return f"model.layers.{layer}.self_attn.{SCALE_SUFFIXES[export][kind]}"
+
+
+def scale_names(kind: str, layer: int) -> list[str]:
+    """The names kvconvert writes for a scale, in the order readers prefer them (vLLM's first)."""
+    return [scale_name(export, kind, layer) for export in SCALE_SUFFIXES]
+
+
+# ----------------------------------------------------------------------------------------------
+# docs/formats.md's table
+# ----------------------------------------------------------------------------------------------
+
+
+def markdown_table() -> str:
+    """The registry as the markdown table of docs/formats.md."""
+    rows = ["| name | bits | block scales | exported scale | MLA k_rope | kernel mode | scale names | "
+            "hf_quant_config | vLLM kv_cache_dtype | engines |", "|" + " --- |" * 10]
+    for f in KV_FORMATS.values():
+        name = " / ".join(f"`{n}`" for n in (f.name, *f.aliases))
+        blocks = f"{f.block_scale} per {f.block}" if f.block else "-"
+        rope = "16-bit" if f.mla_rope_16bit else "as the latent"
+        engines = ", ".join(f.engines) or "planning only"
+        cells = (name, f.bits, blocks, f.scale_rule, rope, f.kernel_mode, ", ".join(f.exports), f.modelopt_algo,
+                 f.vllm_cache_dtype, engines)
+        rows.append("| " + " | ".join(str(c or "-") for c in cells) + " |")
+    return "\n".join(rows)
