@@ -114,7 +114,7 @@ def main():
                                   str(args.repeats), args.device], capture_output=True, text=True, check=True)
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps(results[-1]), flush=True)
-    command = "python scripts/bench_heal_loss.py " + " ".join(sys.argv[1:])
+    command = " ".join(["python scripts/bench_heal_loss.py", *sys.argv[1:]])
     JSON_OUT.write_text(json.dumps({"command": command, "results": results}, indent=2))
     table = markdown(results, command)
     if not args.no_doc:
