@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
 from kvconvert.errors import KVConvertError
+from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets
 from kvconvert.heal.reparam import ScaledWeight, row_scales
 from kvconvert.recipe import TRAINABLE_ATTENTION, DistillStage
 
@@ -45,14 +45,6 @@ class DistillResult:
     finished: bool = False
     tokens_seen: int = 0
     seconds: float = 0.0
-
-
-def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Mean over positions of tau^2 KL(p_t || p_s); logits [B, T, V] (computed in float32)."""
-    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    kl = (t.exp() * (t - s)).sum(-1)
-    return kl.mean() * temperature ** 2
 
 
 def hidden_state_loss(teacher_states, student_states) -> torch.Tensor:
@@ -296,12 +288,12 @@ class Distiller:
         if hidden:
             parts["hidden"] = hidden_state_loss(t_out.hidden_states, s_out.hidden_states)
             loss = loss + s.hidden_weight * parts["hidden"]
-        if s.kl_weight:
-            parts["kl"] = kl_loss(t_logits, s_logits, s.temperature)
-            loss = loss + s.kl_weight * parts["kl"]
-        if s.lm_weight:
-            parts["ce"] = F.cross_entropy(s_logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
-            loss = loss + s.lm_weight * parts["ce"]
+        if s.kl_weight or s.lm_weight:
+            # fused over the vocabulary: no float32 [B, T, V] copies (kvconvert.heal.fused_loss)
+            logit_loss, logit_parts = fused_distill_loss(s_logits, t_logits, next_token_targets(batch),
+                                                         s.temperature, s.kl_weight, s.lm_weight)
+            parts.update(logit_parts)
+            loss = loss + logit_loss
         return loss, {k: float(v.detach()) for k, v in parts.items()}
 
     def train_step(self) -> dict:

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Distillation loss over the vocabulary: the fused, chunked loss vs plain autograd, side by side.
+
+  python scripts/bench_heal_loss.py [--rows 2048] [--vocab 49152] [--dtypes fp32,bf16] [--repeats 3]
+                                    [--device cpu|cuda] [--no-doc]
+
+Each (variant, dtype) runs in its own child process: forward + backward of KL (+0.5 CE) on random
+student/teacher logits [rows, vocab] (rows = batch x seq_len positions; SmolLM2's vocabulary by
+default). Reported: median seconds per forward+backward and the peak memory the loss adds on top of
+its inputs (CPU: the child's VmHWM, reset once the inputs are made, minus its RSS then; CUDA:
+max_memory_allocated minus the inputs). Writes docs/bench_heal_loss.json and the table between the
+bench_heal_loss markers in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JSON_OUT = ROOT / "docs" / "bench_heal_loss.json"
+DOC = ROOT / "docs" / "BENCHMARKS.md"
+BEGIN, END = "<!-- bench_heal_loss:begin -->", "<!-- bench_heal_loss:end -->"
+
+
+def _status_bytes(field: str) -> int:
+    """VmRSS / VmHWM of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM to the current RSS, so making the inputs does not count."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def child(variant: str, dtype: str, rows: int, vocab: int, repeats: int, device: str) -> dict:
+    import torch
+
+    from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets, reference_distill_loss
+
+    fn = {"fused": fused_distill_loss, "reference": reference_distill_loss}[variant]
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    g = torch.Generator().manual_seed(0)
+    student = (torch.randn(1, rows, vocab, generator=g) * 3).to(device, dt)
+    teacher = (student.float() + torch.randn(1, rows, vocab, generator=g).to(device)).to(dt)
+    targets = next_token_targets(torch.randint(0, vocab, (1, rows), generator=g)).to(device)
+    z = student.requires_grad_(True)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        _reset_peak_rss()
+        base = _status_bytes("VmRSS")
+    times = []
+    for _ in range(repeats):
+        z.grad = None
+        t0 = time.perf_counter()
+        loss, _ = fn(z, teacher, targets, kl_weight=1.0, lm_weight=0.5)
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if cuda else _status_bytes("VmHWM")
+    return {"variant": variant, "dtype": dtype, "rows": rows, "vocab": vocab, "device": device,
+            "seconds": round(statistics.median(times), 3), "loss": round(float(loss), 6),
+            "extra_memory_gb": round((peak - base) / 1e9, 3)}
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    lines = ["| logits dtype | rows x vocab | variant | s per forward+backward | memory over the inputs | loss |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['rows']} x {r['vocab']} | {r['variant']} | {r['seconds']} | "
+                     f"{r['extra_memory_gb']:.2f} GB | {r['loss']} |")
+    return "\n".join(lines) + f"\n\nCommand: `{command}` (device {rows[0]['device']})"
+
+
+def write_doc(block: str) -> None:
+    text = DOC.read_text()
+    block = f"{BEGIN}\n{block}\n{END}"
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
+
+
+def main():
+    if sys.argv[1:2] == ["_child"]:
+        v, d, rows, vocab, reps, dev = sys.argv[2:8]
+        print(json.dumps(child(v, d, int(rows), int(vocab), int(reps), dev)))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-doc", action="store_true")
+    args = ap.parse_args()
+    results = []
+    for dtype in args.dtypes.split(","):
+        for variant in ("reference", "fused"):
+            out = subprocess.run([sys.executable, __file__, "_child", variant, dtype, str(args.rows), str(args.vocab),
+                                  str(args.repeats), args.device], capture_output=True, text=True, check=True)
+            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(json.dumps(results[-1]), flush=True)
+    command = " ".join(["python scripts/bench_heal_loss.py", *sys.argv[1:]])
+    JSON_OUT.write_text(json.dumps({"command": command, "results": results}, indent=2))
+    table = markdown(results, command)
+    if not args.no_doc:
+        write_doc(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
