@@ -6,23 +6,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvconvert.models.common import rms_norm
+from kvconvert.models.common import DecoderLayer, rms_norm, short_names
 
 
 class Decoder:
-    """A decoder of `layer_cls` layers (kvconvert.models' typed weights) over the paged KV cache.
+    """A decoder of kvconvert.models' layers (DecoderLayer of attention_cls) over the paged KV cache.
     Subclasses give attention(layer.attn, x, angles, stores, meta, attn) and layout_from_config.
 
     cos/sin for every position up to max_positions are precomputed as transformers computes them:
     fp32 position * inv_freq, cos/sin, times the attention factor."""
 
-    def __init__(self, reader, shape, layer_cls, dtype: torch.dtype, max_positions: int | None):
+    def __init__(self, reader, shape, attention_cls, dtype: torch.dtype, max_positions: int | None):
         self.config, self.shape, self.dtype = reader.config, shape, dtype
         self.vocab_size, self.eps = shape.vocab, shape.rms_eps
         positions = torch.arange(max_positions or shape.max_position_embeddings)
         self.cos, self.sin = shape.rope.cos_sin(positions, dtype)  # [positions, rope dim / 2]
-        self.embed, self.norm, self.lm_head, self.layers = load_decoder(
-            reader, dtype, shape.layers, lambda w: layer_cls.from_checkpoint(w, shape))
+        # weights mapped in `dtype` (views of the files when it is the stored dtype); lm_head falls
+        # back to the tied embedding
+        self.embed = reader.mapped("model.embed_tokens.weight", dtype)
+        self.norm = reader.mapped("model.norm.weight", dtype)
+        self.lm_head = reader.mapped("lm_head.weight", dtype) if "lm_head.weight" in reader else self.embed
+        self.layers = [DecoderLayer.of(short_names(reader.tensors(f"model.layers.{i}.", dtype, mapped=True)),
+                                       attention_cls, shape.hidden_act) for i in range(shape.layers)]
 
     def kv_layout(self):
         return self.layout_from_config(self.config)
@@ -59,17 +64,3 @@ def fp32_logits(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         hi = min(lo + LOGIT_CHUNK, lm_head.shape[0])
         out[:, lo:hi] = F.linear(hidden, lm_head[lo:hi].float())
     return out
-
-
-def load_decoder(reader, dtype, num_layers: int, make_layer) -> tuple:
-    """(embed, final norm, lm_head, [make_layer(weights) per layer]) mapped from the checkpoint in
-    `dtype` (views of the files when it is the stored dtype); lm_head falls back to the tied embedding."""
-    def get(name):
-        return reader.mapped(name, dtype)
-    embed = get("model.embed_tokens.weight")
-    lm_head = get("lm_head.weight") if "lm_head.weight" in reader else embed
-    layers = []
-    for i in range(num_layers):
-        prefix = f"model.layers.{i}."
-        layers.append(make_layer({k[len(prefix):]: v for k, v in reader.tensors(prefix, dtype, mapped=True).items()}))
-    return embed, get("model.norm.weight"), lm_head, layers

@@ -37,42 +37,23 @@ from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla import factorize as fz
 from kvconvert.mla.options import LATENT_LINEAR_RHO
 from kvconvert.models import deepseek_v3 as ds, llama
-from kvconvert.models.common import rms_norm
-from kvconvert.models.deepseek_v3 import DeepseekV3Layer, MLAAttention, MLAShape
-from kvconvert.models.llama import LlamaLayer, LlamaShape
+from kvconvert.models.common import DecoderLayer, rms_norm, short_names, take
+from kvconvert.models.deepseek_v3 import MLAAttention, MLAShape
+from kvconvert.models.llama import LlamaAttention, LlamaShape
 from kvconvert.recipe import LayerwiseStage
 
 CHUNK_WINDOWS = 8  # windows per forward when evaluating on the whole calibration set
 
-# short name -> "model.layers.{i}.self_attn.<name>.weight"; a student has q_proj or, with low-rank
-# queries, q_a_proj + q_a_layernorm + q_b_proj. The rest of a layer is the same in both models.
-STUDENT_ATTENTION = fmt.TARGET_ATTENTION
-LAYER_OTHER = {
-    "input_layernorm": "model.layers.{i}.input_layernorm.weight",
-    "post_attention_layernorm": "model.layers.{i}.post_attention_layernorm.weight",
-    "gate_proj": "model.layers.{i}.mlp.gate_proj.weight",
-    "up_proj": "model.layers.{i}.mlp.up_proj.weight",
-    "down_proj": "model.layers.{i}.mlp.down_proj.weight",
-}
 
-
-def read_layer(reader: CheckpointReader, names: dict[str, str], i: int, device="cpu") -> dict:
-    """Layer i's tensors (those the checkpoint has) by short name, float32 on `device`."""
-    return {short: reader.get(name.format(i=i), torch.float32).to(device) for short, name in names.items()
-            if name.format(i=i) in reader}
-
-
-def teacher_layer(reader: CheckpointReader, i: int, device="cpu") -> LlamaLayer:
-    return LlamaLayer.of(read_layer(reader, {**fmt.SOURCE_ATTENTION, **LAYER_OTHER}, i, device))
-
-
-def student_layer(reader: CheckpointReader, i: int, device="cpu") -> DeepseekV3Layer:
-    return DeepseekV3Layer.of(read_layer(reader, {**STUDENT_ATTENTION, **LAYER_OTHER}, i, device))
+def read_layer(reader: CheckpointReader, i: int, attention_cls, device="cpu") -> DecoderLayer:
+    """Layer i's weights in float32 on `device`; attention_cls: LlamaAttention (teacher) or MLAAttention (student)."""
+    w = short_names(reader.tensors(f"model.layers.{i}.", torch.float32))
+    return DecoderLayer.of({k: v.to(device) for k, v in w.items()}, attention_cls)
 
 
 def attention_tensors(a: MLAAttention) -> dict:
     """The attention's weights by short name (the ones present): what the fit optimises."""
-    return {k: getattr(a, k) for k in STUDENT_ATTENTION if getattr(a, k) is not None}
+    return {k: getattr(a, k) for k in fmt.TARGET_ATTENTION if getattr(a, k) is not None}
 
 
 @dataclass
@@ -90,7 +71,7 @@ def relative_error(x: torch.Tensor, y: torch.Tensor, w: dict, shape: MLAShape) -
     """sum |A_s(x) - y|^2 / sum |y|^2 over all windows (chunked)."""
     num = den = 0.0
     for sl in _chunks(x.shape[0]):
-        diff = ds.attention(x[sl], MLAAttention.of(w), shape) - y[sl]
+        diff = ds.attention(x[sl], take(MLAAttention, w), shape) - y[sl]
         num += float(diff.double().pow(2).sum())
         den += float(y[sl].double().pow(2).sum())
     return num / max(den, 1e-300)
@@ -117,7 +98,7 @@ def refit_o_proj(x: torch.Tensor, y: torch.Tensor, w: dict, shape: MLAShape) -> 
     energy = 0.0
     n = 0
     for sl in _chunks(x.shape[0]):
-        a = ds.attention_heads(x[sl], MLAAttention.of(w), shape).reshape(-1, din).double()
+        a = ds.attention_heads(x[sl], take(MLAAttention, w), shape).reshape(-1, din).double()
         t = y[sl].reshape(-1, y.shape[-1]).double()
         cov += a.T @ a
         cross += t.T @ a
@@ -211,7 +192,7 @@ def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseStage, generator)
         idx = torch.randperm(n, generator=generator)[: stage.batch_windows].to(x.device)
         w = dict(w0)
         w.update({k: scales[k] * p for k, p in params.items()})
-        loss = (ds.attention(x[idx], MLAAttention.of(w), shape) - y[idx]).pow(2).mean() / denom
+        loss = (ds.attention(x[idx], take(MLAAttention, w), shape) - y[idx]).pow(2).mean() / denom
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -222,7 +203,7 @@ def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseStage, generator)
 
 # ------------------------------------------------------------------------- streaming driver
 
-def block_targets(h_t, h_s, tw: LlamaLayer, sw: DeepseekV3Layer, t_shape: LlamaShape, s_shape: MLAShape, target: str):
+def block_targets(h_t, h_s, tw: DecoderLayer, sw: DecoderLayer, t_shape: LlamaShape, s_shape: MLAShape, target: str):
     """(x, y, teacher attention output) for one layer, chunked over windows.
 
     x: the student block's input (normed), y: what A_s(x) should produce (see module docstring).
@@ -246,7 +227,7 @@ def block_targets(h_t, h_s, tw: LlamaLayer, sw: DeepseekV3Layer, t_shape: LlamaS
 
 
 @torch.no_grad()
-def _advance(h_t, h_s, a_t, tw: LlamaLayer, sw: DeepseekV3Layer, t_shape: LlamaShape, s_shape: MLAShape):
+def _advance(h_t, h_s, a_t, tw: DecoderLayer, sw: DecoderLayer, t_shape: LlamaShape, s_shape: MLAShape):
     """Both streams through layer i (teacher attention output a_t already computed)."""
     new_t, new_s = [], []
     for sl in _chunks(h_t.shape[0]):
@@ -331,13 +312,13 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
         if i < start:
             fitted = state.load_layer(i)
         else:
-            tw, sw = teacher_layer(teacher, i, device), student_layer(student, i, device)
+            tw, sw = read_layer(teacher, i, LlamaAttention, device), read_layer(student, i, MLAAttention, device)
             x, y, a_t = block_targets(h_t, h_s, tw, sw, t_shape, s_shape, stage.target)
             gen = torch.Generator().manual_seed(stage.seed * 100_003 + i)  # per layer: resumable
             fit = fit_attention_block(x[:n_fit], y[:n_fit], attention_tensors(sw.attn), s_shape, stage, gen,
                                       x[n_fit:] if val_windows else None, y[n_fit:] if val_windows else None)
             fitted = {k: v.cpu() for k, v in fit.weights.items()}
-            sw.attn = MLAAttention.of(fit.weights)
+            sw.attn = take(MLAAttention, fit.weights)
             del x, y
             h_t, h_s = _advance(h_t, h_s, a_t, tw, sw, t_shape, s_shape)
             report = {"layer": i, **fit.report}
@@ -347,9 +328,9 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
             bar.update(1)
             bar.set_postfix(err=f"{report['rel_err_before']:.3f}->{report['rel_err_after']:.3f}")
         for short, tensor in fitted.items():
-            key = STUDENT_ATTENTION[short].format(i=i)
+            key = fmt.TARGET_ATTENTION[short].format(i=i)
             writer.add(key, tensor.to(student.get(key).dtype))
-        for name in LAYER_OTHER.values():
+        for name in fmt.COPIED_LAYER_TENSORS.values():  # norms and MLP, unchanged
             writer.add(name.format(i=i), student.get(name.format(i=i)))
     bar.close()
     return reports

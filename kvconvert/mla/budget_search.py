@@ -86,7 +86,7 @@ def _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probe
 
     from kvconvert.mla.convert import source_layer_weights
     from kvconvert.models import llama
-    from kvconvert.models.common import rms_norm
+    from kvconvert.models.common import DecoderLayer, rms_norm
     from kvconvert.models.deepseek_v3 import MLAShape
 
     d, source = fmt.head_dim(cfg), llama.LlamaShape.from_config(cfg)
@@ -105,7 +105,7 @@ def _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probe
                 target = MLAShape.from_config(fmt.deepseek_config(cfg, rank, rope, plan.nope_dim, plan.v_dim, None, "float32"))
                 result = convert_layer(xn, w, source, target, plan, refit_o_proj=True, layer=i)
                 errors[(rank, rope)].append(result.report["attn_rel_error_refit"])
-        hidden = llama.layer(hidden, llama.LlamaLayer.of(w), source)
+        hidden = llama.layer(hidden, DecoderLayer.of(w, llama.LlamaAttention), source)
     table = [dict(rank=r, rope_dim=p, mean_attn_error=sum(e) / len(e)) for (r, p), e in errors.items()]
     best = min(table, key=lambda row: row["mean_attn_error"])
     if progress:

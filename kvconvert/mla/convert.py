@@ -22,7 +22,7 @@ from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla.convert_layer import LayerPlan, convert_layer, max_rank
 from kvconvert.mla.options import MLAOptions
 from kvconvert.models import deepseek_v3 as ds, llama
-from kvconvert.models.common import rms_norm
+from kvconvert.models.common import DecoderLayer, rms_norm, take
 from kvconvert.models.deepseek_v3 import MLAShape
 from kvconvert.models.llama import LlamaShape
 from kvconvert.targets import check_servable
@@ -161,9 +161,9 @@ def _convert_and_advance(hidden, w, source: LlamaShape, target: MLAShape, plan: 
     _check_finite(xn, f"layer {i} input")
     result = convert_layer(xn, w, source, target, plan, opts.q_rank, opts.refit_o_proj, layer=i)
     w.update(load_mlp())
-    layer = llama.LlamaLayer.of(w)
+    layer = DecoderLayer.of(w, llama.LlamaAttention)
     if opts.stream == "converted":
-        h = hidden + ds.attention(xn, ds.MLAAttention.of({k: v.float() for k, v in result.weights.items()}), target)
+        h = hidden + ds.attention(xn, take(ds.MLAAttention, {k: v.float() for k, v in result.weights.items()}), target)
         hidden = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm, source.rms_eps))
     else:
         hidden = llama.layer(hidden, layer, source)

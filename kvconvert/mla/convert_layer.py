@@ -13,6 +13,7 @@ import torch
 from kvconvert.mla import factorize as fz
 from kvconvert.mla.options import LATENT_LINEAR_RHO
 from kvconvert.models import deepseek_v3 as ds, llama
+from kvconvert.models.common import take
 from kvconvert.models.deepseek_v3 import MLAShape
 from kvconvert.models.llama import LlamaShape
 
@@ -164,13 +165,13 @@ def convert_layer(xn: torch.Tensor, w: dict, source: LlamaShape, target: MLAShap
     mla_w = finalize_latent_norm(result.weights, c.pow(2).mean(-1), plan)
     if q_rank is not None:
         mla_w.update(factorize_query(mla_w.pop("q_proj"), flat, q_rank, plan))
-    y_src = llama.attention(xn, llama.LlamaAttention.of(_f32(w)), source)  # source block output
+    y_src = llama.attention(xn, take(llama.LlamaAttention, _f32(w)), source)  # source block output
     report = dict(layer=layer, **result.report)
     report["attn_rel_error"] = _relative_error(xn, mla_w, target, y_src)
     if refit_o_proj:
         # least squares against the source block output, with the converted attention's own
         # probabilities and values (the most effective closed-form step)
-        a = ds.attention_heads(xn, ds.MLAAttention.of(_f32(mla_w)), target).reshape(-1, mla_w["o_proj"].shape[1]).double()
+        a = ds.attention_heads(xn, take(ds.MLAAttention, _f32(mla_w)), target).reshape(-1, mla_w["o_proj"].shape[1]).double()
         y = y_src.reshape(-1, y_src.shape[-1]).double()
         mla_w["o_proj"] = fz.refit_o_proj(a.T @ a / a.shape[0], y.T @ a / a.shape[0], mla_w["o_proj"])
         report["attn_rel_error_refit"] = _relative_error(xn, mla_w, target, y_src)
@@ -186,5 +187,5 @@ def _f32(w: dict) -> dict:
 
 
 def _relative_error(xn, mla_w: dict, target: MLAShape, y_src) -> float:
-    y = ds.attention(xn, ds.MLAAttention.of(_f32(mla_w)), target)
+    y = ds.attention(xn, take(ds.MLAAttention, _f32(mla_w)), target)
     return float((y - y_src).norm() / y_src.norm().clamp_min(1e-30))

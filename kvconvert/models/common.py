@@ -8,7 +8,7 @@ runtime's fp32 logits match LlamaForCausalLM / DeepseekV3ForCausalLM to rounding
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,18 @@ def check_activation(name: str) -> str:
     return name
 
 
+def short_names(w: dict) -> dict:
+    """One layer's checkpoint tensors by short name: [model.layers.{i}.]self_attn.q_proj.weight ->
+    q_proj, mlp.up_proj.bias -> up_proj_bias, input_layernorm.weight -> input_layernorm."""
+    return {k.split(".")[-2] + ("_bias" if k.endswith(".bias") else ""): v for k, v in w.items()
+            if k.endswith((".weight", ".bias"))}  # not k_scale, weight_scale, ...
+
+
+def take(cls, w: dict, **extra):
+    """A dataclass of tensors from the entries of w (short names) named like its fields; others are ignored."""
+    return cls(**{f.name: w[f.name] for f in fields(cls) if f.name in w}, **extra)
+
+
 @dataclass
 class MLP:
     """down(act(gate(x)) * up(x)); weights nn.Linear-shaped [out, in]. gate and up stay separate
@@ -47,20 +59,38 @@ class MLP:
     up_proj: torch.Tensor
     down_proj: torch.Tensor
     act: str = "silu"
-    gate_bias: torch.Tensor | None = None
-    up_bias: torch.Tensor | None = None
-    down_bias: torch.Tensor | None = None
-
-    @classmethod
-    def from_checkpoint(cls, w: dict, act: str = "silu") -> MLP:
-        """From one layer's tensors named as in the checkpoint without the layer prefix."""
-        return cls(*(w[f"mlp.{p}_proj.weight"] for p in ("gate", "up", "down")), check_activation(act),
-                   *(w.get(f"mlp.{p}_proj.bias") for p in ("gate", "up", "down")))
+    gate_proj_bias: torch.Tensor | None = None
+    up_proj_bias: torch.Tensor | None = None
+    down_proj_bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden]."""
-        gate = ACTIVATIONS[self.act](linear(x, self.gate_proj, self.gate_bias))
-        return linear(gate * linear(x, self.up_proj, self.up_bias), self.down_proj, self.down_bias)
+        gate = ACTIVATIONS[self.act](linear(x, self.gate_proj, self.gate_proj_bias))
+        return linear(gate * linear(x, self.up_proj, self.up_proj_bias), self.down_proj, self.down_proj_bias)
+
+
+@dataclass
+class DecoderLayer:
+    """One decoder layer's weights: the norms [hidden], the attention (the architecture's typed
+    weights: llama.LlamaAttention, deepseek_v3.MLAAttention) and the MLP."""
+
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+    attn: object
+    mlp: MLP
+
+    @classmethod
+    def of(cls, w: dict, attention_cls, act: str = "silu") -> DecoderLayer:
+        """From short names (see short_names)."""
+        return cls(w["input_layernorm"], w["post_attention_layernorm"], take(attention_cls, w),
+                   take(MLP, w, act=check_activation(act)))
+
+
+def decoder_layer(h: torch.Tensor, w: DecoderLayer, s, attention) -> torch.Tensor:
+    """h + attention(rms_norm(h)), then + mlp(rms_norm(.)), for the residual stream h [..., T, hidden];
+    attention(xn, w.attn, s) -> [..., T, hidden] is the architecture's."""
+    h = h + attention(rms_norm(h, w.input_layernorm, s.rms_eps), w.attn, s)
+    return h + w.mlp(rms_norm(h, w.post_attention_layernorm, s.rms_eps))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -17,13 +17,13 @@ pairs (i, i + R/2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from kvconvert.errors import UnsupportedModelError
-from kvconvert.models.common import (MLP, Rope, causal_attention, check_activation, linear, rms_norm, rope_parameters,
-                                     yarn_softmax_scale)
+from kvconvert.models.common import (Rope, causal_attention, check_activation, decoder_layer, linear, rms_norm,
+                                     rope_parameters, yarn_softmax_scale)
 
 LATENT_NORM_EPS = 1e-6  # transformers: DeepseekV3RMSNorm(kv_lora_rank) -> default eps
 
@@ -37,8 +37,6 @@ class MLAShape:
     v_dim: int  # v_head_dim
     rope: Rope  # over rope_dim, pair layout from rope_interleave
     softmax_scale: float
-    q_rank: int | None = None  # q_lora_rank
-    hidden: int = 0
     rms_eps: float = 1e-6  # the decoder norms' eps
     latent_eps: float = LATENT_NORM_EPS
     layers: int = 0
@@ -50,12 +48,12 @@ class MLAShape:
     def from_config(cls, c: dict) -> MLAShape:
         c = {"max_position_embeddings": 4096, **c}  # DeepseekV3Config's default
         nope, rope = c["qk_nope_head_dim"], c["qk_rope_head_dim"]
-        scale = yarn_softmax_scale(rope_parameters(c), (nope + rope) ** -0.5)
-        return cls(c["num_attention_heads"], c["kv_lora_rank"], rope, nope, c["v_head_dim"],
-                   Rope.from_config(c, rope, interleaved=bool(c.get("rope_interleave", True))), scale,
-                   c.get("q_lora_rank"), c["hidden_size"], float(c.get("rms_norm_eps", 1e-6)), LATENT_NORM_EPS,
-                   c.get("num_hidden_layers", 0), c.get("vocab_size", 0), check_activation(c.get("hidden_act", "silu")),
-                   c["max_position_embeddings"])
+        return cls(heads=c["num_attention_heads"], rank=c["kv_lora_rank"], rope_dim=rope, nope_dim=nope,
+                   v_dim=c["v_head_dim"], rope=Rope.from_config(c, rope, interleaved=bool(c.get("rope_interleave", True))),
+                   softmax_scale=yarn_softmax_scale(rope_parameters(c), (nope + rope) ** -0.5),
+                   rms_eps=float(c.get("rms_norm_eps", 1e-6)), layers=c.get("num_hidden_layers", 0),
+                   vocab=c.get("vocab_size", 0), hidden_act=check_activation(c.get("hidden_act", "silu")),
+                   max_position_embeddings=c["max_position_embeddings"])
 
 
 def check_dense(c: dict) -> None:
@@ -81,22 +79,9 @@ class MLAAttention:
     q_a_proj: torch.Tensor | None = None
     q_a_layernorm: torch.Tensor | None = None
     q_b_proj: torch.Tensor | None = None
-    q_a_bias: torch.Tensor | None = None
-    kv_a_bias: torch.Tensor | None = None
-    o_bias: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, w: dict) -> MLAAttention:
-        """From short names (q_proj or q_a_proj/q_a_layernorm/q_b_proj, kv_a_proj_with_mqa, ...);
-        other keys are ignored."""
-        return cls(**{f.name: w[f.name] for f in fields(cls) if f.name in w})
-
-    @classmethod
-    def from_checkpoint(cls, w: dict) -> MLAAttention:
-        short = {f.name: w[f"self_attn.{f.name}.weight"] for f in fields(cls) if f"self_attn.{f.name}.weight" in w}
-        biases = {f"{p}_bias": w.get(f"self_attn.{p}_proj{'_with_mqa' if p == 'kv_a' else ''}.bias")
-                  for p in ("q_a", "kv_a", "o")}
-        return cls(**short, **biases)
+    q_a_proj_bias: torch.Tensor | None = None
+    kv_a_proj_with_mqa_bias: torch.Tensor | None = None
+    o_proj_bias: torch.Tensor | None = None
 
     def absorbed(self, s: MLAShape) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, rank] and W_UV [H, v, rank]: strided views of kv_b_proj (no copy)."""
@@ -104,38 +89,18 @@ class MLAAttention:
         return per_head[:, : s.nope_dim], per_head[:, s.nope_dim:]
 
 
-@dataclass
-class DeepseekV3Layer:
-    input_layernorm: torch.Tensor
-    post_attention_layernorm: torch.Tensor
-    attn: MLAAttention
-    mlp: MLP
-
-    @classmethod
-    def of(cls, w: dict) -> DeepseekV3Layer:
-        """From short names: the attention's, input_layernorm, post_attention_layernorm, gate/up/down_proj."""
-        return cls(w["input_layernorm"], w["post_attention_layernorm"], MLAAttention.of(w),
-                   MLP(w["gate_proj"], w["up_proj"], w["down_proj"]))
-
-    @classmethod
-    def from_checkpoint(cls, w: dict, s: MLAShape) -> DeepseekV3Layer:
-        """From one layer's checkpoint tensors without the "model.layers.{i}." prefix."""
-        return cls(w["input_layernorm.weight"], w["post_attention_layernorm.weight"],
-                   MLAAttention.from_checkpoint(w), MLP.from_checkpoint(w, s.hidden_act))
-
-
 def project_queries(xn: torch.Tensor, a: MLAAttention, s: MLAShape) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-RoPE q_nope [..., T, H, nope] and q_rope [..., T, H, rope] from xn [..., T, hidden]."""
     if a.q_a_proj is None:
         q = linear(xn, a.q_proj)
     else:  # low-rank queries: q_b(RMSNorm(q_a x))
-        q = linear(rms_norm(linear(xn, a.q_a_proj, a.q_a_bias), a.q_a_layernorm, s.latent_eps), a.q_b_proj)
+        q = linear(rms_norm(linear(xn, a.q_a_proj, a.q_a_proj_bias), a.q_a_layernorm, s.latent_eps), a.q_b_proj)
     return q.unflatten(-1, (s.heads, s.nope_dim + s.rope_dim)).split([s.nope_dim, s.rope_dim], dim=-1)
 
 
 def project_latent(xn: torch.Tensor, a: MLAAttention, s: MLAShape) -> tuple[torch.Tensor, torch.Tensor]:
     """The normed latent [..., T, rank] and pre-RoPE k_rope [..., T, rope] from xn [..., T, hidden]."""
-    latent, k_rope = linear(xn, a.kv_a_proj_with_mqa, a.kv_a_bias).split([s.rank, s.rope_dim], dim=-1)
+    latent, k_rope = linear(xn, a.kv_a_proj_with_mqa, a.kv_a_proj_with_mqa_bias).split([s.rank, s.rope_dim], dim=-1)
     return rms_norm(latent, a.kv_a_layernorm, s.latent_eps), k_rope
 
 
@@ -175,10 +140,9 @@ def attention_heads(xn: torch.Tensor, a: MLAAttention, s: MLAShape) -> torch.Ten
 
 def attention(xn: torch.Tensor, a: MLAAttention, s: MLAShape) -> torch.Tensor:
     """Attention block output (after o_proj) [B, T, hidden]."""
-    return linear(attention_heads(xn, a, s), a.o_proj, a.o_bias)
+    return linear(attention_heads(xn, a, s), a.o_proj, a.o_proj_bias)
 
 
-def layer(h: torch.Tensor, w: DeepseekV3Layer, s: MLAShape) -> torch.Tensor:
-    """One dense decoder layer over the residual stream h [B, T, hidden]."""
-    h = h + attention(rms_norm(h, w.input_layernorm, s.rms_eps), w.attn, s)
-    return h + w.mlp(rms_norm(h, w.post_attention_layernorm, s.rms_eps))
+def layer(h: torch.Tensor, w, s: MLAShape) -> torch.Tensor:
+    """One dense decoder layer (common.DecoderLayer of MLAAttention) over the residual stream h [B, T, hidden]."""
+    return decoder_layer(h, w, s, attention)

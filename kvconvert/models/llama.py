@@ -10,12 +10,12 @@ Shapes: hidden states [B, T, hidden] (the runtime: [T, hidden]); weights nn.Line
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from kvconvert.errors import UnsupportedModelError
-from kvconvert.models.common import MLP, Rope, causal_attention, check_activation, linear, rms_norm
+from kvconvert.models.common import Rope, causal_attention, check_activation, decoder_layer, linear
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,11 @@ class LlamaShape:
                 f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         c = {"max_position_embeddings": 2048, **c}  # LlamaConfig's default
-        return cls(c["hidden_size"], heads, kv_heads, head_dim, float(c.get("rms_norm_eps", 1e-6)),
-                   Rope.from_config(c, head_dim), c.get("num_hidden_layers", 0), c.get("vocab_size", 0),
-                   check_activation(c.get("hidden_act", "silu")), c["max_position_embeddings"])
+        return cls(hidden=c["hidden_size"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   rms_eps=float(c.get("rms_norm_eps", 1e-6)), rope=Rope.from_config(c, head_dim),
+                   layers=c.get("num_hidden_layers", 0), vocab=c.get("vocab_size", 0),
+                   hidden_act=check_activation(c.get("hidden_act", "silu")),
+                   max_position_embeddings=c["max_position_embeddings"])
 
     @property
     def group(self) -> int:
@@ -61,47 +63,17 @@ class LlamaAttention:
     k_proj: torch.Tensor
     v_proj: torch.Tensor
     o_proj: torch.Tensor
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
-    o_bias: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, w: dict) -> LlamaAttention:
-        """From short names (q_proj, ..., q_bias, ...); other keys are ignored."""
-        return cls(**{f.name: w[f.name] for f in fields(cls) if f.name in w})
-
-    @classmethod
-    def from_checkpoint(cls, w: dict) -> LlamaAttention:
-        names = ("q", "k", "v", "o")
-        return cls(*(w[f"self_attn.{p}_proj.weight"] for p in names), *(w.get(f"self_attn.{p}_proj.bias") for p in names))
-
-
-@dataclass
-class LlamaLayer:
-    input_layernorm: torch.Tensor
-    post_attention_layernorm: torch.Tensor
-    attn: LlamaAttention
-    mlp: MLP
-
-    @classmethod
-    def of(cls, w: dict) -> LlamaLayer:
-        """From short names: q_proj, ..., input_layernorm, post_attention_layernorm, gate_proj, up_proj, down_proj."""
-        return cls(w["input_layernorm"], w["post_attention_layernorm"], LlamaAttention.of(w),
-                   MLP(w["gate_proj"], w["up_proj"], w["down_proj"]))
-
-    @classmethod
-    def from_checkpoint(cls, w: dict, s: LlamaShape) -> LlamaLayer:
-        """From one layer's checkpoint tensors without the "model.layers.{i}." prefix."""
-        return cls(w["input_layernorm.weight"], w["post_attention_layernorm.weight"],
-                   LlamaAttention.from_checkpoint(w), MLP.from_checkpoint(w, s.hidden_act))
+    q_proj_bias: torch.Tensor | None = None
+    k_proj_bias: torch.Tensor | None = None
+    v_proj_bias: torch.Tensor | None = None
+    o_proj_bias: torch.Tensor | None = None
 
 
 def project_qkv(xn: torch.Tensor, a: LlamaAttention, s: LlamaShape):
     """Pre-RoPE q [..., T, H, d], k and v [..., T, G, d] from the normed input xn [..., T, hidden]."""
-    q = linear(xn, a.q_proj, a.q_bias).unflatten(-1, (s.heads, s.head_dim))
-    k = linear(xn, a.k_proj, a.k_bias).unflatten(-1, (s.kv_heads, s.head_dim))
-    v = linear(xn, a.v_proj, a.v_bias).unflatten(-1, (s.kv_heads, s.head_dim))
+    q = linear(xn, a.q_proj, a.q_proj_bias).unflatten(-1, (s.heads, s.head_dim))
+    k = linear(xn, a.k_proj, a.k_proj_bias).unflatten(-1, (s.kv_heads, s.head_dim))
+    v = linear(xn, a.v_proj, a.v_proj_bias).unflatten(-1, (s.kv_heads, s.head_dim))
     return q, k, v
 
 
@@ -120,10 +92,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: LlamaShape) -> 
 
 def attention(xn: torch.Tensor, a: LlamaAttention, s: LlamaShape) -> torch.Tensor:
     """Attention block output (after o_proj) [B, T, hidden] for the normed input xn [B, T, hidden]."""
-    return linear(attend(*qkv(xn, a, s), s), a.o_proj, a.o_bias)
+    return linear(attend(*qkv(xn, a, s), s), a.o_proj, a.o_proj_bias)
 
 
-def layer(h: torch.Tensor, w: LlamaLayer, s: LlamaShape) -> torch.Tensor:
-    """One decoder layer over the residual stream h [B, T, hidden]."""
-    h = h + attention(rms_norm(h, w.input_layernorm, s.rms_eps), w.attn, s)
-    return h + w.mlp(rms_norm(h, w.post_attention_layernorm, s.rms_eps))
+def layer(h: torch.Tensor, w, s: LlamaShape) -> torch.Tensor:
+    """One decoder layer (common.DecoderLayer of LlamaAttention) over the residual stream h [B, T, hidden]."""
+    return decoder_layer(h, w, s, attention)

@@ -32,7 +32,7 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.quant.calibrate import STAT_WINDOWS
 from kvconvert.models import deepseek_v3 as ds, llama
-from kvconvert.models.common import MLP, rms_norm
+from kvconvert.models.common import MLP, rms_norm, short_names, take
 from kvconvert.quant.capture import cache_hook, check_finite
 from kvconvert.quant.fake_quant import mla_row_from_engine, mla_row_to_engine
 from kvconvert.quant.layout import KVLayout
@@ -76,16 +76,12 @@ class _Family:
     def __init__(self, layout: KVLayout, shape):
         self.layout, self.shape, self.rms_eps = layout, shape, shape.rms_eps
 
-    @staticmethod
-    def _short(w: dict) -> dict:
-        return {k.removesuffix(".weight"): v for k, v in w.items()}
-
 
 class _LlamaFamily(_Family):
     attention = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def cache(self, xn, w):
-        return llama.qkv(xn, llama.LlamaAttention.of(self._short(w)), self.shape)
+        return llama.qkv(xn, take(llama.LlamaAttention, short_names(w)), self.shape)
 
     def attend(self, q, k, v, w):
         return llama.attend(q, k, v, self.shape)
@@ -100,7 +96,7 @@ class _MLAFamily(_Family):
                  "kv_b_proj", "o_proj")
 
     def cache(self, xn, w):
-        a = ds.MLAAttention.of(self._short(w))
+        a = take(ds.MLAAttention, short_names(w))
         latent, k_rope = ds.latent(xn, a, self.shape)  # k_rope in the weights' (engine) pair order
         row = torch.cat([latent, k_rope], dim=-1)[:, None]  # engine row [B, 1, T, r + R]
         latent_hf, k_rope_hf = mla_row_from_engine(row, self.layout.kv_lora_rank, self.layout.rope_interleave)
@@ -109,7 +105,7 @@ class _MLAFamily(_Family):
     def attend(self, q, latent_hf, k_rope_hf, w):
         row = mla_row_to_engine(latent_hf, k_rope_hf, self.layout.rope_interleave)[:, 0]
         rank = self.layout.kv_lora_rank
-        return ds.attend(q, row[..., :rank], row[..., rank:], ds.MLAAttention.of(self._short(w)), self.shape)
+        return ds.attend(q, row[..., :rank], row[..., rank:], take(ds.MLAAttention, short_names(w)), self.shape)
 
     def pairs(self, q, latent_hf, k_rope_hf):
         """complex128 post-RoPE pairs of the queries' rope dims [b, T, H, R/2] and k_rope [b, T, 1, R/2]."""
@@ -132,9 +128,8 @@ class LayerStream:
 
     def __init__(self, reader, layout: KVLayout, windows: torch.Tensor, batch_size: int):
         self.reader, self.layout, self.batch_size = reader, layout, batch_size
-        config = reader.config
-        self.family = (_MLAFamily(layout, ds.MLAShape.from_config(config)) if layout.is_mla
-                       else _LlamaFamily(layout, llama.LlamaShape.from_config(config)))
+        self.family = (_MLAFamily(layout, ds.MLAShape.from_config(reader.config)) if layout.is_mla
+                       else _LlamaFamily(layout, llama.LlamaShape.from_config(reader.config)))
         embed = reader.get("model.embed_tokens.weight")
         self.hidden = embed[windows].float()  # [N, T, hidden]: the only activations kept across layers
         del embed
@@ -195,8 +190,7 @@ class LayerStream:
                 records.append({"q": q, "k": k, "v": v})
             h = h + self.family.attend(q, k, v, attn) @ o_proj.T
             del q, k, v
-            mlp = MLP(rest["gate_proj"], rest["up_proj"], rest["down_proj"])
-            h = h + mlp(rms_norm(h, rest["post_attention_layernorm"], eps))
+            h = h + take(MLP, rest)(rms_norm(h, rest["post_attention_layernorm"], eps))
             if not bool(torch.isfinite(h).all()):
                 raise KVConvertError(f"layer {i}: the hidden states became NaN/inf during calibration; "
                                      "the checkpoint or the calibration data is broken at this layer")

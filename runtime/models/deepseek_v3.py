@@ -28,7 +28,7 @@ class DeepseekV3ForCausalLM(Decoder):
 
     def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
         ds.check_dense(reader.config)
-        super().__init__(reader, ds.MLAShape.from_config(reader.config), ds.DeepseekV3Layer, dtype, max_positions)
+        super().__init__(reader, ds.MLAShape.from_config(reader.config), ds.MLAAttention, dtype, max_positions)
 
     @staticmethod
     def layout_from_config(c: dict) -> list[dict[str, CacheSpec]]:
@@ -50,7 +50,7 @@ class DeepseekV3ForCausalLM(Decoder):
         for c in meta.prefills:
             span = slice(c.query_start, c.query_start + c.query_len)
             out[span] = self._prefill(a, q_nope[span], q_rope[span], attn.read_rows(store, c, x.dtype), c)
-        return linear(out.flatten(-2), a.o_proj, a.o_bias)
+        return linear(out.flatten(-2), a.o_proj, a.o_proj_bias)
 
     def _decode(self, a, q_nope, q_rope, store, meta, attn):
         """Absorbed: [B, H, nope] x W_UK -> latent queries; out_lat [B, H, rank] x W_UV -> [B, H, v]."""

@@ -28,7 +28,7 @@ class LlamaForCausalLM(Decoder):
     architecture = "llama"
 
     def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
-        super().__init__(reader, llama.LlamaShape.from_config(reader.config), llama.LlamaLayer, dtype, max_positions)
+        super().__init__(reader, llama.LlamaShape.from_config(reader.config), llama.LlamaAttention, dtype, max_positions)
 
     @staticmethod
     def layout_from_config(c: dict) -> list[dict[str, CacheSpec]]:
@@ -43,4 +43,4 @@ class LlamaForCausalLM(Decoder):
         attn.write(stores["k"], self.shape.rope(k, *angles), meta)
         attn.write(stores["v"], v, meta)
         out = attn.gqa(self.shape.rope(q, *angles), stores["k"], stores["v"], meta, self.shape.scale)
-        return linear(out.flatten(-2), a.o_proj, a.o_bias)
+        return linear(out.flatten(-2), a.o_proj, a.o_proj_bias)

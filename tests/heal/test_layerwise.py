@@ -7,14 +7,13 @@ import torch
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.heal.layerwise import (
-    attention_tensors, block_targets, fit_attention_block, relative_error, relinearize_latent, student_layer,
-    teacher_layer,
+    attention_tensors, block_targets, fit_attention_block, read_layer, relative_error, relinearize_latent,
 )
 from kvconvert.heal.reparam import ScaledWeight, row_scales
 from kvconvert.models import deepseek_v3 as ds, llama
-from kvconvert.models.common import rms_norm
+from kvconvert.models.common import rms_norm, take
 from kvconvert.models.deepseek_v3 import MLAAttention, MLAShape
-from kvconvert.models.llama import LlamaShape
+from kvconvert.models.llama import LlamaAttention, LlamaShape
 from kvconvert.recipe import LayerwiseStage
 
 from heal_cases import layerwise_recipe
@@ -25,7 +24,7 @@ def _layer0(student, teacher, n=12, t=128, seed=0):
     s_shape, t_shape = MLAShape.from_config(s_reader.config), LlamaShape.from_config(t_reader.config)
     ids = torch.randint(0, s_reader.config["vocab_size"], (n, t), generator=torch.Generator().manual_seed(seed))
     h = t_reader.get("model.embed_tokens.weight")[ids]
-    return s_shape, t_shape, h, teacher_layer(t_reader, 0), student_layer(s_reader, 0)
+    return s_shape, t_shape, h, read_layer(t_reader, 0, LlamaAttention), read_layer(s_reader, 0, MLAAttention)
 
 
 def test_fit_reduces_block_error(tiny_student, tiny_teacher):
@@ -62,7 +61,7 @@ def test_relinearize_keeps_function(tiny_student, tiny_teacher):
     assert factor < 1.0
     c = x @ fixed["kv_a_proj_with_mqa"][:r].T
     assert float(c.pow(2).mean(-1).max()) <= limit * (1 + 1e-4)
-    y0, y1 = ds.attention(x, MLAAttention.of(w), s_shape), ds.attention(x, MLAAttention.of(fixed), s_shape)
+    y0, y1 = ds.attention(x, take(MLAAttention, w), s_shape), ds.attention(x, take(MLAAttention, fixed), s_shape)
     assert float((y1 - y0).norm() / y0.norm()) < 5e-3
     same, one = relinearize_latent(x, w, s_shape, 1.0)  # already linear enough: untouched
     assert one == 1.0 and same is w

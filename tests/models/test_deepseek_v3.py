@@ -42,7 +42,7 @@ def test_decoder_matches_transformers(variant):
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids).logits
-        ours = functional_logits(model, ids, shape, ds.DeepseekV3Layer, ds.layer)
+        ours = functional_logits(model, ids, shape, ds.MLAAttention, ds.layer)
     assert_matches(ours, ref)
 
 
@@ -51,7 +51,7 @@ def test_runs_on_the_input_device(device):
     """No constant (positions, RoPE tables) is made on the CPU (see test_llama's twin)."""
     model, shape = build()
     ids = torch.randint(0, VOCAB, (2, 16))
-    assert functional_logits(model, ids, shape, ds.DeepseekV3Layer, ds.layer, device).device.type == device
+    assert functional_logits(model, ids, shape, ds.MLAAttention, ds.layer, device).device.type == device
 
 
 def test_yarn_softmax_scale_matches_transformers():

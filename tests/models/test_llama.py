@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_cases import VOCAB, assert_matches, functional_logits, random_norms
+from model_cases import VOCAB, assert_matches, functional_logits, layer_weights, random_norms
 
 from kvconvert.errors import UnsupportedModelError
 from kvconvert.models import llama
-from kvconvert.models.common import rope_inv_freq, rope_parameters
+from kvconvert.models.common import rms_norm, rope_inv_freq, rope_parameters
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -43,7 +43,7 @@ def test_decoder_matches_transformers(variant):
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids).logits
-        ours = functional_logits(model, ids, shape, llama.LlamaLayer, llama.layer)
+        ours = functional_logits(model, ids, shape, llama.LlamaAttention, llama.layer)
     assert_matches(ours, ref)
 
 
@@ -54,8 +54,8 @@ def test_cached_keys_and_values_match_transformers():
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
         h = model.model.embed_tokens(ids)
-        w = llama.LlamaLayer.from_checkpoint({k.removeprefix("model.layers.0."): v for k, v in model.state_dict().items()}, shape)
-        _, k, v = llama.qkv(llama.rms_norm(h, w.input_layernorm, shape.rms_eps), w.attn, shape)
+        w = layer_weights(model.state_dict(), 0, llama.LlamaAttention, shape)
+        _, k, v = llama.qkv(rms_norm(h, w.input_layernorm, shape.rms_eps), w.attn, shape)
     assert_matches(k, cache.layers[0].keys)
     assert_matches(v, cache.layers[0].values)
 
@@ -66,7 +66,7 @@ def test_runs_on_the_input_device(device):
     exactly as cuda would (the layer-wise stage runs these blocks on a GPU)."""
     model, shape = build()
     ids = torch.randint(0, VOCAB, (2, 16))
-    assert functional_logits(model, ids, shape, llama.LlamaLayer, llama.layer, device).device.type == device
+    assert functional_logits(model, ids, shape, llama.LlamaAttention, llama.layer, device).device.type == device
 
 
 @pytest.mark.parametrize("rope", [LLAMA3, YARN, {**YARN, "factor": None, "mscale": None, "truncate": False}],
