@@ -102,8 +102,8 @@ def _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probe
             xn = rms_norm(hidden, w["input_layernorm"], source.rms_eps)
             for rank, rope in splits:
                 plan = LayerPlan.for_source(d, rank, rope, key_weight=key_weight)
-                target = MLAShape.from_config(fmt.deepseek_config(cfg, rank, rope, plan.nope_dim, plan.v_dim, None, "float32"))
-                result = convert_layer(xn, w, source, target, plan, refit_o_proj=True, layer=i)
+                target_cfg = fmt.deepseek_config(cfg, rank, rope, plan.nope_dim, plan.v_dim, None, "float32")
+                result = convert_layer(xn, w, source, MLAShape.from_config(target_cfg), plan, layer=i)
                 errors[(rank, rope)].append(result.report["attn_rel_error_refit"])
         hidden = llama.layer(hidden, DecoderLayer.of(w, llama.LlamaAttention), source)
     table = [dict(rank=r, rope_dim=p, mean_attn_error=sum(e) / len(e)) for (r, p), e in errors.items()]

@@ -171,7 +171,7 @@ def convert_layer(xn: torch.Tensor, w: dict, source: LlamaShape, target: MLAShap
     if refit_o_proj:
         # least squares against the source block output, with the converted attention's own
         # probabilities and values (the most effective closed-form step)
-        a = ds.attention_heads(xn, take(ds.MLAAttention, _f32(mla_w)), target).reshape(-1, mla_w["o_proj"].shape[1]).double()
+        a = ds.attention_heads(xn, take(ds.MLAAttention, _f32(mla_w)), target).flatten(0, -2).double()
         y = y_src.reshape(-1, y_src.shape[-1]).double()
         mla_w["o_proj"] = fz.refit_o_proj(a.T @ a / a.shape[0], y.T @ a / a.shape[0], mla_w["o_proj"])
         report["attn_rel_error_refit"] = _relative_error(xn, mla_w, target, y_src)

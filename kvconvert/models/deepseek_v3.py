@@ -1,7 +1,8 @@
 """DeepSeek-V3 with Multi-head Latent Attention (MLA), dense MLP in every layer: shapes from
-config.json, typed per-layer weights and the layer maths. The runtime
-(kvconvert.runtime.models.deepseek_v3) attends over its paged cache with these projections; the
-converter, the streamed calibration and healing run the full-sequence functions below.
+config.json, typed attention weights (a layer is common.DecoderLayer) and the layer maths. The
+runtime (kvconvert.runtime.models.deepseek_v3) attends over its paged cache with these
+projections; the converter, the streamed calibration and healing run the full-sequence functions
+below.
 
 Per token and layer the cache holds [c | k_rope], kv_lora_rank + qk_rope_head_dim values:
   c      = kv_a_layernorm(kv_a_proj_with_mqa(x)[:kv_lora_rank])       (the latent)
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import UnsupportedModelError
-from kvconvert.models.common import (Rope, causal_attention, check_activation, decoder_layer, linear, rms_norm,
-                                     rope_parameters, yarn_softmax_scale)
+from kvconvert.models.common import (DecoderLayer, Rope, causal_attention, check_activation, decoder_layer, linear,
+                                     rms_norm, rope_parameters, yarn_softmax_scale)
 
 LATENT_NORM_EPS = 1e-6  # transformers: DeepseekV3RMSNorm(kv_lora_rank) -> default eps
 
@@ -49,7 +50,8 @@ class MLAShape:
         c = {"max_position_embeddings": 4096, **c}  # DeepseekV3Config's default
         nope, rope = c["qk_nope_head_dim"], c["qk_rope_head_dim"]
         return cls(heads=c["num_attention_heads"], rank=c["kv_lora_rank"], rope_dim=rope, nope_dim=nope,
-                   v_dim=c["v_head_dim"], rope=Rope.from_config(c, rope, interleaved=bool(c.get("rope_interleave", True))),
+                   v_dim=c["v_head_dim"],
+                   rope=Rope.from_config(c, rope, interleaved=bool(c.get("rope_interleave", True))),
                    softmax_scale=yarn_softmax_scale(rope_parameters(c), (nope + rope) ** -0.5),
                    rms_eps=float(c.get("rms_norm_eps", 1e-6)), layers=c.get("num_hidden_layers", 0),
                    vocab=c.get("vocab_size", 0), hidden_act=check_activation(c.get("hidden_act", "silu")),
@@ -143,6 +145,6 @@ def attention(xn: torch.Tensor, a: MLAAttention, s: MLAShape) -> torch.Tensor:
     return linear(attention_heads(xn, a, s), a.o_proj, a.o_proj_bias)
 
 
-def layer(h: torch.Tensor, w, s: MLAShape) -> torch.Tensor:
-    """One dense decoder layer (common.DecoderLayer of MLAAttention) over the residual stream h [B, T, hidden]."""
+def layer(h: torch.Tensor, w: DecoderLayer, s: MLAShape) -> torch.Tensor:
+    """One dense decoder layer (w.attn an MLAAttention) over the residual stream h [B, T, hidden]."""
     return decoder_layer(h, w, s, attention)

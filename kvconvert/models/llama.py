@@ -1,7 +1,7 @@
 """Llama (MHA / GQA; also Mistral without a sliding window): shapes from config.json, typed
-per-layer weights, and the layer maths. The runtime (kvconvert.runtime.models.llama) attends over
-its paged cache with these projections; the converter, the streamed calibration and healing run
-the full-sequence functions below.
+attention weights (a layer is common.DecoderLayer), and the layer maths. The runtime
+(kvconvert.runtime.models.llama) attends over its paged cache with these projections; the
+converter, the streamed calibration and healing run the full-sequence functions below.
 
 Per layer: h = x + o_proj(attn(rope(q), rope(k), v)) with x = rms_norm(h_in); out = h + mlp(rms_norm(h)).
 RoPE uses transformers' rotate_half layout (pair f = dims (f, f + head_dim/2)).
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import UnsupportedModelError
-from kvconvert.models.common import Rope, causal_attention, check_activation, decoder_layer, linear
+from kvconvert.models.common import DecoderLayer, Rope, causal_attention, check_activation, decoder_layer, linear
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,6 @@ def attention(xn: torch.Tensor, a: LlamaAttention, s: LlamaShape) -> torch.Tenso
     return linear(attend(*qkv(xn, a, s), s), a.o_proj, a.o_proj_bias)
 
 
-def layer(h: torch.Tensor, w, s: LlamaShape) -> torch.Tensor:
-    """One decoder layer (common.DecoderLayer of LlamaAttention) over the residual stream h [B, T, hidden]."""
+def layer(h: torch.Tensor, w: DecoderLayer, s: LlamaShape) -> torch.Tensor:
+    """One decoder layer (w.attn a LlamaAttention) over the residual stream h [B, T, hidden]."""
     return decoder_layer(h, w, s, attention)
