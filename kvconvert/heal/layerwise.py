@@ -32,14 +32,28 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
-from kvconvert.heal import blocks
 from kvconvert.heal.reparam import row_scales
+from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla import factorize as fz
 from kvconvert.mla.options import LATENT_LINEAR_RHO
-from kvconvert.mla.mla_block import MLAShape, mla_attention, mla_attention_heads
+from kvconvert.models import deepseek_v3 as ds, llama
+from kvconvert.models.common import DecoderLayer, rms_norm, short_names, take
+from kvconvert.models.deepseek_v3 import MLAAttention, MLAShape
+from kvconvert.models.llama import LlamaAttention, LlamaShape
 from kvconvert.recipe import LayerwiseStage
 
 CHUNK_WINDOWS = 8  # windows per forward when evaluating on the whole calibration set
+
+
+def read_layer(reader: CheckpointReader, i: int, attention_cls, device="cpu") -> DecoderLayer:
+    """Layer i's weights in float32 on `device`; attention_cls: LlamaAttention (teacher) or MLAAttention (student)."""
+    w = short_names(reader.tensors(f"model.layers.{i}.", torch.float32))
+    return DecoderLayer.of({k: v.to(device) for k, v in w.items()}, attention_cls)
+
+
+def attention_tensors(a: MLAAttention) -> dict:
+    """The attention's weights by short name (the ones present): what the fit optimises."""
+    return {k: getattr(a, k) for k in fmt.TARGET_ATTENTION if getattr(a, k) is not None}
 
 
 @dataclass
@@ -57,7 +71,7 @@ def relative_error(x: torch.Tensor, y: torch.Tensor, w: dict, shape: MLAShape) -
     """sum |A_s(x) - y|^2 / sum |y|^2 over all windows (chunked)."""
     num = den = 0.0
     for sl in _chunks(x.shape[0]):
-        diff = mla_attention(x[sl], w, shape) - y[sl]
+        diff = ds.attention(x[sl], take(MLAAttention, w), shape) - y[sl]
         num += float(diff.double().pow(2).sum())
         den += float(y[sl].double().pow(2).sum())
     return num / max(den, 1e-300)
@@ -84,7 +98,7 @@ def refit_o_proj(x: torch.Tensor, y: torch.Tensor, w: dict, shape: MLAShape) -> 
     energy = 0.0
     n = 0
     for sl in _chunks(x.shape[0]):
-        a = mla_attention_heads(x[sl], w, shape).reshape(-1, din).double()
+        a = ds.attention_heads(x[sl], take(MLAAttention, w), shape).reshape(-1, din).double()
         t = y[sl].reshape(-1, y.shape[-1]).double()
         cov += a.T @ a
         cross += t.T @ a
@@ -178,7 +192,7 @@ def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseStage, generator)
         idx = torch.randperm(n, generator=generator)[: stage.batch_windows].to(x.device)
         w = dict(w0)
         w.update({k: scales[k] * p for k, p in params.items()})
-        loss = (mla_attention(x[idx], w, shape) - y[idx]).pow(2).mean() / denom
+        loss = (ds.attention(x[idx], take(MLAAttention, w), shape) - y[idx]).pow(2).mean() / denom
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -189,39 +203,37 @@ def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseStage, generator)
 
 # ------------------------------------------------------------------------- streaming driver
 
-def block_targets(h_t, h_s, tw, sw, t_shape, s_shape, target: str):
+def block_targets(h_t, h_s, tw: DecoderLayer, sw: DecoderLayer, t_shape: LlamaShape, s_shape: MLAShape, target: str):
     """(x, y, teacher attention output) for one layer, chunked over windows.
 
     x: the student block's input (normed), y: what A_s(x) should produce (see module docstring).
     """
     xs, ys, at = [], [], []
     for sl in _chunks(h_t.shape[0]):
-        x_t, a_t = blocks.teacher_attention(h_t[sl], tw, t_shape)
+        x_t = rms_norm(h_t[sl], tw.input_layernorm, t_shape.rms_eps)
+        a_t = llama.attention(x_t, tw.attn, t_shape)
         at.append(a_t)
         if target == "teacher_input":
             xs.append(x_t)
             ys.append(a_t)
             continue
-        x_s = blocks.rms_norm(h_s[sl], sw["input_layernorm"], s_shape.rms_eps)
-        xs.append(x_s)
+        xs.append(rms_norm(h_s[sl], sw.input_layernorm, s_shape.rms_eps))
         if target == "student_input":
-            x_for_teacher = blocks.rms_norm(h_s[sl], tw["input_layernorm"], t_shape.rms_eps)
-            ys.append(blocks.llama_attention(x_for_teacher, tw, t_shape))
+            x_for_teacher = rms_norm(h_s[sl], tw.input_layernorm, t_shape.rms_eps)
+            ys.append(llama.attention(x_for_teacher, tw.attn, t_shape))
         else:  # student_residual
             ys.append(h_t[sl] + a_t - h_s[sl])
     return torch.cat(xs), torch.cat(ys), torch.cat(at)
 
 
 @torch.no_grad()
-def _advance(h_t, h_s, a_t, tw, sw, t_shape, s_shape):
+def _advance(h_t, h_s, a_t, tw: DecoderLayer, sw: DecoderLayer, t_shape: LlamaShape, s_shape: MLAShape):
     """Both streams through layer i (teacher attention output a_t already computed)."""
-    from kvconvert.mla.llama_block import llama_mlp, rms_norm
-
     new_t, new_s = [], []
     for sl in _chunks(h_t.shape[0]):
         mid = h_t[sl] + a_t[sl]
-        new_t.append(mid + llama_mlp(rms_norm(mid, tw["post_attention_layernorm"], t_shape.rms_eps), tw))
-        new_s.append(blocks.student_layer(h_s[sl], sw, s_shape))
+        new_t.append(mid + tw.mlp(rms_norm(mid, tw.post_attention_layernorm, t_shape.rms_eps)))
+        new_s.append(ds.layer(h_s[sl], sw, s_shape))
     return torch.cat(new_t), torch.cat(new_s)
 
 
@@ -284,7 +296,7 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
     measured. Returns one report dict per layer.
     """
     s_cfg, t_cfg = student.config, teacher.config
-    s_shape, t_shape = blocks.student_shape(s_cfg), blocks.teacher_shape(t_cfg)
+    s_shape, t_shape = MLAShape.from_config(s_cfg), LlamaShape.from_config(t_cfg)
     n_layers = s_cfg["num_hidden_layers"]
     start = state.done() if state is not None else 0
     reports = state.reports()[:start] if start else []
@@ -300,15 +312,13 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
         if i < start:
             fitted = state.load_layer(i)
         else:
-            tw = {k: v.to(device) for k, v in blocks.teacher_layer_weights(teacher, i).items()}
-            sw = {k: v.to(device) for k, v in blocks.student_layer_weights(student, i).items()}
+            tw, sw = read_layer(teacher, i, LlamaAttention, device), read_layer(student, i, MLAAttention, device)
             x, y, a_t = block_targets(h_t, h_s, tw, sw, t_shape, s_shape, stage.target)
-            attn = blocks.attention_part(sw)
             gen = torch.Generator().manual_seed(stage.seed * 100_003 + i)  # per layer: resumable
-            fit = fit_attention_block(x[:n_fit], y[:n_fit], attn, s_shape.mla, stage, gen,
+            fit = fit_attention_block(x[:n_fit], y[:n_fit], attention_tensors(sw.attn), s_shape, stage, gen,
                                       x[n_fit:] if val_windows else None, y[n_fit:] if val_windows else None)
             fitted = {k: v.cpu() for k, v in fit.weights.items()}
-            sw.update(fit.weights)
+            sw.attn = take(MLAAttention, fit.weights)
             del x, y
             h_t, h_s = _advance(h_t, h_s, a_t, tw, sw, t_shape, s_shape)
             report = {"layer": i, **fit.report}
@@ -318,9 +328,9 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
             bar.update(1)
             bar.set_postfix(err=f"{report['rel_err_before']:.3f}->{report['rel_err_after']:.3f}")
         for short, tensor in fitted.items():
-            key = blocks.STUDENT_ATTENTION[short].format(i=i)
+            key = fmt.TARGET_ATTENTION[short].format(i=i)
             writer.add(key, tensor.to(student.get(key).dtype))
-        for name in blocks.STUDENT_OTHER.values():
+        for name in fmt.COPIED_LAYER_TENSORS.values():  # norms and MLP, unchanged
             writer.add(name.format(i=i), student.get(name.format(i=i)))
     bar.close()
     return reports

@@ -15,7 +15,7 @@ from kvconvert.checkpoint import CheckpointReader
 from kvconvert.data import calibration_windows
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
-from kvconvert.mla.convert_layer import LayerPlan, max_rank
+from kvconvert.mla.convert_layer import LayerPlan, convert_layer, max_rank
 from kvconvert.targets import get_target, rope_dims_for, servable_shapes
 
 
@@ -84,15 +84,12 @@ def search_split(src_path: Path, budget: int, calib_data: str = "builtin", calib
 def _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probes, key_weight, progress):
     from transformers import AutoTokenizer
 
-    from kvconvert.mla.convert import _f32, _layer_weights, _refit_o_proj, source_rope
-    from kvconvert.mla.convert_layer import convert_attention, finalize_latent_norm
-    from kvconvert.mla.llama_block import LlamaShape, llama_attention, llama_layer, rms_norm
-    from kvconvert.mla.mla_block import MLAShape, mla_attention_heads
+    from kvconvert.mla.convert import source_layer_weights
+    from kvconvert.models import llama
+    from kvconvert.models.common import DecoderLayer, rms_norm
+    from kvconvert.models.deepseek_v3 import MLAShape
 
-    d, H = fmt.head_dim(cfg), cfg["num_attention_heads"]
-    G = cfg.get("num_key_value_heads", H)
-    inv_freq, att = source_rope(cfg, d)
-    shape = LlamaShape(cfg["hidden_size"], H, G, d, cfg.get("rms_norm_eps", 1e-5), inv_freq, att)
+    d, source = fmt.head_dim(cfg), llama.LlamaShape.from_config(cfg)
     layers = cfg["num_hidden_layers"]
     probe_layers = sorted({round((k + 0.5) * layers / probes) for k in range(probes)} - {layers})
     tok = AutoTokenizer.from_pretrained(str(reader.path))
@@ -100,22 +97,15 @@ def _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probe
     hidden = reader.get("model.embed_tokens.weight")[ids].float()
     errors = {s: [] for s in splits}
     for i in range(max(probe_layers) + 1):
-        w = {**_layer_weights(reader, i, "attention"), **_layer_weights(reader, i, "mlp")}
+        w = {**source_layer_weights(reader, i, "attention"), **source_layer_weights(reader, i, "mlp")}
         if i in probe_layers:
-            xn = rms_norm(hidden, w["input_layernorm"], shape.rms_eps)
-            flat = xn.reshape(-1, xn.shape[-1]).double()
-            cov, mean = flat.T @ flat / flat.shape[0], flat.mean(0)
-            y_src = llama_attention(xn, _f32(w), shape)
+            xn = rms_norm(hidden, w["input_layernorm"], source.rms_eps)
             for rank, rope in splits:
                 plan = LayerPlan.for_source(d, rank, rope, key_weight=key_weight)
-                res = convert_attention(w, cov, mean, shape, plan)
-                c = flat @ res.weights["kv_a_proj_with_mqa"][:rank].T
-                mw = finalize_latent_norm(res.weights, c.pow(2).mean(-1), plan)
-                ms = MLAShape(H, rank, rope, plan.nope_dim, plan.v_dim, plan.latent_eps, inv_freq[:: d // rope], att)
-                mw["o_proj"] = _refit_o_proj(xn, mw, ms, y_src)
-                y = mla_attention_heads(xn, _f32(mw), ms) @ _f32(mw)["o_proj"].T
-                errors[(rank, rope)].append(float((y - y_src).norm() / y_src.norm()))
-        hidden = llama_layer(hidden, w, shape)
+                target_cfg = fmt.deepseek_config(cfg, rank, rope, plan.nope_dim, plan.v_dim, None, "float32")
+                result = convert_layer(xn, w, source, MLAShape.from_config(target_cfg), plan, layer=i)
+                errors[(rank, rope)].append(result.report["attn_rel_error_refit"])
+        hidden = llama.layer(hidden, DecoderLayer.of(w, llama.LlamaAttention), source)
     table = [dict(rank=r, rope_dim=p, mean_attn_error=sum(e) / len(e)) for (r, p), e in errors.items()]
     best = min(table, key=lambda row: row["mean_attn_error"])
     if progress:

@@ -19,11 +19,12 @@ from kvconvert.checkpoint import (CheckpointReader, CheckpointWriter, check_outp
 from kvconvert.data import calibration_windows, data_hash
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
-from kvconvert.mla.convert_layer import LayerPlan, convert_attention, factorize_query, finalize_latent_norm, max_rank
-from kvconvert.mla.llama_block import LlamaShape, llama_attention, llama_layer, rms_norm
-from kvconvert.mla.mla_block import MLAShape, mla_attention_heads
-from kvconvert.mla import factorize as fz
+from kvconvert.mla.convert_layer import LayerPlan, convert_layer, max_rank
 from kvconvert.mla.options import MLAOptions
+from kvconvert.models import deepseek_v3 as ds, llama
+from kvconvert.models.common import DecoderLayer, rms_norm, take
+from kvconvert.models.deepseek_v3 import MLAShape
+from kvconvert.models.llama import LlamaShape
 from kvconvert.targets import check_servable
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -64,22 +65,7 @@ def validate_plan(cfg: dict, opts: MLAOptions) -> tuple[int, int]:
     return d, rope_dim
 
 
-def source_rope(cfg: dict, d: int) -> tuple[torch.Tensor, float]:
-    """The source's RoPE inverse frequencies [d/2] (with llama3/linear scaling) via transformers."""
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope = fmt.rope_parameters(cfg)
-    if rope["rope_type"] == "default":
-        inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        return inv, 1.0
-    lc = LlamaConfig(hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"], head_dim=d,
-                     max_position_embeddings=cfg.get("max_position_embeddings", 4096), rope_parameters=rope)
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](lc, None)
-    return inv.to(torch.float64), float(scaling)
-
-
-def _layer_weights(reader: CheckpointReader, i: int, part: str) -> dict:
+def source_layer_weights(reader: CheckpointReader, i: int, part: str) -> dict:
     """One layer's source tensors, copied out of the map: part "attention" = q/k/v/o_proj in
     float64 plus both norms; part "mlp" = the MLP in the source dtype (7B: 0.5 GB in fp32), read
     only after the attention math so the two never sit in memory together."""
@@ -112,12 +98,7 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
                                          * 1.2))  # lm_head written as its own copy; 1.2: MLA attention size
     plan = LayerPlan.for_source(d, opts.rank, rope_dim, key_weight=opts.key_weight, rho=opts.rho,
                                query_weighted_rope=opts.query_weighted_rope)
-    H = cfg["num_attention_heads"]
-    G = cfg.get("num_key_value_heads", H)
-    inv_freq, att_scale = source_rope(cfg, d)
-    shape = LlamaShape(cfg["hidden_size"], H, G, d, cfg.get("rms_norm_eps", 1e-5), inv_freq, att_scale)
-    fold = d // rope_dim
-    mla_shape = MLAShape(H, plan.rank, rope_dim, plan.nope_dim, plan.v_dim, plan.latent_eps, inv_freq[::fold], att_scale)
+    source = LlamaShape.from_config(cfg)
 
     from transformers import AutoTokenizer
 
@@ -125,6 +106,7 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     ids = calibration_windows(tokenizer, opts.calib_data, opts.calib_tokens, opts.calib_window)
     out_cfg = fmt.deepseek_config(cfg, plan.rank, rope_dim, plan.nope_dim, plan.v_dim, opts.q_rank,
                                   {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[opts.dtype])
+    target = MLAShape.from_config(out_cfg)
     report = ConversionReport(source=source_name or str(src_path), options=opts.model_dump(), config=out_cfg,
                               calib_tokens=int(ids.numel()), calib_hash=data_hash(ids))
     out_dtype = DTYPES[opts.dtype]
@@ -139,10 +121,10 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
         reader.close()  # reader.get copies out of the map: unmap now, mapped file pages count in RSS
         layers = range(cfg["num_hidden_layers"])
         for i in tqdm(layers, desc="mla: layers", disable=not progress):
-            w = _layer_weights(reader, i, "attention")
+            w = source_layer_weights(reader, i, "attention")
             reader.close()  # copied out: drop the mapped pages before the heavy math (they count in RSS)
-            mla_w, layer_rep, hidden = _convert_one_layer(hidden, w, shape, mla_shape, plan, opts, i,
-                                                          load_mlp=lambda: _layer_weights(reader, i, "mlp"))
+            mla_w, layer_rep, hidden = _convert_and_advance(hidden, w, source, target, plan, opts, i,
+                                                            load_mlp=lambda: source_layer_weights(reader, i, "mlp"))
             reader.close()
             for short, name in fmt.TARGET_ATTENTION.items():
                 if short in mla_w:
@@ -169,62 +151,24 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     return report
 
 
-def _convert_one_layer(hidden, w, shape: LlamaShape, mla_shape: MLAShape, plan: LayerPlan, opts: MLAOptions, i: int,
-                       load_mlp=None):
-    """Convert layer i and advance the calibration hidden states through it.
+def _convert_and_advance(hidden, w, source: LlamaShape, target: MLAShape, plan: LayerPlan, opts: MLAOptions, i: int,
+                         load_mlp):
+    """Convert layer i and advance the calibration hidden states [N, T, hidden] through it.
 
     w: the layer's attention weights and norms; load_mlp() returns its MLP weights, which are added
-    to w once the attention is converted (None: w already holds them)."""
-    xn = rms_norm(hidden, w["input_layernorm"], shape.rms_eps)  # [N, T, hidden] fp32
+    to w once the attention is converted (--stream converted: through the converted attention)."""
+    xn = rms_norm(hidden, w["input_layernorm"], source.rms_eps)  # [N, T, hidden] fp32
     _check_finite(xn, f"layer {i} input")
-    flat = xn.reshape(-1, xn.shape[-1]).double()
-    cov_x = flat.T @ flat / flat.shape[0]
-    result = convert_attention(w, cov_x, flat.mean(0), shape, plan)
-    c = flat @ result.weights["kv_a_proj_with_mqa"][: plan.rank].T
-    mla_w = finalize_latent_norm(result.weights, c.pow(2).mean(-1), plan)
-    if opts.q_rank is not None:
-        mla_w.update(factorize_query(mla_w.pop("q_proj"), flat, opts.q_rank, plan))
-    y_src = llama_attention(xn, _f32(w), shape)  # source attention block output at this input
-    rep = dict(layer=i, **result.report)
-    rep["attn_rel_error"] = _attn_error(xn, mla_w, mla_shape, y_src)
-    if opts.refit_o_proj:
-        mla_w["o_proj"] = _refit_o_proj(xn, mla_w, mla_shape, y_src)
-        rep["attn_rel_error_refit"] = _attn_error(xn, mla_w, mla_shape, y_src)
-    del y_src
-    if load_mlp is not None:
-        w.update(load_mlp())
+    result = convert_layer(xn, w, source, target, plan, opts.q_rank, opts.refit_o_proj, layer=i)
+    w.update(load_mlp())
+    layer = DecoderLayer.of(w, llama.LlamaAttention)
     if opts.stream == "converted":
-        attn = mla_attention_heads(xn, _f32(mla_w), mla_shape) @ _f32(mla_w)["o_proj"].T
-        h = hidden + attn
-        from kvconvert.mla.llama_block import llama_mlp
-
-        hidden = h + llama_mlp(rms_norm(h, w["post_attention_layernorm"], shape.rms_eps), w)
+        h = hidden + ds.attention(xn, take(ds.MLAAttention, {k: v.float() for k, v in result.weights.items()}), target)
+        hidden = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm, source.rms_eps))
     else:
-        hidden = llama_layer(hidden, w, shape)
+        hidden = llama.layer(hidden, layer, source)
     _check_finite(hidden, f"layer {i} output")
-    return mla_w, rep, hidden
-
-
-def _f32(w: dict) -> dict:
-    return {k: v.float() for k, v in w.items() if k in _ATTENTION_KEYS}
-
-
-_ATTENTION_KEYS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_a_layernorm", "q_b_proj",
-                   "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"}
-
-
-def _attn_error(xn, mla_w, mla_shape, y_src) -> float:
-    y = mla_attention_heads(xn, _f32(mla_w), mla_shape) @ _f32(mla_w)["o_proj"].T
-    return float((y - y_src).norm() / y_src.norm().clamp_min(1e-30))
-
-
-def _refit_o_proj(xn, mla_w, mla_shape, y_src):
-    """Least-squares o_proj against the source block output, using the converted model's own
-    attention probabilities and values (the brief's most effective closed-form step)."""
-    a = mla_attention_heads(xn, _f32(mla_w), mla_shape).reshape(-1, mla_w["o_proj"].shape[1]).double()
-    y = y_src.reshape(-1, y_src.shape[-1]).double()
-    n = a.shape[0]
-    return fz.refit_o_proj(a.T @ a / n, y.T @ a / n, mla_w["o_proj"])
+    return result.weights, result.report, hidden
 
 
 def save_report_json(report: ConversionReport, path: Path) -> None:

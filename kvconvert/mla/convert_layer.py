@@ -1,14 +1,21 @@
-"""Convert one Llama attention block to DeepSeek-V3 MLA weights (closed form, float64)."""
+"""Convert one Llama attention block to DeepSeek-V3 MLA weights (closed form, float64).
+
+convert_layer is the one entry point (used by `kvconvert mla` and the budget search): the
+closed form on the layer's calibration inputs, the latent RMSNorm linearisation, optional
+low-rank queries and the least-squares o_proj refit, with the attention errors measured."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from kvconvert.mla import factorize as fz
-from kvconvert.mla.llama_block import LlamaShape
 from kvconvert.mla.options import LATENT_LINEAR_RHO
+from kvconvert.models import deepseek_v3 as ds, llama
+from kvconvert.models.common import take
+from kvconvert.models.deepseek_v3 import MLAShape
+from kvconvert.models.llama import LlamaShape
 
 
 @dataclass(frozen=True)
@@ -142,3 +149,43 @@ def factorize_query(q_proj: torch.Tensor, flat_x: torch.Tensor, q_rank: int, pla
     typical = float(lat_sq.mean().sqrt().clamp_min(1e-30))
     w0 = plan.latent_eps ** 0.5 / (a * typical)
     return {"q_a_proj": q_a * a, "q_a_layernorm": torch.full((q_rank,), w0, dtype=q_a.dtype), "q_b_proj": q_b * typical}
+
+
+def convert_layer(xn: torch.Tensor, w: dict, source: LlamaShape, target: MLAShape, plan: LayerPlan,
+                  q_rank: int | None = None, refit_o_proj: bool = True, layer: int = 0) -> LayerResult:
+    """DeepSeek MLA attention weights (float64, short names) for one source layer, and a report.
+
+    xn: [N, T, hidden] fp32 calibration inputs of the block (the layer's input RMSNorm applied);
+    w: the source's q/k/v/o_proj in float64 (short names). report: the closed form's (see
+    convert_attention), attn_rel_error = |A_mla(xn) - A_src(xn)| / |A_src(xn)| and, when the
+    o_proj refit ran, attn_rel_error_refit after it."""
+    flat = xn.reshape(-1, xn.shape[-1]).double()
+    result = convert_attention(w, flat.T @ flat / flat.shape[0], flat.mean(0), source, plan)
+    c = flat @ result.weights["kv_a_proj_with_mqa"][: plan.rank].T
+    mla_w = finalize_latent_norm(result.weights, c.pow(2).mean(-1), plan)
+    if q_rank is not None:
+        mla_w.update(factorize_query(mla_w.pop("q_proj"), flat, q_rank, plan))
+    y_src = llama.attention(xn, take(llama.LlamaAttention, _f32(w)), source)  # source block output
+    report = dict(layer=layer, **result.report)
+    report["attn_rel_error"] = _relative_error(xn, mla_w, target, y_src)
+    if refit_o_proj:
+        # least squares against the source block output, with the converted attention's own
+        # probabilities and values (the most effective closed-form step)
+        a = ds.attention_heads(xn, take(ds.MLAAttention, _f32(mla_w)), target).flatten(0, -2).double()
+        y = y_src.reshape(-1, y_src.shape[-1]).double()
+        mla_w["o_proj"] = fz.refit_o_proj(a.T @ a / a.shape[0], y.T @ a / a.shape[0], mla_w["o_proj"])
+        report["attn_rel_error_refit"] = _relative_error(xn, mla_w, target, y_src)
+    return LayerResult(mla_w, report)
+
+
+_ATTENTION_KEYS = {f.name for cls in (llama.LlamaAttention, ds.MLAAttention) for f in fields(cls)}
+
+
+def _f32(w: dict) -> dict:
+    """The attention tensors of w in fp32 (the functional blocks' precision)."""
+    return {k: v.float() for k, v in w.items() if k in _ATTENTION_KEYS}
+
+
+def _relative_error(xn, mla_w: dict, target: MLAShape, y_src) -> float:
+    y = ds.attention(xn, take(ds.MLAAttention, _f32(mla_w)), target)
+    return float((y - y_src).norm() / y_src.norm().clamp_min(1e-30))

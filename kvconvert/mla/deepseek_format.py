@@ -39,7 +39,7 @@ GLOBAL_TENSORS = {
 }
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
-SUPPORTED_ROPE_TYPES = {"default", "llama3", "linear"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 # Config keys that change the attention or logits math in ways no kvconvert path implements
@@ -105,19 +105,11 @@ def check_source_config(cfg: dict) -> None:
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise UnsupportedModelError("not supported yet: attention/MLP biases (stock DeepSeek-V3 has none)")
     check_supported_features(cfg)
-    rope = rope_parameters(cfg)
-    if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(f"not supported yet: rope_type {rope.get('rope_type')!r}")
+    from kvconvert.models.common import rope_parameters  # torch: imported here, this module is torch-free
+
+    rope_parameters(cfg, SUPPORTED_ROPE_TYPES)
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"not supported yet: hidden_act {cfg.get('hidden_act')!r} (DeepSeek-V3 uses silu)")
-
-
-def rope_parameters(cfg: dict) -> dict:
-    """rope parameters with rope_theta, from transformers 5 (`rope_parameters`) or 4 (`rope_scaling`)."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    params["rope_type"] = params.pop("type", None) or params.get("rope_type", "default")
-    return params
 
 
 def head_dim(cfg: dict) -> int:
@@ -126,7 +118,9 @@ def head_dim(cfg: dict) -> int:
 
 def deepseek_config(src: dict, rank: int, rope_dim: int, nope_dim: int, v_dim: int, q_rank: int | None, dtype: str) -> dict:
     """config.json for transformers' DeepseekV3ForCausalLM / vLLM / SGLang, all layers dense."""
-    rope = rope_parameters(src)
+    from kvconvert.models.common import rope_parameters
+
+    rope = rope_parameters(src, SUPPORTED_ROPE_TYPES)
     layers = src["num_hidden_layers"]
     return {
         "architectures": ["DeepseekV3ForCausalLM"],

@@ -16,8 +16,8 @@ carried from layer to layer), one layer's weights and one batch of activations a
    c. this layer's scales: observer statistic / 448, or the attention-output search
       (search.BlockReplay on the kept windows);
 3. the scales and the rotation plan go to the export, which rewrites the weights file by file.
-The model maths are the functional blocks of kvconvert.mla (llama_block, mla_block), shared with
-`kvconvert mla` and the healing code. Rotations are exact, so the hidden states after a rotated
+The model maths are kvconvert.models' (llama, deepseek_v3), shared with `kvconvert mla`, the
+healing code and the runtime. Rotations are exact, so the hidden states after a rotated
 layer equal the unrotated ones up to fp32 rounding, and every layer's statistics equal those of
 the whole-model path (calibrate.calibrate_model, the reference in tests) to fp32 rounding.
 """
@@ -31,8 +31,8 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.quant.calibrate import STAT_WINDOWS
-from kvconvert.mla.llama_block import LlamaShape, llama_attend, llama_mlp, llama_qkv, rms_norm
-from kvconvert.mla.mla_block import MLAShape, mla_attend, mla_latent, mla_query
+from kvconvert.models import deepseek_v3 as ds, llama
+from kvconvert.models.common import MLP, rms_norm, short_names, take
 from kvconvert.quant.capture import cache_hook, check_finite
 from kvconvert.quant.fake_quant import mla_row_from_engine, mla_row_to_engine
 from kvconvert.quant.layout import KVLayout
@@ -63,17 +63,8 @@ def stream_unsupported(config: dict, layout: KVLayout) -> str | None:
     return None
 
 
-def _hf_config(path):
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    if getattr(config, "quantization_config", None) is not None:
-        del config.quantization_config
-    return config
-
-
 class _Family:
-    """One architecture's layer maths on top of the functional blocks.
+    """One architecture's layer maths (kvconvert.models) in the calibration's terms.
 
     attention weights: names relative to self_attn ("q_proj.weight", ...), as RotationPlan.apply
     takes them; cache(xn, w) -> (q, k, v) with k, v in transformers' cache layout (what the cache
@@ -82,31 +73,18 @@ class _Family:
 
     attention: tuple[str, ...]
 
-    def __init__(self, layout: KVLayout, config):
-        self.layout = layout
-        self.rms_eps = float(config.rms_norm_eps)
-
-    @staticmethod
-    def _short(w: dict) -> dict:
-        return {k.removesuffix(".weight"): v for k, v in w.items()}
+    def __init__(self, layout: KVLayout, shape):
+        self.layout, self.shape, self.rms_eps = layout, shape, shape.rms_eps
 
 
 class _LlamaFamily(_Family):
     attention = ("q_proj", "k_proj", "v_proj", "o_proj")
 
-    def __init__(self, layout: KVLayout, config):
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        super().__init__(layout, config)
-        rotary = LlamaRotaryEmbedding(config)
-        self.shape = LlamaShape(config.hidden_size, layout.num_q_heads, layout.num_kv_heads, layout.head_dim,
-                                self.rms_eps, rotary.inv_freq.double(), float(rotary.attention_scaling))
-
     def cache(self, xn, w):
-        return llama_qkv(xn, self._short(w), self.shape)
+        return llama.qkv(xn, take(llama.LlamaAttention, short_names(w)), self.shape)
 
     def attend(self, q, k, v, w):
-        return llama_attend(q, k, v, self.shape)
+        return llama.attend(q, k, v, self.shape)
 
     def pairs(self, q, k, v):
         """complex128 post-RoPE pairs q [b, T, H, d/2], k [b, T, G, d/2] (pair_stats conventions)."""
@@ -117,29 +95,17 @@ class _MLAFamily(_Family):
     attention = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
                  "kv_b_proj", "o_proj")
 
-    def __init__(self, layout: KVLayout, config):
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
-
-        super().__init__(layout, config)
-        rotary = DeepseekV3RotaryEmbedding(config)
-        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
-        mscale = yarn_apply_mscale(config.rope_parameters, qk ** -0.5) / qk ** -0.5
-        # transformers builds kv_a_layernorm / q_a_layernorm with eps 1e-6 whatever the config says
-        self.shape = MLAShape(layout.num_q_heads, layout.kv_lora_rank, layout.qk_rope_head_dim,
-                              config.qk_nope_head_dim, config.v_head_dim, 1e-6, rotary.inv_freq.double(),
-                              float(rotary.attention_scaling), float(mscale), layout.rope_interleave)
-
     def cache(self, xn, w):
-        w = self._short(w)
-        latent, k_rope = mla_latent(xn, w, self.shape)  # k_rope in the weights' (engine) pair order
+        a = take(ds.MLAAttention, short_names(w))
+        latent, k_rope = ds.latent(xn, a, self.shape)  # k_rope in the weights' (engine) pair order
         row = torch.cat([latent, k_rope], dim=-1)[:, None]  # engine row [B, 1, T, r + R]
         latent_hf, k_rope_hf = mla_row_from_engine(row, self.layout.kv_lora_rank, self.layout.rope_interleave)
-        return mla_query(xn, w, self.shape), latent_hf, k_rope_hf
+        return ds.query(xn, a, self.shape), latent_hf, k_rope_hf
 
     def attend(self, q, latent_hf, k_rope_hf, w):
         row = mla_row_to_engine(latent_hf, k_rope_hf, self.layout.rope_interleave)[:, 0]
         rank = self.layout.kv_lora_rank
-        return mla_attend(q, row[..., :rank], row[..., rank:], self._short(w), self.shape)
+        return ds.attend(q, row[..., :rank], row[..., rank:], take(ds.MLAAttention, short_names(w)), self.shape)
 
     def pairs(self, q, latent_hf, k_rope_hf):
         """complex128 post-RoPE pairs of the queries' rope dims [b, T, H, R/2] and k_rope [b, T, 1, R/2]."""
@@ -162,8 +128,8 @@ class LayerStream:
 
     def __init__(self, reader, layout: KVLayout, windows: torch.Tensor, batch_size: int):
         self.reader, self.layout, self.batch_size = reader, layout, batch_size
-        config = _hf_config(reader.path)
-        self.family = _MLAFamily(layout, config) if layout.is_mla else _LlamaFamily(layout, config)
+        self.family = (_MLAFamily(layout, ds.MLAShape.from_config(reader.config)) if layout.is_mla
+                       else _LlamaFamily(layout, llama.LlamaShape.from_config(reader.config)))
         embed = reader.get("model.embed_tokens.weight")
         self.hidden = embed[windows].float()  # [N, T, hidden]: the only activations kept across layers
         del embed
@@ -224,7 +190,7 @@ class LayerStream:
                 records.append({"q": q, "k": k, "v": v})
             h = h + self.family.attend(q, k, v, attn) @ o_proj.T
             del q, k, v
-            h = h + llama_mlp(rms_norm(h, rest["post_attention_layernorm"], eps), rest)
+            h = h + take(MLP, rest)(rms_norm(h, rest["post_attention_layernorm"], eps))
             if not bool(torch.isfinite(h).all()):
                 raise KVConvertError(f"layer {i}: the hidden states became NaN/inf during calibration; "
                                      "the checkpoint or the calibration data is broken at this layer")

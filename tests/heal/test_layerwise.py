@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from kvconvert.checkpoint import CheckpointReader
-from kvconvert.heal import blocks
 from kvconvert.heal.layerwise import (
-    block_targets, fit_attention_block, relative_error, relinearize_latent,
+    attention_tensors, block_targets, fit_attention_block, read_layer, relative_error, relinearize_latent,
 )
 from kvconvert.heal.reparam import ScaledWeight, row_scales
-from kvconvert.mla.llama_block import llama_attention
-from kvconvert.mla.mla_block import mla_attention
+from kvconvert.models import deepseek_v3 as ds, llama
+from kvconvert.models.common import rms_norm, take
+from kvconvert.models.deepseek_v3 import MLAAttention, MLAShape
+from kvconvert.models.llama import LlamaAttention, LlamaShape
 from kvconvert.recipe import LayerwiseStage
 
 from heal_cases import layerwise_recipe
@@ -20,40 +21,24 @@ from heal_cases import layerwise_recipe
 
 def _layer0(student, teacher, n=12, t=128, seed=0):
     s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
-    s_shape, t_shape = blocks.student_shape(s_reader.config), blocks.teacher_shape(t_reader.config)
+    s_shape, t_shape = MLAShape.from_config(s_reader.config), LlamaShape.from_config(t_reader.config)
     ids = torch.randint(0, s_reader.config["vocab_size"], (n, t), generator=torch.Generator().manual_seed(seed))
     h = t_reader.get("model.embed_tokens.weight")[ids]
-    tw, sw = blocks.teacher_layer_weights(t_reader, 0), blocks.student_layer_weights(s_reader, 0)
-    return s_shape, t_shape, h, tw, sw
-
-
-def test_functional_blocks_match_transformers(tiny_student, tiny_teacher):
-    """The forwards the fit optimises are the stock models' forwards (first decoder layer)."""
-    from transformers import AutoModelForCausalLM
-
-    s_shape, t_shape, h, tw, sw = _layer0(tiny_student, tiny_teacher, n=2, t=64)
-    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(1))
-    for folder, layer, w, shape in ((tiny_student, blocks.student_layer, sw, s_shape),
-                                    (tiny_teacher, blocks.teacher_layer, tw, t_shape)):
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-        with torch.no_grad():
-            ref = model(input_ids=ids, output_hidden_states=True).hidden_states[1]
-        ours = layer(model.model.embed_tokens.weight[ids].detach(), w, shape)
-        assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-5), float((ours - ref).abs().max())
+    return s_shape, t_shape, h, read_layer(t_reader, 0, LlamaAttention), read_layer(s_reader, 0, MLAAttention)
 
 
 def test_fit_reduces_block_error(tiny_student, tiny_teacher):
     s_shape, t_shape, h, tw, sw = _layer0(tiny_student, tiny_teacher)
     x, y, _ = block_targets(h, h, tw, sw, t_shape, s_shape, "student_input")
-    attn = blocks.attention_part(sw)
+    attn = attention_tensors(sw.attn)
     stage = LayerwiseStage(steps=40, batch_windows=4, lr=0.01)
-    fit = fit_attention_block(x[:10], y[:10], attn, s_shape.mla, stage, torch.Generator().manual_seed(0),
+    fit = fit_attention_block(x[:10], y[:10], attn, s_shape, stage, torch.Generator().manual_seed(0),
                               x[10:], y[10:])
     rep = fit.report
-    assert rep["rel_err_before"] == pytest.approx(relative_error(x[:10], y[:10], attn, s_shape.mla))
+    assert rep["rel_err_before"] == pytest.approx(relative_error(x[:10], y[:10], attn, s_shape))
     assert rep["rel_err_after"] < 0.8 * rep["rel_err_before"]
     assert rep["val_rel_err_after"] < rep["val_rel_err_before"]  # held-out windows improve too
-    assert rep["rel_err_after"] == pytest.approx(relative_error(x[:10], y[:10], fit.weights, s_shape.mla), rel=1e-6)
+    assert rep["rel_err_after"] == pytest.approx(relative_error(x[:10], y[:10], fit.weights, s_shape), rel=1e-6)
     # kv_a_layernorm is not trained and stays uniform
     assert torch.equal(fit.weights["kv_a_layernorm"], attn["kv_a_layernorm"])
     assert fit.weights["kv_a_layernorm"].unique().numel() == 1
@@ -63,22 +48,22 @@ def test_relinearize_keeps_function(tiny_student, tiny_teacher):
     """Pushing the latent out of the norm's linear range and pulling it back: the block output
     changes by about the nonlinearity (<= rho/2 relative), not more."""
     s_shape, t_shape, h, tw, sw = _layer0(tiny_student, tiny_teacher, n=2, t=64)
-    x = blocks.rms_norm(h, sw["input_layernorm"], s_shape.rms_eps)
-    w = blocks.attention_part(sw)
-    r = s_shape.mla.rank
+    x = rms_norm(h, sw.input_layernorm, s_shape.rms_eps)
+    w = attention_tensors(sw.attn)
+    r = s_shape.rank
     grown = dict(w)
     kv_a = w["kv_a_proj_with_mqa"].clone()
     kv_a[:r] *= 3.0
     grown["kv_a_proj_with_mqa"] = kv_a
     grown["kv_b_proj"] = w["kv_b_proj"] / 3.0
-    limit = 1e-4 * s_shape.mla.latent_eps
-    fixed, factor = relinearize_latent(x, grown, s_shape.mla, limit)
+    limit = 1e-4 * s_shape.latent_eps
+    fixed, factor = relinearize_latent(x, grown, s_shape, limit)
     assert factor < 1.0
     c = x @ fixed["kv_a_proj_with_mqa"][:r].T
     assert float(c.pow(2).mean(-1).max()) <= limit * (1 + 1e-4)
-    y0, y1 = mla_attention(x, w, s_shape.mla), mla_attention(x, fixed, s_shape.mla)
+    y0, y1 = ds.attention(x, take(MLAAttention, w), s_shape), ds.attention(x, take(MLAAttention, fixed), s_shape)
     assert float((y1 - y0).norm() / y0.norm()) < 5e-3
-    same, one = relinearize_latent(x, w, s_shape.mla, 1.0)  # already linear enough: untouched
+    same, one = relinearize_latent(x, w, s_shape, 1.0)  # already linear enough: untouched
     assert one == 1.0 and same is w
 
 
@@ -99,8 +84,8 @@ def test_teacher_input_target_is_teacher_block(tiny_student, tiny_teacher):
     s_shape, t_shape, h, tw, sw = _layer0(tiny_student, tiny_teacher, n=2, t=32)
     h_s = h + 0.1 * torch.randn_like(h)
     x, y, a_t = block_targets(h, h_s, tw, sw, t_shape, s_shape, "teacher_input")
-    xt = blocks.rms_norm(h, tw["input_layernorm"], t_shape.rms_eps)
-    assert torch.allclose(x, xt) and torch.allclose(y, llama_attention(xt, tw, t_shape)) and torch.equal(y, a_t)
+    xt = rms_norm(h, tw.input_layernorm, t_shape.rms_eps)
+    assert torch.allclose(x, xt) and torch.allclose(y, llama.attention(xt, tw.attn, t_shape)) and torch.equal(y, a_t)
     x, y, _ = block_targets(h, h_s, tw, sw, t_shape, s_shape, "student_residual")
     assert torch.allclose(y, h + a_t - h_s, atol=1e-6)
 

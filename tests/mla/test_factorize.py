@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from kvconvert.mla import factorize as fz
-from kvconvert.mla.llama_block import apply_rope, rope_cos_sin
-from kvconvert.mla.mla_block import apply_rope_interleaved
+from kvconvert.models.common import Rope
 
 
 def _random_psd(n, seed=0):
@@ -54,13 +53,14 @@ def test_mqa_full_rope_is_exact_under_rotation():
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     x = torch.randn(7, w_k.shape[1], dtype=torch.float64)
     pos = torch.tensor([0, 3, 10, 31, 100, 511, 2047])
-    cos, sin = rope_cos_sin(pos, inv_freq, dtype=torch.float64)
-    k = apply_rope((x @ w_k.T)[None, None], cos, sin)[0, 0]
+    source, target = Rope(inv_freq), Rope(inv_freq, interleaved=True)
+    cos, sin = source.cos_sin(pos, torch.float64, torch.float64)
+    k = source(x @ w_k.T, cos, sin)
     q_all = (x @ w_q.T).view(7, H, d)
-    k_rope = apply_rope_interleaved(x @ w_k.T @ maps.key_rope.T, pos, inv_freq)
+    k_rope = target(x @ w_k.T @ maps.key_rope.T, cos, sin)
     for h in range(H):
-        q = apply_rope(q_all[:, h][None, None], cos, sin)[0, 0]
-        q_rope = apply_rope_interleaved(q_all[:, h] @ maps.query_rope[h].T, pos, inv_freq)
+        q = source(q_all[:, h], cos, sin)
+        q_rope = target(q_all[:, h] @ maps.query_rope[h].T, cos, sin)
         torch.testing.assert_close(q_rope @ k_rope.T, q @ k.T, rtol=1e-9, atol=1e-9)
 
 

@@ -51,11 +51,11 @@ def test_auto_dtype_keeps_bf16_weights_mapped(bf16_model):
     llm = LLM(bf16_model, kv_dtype="bf16")
     assert llm.dtype == torch.bfloat16 and llm.model.dtype == torch.bfloat16
     layer = llm.model.layers[0]
-    assert layer.mlp.down.dtype == torch.bfloat16
+    assert layer.mlp.down_proj.dtype == torch.bfloat16
     # the weight's memory is the file mapping, shared with nothing Python allocated
-    assert not layer.mlp.down.untyped_storage().resizable()
+    assert not layer.mlp.down_proj.untyped_storage().resizable()
     fp32 = LLM(bf16_model, kv_dtype="bf16", dtype="fp32")
-    assert fp32.model.layers[0].mlp.down.dtype == torch.float32
+    assert fp32.model.layers[0].mlp.down_proj.dtype == torch.float32
 
 
 def test_bf16_logits_match_fp32_logits(bf16_model):
