@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelError
+# KV_DTYPE_CHOICES: "auto" = the engine's own unquantized cache (runtime: bf16, transformers: fp32)
+from kvconvert.eval.options import KV_DTYPE_CHOICES
 
 ENGINES = ("runtime", "transformers")
-# "auto" = the engine's own unquantized cache (runtime: bf16, transformers: fp32).
-KV_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")
 QUANTIZED_KV = ("fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")  # stored with scales
 PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 — naïve café 東京 <tag>\n\tend."
 
@@ -79,24 +79,6 @@ def _manifest_files(folder: Path) -> dict | None:
         return files if all("sha256" in v for v in files.values()) else None
     except (OSError, json.JSONDecodeError, KeyError, TypeError):
         return None
-
-
-def eos_token_ids(folder: Path) -> tuple[int, ...]:
-    """EOS ids named by config.json and generation_config.json (int or list in either)."""
-    found: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        path = Path(folder) / name
-        if not path.is_file():
-            continue
-        try:
-            eos = json.loads(path.read_text()).get("eos_token_id")
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(eos, int):
-            found.append(eos)
-        elif isinstance(eos, list):
-            found.extend(int(e) for e in eos)
-    return tuple(dict.fromkeys(found))
 
 
 def load_tokenizer(folder: Path):
