@@ -293,11 +293,11 @@ def _load_transformers_model(path: Path, dtype: torch.dtype = torch.float32):
     """Model in `dtype`, eval mode, no remote code. kvconvert.quant's loader is used when present: it
     drops a KV-cache quantization_config (from calibration) that transformers would act on."""
     try:
-        from kvconvert.quant.capture import load_model
+        from kvconvert.quant.capture import load_hf_model
     except Exception:  # kvconvert.quant missing or broken: plain transformers
-        load_model = None
-    if load_model is not None:
-        return load_model(path, dtype=dtype)
+        load_hf_model = None
+    if load_hf_model is not None:
+        return load_hf_model(path, dtype=dtype)
     from transformers import AutoModelForCausalLM
 
     try:
