@@ -33,7 +33,7 @@ EVERY_CALIBRATE_KEY = {"kv_dtype": "nvfp4", "observer": "percentile", "granulari
                        "key_strength": 0.5, "search_tokens": 0, "calib_data": "essays", "calib_tokens": 2048,
                        "format": "both"}
 EVERY_VALIDATE_KEY = {"suite": "smoke", "engine": "transformers", "kv_dtype": "fp8", "source_kv_dtype": "fp32",
-                      "kv_scales": "dynamic", "dtype": "fp32", "longbench_dir": "/data/lb"}
+                      "kv_scales": "dynamic", "dtype": "fp32", "longbench_dir": Path("/data/lb")}
 
 
 def _params(stage) -> dict:

@@ -3,6 +3,7 @@ the argument of kvconvert.eval.validate.run_validate and (generated) the command
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -29,5 +30,5 @@ class ValidateOptions(StageOptions):
         "checkpoint", description="Runtime engine: fp8/nvfp4 scales from the checkpoint or from the first prefill.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="Both models' weights/activations: auto = as stored (bf16 checkpoints run in bf16).")
-    longbench_dir: str | None = Field(None, description="LongBench-mini folder (default: $KVCONVERT_LONGBENCH_DIR or "
+    longbench_dir: Path | None = Field(None, description="LongBench-mini folder (default: $KVCONVERT_LONGBENCH_DIR or "
                                                         "shared/data/longbench-mini).")
