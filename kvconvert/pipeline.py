@@ -16,6 +16,7 @@ convert_stage is the conversion and its healing chain, shared with `kvconvert ml
 
 from __future__ import annotations
 
+import gc
 import shlex
 import shutil
 import sys
@@ -195,6 +196,7 @@ def run_stages(stages: list[Stage], overwrite: bool) -> list[dict]:
         except KVConvertError:
             click.echo(f"pipeline stage {stage.name!r} failed; rerun it alone: {stage.command}", err=True)
             raise
+        gc.collect()  # the stage's models and tensors go before the next stage loads its own
         log.append({"stage": stage.name, "command": stage.command, "seconds": round(time.time() - t0, 1),
                     "exit_code": 1 if passed is False else 0})
     return log

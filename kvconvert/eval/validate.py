@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from kvconvert import __version__
+from kvconvert.checkpoint import eos_token_ids
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import haystack, longbench
 from kvconvert.eval.cache import ResultCache
 from kvconvert.eval.metrics import longbench_sample_score, passkey_score, string_match_all
-from kvconvert.checkpoint import eos_token_ids
 from kvconvert.eval.options import ValidateOptions
 from kvconvert.eval.runner import LazyRunner, check_same_tokenizer, load_tokenizer, resolve_engine
 from kvconvert.eval.samples import GenSample
