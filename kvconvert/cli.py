@@ -12,10 +12,10 @@ from kvconvert.errors import KVConvertError, raise_on_sigterm
 
 # command name -> "module:attribute". Modules own their click commands.
 LAZY_COMMANDS: dict[str, str] = {
-    "inspect": "kvconvert.commands:inspect_cmd",
-    "budget": "kvconvert.commands:budget_cmd",
-    "fetch": "kvconvert.commands:fetch_cmd",
-    "import-gguf": "kvconvert.commands:import_gguf_cmd",
+    "inspect": "kvconvert.model_info:inspect_cmd",
+    "budget": "kvconvert.budget:budget_cmd",
+    "fetch": "kvconvert.sources:fetch_cmd",
+    "import-gguf": "kvconvert.sources:import_gguf_cmd",
     "mla": "kvconvert.mla.cli:mla_cmd",
     "heal": "kvconvert.heal.cli:heal_cmd",
     "calibrate": "kvconvert.quant.cli:calibrate_cmd",

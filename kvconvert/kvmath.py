@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from kvconvert.errors import KVConvertError, UnsupportedModelError
-from kvconvert.kvformat import KV_FORMATS, KVFormat, kv_format  # noqa: F401 (KV_FORMATS: commands.py)
+from kvconvert.kvformat import KVFormat, kv_format
 
 MHA, GQA, MQA, MLA = "MHA", "GQA", "MQA", "MLA"
 

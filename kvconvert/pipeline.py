@@ -1,48 +1,156 @@
-"""`kvconvert pipeline`: the whole job on one model, as the CLI commands a user would run:
-convert to MLA (-> heal) -> calibrate KV scales -> validate against the source -> gate.
+"""`kvconvert pipeline`: the whole job on one model: convert to MLA (-> heal) -> calibrate KV scales
+-> validate against the source -> gate.
 
-Each stage runs as its own `kvconvert ...` process and is printed first, so the pipeline doubles as
-documentation of the individual commands. A stage whose output already exists is reused (unless
---overwrite), so an interrupted pipeline continues where it stopped.
+Every stage runs in this process through the library, with the same options model its command
+takes (kvconvert.stage_options), and is printed first as the equivalent `kvconvert ...` command
+line, so the pipeline doubles as documentation of the individual commands. A stage whose output
+already exists is reused (unless --overwrite), so an interrupted pipeline continues where it stopped.
 
-With --recipe, the recipe's blocks drive every stage (recipe_stages): `convert` gives the `kvconvert
-mla` flags, the heal blocks run through `--heal RECIPE`, `calibrate` gives the `kvconvert calibrate`
-flags (no block: the KV cache stays unquantized), `validate` the suite and the gate policy. A key the
-recipe leaves out takes the command's own default.
+With --recipe, the recipe's blocks drive every stage: `convert` is the conversion's options, the
+heal blocks heal it (`kvconvert mla --heal RECIPE`), `calibrate` the calibration's (no block: the KV
+cache stays unquantized), `validate` the validation's and the gate policy. A key the recipe leaves
+out takes the stage's own default.
+
+convert_stage is the conversion and its healing chain, shared with `kvconvert mla --heal`.
 """
 
 from __future__ import annotations
 
+import gc
 import shlex
-import subprocess
+import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import click
 
 from kvconvert.errors import KVConvertError
+from kvconvert.eval.options import ValidateOptions
+from kvconvert.kvformat import CALIBRATE_KV_DTYPES, kv_format
 from kvconvert.mla.options import MLAOptions
 from kvconvert.quant.options import CalibrateOptions
-from kvconvert.stage_options import options_as_flags
+from kvconvert.stage_options import StageOptions, build_options, options_as_flags
 from kvconvert.targets import DEFAULT_TARGET, TARGETS
 
 REPO_GATES = Path(__file__).resolve().parents[1] / "recipes" / "gates"
 
 
-def _run(stage: str, args: list[str], log: list) -> None:
-    cmd = [sys.executable, "-m", "kvconvert.cli", *args]
-    shown = "kvconvert " + " ".join(shlex.quote(a) for a in args)
-    click.secho(f"\n== {stage}: {shown}", fg="cyan", err=True)
-    t0 = time.time()
-    proc = subprocess.run(cmd)
-    log.append({"stage": stage, "command": shown, "seconds": round(time.time() - t0, 1), "exit_code": proc.returncode})
-    if proc.returncode != 0 and stage != "gate":
-        raise KVConvertError(f"pipeline stage {stage!r} failed (exit {proc.returncode}); rerun it alone: {shown}")
+# ------------------------------------------------------------------ convert (+ heal): also `kvconvert mla`
+
+def heal_recipe(heal: str):
+    """--heal none | a preset (layerwise, layerwise+distill) | a recipe YAML -> the Recipe, or None;
+    checked before any conversion work."""
+    from kvconvert.recipe import resolve_recipe
+
+    if heal == "none":
+        return None
+    try:
+        recipe = resolve_recipe(heal)
+    except KVConvertError as exc:
+        raise KVConvertError(f"--heal {heal}: {exc}; use none, a preset or a recipe .yaml file") from None
+    if not recipe.heals():
+        raise KVConvertError(f"--heal {heal}: the recipe has no enabled heal_layerwise or heal_distill block")
+    return recipe
 
 
-def _done(folder: Path, marker: str) -> bool:
-    return (folder / marker).is_file()
+def convert_stage(src_path: Path, opts: MLAOptions, out: Path, heal=None, *, source_name: str | None = None,
+                  overwrite: bool = False):
+    """Convert src_path into `out`; with a heal Recipe, convert into a hidden one-shot folder beside
+    `out`, heal it against the source into `out`, and remove the one-shot folder. Returns the
+    conversion report (kvconvert.mla.convert.ConversionReport)."""
+    from kvconvert.mla.convert import convert_to_mla
+
+    if heal is None:
+        return convert_to_mla(src_path, out, opts, source_name=source_name, overwrite=overwrite)
+    from kvconvert.heal.api import heal as run_heal
+
+    oneshot = out.parent / f".{out.name}.oneshot"
+    try:
+        report = convert_to_mla(src_path, oneshot, opts, source_name=source_name, overwrite=True)
+        run_heal(oneshot, src_path, heal, out, overwrite=True)  # the caller applied its --overwrite to out
+    finally:
+        shutil.rmtree(oneshot, ignore_errors=True)
+    return report
+
+
+# ------------------------------------------------------------------ the stages
+
+@dataclass
+class Stage:
+    name: str  # convert | calibrate | validate | gate
+    argv: list[str]  # the equivalent command line, after `kvconvert`
+    out: Path | None  # output folder, reused when it holds a manifest; None: the stage always runs
+    options: StageOptions | None  # what the stage runs with (argv is built from it)
+    run: Callable[[], bool | None]  # runs the stage in this process; False: the gate failed
+
+    @property
+    def command(self) -> str:
+        return "kvconvert " + shlex.join(self.argv)
+
+
+def _convert(src: str, opts: MLAOptions, heal, heal_shown: str, out: Path) -> Stage:
+    def run():
+        from kvconvert.checkpoint import check_checkpoint
+        from kvconvert.sources import resolve_source
+
+        src_path = resolve_source(src)
+        check_checkpoint(src_path)
+        convert_stage(src_path, opts, out, heal, source_name=src, overwrite=True)
+
+    argv = ["mla", "--src", src, *options_as_flags(opts), "--heal", heal_shown, "--out", str(out), "--overwrite"]
+    return Stage("convert", argv, out, opts, run)
+
+
+def _calibrate(model: str, opts: CalibrateOptions, out: Path) -> Stage:
+    def run():
+        from kvconvert.quant.run import CalibrateJob, run_calibrate
+
+        run_calibrate(CalibrateJob(src=model, options=opts, out=out, overwrite=True),
+                      echo=lambda msg: click.echo(msg, err=True))
+
+    argv = ["calibrate", "--src", model, *options_as_flags(opts, keep=("kv_dtype",)), "--out", str(out), "--overwrite"]
+    return Stage("calibrate", argv, out, opts, run)
+
+
+def _validate(src: str, candidate: str, opts: ValidateOptions, report_dir: Path) -> Stage:
+    def run():
+        from kvconvert.eval.report import print_summary
+        from kvconvert.eval.validate import run_validate
+
+        print_summary(run_validate(src, candidate, report_dir, opts))
+
+    argv = ["validate", "--source", src, "--candidate", candidate, *options_as_flags(opts, keep=("kv_dtype", "suite")),
+            "--out", str(report_dir)]
+    return Stage("validate", argv, None, opts, run)
+
+
+def _gate(report_dir: Path, policy_file: str) -> Stage:
+    def run():
+        from kvconvert.eval.cli import run_gate
+
+        return run_gate(report_dir / "report.json", Path(policy_file))
+
+    return Stage("gate", ["gate", "--report", str(report_dir / "report.json"), "--policy", policy_file], None, None, run)
+
+
+def build_stages(src: str, convert: MLAOptions | None, heal, heal_shown: str, calibrate: CalibrateOptions | None,
+                 validate: ValidateOptions, policy_file: str, out_dir: Path) -> list[Stage]:
+    """convert into out_dir/mla (convert given), then (calibrate given) calibrate that (or the source
+    itself: "don't convert, just quantize") into out_dir/<mla|source>-<kv_dtype>, validate the last
+    model against the source into out_dir/report, gate the report."""
+    if convert is None and calibrate is None:
+        raise KVConvertError("nothing to build: no MLA conversion and no KV calibration (give one of them)")
+    stages, model, name = [], src, "source"
+    if convert is not None:
+        model, name = str(out_dir / "mla"), "mla"
+        stages.append(_convert(src, convert, heal, heal_shown, Path(model)))
+    if calibrate is not None:
+        stages.append(_calibrate(model, calibrate, out_dir / f"{name}-{calibrate.kv_dtype}"))
+        model = str(stages[-1].out)
+    return stages + [_validate(src, model, validate, out_dir / "report"), _gate(out_dir / "report", policy_file)]
 
 
 def _policy_path(policy: str, base: Path | None = None) -> str:
@@ -56,42 +164,46 @@ def _policy_path(policy: str, base: Path | None = None) -> str:
     raise KVConvertError(f"--policy {policy}: not a file and not a built-in policy in {REPO_GATES}")
 
 
-def _commands(src: str, convert: MLAOptions | None, heal: str, calibrate: CalibrateOptions | None,
-              out_dir: Path) -> list[tuple[str, list[str]]]:
-    """[(stage, kvconvert args)]: `mla` into out_dir/mla (convert given), then (calibrate given)
-    `calibrate` of that (or of the source itself: "don't convert, just quantize") into
-    out_dir/<mla|source>-<kv_dtype>; each stage's flags come from its options model."""
-    if convert is None and calibrate is None:
-        raise KVConvertError("nothing to build: no MLA conversion and no KV calibration (give one of them)")
-    stages, model, name = [], src, "source"
-    if convert is not None:
-        model, name = str(out_dir / "mla"), "mla"
-        stages.append(("convert", ["mla", "--src", src, *options_as_flags(convert), "--heal", heal,
-                                   "--out", model, "--overwrite"]))
-    if calibrate is not None:
-        stages.append(("calibrate", ["calibrate", "--src", model, *options_as_flags(calibrate, keep=("kv_dtype",)),
-                                     "--out", str(out_dir / f"{name}-{calibrate.kv_dtype}"), "--overwrite"]))
-    return stages
-
-
-def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path) -> tuple[list[tuple[str, list[str]]], str, str]:
-    """The pipeline's commands for a recipe: ([(stage, kvconvert args)] for convert and calibrate,
-    the validated candidate's kv_dtype, the gate policy file). Validate and gate follow in run order."""
-    convert = recipe.convert.mla_options() if recipe.convert is not None and recipe.convert.enabled else None
+def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path) -> list[Stage]:
+    """The pipeline's stages for a recipe."""
+    convert = recipe.stage("convert")
     if convert is None and recipe.heals():
         raise KVConvertError(f"{recipe_path}: heal blocks need a `convert` block (rank, rope_dim, ...)")
-    heal = str(recipe_path) if recipe.heals() else "none"
-    cal = recipe.calibrate if recipe.calibrate is not None and recipe.calibrate.enabled else None
-    if convert is None and cal is None:
+    calibrate = recipe.stage("calibrate")
+    if convert is None and calibrate is None:
         raise KVConvertError(f"{recipe_path}: the pipeline needs a `convert` or a `calibrate` block")
-    stages = _commands(src, convert, heal, cal.calibrate_options() if cal is not None else None, out_dir)
-    kv_dtype = cal.kv_dtype if cal is not None else "auto"
-    val = recipe.validate_
-    if val is not None and val.kv_dtype != "auto":
-        kv_dtype = val.kv_dtype
-    policy = _policy_path(val.gate if val is not None and val.gate else "default", recipe_path.parent)
-    return stages, kv_dtype, policy
+    block = recipe.validate_
+    validate = recipe.stage("validate") or ValidateOptions()
+    if validate.kv_dtype == "auto" and calibrate is not None:  # the calibrated format, unless the recipe says
+        validate = validate.model_copy(update={"kv_dtype": calibrate.kv_dtype})
+    policy = _policy_path(block.gate if block is not None and block.gate else "default", recipe_path.parent)
+    heal = recipe if recipe.heals() else None
+    return build_stages(src, convert, heal, str(recipe_path) if heal else "none", calibrate, validate, policy, out_dir)
 
+
+def run_stages(stages: list[Stage], overwrite: bool) -> list[dict]:
+    """Run the stages in order (reusing a finished one's output unless `overwrite`); the log of
+    each stage's command, seconds and exit code (the gate's: 1 when it failed)."""
+    log = []
+    for stage in stages:
+        if not overwrite and stage.out is not None and (stage.out / "manifest.json").is_file():
+            click.secho(f"\n== {stage.name}: reusing {stage.out} (--overwrite recomputes it)", fg="cyan", err=True)
+            log.append({"stage": stage.name, "command": stage.command, "seconds": 0.0, "exit_code": 0, "reused": True})
+            continue
+        click.secho(f"\n== {stage.name}: {stage.command}", fg="cyan", err=True)
+        t0 = time.time()
+        try:
+            passed = stage.run()
+        except KVConvertError:
+            click.echo(f"pipeline stage {stage.name!r} failed; rerun it alone: {stage.command}", err=True)
+            raise
+        gc.collect()  # the stage's models and tensors go before the next stage loads its own
+        log.append({"stage": stage.name, "command": stage.command, "seconds": round(time.time() - t0, 1),
+                    "exit_code": 1 if passed is False else 0})
+    return log
+
+
+# ------------------------------------------------------------------ the command
 
 RECIPE_OWNS = ("rank", "rope_dim", "target", "heal", "calib_tokens", "kv_dtype", "suite", "policy")
 
@@ -111,58 +223,53 @@ RECIPE_OWNS = ("rank", "rope_dim", "target", "heal", "calib_tokens", "kv_dtype",
 @click.option("--heal", default="layerwise", show_default=True, help="none, layerwise or a recipe YAML.")
 @click.option("--calib-tokens", type=click.IntRange(min=512), default=None,
               help="Calibration tokens for both convert and calibrate (default: each command's own default).")
-@click.option("--kv-dtype", type=click.Choice(["fp8", "nvfp4", "bf16"]), default="fp8", show_default=True)
+@click.option("--kv-dtype", type=click.Choice([*CALIBRATE_KV_DTYPES, "bf16"]), default="fp8", show_default=True)
 @click.option("--suite", default="quick", show_default=True)
 @click.option("--policy", default="default", show_default=True, help="Gate policy: a YAML file or a built-in name.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Recompute every stage (default: reuse finished stages).")
 @click.option("--fail-on-gate", is_flag=True, help="Exit 1 when the gate fails (for CI); default: report and exit 0.")
-def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir, overwrite,
-                 fail_on_gate):
+def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy,
+                 out_dir, overwrite, fail_on_gate):
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     import json
 
     from kvconvert.checkpoint import check_writable
 
     if recipe_file is not None:
-        stages, kv_dtype, policy_file, suite, engine, src = _from_recipe(recipe_file, src, out_dir)
+        src, stages = _from_recipe(recipe_file, src, out_dir)
     else:
         if not convert:
             _refuse_mla_flags()
             rank = None
         elif rank is None:
             rank, rope_dim = _default_shape(src, target, rope_dim)
-        stages = _from_flags(src, rank, rope_dim, target, heal if convert else "none", calib_tokens, kv_dtype, out_dir)
-        policy_file, engine = _policy_path(policy), "auto"
+        stages = _from_flags(src, rank, rope_dim, target, heal if convert else "none", calib_tokens, kv_dtype,
+                             suite, policy, out_dir)
     check_writable(out_dir)  # before the first stage (kvconvert.checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
-    report_dir = out_dir / "report"
-    log: list = []
     t0 = time.time()
-    candidate = Path(src)
-    for stage, args in stages:
-        candidate = Path(args[args.index("--out") + 1])
-        if overwrite or not _done(candidate, "manifest.json"):
-            _run(stage, args, log)
-    _run("validate", ["validate", "--source", src, "--candidate", str(candidate), "--kv-dtype", kv_dtype,
-                      "--suite", suite, *(["--engine", engine] if engine != "auto" else []),
-                      "--out", str(report_dir)], log)
-    _run("gate", ["gate", "--report", str(report_dir / "report.json"), "--policy", policy_file], log)
+    log = run_stages(stages, overwrite)
     (out_dir / "pipeline.json").write_text(json.dumps({"stages": log, "seconds": round(time.time() - t0, 1)}, indent=2))
+    report_dir, candidate = out_dir / "report", next((s.out for s in reversed(stages) if s.out), src)
     pictures = sorted(p.name for p in report_dir.glob("*.png"))
     click.echo(f"\nReport: {report_dir / 'report.md'}\nPictures: {', '.join(pictures) or 'none'} in {report_dir}"
                f"\nValidated model: {candidate}\nTotal: {time.time() - t0:.0f} s")
     gate_ok = log[-1]["exit_code"] == 0
-    click.secho(f"Gate ({Path(policy_file).name}): {'PASS' if gate_ok else 'FAIL'}", fg="green" if gate_ok else "red")
+    click.secho(f"Gate ({Path(stages[-1].argv[-1]).name}): {'PASS' if gate_ok else 'FAIL'}",  # argv ends: --policy FILE
+                fg="green" if gate_ok else "red")
     if not gate_ok and fail_on_gate:
         sys.exit(log[-1]["exit_code"])
 
 
-def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, out_dir: Path) -> list:
+def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir: Path) -> list[Stage]:
     calib = {} if calib_tokens is None else {"calib_tokens": calib_tokens}
-    calibrate = None if kv_dtype == "bf16" else CalibrateOptions(kv_dtype=kv_dtype, **calib)
-    convert = MLAOptions(rank=rank, rope_dim=rope_dim, target=target, **calib) if rank is not None else None
-    return _commands(src, convert, heal, calibrate, out_dir)
+    calibrate = None if not kv_format(kv_dtype).quantized else build_options(CalibrateOptions, {"kv_dtype": kv_dtype, **calib})
+    convert = None if rank is None else build_options(MLAOptions, {"rank": rank, "rope_dim": rope_dim,
+                                                                   "target": target, **calib})
+    validate = build_options(ValidateOptions, {"suite": suite, "kv_dtype": kv_dtype})
+    return build_stages(src, convert, heal_recipe(heal) if convert else None, heal, calibrate, validate,
+                        _policy_path(policy), out_dir)
 
 
 def _refuse_mla_flags() -> None:
@@ -195,7 +302,7 @@ def _default_shape(src: str, target: str, rope_dim: int | None) -> tuple[int, in
     return shapes[0]
 
 
-def _from_recipe(recipe_file: Path, src: str, out_dir: Path):
+def _from_recipe(recipe_file: Path, src: str, out_dir: Path) -> tuple[str, list[Stage]]:
     from kvconvert.recipe import load_recipe
 
     ctx = click.get_current_context()
@@ -208,8 +315,4 @@ def _from_recipe(recipe_file: Path, src: str, out_dir: Path):
     if recipe.source and ctx.get_parameter_source("src") == click.core.ParameterSource.COMMANDLINE and src != recipe.source:
         raise KVConvertError(f"--src {src}: the recipe's source is {recipe.source}; drop --src or edit the recipe")
     src = recipe.source or src
-    stages, kv_dtype, policy_file = recipe_stages(recipe, recipe_file, src, out_dir)
-    val = recipe.validate_
-    suite = val.suite if val is not None else "quick"
-    engine = val.engine if val is not None else "auto"
-    return stages, kv_dtype, policy_file, suite, engine, src
+    return src, recipe_stages(recipe, recipe_file, src, out_dir)

@@ -2,10 +2,10 @@
 
     name: smollm2-135m-25pct
     convert:        {rank: 64, rope_dim: 32, dtype: fp32}           # kvconvert mla (mla/options.py)
-    heal_layerwise: {tokens: 16384, window: 512, steps: 120}        # fit each attention block
+    heal_layerwise: {tokens: 16384, window: 512, steps: 120}        # fit each attention block (heal/options.py)
     heal_distill:   {tokens: 200000, seq_len: 512, lr: 1.0e-3}      # end-to-end KL to the source
-    calibrate:      {kv_dtype: fp8}                                 # KV-cache scales
-    validate:       {suite: quick, gate: recipes/gates/default.yaml}
+    calibrate:      {kv_dtype: fp8}                                 # KV-cache scales (quant/options.py)
+    validate:       {suite: quick, gate: recipes/gates/default.yaml}  # eval/options.py + the gate policy
 
 Every block is optional; a block that is present runs (set `enabled: false` to keep it written
 down but skip it). Unknown keys are errors that name the key and the file (pydantic extra=forbid),
@@ -15,154 +15,55 @@ so a typo never silently falls back to a default.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import VALIDATE_KV_DTYPES
+from kvconvert.eval.options import ValidateOptions
+from kvconvert.heal.options import DistillOptions, LayerwiseOptions
 from kvconvert.mla.options import MLAOptions
 from kvconvert.quant.options import CalibrateOptions
+from kvconvert.stage_options import StageOptions
 
-# Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
-# low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
-TRAINABLE_ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-AttentionName = Literal["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-
-
-class _Stage(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = True
-
-    def options(self) -> dict:
-        """The keys this block sets, without `enabled`; a None key is left to the command's default."""
-        return self.model_dump(exclude={"enabled"}, exclude_none=True)
+# Built-in heal recipes (`kvconvert heal --recipe NAME`, `kvconvert mla --heal NAME`).
+HEAL_PRESETS: dict[str, dict] = {
+    # Layer-wise reconstruction alone: CPU-sized (SmolLM2-135M: ~10-20 min on 2 cores).
+    "layerwise": {"name": "layerwise", "heal_layerwise": {}},
+    # Layer-wise, then a short distillation.
+    "layerwise+distill": {"name": "layerwise+distill", "heal_layerwise": {}, "heal_distill": {}},
+}
 
 
+# Each block is its stage's options model (defined once, beside the stage) plus `enabled`: a key
+# left out takes the stage's default, the one its command shows, because there is only one.
 class ConvertStage(MLAOptions):
-    """The `convert` block is kvconvert.mla.options.MLAOptions itself (rank = kv_lora_rank, rope_dim =
-    qk_rope_head_dim, q_rank = q_lora_rank, ...): a key left out takes the converter's default, the
-    one `kvconvert mla` shows, because there is only one."""
-
     enabled: bool = True
 
-    def options(self) -> dict:
-        """The keys this block sets (what a printed command line needs), without `enabled`."""
-        return self.model_dump(exclude={"enabled"}, exclude_unset=True)
 
-    def mla_options(self) -> MLAOptions:
-        return MLAOptions(**self.model_dump(exclude={"enabled"}))
+class LayerwiseStage(LayerwiseOptions):
+    enabled: bool = True
 
 
-class LayerwiseStage(_Stage):
-    """Layer-wise reconstruction of each converted attention block (kvconvert.heal.layerwise).
-
-    target: what the student block is fitted to, per layer i (x = normed block input):
-      student_input     teacher block at the student's own input: min |A_s(x_s) - A_t(x_s)|
-      teacher_input     both at the teacher's input:               min |A_s(x_t) - A_t(x_t)|
-      student_residual  student input, teacher stream output:      min |h_s + A_s(x_s) - (h_t + A_t(x_t))|
-                        (also repairs the drift left by earlier layers)
-    steps: Adam steps per layer; batch_windows: calibration windows per step; lr: relative step
-    (each weight is optimised in units of its own RMS, so one lr fits every tensor).
-    refit_o_proj: finish each layer with a least-squares o_proj (exact optimum given the rest).
-    """
-
-    data: str = "builtin"
-    tokens: int = Field(32768, gt=0)
-    window: int = Field(512, gt=0)
-    steps: int = Field(100, ge=0)
-    batch_windows: int = Field(1, gt=0)
-    lr: float = Field(5e-3, gt=0)
-    target: Literal["student_input", "teacher_input", "student_residual"] = "student_input"
-    refit_o_proj: bool = True
-    train: tuple[AttentionName, ...] = TRAINABLE_ATTENTION
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _enough_windows(self):
-        if self.tokens < self.window:
-            raise ValueError(f"tokens ({self.tokens}) is less than one window ({self.window})")
-        return self
-
-
-class DistillStage(_Stage):
-    """End-to-end distillation: KL(teacher || student) on next-token distributions (+ lm_weight x CE,
-    + hidden_weight x the mean over layers of |h_s - h_t|^2 / |h_t|^2, the residual streams).
-
-    tokens: training tokens in total (steps = tokens / (batch_size x seq_len x grad_accum)).
-    train: full (the attention weights themselves) or lora (low-rank deltas merged at the end).
-    lr is relative (weights are optimised in units of their RMS, like the layer-wise stage).
-    mixed_precision: accelerate's setting (no | bf16 | fp16); on a CPU keep `no`.
-    gradient_checkpointing: recompute activations in the backward pass (long seq_len on a GPU).
-    max_epochs: how many times the data may be reused when it holds fewer than `tokens` tokens.
-    checkpoint_every: optimizer steps between resumable snapshots (0 = only at the end).
-    """
-
-    data: str = "builtin"
-    tokens: int = Field(65536, gt=0)
-    seq_len: int = Field(512, gt=0)
-    batch_size: int = Field(1, gt=0)
-    grad_accum: int = Field(1, gt=0)
-    lr: float = Field(5e-4, gt=0)
-    warmup_steps: int = Field(10, ge=0)
-    schedule: Literal["cosine", "constant", "linear"] = "cosine"
-    kl_weight: float = Field(1.0, ge=0)
-    lm_weight: float = Field(0.0, ge=0)
-    hidden_weight: float = Field(0.0, ge=0)
-    temperature: float = Field(1.0, gt=0)
-    train: Literal["full", "lora"] = "full"
-    lora_rank: int = Field(16, gt=0)
-    lora_alpha: float = Field(16.0, gt=0)
-    targets: tuple[AttentionName, ...] = TRAINABLE_ATTENTION
-    max_grad_norm: float = Field(1.0, gt=0)
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    gradient_checkpointing: bool = False
-    max_epochs: int = Field(1, gt=0)
-    checkpoint_every: int = Field(50, ge=0)
-    log_every: int = Field(1, gt=0)
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _weights(self):
-        if self.kl_weight == 0 and self.lm_weight == 0 and self.hidden_weight == 0:
-            raise ValueError("kl_weight, lm_weight and hidden_weight are all 0: nothing to train on")
-        return self
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len * self.grad_accum
-
-    @property
-    def steps(self) -> int:
-        return self.steps_on(1)
-
-    def steps_on(self, processes: int) -> int:
-        """Optimizer steps for `tokens` in total when `processes` data-parallel processes each take
-        tokens_per_step per step (same data, same lr schedule length in tokens, however launched)."""
-        return max(1, self.tokens // (self.tokens_per_step * processes))
+class DistillStage(DistillOptions):
+    enabled: bool = True
 
 
 class CalibrateStage(CalibrateOptions):
-    """The `calibrate` block is kvconvert.quant.options.CalibrateOptions itself (the options of
-    `kvconvert calibrate`): a key left out takes the one default there is."""
-
     enabled: bool = True
 
-    def options(self) -> dict:
-        return self.model_dump(exclude={"enabled"}, exclude_unset=True)
 
-    def calibrate_options(self) -> CalibrateOptions:
-        return CalibrateOptions(**self.model_dump(exclude={"enabled"}))
+class ValidateStage(ValidateOptions):
+    enabled: bool = True
+    gate: str | None = None  # the pipeline's gate policy: a YAML path or a built-in name (recipes/gates/)
 
 
-class ValidateStage(_Stage):
-    """Validation against the source (kvconvert validate) and an optional gate policy."""
-
-    suite: Literal["smoke", "quick", "standard", "full"] = "quick"
-    engine: Literal["auto", "runtime", "transformers"] = "auto"
-    kv_dtype: Literal[VALIDATE_KV_DTYPES] = "auto"
-    gate: str | None = None  # path of a gate policy YAML (recipes/gates/*.yaml)
+def stage_options(block: StageOptions | None) -> StageOptions | None:
+    """The stage options of a recipe block (its keys, without the recipe's own), or None when the
+    block is absent or disabled."""
+    if block is None or not block.enabled:
+        return None
+    model = type(block).__base__
+    return model(**{k: v for k, v in block.model_dump(exclude_unset=True).items() if k in model.model_fields})
 
 
 class Recipe(BaseModel):
@@ -177,13 +78,18 @@ class Recipe(BaseModel):
     calibrate: CalibrateStage | None = None
     validate_: ValidateStage | None = Field(None, alias="validate")
 
-    @property
-    def layerwise(self) -> LayerwiseStage | None:
-        return self.heal_layerwise if self.heal_layerwise and self.heal_layerwise.enabled else None
+    def stage(self, name: str):
+        """The options of block `name` (convert, heal_layerwise, heal_distill, calibrate, validate),
+        or None when the recipe has no such block or it is disabled."""
+        return stage_options(getattr(self, "validate_" if name == "validate" else name))
 
     @property
-    def distill(self) -> DistillStage | None:
-        return self.heal_distill if self.heal_distill and self.heal_distill.enabled else None
+    def layerwise(self) -> LayerwiseOptions | None:
+        return self.stage("heal_layerwise")
+
+    @property
+    def distill(self) -> DistillOptions | None:
+        return self.stage("heal_distill")
 
     def heals(self) -> bool:
         return self.layerwise is not None or self.distill is not None
@@ -228,6 +134,20 @@ def parse_recipe(data: object, origin: str = "<recipe>") -> Recipe:
         problems = "; ".join(_describe(e) for e in exc.errors()[:3])
         more = f" (+{exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
         raise KVConvertError(f"{origin}: invalid recipe: {problems}{more}") from None
+
+
+def resolve_recipe(recipe: Recipe | dict | str | Path) -> Recipe:
+    """A Recipe from a Recipe, a dict, a preset name (layerwise, layerwise+distill) or a YAML path."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, dict):
+        return parse_recipe(recipe)
+    if str(recipe) in HEAL_PRESETS:
+        return parse_recipe(HEAL_PRESETS[str(recipe)], f"preset {recipe}")
+    path = Path(recipe)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return load_recipe(path)
+    raise KVConvertError(f"{recipe}: not a recipe file or preset (presets: {', '.join(HEAL_PRESETS)})")
 
 
 def load_recipe(path: str | Path) -> Recipe:

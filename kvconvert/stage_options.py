@@ -29,58 +29,78 @@ class StageOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _flag(name: str, prefix: str = "") -> str:
+    return "--" + _param(name, prefix).replace("_", "-")
+
+
+def _param(name: str, prefix: str = "") -> str:
+    """The click parameter of field `name`: `prefix_name` when the command holds several models."""
+    return f"{prefix}_{name}" if prefix else name
 
 
 def _base_type(annotation) -> Any:
-    """(int | None) -> int; Literal stays Literal."""
+    """(int | None) -> int; Literal and tuple[...] stay as they are."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         return args[0] if len(args) == 1 else str
     return annotation
 
 
-def _option(name: str, field, flag: str | None = None):
+def _split_list(ctx, param, value):
+    return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _option(name: str, field, flag: str, param: str):
     kind = _base_type(field.annotation)
     help_text = field.description or ""
     default = None if field.is_required() else field.get_default()
+    if isinstance(default, tuple):
+        default = ",".join(default)
     if default is not None and not (kind is bool and default is False):
         help_text += f"  [default: {default}]"
-    flag = flag or _flag(name)
     if kind is bool:
-        return click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
+        return click.option(f"{flag}/--no-{flag[2:]}", param, default=None, help=help_text)
     if typing.get_origin(kind) is Literal:
-        return click.option(flag, name, type=click.Choice([str(a) for a in typing.get_args(kind)]), default=None,
+        return click.option(flag, param, type=click.Choice([str(a) for a in typing.get_args(kind)]), default=None,
                             help=help_text)
-    return click.option(flag, name, type=kind if kind in (int, float) else str, default=None, help=help_text)
+    if typing.get_origin(kind) is tuple:
+        return click.option(flag, param, default=None, callback=_split_list, help=help_text + " (comma-separated)")
+    return click.option(flag, param, type=kind if kind in (int, float) else str, default=None, help=help_text)
 
 
-def click_options(model: type[StageOptions], skip: tuple[str, ...] = (), flags: dict[str, str] | None = None):
-    """Decorator: one click option per field of `model` (except `skip`), in field order."""
+def click_options(model: type[StageOptions], skip: tuple[str, ...] = (), flags: dict[str, str] | None = None,
+                  prefix: str = ""):
+    """Decorator: one click option per field of `model` (except `skip`), in field order; with
+    `prefix`, field `steps` becomes --PREFIX-steps (parameter PREFIX_steps)."""
     flags = flags or {}
 
     def decorate(command):
         for name, field in reversed(list(model.model_fields.items())):
             if name not in skip:
-                command = _option(name, field, flags.get(name))(command)
+                command = _option(name, field, flags.get(name, _flag(name, prefix)), _param(name, prefix))(command)
         return command
     return decorate
 
 
-def build_options(model: type[StageOptions], params: dict, **fixed):
-    """The model from a command's parameters (None = not given: the model's default) plus `fixed`
-    values; a bad value becomes a KVConvertError naming the option."""
-    given = {k: v for k, v in params.items() if k in model.model_fields and v is not None}
+def given_options(model: type[StageOptions], params: dict, prefix: str = "") -> dict:
+    """{field: value} of the options the command line gave (None = not given)."""
+    return {name: params[_param(name, prefix)] for name in model.model_fields
+            if params.get(_param(name, prefix)) is not None}
+
+
+def build_options(model: type[StageOptions], params: dict, prefix: str = "", base: dict | None = None, **fixed):
+    """The model from a command's parameters (None = not given: `base`'s value, else the model's
+    default) plus `fixed` values; a bad value becomes a KVConvertError naming the option."""
+    values = {**(base or {}), **given_options(model, params, prefix), **fixed}
     try:
-        return model(**given, **fixed)
+        return model(**values)
     except ValidationError as exc:
-        raise KVConvertError("; ".join(_describe(e) for e in exc.errors())) from None
+        raise KVConvertError("; ".join(_describe(e, prefix) for e in exc.errors())) from None
 
 
-def _describe(err: dict) -> str:
+def _describe(err: dict, prefix: str = "") -> str:
     msg = err["msg"].removeprefix("Value error, ")
-    return f"{_flag(str(err['loc'][0]))}: {msg}" if err["loc"] else msg
+    return f"{_flag(str(err['loc'][0]), prefix)}: {msg}" if err["loc"] else msg
 
 
 def options_as_flags(opts: StageOptions, flags: dict[str, str] | None = None, keep: tuple[str, ...] = ()) -> list[str]:
@@ -94,6 +114,8 @@ def options_as_flags(opts: StageOptions, flags: dict[str, str] | None = None, ke
         flag = flags.get(name, _flag(name))
         if isinstance(value, bool):
             out.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, tuple):
+            out += [flag, ",".join(value)]
         elif value is not None:
             out += [flag, str(value)]
     return out

@@ -18,7 +18,6 @@ finish_reason "error" while the others complete.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from kvconvert.runtime.models import kv_layout, load_model, model_type, stored_d
 from kvconvert.runtime.scheduler import Scheduler
 from kvconvert.runtime.sequence import Sequence
 
-from kvconvert.checkpoint import CheckpointReader
+from kvconvert.checkpoint import CheckpointReader, eos_token_ids
 from kvconvert.errors import KVConvertError
 
 
@@ -252,22 +251,3 @@ def _as_prompt_list(prompts) -> list:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single token-id prompt
     return [p.tolist() if isinstance(p, torch.Tensor) else p for p in prompts]
-
-
-def eos_token_ids(model_path: Path, config: dict) -> tuple[int, ...]:
-    """EOS ids from config.json and generation_config.json (int or list in either)."""
-    found = []
-    sources = [config]
-    gen = model_path / "generation_config.json"
-    if gen.is_file():
-        try:
-            sources.append(json.loads(gen.read_text()))
-        except (OSError, json.JSONDecodeError):
-            pass
-    for src in sources:
-        eos = src.get("eos_token_id")
-        if isinstance(eos, int):
-            found.append(eos)
-        elif isinstance(eos, list):
-            found.extend(int(e) for e in eos)
-    return tuple(dict.fromkeys(found))

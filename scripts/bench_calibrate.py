@@ -62,7 +62,7 @@ def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> lis
 
     from kvconvert.checkpoint import CheckpointReader
     from kvconvert.data import eval_windows
-    from kvconvert.quant.capture import load_model
+    from kvconvert.quant.capture import load_hf_model
     from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.options import CalibrateOptions
@@ -74,7 +74,7 @@ def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> lis
     reader = CheckpointReader(path)
     layout = detect_kv_layout(reader.config, reader.keys())
     windows = eval_windows(AutoTokenizer.from_pretrained(path), args.windows, args.window_len)
-    reference = load_model(path)
+    reference = load_hf_model(path)
     candidates, calib = {}, {}
     for name, overrides in configs.items():
         if layout.is_mla and overrides.get("granularity") == "head":
@@ -89,7 +89,7 @@ def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> lis
                        "seconds_per_million_tokens": report["seconds_per_million_tokens"],
                        "cpu_seconds_per_million_tokens": report.get("cpu_seconds_per_million_tokens"),
                        "tokens": report["calibration"]["tokens"], "threads": report["threads"]}
-        model = reference if report["rotation"] is None else load_model(out)
+        model = reference if report["rotation"] is None else load_hf_model(out)
         candidates[name] = (model, fake_quant_hook(layout, read_kv_scales(out)))
     t0 = time.perf_counter()
     results = evaluate_kv_quant(

@@ -59,7 +59,7 @@ def convert(source: Path, recipe, folder: Path, reuse: bool) -> dict:
     if reuse and (folder / "config.json").is_file():
         return {"seconds": None, "reused": True}
     t0, c0 = time.time(), time.process_time()
-    convert_to_mla(source, folder, recipe.convert.mla_options(), overwrite=True, progress=False)
+    convert_to_mla(source, folder, recipe.stage("convert"), overwrite=True, progress=False)
     return {"seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1)}
 
 

@@ -65,7 +65,7 @@ def main():
     from kvconvert.checkpoint import CheckpointReader
     from kvconvert.data import calibration_windows, eval_windows
     from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model
-    from kvconvert.quant.capture import load_model
+    from kvconvert.quant.capture import load_hf_model
     from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.rotate import block_hadamard
@@ -80,12 +80,12 @@ def main():
     calib = calibration_windows(tokenizer, "builtin", args.calib_tokens, 512)
     windows = eval_windows(tokenizer, args.windows, 1024)
     hadamard = block_hadamard(layout.head_dim, layout.head_dim, seed=0).float()
-    reference = load_model(path)
+    reference = load_hf_model(path)
     candidates = {}
     for kv_dtype in ("fp8", "nvfp4"):
         for label, settings in (("naive (amax, no rotation)", CalibrationSettings(kv_dtype, observer="amax", rotate=False)),
                                 ("amax + key phase", CalibrationSettings(kv_dtype, observer="amax", value_rotation=False))):
-            model = load_model(path)
+            model = load_hf_model(path)
             result = calibrate_model(model, layout, calib, settings)
             candidates[f"{kv_dtype} {label}"] = (model, fake_quant_hook(layout, result.scales))
             if label.startswith("naive"):

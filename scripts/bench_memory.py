@@ -152,13 +152,14 @@ def validate_child(argv: list[str]) -> None:
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
     from kvconvert.eval.suites import SuiteSpec
-    from kvconvert.eval.validate import ValidateOptions, run_validate
+    from kvconvert.eval.options import ValidateOptions
+    from kvconvert.eval.validate import run_validate
 
     suite = SuiteSpec(name="bench-memory", description="smoke-sized: 2 x 512-token windows, one passkey",
                       ppl_windows=2, ppl_window_len=512, passkey_lengths=(512,), passkey_depths=(0.5,), longbench=False)
-    run_validate(ValidateOptions(source=a.source, candidate=a.candidate, out=Path(a.out), suite=suite,
-                                 engine="runtime", kv_dtype=a.kv_dtype, kv_scales=a.kv_scales, progress=False,
-                                 threads=a.threads))
+    run_validate(a.source, a.candidate, Path(a.out), ValidateOptions(engine="runtime", kv_dtype=a.kv_dtype,
+                                                                     kv_scales=a.kv_scales),
+                 spec=suite, progress=False, threads=a.threads)
 
 
 def main():

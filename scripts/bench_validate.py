@@ -37,15 +37,16 @@ def main() -> int:
     args = parser.parse_args()
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from kvconvert.eval.validate import ValidateOptions, run_validate
+    from kvconvert.eval.options import ValidateOptions
+    from kvconvert.eval.validate import run_validate
     from kvconvert.sources import resolve_source
 
     source = resolve_source(args.source)  # import the model first: not part of the timing
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_validate_"))
     load_before = os.getloadavg()
     wall, cpu = time.time(), cpu_seconds()
-    report = run_validate(ValidateOptions(source=str(source), candidate=str(source), out=out, suite=args.suite,
-                                          engine=args.engine, resume=False, progress=False, threads=args.threads))
+    report = run_validate(str(source), str(source), out, ValidateOptions(suite=args.suite, engine=args.engine),
+                          resume=False, progress=False, threads=args.threads)
     wall, cpu = time.time() - wall, cpu_seconds() - cpu
     result = {
         "suite": args.suite, "engine": report["source"]["engine"], "threads": report["settings"]["threads"],

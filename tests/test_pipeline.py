@@ -1,24 +1,29 @@
-"""`kvconvert pipeline --recipe`: every recipe block becomes flags of the real commands."""
+"""`kvconvert pipeline`: recipe blocks and flags become the stages' options models; each stage's
+printed command line rebuilds exactly those options; a pipeline interrupted after its first
+stage resumes from that stage's output."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from kvconvert.cli import cli
 from kvconvert.errors import KVConvertError
+from kvconvert.eval.cli import validate_cmd
 from kvconvert.mla.cli import mla_cmd
 from kvconvert.pipeline import recipe_stages
 from kvconvert.quant.cli import calibrate_cmd
-from kvconvert.recipe import CalibrateStage, ConvertStage, load_recipe, parse_recipe
+from kvconvert.recipe import load_recipe, parse_recipe
+from kvconvert.stage_options import build_options
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-# recipe key -> the click parameter that receives it (where the names differ)
-CONVERT_PARAM: dict[str, str] = {}
-CALIBRATE_PARAM: dict[str, str] = {}
+COMMANDS = {"convert": mla_cmd, "calibrate": calibrate_cmd, "validate": validate_cmd}
 
 EVERY_CONVERT_KEY = {"rank": 48, "rope_dim": 16, "q_rank": 96, "calib_data": "essays", "calib_tokens": 1024,
                      "calib_window": 256, "dtype": "fp32", "key_weight": 0.5, "rho": 1e-3, "stream": "source",
@@ -27,72 +32,62 @@ EVERY_CALIBRATE_KEY = {"kv_dtype": "nvfp4", "observer": "percentile", "granulari
                        "rotate": True, "key_phase": False, "value_rotation": False, "rotation_block": 32,
                        "key_strength": 0.5, "search_tokens": 0, "calib_data": "essays", "calib_tokens": 2048,
                        "format": "both"}
+EVERY_VALIDATE_KEY = {"suite": "smoke", "engine": "transformers", "kv_dtype": "fp8", "source_kv_dtype": "fp32",
+                      "kv_scales": "dynamic", "dtype": "fp32", "longbench_dir": Path("/data/lb")}
 
 
-def _parse(command, args: list[str]) -> dict:
-    """The parameters the real click command receives for `args` (parsed, not run)."""
-    return command.make_context(command.name, list(args)).params
+def _params(stage) -> dict:
+    """The parameters the real click command receives for the stage's printed command (parsed, not run)."""
+    command = COMMANDS[stage.name]
+    return command.make_context(command.name, list(stage.argv[1:])).params
 
 
-def _expected(key, value, rename):
-    return (rename.get(key, key), value)
+def _printed_options(stage):
+    """The options model the stage's printed command line builds."""
+    return build_options(type(stage.options), _params(stage))
 
 
-def test_every_recipe_key_is_a_flag_of_its_command():
-    """The commands' options are generated from the recipe blocks' models (kvconvert.stage_options)."""
-    assert set(ConvertStage.model_fields) - {"enabled"} <= {p.name for p in mla_cmd.params}
-    assert set(CalibrateStage.model_fields) - {"enabled"} <= {p.name for p in calibrate_cmd.params}
-
-
-def test_every_key_reaches_the_commands_with_its_value(tmp_path):
+def test_every_key_reaches_the_stages_and_their_printed_commands(tmp_path):
     recipe = parse_recipe({"convert": EVERY_CONVERT_KEY, "calibrate": EVERY_CALIBRATE_KEY,
-                           "validate": {"suite": "smoke", "gate": "smoke"}}, "r.yaml")
-    stages, kv_dtype, policy = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path / "out")
-    (name_c, conv), (name_k, cal) = stages
-    assert (name_c, name_k, kv_dtype, Path(policy).name) == ("convert", "calibrate", "nvfp4", "smoke.yaml")
-    params = _parse(mla_cmd, conv[1:])
-    for key, value in EVERY_CONVERT_KEY.items():
-        pname, want = _expected(key, value, CONVERT_PARAM)
-        assert params[pname] == want, key
-    assert params["heal"] == "none" and params["out_dir"] == tmp_path / "out" / "mla"
-    params = _parse(calibrate_cmd, cal[1:])
-    for key, value in EVERY_CALIBRATE_KEY.items():
-        pname, want = _expected(key, value, CALIBRATE_PARAM)
-        assert params[pname] == pytest.approx(want) if isinstance(want, float) else params[pname] == want, key
-    assert params["src"] == str(tmp_path / "out" / "mla")
+                           "validate": {**EVERY_VALIDATE_KEY, "gate": "smoke"}}, "r.yaml")
+    stages = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path / "out")
+    assert [s.name for s in stages] == ["convert", "calibrate", "validate", "gate"]
+    for stage, keys in zip(stages, (EVERY_CONVERT_KEY, EVERY_CALIBRATE_KEY, EVERY_VALIDATE_KEY)):
+        assert stage.options.model_dump(include=set(keys)) == pytest.approx(keys), stage.name
+        assert _printed_options(stage) == stage.options, stage.name
+    (conv, cal, val), gate = [_params(s) for s in stages[:3]], stages[3].argv
+    assert conv["heal"] == "none" and conv["out_dir"] == stages[0].out == tmp_path / "out" / "mla"
+    assert cal["src"] == str(tmp_path / "out" / "mla") and Path(cal["out"]) == tmp_path / "out" / "mla-nvfp4"
+    assert (val["source"], val["candidate"]) == ("smollm2-135m", cal["out"])
+    assert gate[-1] == str(ROOT / "recipes" / "gates" / "smoke.yaml")
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_shipped_recipes_make_valid_commands(path, tmp_path):
     recipe = load_recipe(path)
-    if recipe.convert is None:
-        pytest.skip("no convert block")
-    stages, _, policy = recipe_stages(recipe, path, recipe.source or "smollm2-135m", tmp_path)
-    assert Path(policy).is_file()
-    conv = _parse(mla_cmd, stages[0][1][1:])
-    assert conv["rank"] == recipe.convert.rank
-    assert conv["heal"] == (str(path) if recipe.heals() else "none")
-    for _, args in stages[1:]:
-        _parse(calibrate_cmd, args[1:])
+    stages = recipe_stages(recipe, path, recipe.source or "smollm2-135m", tmp_path)
+    assert Path(stages[-1].argv[-1]).is_file()
+    assert _params(stages[0])["heal"] == (str(path) if recipe.heals() else "none")
+    for stage in stages[:-1]:
+        assert _printed_options(stage) == stage.options, stage.name
 
 
-def test_unset_keys_take_the_commands_defaults(tmp_path):
-    recipe = parse_recipe({"convert": {"rank": 64}, "calibrate": {}}, "r.yaml")
-    stages, kv_dtype, _ = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path)
+def test_unset_keys_take_the_stages_defaults(tmp_path):
     from kvconvert.mla.options import MLAOptions
-    from kvconvert.stage_options import build_options
 
-    # the printed command builds the same options as the recipe, and both take the model's defaults
-    cli_opts = build_options(MLAOptions, _parse(mla_cmd, stages[0][1][1:]))
-    assert cli_opts == recipe.convert.mla_options() == MLAOptions(rank=64)
-    assert stages[0][1][1:4] == ["--src", "smollm2-135m", "--rank"] and "--key-weight" not in stages[0][1]
-    assert kv_dtype == "fp8" and stages[1][1][stages[1][1].index("--kv-dtype") + 1] == "fp8"
+    recipe = parse_recipe({"convert": {"rank": 64}, "calibrate": {}}, "r.yaml")
+    convert, calibrate, validate, _ = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path)
+    assert convert.options == MLAOptions(rank=64)
+    assert convert.argv[1:4] == ["--src", "smollm2-135m", "--rank"] and "--key-weight" not in convert.argv
+    assert calibrate.options.kv_dtype == validate.options.kv_dtype == "fp8"  # validated in the calibrated format
+    assert "--kv-dtype" in calibrate.argv and validate.options.suite == "quick"
 
 
 def test_recipe_without_calibrate_validates_the_unquantized_model(tmp_path):
-    recipe = parse_recipe({"convert": {"rank": 64}}, "r.yaml")
-    stages, kv_dtype, _ = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path)
-    assert [s for s, _ in stages] == ["convert"] and kv_dtype == "auto"
+    stages = recipe_stages(parse_recipe({"convert": {"rank": 64}}, "r.yaml"), tmp_path / "r.yaml", "smollm2-135m",
+                           tmp_path)
+    assert [s.name for s in stages] == ["convert", "validate", "gate"] and stages[1].options.kv_dtype == "auto"
+    assert _params(stages[1])["candidate"] == str(tmp_path / "mla")
 
 
 def test_recipe_needs_a_convert_or_calibrate_block(tmp_path):
@@ -104,12 +99,12 @@ def test_recipe_needs_a_convert_or_calibrate_block(tmp_path):
 
 def test_calibrate_only_recipe_quantizes_the_source(tmp_path):
     """No convert block: "don't convert, just quantize" - calibrate runs on the source itself."""
-    stages, kv_dtype, _ = recipe_stages(parse_recipe({"calibrate": {"kv_dtype": "nvfp4"}}, "r.yaml"),
-                                        tmp_path / "r.yaml", "smollm2-135m", tmp_path)
-    (name, args), = stages
-    params = _parse(calibrate_cmd, args[1:])
-    assert (name, kv_dtype, params["src"], params["out"]) == ("calibrate", "nvfp4", "smollm2-135m",
-                                                              str(tmp_path / "source-nvfp4"))
+    stages = recipe_stages(parse_recipe({"calibrate": {"kv_dtype": "nvfp4"}}, "r.yaml"), tmp_path / "r.yaml",
+                           "smollm2-135m", tmp_path)
+    params = _params(stages[0])
+    assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
+    assert (params["src"], params["out"], stages[1].options.kv_dtype) == ("smollm2-135m", str(tmp_path / "source-nvfp4"),
+                                                                           "nvfp4")
 
 
 def test_no_mla_flag_refuses_conversion_flags(tmp_path):
@@ -128,20 +123,63 @@ def test_flags_the_recipe_owns_are_refused_before_any_work(tmp_path):
     assert isinstance(result.exception, KVConvertError) and "the recipe's source is smollm2-135m" in str(result.exception)
 
 
-def test_recipe_kv_dtypes_are_the_calibrators():
-    from typing import get_args
-
-    from kvconvert.quant.options import KV_DTYPES
-
-    assert set(get_args(CalibrateStage.model_fields["kv_dtype"].annotation)) == set(KV_DTYPES)
-
-
-def test_flag_pipeline_builds_the_same_commands_as_a_recipe(tmp_path):
+def test_flag_pipeline_builds_the_same_stages_as_a_recipe(tmp_path):
     from kvconvert.pipeline import _from_flags
 
-    stages = _from_flags("smollm2-135m", 160, 32, "any", "layerwise", 2048, "fp8", tmp_path)
-    conv, cal = (_parse(cmd, args[1:]) for cmd, (_, args) in zip((mla_cmd, calibrate_cmd), stages))
-    assert (conv["rank"], conv["rope_dim"], conv["calib_tokens"], conv["heal"]) == (160, 32, 2048, "layerwise")
-    assert (cal["kv_dtype"], cal["calib_tokens"], cal["out"]) == ("fp8", 2048, str(tmp_path / "mla-fp8"))
-    assert (conv["target"]) == "any"
-    assert [s for s, _ in _from_flags("x", 64, 32, "any", "none", None, "bf16", tmp_path)] == ["convert"]
+    stages = _from_flags("smollm2-135m", 160, 32, "any", "layerwise", 2048, "fp8", "smoke", "smoke", tmp_path)
+    recipe = parse_recipe({"convert": {"rank": 160, "rope_dim": 32, "target": "any", "calib_tokens": 2048},
+                           "heal_layerwise": {}, "calibrate": {"kv_dtype": "fp8", "calib_tokens": 2048},
+                           "validate": {"suite": "smoke", "gate": "smoke"}}, "r.yaml")
+    from_recipe = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path)
+    assert [(s.name, s.options, s.out) for s in stages] == [(s.name, s.options, s.out) for s in from_recipe]
+    assert _params(stages[0])["heal"] == "layerwise"
+    assert [s.name for s in _from_flags("x", 64, 32, "any", "none", None, "bf16", "quick", "default", tmp_path)] == \
+        ["convert", "validate", "gate"]
+    with pytest.raises(KVConvertError, match="--suite: Input should be"):
+        _from_flags("x", 64, 32, "any", "none", None, "bf16", "quik", "default", tmp_path)
+
+
+# ------------------------------------------------------------------ a real run, interrupted and resumed
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    sys.path.insert(0, str(ROOT / "tests" / "quant"))
+    from quant_cases import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("src") / "llama")
+
+
+def test_interrupted_pipeline_resumes_from_the_finished_stage(tiny_llama, tmp_path):
+    """The calibrate stage fails (its data file is missing) after the conversion was written; once the
+    file exists, the same command reuses the conversion untouched and finishes the other stages."""
+    from kvconvert.data import pydoc_corpus
+
+    convert_data, calibrate_data = tmp_path / "convert.txt", tmp_path / "calibrate.txt"
+    convert_data.write_text(pydoc_corpus()[:40_000])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "source": str(tiny_llama),
+        "convert": {"rank": 16, "rope_dim": 8, "target": "any", "calib_data": str(convert_data), "calib_tokens": 512,
+                    "calib_window": 128, "dtype": "fp32"},
+        "calibrate": {"kv_dtype": "fp8", "observer": "amax", "calib_data": str(calibrate_data), "calib_tokens": 256,
+                      "window_len": 64, "batch_size": 2},
+        "validate": {"suite": "smoke", "engine": "transformers", "gate": "smoke"}}))
+    out, mla = tmp_path / "out", tmp_path / "out" / "mla"
+    args = ["pipeline", "--recipe", str(recipe), "--out", str(out)]
+    interrupted = CliRunner().invoke(cli, args)
+    assert isinstance(interrupted.exception, KVConvertError) and str(calibrate_data) in str(interrupted.exception)
+    assert "pipeline stage 'calibrate' failed; rerun it alone: kvconvert calibrate" in interrupted.output
+    assert (mla / "manifest.json").is_file() and not (out / "mla-fp8").exists()
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in mla.iterdir()}
+
+    calibrate_data.write_text(pydoc_corpus()[40_000:80_000])
+    resumed = CliRunner().invoke(cli, args)
+    assert resumed.exit_code == 0, resumed.output
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in mla.iterdir()} == before
+    assert f"== convert: reusing {mla}" in resumed.output
+    log = json.loads((out / "pipeline.json").read_text())["stages"]
+    assert [(s["stage"], s.get("reused", False)) for s in log] == \
+        [("convert", True), ("calibrate", False), ("validate", False), ("gate", False)]
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert report["candidate"]["path"] == str(out / "mla-fp8") and report["candidate"]["kv_dtype"] == "fp8"
+    assert (out / "mla-fp8" / "manifest.json").is_file()

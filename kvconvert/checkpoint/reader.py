@@ -37,6 +37,24 @@ def read_config(folder: Path) -> dict:
         raise CheckpointError(f"{path}: unreadable config.json ({exc})") from None
 
 
+def eos_token_ids(folder: Path, config: dict | None = None) -> tuple[int, ...]:
+    """EOS ids named by config.json (or `config`, when already read) and generation_config.json:
+    an int or a list in either; an unreadable generation_config.json names none."""
+    sources = [config if config is not None else read_config(folder)]
+    try:
+        sources.append(json.loads((Path(folder) / "generation_config.json").read_text()))
+    except (OSError, json.JSONDecodeError):
+        pass
+    found: list[int] = []
+    for src in sources:
+        eos = src.get("eos_token_id") if isinstance(src, dict) else None
+        if isinstance(eos, int):
+            found.append(eos)
+        elif isinstance(eos, list):
+            found.extend(int(e) for e in eos)
+    return tuple(dict.fromkeys(found))
+
+
 def check_safetensors_file(path: Path) -> None:
     """Validate a safetensors file's header and size before any work: catches truncation."""
     safetensors_header(Path(path))

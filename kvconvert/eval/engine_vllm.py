@@ -45,24 +45,23 @@ def check_vllm(python: str | None) -> None:
     vllm_python(python)
 
 
-def run_vllm_perplexity(opts, report: dict, python: str | None = None) -> dict:
+def run_vllm_perplexity(run, report: dict, python: str | None = None) -> dict:
     """Score the suite's perplexity windows with stock vLLM; store and return the section."""
     from kvconvert.data import data_hash, eval_windows
     from kvconvert.eval.cache import ResultCache
     from kvconvert.eval.runner import load_tokenizer, runner_fingerprint
-    from kvconvert.eval.suites import SuiteSpec, get_suite
     from kvconvert.eval.validate import window_stats
     from kvconvert.sources import resolve_source
 
-    spec = opts.suite if isinstance(opts.suite, SuiteSpec) else get_suite(opts.suite)
+    spec = run.spec
     if not spec.ppl_windows:
         return _store(report, {"error": f"the {spec.name} suite has no perplexity windows"})
-    paths = {"source": resolve_source(opts.source), "candidate": resolve_source(opts.candidate)}
-    kv = {"source": vllm_kv_dtype(opts.source_kv_dtype, "source"),
-          "candidate": vllm_kv_dtype(opts.kv_dtype, "candidate")}
+    paths = {"source": resolve_source(run.source), "candidate": resolve_source(run.candidate)}
+    kv = {"source": vllm_kv_dtype(run.options.source_kv_dtype, "source"),
+          "candidate": vllm_kv_dtype(run.options.kv_dtype, "candidate")}
     windows = eval_windows(load_tokenizer(paths["source"]), spec.ppl_windows, spec.ppl_window_len)
     prints = {role: runner_fingerprint(paths[role], "vllm", kv[role], "checkpoint") for role in paths}
-    cache = ResultCache(Path(opts.out) / "cache", resume=opts.resume)
+    cache = ResultCache(Path(run.out) / "cache", resume=run.resume)
     key = f"{prints['source']}-{prints['candidate']}"
     section = {"settings": {"dtype": "float32", "kv_cache_dtype": kv, "windows": len(windows),
                             "window_len": spec.ppl_window_len}, "notes": []}

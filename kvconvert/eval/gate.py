@@ -31,23 +31,18 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.stats import GATE_METRICS, estimate
 from kvconvert.eval.suites import SUITE_VERSION
 
 
-class Thresholds(BaseModel):
-    """Maximum allowed degradation per gated metric (leave one out to not gate it)."""
-
-    model_config = ConfigDict(extra="forbid")
-    perplexity_increase_pct: float | None = Field(None, ge=0)
-    kl_mean: float | None = Field(None, ge=0)
-    passkey_accuracy_drop: float | None = Field(None, ge=0)
-    niah_accuracy_drop: float | None = Field(None, ge=0)
-    ruler_accuracy_drop: float | None = Field(None, ge=0)
-    longbench_avg_drop: float | None = Field(None, ge=0)
+# Maximum allowed degradation per gated metric (leave one out to not gate it): one optional key per
+# metric that kvconvert.eval.stats defines, so a new metric is gateable without a second list.
+Thresholds = create_model("Thresholds", __config__=ConfigDict(extra="forbid"),
+                          **{name: (float | None, Field(None, ge=0, description=m.description))
+                             for name, m in GATE_METRICS.items()})
 
 
 class Bootstrap(BaseModel):

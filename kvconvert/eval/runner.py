@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelError
+from kvconvert.eval.options import KV_DTYPE_CHOICES  # "auto": the engine's own cache
 from kvconvert.kvformat import AUTO, kv_format
-from kvconvert.kvformat import VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES  # "auto": the engine's own cache
 
 ENGINES = ("runtime", "transformers")
 PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 — naïve café 東京 <tag>\n\tend."
@@ -83,24 +83,6 @@ def _manifest_files(folder: Path) -> dict | None:
         return files if all("sha256" in v for v in files.values()) else None
     except (OSError, json.JSONDecodeError, KeyError, TypeError):
         return None
-
-
-def eos_token_ids(folder: Path) -> tuple[int, ...]:
-    """EOS ids named by config.json and generation_config.json (int or list in either)."""
-    found: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        path = Path(folder) / name
-        if not path.is_file():
-            continue
-        try:
-            eos = json.loads(path.read_text()).get("eos_token_id")
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(eos, int):
-            found.append(eos)
-        elif isinstance(eos, list):
-            found.extend(int(e) for e in eos)
-    return tuple(dict.fromkeys(found))
 
 
 def load_tokenizer(folder: Path):
@@ -316,11 +298,11 @@ def _load_transformers_model(path: Path, dtype: torch.dtype = torch.float32):
     """Model in `dtype`, eval mode, no remote code. kvconvert.quant's loader is used when present: it
     drops a KV-cache quantization_config (from calibration) that transformers would act on."""
     try:
-        from kvconvert.quant.capture import load_model
+        from kvconvert.quant.capture import load_hf_model
     except Exception:  # kvconvert.quant missing or broken: plain transformers
-        load_model = None
-    if load_model is not None:
-        return load_model(path, dtype=dtype)
+        load_hf_model = None
+    if load_hf_model is not None:
+        return load_hf_model(path, dtype=dtype)
     from transformers import AutoModelForCausalLM
 
     try:

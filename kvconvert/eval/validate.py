@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 
 from kvconvert import __version__
+from kvconvert.checkpoint import eos_token_ids
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import haystack, longbench
 from kvconvert.eval.cache import ResultCache
 from kvconvert.eval.metrics import longbench_sample_score, passkey_score, string_match_all
-from kvconvert.eval.runner import LazyRunner, check_same_tokenizer, eos_token_ids, load_tokenizer, resolve_engine
+from kvconvert.eval.options import ValidateOptions
+from kvconvert.eval.runner import LazyRunner, check_same_tokenizer, load_tokenizer, resolve_engine
 from kvconvert.eval.samples import GenSample
 from kvconvert.eval.suites import SUITE_VERSION, SuiteSpec, get_suite
 
@@ -33,36 +35,23 @@ REPORT_FORMAT = 1
 
 
 @dataclass
-class ValidateOptions:
-    """Inputs of one validation run (the CLI's options).
-
-    suite: a suite name or a SuiteSpec (programmatic use, tests).
-    kv_dtype: the candidate's KV format ("auto" = the engine's unquantized cache);
-    source_kv_dtype: the source's (default auto). kv_scales: where the runtime takes fp8/nvfp4
-    scales from (checkpoint | dynamic). resume=False recomputes every sample. threads: torch CPU
-    threads (None = torch's default; 1 is much faster on a CPU that other jobs share).
-    dtype: both models' weights/activations: auto (= as stored: bf16 checkpoints run in bf16),
-    bf16, fp16 or fp32.
-    """
+class ValidateRun:
+    """One validation run: the two models, the report folder, the settings (ValidateOptions: the
+    CLI's flags and the recipe's `validate` block), the suite they name (or one given directly:
+    tests, benchmarks), and the notes the run makes on the way. resume=False recomputes every sample."""
 
     source: str
     candidate: str
     out: Path
-    suite: str | SuiteSpec = "quick"
-    engine: str | None = None
-    kv_dtype: str = "auto"
-    source_kv_dtype: str = "auto"
-    kv_scales: str = "checkpoint"
-    longbench_dir: Path | None = None
+    options: ValidateOptions
+    spec: SuiteSpec
     resume: bool = True
     progress: bool = True
-    threads: int | None = None
-    dtype: str = "auto"
     notes: list[str] = field(default_factory=list)
 
 
-def note(opts: ValidateOptions, text: str) -> None:
-    opts.notes.append(text)
+def note(run: ValidateRun, text: str) -> None:
+    run.notes.append(text)
     print(f"note: {text}", file=sys.stderr)
 
 
@@ -77,16 +66,16 @@ class Pair:
     stop_ids: tuple[int, ...]
 
 
-def prepare(opts: ValidateOptions) -> Pair:
+def prepare(run: ValidateRun) -> Pair:
     from kvconvert.sources import resolve_source
 
-    source_path = resolve_source(opts.source)
-    candidate_path = resolve_source(opts.candidate)
-    engine = resolve_engine(opts.engine)
+    source_path = resolve_source(run.source)
+    candidate_path = resolve_source(run.candidate)
+    engine = resolve_engine("auto" if run.options.engine == "vllm" else run.options.engine)
     source_tok = load_tokenizer(source_path)
     check_same_tokenizer(source_tok, load_tokenizer(candidate_path), source_path, candidate_path)
-    source = LazyRunner(source_path, engine, opts.source_kv_dtype, opts.kv_scales, opts.dtype)
-    candidate = LazyRunner(candidate_path, engine, opts.kv_dtype, opts.kv_scales, opts.dtype)
+    source = LazyRunner(source_path, engine, run.options.source_kv_dtype, run.options.kv_scales, run.options.dtype)
+    candidate = LazyRunner(candidate_path, engine, run.options.kv_dtype, run.options.kv_scales, run.options.dtype)
     if source.vocab_size != candidate.vocab_size:
         raise KVConvertError(f"vocab sizes differ: source {source.vocab_size}, candidate {candidate.vocab_size}; "
                              "logits cannot be compared")
@@ -119,7 +108,7 @@ def window_stats(source_logits: torch.Tensor, candidate_logits: torch.Tensor, id
     return {**total, "n_tokens": len(targets)}
 
 
-def perplexity_windows(pair: Pair, spec: SuiteSpec, opts: ValidateOptions, skipped: dict[str, str]) -> list:
+def perplexity_windows(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[str, str]) -> list:
     """The suite's essay windows ([T] id tensors), or [] (with the reason in `skipped`)."""
     from kvconvert.data import eval_windows
 
@@ -127,7 +116,7 @@ def perplexity_windows(pair: Pair, spec: SuiteSpec, opts: ValidateOptions, skipp
         return []
     if spec.ppl_window_len > pair.context:
         skipped["perplexity"] = f"windows of {spec.ppl_window_len} tokens exceed the context {pair.context}"
-        note(opts, f"perplexity skipped: {skipped['perplexity']}")
+        note(run, f"perplexity skipped: {skipped['perplexity']}")
         return []
     return list(eval_windows(pair.tokenizer, spec.ppl_windows, spec.ppl_window_len))
 
@@ -160,7 +149,7 @@ class SourceLogits:
 
 
 def run_perplexity(pair: Pair, windows: list, role: str, store: SourceLogits, cache: ResultCache,
-                   opts: ValidateOptions) -> list[dict] | None:
+                   run: ValidateRun) -> list[dict] | None:
     """One model's pass over the windows whose results are not cached yet.
 
     role "source": keep its logits in `store`. role "candidate": compare with the stored source
@@ -170,7 +159,7 @@ def run_perplexity(pair: Pair, windows: list, role: str, store: SourceLogits, ca
     key = f"{pair.source.fingerprint}-{pair.candidate.fingerprint}"
     runner = pair.source if role == "source" else pair.candidate
     records = []
-    for i in _progress(range(len(windows)), f"{role} perplexity", opts):
+    for i in _progress(range(len(windows)), f"{role} perplexity", run):
         ids = windows[i]
         sample_id, content = f"w{i}", data_hash(ids)
         result = cache.get(key, "perplexity", sample_id, content)
@@ -185,7 +174,7 @@ def run_perplexity(pair: Pair, windows: list, role: str, store: SourceLogits, ca
 
 # --------------------------------------------------------------------------- generation samples
 
-def build_samples(pair: Pair, spec: SuiteSpec, opts: ValidateOptions, skipped: dict[str, str]) -> list[GenSample]:
+def build_samples(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[str, str]) -> list[GenSample]:
     """Every generation sample of the suite that fits the context; reasons for what is skipped
     are added to `skipped` (task family -> reason)."""
     tok, samples = pair.tokenizer, []
@@ -193,7 +182,7 @@ def build_samples(pair: Pair, spec: SuiteSpec, opts: ValidateOptions, skipped: d
     def fits(length: int, budget: int, what: str) -> bool:
         if length + budget <= pair.context:
             return True
-        note(opts, f"{what}: length {length} + {budget} new tokens exceeds the context {pair.context}; dropped")
+        note(run, f"{what}: length {length} + {budget} new tokens exceeds the context {pair.context}; dropped")
         return False
 
     for length in spec.passkey_lengths:
@@ -212,29 +201,29 @@ def build_samples(pair: Pair, spec: SuiteSpec, opts: ValidateOptions, skipped: d
     else:
         skipped["ruler"] = f"the {spec.name} suite does not run RULER"
     if spec.longbench:
-        samples += _longbench_samples(pair, spec, opts, skipped)
+        samples += _longbench_samples(pair, spec, run, skipped)
     return samples
 
 
-def _longbench_samples(pair: Pair, spec: SuiteSpec, opts: ValidateOptions, skipped: dict) -> list[GenSample]:
-    folder = Path(opts.longbench_dir) if opts.longbench_dir else longbench.default_longbench_dir()
+def _longbench_samples(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict) -> list[GenSample]:
+    folder = Path(run.options.longbench_dir) if run.options.longbench_dir else longbench.default_longbench_dir()
     try:
         rows = longbench.load_longbench(folder, spec.longbench_tasks)
     except KVConvertError as exc:
         if not spec.longbench_optional or folder.exists():
             raise
         skipped["longbench"] = str(exc)
-        note(opts, f"LongBench skipped: {exc}")
+        note(run, f"LongBench skipped: {exc}")
         return []
     context = min(spec.longbench_context or pair.context, pair.context)
     return longbench.longbench_samples(pair.tokenizer, rows, context, spec.longbench_per_task, spec.longbench_max_new)
 
 
 def generate_all(runner: LazyRunner, role: str, samples: list[GenSample], pair: Pair, cache: ResultCache,
-                 opts: ValidateOptions) -> dict[tuple[str, str], dict]:
+                 run: ValidateRun) -> dict[tuple[str, str], dict]:
     """Greedy outputs of one model for every sample: {(task, id): {"tokens", "text"}}."""
     results = {}
-    for sample in _progress(samples, f"{role} generation", opts):
+    for sample in _progress(samples, f"{role} generation", run):
         result = cache.get(runner.fingerprint, sample.task, sample.sample_id, sample.content_hash)
         if result is None:
             ids = torch.tensor(sample.prompt_ids, dtype=torch.long)
@@ -256,8 +245,8 @@ def score_sample(sample: GenSample, text: str) -> float:
     raise KVConvertError(f"no scorer for task {sample.task!r}")
 
 
-def _progress(items, label: str, opts: ValidateOptions):
-    if not opts.progress:
+def _progress(items, label: str, run: ValidateRun):
+    if not run.progress:
         return items
     from tqdm import tqdm
 
@@ -266,43 +255,73 @@ def _progress(items, label: str, opts: ValidateOptions):
 
 # --------------------------------------------------------------------------- the run
 
-def run_validate(opts: ValidateOptions) -> dict:
-    """Run the suite, write report.json / report.md / PNGs into opts.out, return the report."""
+def run_validate(source: str, candidate: str, out: Path, options: ValidateOptions | None = None, *,
+                 spec: SuiteSpec | None = None, resume: bool = True, progress: bool = True, threads: int | None = None,
+                 vllm_python: str | None = None) -> dict:
+    """Run the suite (options.suite, or `spec`), write report.json / report.md / PNGs into `out`,
+    return the report. threads: torch CPU threads (None = torch's default; 1 is much faster on a
+    CPU that other jobs share). With options.engine vllm, stock vLLM (from `vllm_python`, default
+    $KVCONVERT_VLLM_PYTHON or ./.venv-vllm) also scores the perplexity windows, beside the runtime."""
     from kvconvert.eval.report import build_report, write_report
 
-    spec = opts.suite if isinstance(opts.suite, SuiteSpec) else get_suite(opts.suite)
+    options = options or ValidateOptions()
+    run = ValidateRun(source, candidate, Path(out), options, spec or get_suite(options.suite), resume, progress)
+    check_inputs(run, vllm_python)
     started = time.time()
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    pair = prepare(opts)
+    if threads:
+        torch.set_num_threads(threads)
+    pair = prepare(run)
     if pair.source.fingerprint == pair.candidate.fingerprint:
-        note(opts, "source and candidate are the same model with the same engine and KV format"
-                   + ("; candidate results are shared with the source through the cache" if opts.resume else ""))
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cache = ResultCache(out / "cache", resume=opts.resume)
-    samples, skipped, phases = run_suite(pair, spec, cache, opts)
+        note(run, "source and candidate are the same model with the same engine and KV format"
+                  + ("; candidate results are shared with the source through the cache" if run.resume else ""))
+    run.out.mkdir(parents=True, exist_ok=True)
+    cache = ResultCache(run.out / "cache", resume=run.resume)
+    samples, skipped, phases = run_suite(pair, run.spec, cache, run)
     header = {
         "format": REPORT_FORMAT,
         "kvconvert_version": __version__,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "suite": {"name": spec.name, "version": SUITE_VERSION, "spec": spec.as_dict()},
+        "suite": {"name": run.spec.name, "version": SUITE_VERSION, "spec": run.spec.as_dict()},
         "source": pair.source.describe(),
         "candidate": pair.candidate.describe(),
-        "settings": {"context": pair.context, "stop_ids": list(pair.stop_ids), "resume": opts.resume,
+        "settings": {"context": pair.context, "stop_ids": list(pair.stop_ids), "resume": run.resume,
                      "threads": torch.get_num_threads()},
         "cache": {"hits": cache.hits, "misses": cache.misses},
         "seconds": round(time.time() - started, 1),
         "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
-        "notes": list(opts.notes),
+        "notes": list(run.notes),
         "skipped": skipped,
     }
     report = build_report(header, samples)
-    write_report(report, out)
+    write_report(report, run.out)
+    if options.engine == "vllm":
+        from kvconvert.eval.engine_vllm import run_vllm_perplexity, write_with_vllm
+
+        run_vllm_perplexity(run, report, vllm_python)
+        write_with_vllm(report, run.out)
     return report
 
 
-def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, opts: ValidateOptions
+def check_inputs(run: ValidateRun, vllm_python: str | None) -> None:
+    """Up-front checks, before hours of suite work: vLLM present and serving both KV formats
+    (--engine vllm), the report folder writable, both models supported and intact."""
+    from kvconvert.checkpoint import check_checkpoint, check_writable
+    from kvconvert.sources import resolve_source
+
+    if run.options.engine == "vllm":
+        from kvconvert.eval.engine_vllm import check_vllm, vllm_kv_dtype
+
+        check_vllm(vllm_python)
+        vllm_kv_dtype(run.options.kv_dtype, "candidate")
+        vllm_kv_dtype(run.options.source_kv_dtype, "source")
+    elif vllm_python:
+        raise KVConvertError("--vllm-python goes with --engine vllm")
+    check_writable(run.out)
+    for model in (run.source, run.candidate):
+        check_checkpoint(resolve_source(model))
+
+
+def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun
               ) -> tuple[dict[str, list[dict]], dict[str, str], dict[str, float]]:
     """Per-sample records by task, skipped task families (with reasons), seconds per phase.
     The source runs everything first and is freed, then the candidate (see the module docstring)."""
@@ -315,20 +334,20 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, opts: ValidateOpt
         nonlocal clock
         phases[name], clock = time.time() - clock, time.time()
 
-    gen_samples = build_samples(pair, spec, opts, skipped)  # data problems surface before any model runs
-    windows = perplexity_windows(pair, spec, opts, skipped)
+    gen_samples = build_samples(pair, spec, run, skipped)  # data problems surface before any model runs
+    windows = perplexity_windows(pair, spec, run, skipped)
     size_runners(pair, windows, gen_samples)
     lap("build_samples")
     outputs = {}
-    store = SourceLogits(Path(opts.out) / "cache" / f"source-logits-{pair.source.fingerprint}")
+    store = SourceLogits(Path(run.out) / "cache" / f"source-logits-{pair.source.fingerprint}")
     try:
         for role, runner in (("source", pair.source), ("candidate", pair.candidate)):
             if windows:
-                records = run_perplexity(pair, windows, role, store, cache, opts)
+                records = run_perplexity(pair, windows, role, store, cache, run)
                 if records is not None:
                     samples["perplexity"] = records
                 lap(f"{role}_perplexity")
-            outputs[role] = generate_all(runner, role, gen_samples, pair, cache, opts)
+            outputs[role] = generate_all(runner, role, gen_samples, pair, cache, run)
             runner.close()
             lap(f"{role}_generation")
     finally:

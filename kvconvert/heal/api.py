@@ -27,29 +27,10 @@ from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_outpu
 from kvconvert.data import data_hash, load_text, token_windows
 from kvconvert.errors import KVConvertError
 from kvconvert.heal import compat
-from kvconvert.recipe import DistillStage, LayerwiseStage, Recipe, load_recipe, parse_recipe
+from kvconvert.heal.options import DistillOptions, LayerwiseOptions
+from kvconvert.recipe import Recipe, resolve_recipe
 
-PRESETS: dict[str, dict] = {
-    # Layer-wise reconstruction alone: CPU-sized (SmolLM2-135M: ~10-20 min on 2 cores).
-    "layerwise": {"name": "layerwise", "heal_layerwise": {}},
-    # Layer-wise, then a short distillation.
-    "layerwise+distill": {"name": "layerwise+distill", "heal_layerwise": {}, "heal_distill": {}},
-}
 LAYERWISE_VAL_WINDOWS = 1  # held-out calibration windows, measured per layer (not fitted)
-
-
-def resolve_recipe(recipe: Recipe | dict | str | Path) -> Recipe:
-    """A Recipe from a Recipe, a dict, a preset name (layerwise, layerwise+distill) or a YAML path."""
-    if isinstance(recipe, Recipe):
-        return recipe
-    if isinstance(recipe, dict):
-        return parse_recipe(recipe)
-    if str(recipe) in PRESETS:
-        return parse_recipe(PRESETS[str(recipe)], f"preset {recipe}")
-    path = Path(recipe)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        return load_recipe(path)
-    raise KVConvertError(f"{recipe}: not a recipe file or preset (presets: {', '.join(PRESETS)})")
 
 
 def state_dir_for(out: Path) -> Path:
@@ -123,7 +104,7 @@ def teacher_tokens_needed(recipe: Recipe) -> int:
     return int(need * 1.1) + 1
 
 
-def _distill_windows(text: str, tokenizer, ds: DistillStage) -> torch.Tensor:
+def _distill_windows(text: str, tokenizer, ds: DistillOptions) -> torch.Tensor:
     """All whole seq_len windows of the data, [N, seq_len]; the run reuses them at most
     max_epochs times (the order is drawn per epoch by the distiller)."""
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
@@ -199,13 +180,6 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     return report
 
 
-def heal_after_convert(student_dir: str | Path, teacher_dir: str | Path, recipe_or_preset, out_dir: str | Path,
-                       overwrite: bool = True, **kw) -> dict:
-    """For `kvconvert mla ... --heal layerwise|RECIPE.yaml`: heal the fresh conversion into out_dir.
-    overwrite defaults to True: the caller has already applied its own --overwrite policy to out_dir."""
-    return heal(student_dir, teacher_dir, recipe_or_preset, out_dir, overwrite=overwrite, **kw)
-
-
 def _resolve_teacher(teacher: str | Path) -> Path:
     path = Path(teacher).expanduser()
     if path.exists():
@@ -229,7 +203,7 @@ def _source_of(s_reader: CheckpointReader, report: dict) -> str:
     return compat.read_manifest(s_reader.path).get("source") or report["teacher"]
 
 
-def _layerwise_stage(s_reader, t_reader, data: HealData, stage: LayerwiseStage, target: Path, state: Path, fp: str,
+def _layerwise_stage(s_reader, t_reader, data: HealData, stage: LayerwiseOptions, target: Path, state: Path, fp: str,
                      report: dict, progress: bool, device: str, final: bool, overwrite: bool) -> dict:
     from kvconvert.heal.layerwise import LayerwiseState, copy_globals, run_layerwise
 
@@ -263,7 +237,7 @@ def _layer_summary(layers: list[dict]) -> dict:
             "mean_val_rel_err_before": mean("val_rel_err_before"), "mean_val_rel_err_after": mean("val_rel_err_after")}
 
 
-def _distill_stage(student: Path, teacher: Path, data: HealData, stage: DistillStage, out: Path, state: Path,
+def _distill_stage(student: Path, teacher: Path, data: HealData, stage: DistillOptions, out: Path, state: Path,
                    fp: str, report: dict, progress: bool, max_steps: int | None, overwrite: bool) -> dict:
     from kvconvert.heal.distill import Distiller, plot_loss_curve, summarize, write_history
 

@@ -7,13 +7,23 @@ from pathlib import Path
 
 import click
 
+from kvconvert.errors import KVConvertError
+from kvconvert.heal.options import DistillOptions, LayerwiseOptions
+from kvconvert.stage_options import build_options, click_options, given_options
+
+# recipe block, its options model, the prefix of its flags (--layerwise-steps, --distill-lr)
+HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill", DistillOptions, "distill"))
+
 
 @click.command("heal")
 @click.option("--student", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Converted MLA checkpoint folder (output of `kvconvert mla`).")
 @click.option("--teacher", required=True, help="The source it was converted from: HF folder or built-in name.")
 @click.option("--recipe", required=True,
-              help="Recipe YAML (heal_layerwise / heal_distill blocks) or a preset: layerwise, layerwise+distill.")
+              help="Recipe YAML (heal_layerwise / heal_distill blocks) or a preset: layerwise, layerwise+distill. "
+                   "--layerwise-* / --distill-* flags replace single keys of its blocks.")
+@click_options(LayerwiseOptions, prefix="layerwise")
+@click_options(DistillOptions, prefix="distill")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Output folder (stock DeepSeek-V3 checkpoint).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
@@ -23,13 +33,14 @@ import click
 @click.option("--device", default=None, help="Device for the layer-wise stage and teacher data (default: cuda if visible, else cpu).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, device, threads, no_progress):
+def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, device, threads, no_progress, **params):
     """Recover the quality lost by MLA conversion: layer-wise reconstruction of each attention block,
     then end-to-end distillation (KL to the source). Resumes after an interruption."""
     import torch
 
     from kvconvert.heal.api import heal
 
+    recipe = recipe_with_flags(recipe, params)
     if threads:
         torch.set_num_threads(threads)
     report = heal(student, teacher, recipe, out, overwrite=overwrite, progress=not no_progress, restart=restart,
@@ -48,3 +59,22 @@ def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, devic
                    f"{ds.get('loss_first', float('nan')):.4f} -> {ds.get('loss_last', float('nan')):.4f}, "
                    f"{ds.get('tokens_per_s', 0):.0f} tok/s")
     click.echo(f"wrote {out} ({json.dumps(report.get('seconds'))} s)")
+
+
+def recipe_with_flags(recipe: str, params: dict):
+    """The recipe (file or preset) with the keys the --layerwise-* / --distill-* flags give replaced."""
+    from kvconvert.recipe import parse_recipe, resolve_recipe
+
+    resolved = resolve_recipe(recipe)
+    data = resolved.to_dict()
+    for block, model, prefix in HEAL_BLOCKS:
+        given = given_options(model, params, prefix)
+        if not given:
+            continue
+        if resolved.stage(block) is None:
+            flags = ", ".join(f"--{prefix}-{k.replace('_', '-')}" for k in given)
+            raise KVConvertError(f"{flags}: the recipe {recipe} has no enabled {block} block to change; add one "
+                                 f"to the recipe{' or use --recipe layerwise+distill' if prefix == 'distill' else ''}")
+        build_options(model, params, prefix, base={k: v for k, v in data[block].items() if k != "enabled"})
+        data[block] = {**data[block], **given}
+    return parse_recipe(data, str(recipe)) if data != resolved.to_dict() else resolved

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets
 from kvconvert.heal.reparam import ScaledWeight, row_scales
-from kvconvert.recipe import TRAINABLE_ATTENTION, DistillStage
+from kvconvert.heal.options import TRAINABLE_ATTENTION, DistillOptions
 
 STATE_FILE = "distill_state.pt"
 
@@ -67,7 +67,7 @@ def attention_modules(model) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def attach_trainable(model, stage: DistillStage) -> list[str]:
+def attach_trainable(model, stage: DistillOptions) -> list[str]:
     """Freeze the model, then make stage.targets trainable through ScaledWeight parametrizations.
     Returns the checkpoint names of the parametrized weights."""
     for p in model.parameters():
@@ -99,7 +99,7 @@ def merged_weights(model, names: list[str]) -> dict[str, torch.Tensor]:
         return {n: modules[n.rsplit(".", 1)[0]].weight.detach().float().cpu().clone() for n in names}
 
 
-def lr_lambda(stage: DistillStage, total: int):
+def lr_lambda(stage: DistillOptions, total: int):
     def factor(step: int) -> float:
         if step < stage.warmup_steps:
             return (step + 1) / (stage.warmup_steps + 1)
@@ -125,7 +125,7 @@ def window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- memory (checked up front)
 
-def distill_memory(student: dict, teacher: dict, stage: DistillStage) -> dict[str, int]:
+def distill_memory(student: dict, teacher: dict, stage: DistillOptions) -> dict[str, int]:
     """Bytes distillation needs with both models resident (pure: configs in, numbers out).
 
     student: fp32 weights, plus for each trainable attention weight its gradient and Adam's two
@@ -159,7 +159,7 @@ def distill_memory(student: dict, teacher: dict, stage: DistillStage) -> dict[st
 DISTILL_BASE_BYTES = 1 << 30
 
 
-def check_distill_memory(student: dict, teacher: dict, stage: DistillStage, device: torch.device) -> None:
+def check_distill_memory(student: dict, teacher: dict, stage: DistillOptions, device: torch.device) -> None:
     """Refuse before loading anything when the two models and one micro-batch cannot fit on `device`."""
     from kvconvert.runtime.memory import available_memory, gb
 
@@ -184,7 +184,7 @@ def check_distill_memory(student: dict, teacher: dict, stage: DistillStage, devi
 class Distiller:
     """One distillation run. Call run(); `max_steps` stops early (state saved) for resumption."""
 
-    def __init__(self, student_dir: Path, teacher_dir: Path, ids: torch.Tensor, stage: DistillStage,
+    def __init__(self, student_dir: Path, teacher_dir: Path, ids: torch.Tensor, stage: DistillOptions,
                  state_dir: Path, fingerprint: str, progress: bool = True, cpu: bool | None = None):
         from accelerate import Accelerator
         from accelerate.utils import set_seed

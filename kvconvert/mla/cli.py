@@ -17,7 +17,8 @@ from kvconvert.stage_options import build_options, click_options
               help="Instead of --rank/--rope-dim: KV values kept per token and layer, as a fraction of the "
                    "source's K+V (0.25, 25%) or a count (96); the split is chosen among the shapes --target serves.")
 @click_options(MLAOptions)
-@click.option("--heal", default="none", show_default=True, help="none, layerwise, or a recipe YAML.")
+@click.option("--heal", default="none", show_default=True,
+              help="none, a heal preset (layerwise, layerwise+distill) or a recipe YAML (its heal blocks).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion summary as JSON.")
@@ -27,11 +28,11 @@ def mla_cmd(src, kv_budget, heal, out_dir, overwrite, as_json, **params):
     import json
 
     from kvconvert.checkpoint import check_checkpoint, check_output_path
-    from kvconvert.mla.convert import convert_to_mla
+    from kvconvert.pipeline import convert_stage, heal_recipe  # the heal chain lives at the pipeline level
     from kvconvert.sources import resolve_source
 
     check_output_path(out_dir, overwrite)
-    heal_target = _heal_plan(heal)
+    recipe = heal_recipe(heal)
     src_path = resolve_source(src)
     check_checkpoint(src_path)  # config features, missing tensors, NaN/inf: before any conversion work
     if (params["rank"] is None) == (kv_budget is None):
@@ -47,34 +48,9 @@ def mla_cmd(src, kv_budget, heal, out_dir, overwrite, as_json, **params):
         params["rank"], params["rope_dim"], _ = search_split(src_path, budget, probe.calib_data,
                                                              key_weight=probe.key_weight, target=probe.target)
     opts = build_options(MLAOptions, params)
-    convert_dir = out_dir if heal_target is None else out_dir.parent / f".{out_dir.name}.oneshot"
-    report = convert_to_mla(src_path, convert_dir, opts, source_name=str(src),
-                            overwrite=overwrite or heal_target is not None)
-    if heal_target is not None:
-        from kvconvert.heal import heal_after_convert
-
-        import shutil
-
-        try:
-            heal_after_convert(convert_dir, src_path, heal_target, out_dir)
-        finally:
-            shutil.rmtree(convert_dir, ignore_errors=True)
+    report = convert_stage(src_path, opts, out_dir, recipe, source_name=str(src), overwrite=overwrite)
     summary = _summary(report, out_dir)
     click.echo(json.dumps(summary, indent=2) if as_json else _table(summary))
-
-
-def _heal_plan(heal: str):
-    if heal == "none":
-        return None
-    if heal == "layerwise" or heal.endswith((".yaml", ".yml")):
-        if heal != "layerwise" and not Path(heal).is_file():
-            raise KVConvertError(f"--heal {heal}: recipe file not found")
-        try:
-            from kvconvert.heal import heal_after_convert  # noqa: F401  (fail before converting)
-        except ImportError:
-            raise KVConvertError("--heal: the healing module is not available in this install") from None
-        return heal
-    raise KVConvertError(f"--heal {heal!r}: use none, layerwise, or a recipe .yaml file")
 
 
 def _summary(report, out_dir: Path) -> dict:

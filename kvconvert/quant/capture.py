@@ -76,7 +76,7 @@ def check_finite(layer_idx: int, kind: str, x: torch.Tensor) -> None:
             "cached tensor); the checkpoint or the calibration data is broken at this layer")
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
+def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     """AutoModelForCausalLM from a local safetensors folder, eval mode, no remote code.
 
     A kv-cache ``quantization_config`` in config.json (from an earlier calibration) is dropped so

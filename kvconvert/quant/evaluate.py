@@ -23,7 +23,7 @@ from kvconvert.quant.capture import (
     cache_hook,
     check_finite,
     forward_with_hook,
-    load_model,
+    load_hf_model,
 )
 from kvconvert.quant.fake_quant import fake_quant
 from kvconvert.quant.layout import KVLayout
@@ -125,7 +125,7 @@ def perplexity_with_fake_quant(model_dir: str | Path, kv_dtype: str, scales: KVS
         raise KVConvertError(f"scales were calibrated for {scales.kv_dtype}, not {kv_dtype}; recalibrate")
     reader = CheckpointReader(model_dir, verify=False)
     layout = detect_kv_layout(reader.config, reader.keys())
-    model = load_model(model_dir)
-    reference = model if reference_dir is None else load_model(reference_dir)
+    model = load_hf_model(model_dir)
+    reference = model if reference_dir is None else load_hf_model(reference_dir)
     results = evaluate_kv_quant(reference, {"quant": (model, fake_quant_hook(layout, scales))}, windows, batch_size)
     return results["quant"].ppl, results["quant"].kl

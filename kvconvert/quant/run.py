@@ -67,7 +67,7 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
 
     from kvconvert.checkpoint import CheckpointReader, check_checkpoint, check_output_path, estimate_checkpoint_bytes
     from kvconvert.data import calibration_windows, data_hash
-    from kvconvert.quant.capture import load_model
+    from kvconvert.quant.capture import load_hf_model
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.stream import stream_unsupported
     from kvconvert.sources import resolve_source
@@ -97,7 +97,7 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
                                     progress=lambda done, n: echo(f"  calibrated layer {done}/{n}"))
     else:
         echo(f"  {whole_model}: not in the layer-streamed blocks; loading the whole model in fp32")
-        result = calibrate_model(load_model(src), layout, windows, job.settings,
+        result = calibrate_model(load_hf_model(src), layout, windows, job.settings,
                                  progress=lambda done, n: echo(f"  observed {done}/{n} windows"))
     result.stats["path"] = "whole-model (fp32)" if whole_model else "layer-streamed"
     result.stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -154,7 +154,8 @@ def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, 
     the fp8 candidate runs with the scales vLLM loaded from the checkpoint (not 1.0)."""
     from kvconvert.eval.engine_vllm import run_vllm_perplexity, write_with_vllm
     from kvconvert.eval.suites import SuiteSpec
-    from kvconvert.eval.validate import ValidateOptions, run_validate
+    from kvconvert.eval.options import ValidateOptions
+    from kvconvert.eval.validate import ValidateRun, run_validate
 
     src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=2)
     fp8 = tmp_path / "fp8"
@@ -162,10 +163,9 @@ def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, 
             "--calib-tokens", "512", "--window-len", "256", "--out", str(fp8), "--quiet")
     suite = SuiteSpec(name="ppl", description="perplexity only", ppl_windows=2, ppl_window_len=96, longbench=False)
     out = tmp_path / "report"
-    opts = ValidateOptions(source=str(src), candidate=str(fp8), out=out, suite=suite, engine="transformers",
-                           kv_dtype="fp8", progress=False, threads=1)
-    report = run_validate(opts)
-    section = run_vllm_perplexity(opts, report)
+    opts = ValidateOptions(engine="transformers", kv_dtype="fp8")
+    report = run_validate(str(src), str(fp8), out, opts, spec=suite, progress=False, threads=1)
+    section = run_vllm_perplexity(ValidateRun(str(src), str(fp8), out, opts, suite), report)
     write_with_vllm(report, out)
     assert "error" not in section, section.get("error")
     assert section["settings"]["kv_cache_dtype"] == {"source": "auto", "candidate": "fp8"}

@@ -236,8 +236,8 @@ def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path,
         loads.clear()
         resident.clear()
         out = tmp_path / engine
-        report = run_validate(ValidateOptions(source=str(tiny_llama), candidate=str(other), out=out, suite=spec,
-                                              engine=engine, progress=False, threads=1))
+        report = run_validate(str(tiny_llama), str(other), out, ValidateOptions(engine=engine), spec=spec,
+                              progress=False, threads=1)
         assert loads == [tiny_llama, other] and resident == [1, 1], (engine, loads, resident)
         assert not list((out / "cache").glob("source-logits-*"))  # the temporary logits are gone
         windows = eval_windows(tiny_tokenizer, 3, spec.ppl_window_len)
@@ -257,8 +257,7 @@ def test_validate_refuses_up_front_when_a_model_cannot_fit(tmp_path, tiny_llama,
 
     monkeypatch.setenv(AVAILABLE_ENV, "1000B")
     with pytest.raises(KVConvertError, match=r"validate's source .* needs about .* only 0.00 GB is available"):
-        run_validate(ValidateOptions(source=str(tiny_llama), candidate=str(tiny_llama), out=tmp_path / "r",
-                                     suite=dataclasses.replace(SUITES["smoke"], passkey_lengths=(), niah_lengths=(),
-                                                               ruler_tasks=(), longbench=False),
-                                     engine="runtime", progress=False))
+        run_validate(str(tiny_llama), str(tiny_llama), tmp_path / "r", ValidateOptions(engine="runtime"),
+                     spec=dataclasses.replace(SUITES["smoke"], passkey_lengths=(), niah_lengths=(), ruler_tasks=(),
+                                              longbench=False), progress=False)
     assert not list((tmp_path / "r" / "cache").glob("*.jsonl"))  # nothing ran

@@ -24,10 +24,12 @@ TINY = dataclasses.replace(SUITES["smoke"], name="tiny", passkey_lengths=(512,),
                            ruler_lengths=(512,), longbench_context=512)
 
 
-def validate(source, candidate, out, **kw) -> dict:
-    opts = ValidateOptions(source=str(source), candidate=str(candidate), out=out, suite=kw.pop("suite", TINY),
-                           engine=kw.pop("engine", "transformers"), progress=False, threads=1, **kw)
-    return run_validate(opts)
+def validate(source, candidate, out, suite=TINY, resume=True, **kw) -> dict:
+    """run_validate with the transformers engine, a named suite or a SuiteSpec, no progress bars."""
+    named = {"suite": suite} if isinstance(suite, str) else {}
+    opts = ValidateOptions(**{"engine": "transformers", **named, **kw})
+    return run_validate(str(source), str(candidate), out, opts, spec=None if named else suite, resume=resume,
+                        progress=False, threads=1)
 
 
 def assert_all_deltas_zero(report: dict) -> None:

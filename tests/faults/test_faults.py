@@ -64,9 +64,9 @@ def test_sliding_window_refused_on_every_path(faults, tmp_path, command):
 
 
 def test_inspect_reports_what_the_commands_refuse(faults):
-    from kvconvert.commands import inspect_report, load_model
+    from kvconvert.model_info import inspect_report, load_model_info
 
-    notes = inspect_report(load_model(str(faults["sliding"]), prefer_preset=False))["notes"]
+    notes = inspect_report(load_model_info(str(faults["sliding"]), prefer_preset=False))["notes"]
     assert any(n.startswith("not supported by kvconvert") and "sliding_window=256" in n for n in notes)
 
 

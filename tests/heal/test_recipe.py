@@ -18,11 +18,16 @@ def test_recipes_are_shipped():
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
-def test_shipped_recipe_is_valid(path):
+def test_shipped_recipe_converts_its_source(path):
+    """Every shipped recipe heals, and its conversion shape passes the converter's own plan check
+    (rope_dim fits the head, the target engine serves the latent) for the model it names."""
+    from kvconvert.mla.convert import validate_plan
+    from kvconvert.presets import get_preset
+
     recipe = load_recipe(path)
-    assert recipe.convert is not None and recipe.heals()
-    if recipe.convert.rope_dim:
-        assert recipe.convert.rank > 0
+    assert recipe.heals()
+    preset = recipe.source.split("/")[-1].lower().removesuffix("-hf")
+    validate_plan(get_preset(preset)["config"], recipe.stage("convert"))
 
 
 def _write(tmp_path, text: str) -> Path:
@@ -72,7 +77,7 @@ def test_all_five_stages_and_derived_values():
     })
     assert recipe.distill.steps == 2 and recipe.distill.tokens_per_step == 2048
     assert recipe.validate_.suite == "smoke" and recipe.calibrate.kv_dtype == "nvfp4"
-    opts = recipe.convert.mla_options()
+    opts = recipe.stage("convert")
     assert (opts.rank, opts.rope_dim, opts.dtype) == (64, 32, "fp32")
     assert recipe.to_dict()["validate"]["suite"] == "smoke"
 
@@ -85,3 +90,25 @@ def test_disabled_stage_does_not_run():
 def test_distill_needs_some_loss():
     with pytest.raises(KVConvertError, match="nothing to train"):
         parse_recipe({"heal_distill": {"kl_weight": 0, "lm_weight": 0}})
+
+
+def _heal_flags(*flags: str) -> dict:
+    from kvconvert.heal.cli import heal_cmd
+
+    return heal_cmd.make_context("heal", ["--student", "s", "--teacher", "t", "--recipe", "r", "--out", "o",
+                                          *flags]).params
+
+
+def test_heal_flags_replace_single_keys_of_the_recipe(tmp_path):
+    from kvconvert.heal.cli import recipe_with_flags
+
+    path = _write(tmp_path, "heal_layerwise:\n  tokens: 4096\n  steps: 10\n")
+    recipe = recipe_with_flags(str(path), _heal_flags("--layerwise-steps", "7", "--layerwise-train", "q_proj,o_proj"))
+    assert (recipe.layerwise.steps, recipe.layerwise.train, recipe.layerwise.tokens) == (7, ("q_proj", "o_proj"), 4096)
+    assert recipe_with_flags("layerwise", _heal_flags()) == parse_recipe({"name": "layerwise", "heal_layerwise": {}})
+    with pytest.raises(KVConvertError, match="--distill-lr: the recipe layerwise has no enabled heal_distill block"):
+        recipe_with_flags("layerwise", _heal_flags("--distill-lr", "0.1"))
+    with pytest.raises(KVConvertError, match=r"--layerwise-train: Input should be 'q_proj'"):
+        recipe_with_flags("layerwise", _heal_flags("--layerwise-train", "q_proj,x_proj"))
+    with pytest.raises(KVConvertError, match=r"tokens \(100\) is less than one window \(512\)"):
+        recipe_with_flags("layerwise", _heal_flags("--layerwise-tokens", "100"))

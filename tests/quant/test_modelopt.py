@@ -18,14 +18,14 @@ def test_amax_matches_modelopt_on_smollm2(smollm2_path):
     from kvconvert.checkpoint import CheckpointReader
     from kvconvert.data import calibration_windows
     from kvconvert.quant.calibrate import observe_kv
-    from kvconvert.quant.capture import load_model
+    from kvconvert.quant.capture import load_hf_model
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.modelopt_ref import modelopt_kv_amax
 
     reader = CheckpointReader(smollm2_path)
     layout = detect_kv_layout(reader.config, reader.keys())
     windows = calibration_windows(AutoTokenizer.from_pretrained(smollm2_path), "builtin", 256, 128)
-    model = load_model(smollm2_path)
+    model = load_hf_model(smollm2_path)
     ours = observe_kv(model, layout, windows, batch_size=1)
     theirs = modelopt_kv_amax(model, windows)  # modifies the model: run it last
     assert len(theirs) == layout.num_layers == 30

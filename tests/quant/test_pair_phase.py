@@ -9,7 +9,7 @@ from quant_cases import make_deepseek
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model, observe_pair_moments, plan_rotation
-from kvconvert.quant.capture import AttentionRecorder, cache_hook, load_model, run_with_hook
+from kvconvert.quant.capture import AttentionRecorder, cache_hook, load_hf_model, run_with_hook
 from kvconvert.quant.layout import detect_kv_layout
 from kvconvert.quant.pair_stats import complex_pairs, post_rope_pairs
 from kvconvert.quant.rotate import RotationPlan, apply_plan_to_model, pair_noise, pair_phase
@@ -47,7 +47,7 @@ def test_pair_phase_is_the_grid_optimum_and_pair_noise_is_exact(seed):
 def first_attention_call(path):
     r = CheckpointReader(path)
     layout = detect_kv_layout(r.config, r.keys())
-    model = load_model(path)
+    model = load_hf_model(path)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
     recorder = AttentionRecorder(model)
     recorder.active = True
@@ -95,7 +95,7 @@ def test_folded_phases_reach_the_optimum_and_keep_logits(kind, tiny_llama, tmp_p
     path = tiny_llama if kind == "llama" else make_deepseek(tmp_path / "d", rope_interleave=kind.endswith("interleave"))
     r = CheckpointReader(path)
     layout = detect_kv_layout(r.config, r.keys())
-    model = load_model(path)
+    model = load_hf_model(path)
     ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -151,9 +151,9 @@ def test_phases_cut_fp8_key_noise_on_smollm2(smollm2_path):
         recorder.remove()
         return total
 
-    plain = load_model(smollm2_path)
+    plain = load_hf_model(smollm2_path)
     base = key_only_error(plain)
-    phased = load_model(smollm2_path)
+    phased = load_hf_model(smollm2_path)
     settings = CalibrationSettings("fp8", observer="amax")
     result = calibrate_model(phased, layout, windows, settings)
     assert isinstance(result.plan, RotationPlan) and result.plan.key_pair_factor is not None

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.cli import main
-from kvconvert.quant.capture import load_model
+from kvconvert.quant.capture import load_hf_model
 from kvconvert.quant.scales import read_kv_scales
 
 TINY = ["--calib-tokens", "256", "--window-len", "64", "--batch-size", "2", "--quiet"]
@@ -65,8 +65,8 @@ def test_fp8_export_names_values_and_report(fp8_both, tiny_llama):
     assert "value_rotation" not in report["rotation"]
     ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(load_model(fp8_both)(input_ids=ids).logits,
-                                   load_model(tiny_llama)(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(load_hf_model(fp8_both)(input_ids=ids).logits,
+                                   load_hf_model(tiny_llama)(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     for layer, entry in enumerate(report["layers"]):  # written scale x folded power of two = amax / 448
         k_amax, v_amax = max(entry["k_amax"]), max(entry["v_amax"])
         f_k, f_v = fold["f_k"][layer], fold["f_v"][layer]
@@ -124,8 +124,8 @@ def test_nvfp4_rotated_checkpoint_keeps_logits(tiny_llama, calib_text, tmp_path,
     assert report["rotation"]["value_rotation"].startswith("hadamard") and "key_pair_phase" in report["rotation"]
     ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        before = load_model(tiny_llama)(input_ids=ids).logits
-        after = load_model(out)(input_ids=ids).logits
+        before = load_hf_model(tiny_llama)(input_ids=ids).logits
+        after = load_hf_model(out)(input_ids=ids).logits
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     assert not torch.equal(CheckpointReader(out).get("model.layers.0.self_attn.v_proj.weight"),
                            CheckpointReader(tiny_llama).get("model.layers.0.self_attn.v_proj.weight"))
@@ -255,7 +255,7 @@ def test_in_place_sharded_with_rotation_keeps_manifest_and_logits(tiny_llama, ca
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
     ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(load_model(folder)(input_ids=ids).logits, load_model(tiny_llama)(input_ids=ids).logits,
+        torch.testing.assert_close(load_hf_model(folder)(input_ids=ids).logits, load_hf_model(tiny_llama)(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
     assert read_kv_scales(folder).kv_dtype == "nvfp4"
 

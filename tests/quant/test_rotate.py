@@ -5,7 +5,7 @@ import torch
 from quant_cases import make_deepseek, make_llama
 
 from kvconvert.checkpoint import CheckpointReader
-from kvconvert.quant.capture import load_model
+from kvconvert.quant.capture import load_hf_model
 from kvconvert.quant.export import rotated_tensors
 from kvconvert.quant.layout import detect_kv_layout
 from kvconvert.quant.rotate import (
@@ -58,7 +58,7 @@ def test_gqa_rotation_keeps_logits(tmp_path, bias):
     path = make_llama(tmp_path / "m", seed=4, bias=bias)
     r = CheckpointReader(path)
     layout = detect_kv_layout(r.config, r.keys())
-    model = load_model(path)
+    model = load_hf_model(path)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(5))
     before = logits(model, ids)
     plan = random_plan(layout)
@@ -80,7 +80,7 @@ def test_mla_rotation_keeps_logits_with_nonuniform_norm(tmp_path, interleave):
     path = make_deepseek(tmp_path / "d", seed=6, rope_interleave=interleave)
     r = CheckpointReader(path)
     layout = detect_kv_layout(r.config, r.keys())
-    model = load_model(path)
+    model = load_hf_model(path)
     ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(7))
     before = logits(model, ids)
     apply_plan_to_model(model, random_plan(layout, seed=1))

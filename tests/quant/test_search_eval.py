@@ -7,7 +7,7 @@ import torch
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.quant.calibrate import observe_kv
-from kvconvert.quant.capture import AttentionRecorder, cache_hook, load_model
+from kvconvert.quant.capture import AttentionRecorder, cache_hook, load_hf_model
 from kvconvert.quant.evaluate import (
     evaluate_kv_quant,
     fake_quant_hook,
@@ -23,7 +23,7 @@ from kvconvert.quant.search import LayerReplay, dequant_mse_ratio, search_layer_
 def setup(path, n=2, t=32, seed=0):
     r = CheckpointReader(path)
     layout = detect_kv_layout(r.config, r.keys())
-    model = load_model(path)
+    model = load_hf_model(path)
     ids = torch.randint(0, 512, (n, t), generator=torch.Generator().manual_seed(seed))
     recorder = AttentionRecorder(model)
     observers = observe_kv(model, layout, ids, batch_size=1, recorder=recorder, record_windows=n)

@@ -11,7 +11,7 @@ from kvconvert.checkpoint import CheckpointReader
 from kvconvert.cli import main
 from kvconvert.errors import KVConvertError
 from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model, calibrate_streamed
-from kvconvert.quant.capture import load_model
+from kvconvert.quant.capture import load_hf_model
 from kvconvert.quant.layout import detect_kv_layout
 from kvconvert.quant.memory import GB, calibration_memory, check_calibration_memory
 
@@ -36,7 +36,7 @@ def both_paths(path, settings: CalibrationSettings, tokens: int, window: int):
     reader = CheckpointReader(path)
     layout = detect_kv_layout(reader.config, reader.keys())
     ids = windows_for(path, tokens, window)
-    return calibrate_model(load_model(path), layout, ids, settings), calibrate_streamed(reader, layout, ids, settings)
+    return calibrate_model(load_hf_model(path), layout, ids, settings), calibrate_streamed(reader, layout, ids, settings)
 
 
 def assert_same_calibration(whole, streamed, scales: bool = True):

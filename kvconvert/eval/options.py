@@ -1,0 +1,34 @@
+"""The options of `kvconvert validate`: one pydantic model that is the recipe's `validate` block,
+the argument of kvconvert.eval.validate.run_validate and (generated) the command's flags. Torch-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from kvconvert.eval.suites import SUITES
+from kvconvert.kvformat import VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES  # "auto" + the runtime's formats
+from kvconvert.stage_options import StageOptions
+
+ENGINES = ("auto", "runtime", "transformers", "vllm")
+
+
+class ValidateOptions(StageOptions):
+    suite: Literal[tuple(SUITES)] = Field("quick", description="smoke (tests) < quick (< 5 min on CPU) < standard "
+                                                               "(~30 min) < full (GPU).")
+    engine: Literal[ENGINES] = Field(
+        "auto", description="auto = the bundled runtime when it imports, else transformers (with a note). vllm = the "
+                            "suite in the bundled runtime, plus perplexity and KL computed by stock vLLM on the same "
+                            "windows, side by side in the report (vLLM from ./.venv-vllm: bash scripts/setup_vllm.sh).")
+    kv_dtype: Literal[KV_DTYPE_CHOICES] = Field(
+        "auto", description="Candidate's KV-cache format (auto = the engine's unquantized cache: runtime bf16, "
+                            "transformers fp32).")
+    source_kv_dtype: Literal[KV_DTYPE_CHOICES] = Field("auto", description="Source's KV-cache format.")
+    kv_scales: Literal["checkpoint", "dynamic"] = Field(
+        "checkpoint", description="Runtime engine: fp8/nvfp4 scales from the checkpoint or from the first prefill.")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Both models' weights/activations: auto = as stored (bf16 checkpoints run in bf16).")
+    longbench_dir: Path | None = Field(None, description="LongBench-mini folder (default: $KVCONVERT_LONGBENCH_DIR or "
+                                                        "shared/data/longbench-mini).")

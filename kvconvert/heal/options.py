@@ -1,0 +1,98 @@
+"""The options of the two healing stages: one pydantic model each, which is the recipe's
+`heal_layerwise` / `heal_distill` block, the argument of kvconvert.heal (run_layerwise, Distiller)
+and (generated, as --layerwise-* / --distill-*) flags of `kvconvert heal`. Torch-free."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kvconvert.stage_options import StageOptions
+
+# Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
+# low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
+TRAINABLE_ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+AttentionName = Literal["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+DATA_HELP = "builtin (pydoc), teacher (text sampled from the teacher), a .txt/.jsonl/.parquet file or a datasets id."
+
+
+class LayerwiseOptions(StageOptions):
+    """Layer-wise reconstruction of each converted attention block (kvconvert.heal.layerwise).
+    Weights are optimised in units of their own RMS, so one relative lr fits every tensor."""
+
+    data: str = Field("builtin", description=DATA_HELP)
+    tokens: int = Field(32768, gt=0, description="Calibration tokens (windows of --layerwise-window).")
+    window: int = Field(512, gt=0, description="Tokens per calibration window.")
+    steps: int = Field(100, ge=0, description="Adam steps per layer.")
+    batch_windows: int = Field(1, gt=0, description="Calibration windows per step.")
+    lr: float = Field(5e-3, gt=0, description="Relative step (in units of each weight's RMS).")
+    # per layer i, x = normed block input:
+    #   student_input     min |A_s(x_s) - A_t(x_s)|
+    #   teacher_input     min |A_s(x_t) - A_t(x_t)|
+    #   student_residual  min |h_s + A_s(x_s) - (h_t + A_t(x_t))|  (also repairs earlier layers' drift)
+    target: Literal["student_input", "teacher_input", "student_residual"] = Field(
+        "student_input", description="What each student block is fitted to: the teacher block at the student's "
+                                     "input, both at the teacher's input, or the teacher's residual stream.")
+    refit_o_proj: bool = Field(True, description="Finish each layer with a least-squares o_proj (exact optimum "
+                                                 "given the rest).")
+    train: tuple[AttentionName, ...] = Field(TRAINABLE_ATTENTION, description="Attention projections to train.")
+    seed: int = Field(0, description="Random seed (the windows each step takes).")
+
+    @model_validator(mode="after")
+    def _enough_windows(self):
+        if self.tokens < self.window:
+            raise ValueError(f"tokens ({self.tokens}) is less than one window ({self.window})")
+        return self
+
+
+class DistillOptions(StageOptions):
+    """End-to-end distillation: KL(teacher || student) on next-token distributions, + lm_weight x CE,
+    + hidden_weight x the mean over layers of |h_s - h_t|^2 / |h_t|^2 (the residual streams).
+    steps = tokens / (batch_size x seq_len x grad_accum)."""
+
+    data: str = Field("builtin", description=DATA_HELP)
+    tokens: int = Field(65536, gt=0, description="Training tokens in total.")
+    seq_len: int = Field(512, gt=0, description="Tokens per training sequence.")
+    batch_size: int = Field(1, gt=0, description="Sequences per micro-batch.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    lr: float = Field(5e-4, gt=0, description="Relative step (in units of each weight's RMS).")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
+    schedule: Literal["cosine", "constant", "linear"] = Field("cosine", description="lr schedule after warm-up.")
+    kl_weight: float = Field(1.0, ge=0, description="Weight of KL(teacher || student).")
+    lm_weight: float = Field(0.0, ge=0, description="Weight of the next-token cross-entropy.")
+    hidden_weight: float = Field(0.0, ge=0, description="Weight of the relative residual-stream error.")
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature of the KL.")
+    train: Literal["full", "lora"] = Field("full", description="Train the attention weights themselves, or "
+                                                               "low-rank deltas merged at the end.")
+    lora_rank: int = Field(16, gt=0, description="Rank of the LoRA deltas (--distill-train lora).")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA scale alpha (delta = alpha / rank x B A).")
+    targets: tuple[AttentionName, ...] = Field(TRAINABLE_ATTENTION, description="Attention projections to train.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="accelerate's setting; on a CPU keep no.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass (long "
+                                                            "seq_len on a GPU).")
+    max_epochs: int = Field(1, gt=0, description="Times the data may be reused when it holds fewer than tokens.")
+    checkpoint_every: int = Field(50, ge=0, description="Optimizer steps between resumable snapshots (0 = only at "
+                                                        "the end).")
+    log_every: int = Field(1, gt=0, description="Optimizer steps between history records.")
+    seed: int = Field(0, description="Random seed (data order, LoRA init).")
+
+    @model_validator(mode="after")
+    def _weights(self):
+        if self.kl_weight == 0 and self.lm_weight == 0 and self.hidden_weight == 0:
+            raise ValueError("kl_weight, lm_weight and hidden_weight are all 0: nothing to train on")
+        return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.grad_accum
+
+    @property
+    def steps(self) -> int:
+        return self.steps_on(1)
+
+    def steps_on(self, processes: int) -> int:
+        """Optimizer steps for `tokens` in total when `processes` data-parallel processes each take
+        tokens_per_step per step (same data, same lr schedule length in tokens, however launched)."""
+        return max(1, self.tokens // (self.tokens_per_step * processes))
