@@ -12,8 +12,8 @@ Pruning (`dominated_by`), for two candidates that both fit and are both served:
   * the source in a format at least as fine beats any MLA conversion in that format (MLA caches a
     projection of the same K/V: conversion error on top of the same rounding);
   * among MLA conversions in one format, a shape with at least the rank and at least the RoPE part of
-    another keeps more (each part is the leading part of one decomposition); 224+32 and 312+8 are
-    not ordered, and both are measured.
+    another keeps more (each part is the leading part of one decomposition); 256+64 and 288+32
+    are not ordered, and both are measured.
 Nothing else is predicted: what survives is measured. Bytes per token come from kvconvert.kvmath
 (tests/test_kv_bytes.py: equal to what the runtime allocates).
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 import click
 
 from kvconvert.errors import KVConvertError
-from kvconvert.kvmath import MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
+from kvconvert.kvmath import KV_FORMATS, MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
 from kvconvert.targets import DEFAULT_TARGET, TARGETS, get_target, rope_dims_for, servable_shapes
 
 FORMATS = ("bf16", "fp8", "nvfp4")  # finest first
@@ -115,6 +115,9 @@ def enumerate_candidates(config: dict) -> list[Candidate]:
     for rank, rope in [(None, None), *mla_shapes(shape)]:
         cached = shape if rank is None else mla_whatif(shape, rank, rope)
         for fmt in FORMATS:
+            group = KV_FORMATS[fmt].group_size  # NVFP4 quantizes whole groups of 16: rank (MLA) or head_dim
+            if group and (shape.head_dim if rank is None else rank) % group:
+                continue
             kind = "source" if rank is None else "mla"
             engines = tuple(e for e in shape_engines(rank, rope) if e in FORMAT_ENGINES[kind, fmt])
             out.append(Candidate(fmt, kv_bytes_per_token(cached, fmt), baseline, engines, rank, rope))
@@ -291,10 +294,14 @@ def plot_frontier(points: list[dict], path: Path, title: str, budget: float | No
     tmp.replace(path)
 
 
+def format_kl(kl: float | None) -> str:
+    return "-" if kl is None else f"{kl:.4f}" if kl >= 1e-3 else f"{kl:.1e}"
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| candidate | KV bytes/token | of bf16 | served by | KL | ppl | status |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        kl = f"{r['kl']:.4f}" if r.get("kl") is not None else "-"
+        kl = format_kl(r.get("kl"))
         ppl = f"{r['ppl']:.2f}" if r.get("ppl") is not None else "-"
         lines.append(f"| {r['name']} | {r['bytes_per_token']} | {r['fraction']:.1%} | {', '.join(r['engines'])} | "
                      f"{kl} | {ppl} | {r['status']} |")
@@ -332,7 +339,10 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
     for c in sorted(to_measure, key=lambda c: (c.kind != "source", c.latent, c.kv_dtype)):
         results[c.name] = measure(c, scorer, src_path, work, calib_tokens, echo)
         echo(f"  {c.name}: KL {results[c.name].kl:.4f}, ppl {results[c.name].ppl:.2f} ({results[c.name].seconds} s)")
-    best = min((c for c in survivors if c.name in results), key=lambda c: results[c.name].kl)
+    best = min(to_measure, key=lambda c: results[c.name].kl)
+    # with --measure-dominated: a pruned candidate measured better than what dominates it
+    contradicted = [f"{name} < {by}" for name, by in pruned.items()
+                    if name in results and results[name].kl < results[by].kl]
     rows = []
     for c in sorted(fitting, key=lambda c: -c.fraction):
         status = "chosen" if c is best else (f"dominated by {pruned[c.name]}" if c.name in pruned else "measured")
@@ -344,7 +354,7 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
             "protocol": {"eval": f"essays, {windows} x {window_len} tokens", "engine": "kvconvert runtime, fp32 weights",
                          "reference": "the source with a bf16 KV cache", "conversion": f"one-shot, {calib_tokens} "
                          "calibration tokens", "kv_scales": "per-tensor amax of the calibration tokens, no rotation"},
-            "seconds": round(time.time() - t0, 1), "rows": rows}
+            "pruning_contradicted": contradicted, "seconds": round(time.time() - t0, 1), "rows": rows}
     recipe = chosen_recipe(best, src, target, calib_tokens)
     _atomic_write(out / "recipe.yaml", yaml.safe_dump(recipe, sort_keys=False))
     plot_frontier([r for r in rows if r.get("kl") is not None], out / "plan.png",

@@ -86,8 +86,9 @@ def earlier_points(cands: dict) -> list[dict]:
     return out
 
 
-def measure(cands: dict, args, work: Path) -> list[dict]:
-    """Source bf16 cache, and one-shot MLA shapes in bf16 / fp8 / nvfp4, on args.windows x 1024."""
+def measure(cands: dict, args, work: Path, save) -> list[dict]:
+    """Source bf16 cache, and one-shot MLA shapes in bf16 / fp8 / nvfp4, on args.windows x 1024;
+    save(points so far) after each group, so an interrupted run keeps what it measured."""
     import torch
 
     from kvconvert.checkpoint import CheckpointReader
@@ -121,6 +122,7 @@ def measure(cands: dict, args, work: Path) -> list[dict]:
     res = evaluate_kv_quant(reference, {"source bf16": (reference, bf16)}, windows)
     out = [point(cands, "source bf16", res["source bf16"].kl, res["source bf16"].ppl, "", "measured here", proto)]
     log(f"source bf16: {out[-1]['kl']:.5f}")
+    save(out)
     for setting in args.shapes.split(","):
         rank, rope = map(int, setting.split(":"))
         mla = work / f"mla-{rank}-{rope}"
@@ -142,10 +144,13 @@ def measure(cands: dict, args, work: Path) -> list[dict]:
                                                                    f", calibrate defaults on {args.calib_tokens} tokens")))
             log(f"{name}: KL {res[name].kl:.4f} ppl {res[name].ppl:.2f}")
         del models
+        save(out)
     return out
 
 
 def markdown(doc: dict) -> str:
+    from kvconvert.plan import format_kl
+
     lines = [f"`{doc['command']}` ({doc['seconds']:.0f} s wall, {doc['threads']} thread, on the shared 2-core "
              "machine). KL to the source (fp32 cache), transformers fp32 with the cache fake-quantized; "
              "**frontier** = no other point has fewer or equal bytes and less damage (KL; TransMLA by perplexity). "
@@ -153,7 +158,7 @@ def markdown(doc: dict) -> str:
              "| point | KV bytes/token | of bf16 | served by | KL | ppl | frontier | source, protocol |",
              "|---|---|---|---|---|---|---|---|"]
     for p in sorted(doc["points"], key=lambda p: (-p["fraction"], p["kl"] if p["kl"] is not None else 9)):
-        kl = f"{p['kl']:.4f}" if p["kl"] is not None else "-"
+        kl = format_kl(p["kl"])
         lines.append(f"| {p['name']} | {p['bytes_per_token']} | {p['fraction']:.1%} | {', '.join(p['engines'])} | "
                      f"{kl} | {p['ppl']:.2f} | {'**yes**' if p['on_front'] else ''} | {p['provenance']}: "
                      f"{p['protocol']} |")
@@ -171,26 +176,29 @@ def main():
     args = ap.parse_args()
     import torch
 
-    from kvconvert.plan import pareto_front, plot_frontier
-
     torch.set_num_threads(args.threads)
     t0 = time.time()
     cands = candidates()
-    path = DOCS / "bench_frontier.json"
     if args.skip_measure:
-        doc = json.loads(path.read_text())
-    else:
-        with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
-            measured = measure(cands, args, Path(tmp))
-        doc = {"command": "python scripts/bench_frontier.py " + " ".join(sys.argv[1:]), "threads": args.threads,
-               "seconds": time.time() - t0, "points": measured + earlier_points(cands)}
+        return write(json.loads((DOCS / "bench_frontier.json").read_text()))
+    earlier = earlier_points(cands)
+    command = "python scripts/bench_frontier.py " + " ".join(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
+        measure(cands, args, Path(tmp), lambda measured: write(
+            {"command": command, "threads": args.threads, "seconds": time.time() - t0, "points": measured + earlier}))
+
+
+def write(doc: dict) -> None:
+    """bench_frontier.json, img/frontier.png and the BENCHMARKS.md table from doc's points."""
+    from kvconvert.plan import pareto_front, plot_frontier
+
     points = doc["points"]
     with_kl = [p for p in points if p["kl"] is not None]
     kl_front = {id(with_kl[i]) for i in pareto_front([(p["fraction"], p["kl"]) for p in with_kl])}
     ppl_front = {id(points[i]) for i in pareto_front([(p["fraction"], p["ppl"]) for p in points])}
     for p in points:  # TransMLA has perplexities only: its points are placed by perplexity
         p["on_front"] = id(p) in (kl_front if p["kl"] is not None else ppl_front)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    (DOCS / "bench_frontier.json").write_text(json.dumps(doc, indent=1) + "\n")
     (DOCS / "img").mkdir(exist_ok=True)
     plot_frontier(points, DOCS / "img" / "frontier.png", "SmolLM2-135M: damage per KV byte", metrics=("kl", "ppl"))
     table = markdown(doc)
@@ -200,8 +208,7 @@ def main():
     if not pattern.search(text):
         raise SystemExit(f"{bench}: add the markers {MARKERS} where the table goes")
     bench.write_text(pattern.sub(lambda _: f"{MARKERS[0]}\n{table}\n{MARKERS[1]}", text))
-    print(table)
-
+    print(table, flush=True)
 
 if __name__ == "__main__":
     main()
