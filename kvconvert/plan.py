@@ -145,14 +145,10 @@ def dominated_by(c: Candidate, d: Candidate) -> bool:
 
 
 def prune(candidates: list[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
-    """(survivors, {pruned name: name of a candidate that dominates it})."""
-    survivors, pruned = [], {}
-    for c in candidates:
-        winner = next((d for d in candidates if d is not c and dominated_by(c, d)), None)
-        if winner is None:
-            survivors.append(c)
-        else:
-            pruned[c.name] = winner.name
+    """(survivors, {pruned name: a candidate that dominates it, a survivor where one does})."""
+    beaten = {c.name: [d for d in candidates if d is not c and dominated_by(c, d)] for c in candidates}
+    survivors = [c for c in candidates if not beaten[c.name]]
+    pruned = {name: next((d for d in by if d in survivors), by[0]).name for name, by in beaten.items() if by}
     return survivors, pruned
 
 

@@ -56,7 +56,8 @@ def test_pruning_keeps_only_what_no_candidate_beats_by_construction():
     survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.5, "vllm"))
     assert [c.name for c in survivors] == ["source fp8"]  # don't convert, just quantize
     assert set(pruned.values()) == {"source fp8"}
-    survivors, _ = prune(fits(enumerate_candidates(SMOLLM2), 0.25, "any"))
+    survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.25, "any"))
+    assert pruned["MLA 192+32 nvfp4"] == "MLA 224+32 nvfp4"  # a survivor, not the next shape up
     # no source format fits 25% (nvfp4 is 28.1%); per format the MLA shapes no larger shape contains
     assert {c.name for c in survivors} == {"MLA 64+32 bf16", "MLA 160+32 fp8", "MLA 224+32 nvfp4"}
     survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.5, "any"))
