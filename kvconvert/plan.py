@@ -280,6 +280,7 @@ def plot_frontier(points: list[dict], path: Path, title: str, budget: float | No
                         textcoords="offset points")
         if budget is not None:
             ax.axvline(budget * 100, color="tab:blue", ls="--", lw=1, label=f"budget {budget:.0%}")
+        ax.set_xlim(0, 1.1 * max([x for x, _ in xy] + [100 * (budget or 0)]))
         ax.set(xlabel="KV bytes per token, % of the source in bf16", ylabel=labels[metric], yscale="log", title=title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

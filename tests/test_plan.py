@@ -108,7 +108,7 @@ def test_already_mla_source_is_refused():
 
 @pytest.mark.slow
 def test_nothing_fits_says_the_smallest(tmp_path):
-    with pytest.raises(KVConvertError, match=r"smallest is MLA 312\+8 fp8 at 40\.6%"):
+    with pytest.raises(KVConvertError, match=r"smallest is MLA 256\+64 fp8 at 41\.7%"):
         run_plan("smollm2-135m", 0.3, "vllm", tmp_path, 256, 128, 512, False, echo=lambda m: None)
     assert not (tmp_path / "plan.json").exists()
 
