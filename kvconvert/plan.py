@@ -256,7 +256,7 @@ def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int) -> dic
 
 def plot_frontier(points: list[dict], path: Path, title: str, budget: float | None = None,
                   metrics: tuple[str, ...] = ("kl",)) -> None:
-    """One panel per metric ("kl", "ppl"): KV bytes (share of bf16) against damage, the Pareto front
+    """One panel per metric ("kl", "ppl_increase_pct"): KV bytes (share of bf16) against damage, the Pareto front
     joined, each point labelled with its name and engines. points: dicts with name, fraction, engines,
     the metrics (None: not measured, left out) and optionally chosen."""
     import matplotlib
@@ -264,11 +264,13 @@ def plot_frontier(points: list[dict], path: Path, title: str, budget: float | No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"kl": "KL(source || candidate), nats/token", "ppl": "perplexity (essays)"}
+    axes_of = {"kl": ("KL(source || candidate), nats/token", 1e-5),  # (label, floor of the log axis)
+               "ppl_increase_pct": ("perplexity increase over the source on the same windows, %", 0.01)}
     fig, axes = plt.subplots(1, len(metrics), figsize=(9 * len(metrics), 6), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         shown = [p for p in points if p.get(metric) is not None]
-        xy = [(p["fraction"] * 100, max(p[metric], 1e-5)) for p in shown]
+        label, floor = axes_of[metric]
+        xy = [(p["fraction"] * 100, max(p[metric], floor)) for p in shown]
         front = sorted(pareto_front(xy), key=lambda i: xy[i][0])
         ax.step([xy[i][0] for i in front], [xy[i][1] for i in front], where="post", color="tab:green", alpha=0.6,
                 label="Pareto frontier (less damage for no more bytes)", zorder=1)
@@ -281,7 +283,7 @@ def plot_frontier(points: list[dict], path: Path, title: str, budget: float | No
         if budget is not None:
             ax.axvline(budget * 100, color="tab:blue", ls="--", lw=1, label=f"budget {budget:.0%}")
         ax.set_xlim(0, 1.1 * max([x for x, _ in xy] + [100 * (budget or 0)]))
-        ax.set(xlabel="KV bytes per token, % of the source in bf16", ylabel=labels[metric], yscale="log", title=title)
+        ax.set(xlabel="KV bytes per token, % of the source in bf16", ylabel=label, yscale="log", title=title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -41,11 +41,13 @@ def candidates() -> dict:
     return {c.name: c for c in enumerate_candidates(read_config(resolve_source(SMOLLM2)))}
 
 
-def point(cands: dict, name: str, kl, ppl, stage: str, provenance: str, protocol: str, engines=None) -> dict:
+def point(cands: dict, name: str, kl, ppl, source_ppl, stage: str, provenance: str, protocol: str) -> dict:
+    """One point; source_ppl: the source's perplexity on the same windows (ppl increases compare across runs)."""
     c = cands[name]
     return {"name": f"{name} {stage}".strip(), "candidate": name, "stage": stage, "kv_dtype": c.kv_dtype,
             "rank": c.rank, "rope_dim": c.rope_dim, "bytes_per_token": c.bytes_per_token, "fraction": c.fraction,
-            "engines": list(engines if engines is not None else c.engines), "kl": kl, "ppl": ppl,
+            "engines": list(c.engines), "kl": kl, "ppl": ppl, "source_ppl": source_ppl,
+            "ppl_increase_pct": 100 * (ppl / source_ppl - 1),
             "provenance": provenance, "protocol": protocol}
 
 
@@ -60,27 +62,30 @@ def earlier_points(cands: dict) -> list[dict]:
             f"{cal['protocol']['calib_tokens']} tokens"
     for row in cal["rows"]:
         if row["config"].endswith("(default)"):
-            out.append(point(cands, f"source {row['kv_dtype']}", row["kl"], row["ppl"], "", "bench_calibrate.json",
+            out.append(point(cands, f"source {row['kv_dtype']}", row["kl"], row["ppl"], cal["rows"][0]["ppl"], "",
+                             "bench_calibrate.json",
                              proto))
     heal_files = {"bench_heal_50pct.json": (160, 32), "bench_heal_33pct.json": (96, 32), "bench_heal.json": (64, 32),
                   "bench_heal_12pct.json": (32, 16)}
     for file, (rank, rope) in heal_files.items():
         doc = json.loads((DOCS / file).read_text())
         ((recipe, r),) = doc["recipes"].items()
-        proto = f"essays {doc['protocol']['eval']}, recipe {recipe} (CPU heal: {r['heal']['tokens']} tokens)"
+        proto = f"{doc['protocol']['eval']}, recipe {recipe} (CPU heal: {r['heal']['tokens'] / 1e3:.0f}K tokens)"
         for stage, key in (("one-shot", "one-shot"), ("healed CPU", "healed")):
             m = r["metrics"][key]
-            out.append(point(cands, f"MLA {rank}+{rope} bf16", m["kl_mean"], m["ppl"], stage, file, proto))
+            out.append(point(cands, f"MLA {rank}+{rope} bf16", m["kl_mean"], m["ppl"], r["metrics"]["source"]["ppl"],
+                             stage, file, proto))
     gpu = json.loads((DOCS / "bench_heal_gpu.json").read_text())
     for recipe, r in gpu["recipes"].items():
         m = r["metrics"]["healed"]
-        out.append(point(cands, f"MLA {r['rank']}+{r['rope_dim']} bf16", m["kl_mean"], m["ppl"], "healed GPU",
-                         "bench_heal_gpu.json", f"essays {gpu['protocol']['eval']}, recipe {recipe} (H100 heal: "
-                         f"{r['heal']['tokens']} tokens)"))
+        out.append(point(cands, f"MLA {r['rank']}+{r['rope_dim']} bf16", m["kl_mean"], m["ppl"],
+                         r["metrics"]["source"]["ppl"], "healed GPU",
+                         "bench_heal_gpu.json", f"{gpu['protocol']['eval']}, recipe {recipe} (H100 heal: "
+                         f"{r['heal']['tokens'] / 1e6:.2f}M tokens)"))
     for setting, values in TRANSMLA.items():
         if setting != "source":
             rank, rope = map(int, setting.split(":"))
-            out.append(point(cands, f"MLA {rank}+{rope} bf16", None, values[0], "TransMLA one-shot",
+            out.append(point(cands, f"MLA {rank}+{rope} bf16", None, values[0], TRANSMLA["source"], "TransMLA one-shot",
                              "bench_mla.py TRANSMLA (TransMLA @9c0d254, the MLA issue)",
                              "essays 32 x 1024, TransMLA's own conversion (source ppl 24.68)"))
     return out
@@ -107,7 +112,7 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
     from transformers import AutoTokenizer
 
     windows = eval_windows(AutoTokenizer.from_pretrained(src), args.windows, 1024)
-    proto = f"essays {args.windows} x 1024 (measured here)"
+    proto = f"essays {args.windows} x 1024"
     reference = load_model(src)
 
     def layout_of(path):
@@ -120,7 +125,9 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
     t0 = time.time()
     bf16 = cache_hook(layout_of(src), lambda i, kind, x: x.to(torch.bfloat16).to(x.dtype))
     res = evaluate_kv_quant(reference, {"source bf16": (reference, bf16)}, windows)
-    out = [point(cands, "source bf16", res["source bf16"].kl, res["source bf16"].ppl, "", "measured here", proto)]
+    source_ppl = res["reference"].ppl
+    out = [point(cands, "source bf16", res["source bf16"].kl, res["source bf16"].ppl, source_ppl, "", "measured here",
+                 proto)]
     log(f"source bf16: {out[-1]['kl']:.5f}")
     save(out)
     for setting in args.shapes.split(","):
@@ -139,7 +146,7 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
             log(f"calibrated {setting} {kv}")
         res = evaluate_kv_quant(reference, models, windows)
         for name in models:
-            out.append(point(cands, name, res[name].kl, res[name].ppl, "one-shot", "measured here",
+            out.append(point(cands, name, res[name].kl, res[name].ppl, source_ppl, "one-shot", "measured here",
                              f"{proto}; conversion {args.convert_tokens} tokens" + ("" if name.endswith("bf16") else
                                                                    f", calibrate defaults on {args.calib_tokens} tokens")))
             log(f"{name}: KL {res[name].kl:.4f} ppl {res[name].ppl:.2f}")
@@ -153,14 +160,15 @@ def markdown(doc: dict) -> str:
 
     lines = [f"`{doc['command']}` ({doc['seconds']:.0f} s wall, {doc['threads']} thread, on the shared 2-core "
              "machine). KL to the source (fp32 cache), transformers fp32 with the cache fake-quantized; "
-             "**frontier** = no other point has fewer or equal bytes and less damage (KL; TransMLA by perplexity). "
+             "**frontier** = no other point has fewer or equal bytes and less damage (KL; TransMLA, which has no KL, "
+             "by perplexity increase over the source on the same windows). "
              "Rows from earlier benchmarks keep their file and protocol.", "",
-             "| point | KV bytes/token | of bf16 | served by | KL | ppl | frontier | source, protocol |",
+             "| point | KV bytes/token | of bf16 | served by | KL | ppl (vs source on its windows) | frontier | source, protocol |",
              "|---|---|---|---|---|---|---|---|"]
     for p in sorted(doc["points"], key=lambda p: (-p["fraction"], p["kl"] if p["kl"] is not None else 9)):
         kl = format_kl(p["kl"])
         lines.append(f"| {p['name']} | {p['bytes_per_token']} | {p['fraction']:.1%} | {', '.join(p['engines'])} | "
-                     f"{kl} | {p['ppl']:.2f} | {'**yes**' if p['on_front'] else ''} | {p['provenance']}: "
+                     f"{kl} | {p['ppl']:.2f} ({p['ppl_increase_pct']:+.1f}%) | {'**yes**' if p['on_front'] else ''} | {p['provenance']}: "
                      f"{p['protocol']} |")
     return "\n".join(lines)
 
@@ -179,9 +187,10 @@ def main():
     torch.set_num_threads(args.threads)
     t0 = time.time()
     cands = candidates()
-    if args.skip_measure:
-        return write(json.loads((DOCS / "bench_frontier.json").read_text()))
     earlier = earlier_points(cands)
+    if args.skip_measure:  # the points measured here, with the earlier ones read afresh from their files
+        doc = json.loads((DOCS / "bench_frontier.json").read_text())
+        return write({**doc, "points": [p for p in doc["points"] if p["provenance"] == "measured here"] + earlier})
     command = "python scripts/bench_frontier.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
         measure(cands, args, Path(tmp), lambda measured: write(
@@ -193,14 +202,18 @@ def write(doc: dict) -> None:
     from kvconvert.plan import pareto_front, plot_frontier
 
     points = doc["points"]
+    here = next(p for p in points if p["name"] == "source bf16")
+    for p in points:  # runs before source_ppl was recorded: the bf16-cache source on the same windows (KL 4e-5)
+        p.setdefault("source_ppl", here["ppl"])
+        p["ppl_increase_pct"] = 100 * (p["ppl"] / p["source_ppl"] - 1)
     with_kl = [p for p in points if p["kl"] is not None]
     kl_front = {id(with_kl[i]) for i in pareto_front([(p["fraction"], p["kl"]) for p in with_kl])}
-    ppl_front = {id(points[i]) for i in pareto_front([(p["fraction"], p["ppl"]) for p in points])}
+    ppl_front = {id(points[i]) for i in pareto_front([(p["fraction"], p["ppl_increase_pct"]) for p in points])}
     for p in points:  # TransMLA has perplexities only: its points are placed by perplexity
         p["on_front"] = id(p) in (kl_front if p["kl"] is not None else ppl_front)
     (DOCS / "bench_frontier.json").write_text(json.dumps(doc, indent=1) + "\n")
     (DOCS / "img").mkdir(exist_ok=True)
-    plot_frontier(points, DOCS / "img" / "frontier.png", "SmolLM2-135M: damage per KV byte", metrics=("kl", "ppl"))
+    plot_frontier(points, DOCS / "img" / "frontier.png", "SmolLM2-135M: damage per KV byte", metrics=("kl", "ppl_increase_pct"))
     table = markdown(doc)
     bench = DOCS / "BENCHMARKS.md"
     text = bench.read_text()
