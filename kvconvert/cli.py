@@ -23,6 +23,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "validate": "kvconvert.eval.cli:validate_cmd",
     "gate": "kvconvert.eval.cli:gate_cmd",
     "pipeline": "kvconvert.pipeline:pipeline_cmd",
+    "plan": "kvconvert.plan:plan_cmd",
 }
 
 
@@ -38,6 +39,7 @@ SHORT_HELP = {
     "validate": "Compare a candidate against its source: ppl/KL, passkey, NIAH, RULER, LongBench.",
     "gate": "Pass/fail a validation report against a policy (exit 1 on failure).",
     "pipeline": "Convert -> heal -> calibrate -> validate -> gate on one model.",
+    "plan": "The least-damage KV artifact for a byte budget, measured; writes its recipe.",
 }
 
 

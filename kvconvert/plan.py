@@ -1,0 +1,384 @@
+"""`kvconvert plan`: for a KV byte budget, the artifact with the least measured damage, and its recipe.
+
+    candidates (the source's own attention or an MLA shape, x a KV format bf16/fp8/nvfp4)
+      -> keep those that fit the budget and that the target engine serves
+      -> prune the dominated (orderings that hold by construction, below)
+      -> measure the survivors: KL to the source on held-out essay windows, in the bundled runtime
+      -> choose the least KL; write plan.json, plan.png and the chosen recipe (kvconvert.recipe)
+
+Pruning (`dominated_by`), for two candidates that both fit and are both served:
+  * the same cached values in a finer number format lose less (bf16 < fp8 < nvfp4): the source in
+    fp8 beats the source in nvfp4, MLA 160+32 in bf16 beats it in fp8;
+  * the source in a format at least as fine beats any MLA conversion in that format (MLA caches a
+    projection of the same K/V: conversion error on top of the same rounding);
+  * among MLA conversions in one format, a shape with at least the rank and at least the RoPE part of
+    another keeps more (each part is the leading part of one decomposition); 256+64 and 288+32
+    are not ordered, and both are measured.
+Nothing else is predicted: what survives is measured. Bytes per token come from kvconvert.kvmath
+(tests/test_kv_bytes.py: equal to what the runtime allocates).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+
+from kvconvert.errors import KVConvertError
+from kvconvert.kvmath import KV_FORMATS, MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
+from kvconvert.targets import DEFAULT_TARGET, TARGETS, get_target, rope_dims_for, servable_shapes
+
+FORMATS = ("bf16", "fp8", "nvfp4")  # finest first
+ENGINES = ("vllm", "tensorrt-llm", "kvconvert")
+# Engines that serve a KV format with the scales kvconvert writes, per cache kind (docs/engines.md):
+# vLLM reads no static NVFP4 KV scheme and refuses NVFP4 with MLA; TensorRT-LLM reads ModelOpt's
+# NVFP4 for GQA (read in source; MLA + NVFP4 not verified); the bundled runtime serves all.
+FORMAT_ENGINES = {
+    ("source", "bf16"): ENGINES, ("source", "fp8"): ENGINES, ("source", "nvfp4"): ("tensorrt-llm", "kvconvert"),
+    ("mla", "bf16"): ENGINES, ("mla", "fp8"): ENGINES, ("mla", "nvfp4"): ("kvconvert",),
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One artifact: the source's attention (rank None) or an MLA shape, with its KV format."""
+
+    kv_dtype: str
+    bytes_per_token: int  # all layers, as the runtime allocates
+    baseline_bytes: int  # the source in bf16: "today's bytes"
+    engines: tuple[str, ...]
+    rank: int | None = None
+    rope_dim: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return "source" if self.rank is None else "mla"
+
+    @property
+    def latent(self) -> int:
+        return 0 if self.rank is None else self.rank + self.rope_dim
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes_per_token / self.baseline_bytes
+
+    @property
+    def name(self) -> str:
+        return f"source {self.kv_dtype}" if self.rank is None else f"MLA {self.rank}+{self.rope_dim} {self.kv_dtype}"
+
+
+def parse_budget(text: str) -> float:
+    """'25%' or '0.25' -> 0.25 (a fraction of the source's bf16 KV bytes)."""
+    raw = str(text).strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise KVConvertError(f"--kv-budget {text!r}: give a share of today's bf16 KV bytes, e.g. 25% or 0.25")
+    return value
+
+
+def shape_engines(rank: int | None, rope_dim: int | None) -> tuple[str, ...]:
+    """Engines whose kernels take this attention shape (the source's own: all)."""
+    if rank is None:
+        return ENGINES
+    return tuple(e for e in ENGINES if TARGETS[e].serves(rank, rope_dim))
+
+
+def mla_shapes(shape: KVShape) -> list[tuple[int, int]]:
+    """(rank, rope_dim) to consider for a GQA/MHA source: every shape vLLM or TensorRT-LLM serves, and
+    research shapes for the runtime: latents in steps of 16 below the source's K+V width, each with the
+    largest valid RoPE part up to min(32, latent / 3) (160+32, 96+32, 64+32, 32+16 on SmolLM2)."""
+    kv_heads, d = shape.num_kv_heads, shape.head_dim
+    width = 2 * kv_heads * d
+    shapes = {s for t in ("vllm", "tensorrt-llm") for s in servable_shapes(TARGETS[t], kv_heads, d)}
+    for latent in range(16, width, 16):
+        ropes = [r for r in rope_dims_for(d) if r <= min(32, latent // 3)]
+        if ropes:
+            shapes.add((latent - max(ropes), max(ropes)))
+    return sorted((r, p) for r, p in shapes if r + p < width)  # a latent as wide as K+V saves nothing
+
+
+def enumerate_candidates(config: dict) -> list[Candidate]:
+    """Every (attention shape, KV format) for a model config, with bytes per token and engines."""
+    shape = kv_shape(config)
+    if shape.kind == MLA:
+        raise KVConvertError("the source is already MLA: plan its KV format with `kvconvert calibrate`, or plan "
+                             "from the GQA/MHA model it was converted from")
+    baseline = kv_bytes_per_token(shape, "bf16")
+    out = []
+    for rank, rope in [(None, None), *mla_shapes(shape)]:
+        cached = shape if rank is None else mla_whatif(shape, rank, rope)
+        for fmt in FORMATS:
+            group = KV_FORMATS[fmt].group_size  # NVFP4 quantizes whole groups of 16: rank (MLA) or head_dim
+            if group and (shape.head_dim if rank is None else rank) % group:
+                continue
+            kind = "source" if rank is None else "mla"
+            engines = tuple(e for e in shape_engines(rank, rope) if e in FORMAT_ENGINES[kind, fmt])
+            out.append(Candidate(fmt, kv_bytes_per_token(cached, fmt), baseline, engines, rank, rope))
+    return out
+
+
+def fits(candidates: list[Candidate], budget: float, target: str) -> list[Candidate]:
+    """Candidates within the budget that the target engine serves (any: every candidate)."""
+    get_target(target)
+    return [c for c in candidates if c.fraction <= budget + 1e-9 and (target == "any" or target in c.engines)]
+
+
+def dominated_by(c: Candidate, d: Candidate) -> bool:
+    """True when d loses less than c by construction (module docstring); both must fit and be served."""
+    finer_or_same = FORMATS.index(d.kv_dtype) <= FORMATS.index(c.kv_dtype)
+    if c.kind == "source":
+        return d.kind == "source" and FORMATS.index(d.kv_dtype) < FORMATS.index(c.kv_dtype)
+    if d.kind == "source":
+        return finer_or_same
+    if (d.rank, d.rope_dim) == (c.rank, c.rope_dim):
+        return FORMATS.index(d.kv_dtype) < FORMATS.index(c.kv_dtype)
+    if d.kv_dtype != c.kv_dtype:
+        return False
+    return d.rank >= c.rank and d.rope_dim >= c.rope_dim  # (the shapes differ, so one is strictly larger)
+
+
+def prune(candidates: list[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
+    """(survivors, {pruned name: a candidate that dominates it, a survivor where one does})."""
+    beaten = {c.name: [d for d in candidates if d is not c and dominated_by(c, d)] for c in candidates}
+    survivors = [c for c in candidates if not beaten[c.name]]
+    pruned = {name: next((d for d in by if d in survivors), by[0]).name for name, by in beaten.items() if by}
+    return survivors, pruned
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the (bytes, damage) points no other point beats on both (ties: the first kept)."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        beaten = any((x2 <= x and y2 <= y) and ((x2, y2) != (x, y) or j < i) for j, (x2, y2) in enumerate(points)
+                     if j != i)
+        if not beaten:
+            front.append(i)
+    return front
+
+
+# ------------------------------------------------------------------------------ measurement
+
+@dataclass
+class Measurement:
+    kl: float  # mean token KL(source || candidate), nats
+    ppl: float
+    source_ppl: float
+    tokens: int
+    seconds: float  # building the artifact (conversion, calibration) and scoring it
+
+
+def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, echo) -> Path:
+    """The candidate's checkpoint under `work` (reused when already there): MLA conversion one-shot,
+    then KV scales by a quick calibration (per-tensor amax, no rotation) for fp8/nvfp4."""
+    from kvconvert.mla.convert import convert_to_mla
+    from kvconvert.mla.options import MLAOptions
+    from kvconvert.quant.options import CalibrateOptions
+    from kvconvert.quant.run import CalibrateJob, run_calibrate
+
+    model = src
+    if c.rank is not None:
+        model = work / f"mla-{c.rank}-{c.rope_dim}"
+        if not (model / "manifest.json").is_file():
+            echo(f"  converting: MLA {c.rank}+{c.rope_dim}, {calib_tokens} calibration tokens")
+            convert_to_mla(src, model, MLAOptions(rank=c.rank, rope_dim=c.rope_dim, target="any", dtype="fp32",
+                                                  calib_tokens=calib_tokens), overwrite=True, progress=False)
+    if c.kv_dtype == "bf16":
+        return model
+    out = work / f"{'source' if c.rank is None else model.name}-{c.kv_dtype}"
+    if not (out / "manifest.json").is_file():
+        echo(f"  calibrating: {c.kv_dtype} scales of {model.name} (amax, {calib_tokens} tokens)")
+        opts = CalibrateOptions(kv_dtype=c.kv_dtype, observer="amax", rotate=False, calib_tokens=calib_tokens,
+                                window_len=min(512, calib_tokens))
+        run_calibrate(CalibrateJob(src=str(model), options=opts, out=out, overwrite=True), echo=lambda m: None)
+    return out
+
+
+class Scorer:
+    """Source logits on `windows` essay windows of `window_len` tokens (the runtime, fp32 weights, bf16
+    cache: today's serving), and KL/perplexity of candidates against them."""
+
+    def __init__(self, src: Path, windows: int, window_len: int):
+        from kvconvert.data import eval_windows
+        from kvconvert.eval.runner import RuntimeRunner, load_tokenizer
+
+        self.ids = eval_windows(load_tokenizer(src), windows, window_len)
+        source = RuntimeRunner(src, "bf16", dtype="fp32", max_len=window_len)
+        self.reference = [source.logits(w) for w in self.ids]
+        source.close()
+
+    def score(self, path: Path, kv_dtype: str) -> dict:
+        from kvconvert.eval.runner import RuntimeRunner
+        from kvconvert.eval.validate import window_stats
+
+        runner = RuntimeRunner(path, kv_dtype, dtype="fp32", max_len=self.ids.shape[1])
+        stats = [window_stats(ref, runner.logits(w), w) for ref, w in zip(self.reference, self.ids)]
+        runner.close()
+        n = sum(s["n_tokens"] for s in stats)
+        total = {k: sum(s[k] for s in stats) for k in ("kl", "source_nll", "candidate_nll")}
+        return {"kl": total["kl"] / n, "ppl": math.exp(total["candidate_nll"] / n),
+                "source_ppl": math.exp(total["source_nll"] / n), "tokens": n}
+
+
+def measure(c: Candidate, scorer: Scorer, src: Path, work: Path, calib_tokens: int, echo) -> Measurement:
+    t0 = time.time()
+    path = build_artifact(c, src, work, calib_tokens, echo)
+    return Measurement(**scorer.score(path, c.kv_dtype), seconds=round(time.time() - t0, 1))
+
+
+# ------------------------------------------------------------------------------ outputs
+
+def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int) -> dict:
+    """The recipe that builds `c` (validated by kvconvert.recipe): the conversion as measured (one-shot,
+    `calib_tokens`), the KV scales with calibrate's defaults (measured at least as good as the quick
+    amax scales the plan used: docs/BENCHMARKS.md), validated with the quick suite and default gate."""
+    from kvconvert.recipe import parse_recipe
+
+    pct = round(100 * c.fraction)
+    data = {"name": f"{Path(src).name}-plan-{pct}pct", "source": src,
+            "description": f"kvconvert plan: {c.name}, {c.bytes_per_token} KV bytes/token ({pct}% of bf16), "
+                           f"served by {', '.join(c.engines)}"}
+    if c.rank is not None:
+        data["convert"] = {"rank": c.rank, "rope_dim": c.rope_dim, "target": target if target in c.engines else "any",
+                           "calib_tokens": calib_tokens, "dtype": "fp32"}
+    if c.kv_dtype != "bf16":
+        data["calibrate"] = {"kv_dtype": c.kv_dtype}
+    data["validate"] = {"suite": "quick"}
+    parse_recipe(data, "kvconvert plan")  # what the pipeline will load; a key left out keeps its one default
+    return data
+
+
+def plot_frontier(points: list[dict], path: Path, title: str, budget: float | None = None,
+                  metrics: tuple[str, ...] = ("kl",)) -> None:
+    """One panel per metric ("kl", "ppl_increase_pct"): KV bytes (share of bf16) against damage, the Pareto front
+    joined, each point labelled with its name and engines. points: dicts with name, fraction, engines,
+    the metrics (None: not measured, left out) and optionally chosen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes_of = {"kl": ("KL(source || candidate), nats/token", 1e-5),  # (label, floor of the log axis)
+               "ppl_increase_pct": ("perplexity increase over the source on the same windows, %", 0.01)}
+    fig, axes = plt.subplots(1, len(metrics), figsize=(9 * len(metrics), 6), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        shown = [p for p in points if p.get(metric) is not None]
+        label, floor = axes_of[metric]
+        xy = [(p["fraction"] * 100, max(p[metric], floor)) for p in shown]
+        front = sorted(pareto_front(xy), key=lambda i: xy[i][0])
+        ax.step([xy[i][0] for i in front], [xy[i][1] for i in front], where="post", color="tab:green", alpha=0.6,
+                label="Pareto frontier (less damage for no more bytes)", zorder=1)
+        for i, (p, (x, y)) in enumerate(zip(shown, xy)):
+            color = "tab:red" if p.get("chosen") else ("tab:green" if i in front else "tab:gray")
+            ax.scatter(x, y, s=80 if p.get("chosen") else 28, marker="*" if p.get("chosen") else "o", color=color,
+                       zorder=2)
+            ax.annotate(f"{p['name']} [{', '.join(p['engines']) or 'none'}]", (x, y), fontsize=6, xytext=(4, 3),
+                        textcoords="offset points")
+        if budget is not None:
+            ax.axvline(budget * 100, color="tab:blue", ls="--", lw=1, label=f"budget {budget:.0%}")
+        ax.set_xlim(0, 1.1 * max([x for x, _ in xy] + [100 * (budget or 0)]))
+        ax.set(xlabel="KV bytes per token, % of the source in bf16", ylabel=label, yscale="log", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def format_kl(kl: float | None) -> str:
+    return "-" if kl is None else f"{kl:.4f}" if kl >= 1e-3 else f"{kl:.1e}"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| candidate | KV bytes/token | of bf16 | served by | KL | ppl | status |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        kl = format_kl(r.get("kl"))
+        ppl = f"{r['ppl']:.2f}" if r.get("ppl") is not None else "-"
+        lines.append(f"| {r['name']} | {r['bytes_per_token']} | {r['fraction']:.1%} | {', '.join(r['engines'])} | "
+                     f"{kl} | {ppl} | {r['status']} |")
+    return "\n".join(lines)
+
+
+def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, window_len: int,
+             calib_tokens: int, measure_dominated: bool, echo=click.echo) -> dict:
+    """Enumerate, filter, prune, measure, choose; writes plan.json, plan.png, plan.md and recipe.yaml to `out`."""
+    import yaml
+
+    from kvconvert.checkpoint import check_writable, read_config
+    from kvconvert.eval.report import _atomic_write
+    from kvconvert.sources import resolve_source
+
+    t0 = time.time()
+    windows, window_len = max(1, eval_tokens // window_len), min(window_len, eval_tokens)
+    src_path = Path(resolve_source(src))
+    everything = enumerate_candidates(read_config(src_path))
+    fitting = fits(everything, budget, target)
+    if not fitting:
+        smallest = min((c for c in everything if target == "any" or target in c.engines), key=lambda c: c.fraction)
+        raise KVConvertError(f"nothing {target} serves fits {budget:.1%} of the bf16 KV bytes: the smallest is "
+                             f"{smallest.name} at {smallest.fraction:.1%}; raise --kv-budget or use --target any")
+    survivors, pruned = prune(fitting)
+    to_measure = fitting if measure_dominated else survivors
+    echo(f"{len(everything)} candidates, {len(fitting)} fit {budget:.0%} and are served by {target}, "
+         f"{len(survivors)} not dominated: " + ", ".join(c.name for c in survivors))
+    check_writable(out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "artifacts"
+    echo(f"measuring {len(to_measure)} on {windows} x {window_len} essay tokens (KL to the source, bundled runtime)")
+    scorer = Scorer(src_path, windows, window_len)
+    results = {}
+    for c in sorted(to_measure, key=lambda c: (c.kind != "source", c.latent, c.kv_dtype)):
+        results[c.name] = measure(c, scorer, src_path, work, calib_tokens, echo)
+        echo(f"  {c.name}: KL {results[c.name].kl:.4f}, ppl {results[c.name].ppl:.2f} ({results[c.name].seconds} s)")
+    best = min(to_measure, key=lambda c: results[c.name].kl)
+    # with --measure-dominated: a pruned candidate measured better than what dominates it
+    contradicted = [f"{name} < {by}" for name, by in pruned.items()
+                    if name in results and results[name].kl < results[by].kl]
+    rows = []
+    for c in sorted(fitting, key=lambda c: -c.fraction):
+        status = "chosen" if c is best else (f"dominated by {pruned[c.name]}" if c.name in pruned else "measured")
+        m = asdict(results[c.name]) if c.name in results else {}
+        rows.append({**asdict(c), "name": c.name, "fraction": c.fraction, **m, "status": status, "chosen": c is best})
+    verdict = (f"don't convert, just quantize: the source with its KV cache in {best.kv_dtype}" if best.rank is None
+               else f"convert to MLA {best.rank}+{best.rope_dim} with its KV cache in {best.kv_dtype}")
+    plan = {"source": src, "budget": budget, "target": target, "chosen": best.name, "verdict": verdict,
+            "protocol": {"eval": f"essays, {windows} x {window_len} tokens", "engine": "kvconvert runtime, fp32 weights",
+                         "reference": "the source with a bf16 KV cache", "conversion": f"one-shot, {calib_tokens} "
+                         "calibration tokens", "kv_scales": "per-tensor amax of the calibration tokens, no rotation"},
+            "pruning_contradicted": contradicted, "seconds": round(time.time() - t0, 1), "rows": rows}
+    recipe = chosen_recipe(best, src, target, calib_tokens)
+    _atomic_write(out / "recipe.yaml", yaml.safe_dump(recipe, sort_keys=False))
+    plot_frontier([r for r in rows if r.get("kl") is not None], out / "plan.png",
+                  f"kvconvert plan: {src}, budget {budget:.0%}, target {target}", budget)
+    _atomic_write(out / "plan.md", f"{verdict}\n\n{table(rows)}\n")
+    _atomic_write(out / "plan.json", json.dumps({**plan, "recipe": recipe}, indent=1) + "\n")
+    echo(f"\n{table(rows)}\n\nChosen: {best.name} ({best.fraction:.1%} of the bf16 KV bytes, KL "
+         f"{results[best.name].kl:.4f}): {verdict}.\nRecipe: {out / 'recipe.yaml'} (kvconvert pipeline --recipe "
+         f"{out / 'recipe.yaml'} --out OUT)\nPicture: {out / 'plan.png'}\nTotal: {plan['seconds']:.0f} s")
+    return plan
+
+
+@click.command("plan")
+@click.option("--src", default="smollm2-135m", show_default=True, help="Source model (folder or built-in name).")
+@click.option("--kv-budget", "budget", required=True, help="KV bytes per token allowed, as a share of the source's "
+                                                           "bf16 cache: 25% or 0.25.")
+@click.option("--target", type=click.Choice(list(TARGETS)), default=DEFAULT_TARGET, show_default=True,
+              help="Engine that must serve the artifact (any: every candidate).")
+@click.option("--quality-eval-tokens", "eval_tokens", type=click.IntRange(min=64), default=2048, show_default=True,
+              help="Held-out essay tokens each survivor is scored on (windows of --window-len).")
+@click.option("--window-len", type=click.IntRange(min=64), default=512, show_default=True)
+@click.option("--calib-tokens", type=click.IntRange(min=512), default=2048, show_default=True,
+              help="Calibration tokens of each quick conversion and KV calibration.")
+@click.option("--measure-dominated", is_flag=True, help="Also measure the candidates the pruning rules drop.")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("out/plan"), show_default=True)
+def plan_cmd(src, budget, target, eval_tokens, window_len, calib_tokens, measure_dominated, out_dir):
+    """Pick the least-damage KV artifact that fits a byte budget: measured, with the recipe that builds it."""
+    run_plan(src, parse_budget(budget), target, out_dir, eval_tokens, window_len, calib_tokens, measure_dominated)

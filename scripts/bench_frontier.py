@@ -1,0 +1,227 @@
+#!/usr/bin/env python
+"""Quality per KV byte on SmolLM2-135M: KV bytes per token against KL and perplexity, every artifact
+kvconvert can build (the source or an MLA shape, x bf16 / fp8 / nvfp4, one-shot or healed), with the
+Pareto frontier marked and each point labelled with the engines that serve it.
+
+    python scripts/bench_frontier.py [--windows 32] [--shapes 256:64,160:32,64:32] [--calib-tokens 4096]
+
+Points measured here: the source with a bf16 cache, and one-shot MLA conversions (8192 calibration
+tokens, fp32) in bf16 and with calibrated fp8 / nvfp4 caches (calibrate's defaults on --calib-tokens
+tokens). Points taken from earlier benchmarks keep their file and protocol (docs JSON named in each
+row). Every KL is to the source with an fp32 cache, in transformers fp32 with the cache fake-quantized
+(kvconvert.quant.evaluate), on the essays (kvconvert.data.eval_windows); windows differ where stated.
+Bytes per token: kvconvert.kvmath, equal to what the bundled runtime allocates (tests/test_kv_bytes.py).
+
+Writes docs/bench_frontier.json, docs/img/frontier.png and the table between the frontier markers in
+docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+MARKERS = ("<!-- frontier:begin -->", "<!-- frontier:end -->")
+SMOLLM2 = "smollm2-135m"
+
+
+def candidates() -> dict:
+    """plan's candidates for SmolLM2 by name (bytes, fraction, engines)."""
+    from kvconvert.checkpoint import read_config
+    from kvconvert.plan import enumerate_candidates
+    from kvconvert.sources import resolve_source
+
+    return {c.name: c for c in enumerate_candidates(read_config(resolve_source(SMOLLM2)))}
+
+
+def point(cands: dict, name: str, kl, ppl, source_ppl, stage: str, provenance: str, protocol: str) -> dict:
+    """One point; source_ppl: the source's perplexity on the same windows (ppl increases compare across runs)."""
+    c = cands[name]
+    return {"name": f"{name} {stage}".strip(), "candidate": name, "stage": stage, "kv_dtype": c.kv_dtype,
+            "rank": c.rank, "rope_dim": c.rope_dim, "bytes_per_token": c.bytes_per_token, "fraction": c.fraction,
+            "engines": list(c.engines), "kl": kl, "ppl": ppl, "source_ppl": source_ppl,
+            "ppl_increase_pct": 100 * (ppl / source_ppl - 1),
+            "provenance": provenance, "protocol": protocol}
+
+
+def earlier_points(cands: dict) -> list[dict]:
+    """The points earlier benchmarks measured, with their files and protocols."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_mla import TRANSMLA
+
+    out = []
+    cal = json.loads((DOCS / "bench_calibrate.json").read_text())
+    proto = f"essays {cal['protocol']['windows']} x {cal['protocol']['window_len']}, calibrate defaults, " \
+            f"{cal['protocol']['calib_tokens']} tokens"
+    for row in cal["rows"]:
+        if row["config"].endswith("(default)"):
+            out.append(point(cands, f"source {row['kv_dtype']}", row["kl"], row["ppl"], cal["rows"][0]["ppl"], "",
+                             "bench_calibrate.json",
+                             proto))
+    heal_files = {"bench_heal_50pct.json": (160, 32), "bench_heal_33pct.json": (96, 32), "bench_heal.json": (64, 32),
+                  "bench_heal_12pct.json": (32, 16)}
+    for file, (rank, rope) in heal_files.items():
+        doc = json.loads((DOCS / file).read_text())
+        ((recipe, r),) = doc["recipes"].items()
+        proto = f"{doc['protocol']['eval']}, recipe {recipe} (CPU heal: {r['heal']['tokens'] / 1e3:.0f}K tokens)"
+        for stage, key in (("one-shot", "one-shot"), ("healed CPU", "healed")):
+            m = r["metrics"][key]
+            out.append(point(cands, f"MLA {rank}+{rope} bf16", m["kl_mean"], m["ppl"], r["metrics"]["source"]["ppl"],
+                             stage, file, proto))
+    gpu = json.loads((DOCS / "bench_heal_gpu.json").read_text())
+    for recipe, r in gpu["recipes"].items():
+        m = r["metrics"]["healed"]
+        out.append(point(cands, f"MLA {r['rank']}+{r['rope_dim']} bf16", m["kl_mean"], m["ppl"],
+                         r["metrics"]["source"]["ppl"], "healed GPU",
+                         "bench_heal_gpu.json", f"{gpu['protocol']['eval']}, recipe {recipe} (H100 heal: "
+                         f"{r['heal']['tokens'] / 1e6:.2f}M tokens)"))
+    for setting, values in TRANSMLA.items():
+        if setting != "source":
+            rank, rope = map(int, setting.split(":"))
+            out.append(point(cands, f"MLA {rank}+{rope} bf16", None, values[0], TRANSMLA["source"], "TransMLA one-shot",
+                             "bench_mla.py TRANSMLA (TransMLA @9c0d254, the MLA issue)",
+                             "essays 32 x 1024, TransMLA's own conversion (source ppl 24.68)"))
+    return out
+
+
+def measure(cands: dict, args, work: Path, save) -> list[dict]:
+    """Source bf16 cache, and one-shot MLA shapes in bf16 / fp8 / nvfp4, on args.windows x 1024;
+    save(points so far) after each group, so an interrupted run keeps what it measured."""
+    import torch
+
+    from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.data import eval_windows
+    from kvconvert.mla.convert import convert_to_mla
+    from kvconvert.mla.options import MLAOptions
+    from kvconvert.quant.capture import cache_hook, load_model
+    from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook, identity_hook
+    from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.options import CalibrateOptions
+    from kvconvert.quant.run import CalibrateJob, run_calibrate
+    from kvconvert.quant.scales import read_kv_scales
+    from kvconvert.sources import resolve_source
+
+    src = resolve_source(SMOLLM2)
+    from transformers import AutoTokenizer
+
+    windows = eval_windows(AutoTokenizer.from_pretrained(src), args.windows, 1024)
+    proto = f"essays {args.windows} x 1024"
+    reference = load_model(src)
+
+    def layout_of(path):
+        with CheckpointReader(path, verify=False) as r:
+            return detect_kv_layout(r.config, r.keys())
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    t0 = time.time()
+    bf16 = cache_hook(layout_of(src), lambda i, kind, x: x.to(torch.bfloat16).to(x.dtype))
+    res = evaluate_kv_quant(reference, {"source bf16": (reference, bf16)}, windows)
+    source_ppl = res["reference"].ppl
+    out = [point(cands, "source bf16", res["source bf16"].kl, res["source bf16"].ppl, source_ppl, "", "measured here",
+                 proto)]
+    log(f"source bf16: {out[-1]['kl']:.5f}")
+    save(out)
+    for setting in args.shapes.split(","):
+        rank, rope = map(int, setting.split(":"))
+        mla = work / f"mla-{rank}-{rope}"
+        convert_to_mla(src, mla, MLAOptions(rank=rank, rope_dim=rope, target="any", dtype="fp32",
+                                            calib_tokens=args.convert_tokens), overwrite=True, progress=False)
+        log(f"converted {setting}")
+        models = {f"MLA {rank}+{rope} bf16": (load_model(mla), identity_hook)}
+        for kv in ("fp8", "nvfp4"):
+            out_dir = work / f"mla-{rank}-{rope}-{kv}"
+            run_calibrate(CalibrateJob(src=str(mla), options=CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens),
+                                       out=out_dir, overwrite=True), echo=lambda m: None)
+            models[f"MLA {rank}+{rope} {kv}"] = (load_model(out_dir), fake_quant_hook(layout_of(out_dir),
+                                                                                    read_kv_scales(out_dir)))
+            log(f"calibrated {setting} {kv}")
+        res = evaluate_kv_quant(reference, models, windows)
+        for name in models:
+            out.append(point(cands, name, res[name].kl, res[name].ppl, source_ppl, "one-shot", "measured here",
+                             f"{proto}; conversion {args.convert_tokens} tokens" + ("" if name.endswith("bf16") else
+                                                                   f", calibrate defaults on {args.calib_tokens} tokens")))
+            log(f"{name}: KL {res[name].kl:.4f} ppl {res[name].ppl:.2f}")
+        del models
+        save(out)
+    return out
+
+
+def markdown(doc: dict) -> str:
+    from kvconvert.plan import format_kl
+
+    lines = [f"`{doc['command']}` ({doc['seconds']:.0f} s wall, {doc['threads']} thread, on the shared 2-core "
+             "machine). KL to the source (fp32 cache), transformers fp32 with the cache fake-quantized; "
+             "**frontier** = no other point has fewer or equal bytes and less damage (KL; TransMLA, which has no KL, "
+             "by perplexity increase over the source on the same windows). "
+             "Rows from earlier benchmarks keep their file and protocol.", "",
+             "| point | KV bytes/token | of bf16 | served by | KL | ppl (vs source on its windows) | frontier | source, protocol |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in sorted(doc["points"], key=lambda p: (-p["fraction"], p["kl"] if p["kl"] is not None else 9)):
+        kl = format_kl(p["kl"])
+        lines.append(f"| {p['name']} | {p['bytes_per_token']} | {p['fraction']:.1%} | {', '.join(p['engines'])} | "
+                     f"{kl} | {p['ppl']:.2f} ({p['ppl_increase_pct']:+.1f}%) | {'**yes**' if p['on_front'] else ''} | {p['provenance']}: "
+                     f"{p['protocol']} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--windows", type=int, default=32, help="essay windows of 1024 tokens for the points measured here")
+    ap.add_argument("--shapes", default="256:64,160:32,64:32", help="one-shot MLA shapes measured here")
+    ap.add_argument("--convert-tokens", type=int, default=8192, help="calibration tokens of the MLA conversions")
+    ap.add_argument("--calib-tokens", type=int, default=4096, help="KV calibration tokens of the MLA points")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-measure", action="store_true", help="only re-render from docs/bench_frontier.json")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    cands = candidates()
+    earlier = earlier_points(cands)
+    if args.skip_measure:  # the points measured here, with the earlier ones read afresh from their files
+        doc = json.loads((DOCS / "bench_frontier.json").read_text())
+        return write({**doc, "points": [p for p in doc["points"] if p["provenance"] == "measured here"] + earlier})
+    command = "python scripts/bench_frontier.py " + " ".join(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
+        measure(cands, args, Path(tmp), lambda measured: write(
+            {"command": command, "threads": args.threads, "seconds": time.time() - t0, "points": measured + earlier}))
+
+
+def write(doc: dict) -> None:
+    """bench_frontier.json, img/frontier.png and the BENCHMARKS.md table from doc's points."""
+    from kvconvert.plan import pareto_front, plot_frontier
+
+    points = doc["points"]
+    here = next(p for p in points if p["name"] == "source bf16")
+    for p in points:  # runs before source_ppl was recorded: the bf16-cache source on the same windows (KL 4e-5)
+        p.setdefault("source_ppl", here["ppl"])
+        p["ppl_increase_pct"] = 100 * (p["ppl"] / p["source_ppl"] - 1)
+    with_kl = [p for p in points if p["kl"] is not None]
+    kl_front = {id(with_kl[i]) for i in pareto_front([(p["fraction"], p["kl"]) for p in with_kl])}
+    ppl_front = {id(points[i]) for i in pareto_front([(p["fraction"], p["ppl_increase_pct"]) for p in points])}
+    for p in points:  # TransMLA has perplexities only: its points are placed by perplexity
+        p["on_front"] = id(p) in (kl_front if p["kl"] is not None else ppl_front)
+    (DOCS / "bench_frontier.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (DOCS / "img").mkdir(exist_ok=True)
+    plot_frontier(points, DOCS / "img" / "frontier.png", "SmolLM2-135M: damage per KV byte", metrics=("kl", "ppl_increase_pct"))
+    table = markdown(doc)
+    bench = DOCS / "BENCHMARKS.md"
+    text = bench.read_text()
+    pattern = re.compile(re.escape(MARKERS[0]) + ".*?" + re.escape(MARKERS[1]), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{bench}: add the markers {MARKERS} where the table goes")
+    bench.write_text(pattern.sub(lambda _: f"{MARKERS[0]}\n{table}\n{MARKERS[1]}", text))
+    print(table, flush=True)
+
+if __name__ == "__main__":
+    main()

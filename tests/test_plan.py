@@ -1,0 +1,129 @@
+"""kvconvert plan: candidates, budget fitting, target filtering, pruning, the recipe written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvconvert.errors import KVConvertError
+from kvconvert.plan import (chosen_recipe, enumerate_candidates, fits, mla_shapes, pareto_front, parse_budget,
+                            prune, run_plan)
+from kvconvert.kvmath import kv_shape
+
+# SmolLM2-135M's attention: 30 layers, 9 query heads, 3 KV heads of 64 -> 23040 bf16 bytes per token
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+
+
+def by_name(candidates):
+    return {c.name: c for c in candidates}
+
+
+def test_candidates_count_bytes_and_engines():
+    c = by_name(enumerate_candidates(SMOLLM2))
+    assert c["source bf16"].bytes_per_token == 23040
+    assert c["source fp8"].fraction == 0.5
+    assert c["source nvfp4"].fraction == pytest.approx(36 / 128)  # 32 bytes of codes + 4 block scales per 64 values
+    assert c["source nvfp4"].engines == ("tensorrt-llm", "kvconvert")  # vLLM has no static NVFP4 KV scheme
+    assert c["MLA 256+64 fp8"].fraction == pytest.approx(320 / 768)
+    assert c["MLA 256+64 fp8"].engines == ("vllm", "kvconvert")
+    assert c["MLA 256+64 nvfp4"].engines == ("kvconvert",)  # vLLM refuses NVFP4 with MLA
+    # 4-bit MLA keeps k_rope in 16 bits: 128 + 8 bytes of latent, 128 of k_rope, per layer
+    assert c["MLA 256+64 nvfp4"].bytes_per_token == 30 * (128 + 16 + 128)
+    assert c["MLA 160+32 bf16"].fraction == 0.5 and c["MLA 160+32 bf16"].engines == ("kvconvert",)
+    assert "MLA 312+8 nvfp4" not in c and "MLA 312+8 fp8" in c  # NVFP4 needs the rank in whole groups of 16
+
+
+def test_research_shapes_include_the_benchmarked_ones_and_stay_below_the_source_width():
+    shapes = mla_shapes(kv_shape(SMOLLM2))
+    assert {(160, 32), (96, 32), (64, 32), (32, 16), (256, 64)} <= set(shapes)
+    assert all(r + p < 384 for r, p in shapes)
+
+
+def test_budget_and_target_filter():
+    everything = enumerate_candidates(SMOLLM2)
+    vllm = by_name(fits(everything, 0.5, "vllm"))
+    assert set(vllm) == {"source fp8", "MLA 256+64 fp8", "MLA 288+32 fp8", "MLA 304+16 fp8", "MLA 312+8 fp8"}
+    trt = by_name(fits(everything, 0.5, "tensorrt-llm"))
+    assert set(trt) == {"source fp8", "source nvfp4"}  # no 512 + 64 latent fits SmolLM2's 384 K+V values
+    assert "MLA 160+32 bf16" in by_name(fits(everything, 0.5, "kvconvert"))
+    assert all(c.fraction <= 0.25 for c in fits(everything, 0.25, "any"))
+    with pytest.raises(KVConvertError, match="--target"):
+        fits(everything, 0.5, "sglang")
+
+
+def test_pruning_keeps_only_what_no_candidate_beats_by_construction():
+    survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.5, "vllm"))
+    assert [c.name for c in survivors] == ["source fp8"]  # don't convert, just quantize
+    assert set(pruned.values()) == {"source fp8"}
+    survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.25, "any"))
+    assert pruned["MLA 192+32 nvfp4"] == "MLA 224+32 nvfp4"  # a survivor, not the next shape up
+    # no source format fits 25% (nvfp4 is 28.1%); per format the MLA shapes no larger shape contains
+    assert {c.name for c in survivors} == {"MLA 64+32 bf16", "MLA 160+32 fp8", "MLA 224+32 nvfp4"}
+    survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.5, "any"))
+    assert {c.name for c in survivors} == {"source fp8", "MLA 160+32 bf16"}
+    assert pruned["source nvfp4"] == "source fp8"
+
+
+def test_pareto_front():
+    assert pareto_front([(1, 1), (2, 0.5), (2, 2), (3, 0.5), (0.5, 3)]) == [0, 1, 4]
+    assert pareto_front([(1, 1), (1, 1)]) == [0]
+
+
+@pytest.mark.parametrize("text, value", [("25%", 0.25), ("0.5", 0.5), (" 100% ", 1.0)])
+def test_parse_budget(text, value):
+    assert parse_budget(text) == value
+
+
+@pytest.mark.parametrize("text", ["0", "150%", "a lot", "-5%"])
+def test_parse_budget_refuses(text):
+    with pytest.raises(KVConvertError, match="--kv-budget"):
+        parse_budget(text)
+
+
+def test_recipes_written_run_in_the_pipeline(tmp_path):
+    import yaml
+
+    from kvconvert.pipeline import recipe_stages
+    from kvconvert.recipe import load_recipe
+
+    c = by_name(enumerate_candidates(SMOLLM2))
+    for name, stages_expected in (("source fp8", ["calibrate"]), ("MLA 256+64 fp8", ["convert", "calibrate"]),
+                                  ("MLA 160+32 bf16", ["convert"])):
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(chosen_recipe(c[name], "smollm2-135m", "vllm", 2048)))
+        recipe = load_recipe(path)
+        stages, kv_dtype, _ = recipe_stages(recipe, path, "smollm2-135m", tmp_path / "out")
+        assert [s for s, _ in stages] == stages_expected
+        assert kv_dtype == ("auto" if name.endswith("bf16") else "fp8")
+        if recipe.convert is not None:  # vLLM serves 256 + 64; 160 + 32 only the runtime
+            assert recipe.convert.target == ("vllm" if name.startswith("MLA 256") else "any")
+
+
+def test_already_mla_source_is_refused():
+    mla = {**SMOLLM2, "kv_lora_rank": 160, "qk_rope_head_dim": 32}
+    with pytest.raises(KVConvertError, match="already MLA"):
+        enumerate_candidates(mla)
+
+
+@pytest.mark.slow
+def test_nothing_fits_says_the_smallest(tmp_path):
+    with pytest.raises(KVConvertError, match=r"smallest is MLA 256\+64 fp8 at 41\.7%"):
+        run_plan("smollm2-135m", 0.3, "vllm", tmp_path, 256, 128, 512, False, echo=lambda m: None)
+    assert not (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.slow
+def test_plan_end_to_end_on_smollm2(tmp_path):
+    from kvconvert.recipe import load_recipe
+
+    run_plan("smollm2-135m", 0.5, "any", tmp_path, 256, 128, 512, False, echo=lambda m: None)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    rows = {r["name"]: r for r in plan["rows"]}
+    measured = {name for name, r in rows.items() if r.get("kl") is not None}
+    assert measured == {"source fp8", "MLA 160+32 bf16"}  # the survivors only
+    assert plan["chosen"] == "source fp8" and plan["verdict"].startswith("don't convert, just quantize")
+    assert rows["source fp8"]["kl"] < rows["MLA 160+32 bf16"]["kl"]
+    assert rows["source nvfp4"]["status"] == "dominated by source fp8"
+    assert load_recipe(tmp_path / "recipe.yaml").calibrate.kv_dtype == "fp8"
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
