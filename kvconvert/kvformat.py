@@ -49,6 +49,7 @@ class KVFormat:
     compressed_tensors: bool = False  # config.json gets a compressed-tensors kv_cache_scheme (vLLM)
     modelopt_algo: str | None = None  # hf_quant_config.json kv_cache_quant_algo (ModelOpt / TensorRT-LLM)
     engines: tuple[str, ...] = ()  # kvconvert.targets names that serve it; () = planning only
+    mla_engines: tuple[str, ...] | None = None  # those that serve it for an MLA latent (None: as `engines`)
     vllm_cache_dtype: str | None = None  # vLLM's kv_cache_dtype for it ("auto": the model's dtype)
     aliases: tuple[str, ...] = ()
 
@@ -73,6 +74,10 @@ class KVFormat:
             return "-"
         nvfp4 = f"; NVFP4 global scale = scale / {E2M1_MAX:g}" if self.block_scale == "e4m3" else ""
         return f"amax / {self.amax_divisor:g}{nvfp4}"
+
+    def served_by(self, mla: bool = False) -> tuple[str, ...]:
+        """Engines that serve this cache format, for an MLA latent or for per-head K/V."""
+        return self.mla_engines if mla and self.mla_engines is not None else self.engines
 
     def scale_from_amax(self, amax):
         """Exported kv scale for an amax (float or tensor): amax / amax_divisor."""
@@ -104,7 +109,8 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     # vLLM: GQA NVFP4 KV on SM100 only, refused for MLA; compressed-tensors has no static NVFP4 scheme
     KVFormat("nvfp4", "NVFP4", 4, block=NVFP4_BLOCK, block_scale="e4m3", block_scale_bytes=1,
              mla_rope_16bit=True, kernel_mode="nvfp4", exports=("modelopt",), modelopt_algo="NVFP4",
-             engines=("tensorrt-llm", _RUNTIME), **_E4M3_SCALED),
+             engines=("tensorrt-llm", _RUNTIME), mla_engines=(_RUNTIME,),  # TRT-LLM MLA + NVFP4: not verified
+             **_E4M3_SCALED),
     # planning only (`kvconvert budget`): int8 with per-tensor scales; our int4 convention, symmetric
     # 4-bit integers with one fp16 scale per 32 values (0.5625 bytes/value, as NVFP4)
     KVFormat("int8", "int8", 8, True),

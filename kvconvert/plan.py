@@ -29,20 +29,12 @@ from pathlib import Path
 import click
 
 from kvconvert.errors import KVConvertError
-from kvconvert.kvmath import KV_FORMATS, MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
+from kvconvert.kvformat import kv_format
+from kvconvert.kvmath import MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
 from kvconvert.targets import DEFAULT_TARGET, TARGETS, get_target, rope_dims_for, servable_shapes
 
 FORMATS = ("bf16", "fp8", "nvfp4")  # finest first
 ENGINES = ("vllm", "tensorrt-llm", "kvconvert")
-# Engines that serve a KV format with the scales kvconvert writes, per cache kind (docs/engines.md):
-# vLLM reads no static NVFP4 KV scheme and refuses NVFP4 with MLA; TensorRT-LLM reads ModelOpt's
-# NVFP4 for GQA (read in source; MLA + NVFP4 not verified); the bundled runtime serves all.
-FORMAT_ENGINES = {
-    ("source", "bf16"): ENGINES, ("source", "fp8"): ENGINES, ("source", "nvfp4"): ("tensorrt-llm", "kvconvert"),
-    ("mla", "bf16"): ENGINES, ("mla", "fp8"): ENGINES, ("mla", "nvfp4"): ("kvconvert",),
-}
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One artifact: the source's attention (rank None) or an MLA shape, with its KV format."""
@@ -115,11 +107,11 @@ def enumerate_candidates(config: dict) -> list[Candidate]:
     for rank, rope in [(None, None), *mla_shapes(shape)]:
         cached = shape if rank is None else mla_whatif(shape, rank, rope)
         for fmt in FORMATS:
-            group = KV_FORMATS[fmt].group_size  # NVFP4 quantizes whole groups of 16: rank (MLA) or head_dim
+            group = kv_format(fmt).block  # NVFP4 quantizes whole groups of 16: rank (MLA) or head_dim
             if group and (shape.head_dim if rank is None else rank) % group:
                 continue
             kind = "source" if rank is None else "mla"
-            engines = tuple(e for e in shape_engines(rank, rope) if e in FORMAT_ENGINES[kind, fmt])
+            engines = tuple(e for e in shape_engines(rank, rope) if e in kv_format(fmt).served_by(mla=kind == "mla"))
             out.append(Candidate(fmt, kv_bytes_per_token(cached, fmt), baseline, engines, rank, rope))
     return out
 
@@ -313,7 +305,7 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
     import yaml
 
     from kvconvert.checkpoint import check_writable, read_config
-    from kvconvert.eval.report import _atomic_write
+    from kvconvert.checkpoint import atomic_write_text
     from kvconvert.sources import resolve_source
 
     t0 = time.time()
@@ -355,11 +347,11 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
                          "calibration tokens", "kv_scales": "per-tensor amax of the calibration tokens, no rotation"},
             "pruning_contradicted": contradicted, "seconds": round(time.time() - t0, 1), "rows": rows}
     recipe = chosen_recipe(best, src, target, calib_tokens)
-    _atomic_write(out / "recipe.yaml", yaml.safe_dump(recipe, sort_keys=False))
+    atomic_write_text(out / "recipe.yaml", yaml.safe_dump(recipe, sort_keys=False))
     plot_frontier([r for r in rows if r.get("kl") is not None], out / "plan.png",
                   f"kvconvert plan: {src}, budget {budget:.0%}, target {target}", budget)
-    _atomic_write(out / "plan.md", f"{verdict}\n\n{table(rows)}\n")
-    _atomic_write(out / "plan.json", json.dumps({**plan, "recipe": recipe}, indent=1) + "\n")
+    atomic_write_text(out / "plan.md", f"{verdict}\n\n{table(rows)}\n")
+    atomic_write_text(out / "plan.json", json.dumps({**plan, "recipe": recipe}, indent=1) + "\n")
     echo(f"\n{table(rows)}\n\nChosen: {best.name} ({best.fraction:.1%} of the bf16 KV bytes, KL "
          f"{results[best.name].kl:.4f}): {verdict}.\nRecipe: {out / 'recipe.yaml'} (kvconvert pipeline --recipe "
          f"{out / 'recipe.yaml'} --out OUT)\nPicture: {out / 'plan.png'}\nTotal: {plan['seconds']:.0f} s")

@@ -31,6 +31,22 @@ TOKENIZER_FILES = (
 DEFAULT_SHARD_BYTES = 512 * 2**20  # small shards keep peak memory low while streaming
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small text file (report, progress, recipe) whole or not at all: a temp file beside it, then rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def atomic_save_tensors(tensors: dict, path: Path) -> None:
+    """save_file to a temp file beside `path`, then rename: a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
 def sha256_file(path: Path, chunk: int = 2**22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -196,8 +196,9 @@ def markdown_section(report: dict) -> list[str]:
 
 def write_with_vllm(report: dict, out: Path) -> None:
     """Rewrite report.json / report.md with the vLLM section added."""
-    from kvconvert.eval.report import _atomic_write, write_report
+    from kvconvert.checkpoint import atomic_write_text
+    from kvconvert.eval.report import write_report
 
     write_report(report, out)
     md = Path(out) / "report.md"
-    _atomic_write(md, md.read_text(encoding="utf-8").rstrip("\n") + "\n" + "\n".join(markdown_section(report)))
+    atomic_write_text(md, md.read_text(encoding="utf-8").rstrip("\n") + "\n" + "\n".join(markdown_section(report)))

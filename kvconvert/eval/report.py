@@ -95,22 +95,16 @@ def build_report(header: dict, samples: dict[str, list[dict]]) -> dict:
 
 # --------------------------------------------------------------------------- files
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_report(report: dict, out: Path) -> list[Path]:
     """report.json, report.md and the charts into `out`; returns the paths written."""
     out = Path(out)
     written = [out / "report.json"]
-    _atomic_write(written[0], json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    atomic_write_text(written[0], json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     from kvconvert.eval.plots import write_plots
 
     charts = write_plots(report, out)
     written.append(out / "report.md")
-    _atomic_write(written[-1], render_markdown(report, [p.name for p in charts]))
+    atomic_write_text(written[-1], render_markdown(report, [p.name for p in charts]))
     return written + charts
 
 

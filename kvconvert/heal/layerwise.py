@@ -256,10 +256,10 @@ class LayerwiseState:
 
     def save_layer(self, i: int, w: dict, report: dict, h_t, h_s) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        _atomic_save({k: v.contiguous().cpu() for k, v in w.items()}, self.folder / f"layer_{i:05d}.safetensors")
-        _atomic_save({"h_t": h_t.contiguous().cpu(), "h_s": h_s.contiguous().cpu()}, self.folder / "stream.safetensors")
+        atomic_save_tensors({k: v.contiguous().cpu() for k, v in w.items()}, self.folder / f"layer_{i:05d}.safetensors")
+        atomic_save_tensors({"h_t": h_t.contiguous().cpu(), "h_s": h_s.contiguous().cpu()}, self.folder / "stream.safetensors")
         reports = self.reports()[:i] + [report]
-        _atomic_write(self.folder / "progress.json",
+        atomic_write_text(self.folder / "progress.json",
                       json.dumps({"done": i + 1, "fingerprint": self.fingerprint, "reports": reports}))
 
     def reports(self) -> list:
@@ -272,18 +272,6 @@ class LayerwiseState:
     def load_stream(self):
         s = load_file(str(self.folder / "stream.safetensors"))
         return s["h_t"], s["h_s"]
-
-
-def _atomic_save(tensors: dict, path: Path) -> None:
-    tmp = path.with_suffix(".partial")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: torch.Tensor, stage: LayerwiseStage,
