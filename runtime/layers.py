@@ -17,8 +17,8 @@ class Decoder:
     fp32 position * inv_freq, cos/sin, times the attention factor.
 
     Weights are mapped in `dtype` (views of the files when it is the stored dtype) and, for another
-    device, copied there one tensor at a time: the model is never materialized in host memory
-    (on the CPU they stay views of the files)."""
+    device, copied there one tensor at a time, each tensor's mapped pages dropped after its copy:
+    the model is never resident in host memory (on the CPU they stay views of the files)."""
 
     def __init__(self, reader, shape, attention_cls, dtype: torch.dtype, max_positions: int | None,
                  device: torch.device | str = "cpu"):
@@ -27,15 +27,19 @@ class Decoder:
         positions = torch.arange(max_positions or shape.max_position_embeddings)
         # [positions, rope dim / 2], computed on the CPU (the same table on every device)
         self.cos, self.sin = (t.to(self.device) for t in shape.rope.cos_sin(positions, dtype))
-        self.embed = self._weight(reader, "model.embed_tokens.weight")
-        self.norm = self._weight(reader, "model.norm.weight")
+        self.embed, self.norm = (self._weight(reader, n) for n in ("model.embed_tokens.weight", "model.norm.weight"))
         self.lm_head = self._weight(reader, "lm_head.weight") if "lm_head.weight" in reader else self.embed  # tied
-        self.layers = [DecoderLayer.of({k: v.to(self.device) for k, v in short_names(
-            reader.tensors(f"model.layers.{i}.", dtype, mapped=True)).items()}, attention_cls, shape.hidden_act)
-            for i in range(shape.layers)]
+        self.layers = [DecoderLayer.of(short_names({k: self._weight(reader, k) for k in reader.keys()
+                                                    if k.startswith(f"model.layers.{i}.")}),
+                                       attention_cls, shape.hidden_act) for i in range(shape.layers)]
 
     def _weight(self, reader, name: str) -> torch.Tensor:
-        return reader.mapped(name, self.dtype).to(self.device)
+        """One tensor in self.dtype on self.device: on the CPU a view of the mapped file; elsewhere
+        a copy, after which the mapped pages are dropped."""
+        tensor = reader.mapped(name, self.dtype).to(self.device)
+        if self.device.type != "cpu":
+            reader.drop_pages(name)
+        return tensor
 
     def kv_layout(self):
         return self.layout_from_config(self.config)
