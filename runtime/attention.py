@@ -12,6 +12,7 @@ sit at positions ctx - q_len .. ctx - 1 and attend causally to positions 0 .. th
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,15 +23,15 @@ from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
 
 
-def causal_mask(query_len: int, context_len: int) -> torch.Tensor:
+def causal_mask(query_len: int, context_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[query_len, context_len] bool: query i (position ctx - q_len + i) sees keys 0..its position."""
-    q_pos = torch.arange(context_len - query_len, context_len)
-    return torch.arange(context_len)[None, :] <= q_pos[:, None]
+    q_pos = torch.arange(context_len - query_len, context_len, device=device)
+    return torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
 
 
-def _length_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
+def length_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
     """[B, width] bool: key j of sequence b is valid if j < context_lens[b]."""
-    return torch.arange(width)[None, :] < context_lens[:, None]
+    return torch.arange(width, device=context_lens.device)[None, :] < context_lens[:, None]
 
 
 @dataclass
@@ -51,16 +52,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks] long (padded with block 0)
     decode_context_lens: torch.Tensor  # [num_decode] long
     prefills: list[PrefillChunk]
-    # derived: longest decode context, and [num_decode, 1, 1, decode_max_len] bool key-valid mask
-    # (None when every decode sequence has that length: nothing to mask)
+    # longest decode context, and [num_decode, 1, 1, decode_max_len] bool key-valid mask (None when
+    # every decode sequence has that length: nothing to mask); the runner derives both from its
+    # host-side lengths, so no step waits on a device read
     decode_max_len: int = 0
     decode_mask: torch.Tensor | None = None
-
-    def __post_init__(self):
-        if self.num_decode:
-            self.decode_max_len = int(self.decode_context_lens.max())
-            if bool((self.decode_context_lens != self.decode_max_len).any()):
-                self.decode_mask = _length_mask(self.decode_context_lens, self.decode_max_len)[:, None, None, :]
 
 
 class TorchAttention:
@@ -73,8 +69,8 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self):
-        self.workspace = Workspace()
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.workspace = Workspace(device)
 
     # ---------------------------------------------------------------- cache access
     def write(self, store: KVStore, x: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -157,7 +153,7 @@ def _sdpa(q, k, v, query_len, context_len, scale):
     gqa = k.shape[1] != q.shape[1]
     if query_len == context_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    mask = causal_mask(query_len, context_len)
+    mask = causal_mask(query_len, context_len, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
@@ -170,7 +166,7 @@ class TritonAttention(TorchAttention):
 
     name = "triton"
 
-    def __init__(self, kv_dtype: str):
+    def __init__(self, kv_dtype: str, device: torch.device | str = "cpu"):
         if kv_format(kv_dtype).kernel_mode is None:  # fp8_e5m2
             raise KVConvertError("the Triton kernels read fp8 e4m3 caches only; use kv_dtype fp8 or --backend torch")
         try:
@@ -183,10 +179,16 @@ class TritonAttention(TorchAttention):
         missing = [f for f in ("paged_gqa_decode", "paged_mla_decode", "kv_append") if not hasattr(kernels, f)]
         if missing:
             raise KVConvertError(f"kvconvert.kernels.attention lacks {', '.join(missing)}; use --backend torch")
-        from kvconvert.kernels._triton_compat import require_triton
+        from kvconvert.kernels._triton_compat import interpreter_enabled, require_triton
 
         require_triton()
-        super().__init__()
+        if torch.device(device).type == "cpu" and not interpreter_enabled():
+            raise KVConvertError("attention backend 'triton' on the CPU runs only in Triton's interpreter: set "
+                                 "TRITON_INTERPRET=1 (slow; for tests), use --device cuda, or --backend torch")
+        if torch.device(device).type == "cuda" and interpreter_enabled():
+            warnings.warn("TRITON_INTERPRET=1 with --device cuda: the Triton kernels run in the interpreter, not "
+                          "compiled (slow); unset TRITON_INTERPRET for GPU speed", stacklevel=3)
+        super().__init__(device)
         self.kernels, self.layouts = kernels, cache_layout
 
     def write(self, store: KVStore, x: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -227,9 +229,9 @@ class TritonAttention(TorchAttention):
         return MLA("none", latent_dim, rope_dim, store.data)
 
 
-def make_attention(name: str, kv_dtype: str = "bf16"):
+def make_attention(name: str, kv_dtype: str = "bf16", device: torch.device | str = "cpu"):
     if name == "torch":
-        return TorchAttention()
+        return TorchAttention(device)
     if name == "triton":
-        return TritonAttention(kv_dtype)
+        return TritonAttention(kv_dtype, device)
     raise KVConvertError(f"attention backend {name!r} is unknown; choose torch or triton")

@@ -45,9 +45,11 @@ def parse_size(text: str | None) -> int | None:
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
               help="Weights/activations: auto = as stored (bf16 checkpoints stay bf16, mapped from the files).")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the weights, KV cache and kernels run: auto (cuda when a GPU is visible), cpu, cuda[:N].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, timing) instead.")
 def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature, top_p, seed, kv_dtype, kv_scales,
-                 backend, kv_memory, block_size, dtype, as_json):
+                 backend, kv_memory, block_size, dtype, device, as_json):
     """Generate text with the bundled paged-KV runtime (Llama and DeepSeek-V3 MLA checkpoints)."""
     from kvconvert.runtime import LLM, SamplingParams
 
@@ -62,7 +64,8 @@ def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature
     path = resolve_source(model)
     check_checkpoint(path)  # unsupported config, missing tensors, NaN/inf weights: refuse before generating
     llm = LLM(path, kv_dtype=kv_dtype, kv_scales=kv_scales, attention_backend=backend,
-              kv_memory=parse_size(kv_memory), block_size=block_size, max_num_seqs=1, dtype=dtype)
+              kv_memory=parse_size(kv_memory), block_size=block_size, max_num_seqs=1, dtype=dtype,
+              device=device)
     tokenizer = llm.tokenizer
     load_s = time.perf_counter() - t0
     output = _run(llm, prompt, params, tokenizer, stream=not as_json)
@@ -126,6 +129,7 @@ def _summary(llm, output, tokenizer, load_s: float) -> dict:
         "dtype": str(llm.dtype).removeprefix("torch."),
         "kv_bytes_per_token": llm.kv_bytes_per_token,
         "backend": llm.config.attention_backend,
+        "device": str(llm.device),
         "timing": {
             "load_s": round(load_s, 4),
             "time_to_first_token_s": None if ttft is None else round(ttft, 4),

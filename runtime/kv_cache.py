@@ -50,14 +50,15 @@ class Workspace:
     valid until the next get() of the same key, so callers consume it before asking again.
     """
 
-    def __init__(self):
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape)
         buf = self._buffers.get((name, dtype))
         if buf is None or buf.numel() < n:
-            buf = torch.empty(n, dtype=dtype)
+            buf = torch.empty(n, dtype=dtype, device=self.device)
             self._buffers[(name, dtype)] = buf
         return buf[:n].view(shape)
 
@@ -81,9 +82,13 @@ class KVStore(ABC):
     slots; gather reads blocks back, dequantized.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, spec: CacheSpec):
-        self.num_blocks, self.block_size, self.spec = num_blocks, block_size, spec
+    def __init__(self, num_blocks: int, block_size: int, spec: CacheSpec, device: torch.device):
+        self.num_blocks, self.block_size, self.spec, self.device = num_blocks, block_size, spec, device
         self.row_shape = spec.row_shape
+
+    def _zeros(self, *row: int, dtype: torch.dtype) -> torch.Tensor:
+        """A storage tensor [num_blocks, block_size, *row] on the cache's device."""
+        return torch.zeros(self.num_blocks, self.block_size, *row, dtype=dtype, device=self.device)
 
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
@@ -110,7 +115,7 @@ class KVStore(ABC):
         (any float dtype and strides, e.g. a transposed view of a heads-first buffer); returns out."""
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+        s, d = (torch.tensor(i, dtype=torch.long, device=self.device) for i in (src, dst))
         for t in self.tensors():
             t[d] = t[s]
 
@@ -128,9 +133,9 @@ class KVStore(ABC):
 
 
 class FloatStore(KVStore):
-    def __init__(self, num_blocks, block_size, spec, dtype: torch.dtype):
-        super().__init__(num_blocks, block_size, spec)
-        self.data = torch.zeros(num_blocks, block_size, *spec.row_shape, dtype=dtype)
+    def __init__(self, num_blocks, block_size, spec, device, dtype: torch.dtype):
+        super().__init__(num_blocks, block_size, spec, device)
+        self.data = self._zeros(*spec.row_shape, dtype=dtype)
 
     def tensors(self):
         return [self.data]
@@ -146,9 +151,11 @@ class ScaledStore(KVStore):
     """A quantized store with a kv_scale (fmt.scale_from_amax): from the checkpoint, or, when
     dynamic, from the amax of the first tensor written (per tensor)."""
 
-    def __init__(self, num_blocks, block_size, spec, fmt: KVFormat, kv_scale: torch.Tensor | None, dynamic: bool):
-        super().__init__(num_blocks, block_size, spec)
-        self.fmt, self.kv_scale, self.dynamic = fmt, kv_scale, dynamic
+    def __init__(self, num_blocks, block_size, spec, device, fmt: KVFormat, kv_scale: torch.Tensor | None,
+                 dynamic: bool):
+        super().__init__(num_blocks, block_size, spec, device)
+        self.fmt, self.dynamic = fmt, dynamic
+        self.kv_scale = None if kv_scale is None else kv_scale.to(device)
 
     def _ensure_scale(self, x: torch.Tensor) -> None:
         if self.kv_scale is not None:
@@ -159,13 +166,14 @@ class ScaledStore(KVStore):
         if not math.isfinite(amax):
             raise KVConvertError("non-finite K/V values in the first prefill: cannot derive a dynamic KV scale")
         # an all-zero tensor leaves any positive scale exact; use 1.0
-        self.kv_scale = torch.tensor(self.fmt.scale_from_amax(amax) if amax > 0 else 1.0, dtype=torch.float32)
+        self.kv_scale = torch.tensor(self.fmt.scale_from_amax(amax) if amax > 0 else 1.0, dtype=torch.float32,
+                                     device=self.device)
 
 
 class FP8Store(ScaledStore):
-    def __init__(self, num_blocks, block_size, spec, fmt, kv_scale, dynamic):
-        super().__init__(num_blocks, block_size, spec, fmt, kv_scale, dynamic)
-        self.data = torch.zeros(num_blocks, block_size, *spec.row_shape, dtype=getattr(torch, fmt.torch_dtype))
+    def __init__(self, num_blocks, block_size, spec, device, fmt, kv_scale, dynamic):
+        super().__init__(num_blocks, block_size, spec, device, fmt, kv_scale, dynamic)
+        self.data = self._zeros(*spec.row_shape, dtype=getattr(torch, fmt.torch_dtype))
 
     def tensors(self):
         return [self.data]
@@ -182,8 +190,8 @@ class FP8Store(ScaledStore):
 class NVFP4Store(ScaledStore):
     """NVFP4 over the row (minus a bf16 RoPE tail, if the spec has one)."""
 
-    def __init__(self, num_blocks, block_size, spec, fmt, kv_scale, dynamic):
-        super().__init__(num_blocks, block_size, spec, fmt, kv_scale, dynamic)
+    def __init__(self, num_blocks, block_size, spec, device, fmt, kv_scale, dynamic):
+        super().__init__(num_blocks, block_size, spec, device, fmt, kv_scale, dynamic)
         *lead, width = spec.row_shape
         d = width - spec.rope_tail
         if d % 16:
@@ -192,9 +200,9 @@ class NVFP4Store(ScaledStore):
                 f"got {d}; use fp8 instead"
             )
         self.quantized_width = d
-        self.packed = torch.zeros(num_blocks, block_size, *lead, d // 2, dtype=torch.uint8)
-        self.block_scales = torch.zeros(num_blocks, block_size, *lead, d // 16, dtype=torch.float8_e4m3fn)
-        self.rope = torch.zeros(num_blocks, block_size, spec.rope_tail, dtype=torch.bfloat16) if spec.rope_tail else None
+        self.packed = self._zeros(*lead, d // 2, dtype=torch.uint8)
+        self.block_scales = self._zeros(*lead, d // 16, dtype=torch.float8_e4m3fn)
+        self.rope = self._zeros(spec.rope_tail, dtype=torch.bfloat16) if spec.rope_tail else None
 
     def tensors(self):
         return [self.packed, self.block_scales] + ([self.rope] if self.rope is not None else [])
@@ -223,14 +231,14 @@ class NVFP4Store(ScaledStore):
 
 
 def make_store(kv_dtype: str, num_blocks: int, block_size: int, spec: CacheSpec, kv_scale=None,
-               dynamic: bool = False) -> KVStore:
+               dynamic: bool = False, device: torch.device | str = "cpu") -> KVStore:
     if kv_dtype not in RUNTIME_KV_DTYPES:
         raise KVConvertError(f"kv_dtype {kv_dtype!r} is not supported; choose one of {', '.join(RUNTIME_KV_DTYPES)}")
-    fmt = kv_format(kv_dtype)
+    fmt, device = kv_format(kv_dtype), torch.device(device)
     if not fmt.quantized:
-        return FloatStore(num_blocks, block_size, spec, getattr(torch, fmt.torch_dtype))
+        return FloatStore(num_blocks, block_size, spec, device, getattr(torch, fmt.torch_dtype))
     store = FP8Store if fmt.torch_dtype else NVFP4Store  # NVFP4: packed codes + block scales
-    return store(num_blocks, block_size, spec, fmt, kv_scale, dynamic)
+    return store(num_blocks, block_size, spec, device, fmt, kv_scale, dynamic)
 
 
 def bytes_per_token(layout: list[dict[str, CacheSpec]], kv_dtype: str) -> int:
@@ -242,14 +250,17 @@ def bytes_per_token(layout: list[dict[str, CacheSpec]], kv_dtype: str) -> int:
 
 
 class PagedKVCache:
-    """All layers' stores. layers[i][name] is a KVStore; names come from the model's kv layout."""
+    """All layers' stores. layers[i][name] is a KVStore; names come from the model's kv layout.
+    Every storage tensor and kv scale lives on `device`."""
 
     def __init__(self, layout: list[dict[str, CacheSpec]], num_blocks: int, block_size: int,
-                 kv_dtype: str, scales: list[dict[str, torch.Tensor]] | None = None, dynamic: bool = False):
+                 kv_dtype: str, scales: list[dict[str, torch.Tensor]] | None = None, dynamic: bool = False,
+                 device: torch.device | str = "cpu"):
         self.num_blocks, self.block_size, self.kv_dtype = num_blocks, block_size, kv_dtype
+        self.device = torch.device(device)
         scales = scales or [{} for _ in layout]
         self.layers = [
-            {name: make_store(kv_dtype, num_blocks, block_size, spec, scales[i].get(name), dynamic)
+            {name: make_store(kv_dtype, num_blocks, block_size, spec, scales[i].get(name), dynamic, self.device)
              for name, spec in layer.items()}
             for i, layer in enumerate(layout)
         ]

@@ -14,20 +14,32 @@ class Decoder:
     Subclasses give attention(layer.attn, x, angles, stores, meta, attn) and layout_from_config.
 
     cos/sin for every position up to max_positions are precomputed as transformers computes them:
-    fp32 position * inv_freq, cos/sin, times the attention factor."""
+    fp32 position * inv_freq, cos/sin, times the attention factor.
 
-    def __init__(self, reader, shape, attention_cls, dtype: torch.dtype, max_positions: int | None):
+    Weights are mapped in `dtype` (views of the files when it is the stored dtype) and, for another
+    device, copied there one tensor at a time, each tensor's mapped pages dropped after its copy:
+    the model is never resident in host memory (on the CPU they stay views of the files)."""
+
+    def __init__(self, reader, shape, attention_cls, dtype: torch.dtype, max_positions: int | None,
+                 device: torch.device | str = "cpu"):
         self.config, self.shape, self.dtype = reader.config, shape, dtype
-        self.vocab_size, self.eps = shape.vocab, shape.rms_eps
+        self.vocab_size, self.eps, self.device = shape.vocab, shape.rms_eps, torch.device(device)
         positions = torch.arange(max_positions or shape.max_position_embeddings)
-        self.cos, self.sin = shape.rope.cos_sin(positions, dtype)  # [positions, rope dim / 2]
-        # weights mapped in `dtype` (views of the files when it is the stored dtype); lm_head falls
-        # back to the tied embedding
-        self.embed = reader.mapped("model.embed_tokens.weight", dtype)
-        self.norm = reader.mapped("model.norm.weight", dtype)
-        self.lm_head = reader.mapped("lm_head.weight", dtype) if "lm_head.weight" in reader else self.embed
-        self.layers = [DecoderLayer.of(short_names(reader.tensors(f"model.layers.{i}.", dtype, mapped=True)),
+        # [positions, rope dim / 2], computed on the CPU (the same table on every device)
+        self.cos, self.sin = (t.to(self.device) for t in shape.rope.cos_sin(positions, dtype))
+        self.embed, self.norm = (self._weight(reader, n) for n in ("model.embed_tokens.weight", "model.norm.weight"))
+        self.lm_head = self._weight(reader, "lm_head.weight") if "lm_head.weight" in reader else self.embed  # tied
+        self.layers = [DecoderLayer.of(short_names({k: self._weight(reader, k) for k in reader.keys()
+                                                    if k.startswith(f"model.layers.{i}.")}),
                                        attention_cls, shape.hidden_act) for i in range(shape.layers)]
+
+    def _weight(self, reader, name: str) -> torch.Tensor:
+        """One tensor in self.dtype on self.device: on the CPU a view of the mapped file; elsewhere
+        a copy, after which the mapped pages are dropped."""
+        tensor = reader.mapped(name, self.dtype).to(self.device)
+        if self.device.type != "cpu":
+            reader.drop_pages(name)
+        return tensor
 
     def kv_layout(self):
         return self.layout_from_config(self.config)

@@ -5,6 +5,10 @@
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, greedy=True))
     logits = llm.score(token_ids)          # [T, vocab] fp32, through the paged path
 
+device ("auto": cuda when torch sees a GPU, else cpu; kvconvert.device) holds the weights (copied
+tensor by tensor from the mapped files), the paged KV cache and every step's tensors; "triton"
+runs the compiled kernels on cuda and Triton's interpreter on the CPU (TRITON_INTERPRET=1).
+
 Weights run in the dtype the checkpoint stores (`dtype=None`/"auto": a bf16 checkpoint stays bf16,
 its tensors views of the memory-mapped safetensors files, so loading copies nothing) or in
 "bf16"/"fp16"/"fp32" on request (converted copies). Before reading any weight the engine estimates
@@ -33,6 +37,7 @@ from kvconvert.runtime.scheduler import Scheduler
 from kvconvert.runtime.sequence import Sequence
 
 from kvconvert.checkpoint import CheckpointReader, eos_token_ids
+from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 
 
@@ -56,25 +61,26 @@ class LLM:
     def __init__(self, model_path, kv_dtype: str = "bf16", block_size: int = 16, num_blocks: int | None = None,
                  kv_memory: int | None = None, attention_backend: str = "torch", dtype: torch.dtype | str | None = None,
                  kv_scales: str = "checkpoint", max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True):
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, device: str = "auto"):
         self.config = EngineConfig(
             block_size=block_size, num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, kv_dtype=kv_dtype,
             kv_scales=kv_scales, attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
         )
         self.model_path = Path(model_path)
+        self.device = resolve_device(device)
         reader = CheckpointReader(model_path)
         model_type(reader.config)  # unsupported architecture: fail before reading any weight
-        self.attention = make_attention(attention_backend, kv_dtype)
+        self.attention = make_attention(attention_backend, kv_dtype, self.device)
         self.max_model_len = self._max_model_len(reader.config)
         layout = kv_layout(reader.config)
         self.kv_bytes_per_token = bytes_per_token(layout, kv_dtype)
         self.num_blocks = self._num_blocks()
         self.dtype = resolve_dtype(dtype, stored_dtype(reader))
         self._check_memory(reader.config)
-        self.model = load_model(reader, dtype=self.dtype, max_positions=self.max_model_len)
+        self.model = load_model(reader, dtype=self.dtype, max_positions=self.max_model_len, device=self.device)
         scales, dynamic = read_kv_scales(reader, layout, kv_dtype, kv_scales)
-        self.cache = PagedKVCache(layout, self.num_blocks, block_size, kv_dtype, scales, dynamic)
+        self.cache = PagedKVCache(layout, self.num_blocks, block_size, kv_dtype, scales, dynamic, self.device)
         self.block_manager = BlockManager(self.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len, self.model.vocab_size,
                                    eos_token_ids(self.model_path, reader.config))
@@ -100,7 +106,7 @@ class LLM:
             hints.append(("--dtype bf16 (dtype=torch.bfloat16)", self.memory_estimate(config, torch.bfloat16)))
         if need.kv_cache > 1 << 28:
             hints.append(("a smaller KV pool (--kv-memory 256M)", replace(need, kv_cache=1 << 28)))
-        check_memory(need, f"{self.model_path.name} in {str(self.dtype).removeprefix('torch.')}", hints)
+        check_memory(need, f"{self.model_path.name} in {str(self.dtype).removeprefix('torch.')}", hints, self.device)
 
     def _max_model_len(self, config: dict) -> int:
         limit = config.get("max_position_embeddings")

@@ -7,7 +7,9 @@ and refuse with a clear message (and the option that would fit) instead of being
 
 The estimate is deliberately simple and a little pessimistic: weights at the chosen dtype (mapped
 bf16 weights still become resident as page cache when a forward touches them), the KV cache pool,
-the largest per-step activations, and a fixed allowance for the interpreter, torch and the tokenizer.
+the largest per-step activations, and a fixed allowance for the interpreter, torch and the tokenizer
+(on a GPU it stands for the CUDA context and the allocator's slack). On a GPU the whole estimate is
+checked against the device's free memory (torch.cuda.mem_get_info), on the CPU against RAM.
 """
 
 from __future__ import annotations
@@ -69,14 +71,20 @@ def estimate_memory(config: dict, weight_dtype: torch.dtype, kv_cache_bytes: int
     return MemoryEstimate(weights=weights, kv_cache=kv_cache_bytes, activations=activations)
 
 
-def available_memory() -> int:
-    """Bytes this process may still use: the smaller of MemAvailable and the cgroup's headroom,
-    or $KVCONVERT_AVAILABLE_MEMORY (bytes, or a size such as 16G) when set."""
+def available_memory(device: torch.device | str = "cpu") -> int:
+    """Bytes this process may still use on `device`: for cuda the GPU's free memory; for the CPU
+    the smaller of MemAvailable and the cgroup's headroom; $KVCONVERT_AVAILABLE_MEMORY (bytes, or a
+    size such as 16G) when set."""
     env = os.environ.get(AVAILABLE_ENV)
     if env:
         from kvconvert.kvmath import parse_size
 
         return parse_size(env)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":  # meta: nothing is allocated
+        return 1 << 62
     found = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -94,16 +102,18 @@ def available_memory() -> int:
     return min(found) if found else 1 << 62  # unknown (not Linux): do not refuse
 
 
-def check_memory(need: MemoryEstimate, what: str, hints: list[tuple[str, MemoryEstimate]] = ()) -> None:
-    """Refuse (KVConvertError) when `need` exceeds the available memory. hints: (option, estimate
-    with that option) pairs; the first that fits is named in the message."""
-    have = available_memory()
+def check_memory(need: MemoryEstimate, what: str, hints: list[tuple[str, MemoryEstimate]] = (),
+                 device: torch.device | str = "cpu") -> None:
+    """Refuse (KVConvertError) when `need` exceeds the available memory of `device`. hints: (option,
+    estimate with that option) pairs; the first that fits is named in the message."""
+    have = available_memory(device)
     if need.total <= have:
         return
     fits = next((option for option, alt in hints if alt.total <= have), None)
     advice = (f"use {fits}" if fits else
               "no option of this command fits: use a machine with more memory (or a GPU for the weights)")
-    raise KVConvertError(f"{what} needs about {need.describe()}, but only {gb(have)} is available; {advice} "
+    where = "" if torch.device(device).type == "cpu" else f" on {device}"
+    raise KVConvertError(f"{what} needs about {need.describe()}, but only {gb(have)} is available{where}; {advice} "
                          f"(set {AVAILABLE_ENV} to override the available amount)")
 
 

@@ -2,13 +2,15 @@
 
 A step is flat: the scheduled sequences' new tokens are concatenated, decode sequences (one token)
 first, then prefill chunks. For each token: its id, its position, and its cache slot
-``block_table[pos // block_size] * block_size + pos % block_size``.
+``block_table[pos // block_size] * block_size + pos % block_size``. They are built on the host
+and copied to the cache's device once per step; sampling draws from host generators (so a seed
+gives the same tokens on every device for the same logits).
 """
 
 from __future__ import annotations
 
 import torch
-from kvconvert.runtime.attention import AttentionMetadata, PrefillChunk
+from kvconvert.runtime.attention import AttentionMetadata, PrefillChunk, length_mask
 from kvconvert.runtime.block_manager import BlockManager
 from kvconvert.runtime.kv_cache import PagedKVCache
 from kvconvert.runtime.scheduler import ScheduledSeq, SchedulerOutput
@@ -22,55 +24,51 @@ class ModelRunner:
         self.block_manager = block_manager
         self.attention = attention
         self.block_size = block_manager.block_size
+        self.device = cache.device
         self.default_generator = torch.Generator().manual_seed(torch.initial_seed() % (2**63))
 
     # ---------------------------------------------------------------- inputs
-    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
-        bs = self.block_size
-        pos = torch.arange(start, end)
-        return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def prepare(self, items: list[ScheduledSeq]):
-        """-> input_ids [T], positions [T], AttentionMetadata. items: decode items first."""
+        """-> input_ids [T], positions [T], AttentionMetadata, all on the cache's device.
+        items: decode items first."""
         bs = self.block_size
         decode = [it for it in items if it.num_new_tokens == 1]
         ids, positions, slots, prefills = [], [], [], []
-        for it in decode:
-            table, pos = self.block_manager.block_table(it.seq.seq_id), it.start
-            ids.append(it.seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        slot_t = torch.tensor(slots, dtype=torch.long)
-        chunks_ids, chunks_pos, chunks_slots = [input_ids], [pos_t], [slot_t]
-        offset = len(decode)
-        for it in items[len(decode):]:
+        for it in items:
             table = self.block_manager.block_table(it.seq.seq_id)
-            chunks_ids.append(torch.tensor(it.seq.token_ids[it.start: it.end], dtype=torch.long))
-            chunks_pos.append(torch.arange(it.start, it.end))
-            chunks_slots.append(self._slots(table, it.start, it.end))
-            n_blocks = self.block_manager.blocks_for(it.end)
-            prefills.append(PrefillChunk(offset, it.num_new_tokens, it.end, torch.tensor(table[:n_blocks], dtype=torch.long)))
-            offset += it.num_new_tokens
+            ids += it.seq.token_ids[it.start: it.end]
+            positions += range(it.start, it.end)
+            slots += [table[pos // bs] * bs + pos % bs for pos in range(it.start, it.end)]
+            if it.num_new_tokens != 1:
+                n_blocks = self.block_manager.blocks_for(it.end)
+                prefills.append(PrefillChunk(len(ids) - it.num_new_tokens, it.num_new_tokens, it.end,
+                                             self._tensor(table[:n_blocks])))
+        lens = [it.end for it in decode]
+        longest = max(lens, default=0)
+        lens_t = self._tensor(lens)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(chunks_slots),
+            slot_mapping=self._tensor(slots),
             block_size=bs,
             num_decode=len(decode),
-            decode_block_tables=self._padded_tables([it.seq.seq_id for it in decode], [it.end for it in decode]),
-            decode_context_lens=torch.tensor([it.end for it in decode], dtype=torch.long),
+            decode_block_tables=self._padded_tables([it.seq.seq_id for it in decode], lens),
+            decode_context_lens=lens_t,
             prefills=prefills,
+            decode_max_len=longest,
+            decode_mask=None if all(n == longest for n in lens) else length_mask(lens_t, longest)[:, None, None, :],
         )
-        return torch.cat(chunks_ids), torch.cat(chunks_pos), meta
+        return self._tensor(ids), self._tensor(positions), meta
 
     def _padded_tables(self, seq_ids: list[int], context_lens: list[int]) -> torch.Tensor:
         """[B, max_blocks] block tables, padded with block 0 (masked out by context length)."""
         if not seq_ids:
-            return torch.zeros(0, 1, dtype=torch.long)
+            return torch.zeros(0, 1, dtype=torch.long, device=self.device)
         needed = [self.block_manager.blocks_for(n) for n in context_lens]
         width = max(needed)
         rows = [self.block_manager.block_table(s)[:n] + [0] * (width - n) for s, n in zip(seq_ids, needed)]
-        return torch.tensor(rows, dtype=torch.long)
+        return self._tensor(rows)
 
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
@@ -83,7 +81,7 @@ class ModelRunner:
         rows, sampled, scored = self._logit_rows(items)
         if not rows:
             return {}
-        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long)])
+        logits = self.model.logits(hidden[self._tensor(rows)])
         for it, lo, hi in scored:
             self._keep_prompt_logits(it, logits[lo:hi])
         picks = [row for _, row in sampled]
@@ -114,13 +112,13 @@ class ModelRunner:
         lo = max(seq.num_prompt_logits - it.start, 0)  # scoring requests take no prefix hits: start <= kept
         hi = min(it.end, seq.num_prompt_tokens) - it.start
         if hi > lo:
-            seq.prompt_logits.append(logits[lo:hi].clone())
+            seq.prompt_logits.append(logits[lo:hi].to("cpu", copy=True))  # kept on the host
             seq.num_prompt_logits += hi - lo
 
 
 # ------------------------------------------------------------------------------ sampling
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> list[int]:
-    """logits [N, vocab] fp32 -> one token per sequence, by its SamplingParams.
+    """logits [N, vocab] fp32 (any device) -> one token per sequence, by its SamplingParams.
 
     greedy: argmax. Otherwise softmax(logits / temperature), restricted to the top-p nucleus (the
     most likely tokens until their total probability reaches top_p, at least one), renormalized,
@@ -135,7 +133,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
         if p.is_greedy:
             tokens.append(greedy[i])
             continue
-        probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+        probs = torch.softmax(logits[i].cpu() / p.temperature, dim=-1)  # host generators draw on the host
         if p.top_p < 1.0:
             probs = top_p_filter(probs, p.top_p)
         gen = seq.generator if seq.generator is not None else default_generator

@@ -100,7 +100,7 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
     from kvconvert.data import eval_windows
     from kvconvert.mla.convert import convert_to_mla
     from kvconvert.mla.options import MLAOptions
-    from kvconvert.quant.capture import cache_hook, load_model
+    from kvconvert.quant.capture import cache_hook, load_hf_model
     from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook, identity_hook
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.options import CalibrateOptions
@@ -113,7 +113,7 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
 
     windows = eval_windows(AutoTokenizer.from_pretrained(src), args.windows, 1024)
     proto = f"essays {args.windows} x 1024"
-    reference = load_model(src)
+    reference = load_hf_model(src)
 
     def layout_of(path):
         with CheckpointReader(path, verify=False) as r:
@@ -136,12 +136,12 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
         convert_to_mla(src, mla, MLAOptions(rank=rank, rope_dim=rope, target="any", dtype="fp32",
                                             calib_tokens=args.convert_tokens), overwrite=True, progress=False)
         log(f"converted {setting}")
-        models = {f"MLA {rank}+{rope} bf16": (load_model(mla), identity_hook)}
+        models = {f"MLA {rank}+{rope} bf16": (load_hf_model(mla), identity_hook)}
         for kv in ("fp8", "nvfp4"):
             out_dir = work / f"mla-{rank}-{rope}-{kv}"
             run_calibrate(CalibrateJob(src=str(mla), options=CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens),
                                        out=out_dir, overwrite=True), echo=lambda m: None)
-            models[f"MLA {rank}+{rope} {kv}"] = (load_model(out_dir), fake_quant_hook(layout_of(out_dir),
+            models[f"MLA {rank}+{rope} {kv}"] = (load_hf_model(out_dir), fake_quant_hook(layout_of(out_dir),
                                                                                     read_kv_scales(out_dir)))
             log(f"calibrated {setting} {kv}")
         res = evaluate_kv_quant(reference, models, windows)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from kvconvert.device import resolve_device
 from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelError
 from kvconvert.eval.options import KV_DTYPE_CHOICES  # "auto": the engine's own cache
 from kvconvert.kvformat import AUTO, kv_format
@@ -186,12 +187,13 @@ def resolve_weight_dtype(path: Path, dtype: str | torch.dtype | None) -> torch.d
 
 
 def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str,
-                       dtype: torch.dtype = torch.float32) -> str:
-    """16 hex chars naming (checkpoint content, engine, KV format, KV scale source, weight dtype)."""
+                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> str:
+    """16 hex chars naming (checkpoint content, engine, KV format, KV scale source, weight dtype,
+    device kind)."""
     key = f"{checkpoint_fingerprint(path)}|{engine}|kv={kv_dtype}"
     if dtype != torch.float32:  # fp32 runs keep the fingerprints they had before --dtype existed
         key += f"|dtype={str(dtype).removeprefix('torch.')}"
-    if engine == "transformers" and torch.cuda.is_available():  # GPU kernels round differently
+    if torch.device(device).type == "cuda":  # GPU kernels round differently
         key += "|cuda"
     if engine == "runtime" and _quantized(kv_dtype):
         key += f"|scales={kv_scales}"
@@ -208,8 +210,9 @@ class ModelRunner(ABC):
     engine = "abstract"
 
     def __init__(self, path: Path, kv_dtype: str, kv_scales: str = "checkpoint", dtype: str | torch.dtype = "auto",
-                 max_len: int | None = None):
+                 max_len: int | None = None, device: str | torch.device = "auto"):
         self.path = Path(path)
+        self.device = resolve_device(device)
         self.kv_dtype = resolve_kv_dtype(self.engine, kv_dtype, kv_scales)
         self.kv_scales = kv_scales
         self.config = json.loads((self.path / "config.json").read_text())
@@ -217,7 +220,7 @@ class ModelRunner(ABC):
         self.max_len = min(max_len or self.max_context, self.max_context)  # longest sequence this run needs
         self.vocab_size = int(self.config["vocab_size"])
         self.dtype = resolve_weight_dtype(self.path, dtype)
-        self.fingerprint = runner_fingerprint(self.path, self.engine, self.kv_dtype, kv_scales, self.dtype)
+        self.fingerprint = runner_fingerprint(self.path, self.engine, self.kv_dtype, kv_scales, self.dtype, self.device)
 
     def describe(self) -> dict:
         return {"path": str(self.path), "engine": self.engine, "kv_dtype": self.kv_dtype,
@@ -240,15 +243,14 @@ class ModelRunner(ABC):
 
 class TransformersRunner(ModelRunner):
     """Hugging Face transformers in fp32 (architectures transformers knows natively, e.g. Llama
-    and DeepseekV3), on the GPU when there is one. Cached K/V go through `self.kv_hook` (None =
-    kept in fp32)."""
+    and DeepseekV3), on `device` (auto: the GPU when there is one). Cached K/V go through
+    `self.kv_hook` (None = kept in fp32)."""
 
     engine = "transformers"
 
     def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint", dtype="auto",
-                 max_len: int | None = None):
-        super().__init__(path, kv_dtype, kv_scales, dtype, max_len)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                 max_len: int | None = None, device: str | torch.device = "auto"):
+        super().__init__(path, kv_dtype, kv_scales, dtype, max_len, device)
         self.model = _load_transformers_model(self.path, self.dtype).to(self.device)
         self.kv_hook = _kv_hook(self.path, self.config, self.kv_dtype)
 
@@ -370,14 +372,14 @@ class RuntimeRunner(ModelRunner):
     engine = "runtime"
 
     def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint", dtype="auto",
-                 max_len: int | None = None, attention_backend: str = "torch"):
-        super().__init__(path, kv_dtype, kv_scales, dtype, max_len)
+                 max_len: int | None = None, device: str | torch.device = "auto", attention_backend: str = "torch"):
+        super().__init__(path, kv_dtype, kv_scales, dtype, max_len, device)
         from kvconvert.runtime import LLM
 
         self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=kv_scales, block_size=RUNTIME_BLOCK,
                        num_blocks=runtime_blocks(self.max_len),  # one sequence of max_len tokens
                        max_model_len=self.max_len, attention_backend=attention_backend,
-                       enable_prefix_caching=False, max_num_seqs=1, dtype=self.dtype)
+                       enable_prefix_caching=False, max_num_seqs=1, dtype=self.dtype, device=self.device)
         self.max_context = int(self.llm.max_model_len)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -448,10 +450,11 @@ RUNNERS = {"transformers": TransformersRunner, "runtime": RuntimeRunner}
 
 class LazyRunner:
     """A runner that loads its model on first use, so a run whose results are all cached loads
-    nothing. path, engine, kv_dtype, max_context, vocab_size and fingerprint are known up front."""
+    nothing. path, engine, kv_dtype, max_context, vocab_size and fingerprint are known up front.
+    device: where the model runs (kvconvert.device; auto = cuda when visible)."""
 
     def __init__(self, path: Path, engine: str, kv_dtype: str = "auto", kv_scales: str = "checkpoint",
-                 dtype: str | torch.dtype = "auto"):
+                 dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"):
         if engine not in RUNNERS:
             raise KVConvertError(f"--engine {engine!r} is unknown; choose runtime or transformers")
         self.path, self.engine, self.kv_scales = Path(path), engine, kv_scales
@@ -462,13 +465,15 @@ class LazyRunner:
         self.max_len: int | None = None  # set by the caller once it knows its longest sequence
         self.vocab_size = int(self.config["vocab_size"])
         self.dtype = resolve_weight_dtype(self.path, dtype)
-        self.fingerprint = runner_fingerprint(self.path, engine, self.kv_dtype, kv_scales, self.dtype)
+        self.device = resolve_device(device)
+        self.fingerprint = runner_fingerprint(self.path, engine, self.kv_dtype, kv_scales, self.dtype, self.device)
         self._runner: ModelRunner | None = None
 
     @property
     def loaded(self) -> ModelRunner:
         if self._runner is None:
-            self._runner = RUNNERS[self.engine](self.path, self.kv_dtype, self.kv_scales, self.dtype, self.max_len)
+            self._runner = RUNNERS[self.engine](self.path, self.kv_dtype, self.kv_scales, self.dtype, self.max_len,
+                                                self.device)
         return self._runner
 
     def memory_need(self, dtype: torch.dtype | None = None):
@@ -481,7 +486,7 @@ class LazyRunner:
 
         hints = [("--dtype bf16", self.memory_need(torch.bfloat16))] if self.dtype == torch.float32 else []
         check_memory(self.memory_need(), f"validate's {role} ({self.path.name}, {self.engine} engine, "
-                                         f"{str(self.dtype).removeprefix('torch.')})", hints)
+                                         f"{str(self.dtype).removeprefix('torch.')})", hints, self.device)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.loaded.logits(ids)

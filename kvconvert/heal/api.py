@@ -25,6 +25,7 @@ import torch
 
 from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_output_path, estimate_checkpoint_bytes
 from kvconvert.data import data_hash, load_text, token_windows
+from kvconvert.device import default_device
 from kvconvert.errors import KVConvertError
 from kvconvert.heal import compat
 from kvconvert.heal.options import DistillOptions, LayerwiseOptions
@@ -43,10 +44,6 @@ class HealData:
     layerwise: torch.Tensor | None = None  # [N, window] token ids
     distill: torch.Tensor | None = None  # [N, seq_len]
     info: dict = field(default_factory=dict)
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progress: bool = False,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.data import calibration_windows
+from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla.convert_layer import LayerPlan, convert_layer, max_rank
@@ -66,9 +67,10 @@ def parse_budget(text: str, cfg: dict) -> int:
 
 def search_split(src_path: Path, budget: int, calib_data: str = "builtin", calib_tokens: int = 2048,
                  probes: int = 3, key_weight: float = 0.3, progress: bool = True,
-                 target: str = "any") -> tuple[int, int, list[dict]]:
+                 target: str = "any", device: str = "auto") -> tuple[int, int, list[dict]]:
     """(rank, rope_dim, table) minimising the mean o_proj-refitted attention error on probe layers
-    among the splits the target engine serves (a single servable split is returned unmeasured)."""
+    among the splits the target engine serves (a single servable split is returned unmeasured).
+    device: where the probe layers' closed forms run (kvconvert.device)."""
     reader = CheckpointReader(src_path)
     cfg = reader.config
     fmt.check_source_config(cfg)
@@ -78,10 +80,11 @@ def search_split(src_path: Path, budget: int, calib_data: str = "builtin", calib
         if progress:
             print(f"kv budget {budget}: {target} serves one split here: rank {rank} + rope {rope}")
         return rank, rope, [dict(rank=rank, rope_dim=rope, mean_attn_error=None)]
-    return _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probes, key_weight, progress)
+    return _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probes, key_weight, progress,
+                           resolve_device(device))
 
 
-def _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probes, key_weight, progress):
+def _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probes, key_weight, progress, device):
     from transformers import AutoTokenizer
 
     from kvconvert.mla.convert import source_layer_weights
@@ -94,10 +97,10 @@ def _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probe
     probe_layers = sorted({round((k + 0.5) * layers / probes) for k in range(probes)} - {layers})
     tok = AutoTokenizer.from_pretrained(str(reader.path))
     ids = calibration_windows(tok, calib_data, calib_tokens, 256)
-    hidden = reader.get("model.embed_tokens.weight")[ids].float()
+    hidden = reader.get("model.embed_tokens.weight")[ids].float().to(device)
     errors = {s: [] for s in splits}
     for i in range(max(probe_layers) + 1):
-        w = {**source_layer_weights(reader, i, "attention"), **source_layer_weights(reader, i, "mlp")}
+        w = {k: v.to(device) for part in ("attention", "mlp") for k, v in source_layer_weights(reader, i, part).items()}
         if i in probe_layers:
             xn = rms_norm(hidden, w["input_layernorm"], source.rms_eps)
             for rank, rope in splits:

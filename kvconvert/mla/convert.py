@@ -1,6 +1,10 @@
 """`kvconvert mla`: stream a Llama-family checkpoint layer by layer into a stock DeepSeek-V3 MLA
 checkpoint. Only one decoder layer's weights plus the embeddings and the calibration hidden
 states are in memory at a time.
+
+--device: the calibration hidden states live there, and each layer's weights are copied there
+for its closed form (float64 eigen problems and solves) and its forward; the converted weights
+come back to the host to be written. The embeddings and the writes stay on the host.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from tqdm.auto import tqdm
 from kvconvert.checkpoint import (CheckpointReader, CheckpointWriter, check_output_path, ensure_free_space,
                                   estimate_checkpoint_bytes)
 from kvconvert.data import calibration_windows, data_hash
+from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla.convert_layer import LayerPlan, convert_layer, max_rank
@@ -90,6 +95,7 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
 def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name: str | None = None,
                    overwrite: bool = False, progress: bool = True) -> ConversionReport:
     t0 = time.time()
+    device = resolve_device(opts.device)
     reader = CheckpointReader(src_path)
     cfg = reader.config
     d, rope_dim = validate_plan(cfg, opts)
@@ -111,7 +117,7 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
                               calib_tokens=int(ids.numel()), calib_hash=data_hash(ids))
     out_dtype = DTYPES[opts.dtype]
     embed = reader.get("model.embed_tokens.weight")
-    hidden = embed[ids].float()  # [N, T, hidden] calibration hidden states, carried layer to layer
+    hidden = embed[ids].float().to(device)  # [N, T, hidden] calibration hidden states, carried layer to layer
     with CheckpointWriter(out_dir, overwrite=overwrite, source=report.source, max_shard_bytes=256 * 2**20,
                           manifest_extra={"kvconvert_mla": {"rank": plan.rank, "rope_dim": rope_dim,
                                                             "calib_tokens": report.calib_tokens,
@@ -128,7 +134,7 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
             reader.close()
             for short, name in fmt.TARGET_ATTENTION.items():
                 if short in mla_w:
-                    writer.add(name.format(i=i), mla_w[short].to(out_dtype))
+                    writer.add(name.format(i=i), mla_w[short].to(out_dtype).cpu())
             for src_name, dst_name in fmt.COPIED_LAYER_TENSORS.items():
                 writer.add(dst_name.format(i=i), w[src_name.split(".")[-2]].to(out_dtype))
             report.layers.append(layer_rep)
@@ -155,13 +161,17 @@ def _convert_and_advance(hidden, w, source: LlamaShape, target: MLAShape, plan: 
                          load_mlp):
     """Convert layer i and advance the calibration hidden states [N, T, hidden] through it.
 
-    w: the layer's attention weights and norms; load_mlp() returns its MLP weights, which are added
-    to w once the attention is converted (--stream converted: through the converted attention)."""
-    xn = rms_norm(hidden, w["input_layernorm"], source.rms_eps)  # [N, T, hidden] fp32
+    w: the layer's attention weights and norms (host); load_mlp() returns its MLP weights, which are
+    added to w once the attention is converted (--stream converted: through the converted attention).
+    The maths runs on hidden's device, with a copy of w there; the weights returned stay there."""
+    on_device = {k: v.to(hidden.device) for k, v in w.items()}
+    xn = rms_norm(hidden, on_device["input_layernorm"], source.rms_eps)  # [N, T, hidden] fp32
     _check_finite(xn, f"layer {i} input")
-    result = convert_layer(xn, w, source, target, plan, opts.q_rank, opts.refit_o_proj, layer=i)
-    w.update(load_mlp())
-    layer = DecoderLayer.of(w, llama.LlamaAttention)
+    result = convert_layer(xn, on_device, source, target, plan, opts.q_rank, opts.refit_o_proj, layer=i)
+    mlp = load_mlp()
+    w.update(mlp)
+    on_device.update({k: v.to(hidden.device) for k, v in mlp.items()})
+    layer = DecoderLayer.of(on_device, llama.LlamaAttention)
     if opts.stream == "converted":
         h = hidden + ds.attention(xn, take(ds.MLAAttention, {k: v.float() for k, v in result.weights.items()}), target)
         hidden = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm, source.rms_eps))

@@ -1,4 +1,5 @@
-"""Convert one Llama attention block to DeepSeek-V3 MLA weights (closed form, float64).
+"""Convert one Llama attention block to DeepSeek-V3 MLA weights (closed form, float64, on the
+device of its inputs).
 
 convert_layer is the one entry point (used by `kvconvert mla` and the budget search): the
 closed form on the layer's calibration inputs, the latent RMSNorm linearisation, optional
@@ -77,7 +78,7 @@ def convert_attention(w: dict, cov_x: torch.Tensor, mean_x: torch.Tensor, s: Lla
     wq = w["q_proj"].view(H, d, -1)
     wo = w["o_proj"].view(w["o_proj"].shape[0], H, d)
     q_rows, kvb_rows, o_cols = [], [], []
-    eye = torch.eye(plan.rank, dtype=cov_x.dtype)
+    eye = torch.eye(plan.rank, dtype=cov_x.dtype, device=cov_x.device)
     for h in range(H):
         g = h // s.group
         uk = maps.query_nope[h].T @ up_k  # [d, r]: score_nope = q_h^T uk c
@@ -127,7 +128,7 @@ def finalize_latent_norm(weights: dict, latent_sq_mean: torch.Tensor, plan: Laye
     kv_a[:r] *= a
     out = dict(weights)
     out["kv_a_proj_with_mqa"] = kv_a
-    out["kv_a_layernorm"] = torch.full((r,), w0, dtype=kv_a.dtype)
+    out["kv_a_layernorm"] = kv_a.new_full((r,), w0)
     out["kv_b_proj"] = weights["kv_b_proj"] * typical_rms
     return out
 
@@ -148,12 +149,13 @@ def factorize_query(q_proj: torch.Tensor, flat_x: torch.Tensor, q_rank: int, pla
     a = fz.linearize_norm_scale(float(lat_sq.max()), plan.latent_eps, plan.rho)
     typical = float(lat_sq.mean().sqrt().clamp_min(1e-30))
     w0 = plan.latent_eps ** 0.5 / (a * typical)
-    return {"q_a_proj": q_a * a, "q_a_layernorm": torch.full((q_rank,), w0, dtype=q_a.dtype), "q_b_proj": q_b * typical}
+    return {"q_a_proj": q_a * a, "q_a_layernorm": q_a.new_full((q_rank,), w0), "q_b_proj": q_b * typical}
 
 
 def convert_layer(xn: torch.Tensor, w: dict, source: LlamaShape, target: MLAShape, plan: LayerPlan,
                   q_rank: int | None = None, refit_o_proj: bool = True, layer: int = 0) -> LayerResult:
-    """DeepSeek MLA attention weights (float64, short names) for one source layer, and a report.
+    """DeepSeek MLA attention weights (float64, short names, on xn's device) for one source layer,
+    and a report. Every input on one device (kvconvert mla --device).
 
     xn: [N, T, hidden] fp32 calibration inputs of the block (the layer's input RMSNorm applied);
     w: the source's q/k/v/o_proj in float64 (short names). report: the closed form's (see

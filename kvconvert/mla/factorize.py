@@ -11,6 +11,9 @@ Key facts used:
   The principal component of each frequency (or of a group of F adjacent frequencies folded onto
   one rope slot) goes into the single shared RoPE key; the rest lose their rotation (the only
   approximation of the RoPE step) and join the NoPE keys.
+Every function works on the device of its inputs and creates its helpers there (`kvconvert mla
+--device cuda` runs them on a GPU, still in float64).
+
 - The NoPE keys and all values are compressed into one latent c = A x by a weighted reduced-rank
   regression: minimise E||S (Y - B A x)||^2 with Y = [z_nope; v], S weighting key errors by the
   queries that read them and value errors by o_proj (what attention actually sees).
@@ -105,7 +108,7 @@ def _orthonormal_back(vecs: Tensor, wt: Tensor, cov: Tensor) -> Tensor:
     unweighted metric) so the basis stays unitary; the leading column is the weighted optimum."""
     lead = vecs[:, 0] / wt
     lead = lead / torch.linalg.vector_norm(lead)
-    rest = torch.eye(len(wt), dtype=vecs.dtype)
+    rest = torch.eye(len(wt), dtype=vecs.dtype, device=vecs.device)
     q, _ = torch.linalg.qr(torch.cat([lead[:, None], rest], dim=1))
     q = q[:, : len(wt)]
     q[:, 0] = lead * (q[:, 0].conj() @ lead).sgn().conj()  # exact leading column, fix QR's phase
@@ -137,8 +140,8 @@ def _component_rows(u: Tensor, freqs: list[int], kv_heads: int, head_dim: int) -
     (a k with a = ar + i ai, k = kr + i ki: Re = ar kr - ai ki, Im = ai kr + ar ki.)"""
     F, half = len(freqs), head_dim // 2
     coef = u.conj().T.reshape(-1, kv_heads, F)  # a[m, g, t]
-    rows = torch.zeros(coef.shape[0], 2, kv_heads, head_dim, dtype=coef.real.dtype)
-    re_idx = torch.tensor(freqs)
+    rows = torch.zeros(coef.shape[0], 2, kv_heads, head_dim, dtype=coef.real.dtype, device=u.device)
+    re_idx = torch.tensor(freqs, device=u.device)
     im_idx = re_idx + half
     rows[:, 0, :, re_idx] = coef.real
     rows[:, 0, :, im_idx] = -coef.imag
@@ -158,7 +161,7 @@ def rope_maps(basis: RopeBasis, heads: int, kv_heads: int, head_dim: int) -> Rop
         nope.append(rows[1:].reshape(-1, kv_heads, d))
     key_rope = torch.cat(rope).reshape(-1, kv_heads, d)  # [R, G, d]
     key_nope = torch.cat(nope)  # [Dn, G, d]
-    head_kv = torch.arange(heads) // group
+    head_kv = torch.arange(heads, device=key_rope.device) // group
     return RopeMaps(
         key_rope=key_rope.reshape(key_rope.shape[0], kv_heads * d),
         key_nope=key_nope.reshape(key_nope.shape[0], kv_heads * d),
@@ -196,7 +199,7 @@ class BlockMetric:
     def gram(self, w_y: Tensor) -> Tensor:
         """w_y^T metric w_y [hidden, hidden], block by block."""
         dn = self.key.shape[0]
-        out = w_y[:dn].T @ self.key @ w_y[:dn] if dn else torch.zeros(w_y.shape[1], w_y.shape[1], dtype=w_y.dtype)
+        out = w_y[:dn].T @ self.key @ w_y[:dn] if dn else w_y.new_zeros(w_y.shape[1], w_y.shape[1])
         start = dn
         for block in self.values:
             part = w_y[start: start + block.shape[0]]
@@ -218,8 +221,8 @@ def attention_weights(w_q: Tensor, w_v: Tensor, w_o: Tensor, maps: RopeMaps, cov
     """
     d, group = head_dim, heads // kv_heads
     dn = maps.key_nope.shape[0]
-    key = torch.zeros(dn, dn, dtype=cov_x.dtype)
-    values = [torch.zeros(d, d, dtype=cov_x.dtype) for _ in range(kv_heads)]
+    key = cov_x.new_zeros(dn, dn)
+    values = [cov_x.new_zeros(d, d) for _ in range(kv_heads)]
     wq = w_q.view(heads, d, -1)
     wv = w_v.view(kv_heads, d, -1)
     wo = w_o.view(w_o.shape[0], heads, d)
@@ -277,6 +280,6 @@ def refit_o_proj(attn_out_cov: Tensor, cross: Tensor, w_o_init: Tensor, ridge: f
     cross = E[y a^T] [hidden, Din] (source attention block output y). lam = ridge * mean diag.
     """
     lam = ridge * attn_out_cov.diagonal().mean()
-    eye = torch.eye(attn_out_cov.shape[0], dtype=attn_out_cov.dtype)
+    eye = torch.eye(attn_out_cov.shape[0], dtype=attn_out_cov.dtype, device=attn_out_cov.device)
     rhs = cross + lam * w_o_init
     return torch.linalg.solve(attn_out_cov + lam * eye, rhs.T).T

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from kvconvert.device import DEVICE_FIELD
 from kvconvert.stage_options import StageOptions
 from kvconvert.targets import DEFAULT_TARGET, TARGETS
 
@@ -38,6 +39,7 @@ class MLAOptions(StageOptions):
     # measured: plain complex PCA 125 vs query-weighted 128 ppl (rank 64 + rope 32); research only
     query_weighted_rope: bool = Field(False, description="Weight the RoPE PCA by query energy (research).")
     dtype: Literal["bf16", "fp32", "fp16"] = Field("bf16", description="Dtype of the written weights.")
+    device: str = DEVICE_FIELD
 
     @model_validator(mode="after")
     def _enough_tokens(self):

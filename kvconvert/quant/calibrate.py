@@ -289,8 +289,9 @@ def _kv_scales(layout, settings, per_layer: list[dict]) -> KVScales:
 
 
 def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings: CalibrationSettings,
-                       progress=None, log=None) -> CalibrationResult:
-    """Calibrate a checkpoint layer by layer (kvconvert.quant.stream), never building the model.
+                       progress=None, log=None, device="cpu") -> CalibrationResult:
+    """Calibrate a checkpoint layer by layer (kvconvert.quant.stream), never building the model;
+    the forward runs on `device` (see kvconvert.quant.stream).
 
     Same statistics, rotation plan and scales as calibrate_model on the whole fp32 model (to fp32
     rounding), in the memory of one layer plus the calibration hidden states.
@@ -302,7 +303,7 @@ def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings
     if layout.is_mla and settings.granularity == "head":
         raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
     clock = _Clock()
-    stream = LayerStream(reader, layout, windows, settings.batch_size)
+    stream = LayerStream(reader, layout, windows, settings.batch_size, device)
     desc: dict = {}
     rot = value_rotation(layout, settings, desc) if settings.rotation_enabled else None
     phase = settings.rotation_enabled and settings.key_phase_enabled(layout)

@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from kvconvert.device import DEVICE_FIELD
 from kvconvert.kvformat import CALIBRATE_KV_DTYPES as KV_DTYPES
 from kvconvert.stage_options import StageOptions
 
@@ -41,6 +42,7 @@ class CalibrateOptions(StageOptions):
     key_strength: float = Field(0.0, ge=0, le=1, description="RoPE-pair amax equalization of the keys, 0..1.")
     search_tokens: int = Field(1024, ge=0, description="Calibration tokens replayed by the mse scale search.")
     batch_size: int = Field(4, ge=1, description="Windows per forward pass.")
+    device: str = DEVICE_FIELD
 
     @model_validator(mode="after")
     def _enough_tokens(self):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kvconvert import __version__
+from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
 from kvconvert.quant.calibrate import (
@@ -74,6 +75,7 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
 
     if job.threads:
         torch.set_num_threads(job.threads)
+    device = resolve_device(job.options.device)  # a missing GPU fails before any work
     t_start = time.perf_counter()
     src = resolve_source(job.src)
     out = Path(src if job.in_place else job.out).absolute()
@@ -94,9 +96,9 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
          f"{job.options.calib_data!r}: {job.options.kv_dtype}, observer {job.options.observer}, {job.options.granularity}")
     if whole_model is None:
         result = calibrate_streamed(reader, layout, windows, job.settings,
-                                    progress=lambda done, n: echo(f"  calibrated layer {done}/{n}"))
+                                    progress=lambda done, n: echo(f"  calibrated layer {done}/{n}"), device=device)
     else:
-        echo(f"  {whole_model}: not in the layer-streamed blocks; loading the whole model in fp32")
+        echo(f"  {whole_model}: not in the layer-streamed blocks; loading the whole model in fp32 on the CPU")
         result = calibrate_model(load_hf_model(src), layout, windows, job.settings,
                                  progress=lambda done, n: echo(f"  observed {done}/{n} windows"))
     result.stats["path"] = "whole-model (fp32)" if whole_model else "layer-streamed"

@@ -16,6 +16,9 @@ carried from layer to layer), one layer's weights and one batch of activations a
    c. this layer's scales: observer statistic / 448, or the attention-output search
       (search.BlockReplay on the kept windows);
 3. the scales and the rotation plan go to the export, which rewrites the weights file by file.
+Devices: the hidden states and each layer's weights live on `device`, so the forward (step b, the
+bulk of the time) and the pair moments run there; the observers, the float64 rotation rewrite and
+the mse search get host copies (what they return goes to the export) and run on the host as before.
 The model maths are kvconvert.models' (llama, deepseek_v3), shared with `kvconvert mla`, the
 healing code and the runtime. Rotations are exact, so the hidden states after a rotated
 layer equal the unrotated ones up to fp32 rounding, and every layer's statistics equal those of
@@ -25,7 +28,7 @@ the whole-model path (calibrate.calibrate_model, the reference in tests) to fp32
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -126,25 +129,28 @@ class LayerResult:
 class LayerStream:
     """Reads a checkpoint layer by layer and runs calibration windows through it (see module doc)."""
 
-    def __init__(self, reader, layout: KVLayout, windows: torch.Tensor, batch_size: int):
-        self.reader, self.layout, self.batch_size = reader, layout, batch_size
+    def __init__(self, reader, layout: KVLayout, windows: torch.Tensor, batch_size: int,
+                 device: torch.device | str = "cpu"):
+        self.reader, self.layout, self.batch_size, self.device = reader, layout, batch_size, torch.device(device)
         self.family = (_MLAFamily(layout, ds.MLAShape.from_config(reader.config)) if layout.is_mla
                        else _LlamaFamily(layout, llama.LlamaShape.from_config(reader.config)))
         embed = reader.get("model.embed_tokens.weight")
-        self.hidden = embed[windows].float()  # [N, T, hidden]: the only activations kept across layers
+        self.hidden = embed[windows].float().to(self.device)  # [N, T, hidden]: the only activations kept across layers
         del embed
         reader.close()  # drop the mapped pages (file-backed pages count in RSS)
 
     def read_layer(self, i: int) -> tuple[dict, dict]:
-        """(attention weights in fp32, named relative to self_attn; norms and MLP in the stored dtype)."""
+        """(attention weights in fp32, named relative to self_attn; norms and MLP in the stored dtype),
+        on the stream's device."""
         prefix = f"model.layers.{i}."
         attn = {}
         for short in self.family.attention:
             name = f"{prefix}self_attn.{short}.weight"
             if name in self.reader:
-                attn[f"{short}.weight"] = self.reader.get(name, torch.float32)
+                attn[f"{short}.weight"] = self.reader.get(name, torch.float32).to(self.device)
         rest = {n: self.reader.get(f"{prefix}{n}.weight") for n in ("input_layernorm", "post_attention_layernorm")}
         rest.update({n: self.reader.get(f"{prefix}mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")})
+        rest = {n: t.to(self.device) for n, t in rest.items()}
         self.reader.close()
         return attn, rest
 
@@ -155,7 +161,7 @@ class LayerStream:
 
     @torch.no_grad()
     def statistics(self, i: int, attn: dict, rest: dict, key_phase: bool, key_obs: bool):
-        """Pair moments and/or K observers of the first STAT_WINDOWS windows at layer i (unrotated)."""
+        """Pair moments (on the host) and/or K observers of the first STAT_WINDOWS windows at layer i (unrotated)."""
         sums = PairMomentSums(self.layout) if key_phase else None
         obs = self._new_observers() if key_obs else None
         for a, b in self.batches(STAT_WINDOWS):
@@ -164,7 +170,10 @@ class LayerStream:
                 sums.add(i, *self.family.pairs(q, k, v))
             if obs is not None:
                 self._observe(i, obs, k, v)
-        return (sums.layer_result(i) if sums else None), obs
+        moments = sums.layer_result(i) if sums else None
+        if moments is not None:
+            moments = PairMoments(**{f.name: getattr(moments, f.name).cpu() for f in fields(moments)})
+        return moments, obs
 
     def _new_observers(self) -> dict[str, KVObserver]:
         return {kind: KVObserver(self.layout.num_kv_heads, self.layout.head_dim) for kind in self.layout.kinds}
@@ -172,7 +181,7 @@ class LayerStream:
     def _observe(self, i: int, obs: dict[str, KVObserver], k, v) -> None:
         def row_hook(layer_idx, kind, x):
             check_finite(layer_idx, kind, x)
-            obs[kind].observe(x)
+            obs[kind].observe(x.cpu())  # the observers accumulate on the host
             return x
         cache_hook(self.layout, row_hook)(i, k, v)
 
@@ -187,7 +196,7 @@ class LayerStream:
             q, k, v = self.family.cache(rms_norm(h, rest["input_layernorm"], eps), attn)
             self._observe(i, obs, k, v)
             if a < record_windows:
-                records.append({"q": q, "k": k, "v": v})
+                records.append({"q": q.cpu(), "k": k.cpu(), "v": v.cpu()})  # the search runs on the host
             h = h + self.family.attend(q, k, v, attn) @ o_proj.T
             del q, k, v
             h = h + take(MLP, rest)(rms_norm(h, rest["post_attention_layernorm"], eps))
@@ -198,21 +207,24 @@ class LayerStream:
         return obs, records
 
     def replay(self, attn: dict, records: list[dict], kv_dtype: str) -> BlockReplay:
+        attn = {k: v.cpu() for k, v in attn.items()}  # the records are on the host
         return BlockReplay(records, lambda q, k, v: self.family.attend(q, k, v, attn), attn["o_proj.weight"],
                            self.layout, kv_dtype)
 
 
 def apply_rotation(plan: RotationPlan, layer: int, attn: dict, num_q_heads: int) -> dict:
-    """attn with the plan's rewrite of `layer` folded in (fp32 in, fp32 out; math in float64).
+    """attn with the plan's rewrite of `layer` folded in (fp32 in, fp32 out; math in float64 on the
+    host, the plan's device; the result goes back to attn's device).
 
     Only the tensors the rewrite reads are passed (it works on float64 copies: a 7B layer's four
     projections would be 0.5 GB)."""
-    used = attn
+    names = list(attn)
     if not plan.layout.is_mla:
         names = (("v_proj.weight", "o_proj.weight") if plan.value_rotation is not None else ()) + \
                 (("q_proj.weight", "k_proj.weight") if plan.key_pair_factor is not None else ())
-        used = {n: attn[n] for n in names}
-    return {**attn, **plan.apply(layer, used, num_q_heads)}
+    device = attn["o_proj.weight"].device
+    changed = plan.apply(layer, {n: attn[n].cpu() for n in names}, num_q_heads)
+    return {**attn, **{n: t.to(device) for n, t in changed.items()}}
 
 
 def search_record_windows(search_tokens: int, window_len: int) -> int:

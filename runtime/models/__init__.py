@@ -44,11 +44,13 @@ def stored_dtype(reader) -> torch.dtype:
     return reader.stored_dtype("model.embed_tokens.weight")
 
 
-def load_model(reader, dtype: torch.dtype | str | None = None, max_positions: int | None = None):
+def load_model(reader, dtype: torch.dtype | str | None = None, max_positions: int | None = None,
+               device: torch.device | str = "cpu"):
     """Build the runtime model for the checkpoint behind `reader` (a CheckpointReader).
     dtype: None/"auto" = as stored (bf16 weights stay bf16, mapped from the files), or
-    "bf16"/"fp16"/"fp32"/a torch dtype (converted copies where the stored dtype differs)."""
+    "bf16"/"fp16"/"fp32"/a torch dtype (converted copies where the stored dtype differs).
+    device: where the weights go (copied tensor by tensor; on the CPU they stay mapped)."""
     from kvconvert.runtime.memory import resolve_dtype
 
     dtype = resolve_dtype(dtype, stored_dtype(reader))
-    return _model_class(reader.config)(reader, dtype=dtype, max_positions=max_positions)
+    return _model_class(reader.config)(reader, dtype=dtype, max_positions=max_positions, device=device)

@@ -26,9 +26,9 @@ class DeepseekV3ForCausalLM(Decoder):
 
     architecture = "deepseek_v3"
 
-    def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
+    def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None, device="cpu"):
         ds.check_dense(reader.config)
-        super().__init__(reader, ds.MLAShape.from_config(reader.config), ds.MLAAttention, dtype, max_positions)
+        super().__init__(reader, ds.MLAShape.from_config(reader.config), ds.MLAAttention, dtype, max_positions, device)
 
     @staticmethod
     def layout_from_config(c: dict) -> list[dict[str, CacheSpec]]:
@@ -67,7 +67,7 @@ class DeepseekV3ForCausalLM(Decoder):
         k_rope = rows[:, None, s.rank:].expand(rows.shape[0], s.heads, s.rope_dim)
         k = torch.cat([k_nope, k_rope], dim=-1).transpose(0, 1)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
-        mask = None if chunk.query_len == chunk.context_len else causal_mask(chunk.query_len, chunk.context_len)
+        mask = None if chunk.query_len == chunk.context_len else causal_mask(chunk.query_len, chunk.context_len, q.device)
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k, v.transpose(0, 1), attn_mask=mask, is_causal=mask is None, scale=s.softmax_scale)
         return o.transpose(0, 1)

@@ -27,8 +27,8 @@ class LlamaForCausalLM(Decoder):
 
     architecture = "llama"
 
-    def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
-        super().__init__(reader, llama.LlamaShape.from_config(reader.config), llama.LlamaAttention, dtype, max_positions)
+    def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None, device="cpu"):
+        super().__init__(reader, llama.LlamaShape.from_config(reader.config), llama.LlamaAttention, dtype, max_positions, device)
 
     @staticmethod
     def layout_from_config(c: dict) -> list[dict[str, CacheSpec]]:

@@ -121,6 +121,7 @@ def test_fingerprint_follows_content_engine_and_kv(tmp_path, tiny_llama, tiny_to
     assert R.runner_fingerprint(tiny_llama, "runtime", "fp8", "checkpoint") != R.runner_fingerprint(
         tiny_llama, "runtime", "fp8", "dynamic")
     assert base != R.runner_fingerprint(tiny_llama, "transformers", "bf16", "checkpoint")
+    assert base != R.runner_fingerprint(tiny_llama, "runtime", "bf16", "checkpoint", device="cuda")
 
 
 def test_manifest_fingerprint_ignores_creation_time_but_not_stale_manifests(tmp_path):
@@ -261,3 +262,18 @@ def test_validate_refuses_up_front_when_a_model_cannot_fit(tmp_path, tiny_llama,
                      spec=dataclasses.replace(SUITES["smoke"], passkey_lengths=(), niah_lengths=(), ruler_tasks=(),
                                               longbench=False), progress=False)
     assert not list((tmp_path / "r" / "cache").glob("*.jsonl"))  # nothing ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto means cuda on this machine")
+def test_runners_take_a_device(tiny_llama, monkeypatch):
+    """device cpu and auto (cpu here) give the same logits and fingerprint on both engines; cuda without a
+    GPU is refused when the runner is made, before any model loads."""
+    ids = torch.tensor([1, 5, 9, 2, 7])
+    for engine in ("runtime", "transformers"):
+        cpu, auto = (R.LazyRunner(tiny_llama, engine, "fp32", device=d) for d in ("cpu", "auto"))
+        assert cpu.fingerprint == auto.fingerprint and torch.equal(cpu.logits(ids), auto.logits(ids))
+        assert cpu.loaded.device == torch.device("cpu")
+    assert R.RuntimeRunner(tiny_llama, "fp32", device="cpu").llm.device == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(KVConvertError, match="torch sees none"):
+        R.LazyRunner(tiny_llama, "runtime", "fp32", device="cuda")

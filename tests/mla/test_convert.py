@@ -152,3 +152,26 @@ def test_q_rank_full_is_exact_and_low_rank_loads(tmp_path, tokenizer_dir):
     assert _logits_rel_error(src, out) < 1e-4
     with pytest.raises(KVConvertError, match="--q-rank 100000"):
         convert_to_mla(src, tmp_path / "bad", MLAOptions(rank=32, rope_dim=32, q_rank=100_000, **FAST), progress=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto means cuda on this machine")
+def test_device_cpu_and_auto_write_identical_tensors(tmp_path, tokenizer_dir, monkeypatch):
+    """--device cpu and the default (auto: cpu without a GPU) write the same bytes; cuda without a GPU
+    is refused before any work."""
+    from safetensors.torch import load_file
+
+    from kvconvert.stage_options import build_options
+
+    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2)
+    opts = dict(rank=40, rope_dim=16, q_rank=48, **FAST)
+    for device in ("cpu", "auto"):
+        convert_to_mla(src, tmp_path / device, MLAOptions(device=device, **opts), progress=False)
+    tensors = [{k: v for f in sorted((tmp_path / d).glob("*.safetensors")) for k, v in load_file(f).items()}
+               for d in ("cpu", "auto")]
+    assert tensors[0].keys() == tensors[1].keys() and all(torch.equal(v, tensors[1][k]) for k, v in tensors[0].items())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(KVConvertError, match="torch sees none"):
+        convert_to_mla(src, tmp_path / "cuda", MLAOptions(device="cuda", **opts), progress=False)
+    assert not (tmp_path / "cuda").exists()
+    with pytest.raises(KVConvertError, match="device"):
+        build_options(MLAOptions, {"rank": 40, "device": "gpu"})

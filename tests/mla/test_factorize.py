@@ -119,3 +119,21 @@ def test_refit_o_proj_recovers_exact_map():
     y = a @ w_true.T
     w = fz.refit_o_proj(a.T @ a / 500, y.T @ a / 500, torch.zeros(8, 12, dtype=torch.float64), ridge=1e-10)
     torch.testing.assert_close(w, w_true, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dy_over_hidden", [False, True])
+def test_closed_form_stays_on_its_inputs_device(dy_over_hidden):
+    """Every step of the closed form on meta tensors returns meta tensors: no helper (eye, zeros, index)
+    is made on the CPU, which on a GPU (kvconvert mla --device cuda) would be a device mismatch."""
+    G, H, d, rope, hidden = 2, 4, 16, 8, (24 if dy_over_hidden else 96)
+    meta = dict(dtype=torch.float64, device="meta")
+    w_q, w_k, w_v = (torch.empty(n * d, hidden, **meta) for n in (H, G, G))
+    w_o, cov, mean = torch.empty(hidden, H * d, **meta), torch.empty(hidden, hidden, **meta), torch.empty(hidden, **meta)
+    basis = fz.rope_basis(w_k, cov, G, d, rope, key_weight=torch.empty(G, d // 2, **meta))
+    maps = fz.rope_maps(basis, H, G, d)
+    metric = fz.attention_weights(w_q, w_v, w_o, maps, cov, mean, H, G, d, 0.3)
+    w_y = torch.cat([maps.key_nope @ w_k, w_v])
+    latent = fz.weighted_latent(w_y, cov, metric, 8)
+    refit = fz.refit_o_proj(torch.empty(H * d, H * d, **meta), torch.empty(hidden, H * d, **meta), w_o)
+    out = [*basis.bases, maps.key_rope, maps.query_nope, metric.key, *metric.values, latent.down, latent.up, refit]
+    assert all(t.device.type == "meta" for t in out)

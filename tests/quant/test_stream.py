@@ -135,3 +135,26 @@ def test_cli_reports_the_streamed_path(tiny_deepseek, calib_text, tmp_path):
           str(calib_text), "--calib-tokens", "256", "--window-len", "64", "--quiet"])
     report = read_json(out / "calibration_report.json")
     assert report["path"] == "layer-streamed" and report["peak_rss_mb_before_export"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto means cuda on this machine")
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_deepseek"])
+def test_device_cpu_and_auto_calibrate_identically(model, calib_text, tmp_path, monkeypatch, request, capsys):
+    """--device cpu and the default (auto: cpu without a GPU) give the same scales and weights (nvfp4:
+    key phases, value rotation and the mse search all run); cuda without a GPU is refused up front."""
+    from safetensors.torch import load_file
+
+    src = request.getfixturevalue(model)
+    args = ["calibrate", "--src", str(src), "--kv-dtype", "nvfp4", "--calib-data", str(calib_text),
+            "--calib-tokens", "256", "--window-len", "64", "--search-tokens", "64", "--quiet"]
+    for device in ("cpu", "auto"):
+        main([*args, "--out", str(tmp_path / device), "--device", device])
+    written = [{k: v for f in sorted((tmp_path / d).glob("*.safetensors")) for k, v in load_file(f).items()}
+               for d in ("cpu", "auto")]
+    assert written[0].keys() == written[1].keys() and any("k_scale" in k for k in written[0])
+    assert all(torch.equal(v, written[1][k]) for k, v in written[0].items())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        main([*args, "--out", str(tmp_path / "cuda"), "--device", "cuda"])
+    assert "--device cuda asked for a GPU, but torch sees none" in capsys.readouterr().err
+    assert not (tmp_path / "cuda").exists()
