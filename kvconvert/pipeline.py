@@ -164,8 +164,15 @@ def _policy_path(policy: str, base: Path | None = None) -> str:
     raise KVConvertError(f"--policy {policy}: not a file and not a built-in policy in {REPO_GATES}")
 
 
-def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path) -> list[Stage]:
-    """The pipeline's stages for a recipe."""
+def with_device(opts: StageOptions | None, device: str | None) -> StageOptions | None:
+    """The options with `device` set (validated by the model), or unchanged when device is None."""
+    if opts is None or device is None:
+        return opts
+    return build_options(type(opts), {}, base=opts.model_dump(exclude_unset=True), device=device)
+
+
+def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path, device: str | None = None) -> list[Stage]:
+    """The pipeline's stages for a recipe (`device`: replaces every block's device when given)."""
     convert = recipe.stage("convert")
     if convert is None and recipe.heals():
         raise KVConvertError(f"{recipe_path}: heal blocks need a `convert` block (rank, rope_dim, ...)")
@@ -178,6 +185,7 @@ def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path) -> list[St
         validate = validate.model_copy(update={"kv_dtype": calibrate.kv_dtype})
     policy = _policy_path(block.gate if block is not None and block.gate else "default", recipe_path.parent)
     heal = recipe if recipe.heals() else None
+    convert, calibrate, validate = (with_device(o, device) for o in (convert, calibrate, validate))
     return build_stages(src, convert, heal, str(recipe_path) if heal else "none", calibrate, validate, policy, out_dir)
 
 
@@ -226,18 +234,25 @@ RECIPE_OWNS = ("rank", "rope_dim", "target", "heal", "calib_tokens", "kv_dtype",
 @click.option("--kv-dtype", type=click.Choice([*CALIBRATE_KV_DTYPES, "bf16"]), default="fp8", show_default=True)
 @click.option("--suite", default="quick", show_default=True)
 @click.option("--policy", default="default", show_default=True, help="Gate policy: a YAML file or a built-in name.")
+@click.option("--kv-budget", default=None,
+              help="Let `kvconvert plan` measure what fits this share of the source's bf16 KV bytes (e.g. 50%) and "
+                   "the --target engine, then build and validate the winner from its recipe (OUT/plan).")
+@click.option("--device", default=None, help="Where every stage runs: auto (cuda when visible), cpu, cuda[:N] "
+                                             "(default: each stage's own, auto).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--overwrite", is_flag=True, help="Recompute every stage (default: reuse finished stages).")
 @click.option("--fail-on-gate", is_flag=True, help="Exit 1 when the gate fails (for CI); default: report and exit 0.")
 def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy,
-                 out_dir, overwrite, fail_on_gate):
+                 kv_budget, device, out_dir, overwrite, fail_on_gate):
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     import json
 
     from kvconvert.checkpoint import check_writable
 
-    if recipe_file is not None:
-        src, stages = _from_recipe(recipe_file, src, out_dir)
+    if kv_budget is not None:
+        src, stages = _from_plan(src, kv_budget, target, device, out_dir, overwrite)
+    elif recipe_file is not None:
+        src, stages = _from_recipe(recipe_file, src, out_dir, device)
     else:
         if not convert:
             _refuse_mla_flags()
@@ -245,7 +260,7 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
         elif rank is None:
             rank, rope_dim = _default_shape(src, target, rope_dim)
         stages = _from_flags(src, rank, rope_dim, target, heal if convert else "none", calib_tokens, kv_dtype,
-                             suite, policy, out_dir)
+                             suite, policy, out_dir, device)
     check_writable(out_dir)  # before the first stage (kvconvert.checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -262,12 +277,15 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
         sys.exit(log[-1]["exit_code"])
 
 
-def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir: Path) -> list[Stage]:
-    calib = {} if calib_tokens is None else {"calib_tokens": calib_tokens}
+def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir: Path,
+                device: str | None = None) -> list[Stage]:
+    calib = {**({} if calib_tokens is None else {"calib_tokens": calib_tokens}),
+             **({} if device is None else {"device": device})}
     calibrate = None if not kv_format(kv_dtype).quantized else build_options(CalibrateOptions, {"kv_dtype": kv_dtype, **calib})
     convert = None if rank is None else build_options(MLAOptions, {"rank": rank, "rope_dim": rope_dim,
                                                                    "target": target, **calib})
-    validate = build_options(ValidateOptions, {"suite": suite, "kv_dtype": kv_dtype})
+    validate = build_options(ValidateOptions, {"suite": suite, "kv_dtype": kv_dtype,
+                                               **({} if device is None else {"device": device})})
     return build_stages(src, convert, heal_recipe(heal) if convert else None, heal, calibrate, validate,
                         _policy_path(policy), out_dir)
 
@@ -302,7 +320,7 @@ def _default_shape(src: str, target: str, rope_dim: int | None) -> tuple[int, in
     return shapes[0]
 
 
-def _from_recipe(recipe_file: Path, src: str, out_dir: Path) -> tuple[str, list[Stage]]:
+def _from_recipe(recipe_file: Path, src: str, out_dir: Path, device: str | None = None) -> tuple[str, list[Stage]]:
     from kvconvert.recipe import load_recipe
 
     ctx = click.get_current_context()
@@ -315,4 +333,32 @@ def _from_recipe(recipe_file: Path, src: str, out_dir: Path) -> tuple[str, list[
     if recipe.source and ctx.get_parameter_source("src") == click.core.ParameterSource.COMMANDLINE and src != recipe.source:
         raise KVConvertError(f"--src {src}: the recipe's source is {recipe.source}; drop --src or edit the recipe")
     src = recipe.source or src
-    return src, recipe_stages(recipe, recipe_file, src, out_dir)
+    return src, recipe_stages(recipe, recipe_file, src, out_dir, device)
+
+
+def _from_plan(src: str, kv_budget: str, target: str, device: str | None, out_dir: Path,
+               overwrite: bool) -> tuple[str, list[Stage]]:
+    """`kvconvert plan` into out_dir/plan (reused when its plan.json has the same budget and target,
+    unless `overwrite`), then the stages of the recipe it chose."""
+    import json
+
+    from kvconvert.plan import parse_budget, run_plan
+    from kvconvert.recipe import load_recipe
+
+    ctx = click.get_current_context()
+    given = [name for name in ("recipe_file", "convert", "rank", "rope_dim", "kv_dtype", "heal")
+             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-").replace("recipe-file", "recipe").replace("convert", "mla")
+                          for name in given)
+        raise KVConvertError(f"{flags}: --kv-budget lets `kvconvert plan` choose these; drop them or --kv-budget")
+    budget, plan_dir = parse_budget(kv_budget), out_dir / "plan"
+    done = plan_dir / "plan.json"
+    if overwrite or not (done.is_file() and json.loads(done.read_text()).get("budget") == budget
+            and json.loads(done.read_text()).get("target") == target):
+        click.secho(f"\n== plan: kvconvert plan --src {src} --kv-budget {kv_budget} --target {target} "
+                    f"--out {plan_dir}", fg="cyan", err=True)
+        run_plan(src, budget, target, plan_dir, eval_tokens=2048, window_len=512, calib_tokens=2048,
+                 measure_dominated=False, echo=lambda msg: click.echo(msg, err=True))
+    recipe_file = plan_dir / "recipe.yaml"
+    return src, recipe_stages(load_recipe(recipe_file), recipe_file, src, out_dir, device)

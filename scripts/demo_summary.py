@@ -45,8 +45,9 @@ def _gate(report_path: Path, policy: str) -> bool:
 def _engines(report: dict) -> str:
     """The engines serving the candidate's KV format (kvconvert.kvformat) and, for MLA, its latent shape."""
     arch, kv = report["candidate"]["architecture"], report["candidate"]["kv_dtype"]
-    engines = kv_format(kv).engines
-    if arch.startswith("Deepseek"):
+    mla = arch.startswith("Deepseek")
+    engines = kv_format(kv).served_by(mla=mla)
+    if mla:
         cfg = json.loads((Path(report["candidate"]["path"]) / "config.json").read_text())
         engines = [e for e in engines if TARGETS[e].serves(cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])]
     return ", ".join(engines)

@@ -139,6 +139,51 @@ def test_flag_pipeline_builds_the_same_stages_as_a_recipe(tmp_path):
         _from_flags("x", 64, 32, "any", "none", None, "bf16", "quik", "default", tmp_path)
 
 
+def test_device_reaches_every_stage_and_its_printed_command(tmp_path):
+    from kvconvert.pipeline import _from_flags
+
+    recipe = parse_recipe({"convert": {"rank": 64, "rope_dim": 32, "target": "any", "device": "cpu"},
+                           "calibrate": {"kv_dtype": "fp8"}}, "r.yaml")
+    for stages in (_from_flags("smollm2-135m", 64, 32, "any", "none", None, "fp8", "quick", "default", tmp_path,
+                               device="cuda:1"),
+                   recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path, device="cuda:1")):
+        for stage in stages[:3]:
+            assert stage.options.device == "cuda:1", stage.name
+            assert _printed_options(stage) == stage.options, stage.name
+    kept = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path)  # no --device: the recipe's own
+    assert [s.options.device for s in kept[:3]] == ["cpu", "auto", "auto"]
+    with pytest.raises(KVConvertError, match="device"):
+        recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path, device="gpu0")
+
+
+def test_kv_budget_refuses_what_the_planner_chooses_before_any_work(tmp_path):
+    for flags in (["--rank", "64"], ["--no-mla"], ["--kv-dtype", "nvfp4"],
+                  ["--recipe", str(ROOT / "recipes" / "smollm2-135m-25pct.yaml")]):
+        result = CliRunner().invoke(cli, ["pipeline", "--kv-budget", "50%", *flags, "--out", str(tmp_path / "o")])
+        assert isinstance(result.exception, KVConvertError), flags
+        assert "--kv-budget lets `kvconvert plan` choose these" in str(result.exception), flags
+    result = CliRunner().invoke(cli, ["pipeline", "--kv-budget", "150%", "--out", str(tmp_path / "o")])
+    assert isinstance(result.exception, KVConvertError) and "--kv-budget '150%'" in str(result.exception)
+    assert not (tmp_path / "o").exists()
+
+
+def test_kv_budget_runs_the_recipe_of_an_existing_plan(tmp_path, monkeypatch):
+    """A plan already measured for this budget and target (plan.json) is reused: its recipe's stages run."""
+    import kvconvert.plan as plan
+
+    out = tmp_path / "o"
+    (out / "plan").mkdir(parents=True)
+    (out / "plan" / "recipe.yaml").write_text(yaml.safe_dump({"source": "smollm2-135m", "calibrate": {"kv_dtype": "fp8"}}))
+    (out / "plan" / "plan.json").write_text(json.dumps({"budget": 0.5, "target": "vllm"}))
+    monkeypatch.setattr(plan, "run_plan", lambda *a, **k: pytest.fail("the measured plan should be reused"))
+    from kvconvert.pipeline import _from_plan, pipeline_cmd
+
+    with pipeline_cmd.make_context("pipeline", ["--kv-budget", "50%", "--out", str(out)]).scope():
+        src, stages = _from_plan("smollm2-135m", "50%", "vllm", None, out, overwrite=False)
+    assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
+    assert stages[0].options.kv_dtype == "fp8" and stages[0].out == out / "source-fp8"
+
+
 # ------------------------------------------------------------------ a real run, interrupted and resumed
 
 @pytest.fixture(scope="module")

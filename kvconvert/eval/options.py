@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from kvconvert.device import DEVICE_FIELD
 from kvconvert.eval.suites import SUITES
 from kvconvert.kvformat import VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES  # "auto" + the runtime's formats
 from kvconvert.stage_options import StageOptions
@@ -30,5 +31,6 @@ class ValidateOptions(StageOptions):
         "checkpoint", description="Runtime engine: fp8/nvfp4 scales from the checkpoint or from the first prefill.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="Both models' weights/activations: auto = as stored (bf16 checkpoints run in bf16).")
+    device: str = DEVICE_FIELD
     longbench_dir: Path | None = Field(None, description="LongBench-mini folder (default: $KVCONVERT_LONGBENCH_DIR or "
                                                         "shared/data/longbench-mini).")

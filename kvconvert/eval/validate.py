@@ -74,8 +74,10 @@ def prepare(run: ValidateRun) -> Pair:
     engine = resolve_engine("auto" if run.options.engine == "vllm" else run.options.engine)
     source_tok = load_tokenizer(source_path)
     check_same_tokenizer(source_tok, load_tokenizer(candidate_path), source_path, candidate_path)
-    source = LazyRunner(source_path, engine, run.options.source_kv_dtype, run.options.kv_scales, run.options.dtype)
-    candidate = LazyRunner(candidate_path, engine, run.options.kv_dtype, run.options.kv_scales, run.options.dtype)
+    source = LazyRunner(source_path, engine, run.options.source_kv_dtype, run.options.kv_scales, run.options.dtype,
+                        run.options.device)
+    candidate = LazyRunner(candidate_path, engine, run.options.kv_dtype, run.options.kv_scales, run.options.dtype,
+                           run.options.device)
     if source.vocab_size != candidate.vocab_size:
         raise KVConvertError(f"vocab sizes differ: source {source.vocab_size}, candidate {candidate.vocab_size}; "
                              "logits cannot be compared")

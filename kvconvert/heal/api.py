@@ -25,7 +25,7 @@ import torch
 
 from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_output_path, estimate_checkpoint_bytes
 from kvconvert.data import data_hash, load_text, token_windows
-from kvconvert.device import default_device
+from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.heal import compat
 from kvconvert.heal.options import DistillOptions, LayerwiseOptions
@@ -148,7 +148,7 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
     notes = compat.check_pair(s_reader, t_reader)
     tokenizer = compat.load_tokenizer(teacher, "teacher")
-    device = device or default_device()
+    device = str(resolve_device(device))  # a GPU asked for and missing: a clear error before any work
     data = prepare_data(tokenizer, recipe, teacher, progress, device)
     state = state_dir_for(out)
     if restart and state.exists():
