@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
@@ -28,7 +27,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-MARKERS = ("<!-- frontier:begin -->", "<!-- frontier:end -->")
 SMOLLM2 = "smollm2-135m"
 
 
@@ -215,12 +213,10 @@ def write(doc: dict) -> None:
     (DOCS / "img").mkdir(exist_ok=True)
     plot_frontier(points, DOCS / "img" / "frontier.png", "SmolLM2-135M: damage per KV byte", metrics=("kl", "ppl_increase_pct"))
     table = markdown(doc)
-    bench = DOCS / "BENCHMARKS.md"
-    text = bench.read_text()
-    pattern = re.compile(re.escape(MARKERS[0]) + ".*?" + re.escape(MARKERS[1]), re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"{bench}: add the markers {MARKERS} where the table goes")
-    bench.write_text(pattern.sub(lambda _: f"{MARKERS[0]}\n{table}\n{MARKERS[1]}", text))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_doc import write_block
+
+    write_block("frontier", table)
     print(table, flush=True)
 
 if __name__ == "__main__":

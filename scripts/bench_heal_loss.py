@@ -24,8 +24,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_OUT = ROOT / "docs" / "bench_heal_loss.json"
-DOC = ROOT / "docs" / "BENCHMARKS.md"
-BEGIN, END = "<!-- bench_heal_loss:begin -->", "<!-- bench_heal_loss:end -->"
 
 
 def _status_bytes(field: str) -> int:
@@ -84,16 +82,6 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines) + f"\n\nCommand: `{command}` (device {rows[0]['device']})"
 
 
-def write_doc(block: str) -> None:
-    text = DOC.read_text()
-    block = f"{BEGIN}\n{block}\n{END}"
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.write_text(text)
-
-
 def main():
     if sys.argv[1:2] == ["_child"]:
         v, d, rows, vocab, reps, dev = sys.argv[2:8]
@@ -118,7 +106,10 @@ def main():
     JSON_OUT.write_text(json.dumps({"command": command, "results": results}, indent=2))
     table = markdown(results, command)
     if not args.no_doc:
-        write_doc(table)
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_doc import write_block
+
+        write_block("bench_heal_loss", table)
     print(table)
 
 

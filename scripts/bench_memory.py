@@ -36,12 +36,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_doc import write_block  # noqa: E402
 from bench_mla import LLAMA_SHAPES  # noqa: E402  (one source of truth for random checkpoints; no torch)
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_OUT = ROOT / "docs" / "bench_memory.json"
-DOC = ROOT / "docs" / "BENCHMARKS.md"
-BEGIN, END = "<!-- bench_memory:begin -->", "<!-- bench_memory:end -->"
 DEFAULT_STAGES = {"tinyllama-1.1b": ["mla", "calibrate", "generate", "generate-fp32", "validate"],
                   "llama-2-7b": ["generate", "validate"]}
 TARGETS_GB = {("tinyllama-1.1b", "generate"): 3.5, ("llama-2-7b", "generate"): 16.0,
@@ -132,13 +131,7 @@ def markdown(results: dict) -> str:
 
 
 def write_doc(results: dict) -> None:
-    text = DOC.read_text()
-    block = f"{BEGIN}\n{markdown(results)}\n\nCommand: `{results.get('command', '')}`\n{END}"
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.write_text(text)
+    write_block("bench_memory", f"{markdown(results)}\n\nCommand: `{results.get('command', '')}`")
 
 
 def validate_child(argv: list[str]) -> None:
