@@ -1,4 +1,4 @@
-"""The stock DeepSeek-V3 checkpoint format that kvconvert writes (BRIEF section 2).
+"""The stock DeepSeek-V3 checkpoint format that kvconvert writes (docs/formats.md, "DeepSeek-V3 MLA checkpoints").
 
 Literal rename table (gpt-fast style) from Llama names to DeepSeek-V3 names for everything that is
 copied unchanged, plus the config builder. Attention tensors are produced by convert_layer.

@@ -6,7 +6,7 @@ that writes the cache and then attends from it.
 
 Protocol: each window of T tokens predicts tokens 1..T-1; perplexity = exp(mean NLL over all
 predictions); KL = mean over the same positions of KL(reference || candidate) in nats, where the
-reference is the unquantized source model (BRIEF §5).
+reference is the unquantized source model (docs/calibrate.md, "Evaluation API").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """KV-cache number formats: FP8 (E4M3 / E5M2) and NVFP4, as bit-exact pure-PyTorch references.
 
-Conventions (BRIEF §3):
+Conventions (docs/formats.md, "KV-cache number formats and scales"):
 
 * FP8, static scale: ``q = fp8(clamp(x / scale, -max, max))`` with round-to-nearest-even (torch's
   float8 cast), ``x_hat = float(q) * scale``. ``scale = amax / 448`` for E4M3. ``scale`` is a python

@@ -1,7 +1,7 @@
 """Cross-check against NVIDIA ModelOpt (optional extra ``modelopt``; nvidia-modelopt 0.47 tested).
 
 ModelOpt's FP8 KV calibration ("max" algorithm) records the amax of post-RoPE K and V in
-``k_bmm_quantizer`` / ``v_bmm_quantizer`` of every attention module. Recipe (BRIEF §3): disable every
+``k_bmm_quantizer`` / ``v_bmm_quantizer`` of every attention module. Recipe (docs/calibrate.md): disable every
 quantizer first (``{"quantizer_name": "*", "enable": False}``) - FP8_KV_CFG alone leaves ModelOpt's
 default weight/activation quantizers on - then FP8_KV_CFG's entries, algorithm "max".
 Its NVFP4 fake quant needs CUDA, so only the FP8 amax is compared on CPU.

@@ -1,7 +1,7 @@
 """Streaming statistics of cached K/V activations, accumulated over ALL calibration batches.
 
 Every observer keeps running state: nothing is recomputed from the last batch only (llm-compressor
-and others have shipped scales from the last batch, BRIEF §3). A small second batch cannot lower an
+and others have shipped scales from the last batch, docs/formats.md, "KV-cache number formats and scales"). A small second batch cannot lower an
 amax or a percentile seen in the first.
 
 * amax: running max of |x| per head (and per channel, which rotation planning uses).
