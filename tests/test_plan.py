@@ -93,9 +93,10 @@ def test_recipes_written_run_in_the_pipeline(tmp_path):
         path = tmp_path / "recipe.yaml"
         path.write_text(yaml.safe_dump(chosen_recipe(c[name], "smollm2-135m", "vllm", 2048)))
         recipe = load_recipe(path)
-        stages, kv_dtype, _ = recipe_stages(recipe, path, "smollm2-135m", tmp_path / "out")
-        assert [s for s, _ in stages] == stages_expected
-        assert kv_dtype == ("auto" if name.endswith("bf16") else "fp8")
+        stages = recipe_stages(recipe, path, "smollm2-135m", tmp_path / "out")
+        assert [s.name for s in stages] == [*stages_expected, "validate", "gate"]
+        validate = next(s for s in stages if s.name == "validate")
+        assert validate.options.kv_dtype == ("auto" if name.endswith("bf16") else "fp8")
         if recipe.convert is not None:  # vLLM serves 256 + 64; 160 + 32 only the runtime
             assert recipe.convert.target == ("vllm" if name.startswith("MLA 256") else "any")
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 
+from kvconvert.checkpoint import atomic_write_text
 from kvconvert.eval.metrics import LONGBENCH_TASKS
 from kvconvert.eval.stats import GATE_METRICS, estimate
 

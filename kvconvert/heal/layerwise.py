@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
+from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, atomic_save_tensors, atomic_write_text
 from kvconvert.heal.reparam import row_scales
 from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla import factorize as fz
