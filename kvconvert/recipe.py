@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.options import ValidateOptions
@@ -34,27 +34,18 @@ HEAL_PRESETS: dict[str, dict] = {
 }
 
 
-# Each block is its stage's options model (defined once, beside the stage) plus `enabled`: a key
-# left out takes the stage's default, the one its command shows, because there is only one.
-class ConvertStage(MLAOptions):
-    enabled: bool = True
+def _block(name: str, options: type[StageOptions], **fields) -> type[StageOptions]:
+    """A recipe block: its stage's options model (defined once, beside the stage) plus `enabled` and
+    `fields`. A key left out takes the stage's default, the one its command shows, because there is only one."""
+    return create_model(name, __base__=options, enabled=(bool, True), **fields)
 
 
-class LayerwiseStage(LayerwiseOptions):
-    enabled: bool = True
-
-
-class DistillStage(DistillOptions):
-    enabled: bool = True
-
-
-class CalibrateStage(CalibrateOptions):
-    enabled: bool = True
-
-
-class ValidateStage(ValidateOptions):
-    enabled: bool = True
-    gate: str | None = None  # the pipeline's gate policy: a YAML path or a built-in name (recipes/gates/)
+ConvertStage = _block("ConvertStage", MLAOptions)
+LayerwiseStage = _block("LayerwiseStage", LayerwiseOptions)
+DistillStage = _block("DistillStage", DistillOptions)
+CalibrateStage = _block("CalibrateStage", CalibrateOptions)
+# gate: the pipeline's gate policy, a YAML path or a built-in name (recipes/gates/)
+ValidateStage = _block("ValidateStage", ValidateOptions, gate=(str | None, None))
 
 
 def stage_options(block: StageOptions | None) -> StageOptions | None:
