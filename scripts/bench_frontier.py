@@ -58,8 +58,7 @@ def earlier_points(cands: dict) -> list[dict]:
     for row in cal["rows"]:
         if row["config"].endswith("(default)"):
             out.append(point(cands, f"source {row['kv_dtype']}", row["kl"], row["ppl"], cal["rows"][0]["ppl"], "",
-                             "bench_calibrate.json",
-                             proto))
+                             "bench_calibrate.json", proto))
     heal_files = {"bench_heal_50pct.json": (160, 32), "bench_heal_33pct.json": (96, 32), "bench_heal.json": (64, 32),
                   "bench_heal_12pct.json": (32, 16)}
     for file, (rank, rope) in heal_files.items():
