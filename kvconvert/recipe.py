@@ -141,17 +141,22 @@ def resolve_recipe(recipe: Recipe | dict | str | Path) -> Recipe:
     raise KVConvertError(f"{recipe}: not a recipe file or preset (presets: {', '.join(HEAL_PRESETS)})")
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe YAML file."""
+def read_yaml(path: str | Path, missing: str = "file not found"):
+    """The parsed YAML file at `path` (recipes, gate policies). A missing file is a KVConvertError
+    "PATH: `missing`", bad YAML one that names the line."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
-        raise KVConvertError(f"{path}: recipe file not found")
+        raise KVConvertError(f"{path}: {missing}")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise KVConvertError(f"{path}: not valid YAML{where}") from None
-    return parse_recipe(data, str(path))
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe YAML file."""
+    return parse_recipe(read_yaml(path, "recipe file not found"), str(path))
