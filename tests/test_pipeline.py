@@ -16,7 +16,9 @@ from kvconvert.cli import cli
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.cli import validate_cmd
 from kvconvert.mla.cli import mla_cmd
-from kvconvert.pipeline import recipe_stages
+from kvconvert.data import pydoc_corpus
+from kvconvert.mla.options import MLAOptions
+from kvconvert.pipeline import _from_flags, _from_plan, pipeline_cmd, recipe_stages
 from kvconvert.quant.cli import calibrate_cmd
 from kvconvert.recipe import load_recipe, parse_recipe
 from kvconvert.stage_options import build_options
@@ -77,8 +79,6 @@ def test_shipped_recipes_make_valid_commands(path, tmp_path):
 
 
 def test_unset_keys_take_the_stages_defaults(tmp_path):
-    from kvconvert.mla.options import MLAOptions
-
     convert, calibrate, validate, _ = _stages({"convert": {"rank": 64}, "calibrate": {}}, tmp_path)
     assert convert.options == MLAOptions(rank=64)
     assert convert.argv[1:4] == ["--src", "smollm2-135m", "--rank"] and "--key-weight" not in convert.argv
@@ -127,8 +127,6 @@ def test_conflicting_flags_are_refused_before_any_work(args, message, tmp_path):
 
 
 def test_flag_pipeline_builds_the_same_stages_as_a_recipe(tmp_path):
-    from kvconvert.pipeline import _from_flags
-
     stages = _from_flags("smollm2-135m", 160, 32, "any", "layerwise", 2048, "fp8", "smoke", "smoke", tmp_path)
     from_recipe = _stages({"convert": {"rank": 160, "rope_dim": 32, "target": "any", "calib_tokens": 2048},
                            "heal_layerwise": {}, "calibrate": {"kv_dtype": "fp8", "calib_tokens": 2048},
@@ -142,8 +140,6 @@ def test_flag_pipeline_builds_the_same_stages_as_a_recipe(tmp_path):
 
 
 def test_device_reaches_every_stage_and_its_printed_command(tmp_path):
-    from kvconvert.pipeline import _from_flags
-
     blocks = {"convert": {"rank": 64, "rope_dim": 32, "target": "any", "device": "cpu"},
               "calibrate": {"kv_dtype": "fp8"}}
     for stages in (_from_flags("smollm2-135m", 64, 32, "any", "none", None, "fp8", "quick", "default", tmp_path,
@@ -166,8 +162,6 @@ def test_kv_budget_runs_the_recipe_of_an_existing_plan(tmp_path, monkeypatch):
     (out / "plan" / "recipe.yaml").write_text(yaml.safe_dump({"source": "smollm2-135m", "calibrate": {"kv_dtype": "fp8"}}))
     (out / "plan" / "plan.json").write_text(json.dumps({"budget": 0.5, "target": "vllm"}))
     monkeypatch.setattr(plan, "run_plan", lambda *a, **k: pytest.fail("the measured plan should be reused"))
-    from kvconvert.pipeline import _from_plan, pipeline_cmd
-
     with pipeline_cmd.make_context("pipeline", ["--kv-budget", "50%", "--out", str(out)]).scope():
         src, stages = _from_plan("smollm2-135m", "50%", "vllm", None, out, overwrite=False)
     assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
@@ -187,8 +181,6 @@ def tiny_llama(tmp_path_factory) -> Path:
 def test_interrupted_pipeline_resumes_from_the_finished_stage(tiny_llama, tmp_path):
     """The calibrate stage fails (its data file is missing) after the conversion was written; once the
     file exists, the same command reuses the conversion untouched and finishes the other stages."""
-    from kvconvert.data import pydoc_corpus
-
     convert_data, calibrate_data = tmp_path / "convert.txt", tmp_path / "calibrate.txt"
     convert_data.write_text(pydoc_corpus()[:40_000])
     recipe = tmp_path / "r.yaml"
