@@ -29,14 +29,6 @@ def command() -> str:
     return " ".join([f"python scripts/{Path(sys.argv[0]).name}", *sys.argv[1:]])
 
 
-def set_threads(threads: int | None) -> None:
-    """torch's intra-op threads (None: torch's default). Imports torch."""
-    import torch
-
-    if threads:
-        torch.set_num_threads(threads)
-
-
 @contextmanager
 def stopwatch():
     """Yields a dict that gets the block's wall `seconds` and this process's `cpu_seconds` (every thread)."""
@@ -61,11 +53,6 @@ def run_child(cmd: list[str], log: Path, threads: int | None = None) -> dict:
     return row
 
 
-def read_json(path: Path) -> dict:
-    """An earlier run's results, to merge into ({} when there is none)."""
-    return json.loads(Path(path).read_text()) if Path(path).is_file() else {}
-
-
 def write_json(path: str | Path, payload: dict, indent: int = 2) -> None:
     """Write the results atomically (a temp file beside it, then a rename), creating the folder."""
     path = Path(path)
@@ -75,13 +62,9 @@ def write_json(path: str | Path, payload: dict, indent: int = 2) -> None:
     tmp.replace(path)
 
 
-def markers(name: str) -> tuple[str, str]:
-    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-
-
 def write_block(name: str, body: str, doc: Path = DOC) -> None:
     """Replace the text between NAME's markers with `body` (markers appended at the end when missing)."""
-    begin, end = markers(name)
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = doc.read_text()
     block = f"{begin}\n{body.rstrip()}\n{end}"
     if begin in text and end in text:

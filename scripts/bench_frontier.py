@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import DOCS, command, parser, set_threads, write_block, write_json
+from bench_common import DOCS, command, parser, write_block, write_json
 from bench_mla import TRANSMLA
 
 SMOLLM2 = "smollm2-135m"
@@ -176,7 +176,9 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-measure", action="store_true", help="only re-render from docs/bench_frontier.json")
     args = ap.parse_args()
-    set_threads(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads)
     t0 = time.time()
     cands = candidates()
     earlier = earlier_points(cands)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_common import DOCS, ROOT, parser, set_threads, stopwatch, write_json
+from bench_common import DOCS, ROOT, parser, stopwatch, write_json
 
 DEFAULT_RECIPES = [f"recipes/smollm2-135m-{p}pct.yaml" for p in (25, 50, 33, 12)]
 TARGETS = {"ppl_increase_pct": 5.0, "kl_mean": 0.05, "passkey_drop": 0.1}
@@ -138,7 +138,8 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    set_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
     from kvconvert.heal.api import _resolve_teacher, default_device

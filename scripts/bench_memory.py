@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import DOCS, command, parser, read_json, run_child, write_block, write_json
+from bench_common import DOCS, command, parser, run_child, write_block, write_json
 from bench_mla import LLAMA_SHAPES  # one source of truth for random checkpoints; no torch
 
 JSON_OUT = DOCS / "bench_memory.json"
@@ -146,7 +146,7 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the random checkpoints for reruns")
     ap.add_argument("--no-doc", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
     args = ap.parse_args()
-    results = read_json(JSON_OUT)
+    results = json.loads(JSON_OUT.read_text()) if JSON_OUT.is_file() else {}
     for shape in args.shapes.split(","):
         if shape not in LLAMA_SHAPES:
             raise SystemExit(f"unknown shape {shape}; choose from {', '.join(LLAMA_SHAPES)}")

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import DOCS, command, parser, read_json, write_json
+from bench_common import DOCS, command, parser, write_json
 
 JSON_OUT = DOCS / "bench_mla.json"
 # TransMLA @9c0d254 on SmolLM2-135M, one-shot, same essays protocol (32 x 1024), measured on this
@@ -197,7 +197,7 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the random 7B source for reruns")
     args = ap.parse_args()
     args.calib_tokens = args.calib_tokens or (8192 if args.which == "smollm2" else 512)
-    results = read_json(JSON_OUT)
+    results = json.loads(JSON_OUT.read_text()) if JSON_OUT.is_file() else {}
     results[args.which] = bench_smollm2(args) if args.which == "smollm2" else bench_llama7b(args)
     results[args.which]["command"] = command()
     write_json(JSON_OUT, results)
