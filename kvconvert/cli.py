@@ -10,36 +10,23 @@ import click
 
 from kvconvert.errors import KVConvertError, raise_on_sigterm
 
-# command name -> "module:attribute". Modules own their click commands.
-LAZY_COMMANDS: dict[str, str] = {
-    "inspect": "kvconvert.model_info:inspect_cmd",
-    "budget": "kvconvert.budget:budget_cmd",
-    "fetch": "kvconvert.sources:fetch_cmd",
-    "import-gguf": "kvconvert.sources:import_gguf_cmd",
-    "mla": "kvconvert.mla.cli:mla_cmd",
-    "heal": "kvconvert.heal.cli:heal_cmd",
-    "calibrate": "kvconvert.quant.cli:calibrate_cmd",
-    "generate": "kvconvert.runtime.cli:generate_cmd",
-    "validate": "kvconvert.eval.cli:validate_cmd",
-    "gate": "kvconvert.eval.cli:gate_cmd",
-    "pipeline": "kvconvert.pipeline:pipeline_cmd",
-    "plan": "kvconvert.plan:plan_cmd",
-}
-
-
-SHORT_HELP = {
-    "inspect": "Describe a model: attention kind, heads, KV bytes per token.",
-    "budget": "KV-cache capacity planner: bytes per token/request, requests that fit.",
-    "fetch": "Put a built-in model (default smollm2-135m) into the local cache.",
-    "import-gguf": "Dequantize a GGUF file into a Hugging Face safetensors folder.",
-    "mla": "Convert an MHA/GQA checkpoint to stock DeepSeek-V3 MLA.",
-    "heal": "Recover conversion loss: layer-wise reconstruction + distillation.",
-    "calibrate": "Calibrate FP8/NVFP4 KV-cache scales and write them for vLLM/TensorRT-LLM.",
-    "generate": "Generate text with the bundled paged-KV runtime.",
-    "validate": "Compare a candidate against its source: ppl/KL, passkey, NIAH, RULER, LongBench.",
-    "gate": "Pass/fail a validation report against a policy (exit 1 on failure).",
-    "pipeline": "Convert -> heal -> calibrate -> validate -> gate on one model.",
-    "plan": "The least-damage KV artifact for a byte budget, measured; writes its recipe.",
+# command name -> ("module:attribute", one-line help). Modules own their click commands.
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("kvconvert.model_info:inspect_cmd", "Describe a model: attention kind, heads, KV bytes per token."),
+    "budget": ("kvconvert.budget:budget_cmd", "KV-cache capacity planner: bytes per token/request, requests that fit."),
+    "fetch": ("kvconvert.sources:fetch_cmd", "Put a built-in model (default smollm2-135m) into the local cache."),
+    "import-gguf": ("kvconvert.sources:import_gguf_cmd",
+                    "Dequantize a GGUF file into a Hugging Face safetensors folder."),
+    "mla": ("kvconvert.mla.cli:mla_cmd", "Convert an MHA/GQA checkpoint to stock DeepSeek-V3 MLA."),
+    "heal": ("kvconvert.heal.cli:heal_cmd", "Recover conversion loss: layer-wise reconstruction + distillation."),
+    "calibrate": ("kvconvert.quant.cli:calibrate_cmd",
+                  "Calibrate FP8/NVFP4 KV-cache scales and write them for vLLM/TensorRT-LLM."),
+    "generate": ("kvconvert.runtime.cli:generate_cmd", "Generate text with the bundled paged-KV runtime."),
+    "validate": ("kvconvert.eval.cli:validate_cmd",
+                 "Compare a candidate against its source: ppl/KL, passkey, NIAH, RULER, LongBench."),
+    "gate": ("kvconvert.eval.cli:gate_cmd", "Pass/fail a validation report against a policy (exit 1 on failure)."),
+    "pipeline": ("kvconvert.pipeline:pipeline_cmd", "Convert -> heal -> calibrate -> validate -> gate on one model."),
+    "plan": ("kvconvert.plan:plan_cmd", "The least-damage KV artifact for a byte budget, measured; writes its recipe."),
 }
 
 
@@ -48,7 +35,7 @@ class LazyGroup(click.Group):
     `kvconvert --help` stay torch-free)."""
 
     def format_commands(self, ctx, formatter):
-        rows = [(name, SHORT_HELP.get(name, "")) for name in self.list_commands(ctx)]
+        rows = [(name, LAZY_COMMANDS[name][1]) for name in self.list_commands(ctx)]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
@@ -56,10 +43,9 @@ class LazyGroup(click.Group):
         return sorted(LAZY_COMMANDS)
 
     def get_command(self, ctx, name):
-        target = LAZY_COMMANDS.get(name)
-        if target is None:
+        if name not in LAZY_COMMANDS:
             return None
-        module_name, attr = target.split(":")
+        module_name, attr = LAZY_COMMANDS[name][0].split(":")
         return getattr(importlib.import_module(module_name), attr)
 
 
@@ -79,7 +65,7 @@ def main(argv=None):
     raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: atomic cleanup and the message below
     try:
         cli.main(args=argv, standalone_mode=False)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("Interrupted: nothing was left half-written at the output path.", err=True)
         sys.exit(130)
     except click.ClickException as exc:
@@ -90,9 +76,6 @@ def main(argv=None):
             raise
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("Interrupted: nothing was left half-written at the output path.", err=True)
-        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ convert_stage is the conversion and its healing chain, shared with `kvconvert ml
 from __future__ import annotations
 
 import gc
+import json
 import shlex
 import shutil
 import sys
@@ -245,8 +246,6 @@ RECIPE_OWNS = ("rank", "rope_dim", "target", "heal", "calib_tokens", "kv_dtype",
 def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy,
                  kv_budget, device, out_dir, overwrite, fail_on_gate):
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
-    import json
-
     from kvconvert.checkpoint import check_writable
 
     if kv_budget is not None:
@@ -279,23 +278,29 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
 
 def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir: Path,
                 device: str | None = None) -> list[Stage]:
-    calib = {**({} if calib_tokens is None else {"calib_tokens": calib_tokens}),
-             **({} if device is None else {"device": device})}
-    calibrate = None if not kv_format(kv_dtype).quantized else build_options(CalibrateOptions, {"kv_dtype": kv_dtype, **calib})
+    calib = {"calib_tokens": calib_tokens, "device": device}  # None: not given, the stage's default
+    quantized = kv_format(kv_dtype).quantized
+    calibrate = build_options(CalibrateOptions, {"kv_dtype": kv_dtype, **calib}) if quantized else None
     convert = None if rank is None else build_options(MLAOptions, {"rank": rank, "rope_dim": rope_dim,
                                                                    "target": target, **calib})
-    validate = build_options(ValidateOptions, {"suite": suite, "kv_dtype": kv_dtype,
-                                               **({} if device is None else {"device": device})})
+    validate = build_options(ValidateOptions, {"suite": suite, "kv_dtype": kv_dtype, "device": device})
     return build_stages(src, convert, heal_recipe(heal) if convert else None, heal, calibrate, validate,
                         _policy_path(policy), out_dir)
 
 
-def _refuse_mla_flags() -> None:
+FLAG_OF = {"recipe_file": "--recipe", "convert": "--mla"}  # parameters whose flag is not --<name>
+
+
+def _given_flags(names: tuple[str, ...]) -> str:
+    """The flags among the parameters `names` that the command line gave ("--rank, --heal"; "" when none)."""
     ctx = click.get_current_context()
-    given = [name for name in ("rank", "rope_dim", "target", "heal")
-             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    return ", ".join(FLAG_OF.get(name, "--" + name.replace("_", "-")) for name in names
+                     if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE)
+
+
+def _refuse_mla_flags() -> None:
+    flags = _given_flags(("rank", "rope_dim", "target", "heal"))
+    if flags:
         raise KVConvertError(f"{flags}: belong to the MLA conversion, which --no-mla skips; drop them or --no-mla")
 
 
@@ -323,14 +328,11 @@ def _default_shape(src: str, target: str, rope_dim: int | None) -> tuple[int, in
 def _from_recipe(recipe_file: Path, src: str, out_dir: Path, device: str | None = None) -> tuple[str, list[Stage]]:
     from kvconvert.recipe import load_recipe
 
-    ctx = click.get_current_context()
-    given = [name for name in RECIPE_OWNS
-             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    flags = _given_flags(RECIPE_OWNS)
+    if flags:
         raise KVConvertError(f"{flags}: set by the recipe ({recipe_file}); change the recipe instead")
     recipe = load_recipe(recipe_file)
-    if recipe.source and ctx.get_parameter_source("src") == click.core.ParameterSource.COMMANDLINE and src != recipe.source:
+    if recipe.source and _given_flags(("src",)) and src != recipe.source:
         raise KVConvertError(f"--src {src}: the recipe's source is {recipe.source}; drop --src or edit the recipe")
     src = recipe.source or src
     return src, recipe_stages(recipe, recipe_file, src, out_dir, device)
@@ -340,22 +342,16 @@ def _from_plan(src: str, kv_budget: str, target: str, device: str | None, out_di
                overwrite: bool) -> tuple[str, list[Stage]]:
     """`kvconvert plan` into out_dir/plan (reused when its plan.json has the same budget and target,
     unless `overwrite`), then the stages of the recipe it chose."""
-    import json
-
     from kvconvert.plan import parse_budget, run_plan
     from kvconvert.recipe import load_recipe
 
-    ctx = click.get_current_context()
-    given = [name for name in ("recipe_file", "convert", "rank", "rope_dim", "kv_dtype", "heal")
-             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-").replace("recipe-file", "recipe").replace("convert", "mla")
-                          for name in given)
+    flags = _given_flags(("recipe_file", "convert", "rank", "rope_dim", "kv_dtype", "heal"))
+    if flags:
         raise KVConvertError(f"{flags}: --kv-budget lets `kvconvert plan` choose these; drop them or --kv-budget")
     budget, plan_dir = parse_budget(kv_budget), out_dir / "plan"
     done = plan_dir / "plan.json"
-    if overwrite or not (done.is_file() and json.loads(done.read_text()).get("budget") == budget
-            and json.loads(done.read_text()).get("target") == target):
+    measured = json.loads(done.read_text()) if done.is_file() and not overwrite else {}
+    if (measured.get("budget"), measured.get("target")) != (budget, target):
         click.secho(f"\n== plan: kvconvert plan --src {src} --kv-budget {kv_budget} --target {target} "
                     f"--out {plan_dir}", fg="cyan", err=True)
         run_plan(src, budget, target, plan_dir, eval_tokens=2048, window_len=512, calib_tokens=2048,

@@ -75,13 +75,6 @@ def parse_budget(text: str) -> float:
     return value
 
 
-def shape_engines(rank: int | None, rope_dim: int | None) -> tuple[str, ...]:
-    """Engines whose kernels take this attention shape (the source's own: all)."""
-    if rank is None:
-        return ENGINES
-    return tuple(e for e in ENGINES if TARGETS[e].serves(rank, rope_dim))
-
-
 def mla_shapes(shape: KVShape) -> list[tuple[int, int]]:
     """(rank, rope_dim) to consider for a GQA/MHA source: every shape vLLM or TensorRT-LLM serves, and
     research shapes for the runtime: latents in steps of 16 below the source's K+V width, each with the
@@ -106,12 +99,13 @@ def enumerate_candidates(config: dict) -> list[Candidate]:
     out = []
     for rank, rope in [(None, None), *mla_shapes(shape)]:
         cached = shape if rank is None else mla_whatif(shape, rank, rope)
+        # engines whose kernels take this attention shape (the source's own: all)
+        takes_shape = ENGINES if rank is None else [e for e in ENGINES if TARGETS[e].serves(rank, rope)]
         for fmt in FORMATS:
             group = kv_format(fmt).block  # NVFP4 quantizes whole groups of 16: rank (MLA) or head_dim
             if group and (shape.head_dim if rank is None else rank) % group:
                 continue
-            kind = "source" if rank is None else "mla"
-            engines = tuple(e for e in shape_engines(rank, rope) if e in kv_format(fmt).served_by(mla=kind == "mla"))
+            engines = tuple(e for e in takes_shape if e in kv_format(fmt).served_by(mla=rank is not None))
             out.append(Candidate(fmt, kv_bytes_per_token(cached, fmt), baseline, engines, rank, rope))
     return out
 
@@ -304,8 +298,7 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
     """Enumerate, filter, prune, measure, choose; writes plan.json, plan.png, plan.md and recipe.yaml to `out`."""
     import yaml
 
-    from kvconvert.checkpoint import check_writable, read_config
-    from kvconvert.checkpoint import atomic_write_text
+    from kvconvert.checkpoint import atomic_write_text, check_writable, read_config
     from kvconvert.sources import resolve_source
 
     t0 = time.time()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.options import ValidateOptions
@@ -34,27 +34,18 @@ HEAL_PRESETS: dict[str, dict] = {
 }
 
 
-# Each block is its stage's options model (defined once, beside the stage) plus `enabled`: a key
-# left out takes the stage's default, the one its command shows, because there is only one.
-class ConvertStage(MLAOptions):
-    enabled: bool = True
+def _block(name: str, options: type[StageOptions], **fields) -> type[StageOptions]:
+    """A recipe block: its stage's options model (defined once, beside the stage) plus `enabled` and
+    `fields`. A key left out takes the stage's default, the one its command shows, because there is only one."""
+    return create_model(name, __base__=options, enabled=(bool, True), **fields)
 
 
-class LayerwiseStage(LayerwiseOptions):
-    enabled: bool = True
-
-
-class DistillStage(DistillOptions):
-    enabled: bool = True
-
-
-class CalibrateStage(CalibrateOptions):
-    enabled: bool = True
-
-
-class ValidateStage(ValidateOptions):
-    enabled: bool = True
-    gate: str | None = None  # the pipeline's gate policy: a YAML path or a built-in name (recipes/gates/)
+ConvertStage = _block("ConvertStage", MLAOptions)
+LayerwiseStage = _block("LayerwiseStage", LayerwiseOptions)
+DistillStage = _block("DistillStage", DistillOptions)
+CalibrateStage = _block("CalibrateStage", CalibrateOptions)
+# gate: the pipeline's gate policy, a YAML path or a built-in name (recipes/gates/)
+ValidateStage = _block("ValidateStage", ValidateOptions, gate=(str | None, None))
 
 
 def stage_options(block: StageOptions | None) -> StageOptions | None:
@@ -150,17 +141,22 @@ def resolve_recipe(recipe: Recipe | dict | str | Path) -> Recipe:
     raise KVConvertError(f"{recipe}: not a recipe file or preset (presets: {', '.join(HEAL_PRESETS)})")
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe YAML file."""
+def read_yaml(path: str | Path, missing: str = "file not found"):
+    """The parsed YAML file at `path` (recipes, gate policies). A missing file is a KVConvertError
+    "PATH: `missing`", bad YAML one that names the line."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
-        raise KVConvertError(f"{path}: recipe file not found")
+        raise KVConvertError(f"{path}: {missing}")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise KVConvertError(f"{path}: not valid YAML{where}") from None
-    return parse_recipe(data, str(path))
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe YAML file."""
+    return parse_recipe(read_yaml(path, "recipe file not found"), str(path))

@@ -26,7 +26,6 @@ BUILTIN_MODELS = {
         "description": "SmolLM2-135M-Instruct (Llama arch, GQA 9/3 heads), from a Q4_1 GGUF",
     },
 }
-DEFAULT_MODEL = "smollm2-135m"
 
 
 def kvconvert_home() -> Path:

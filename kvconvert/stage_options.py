@@ -50,7 +50,9 @@ def _split_list(ctx, param, value):
     return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
 
 
-def _option(name: str, field, flag: str, param: str):
+def _option(field, name: str, prefix: str):
+    """The click option of field `name` (see click_options)."""
+    flag, param = _flag(name, prefix), _param(name, prefix)
     kind = _base_type(field.annotation)
     help_text = field.description or ""
     default = None if field.is_required() else field.get_default()
@@ -68,16 +70,12 @@ def _option(name: str, field, flag: str, param: str):
     return click.option(flag, param, type=kind if kind in (int, float) else str, default=None, help=help_text)
 
 
-def click_options(model: type[StageOptions], skip: tuple[str, ...] = (), flags: dict[str, str] | None = None,
-                  prefix: str = ""):
-    """Decorator: one click option per field of `model` (except `skip`), in field order; with
-    `prefix`, field `steps` becomes --PREFIX-steps (parameter PREFIX_steps)."""
-    flags = flags or {}
-
+def click_options(model: type[StageOptions], prefix: str = ""):
+    """Decorator: one click option per field of `model`, in field order; with `prefix`, field `steps`
+    becomes --PREFIX-steps (parameter PREFIX_steps)."""
     def decorate(command):
         for name, field in reversed(list(model.model_fields.items())):
-            if name not in skip:
-                command = _option(name, field, flags.get(name, _flag(name, prefix)), _param(name, prefix))(command)
+            command = _option(field, name, prefix)(command)
         return command
     return decorate
 
@@ -103,15 +101,14 @@ def _describe(err: dict, prefix: str = "") -> str:
     return f"{_flag(str(err['loc'][0]), prefix)}: {msg}" if err["loc"] else msg
 
 
-def options_as_flags(opts: StageOptions, flags: dict[str, str] | None = None, keep: tuple[str, ...] = ()) -> list[str]:
+def options_as_flags(opts: StageOptions, keep: tuple[str, ...] = ()) -> list[str]:
     """The command-line flags that reproduce `opts` (values that differ from the defaults, and `keep`)."""
-    flags = flags or {}
     out: list[str] = []
     for name, field in type(opts).model_fields.items():
         value = getattr(opts, name)
         if name not in keep and not field.is_required() and value == field.get_default():
             continue
-        flag = flags.get(name, _flag(name))
+        flag = _flag(name)
         if isinstance(value, bool):
             out.append(flag if value else f"--no-{flag[2:]}")
         elif isinstance(value, tuple):

@@ -15,8 +15,6 @@ Writes docs/bench_calibrate.json and prints a markdown table.
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -24,8 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import DOCS, parser, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"fp8": 0.5, "nvfp4": 3.0}
 
 # name -> CalibrateOptions overrides. "naive" = per-tensor amax/448, no rotation (the brief's baseline).
@@ -44,7 +42,7 @@ CONFIGS = {
 
 
 def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--src", default="smollm2-135m")
     ap.add_argument("--mla-path", default=None, help="a converted DeepSeek-V3 (MLA) checkpoint to bench as well")
     ap.add_argument("--windows", type=int, default=32, help="eval windows (protocol: 32)")
@@ -53,7 +51,7 @@ def parse_args():
     ap.add_argument("--search-tokens", type=int, default=1024, help="tokens replayed by the mse search")
     ap.add_argument("--configs", default=None, help="comma-separated substrings selecting configs")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_calibrate.json"))
+    ap.add_argument("--out", default=str(DOCS / "bench_calibrate.json"))
     return ap.parse_args()
 
 
@@ -143,8 +141,7 @@ def main():
                             "window_len": args.window_len, "calib_data": "builtin", "calib_tokens": args.calib_tokens},
                "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
                "rows": rows, "markdown": table}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(args.out, payload)
     print(table)
 
 

@@ -18,15 +18,15 @@ docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
+from bench_common import DOCS, command, parser, write_block, write_json
+from bench_mla import TRANSMLA
+
 SMOLLM2 = "smollm2-135m"
 
 
@@ -51,9 +51,6 @@ def point(cands: dict, name: str, kl, ppl, source_ppl, stage: str, provenance: s
 
 def earlier_points(cands: dict) -> list[dict]:
     """The points earlier benchmarks measured, with their files and protocols."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_mla import TRANSMLA
-
     out = []
     cal = json.loads((DOCS / "bench_calibrate.json").read_text())
     proto = f"essays {cal['protocol']['windows']} x {cal['protocol']['window_len']}, calibrate defaults, " \
@@ -61,8 +58,7 @@ def earlier_points(cands: dict) -> list[dict]:
     for row in cal["rows"]:
         if row["config"].endswith("(default)"):
             out.append(point(cands, f"source {row['kv_dtype']}", row["kl"], row["ppl"], cal["rows"][0]["ppl"], "",
-                             "bench_calibrate.json",
-                             proto))
+                             "bench_calibrate.json", proto))
     heal_files = {"bench_heal_50pct.json": (160, 32), "bench_heal_33pct.json": (96, 32), "bench_heal.json": (64, 32),
                   "bench_heal_12pct.json": (32, 16)}
     for file, (rank, rope) in heal_files.items():
@@ -172,7 +168,7 @@ def markdown(doc: dict) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--windows", type=int, default=32, help="essay windows of 1024 tokens for the points measured here")
     ap.add_argument("--shapes", default="256:64,160:32,64:32", help="one-shot MLA shapes measured here")
     ap.add_argument("--convert-tokens", type=int, default=8192, help="calibration tokens of the MLA conversions")
@@ -189,10 +185,9 @@ def main():
     if args.skip_measure:  # the points measured here, with the earlier ones read afresh from their files
         doc = json.loads((DOCS / "bench_frontier.json").read_text())
         return write({**doc, "points": [p for p in doc["points"] if p["provenance"] == "measured here"] + earlier})
-    command = "python scripts/bench_frontier.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
         measure(cands, args, Path(tmp), lambda measured: write(
-            {"command": command, "threads": args.threads, "seconds": time.time() - t0, "points": measured + earlier}))
+            {"command": command(), "threads": args.threads, "seconds": time.time() - t0, "points": measured + earlier}))
 
 
 def write(doc: dict) -> None:
@@ -209,13 +204,10 @@ def write(doc: dict) -> None:
     ppl_front = {id(points[i]) for i in pareto_front([(p["fraction"], p["ppl_increase_pct"]) for p in points])}
     for p in points:  # TransMLA has perplexities only: its points are placed by perplexity
         p["on_front"] = id(p) in (kl_front if p["kl"] is not None else ppl_front)
-    (DOCS / "bench_frontier.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(DOCS / "bench_frontier.json", doc, indent=1)
     (DOCS / "img").mkdir(exist_ok=True)
     plot_frontier(points, DOCS / "img" / "frontier.png", "SmolLM2-135M: damage per KV byte", metrics=("kl", "ppl_increase_pct"))
     table = markdown(doc)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_doc import write_block
-
     write_block("frontier", table)
     print(table, flush=True)
 

@@ -14,23 +14,21 @@ its results) and prints a markdown table for docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
+from bench_common import DOCS, ROOT, parser, stopwatch, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPES = [f"recipes/smollm2-135m-{p}pct.yaml" for p in (25, 50, 33, 12)]
 TARGETS = {"ppl_increase_pct": 5.0, "kl_mean": 0.05, "passkey_drop": 0.1}
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--source", default="smollm2-135m", help="source model (HF folder or built-in name)")
     ap.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kvconvert-bench-heal")
@@ -43,14 +41,8 @@ def parse_args(argv=None):
                     help="device for the layer-wise stage, teacher data and evaluation (default: cuda if visible)")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse converted/healed folders already in --work and resume an interrupted heal")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench_heal.json")
+    ap.add_argument("--out", type=Path, default=DOCS / "bench_heal.json")
     return ap.parse_args(argv)
-
-
-def kv_fraction(src_cfg: dict, rank: int, rope: int) -> float:
-    """MLA cached values per token and layer (rank + rope) over the source's (2 x kv_heads x head_dim)."""
-    d = src_cfg.get("head_dim") or src_cfg["hidden_size"] // src_cfg["num_attention_heads"]
-    return (rank + rope) / (2 * src_cfg.get("num_key_value_heads", src_cfg["num_attention_heads"]) * d)
 
 
 def convert(source: Path, recipe, folder: Path, reuse: bool) -> dict:
@@ -58,9 +50,9 @@ def convert(source: Path, recipe, folder: Path, reuse: bool) -> dict:
 
     if reuse and (folder / "config.json").is_file():
         return {"seconds": None, "reused": True}
-    t0, c0 = time.time(), time.process_time()
-    convert_to_mla(source, folder, recipe.stage("convert"), overwrite=True, progress=False)
-    return {"seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1)}
+    with stopwatch() as times:
+        convert_to_mla(source, folder, recipe.stage("convert"), overwrite=True, progress=False)
+    return times
 
 
 def heal_once(converted: Path, source: Path, recipe, folder: Path, reuse: bool, device: str) -> dict:
@@ -69,10 +61,9 @@ def heal_once(converted: Path, source: Path, recipe, folder: Path, reuse: bool, 
     if reuse and (folder / "heal_report.json").is_file():
         rep = json.loads((folder / "heal_report.json").read_text())
         return {"reused": True, **_heal_summary(rep)}
-    t0, c0 = time.time(), time.process_time()
-    rep = heal(converted, source, recipe, folder, overwrite=True, progress=True, restart=not reuse, device=device)
-    return {"seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1),
-            **_heal_summary(rep)}
+    with stopwatch() as times:
+        rep = heal(converted, source, recipe, folder, overwrite=True, progress=True, restart=not reuse, device=device)
+    return {**times, **_heal_summary(rep)}
 
 
 def _heal_summary(rep: dict) -> dict:
@@ -152,11 +143,12 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from kvconvert.heal.api import _resolve_teacher, default_device
+    from kvconvert.kvmath import kv_shape
     from kvconvert.recipe import load_recipe
 
     args.device = args.device or default_device()
     source = _resolve_teacher(args.source)
-    src_cfg = json.loads((source / "config.json").read_text())
+    source_values = kv_shape(json.loads((source / "config.json").read_text())).values_per_token_per_layer
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     results = {"protocol": {"source": str(args.source), "eval": f"{args.windows} x {args.window_len} essay tokens",
                             "passkey": f"{args.passkey} per length at {args.passkey_lengths}", "targets": TARGETS},
@@ -171,16 +163,15 @@ def main(argv=None) -> int:
         work = args.work / name
         print(f"== {name}", file=sys.stderr)
         entry = {"recipe": str(recipe_path), "rank": recipe.convert.rank, "rope_dim": recipe.convert.rope_dim,
-                 "kv_pct": 100 * kv_fraction(src_cfg, recipe.convert.rank, recipe.convert.rope_dim or 64)}
+                 "kv_pct": 100 * (recipe.convert.rank + (recipe.convert.rope_dim or 64)) / source_values}
         entry["convert"] = convert(source, recipe, work / "converted", args.reuse)
         entry["heal"] = heal_once(work / "converted", source, recipe, work / "healed", args.reuse, args.device)
         entry["metrics"] = evaluate(source, {"one-shot": work / "converted", "healed": work / "healed"}, args, tokenizer, cache)
         results["source_metrics"] = entry["metrics"]["source"]
         results["recipes"][name] = entry
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.out, results)
     results["markdown"] = markdown(results)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     print(results["markdown"])
     return 0
 

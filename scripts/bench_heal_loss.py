@@ -14,16 +14,15 @@ bench_heal_loss markers in docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-JSON_OUT = ROOT / "docs" / "bench_heal_loss.json"
+from bench_common import DOCS, command, parser, write_block, write_json
+
+JSON_OUT = DOCS / "bench_heal_loss.json"
 
 
 def _status_bytes(field: str) -> int:
@@ -87,7 +86,7 @@ def main():
         v, d, rows, vocab, reps, dev = sys.argv[2:8]
         print(json.dumps(child(v, d, int(rows), int(vocab), int(reps), dev)))
         return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--dtypes", default="fp32,bf16")
@@ -102,13 +101,9 @@ def main():
                                   str(args.repeats), args.device], capture_output=True, text=True, check=True)
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps(results[-1]), flush=True)
-    command = " ".join(["python scripts/bench_heal_loss.py", *sys.argv[1:]])
-    JSON_OUT.write_text(json.dumps({"command": command, "results": results}, indent=2))
-    table = markdown(results, command)
+    write_json(JSON_OUT, {"command": command(), "results": results})
+    table = markdown(results, command())
     if not args.no_doc:
-        sys.path.insert(0, str(ROOT / "scripts"))
-        from bench_doc import write_block
-
         write_block("bench_heal_loss", table)
     print(table)
 

@@ -14,22 +14,17 @@ Writes docs/bench_key_floor.json and prints a markdown table (same windows, one 
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_common import DOCS, parser, write_json
 
 
 def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--src", default="smollm2-135m")
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_key_floor.json"))
+    ap.add_argument("--out", default=str(DOCS / "bench_key_floor.json"))
     return ap.parse_args()
 
 
@@ -100,8 +95,8 @@ def main():
              "| config | ppl | vs unquantized | token KL |", "| --- | ---: | ---: | ---: |"]
     lines += [f"| {r['config']} | {r['ppl']:.3f} | {r['delta_pct']:+.2f}% | {r['kl']:.5f} |" for r in rows]
     table = "\n".join(lines)
-    Path(args.out).write_text(json.dumps({"windows": args.windows, "calib_tokens": args.calib_tokens,
-                                          "threads": args.threads, "rows": rows, "markdown": table}, indent=2) + "\n")
+    write_json(args.out, {"windows": args.windows, "calib_tokens": args.calib_tokens, "threads": args.threads,
+                          "rows": rows, "markdown": table})
     print(table)
 
 

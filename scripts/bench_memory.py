@@ -35,33 +35,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_doc import write_block  # noqa: E402
-from bench_mla import LLAMA_SHAPES  # noqa: E402  (one source of truth for random checkpoints; no torch)
+from bench_common import DOCS, command, parser, run_child, write_block, write_json
+from bench_mla import LLAMA_SHAPES  # one source of truth for random checkpoints; no torch
 
-ROOT = Path(__file__).resolve().parents[1]
-JSON_OUT = ROOT / "docs" / "bench_memory.json"
+JSON_OUT = DOCS / "bench_memory.json"
 DEFAULT_STAGES = {"tinyllama-1.1b": ["mla", "calibrate", "generate", "generate-fp32", "validate"],
                   "llama-2-7b": ["generate", "validate"]}
 TARGETS_GB = {("tinyllama-1.1b", "generate"): 3.5, ("llama-2-7b", "generate"): 16.0,
               ("tinyllama-1.1b", "calibrate"): 1.5, ("llama-2-7b", "calibrate"): 4.0}
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 KVCONVERT = [sys.executable, "-m", "kvconvert.cli"]
-
-
-def run_child(cmd: list[str], log: Path, threads: int | None = None) -> dict:
-    """Run cmd with output to log; its own peak RSS (ru_maxrss, KiB on Linux) and wall time."""
-    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
-    t0 = time.time()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    row = {"command": " ".join(str(c) for c in cmd), "seconds": round(time.time() - t0, 1),
-           "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2), "rc": proc.returncode}
-    if proc.returncode != 0:
-        row["error_tail"] = log.read_text()[-1500:]
-    return row
 
 
 def stage_command(stage: str, src: Path, work: Path, args, ran: set[str]) -> list[str]:
@@ -130,10 +113,6 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(results: dict) -> None:
-    write_block("bench_memory", f"{markdown(results)}\n\nCommand: `{results.get('command', '')}`")
-
-
 def validate_child(argv: list[str]) -> None:
     """The validate stage's child: run_validate on the smoke-sized suite."""
     ap = argparse.ArgumentParser()
@@ -158,7 +137,7 @@ def validate_child(argv: list[str]) -> None:
 def main():
     if sys.argv[1:2] == ["_validate"]:
         return validate_child(sys.argv[2:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--shapes", default="tinyllama-1.1b")
     ap.add_argument("--stages", default=None, help="comma list (default per shape: see DEFAULT_STAGES)")
     ap.add_argument("--calib-tokens", type=int, default=2048)
@@ -175,15 +154,13 @@ def main():
         fresh = bench_shape(shape, stages, args)
         old = results.get(shape, {})  # a run of some stages updates those rows only
         fresh["stages"] = {**old.get("stages", {}), **fresh["stages"]}
-        invocation = "python scripts/bench_memory.py " + " ".join(sys.argv[1:])
-        fresh["commands"] = list(dict.fromkeys(old.get("commands", []) + [invocation]))
+        fresh["commands"] = list(dict.fromkeys(old.get("commands", []) + [command()]))
         results[shape] = fresh
     results["command"] = "; ".join(dict.fromkeys(c for r in results.values() if isinstance(r, dict)
                                                  for c in r.get("commands", [])))
-    JSON_OUT.parent.mkdir(exist_ok=True)
-    JSON_OUT.write_text(json.dumps(results, indent=2))
+    write_json(JSON_OUT, results)
     if not args.no_doc:
-        write_doc(results)
+        write_block("bench_memory", f"{markdown(results)}\n\nCommand: `{results['command']}`")
     print(markdown(results))
 
 

@@ -11,7 +11,6 @@ Perplexity protocol: the Paul Graham essays, N windows of 1024 tokens, fp32, no 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -21,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-JSON_OUT = ROOT / "docs" / "bench_mla.json"
+from bench_common import DOCS, command, parser, write_json
+
+JSON_OUT = DOCS / "bench_mla.json"
 # TransMLA @9c0d254 on SmolLM2-135M, one-shot, same essays protocol (32 x 1024), measured on this
 # machine class and given in the MLA issue: setting -> (perplexity, seconds, peak RSS GB).
 TRANSMLA = {"source": 24.68, "160:32": (57.76, 104, 7.6), "96:32": (99.29, 101, 7.5),
@@ -186,7 +186,7 @@ def markdown(results: dict) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("which", choices=["smollm2", "llama7b"])
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--settings", default="160:32,96:32,64:32,32:16")
@@ -199,9 +199,8 @@ def main():
     args.calib_tokens = args.calib_tokens or (8192 if args.which == "smollm2" else 512)
     results = json.loads(JSON_OUT.read_text()) if JSON_OUT.is_file() else {}
     results[args.which] = bench_smollm2(args) if args.which == "smollm2" else bench_llama7b(args)
-    results[args.which]["command"] = "python scripts/bench_mla.py " + " ".join(sys.argv[1:])
-    JSON_OUT.parent.mkdir(exist_ok=True)
-    JSON_OUT.write_text(json.dumps(results, indent=2))
+    results[args.which]["command"] = command()
+    write_json(JSON_OUT, results)
     print(markdown(results))
 
 

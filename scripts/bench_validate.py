@@ -14,16 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-
-def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+from bench_common import stopwatch, write_json
 
 
 def main() -> int:
@@ -44,13 +39,12 @@ def main() -> int:
     source = resolve_source(args.source)  # import the model first: not part of the timing
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_validate_"))
     load_before = os.getloadavg()
-    wall, cpu = time.time(), cpu_seconds()
-    report = run_validate(str(source), str(source), out, ValidateOptions(suite=args.suite, engine=args.engine),
-                          resume=False, progress=False, threads=args.threads)
-    wall, cpu = time.time() - wall, cpu_seconds() - cpu
+    with stopwatch() as times:
+        report = run_validate(str(source), str(source), out, ValidateOptions(suite=args.suite, engine=args.engine),
+                              resume=False, progress=False, threads=args.threads)
     result = {
         "suite": args.suite, "engine": report["source"]["engine"], "threads": report["settings"]["threads"],
-        "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "phase_s": report["phase_seconds"],
+        "wall_s": times["seconds"], "cpu_s": times["cpu_seconds"], "phase_s": report["phase_seconds"],
         "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in os.getloadavg()],
         "cores": os.cpu_count(),
         "samples": {task: len(records) for task, records in report["samples"].items()},
@@ -59,7 +53,7 @@ def main() -> int:
     }
     print(json.dumps(result, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result, indent=1)
     return 0 if result["max_abs_delta"] == 0.0 else 1
 
 

@@ -22,13 +22,15 @@ from kvconvert.kvmath import kv_bytes_per_token, kv_shape
 from kvconvert.targets import TARGETS
 
 
+def _config(report: dict, model: str) -> dict:
+    """config.json of the report's `model` (source or candidate)."""
+    return json.loads((Path(report[model]["path"]) / "config.json").read_text())
+
+
 def _candidate_bytes(report: dict) -> tuple[int, int]:
     """(candidate, source bf16) KV bytes per token, from the models' configs (kvconvert.kvmath)."""
-    def config(path):
-        return json.loads((Path(path) / "config.json").read_text())
-    kv_dtype = report["candidate"]["kv_dtype"]
-    return (kv_bytes_per_token(kv_shape(config(report["candidate"]["path"])), kv_dtype),
-            kv_bytes_per_token(kv_shape(config(report["source"]["path"])), "bf16"))
+    return (kv_bytes_per_token(kv_shape(_config(report, "candidate")), report["candidate"]["kv_dtype"]),
+            kv_bytes_per_token(kv_shape(_config(report, "source")), "bf16"))
 
 
 def _gate(report_path: Path, policy: str) -> bool:
@@ -48,7 +50,7 @@ def _engines(report: dict) -> str:
     mla = arch.startswith("Deepseek")
     engines = kv_format(kv).served_by(mla=mla)
     if mla:
-        cfg = json.loads((Path(report["candidate"]["path"]) / "config.json").read_text())
+        cfg = _config(report, "candidate")
         engines = [e for e in engines if TARGETS[e].serves(cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])]
     return ", ".join(engines)
 

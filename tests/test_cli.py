@@ -18,6 +18,13 @@ def _kvconvert(*args, timeout=120):
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def _run_main(argv, capsys) -> tuple[int, str]:
+    """main(argv) in this process: its exit code and stderr."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
 def test_help_lists_foundation_commands():
     result = CliRunner().invoke(cli, ["--help"])
     assert result.exit_code == 0
@@ -45,16 +52,13 @@ def test_debug_reraises_in_process(tmp_path):
 
 
 def test_click_usage_errors_keep_clicks_exit_code(capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["budget"])  # --model missing
-    assert exc.value.code == 2 and "--model" in capsys.readouterr().err
+    code, err = _run_main(["budget"], capsys)  # --model missing
+    assert code == 2 and "--model" in err
 
 
 def test_fetch_unknown_name(capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["fetch", "gpt-5"])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "smollm2-135m" in err
+    code, err = _run_main(["fetch", "gpt-5"], capsys)
+    assert code == 2 and "smollm2-135m" in err
 
 
 @pytest.mark.slow
@@ -66,16 +70,12 @@ def test_fetch_prints_the_cached_folder(smollm2_path):
 def test_import_gguf_refuses_existing_output_before_loading(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    with pytest.raises(SystemExit) as exc:
-        main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "--overwrite" in err and err.count("\n") == 1
+    code, err = _run_main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "--overwrite" in err and err.count("\n") == 1
 
 
 def test_import_gguf_bad_file_is_one_line(tmp_path, capsys):
     (tmp_path / "model.gguf").write_bytes(b"not a gguf at all")
-    with pytest.raises(SystemExit) as exc:
-        main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "model.gguf" in err and err.count("\n") == 1
+    code, err = _run_main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "model.gguf" in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]

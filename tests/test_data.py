@@ -86,16 +86,14 @@ def test_local_files(tmp_path):
 @pytest.mark.parametrize("name, content, message", [
     ("c.jsonl", '{"label": 1}\n', "no 'text' field"),
     ("d.csv", "a,b\n", "unsupported data file type"),
+    ("no-such-corpus", None, "calibration data not found"),  # neither a file nor a known source
 ])
-def test_bad_local_files(tmp_path, name, content, message):
-    (tmp_path / name).write_text(content)
+def test_bad_data_sources(tmp_path, monkeypatch, name, content, message):
+    monkeypatch.chdir(tmp_path)
+    if content is not None:
+        (tmp_path / name).write_text(content)
     with pytest.raises(KVConvertError, match=message):
-        data.load_text(str(tmp_path / name))
-
-
-def test_unknown_source():
-    with pytest.raises(KVConvertError, match="calibration data not found"):
-        data.load_text("no-such-corpus")
+        data.load_text(name)
 
 
 @pytest.mark.slow

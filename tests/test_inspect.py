@@ -30,11 +30,7 @@ def test_smollm2_inspect(smollm2_path):
     assert report["kv_bytes_per_token"] == {"bf16": 23040, "fp8": 11520, "nvfp4": 6480}
     assert report["parameters"] == 134_515_008 and report["parameters_source"] == "safetensors headers"
     assert report["tensor_dtypes"] == {"F32": 134_515_008}
-
-
-@pytest.mark.slow
-def test_smollm2_inspect_human(smollm2_path):
-    result = CliRunner().invoke(cli, ["inspect", str(smollm2_path)])
+    result = CliRunner().invoke(cli, ["inspect", str(smollm2_path)])  # the same, as text
     assert result.exit_code == 0
     assert "GQA: 30 layers, 9 heads, 3 KV heads, head_dim 64" in result.output
     assert "bf16 23,040 B" in result.output and "134,515,008" in result.output

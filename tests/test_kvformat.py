@@ -19,18 +19,18 @@ def test_format_bytes_per_value():
     assert {n: f.bytes_per_value for n, f in KV_FORMATS.items()} == expected
 
 
-def test_vector_bytes_counts_a_partial_group_scale():
-    nvfp4 = kv_format("nvfp4")
-    assert nvfp4.vector_bytes(16) == 8 + 1
-    assert nvfp4.vector_bytes(24) == 12 + 2  # second block half full still needs its scale
-    assert nvfp4.vector_bytes(576) == 288 + 36
-    assert kv_format("int4").vector_bytes(64) == 32 + 2 * 2
-
-
-def test_mla_rope_tail_stays_16_bit_only_under_4_bit_formats():
-    assert kv_format("nvfp4").vector_bytes(576, rope_tail=64) == 256 + 32 + 128
-    assert kv_format("fp8").vector_bytes(576, rope_tail=64) == 576
-    assert kv_format("fp32").vector_bytes(576, rope_tail=64) == 4 * 576
+@pytest.mark.parametrize("name, values, rope_tail, expected", [
+    ("nvfp4", 16, 0, 8 + 1),
+    ("nvfp4", 24, 0, 12 + 2),  # the second block, half full, still needs its scale
+    ("nvfp4", 576, 0, 288 + 36),
+    ("int4", 64, 0, 32 + 2 * 2),
+    # MLA's k_rope tail stays 16-bit only under the 4-bit formats
+    ("nvfp4", 576, 64, 256 + 32 + 128),
+    ("fp8", 576, 64, 576),
+    ("fp32", 576, 64, 4 * 576),
+])
+def test_vector_bytes(name, values, rope_tail, expected):
+    assert kv_format(name).vector_bytes(values, rope_tail=rope_tail) == expected
 
 
 def test_unknown_kv_dtype_lists_the_known_ones():

@@ -16,7 +16,9 @@ from kvconvert.cli import cli
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.cli import validate_cmd
 from kvconvert.mla.cli import mla_cmd
-from kvconvert.pipeline import recipe_stages
+from kvconvert.data import pydoc_corpus
+from kvconvert.mla.options import MLAOptions
+from kvconvert.pipeline import _from_flags, _from_plan, pipeline_cmd, recipe_stages
 from kvconvert.quant.cli import calibrate_cmd
 from kvconvert.recipe import load_recipe, parse_recipe
 from kvconvert.stage_options import build_options
@@ -47,17 +49,21 @@ def _printed_options(stage):
     return build_options(type(stage.options), _params(stage))
 
 
+def _stages(blocks: dict, tmp_path: Path, src: str = "smollm2-135m", **kwargs):
+    """The pipeline's stages for a recipe of `blocks` (as if read from tmp_path/r.yaml), into tmp_path."""
+    return recipe_stages(parse_recipe(blocks, "r.yaml"), tmp_path / "r.yaml", src, tmp_path, **kwargs)
+
+
 def test_every_key_reaches_the_stages_and_their_printed_commands(tmp_path):
-    recipe = parse_recipe({"convert": EVERY_CONVERT_KEY, "calibrate": EVERY_CALIBRATE_KEY,
-                           "validate": {**EVERY_VALIDATE_KEY, "gate": "smoke"}}, "r.yaml")
-    stages = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path / "out")
+    stages = _stages({"convert": EVERY_CONVERT_KEY, "calibrate": EVERY_CALIBRATE_KEY,
+                      "validate": {**EVERY_VALIDATE_KEY, "gate": "smoke"}}, tmp_path)
     assert [s.name for s in stages] == ["convert", "calibrate", "validate", "gate"]
     for stage, keys in zip(stages, (EVERY_CONVERT_KEY, EVERY_CALIBRATE_KEY, EVERY_VALIDATE_KEY)):
         assert stage.options.model_dump(include=set(keys)) == pytest.approx(keys), stage.name
         assert _printed_options(stage) == stage.options, stage.name
     (conv, cal, val), gate = [_params(s) for s in stages[:3]], stages[3].argv
-    assert conv["heal"] == "none" and conv["out_dir"] == stages[0].out == tmp_path / "out" / "mla"
-    assert cal["src"] == str(tmp_path / "out" / "mla") and Path(cal["out"]) == tmp_path / "out" / "mla-nvfp4"
+    assert conv["heal"] == "none" and conv["out_dir"] == stages[0].out == tmp_path / "mla"
+    assert cal["src"] == str(tmp_path / "mla") and Path(cal["out"]) == tmp_path / "mla-nvfp4"
     assert (val["source"], val["candidate"]) == ("smollm2-135m", cal["out"])
     assert gate[-1] == str(ROOT / "recipes" / "gates" / "smoke.yaml")
 
@@ -73,10 +79,7 @@ def test_shipped_recipes_make_valid_commands(path, tmp_path):
 
 
 def test_unset_keys_take_the_stages_defaults(tmp_path):
-    from kvconvert.mla.options import MLAOptions
-
-    recipe = parse_recipe({"convert": {"rank": 64}, "calibrate": {}}, "r.yaml")
-    convert, calibrate, validate, _ = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path)
+    convert, calibrate, validate, _ = _stages({"convert": {"rank": 64}, "calibrate": {}}, tmp_path)
     assert convert.options == MLAOptions(rank=64)
     assert convert.argv[1:4] == ["--src", "smollm2-135m", "--rank"] and "--key-weight" not in convert.argv
     assert calibrate.options.kv_dtype == validate.options.kv_dtype == "fp8"  # validated in the calibrated format
@@ -84,53 +87,50 @@ def test_unset_keys_take_the_stages_defaults(tmp_path):
 
 
 def test_recipe_without_calibrate_validates_the_unquantized_model(tmp_path):
-    stages = recipe_stages(parse_recipe({"convert": {"rank": 64}}, "r.yaml"), tmp_path / "r.yaml", "smollm2-135m",
-                           tmp_path)
+    stages = _stages({"convert": {"rank": 64}}, tmp_path)
     assert [s.name for s in stages] == ["convert", "validate", "gate"] and stages[1].options.kv_dtype == "auto"
     assert _params(stages[1])["candidate"] == str(tmp_path / "mla")
 
 
 def test_recipe_needs_a_convert_or_calibrate_block(tmp_path):
     with pytest.raises(KVConvertError, match="needs a `convert` or a `calibrate` block"):
-        recipe_stages(parse_recipe({"validate": {}}, "r.yaml"), tmp_path / "r.yaml", "x", tmp_path)
+        _stages({"validate": {}}, tmp_path)
     with pytest.raises(KVConvertError, match="heal blocks need a `convert` block"):
-        recipe_stages(parse_recipe({"heal_layerwise": {}, "calibrate": {}}, "r.yaml"), tmp_path / "r.yaml", "x", tmp_path)
+        _stages({"heal_layerwise": {}, "calibrate": {}}, tmp_path)
 
 
 def test_calibrate_only_recipe_quantizes_the_source(tmp_path):
     """No convert block: "don't convert, just quantize" - calibrate runs on the source itself."""
-    stages = recipe_stages(parse_recipe({"calibrate": {"kv_dtype": "nvfp4"}}, "r.yaml"), tmp_path / "r.yaml",
-                           "smollm2-135m", tmp_path)
+    stages = _stages({"calibrate": {"kv_dtype": "nvfp4"}}, tmp_path)
     params = _params(stages[0])
     assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
     assert (params["src"], params["out"], stages[1].options.kv_dtype) == ("smollm2-135m", str(tmp_path / "source-nvfp4"),
                                                                            "nvfp4")
 
 
-def test_no_mla_flag_refuses_conversion_flags(tmp_path):
-    result = CliRunner().invoke(cli, ["pipeline", "--no-mla", "--rank", "256", "--out", str(tmp_path / "o")])
-    assert isinstance(result.exception, KVConvertError) and "--rank: belong to the MLA conversion" in str(result.exception)
-    result = CliRunner().invoke(cli, ["pipeline", "--no-mla", "--kv-dtype", "bf16", "--out", str(tmp_path / "o")])
-    assert isinstance(result.exception, KVConvertError) and "nothing to build" in str(result.exception)
+RECIPE_25 = str(ROOT / "recipes" / "smollm2-135m-25pct.yaml")
 
 
-def test_flags_the_recipe_owns_are_refused_before_any_work(tmp_path):
-    recipe = ROOT / "recipes" / "smollm2-135m-25pct.yaml"
-    result = CliRunner().invoke(cli, ["pipeline", "--recipe", str(recipe), "--rank", "32", "--out", str(tmp_path / "o")])
-    assert isinstance(result.exception, KVConvertError) and "--rank: set by the recipe" in str(result.exception)
+@pytest.mark.parametrize("args, message", [
+    (["--no-mla", "--rank", "256"], "--rank: belong to the MLA conversion"),
+    (["--no-mla", "--kv-dtype", "bf16"], "nothing to build"),
+    (["--recipe", RECIPE_25, "--rank", "32"], "--rank: set by the recipe"),
+    (["--recipe", RECIPE_25, "--src", "other"], "the recipe's source is smollm2-135m"),
+    *[(["--kv-budget", "50%", *flags], "--kv-budget lets `kvconvert plan` choose these")
+      for flags in (["--rank", "64"], ["--no-mla"], ["--kv-dtype", "nvfp4"], ["--recipe", RECIPE_25])],
+    (["--kv-budget", "150%"], "--kv-budget '150%'"),
+])
+def test_conflicting_flags_are_refused_before_any_work(args, message, tmp_path):
+    result = CliRunner().invoke(cli, ["pipeline", *args, "--out", str(tmp_path / "o")])
+    assert isinstance(result.exception, KVConvertError) and message in str(result.exception)
     assert not (tmp_path / "o").exists()
-    result = CliRunner().invoke(cli, ["pipeline", "--recipe", str(recipe), "--src", "other", "--out", str(tmp_path / "o")])
-    assert isinstance(result.exception, KVConvertError) and "the recipe's source is smollm2-135m" in str(result.exception)
 
 
 def test_flag_pipeline_builds_the_same_stages_as_a_recipe(tmp_path):
-    from kvconvert.pipeline import _from_flags
-
     stages = _from_flags("smollm2-135m", 160, 32, "any", "layerwise", 2048, "fp8", "smoke", "smoke", tmp_path)
-    recipe = parse_recipe({"convert": {"rank": 160, "rope_dim": 32, "target": "any", "calib_tokens": 2048},
+    from_recipe = _stages({"convert": {"rank": 160, "rope_dim": 32, "target": "any", "calib_tokens": 2048},
                            "heal_layerwise": {}, "calibrate": {"kv_dtype": "fp8", "calib_tokens": 2048},
-                           "validate": {"suite": "smoke", "gate": "smoke"}}, "r.yaml")
-    from_recipe = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path)
+                           "validate": {"suite": "smoke", "gate": "smoke"}}, tmp_path)
     assert [(s.name, s.options, s.out) for s in stages] == [(s.name, s.options, s.out) for s in from_recipe]
     assert _params(stages[0])["heal"] == "layerwise"
     assert [s.name for s in _from_flags("x", 64, 32, "any", "none", None, "bf16", "quick", "default", tmp_path)] == \
@@ -140,31 +140,17 @@ def test_flag_pipeline_builds_the_same_stages_as_a_recipe(tmp_path):
 
 
 def test_device_reaches_every_stage_and_its_printed_command(tmp_path):
-    from kvconvert.pipeline import _from_flags
-
-    recipe = parse_recipe({"convert": {"rank": 64, "rope_dim": 32, "target": "any", "device": "cpu"},
-                           "calibrate": {"kv_dtype": "fp8"}}, "r.yaml")
+    blocks = {"convert": {"rank": 64, "rope_dim": 32, "target": "any", "device": "cpu"},
+              "calibrate": {"kv_dtype": "fp8"}}
     for stages in (_from_flags("smollm2-135m", 64, 32, "any", "none", None, "fp8", "quick", "default", tmp_path,
-                               device="cuda:1"),
-                   recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path, device="cuda:1")):
+                               device="cuda:1"), _stages(blocks, tmp_path, device="cuda:1")):
         for stage in stages[:3]:
             assert stage.options.device == "cuda:1", stage.name
             assert _printed_options(stage) == stage.options, stage.name
-    kept = recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path)  # no --device: the recipe's own
+    kept = _stages(blocks, tmp_path)  # no --device: the recipe's own
     assert [s.options.device for s in kept[:3]] == ["cpu", "auto", "auto"]
     with pytest.raises(KVConvertError, match="device"):
-        recipe_stages(recipe, tmp_path / "r.yaml", "smollm2-135m", tmp_path, device="gpu0")
-
-
-def test_kv_budget_refuses_what_the_planner_chooses_before_any_work(tmp_path):
-    for flags in (["--rank", "64"], ["--no-mla"], ["--kv-dtype", "nvfp4"],
-                  ["--recipe", str(ROOT / "recipes" / "smollm2-135m-25pct.yaml")]):
-        result = CliRunner().invoke(cli, ["pipeline", "--kv-budget", "50%", *flags, "--out", str(tmp_path / "o")])
-        assert isinstance(result.exception, KVConvertError), flags
-        assert "--kv-budget lets `kvconvert plan` choose these" in str(result.exception), flags
-    result = CliRunner().invoke(cli, ["pipeline", "--kv-budget", "150%", "--out", str(tmp_path / "o")])
-    assert isinstance(result.exception, KVConvertError) and "--kv-budget '150%'" in str(result.exception)
-    assert not (tmp_path / "o").exists()
+        _stages(blocks, tmp_path, device="gpu0")
 
 
 def test_kv_budget_runs_the_recipe_of_an_existing_plan(tmp_path, monkeypatch):
@@ -176,8 +162,6 @@ def test_kv_budget_runs_the_recipe_of_an_existing_plan(tmp_path, monkeypatch):
     (out / "plan" / "recipe.yaml").write_text(yaml.safe_dump({"source": "smollm2-135m", "calibrate": {"kv_dtype": "fp8"}}))
     (out / "plan" / "plan.json").write_text(json.dumps({"budget": 0.5, "target": "vllm"}))
     monkeypatch.setattr(plan, "run_plan", lambda *a, **k: pytest.fail("the measured plan should be reused"))
-    from kvconvert.pipeline import _from_plan, pipeline_cmd
-
     with pipeline_cmd.make_context("pipeline", ["--kv-budget", "50%", "--out", str(out)]).scope():
         src, stages = _from_plan("smollm2-135m", "50%", "vllm", None, out, overwrite=False)
     assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
@@ -197,8 +181,6 @@ def tiny_llama(tmp_path_factory) -> Path:
 def test_interrupted_pipeline_resumes_from_the_finished_stage(tiny_llama, tmp_path):
     """The calibrate stage fails (its data file is missing) after the conversion was written; once the
     file exists, the same command reuses the conversion untouched and finishes the other stages."""
-    from kvconvert.data import pydoc_corpus
-
     convert_data, calibrate_data = tmp_path / "convert.txt", tmp_path / "calibrate.txt"
     convert_data.write_text(pydoc_corpus()[:40_000])
     recipe = tmp_path / "r.yaml"

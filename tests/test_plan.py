@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from kvconvert.errors import KVConvertError
+from kvconvert.pipeline import recipe_stages
 from kvconvert.plan import (chosen_recipe, enumerate_candidates, fits, mla_shapes, pareto_front, parse_budget,
                             prune, run_plan)
 from kvconvert.kvmath import kv_shape
+from kvconvert.recipe import load_recipe
 
 # SmolLM2-135M's attention: 30 layers, 9 query heads, 3 KV heads of 64 -> 23040 bf16 bytes per token
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
@@ -82,11 +85,6 @@ def test_parse_budget_refuses(text):
 
 
 def test_recipes_written_run_in_the_pipeline(tmp_path):
-    import yaml
-
-    from kvconvert.pipeline import recipe_stages
-    from kvconvert.recipe import load_recipe
-
     c = by_name(enumerate_candidates(SMOLLM2))
     for name, stages_expected in (("source fp8", ["calibrate"]), ("MLA 256+64 fp8", ["convert", "calibrate"]),
                                   ("MLA 160+32 bf16", ["convert"])):
@@ -116,8 +114,6 @@ def test_nothing_fits_says_the_smallest(tmp_path):
 
 @pytest.mark.slow
 def test_plan_end_to_end_on_smollm2(tmp_path):
-    from kvconvert.recipe import load_recipe
-
     run_plan("smollm2-135m", 0.5, "any", tmp_path, 256, 128, 512, False, echo=lambda m: None)
     plan = json.loads((tmp_path / "plan.json").read_text())
     rows = {r["name"]: r for r in plan["rows"]}

@@ -14,21 +14,15 @@ def test_folder_with_config_is_returned_as_is(tmp_path):
     assert sources.resolve_source(str(tmp_path)) == tmp_path
 
 
-def test_folder_without_config(tmp_path):
-    with pytest.raises(CheckpointError, match="config.json not found"):
-        sources.resolve_source(tmp_path)
-
-
-def test_gguf_file_points_to_import(tmp_path):
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
-    with pytest.raises(KVConvertError, match="import-gguf"):
-        sources.resolve_source(gguf)
-
-
-def test_unknown_name_lists_builtins():
-    with pytest.raises(KVConvertError, match="smollm2-135m"):
-        sources.resolve_source("not-a-model")
+@pytest.mark.parametrize("src, error, message", [
+    ("", CheckpointError, "config.json not found"),  # a folder without config.json
+    ("m.gguf", KVConvertError, "import-gguf"),  # a GGUF file: import it first
+    (None, KVConvertError, "smollm2-135m"),  # an unknown name lists the built-in models
+])
+def test_unusable_sources_say_what_to_do(tmp_path, src, error, message):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(error, match=message):
+        sources.resolve_source("not-a-model" if src is None else tmp_path / src)
 
 
 def test_hub_id_offline_is_a_one_line_error(monkeypatch, tmp_path):

@@ -9,6 +9,7 @@ import pytest
 
 from kvconvert.errors import KVConvertError
 from kvconvert.mla.budget_search import candidate_splits
+from kvconvert.pipeline import _default_shape
 from kvconvert.targets import TARGETS, check_servable, rope_dims_for, servable_shapes
 
 SMOLLM2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
@@ -68,8 +69,6 @@ def test_mla_cli_refuses_an_unservable_shape_before_any_work(tmp_path):
 
 
 def test_pipeline_default_shape_is_the_largest_servable_latent():
-    from kvconvert.pipeline import _default_shape
-
     assert _default_shape("smollm2-135m", "vllm", None) == (256, 64)
     assert _default_shape("smollm2-135m", "vllm", 32) == (288, 32)
     with pytest.raises(KVConvertError, match="serves no MLA latent smaller"):

@@ -1,0 +1,74 @@
+"""What the benchmark scripts share (torch-free, so bench_memory stays small): the paths, the
+argument parser, the command line a result records, timing and peak-RSS measurement, JSON output, and
+docs/BENCHMARKS.md's generated tables: each benchmark owns the block between its two markers
+(`<!-- NAME:begin -->` ... `<!-- NAME:end -->`) and rewrites only that."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+DOC = DOCS / "BENCHMARKS.md"
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The script's argument parser; --help prints its docstring as written."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def command() -> str:
+    """This run's command line as the docs show it: `python scripts/NAME.py ARGS`."""
+    return " ".join([f"python scripts/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+
+
+@contextmanager
+def stopwatch():
+    """Yields a dict that gets the block's wall `seconds` and this process's `cpu_seconds` (every thread)."""
+    times: dict = {}
+    t0, c0 = time.time(), time.process_time()
+    yield times
+    times.update(seconds=round(time.time() - t0, 1), cpu_seconds=round(time.process_time() - c0, 1))
+
+
+def run_child(cmd: list[str], log: Path, threads: int | None = None) -> dict:
+    """Run cmd with output to log; its own peak RSS (ru_maxrss, KiB on Linux) and wall time."""
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    t0 = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    row = {"command": " ".join(str(c) for c in cmd), "seconds": round(time.time() - t0, 1),
+           "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2), "rc": proc.returncode}
+    if proc.returncode != 0:
+        row["error_tail"] = log.read_text()[-1500:]
+    return row
+
+
+def write_json(path: str | Path, payload: dict, indent: int = 2) -> None:
+    """Write the results atomically (a temp file beside it, then a rename), creating the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=indent) + "\n")
+    tmp.replace(path)
+
+
+def write_block(name: str, body: str, doc: Path = DOC) -> None:
+    """Replace the text between NAME's markers with `body` (markers appended at the end when missing)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = doc.read_text()
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
