@@ -24,6 +24,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
+from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import (
     AttentionRecorder,
     cache_hook,
@@ -31,7 +32,6 @@ from kvconvert.quant.capture import (
     run_with_hook,
 )
 from kvconvert.quant.fake_quant import check_kv_dtype, scale_from_amax
-from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.observers import GRANULARITIES, OBSERVERS, KVObserver
 from kvconvert.quant.pair_stats import PairMomentObserver, PairMoments
 from kvconvert.quant.rotate import (
@@ -96,7 +96,15 @@ class CalibrationSettings:
     def value_rotation_enabled(self) -> bool:
         return self.kv_dtype == "nvfp4" if self.value_rotation is None else self.value_rotation
 
-    def key_phase_enabled(self, layout: KVLayout) -> bool:
+    def check_layout(self, layout: KVShape) -> None:
+        if layout.is_mla and self.granularity == "head":
+            raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
+
+    def search_windows(self, window_len: int) -> int:
+        """Calibration windows of `window_len` tokens the mse search replays (0: no search)."""
+        return max(1, math.ceil(self.search_tokens / window_len)) if self.observer == "mse" else 0
+
+    def key_phase_enabled(self, layout: KVShape) -> bool:
         """Phases only help where the (rope) keys are quantized: not the MLA k_rope under nvfp4 (bf16)."""
         return self.key_phase and not (layout.is_mla and kv_format(self.kv_dtype).mla_rope_16bit)
 
@@ -109,19 +117,19 @@ class CalibrationResult:
     stats: dict = field(default_factory=dict)  # amax per layer, search info, timings
 
 
-def new_observers(layout: KVLayout) -> list[dict[str, KVObserver]]:
-    return [{kind: KVObserver(layout.num_kv_heads, layout.head_dim) for kind in layout.kinds}
-            for _ in range(layout.num_layers)]
+def layer_observers(layout: KVShape) -> dict[str, KVObserver]:
+    """A fresh observer for each tensor one layer caches."""
+    return {kind: KVObserver(layout.cached_heads, layout.row_dim) for kind in layout.cached_names}
 
 
-def observe_kv(model, layout: KVLayout, windows: torch.Tensor, batch_size: int,
+def observe_kv(model, layout: KVShape, windows: torch.Tensor, batch_size: int,
                recorder: AttentionRecorder | None = None, record_windows: int = 0,
                progress=None) -> list[dict[str, KVObserver]]:
     """One pass over all windows ([N, T]); returns per-layer observers of every cached tensor.
 
     The recorder (if any) records the attention inputs of the first `record_windows` windows.
     """
-    observers = new_observers(layout)
+    observers = [layer_observers(layout) for _ in range(layout.num_layers)]
 
     def row_hook(layer_idx, kind, x):
         check_finite(layer_idx, kind, x)
@@ -145,7 +153,7 @@ def observe_kv(model, layout: KVLayout, windows: torch.Tensor, batch_size: int,
     return observers
 
 
-def plan_rotation(model, layout: KVLayout, settings: CalibrationSettings, windows: torch.Tensor) -> RotationPlan:
+def plan_rotation(model, layout: KVShape, settings: CalibrationSettings, windows: torch.Tensor) -> RotationPlan:
     """Hadamard for V / the MLA latent and per-RoPE-pair key factors (phase and, optionally, scale).
 
     Key statistics come from one pass over (at most 8 of) the calibration windows.
@@ -166,7 +174,7 @@ def plan_rotation(model, layout: KVLayout, settings: CalibrationSettings, window
     return RotationPlan(layout, rot, factors, desc)
 
 
-def value_rotation(layout: KVLayout, settings: CalibrationSettings, desc: dict) -> torch.Tensor | None:
+def value_rotation(layout: KVShape, settings: CalibrationSettings, desc: dict) -> torch.Tensor | None:
     """The Hadamard for V / the MLA latent (None when off); describes it in desc."""
     if not settings.value_rotation_enabled:
         return None
@@ -178,7 +186,7 @@ def value_rotation(layout: KVLayout, settings: CalibrationSettings, desc: dict) 
     return block_hadamard(dim, block, settings.rotation_seed)
 
 
-def observe_pair_moments(model, layout: KVLayout, windows: torch.Tensor, batch_size: int) -> list[PairMoments]:
+def observe_pair_moments(model, layout: KVShape, windows: torch.Tensor, batch_size: int) -> list[PairMoments]:
     """Post-RoPE q/k pair moments per layer over all `windows` ([N, T]) (kvconvert.quant.pair_stats)."""
     observer = PairMomentObserver(model, layout)
     try:
@@ -199,7 +207,7 @@ def _phase_summary(moments: list[PairMoments], factors: list[torch.Tensor], wind
             "predicted_noise_ratio_mean": round(sum(ratio) / len(ratio), 4)}
 
 
-def _key_pair_scale(layout: KVLayout, obs: dict[str, KVObserver], strength: float) -> torch.Tensor:
+def _key_pair_scale(layout: KVShape, obs: dict[str, KVObserver], strength: float) -> torch.Tensor:
     if not layout.is_mla:
         pair = pair_amax_from_channels(obs["k"].amax_channel, interleave=False)  # [kv_heads, d/2]
         return pair_equalizing_scale(pair, strength)
@@ -214,12 +222,11 @@ def _key_pair_scale(layout: KVLayout, obs: dict[str, KVObserver], strength: floa
     return torch.where(pair > 0, alpha, torch.ones_like(alpha))
 
 
-def calibrate_model(model, layout: KVLayout, windows: torch.Tensor, settings: CalibrationSettings,
+def calibrate_model(model, layout: KVShape, windows: torch.Tensor, settings: CalibrationSettings,
                     progress=None, log=None) -> CalibrationResult:
     """Calibrate an in-memory fp32 model (rotating its weights in place if enabled)."""
     log = log or (lambda msg: None)
-    if layout.is_mla and settings.granularity == "head":
-        raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
+    settings.check_layout(layout)
     clock = _Clock()
     plan = RotationPlan(layout)
     if settings.rotation_enabled:
@@ -227,11 +234,8 @@ def calibrate_model(model, layout: KVLayout, windows: torch.Tensor, settings: Ca
         plan = plan_rotation(model, layout, settings, windows)
         apply_plan_to_model(model, plan)
     clock.lap("rotation")
-    record = 0
-    recorder = None
-    if settings.observer == "mse":
-        record = max(1, math.ceil(settings.search_tokens / windows.shape[1]))
-        recorder = AttentionRecorder(model)
+    record = settings.search_windows(windows.shape[1])
+    recorder = AttentionRecorder(model) if record else None
     try:
         observers = observe_kv(model, layout, windows, settings.batch_size, recorder, record, progress)
         clock.lap("observe")
@@ -288,7 +292,7 @@ def _kv_scales(layout, settings, per_layer: list[dict]) -> KVScales:
     return KVScales(settings.kv_dtype, settings.granularity, layout.kind, ks, vs)
 
 
-def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings: CalibrationSettings,
+def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings: CalibrationSettings,
                        progress=None, log=None, device="cpu") -> CalibrationResult:
     """Calibrate a checkpoint layer by layer (kvconvert.quant.stream), never building the model;
     the forward runs on `device` (see kvconvert.quant.stream).
@@ -297,11 +301,10 @@ def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings
     rounding), in the memory of one layer plus the calibration hidden states.
     """
     from kvconvert.quant.memory import release_heap
-    from kvconvert.quant.stream import LayerStream, apply_rotation, search_record_windows
+    from kvconvert.quant.stream import LayerStream, apply_rotation
 
     log = log or (lambda msg: None)
-    if layout.is_mla and settings.granularity == "head":
-        raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
+    settings.check_layout(layout)
     clock = _Clock()
     stream = LayerStream(reader, layout, windows, settings.batch_size, device)
     desc: dict = {}
@@ -309,7 +312,7 @@ def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings
     phase = settings.rotation_enabled and settings.key_phase_enabled(layout)
     strength = settings.key_strength if settings.rotation_enabled else 0.0
     factors, phases, moments = ([] if phase or strength > 0 else None), [], []
-    record = search_record_windows(settings.search_tokens, windows.shape[1]) if settings.observer == "mse" else 0
+    record = settings.search_windows(windows.shape[1])
     observers, scales, infos = [], [], []
     clock.lap("load")
     for i in range(layout.num_layers):
@@ -328,7 +331,7 @@ def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings
             factors.append(factor)
         layer_plan = RotationPlan(layout, rot, factors)
         if not layer_plan.is_identity:
-            attn = apply_rotation(layer_plan, i, attn, layout.num_q_heads)
+            attn = apply_rotation(layer_plan, i, attn, layout.num_heads)
         clock.lap("rotation")
         obs, records = stream.advance(i, attn, rest, record)
         del rest

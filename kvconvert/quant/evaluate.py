@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvconvert.kvformat import kv_format
+from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import (
     CacheHook,
     cache_hook,
@@ -26,11 +27,10 @@ from kvconvert.quant.capture import (
     load_hf_model,
 )
 from kvconvert.quant.fake_quant import fake_quant
-from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.scales import KVScales
 
 
-def fake_quant_hook(layout: KVLayout, scales: KVScales) -> CacheHook:
+def fake_quant_hook(layout: KVShape, scales: KVScales) -> CacheHook:
     """Cache hook that quantize-dequantizes every cached tensor with `scales`."""
     rope_tail = layout.qk_rope_head_dim if layout.is_mla and kv_format(scales.kv_dtype).mla_rope_16bit else 0
 

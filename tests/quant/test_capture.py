@@ -3,17 +3,12 @@ post-RoPE k_rope), and calibration refuses non-finite activations naming the lay
 
 import pytest
 import torch
+from quant_cases import layout_of
 
-from kvconvert.checkpoint import CheckpointReader
 from kvconvert.errors import KVConvertError, UnsupportedModelError
 from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model, observe_kv
 from kvconvert.quant.capture import cache_hook, load_hf_model, run_with_hook
 from kvconvert.quant.layout import detect_kv_layout
-
-
-def layout_of(path):
-    r = CheckpointReader(path)
-    return detect_kv_layout(r.config, r.keys())
 
 
 def capture_layer0(model, layout, ids):
@@ -33,7 +28,7 @@ def test_llama_cache_sees_post_rope_k_and_v(tiny_llama):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model, layout = load_hf_model(tiny_llama), layout_of(tiny_llama)
-    assert (layout.kind, layout.num_kv_heads, layout.head_dim) == ("gqa", 2, 16)
+    assert (layout.kind, layout.num_kv_heads, layout.head_dim, layout.cached_names) == ("GQA", 2, 16, ("k", "v"))
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     seen = capture_layer0(model, layout, ids)
     attn = model.model.layers[0].self_attn
@@ -53,7 +48,7 @@ def test_mla_cache_sees_normed_latent_and_rope_key_in_engine_order(tiny_deepseek
     )
 
     model, layout = load_hf_model(tiny_deepseek), layout_of(tiny_deepseek)
-    assert (layout.kind, layout.head_dim, layout.kv_lora_rank, layout.rope_interleave) == ("mla", 48, 32, True)
+    assert (layout.kind, layout.row_dim, layout.kv_lora_rank, layout.rope_interleave) == ("MLA", 48, 32, True)
     ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(1))
     seen = capture_layer0(model, layout, ids)
     attn = model.model.layers[0].self_attn

@@ -155,7 +155,7 @@ def test_mla_row_scale_names(tiny_deepseek, calib_text, tmp_path, capsys):
         assert torch.equal(k, tensors[f"model.layers.{layer}.self_attn.v_scale"])  # one row scale
         assert torch.equal(k.reshape(()), tensors[f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.k_scale"])
     report = read_json(out / "calibration_report.json")
-    assert report["layout"] == "mla" and "kv_amax" in report["layers"][0]
+    assert report["layout"] == "MLA" and "kv_amax" in report["layers"][0]
     for entry in report["layers"]:  # the search never ships scales worse than amax on its replay
         assert entry["search"]["rel_error_search"] <= entry["search"]["rel_error_amax"]
 
