@@ -98,7 +98,8 @@ class CalibrationSettings:
 
     def check_layout(self, layout: KVShape) -> None:
         if layout.is_mla and self.granularity == "head":
-            raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
+            raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): "
+                                 "use --granularity tensor")
 
     def search_windows(self, window_len: int) -> int:
         """Calibration windows of `window_len` tokens the mse search replays (0: no search)."""

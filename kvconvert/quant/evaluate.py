@@ -113,8 +113,7 @@ def perplexity_with_fake_quant(model_dir: str | Path, kv_dtype: str, scales: KVS
     or a folder written by ``kvconvert calibrate``; windows: [N, T] token ids (e.g.
     kvconvert.data.eval_windows); reference_dir: the unquantized model for KL (default model_dir).
     """
-    from kvconvert.checkpoint import CheckpointReader
-    from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.scales import read_kv_scales
 
     if not isinstance(scales, KVScales):
@@ -123,8 +122,7 @@ def perplexity_with_fake_quant(model_dir: str | Path, kv_dtype: str, scales: KVS
         from kvconvert.errors import KVConvertError
 
         raise KVConvertError(f"scales were calibrated for {scales.kv_dtype}, not {kv_dtype}; recalibrate")
-    reader = CheckpointReader(model_dir, verify=False)
-    layout = detect_kv_layout(reader.config, reader.keys())
+    layout = checkpoint_kv_layout(model_dir)
     model = load_hf_model(model_dir)
     reference = model if reference_dir is None else load_hf_model(reference_dir)
     results = evaluate_kv_quant(reference, {"quant": (model, fake_quant_hook(layout, scales))}, windows, batch_size)

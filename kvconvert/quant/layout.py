@@ -13,6 +13,7 @@ Two families are recognised; what each caches is kvconvert.kvmath.KVShape's:
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from kvconvert.errors import UnsupportedModelError
 from kvconvert.kvmath import KVShape, kv_shape, text_config
@@ -51,3 +52,11 @@ def detect_kv_layout(config: dict, tensor_names: list[str]) -> KVShape:
     if shape.is_mla != bool(mla_layers):
         raise UnsupportedModelError(f"{what} attention tensors but a config for {shape.kind} attention")
     return shape
+
+
+def checkpoint_kv_layout(folder: str | Path) -> KVShape:
+    """detect_kv_layout of a checkpoint folder: its config.json and its tensor names."""
+    from kvconvert.checkpoint import CheckpointReader
+
+    with CheckpointReader(folder, verify=False) as reader:
+        return detect_kv_layout(reader.config, reader.keys())

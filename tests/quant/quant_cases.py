@@ -70,14 +70,5 @@ def make_deepseek(folder: Path, seed: int = 0, vocab_size: int = 512, layers: in
     return _save(model, folder, vocab_size)
 
 
-def layout_of(path: Path):
-    """The KVShape kvconvert detects for a checkpoint folder."""
-    from kvconvert.checkpoint import CheckpointReader
-    from kvconvert.quant.layout import detect_kv_layout
-
-    with CheckpointReader(path) as reader:
-        return detect_kv_layout(reader.config, reader.keys())
-
-
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())

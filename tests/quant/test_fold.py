@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_cases import layout_of, make_deepseek, make_llama
+from quant_cases import make_deepseek, make_llama
 
 from kvconvert.quant.capture import cache_hook, forward_with_hook, load_hf_model
 from kvconvert.quant.evaluate import fake_quant_hook, identity_hook
 from kvconvert.quant.fake_quant import scale_from_amax
 from kvconvert.quant.fold import fold_factor, fold_layer, fold_plan
-from kvconvert.quant.layout import detect_kv_layout
+from kvconvert.quant.layout import checkpoint_kv_layout, detect_kv_layout
 from kvconvert.quant.scales import KVScales
 
 IDS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(3))
@@ -72,7 +72,7 @@ def test_fold_factor_is_the_next_power_of_two():
 @pytest.mark.parametrize("make", CASES)
 def test_folding_keeps_full_precision_logits(make, tmp_path):
     path = make(tmp_path / "m")
-    model, layout = load_hf_model(path), layout_of(path)
+    model, layout = load_hf_model(path), checkpoint_kv_layout(path)
     before = forward_with_hook(model, IDS, identity_hook)
     factors, _ = fold_plan(_random_scales(layout))
     assert any(f != 1.0 for pair in factors for f in pair)
@@ -98,7 +98,7 @@ def test_folding_is_exact_in_bf16():
 @pytest.mark.parametrize("make", CASES)
 def test_remaining_scale_on_folded_model_quantizes_like_the_calibrated_one(make, kv_dtype, tmp_path):
     path = make(tmp_path / "m")
-    model, layout = load_hf_model(path), layout_of(path)
+    model, layout = load_hf_model(path), checkpoint_kv_layout(path)
     scales = _amax_scales(model, layout, kv_dtype)
     calibrated = forward_with_hook(model, IDS, fake_quant_hook(layout, scales))
     factors, remaining = fold_plan(scales)
@@ -112,7 +112,7 @@ def test_an_engine_at_scale_one_on_the_folded_model_matches_the_calibrated_scale
     """The cache is made small (x 2^-14, compensated in the readers: an equivalent model) so that an
     engine storing it at scale 1.0 loses it to FP8's subnormal range, as vLLM does with MLA today."""
     path = make(tmp_path / "m")
-    model, layout = load_hf_model(path), layout_of(path)
+    model, layout = load_hf_model(path), checkpoint_kv_layout(path)
     _fold_model(model, layout, [(2.0 ** 14, 2.0 ** 14)] * layout.num_layers)  # an equivalent tiny-cache model
     ref = forward_with_hook(model, IDS, identity_hook)
     scales = _amax_scales(model, layout, "fp8")

@@ -18,10 +18,10 @@ def test_amax_matches_modelopt_on_smollm2(smollm2_path):
     from kvconvert.data import calibration_windows
     from kvconvert.quant.calibrate import observe_kv
     from kvconvert.quant.capture import load_hf_model
+    from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.modelopt_ref import modelopt_kv_amax
-    from quant_cases import layout_of
 
-    layout = layout_of(smollm2_path)
+    layout = checkpoint_kv_layout(smollm2_path)
     windows = calibration_windows(AutoTokenizer.from_pretrained(smollm2_path), "builtin", 256, 128)
     model = load_hf_model(smollm2_path)
     ours = observe_kv(model, layout, windows, batch_size=1)

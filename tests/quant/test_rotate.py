@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from quant_cases import layout_of, make_deepseek, make_llama
+from quant_cases import make_deepseek, make_llama
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.quant.capture import load_hf_model
 from kvconvert.quant.export import changed_attention
+from kvconvert.quant.layout import checkpoint_kv_layout
 from kvconvert.quant.rotate import (
     RotationPlan,
     apply_plan_to_model,
@@ -55,7 +56,7 @@ def random_plan(layout, seed=0):
 @pytest.mark.parametrize("bias", [False, True])
 def test_gqa_rotation_keeps_logits(tmp_path, bias):
     path = make_llama(tmp_path / "m", seed=4, bias=bias)
-    r, layout, model = CheckpointReader(path), layout_of(path), load_hf_model(path)
+    r, layout, model = CheckpointReader(path), checkpoint_kv_layout(path), load_hf_model(path)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(5))
     before = logits(model, ids)
     plan = random_plan(layout)
@@ -74,7 +75,7 @@ def test_gqa_rotation_keeps_logits(tmp_path, bias):
 @pytest.mark.parametrize("interleave", [True, False])
 def test_mla_rotation_keeps_logits_with_nonuniform_norm(tmp_path, interleave):
     path = make_deepseek(tmp_path / "d", seed=6, rope_interleave=interleave)
-    layout, model = layout_of(path), load_hf_model(path)
+    layout, model = checkpoint_kv_layout(path), load_hf_model(path)
     ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(7))
     before = logits(model, ids)
     apply_plan_to_model(model, random_plan(layout, seed=1))

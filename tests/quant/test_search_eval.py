@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from quant_cases import layout_of
 
 from kvconvert.quant.calibrate import observe_kv
 from kvconvert.quant.capture import AttentionRecorder, cache_hook, load_hf_model
@@ -15,12 +14,13 @@ from kvconvert.quant.evaluate import (
     perplexity_with_fake_quant,
 )
 from kvconvert.quant.fake_quant import fake_quant, scale_from_amax
+from kvconvert.quant.layout import checkpoint_kv_layout
 from kvconvert.quant.scales import KVScales
 from kvconvert.quant.search import LayerReplay, search_replay_scales
 
 
 def setup(path, n=2, t=32, seed=0):
-    layout, model = layout_of(path), load_hf_model(path)
+    layout, model = checkpoint_kv_layout(path), load_hf_model(path)
     ids = torch.randint(0, 512, (n, t), generator=torch.Generator().manual_seed(seed))
     recorder = AttentionRecorder(model)
     observers = observe_kv(model, layout, ids, batch_size=1, recorder=recorder, record_windows=n)
