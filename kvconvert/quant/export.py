@@ -26,7 +26,6 @@ under the vLLM names for kvconvert's runtime, with no quantization_config.
 
 from __future__ import annotations
 
-import io
 import re
 import os
 import tempfile
@@ -154,7 +153,7 @@ def _export_tensors(reader, layout: KVShape, plan: RotationPlan, factors):
         yield name, changed[name] if name in changed else reader.copy_and_drop(name)
 
 
-def plot_scales(scales: KVScales, path_or_buffer, title: str) -> None:
+def plot_scales(scales: KVScales, path: Path, title: str) -> None:
     """PNG of per-layer k/v scales (log scale; one faint line per head when per head)."""
     import matplotlib
 
@@ -178,14 +177,8 @@ def plot_scales(scales: KVScales, path_or_buffer, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path_or_buffer, format="png")
+    fig.savefig(path, format="png")
     plt.close(fig)
-
-
-def png_bytes(scales: KVScales, title: str) -> bytes:
-    buf = io.BytesIO()
-    plot_scales(scales, buf, title)
-    return buf.getvalue()
 
 
 # files a calibrated checkpoint gets anew; every other regular file of the source is carried over
@@ -221,7 +214,7 @@ def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVShape, scales: KVSc
         w.write_json("calibration_report.json", report)
         with tempfile.TemporaryDirectory() as tmp:
             png = Path(tmp) / "kv_scales.png"
-            png.write_bytes(png_bytes(scales, _title(report)))
+            plot_scales(scales, png, _title(report))
             w.copy_file(png, "kv_scales.png")
     return out_dir
 

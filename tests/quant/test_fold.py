@@ -8,7 +8,8 @@ import pytest
 import torch
 from quant_cases import make_deepseek, make_llama
 
-from kvconvert.quant.capture import cache_hook, forward_with_hook, load_hf_model
+from kvconvert.quant.calibrate import observe_kv
+from kvconvert.quant.capture import forward_with_hook, load_hf_model
 from kvconvert.quant.evaluate import fake_quant_hook, identity_hook
 from kvconvert.quant.fake_quant import scale_from_amax
 from kvconvert.quant.fold import fold_factor, fold_layer, fold_plan
@@ -35,15 +36,9 @@ def _random_scales(layout, kv_dtype="fp8", seed=0) -> KVScales:
 
 
 def _amax_scales(model, layout, kv_dtype) -> KVScales:
-    amax: dict[tuple[int, str], float] = {}
-
-    def observe(layer, kind, x):
-        amax[(layer, kind)] = max(amax.get((layer, kind), 0.0), float(x.abs().max()))
-        return x
-    forward_with_hook(model, IDS, cache_hook(layout, observe))
-    kinds = ("kv", "kv") if layout.is_mla else ("k", "v")
-    per = [[scale_from_amax(amax[(i, kind)], kv_dtype) for i in range(layout.num_layers)] for kind in kinds]
-    return KVScales(kv_dtype, "tensor", layout.kind, *per)
+    observers = observe_kv(model, layout, IDS, batch_size=IDS.shape[0])
+    per = [[scale_from_amax(obs[kind].amax_tensor, kv_dtype) for obs in observers] for kind in layout.cached_names]
+    return KVScales(kv_dtype, "tensor", layout.kind, per[0], per[-1])  # MLA: the row scale as k and v
 
 
 def _kl(ref_logits, logits) -> float:

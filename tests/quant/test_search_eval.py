@@ -7,12 +7,7 @@ import torch
 
 from kvconvert.quant.calibrate import observe_kv
 from kvconvert.quant.capture import AttentionRecorder, cache_hook, load_hf_model
-from kvconvert.quant.evaluate import (
-    evaluate_kv_quant,
-    fake_quant_hook,
-    identity_hook,
-    perplexity_with_fake_quant,
-)
+from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook, identity_hook
 from kvconvert.quant.fake_quant import fake_quant, scale_from_amax
 from kvconvert.quant.layout import checkpoint_kv_layout
 from kvconvert.quant.scales import KVScales
@@ -69,12 +64,3 @@ def test_evaluate_matches_manual_cross_entropy_and_identity_has_zero_kl(tiny_lla
     assert abs(res["same"].kl) < 1e-6
     assert res["coarse"].kl > 1e-4 and res["reference"].tokens == 2 * 23
 
-
-def test_perplexity_with_fake_quant_api(tiny_llama):
-    layout, _, ids, recorder, observers = setup(tiny_llama, n=1, t=24)
-    recorder.remove()
-    scales = KVScales("fp8", "tensor", layout.kind,
-                      [scale_from_amax(torch.tensor(o["k"].amax_tensor), "fp8") for o in observers],
-                      [scale_from_amax(torch.tensor(o["v"].amax_tensor), "fp8") for o in observers])
-    ppl, kl = perplexity_with_fake_quant(tiny_llama, "fp8", scales, ids)
-    assert math.isfinite(ppl) and 0 <= kl < 1e-2
