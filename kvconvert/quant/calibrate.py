@@ -31,8 +31,9 @@ from kvconvert.quant.capture import (
     check_finite,
     run_with_hook,
 )
-from kvconvert.quant.fake_quant import check_kv_dtype, scale_from_amax
-from kvconvert.quant.observers import GRANULARITIES, OBSERVERS, KVObserver
+from kvconvert.quant.fake_quant import scale_from_amax
+from kvconvert.quant.observers import KVObserver
+from kvconvert.quant.options import CalibrateOptions
 from kvconvert.quant.pair_stats import PairMomentObserver, PairMoments
 from kvconvert.quant.rotate import (
     RotationPlan,
@@ -49,9 +50,10 @@ from kvconvert.quant.search import LayerReplay, search_replay_scales
 STAT_WINDOWS = 8  # windows of the rotation-planning statistics
 
 
-@dataclass
-class CalibrationSettings:
-    """How to calibrate (independent of where the result is written).
+class CalibrationSettings(CalibrateOptions):
+    """How to calibrate (independent of where the result is written): the options of `kvconvert
+    calibrate` (CalibrateOptions: fields, defaults and limits), plus the seed of the value rotation's
+    random signs (None: plain Hadamard), which has no flag. CalibrationSettings("fp8", observer="amax").
 
     rotate: fold exact weight rewrites at all (None = on). What is folded when rotating:
     key_phase: per-RoPE-pair phases of q/k that minimize the scores' rounding noise (rotate.pair_phase),
@@ -61,31 +63,10 @@ class CalibrationSettings:
     128). key_strength: RoPE-pair amax equalization of the keys (0 = off: measured worse for nvfp4).
     """
 
-    kv_dtype: str
-    observer: str = "mse"
-    granularity: str = "tensor"
-    percentile: float = 99.99
-    rotate: bool | None = None
-    key_phase: bool = True
-    value_rotation: bool | None = None
-    rotation_block: int = 0
     rotation_seed: int | None = 0
-    key_strength: float = 0.0
-    search_tokens: int = 1024
-    batch_size: int = 4
 
-    def __post_init__(self):
-        check_kv_dtype(self.kv_dtype)
-        if self.observer not in OBSERVERS:
-            raise KVConvertError(f"unknown observer {self.observer!r}: use one of {', '.join(OBSERVERS)}")
-        if self.granularity not in GRANULARITIES:
-            raise KVConvertError(f"unknown granularity {self.granularity!r}: use one of {', '.join(GRANULARITIES)}")
-        if not 0.0 < self.percentile <= 100.0:
-            raise KVConvertError(f"--percentile must be in (0, 100], got {self.percentile}")
-        if not 0.0 <= self.key_strength <= 1.0:
-            raise KVConvertError(f"key strength must be in [0, 1], got {self.key_strength}")
-        if self.batch_size < 1 or self.search_tokens < 0:
-            raise KVConvertError("batch size must be >= 1 and search tokens >= 0")
+    def __init__(self, kv_dtype: str | None = None, /, **fields):
+        super().__init__(**(fields if kv_dtype is None else {**fields, "kv_dtype": kv_dtype}))
 
     @property
     def rotation_enabled(self) -> bool:

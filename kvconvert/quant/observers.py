@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.quant.options import GRANULARITIES, OBSERVERS  # noqa: F401  (re-exported)
+from kvconvert.quant.options import OBSERVERS
 
 
 class StreamingHistogram:

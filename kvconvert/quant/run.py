@@ -50,11 +50,7 @@ class CalibrateJob:
 
     def __post_init__(self):
         o = self.options
-        self.settings = CalibrationSettings(o.kv_dtype, observer=o.observer, granularity=o.granularity,
-                                            percentile=o.percentile, rotate=o.rotate, key_phase=o.key_phase,
-                                            value_rotation=o.value_rotation, rotation_block=o.rotation_block,
-                                            key_strength=o.key_strength, batch_size=o.batch_size,
-                                            search_tokens=o.search_tokens)
+        self.settings = CalibrationSettings(**o.model_dump())
         self.formats = resolve_format(o.format, o.kv_dtype, o.granularity)
         if (self.out is None) == (not self.in_place):
             raise KVConvertError("give exactly one of --out DIR or --in-place")

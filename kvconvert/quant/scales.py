@@ -21,7 +21,7 @@ import torch
 from kvconvert.errors import CheckpointError, KVConvertError
 from kvconvert.kvformat import SCALE_SUFFIXES, scale_names
 from kvconvert.quant.fake_quant import check_kv_dtype
-from kvconvert.quant.observers import GRANULARITIES
+from kvconvert.quant.options import GRANULARITIES
 
 _SCALE_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.(?:%s)$" % "|".join(
     re.escape(suffix) for names in SCALE_SUFFIXES.values() for suffix in names.values()))
