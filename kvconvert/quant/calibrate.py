@@ -16,6 +16,7 @@ blocks do not cover: biases, qk-norm, MoE, sliding windows):
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -143,17 +144,32 @@ def plan_rotation(model, layout: KVShape, settings: CalibrationSettings, windows
     stat_windows = windows[:STAT_WINDOWS]
     desc: dict = {}
     rot = value_rotation(layout, settings, desc)
+    phase, strength = settings.key_phase_enabled(layout), settings.key_strength
+    moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size) if phase else []
+    key_obs = observe_kv(model, layout, stat_windows, settings.batch_size) if strength > 0 else []
     factors = None
-    if settings.key_phase_enabled(layout):
-        moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size)
-        factors = [pair_phase(m.q_moment, m.k_moment) for m in moments]
-        desc["key_pair_phase"] = _phase_summary(moments, factors, stat_windows)
-    if settings.key_strength > 0:
-        stats = observe_kv(model, layout, stat_windows, settings.batch_size)
-        scales = [_key_pair_scale(layout, obs, settings.key_strength) for obs in stats]
-        factors = scales if factors is None else [f * s for f, s in zip(factors, scales)]
-        desc["key_pair_scaling"] = {"strength": settings.key_strength, "source_windows": int(stat_windows.shape[0])}
+    if phase or strength > 0:
+        factors = [_key_factor(layout, m, obs, strength) for m, obs in itertools.zip_longest(moments, key_obs)]
+    _describe_key_factors(desc, moments, strength, stat_windows)
     return RotationPlan(layout, rot, factors, desc)
+
+
+def _key_factor(layout: KVShape, moments: PairMoments | None, key_obs: dict[str, KVObserver] | None,
+                strength: float) -> torch.Tensor:
+    """One layer's key pair factor: the phase from its pair moments times the pair scale from its
+    key observers (each None when off)."""
+    factor = None if moments is None else pair_phase(moments.q_moment, moments.k_moment)
+    if key_obs is not None:
+        scale = _key_pair_scale(layout, key_obs, strength)
+        factor = scale if factor is None else factor * scale
+    return factor
+
+
+def _describe_key_factors(desc: dict, moments: list[PairMoments], strength: float, windows: torch.Tensor) -> None:
+    if moments:
+        desc["key_pair_phase"] = _phase_summary(moments, windows)
+    if strength > 0:
+        desc["key_pair_scaling"] = {"strength": strength, "source_windows": int(windows.shape[0])}
 
 
 def value_rotation(layout: KVShape, settings: CalibrationSettings, desc: dict) -> torch.Tensor | None:
@@ -178,10 +194,11 @@ def observe_pair_moments(model, layout: KVShape, windows: torch.Tensor, batch_si
         observer.remove()
 
 
-def _phase_summary(moments: list[PairMoments], factors: list[torch.Tensor], windows: torch.Tensor) -> dict:
+def _phase_summary(moments: list[PairMoments], windows: torch.Tensor) -> dict:
     """What the phases are predicted to do: the rope-key score noise after / before, per layer."""
     ratio = []
-    for m, f in zip(moments, factors):
+    for m in moments:
+        f = pair_phase(m.q_moment, m.k_moment)
         before = pair_noise(m.q_moment, m.k_moment, m.q_power, m.k_power).sum()
         after = pair_noise(m.q_moment, m.k_moment, m.q_power, m.k_power, f).sum()
         ratio.append(round(float(after / before), 4) if float(before) > 0 else 1.0)
@@ -293,7 +310,7 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
     rot = value_rotation(layout, settings, desc) if settings.rotation_enabled else None
     phase = settings.rotation_enabled and settings.key_phase_enabled(layout)
     strength = settings.key_strength if settings.rotation_enabled else 0.0
-    factors, phases, moments = ([] if phase or strength > 0 else None), [], []
+    factors, moments = ([] if phase or strength > 0 else None), []
     record = settings.search_windows(windows.shape[1])
     observers, scales, infos = [], [], []
     clock.lap("load")
@@ -302,15 +319,8 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
         clock.lap("load")
         if factors is not None:  # key factors from this layer's (unrotated) statistics, then folded
             m, key_obs = stream.statistics(i, attn, rest, phase, strength > 0)
-            factor = None
-            if phase:
-                factor = pair_phase(m.q_moment, m.k_moment)
-                moments.append(m)
-                phases.append(factor)
-            if strength > 0:
-                scale = _key_pair_scale(layout, key_obs, strength)
-                factor = scale if factor is None else factor * scale
-            factors.append(factor)
+            factors.append(_key_factor(layout, m, key_obs, strength))
+            moments += [m] if phase else []
         layer_plan = RotationPlan(layout, rot, factors)
         if not layer_plan.is_identity:
             attn = apply_rotation(layer_plan, i, attn, layout.num_heads)
@@ -328,10 +338,7 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
         release_heap()
         if progress is not None:
             progress(i + 1, layout.num_layers)
-    if phase:
-        desc["key_pair_phase"] = _phase_summary(moments, phases, windows[:STAT_WINDOWS])
-    if strength > 0:
-        desc["key_pair_scaling"] = {"strength": strength, "source_windows": int(windows[:STAT_WINDOWS].shape[0])}
+    _describe_key_factors(desc, moments, strength, windows[:STAT_WINDOWS])
     plan = RotationPlan(layout, rot, factors, desc)
     stats = {"wall_s": clock.wall, "cpu_s": clock.cpu, "search": infos, "search_windows": record}
     return CalibrationResult(_kv_scales(layout, settings, scales), plan, observers, stats)
