@@ -58,8 +58,10 @@ def attention_kind(config: dict) -> str:
 
 @dataclass(frozen=True)
 class KVShape:
-    """What one token caches in one layer. Non-MLA: 2 * num_kv_heads vectors of head_dim values.
-    MLA: one vector of kv_lora_rank + qk_rope_head_dim values."""
+    """What one token caches in one layer. Non-MLA: 2 * num_kv_heads vectors of head_dim values
+    (the tensors "k" and "v", [num_kv_heads, head_dim] each). MLA: one row "kv" of
+    [latent (kv_lora_rank) | k_rope (qk_rope_head_dim)] values, the latent taken after kv_a_layernorm and
+    k_rope after RoPE; rope_interleave: k_rope pairs are (2i, 2i+1) in the cache, else (i, i + r/2)."""
 
     kind: str
     num_layers: int
@@ -68,6 +70,7 @@ class KVShape:
     head_dim: int | None = None
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    rope_interleave: bool = False
 
     def __post_init__(self):
         if self.kind not in (MHA, GQA, MQA, MLA):
@@ -82,11 +85,28 @@ class KVShape:
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
 
     @property
+    def is_mla(self) -> bool:
+        return self.kind == MLA
+
+    @property
+    def cached_names(self) -> tuple[str, ...]:
+        """Names of the tensors one layer caches: ("k", "v"), or ("kv",) for the MLA row."""
+        return ("kv",) if self.is_mla else ("k", "v")
+
+    @property
+    def cached_heads(self) -> int:
+        """Heads of each cached tensor: num_kv_heads, or 1 for the MLA row."""
+        return 1 if self.is_mla else self.num_kv_heads
+
+    @property
+    def row_dim(self) -> int:
+        """Values per head of each cached tensor: head_dim, or kv_lora_rank + qk_rope_head_dim for MLA."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
     def cached_vectors(self) -> list[int]:
         """Lengths of the vectors one token caches in one layer."""
-        if self.kind == MLA:
-            return [self.kv_lora_rank + self.qk_rope_head_dim]
-        return [self.head_dim] * (2 * self.num_kv_heads)
+        return [self.row_dim] * (len(self.cached_names) * self.cached_heads)
 
     @property
     def values_per_token_per_layer(self) -> int:
@@ -117,7 +137,8 @@ def kv_shape(config: dict) -> KVShape:
     layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
     if kind == MLA:
         return KVShape(MLA, layers, heads, kv_lora_rank=config.get("kv_lora_rank"),
-                       qk_rope_head_dim=config.get("qk_rope_head_dim"))
+                       qk_rope_head_dim=config.get("qk_rope_head_dim"),
+                       rope_interleave=bool(config.get("rope_interleave", False)))
     return KVShape(kind, layers, heads, num_kv_heads=config.get("num_key_value_heads") or heads,
                    head_dim=head_dim(config))
 

@@ -58,19 +58,17 @@ def parse_args():
 def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from kvconvert.checkpoint import CheckpointReader
     from kvconvert.data import eval_windows
     from kvconvert.quant.capture import load_hf_model
     from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook
-    from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.options import CalibrateOptions
     from kvconvert.quant.run import CalibrateJob, run_calibrate
     from kvconvert.quant.scales import read_kv_scales
     from kvconvert.sources import resolve_source
 
     path = resolve_source(src)
-    reader = CheckpointReader(path)
-    layout = detect_kv_layout(reader.config, reader.keys())
+    layout = checkpoint_kv_layout(path)
     windows = eval_windows(AutoTokenizer.from_pretrained(path), args.windows, args.window_len)
     reference = load_hf_model(path)
     candidates, calib = {}, {}

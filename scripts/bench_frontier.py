@@ -90,13 +90,12 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
     save(points so far) after each group, so an interrupted run keeps what it measured."""
     import torch
 
-    from kvconvert.checkpoint import CheckpointReader
     from kvconvert.data import eval_windows
     from kvconvert.mla.convert import convert_to_mla
     from kvconvert.mla.options import MLAOptions
     from kvconvert.quant.capture import cache_hook, load_hf_model
     from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook, identity_hook
-    from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.options import CalibrateOptions
     from kvconvert.quant.run import CalibrateJob, run_calibrate
     from kvconvert.quant.scales import read_kv_scales
@@ -109,15 +108,11 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
     proto = f"essays {args.windows} x 1024"
     reference = load_hf_model(src)
 
-    def layout_of(path):
-        with CheckpointReader(path, verify=False) as r:
-            return detect_kv_layout(r.config, r.keys())
-
     def log(msg):
         print(f"[{time.time() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
     t0 = time.time()
-    bf16 = cache_hook(layout_of(src), lambda i, kind, x: x.to(torch.bfloat16).to(x.dtype))
+    bf16 = cache_hook(checkpoint_kv_layout(src), lambda i, kind, x: x.to(torch.bfloat16).to(x.dtype))
     res = evaluate_kv_quant(reference, {"source bf16": (reference, bf16)}, windows)
     source_ppl = res["reference"].ppl
     out = [point(cands, "source bf16", res["source bf16"].kl, res["source bf16"].ppl, source_ppl, "", "measured here",
@@ -135,7 +130,7 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
             out_dir = work / f"mla-{rank}-{rope}-{kv}"
             run_calibrate(CalibrateJob(src=str(mla), options=CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens),
                                        out=out_dir, overwrite=True), echo=lambda m: None)
-            models[f"MLA {rank}+{rope} {kv}"] = (load_hf_model(out_dir), fake_quant_hook(layout_of(out_dir),
+            models[f"MLA {rank}+{rope} {kv}"] = (load_hf_model(out_dir), fake_quant_hook(checkpoint_kv_layout(out_dir),
                                                                                     read_kv_scales(out_dir)))
             log(f"calibrated {setting} {kv}")
         res = evaluate_kv_quant(reference, models, windows)

@@ -57,18 +57,16 @@ def main():
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from kvconvert.checkpoint import CheckpointReader
     from kvconvert.data import calibration_windows, eval_windows
     from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model
     from kvconvert.quant.capture import load_hf_model
     from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook
-    from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.rotate import block_hadamard
     from kvconvert.sources import resolve_source
 
     path = resolve_source(args.src)
-    reader = CheckpointReader(path)
-    layout = detect_kv_layout(reader.config, reader.keys())
+    layout = checkpoint_kv_layout(path)
     if layout.is_mla:
         raise SystemExit("this bound is for GQA/MHA keys (an MLA latent can already be rotated freely)")
     tokenizer = AutoTokenizer.from_pretrained(path)

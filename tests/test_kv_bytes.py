@@ -46,3 +46,13 @@ def test_request_bytes_are_context_times_token_bytes(config, kv_dtype):
 def test_deepseek_v3_nvfp4_keeps_k_rope_in_16_bits():
     # 512 latent values: 256 bytes of E2M1 codes + 32 E4M3 block scales; k_rope 64 x 2 bytes
     assert kv_bytes_per_token(kv_shape(DEEPSEEK), "nvfp4") == 61 * (256 + 32 + 128)
+
+
+def test_what_one_layer_caches():
+    """KVShape's cached tensors (kvconvert.quant calibrates one scale per tensor, per head or per row)."""
+    for config, names, heads, row_dim in ((LLAMA_GQA, ("k", "v"), 3, 64), (LLAMA_MHA, ("k", "v"), 32, 128),
+                                          (DEEPSEEK, ("kv",), 1, 512 + 64)):
+        shape = kv_shape(config)
+        assert (shape.cached_names, shape.cached_heads, shape.row_dim) == (names, heads, row_dim)
+        assert shape.cached_vectors == [row_dim] * (len(names) * heads)
+    assert kv_shape({**DEEPSEEK, "rope_interleave": True}).rope_interleave and not kv_shape(DEEPSEEK).rope_interleave

@@ -16,6 +16,7 @@ blocks do not cover: biases, qk-norm, MoE, sliding windows):
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,15 +25,16 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
+from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import (
     AttentionRecorder,
     cache_hook,
     check_finite,
     run_with_hook,
 )
-from kvconvert.quant.fake_quant import check_kv_dtype, scale_from_amax
-from kvconvert.quant.layout import KVLayout
-from kvconvert.quant.observers import GRANULARITIES, OBSERVERS, KVObserver
+from kvconvert.quant.fake_quant import scale_from_amax
+from kvconvert.quant.observers import KVObserver
+from kvconvert.quant.options import CalibrateOptions
 from kvconvert.quant.pair_stats import PairMomentObserver, PairMoments
 from kvconvert.quant.rotate import (
     RotationPlan,
@@ -49,9 +51,10 @@ from kvconvert.quant.search import LayerReplay, search_replay_scales
 STAT_WINDOWS = 8  # windows of the rotation-planning statistics
 
 
-@dataclass
-class CalibrationSettings:
-    """How to calibrate (independent of where the result is written).
+class CalibrationSettings(CalibrateOptions):
+    """How to calibrate (independent of where the result is written): the options of `kvconvert
+    calibrate` (CalibrateOptions: fields, defaults and limits), plus the seed of the value rotation's
+    random signs (None: plain Hadamard), which has no flag. CalibrationSettings("fp8", observer="amax").
 
     rotate: fold exact weight rewrites at all (None = on). What is folded when rotating:
     key_phase: per-RoPE-pair phases of q/k that minimize the scores' rounding noise (rotate.pair_phase),
@@ -61,31 +64,10 @@ class CalibrationSettings:
     128). key_strength: RoPE-pair amax equalization of the keys (0 = off: measured worse for nvfp4).
     """
 
-    kv_dtype: str
-    observer: str = "mse"
-    granularity: str = "tensor"
-    percentile: float = 99.99
-    rotate: bool | None = None
-    key_phase: bool = True
-    value_rotation: bool | None = None
-    rotation_block: int = 0
     rotation_seed: int | None = 0
-    key_strength: float = 0.0
-    search_tokens: int = 1024
-    batch_size: int = 4
 
-    def __post_init__(self):
-        check_kv_dtype(self.kv_dtype)
-        if self.observer not in OBSERVERS:
-            raise KVConvertError(f"unknown observer {self.observer!r}: use one of {', '.join(OBSERVERS)}")
-        if self.granularity not in GRANULARITIES:
-            raise KVConvertError(f"unknown granularity {self.granularity!r}: use one of {', '.join(GRANULARITIES)}")
-        if not 0.0 < self.percentile <= 100.0:
-            raise KVConvertError(f"--percentile must be in (0, 100], got {self.percentile}")
-        if not 0.0 <= self.key_strength <= 1.0:
-            raise KVConvertError(f"key strength must be in [0, 1], got {self.key_strength}")
-        if self.batch_size < 1 or self.search_tokens < 0:
-            raise KVConvertError("batch size must be >= 1 and search tokens >= 0")
+    def __init__(self, kv_dtype: str | None = None, /, **fields):
+        super().__init__(**(fields if kv_dtype is None else {**fields, "kv_dtype": kv_dtype}))
 
     @property
     def rotation_enabled(self) -> bool:
@@ -96,7 +78,16 @@ class CalibrationSettings:
     def value_rotation_enabled(self) -> bool:
         return self.kv_dtype == "nvfp4" if self.value_rotation is None else self.value_rotation
 
-    def key_phase_enabled(self, layout: KVLayout) -> bool:
+    def check_layout(self, layout: KVShape) -> None:
+        if layout.is_mla and self.granularity == "head":
+            raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): "
+                                 "use --granularity tensor")
+
+    def search_windows(self, window_len: int) -> int:
+        """Calibration windows of `window_len` tokens the mse search replays (0: no search)."""
+        return max(1, math.ceil(self.search_tokens / window_len)) if self.observer == "mse" else 0
+
+    def key_phase_enabled(self, layout: KVShape) -> bool:
         """Phases only help where the (rope) keys are quantized: not the MLA k_rope under nvfp4 (bf16)."""
         return self.key_phase and not (layout.is_mla and kv_format(self.kv_dtype).mla_rope_16bit)
 
@@ -109,19 +100,19 @@ class CalibrationResult:
     stats: dict = field(default_factory=dict)  # amax per layer, search info, timings
 
 
-def new_observers(layout: KVLayout) -> list[dict[str, KVObserver]]:
-    return [{kind: KVObserver(layout.num_kv_heads, layout.head_dim) for kind in layout.kinds}
-            for _ in range(layout.num_layers)]
+def layer_observers(layout: KVShape) -> dict[str, KVObserver]:
+    """A fresh observer for each tensor one layer caches."""
+    return {kind: KVObserver(layout.cached_heads, layout.row_dim) for kind in layout.cached_names}
 
 
-def observe_kv(model, layout: KVLayout, windows: torch.Tensor, batch_size: int,
+def observe_kv(model, layout: KVShape, windows: torch.Tensor, batch_size: int,
                recorder: AttentionRecorder | None = None, record_windows: int = 0,
                progress=None) -> list[dict[str, KVObserver]]:
     """One pass over all windows ([N, T]); returns per-layer observers of every cached tensor.
 
     The recorder (if any) records the attention inputs of the first `record_windows` windows.
     """
-    observers = new_observers(layout)
+    observers = [layer_observers(layout) for _ in range(layout.num_layers)]
 
     def row_hook(layer_idx, kind, x):
         check_finite(layer_idx, kind, x)
@@ -145,7 +136,7 @@ def observe_kv(model, layout: KVLayout, windows: torch.Tensor, batch_size: int,
     return observers
 
 
-def plan_rotation(model, layout: KVLayout, settings: CalibrationSettings, windows: torch.Tensor) -> RotationPlan:
+def plan_rotation(model, layout: KVShape, settings: CalibrationSettings, windows: torch.Tensor) -> RotationPlan:
     """Hadamard for V / the MLA latent and per-RoPE-pair key factors (phase and, optionally, scale).
 
     Key statistics come from one pass over (at most 8 of) the calibration windows.
@@ -153,20 +144,35 @@ def plan_rotation(model, layout: KVLayout, settings: CalibrationSettings, window
     stat_windows = windows[:STAT_WINDOWS]
     desc: dict = {}
     rot = value_rotation(layout, settings, desc)
+    phase, strength = settings.key_phase_enabled(layout), settings.key_strength
+    moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size) if phase else []
+    key_obs = observe_kv(model, layout, stat_windows, settings.batch_size) if strength > 0 else []
     factors = None
-    if settings.key_phase_enabled(layout):
-        moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size)
-        factors = [pair_phase(m.q_moment, m.k_moment) for m in moments]
-        desc["key_pair_phase"] = _phase_summary(moments, factors, stat_windows)
-    if settings.key_strength > 0:
-        stats = observe_kv(model, layout, stat_windows, settings.batch_size)
-        scales = [_key_pair_scale(layout, obs, settings.key_strength) for obs in stats]
-        factors = scales if factors is None else [f * s for f, s in zip(factors, scales)]
-        desc["key_pair_scaling"] = {"strength": settings.key_strength, "source_windows": int(stat_windows.shape[0])}
+    if phase or strength > 0:
+        factors = [_key_factor(layout, m, obs, strength) for m, obs in itertools.zip_longest(moments, key_obs)]
+    _describe_key_factors(desc, moments, strength, stat_windows)
     return RotationPlan(layout, rot, factors, desc)
 
 
-def value_rotation(layout: KVLayout, settings: CalibrationSettings, desc: dict) -> torch.Tensor | None:
+def _key_factor(layout: KVShape, moments: PairMoments | None, key_obs: dict[str, KVObserver] | None,
+                strength: float) -> torch.Tensor:
+    """One layer's key pair factor: the phase from its pair moments times the pair scale from its
+    key observers (each None when off)."""
+    factor = None if moments is None else pair_phase(moments.q_moment, moments.k_moment)
+    if key_obs is not None:
+        scale = _key_pair_scale(layout, key_obs, strength)
+        factor = scale if factor is None else factor * scale
+    return factor
+
+
+def _describe_key_factors(desc: dict, moments: list[PairMoments], strength: float, windows: torch.Tensor) -> None:
+    if moments:
+        desc["key_pair_phase"] = _phase_summary(moments, windows)
+    if strength > 0:
+        desc["key_pair_scaling"] = {"strength": strength, "source_windows": int(windows.shape[0])}
+
+
+def value_rotation(layout: KVShape, settings: CalibrationSettings, desc: dict) -> torch.Tensor | None:
     """The Hadamard for V / the MLA latent (None when off); describes it in desc."""
     if not settings.value_rotation_enabled:
         return None
@@ -178,7 +184,7 @@ def value_rotation(layout: KVLayout, settings: CalibrationSettings, desc: dict) 
     return block_hadamard(dim, block, settings.rotation_seed)
 
 
-def observe_pair_moments(model, layout: KVLayout, windows: torch.Tensor, batch_size: int) -> list[PairMoments]:
+def observe_pair_moments(model, layout: KVShape, windows: torch.Tensor, batch_size: int) -> list[PairMoments]:
     """Post-RoPE q/k pair moments per layer over all `windows` ([N, T]) (kvconvert.quant.pair_stats)."""
     observer = PairMomentObserver(model, layout)
     try:
@@ -188,10 +194,11 @@ def observe_pair_moments(model, layout: KVLayout, windows: torch.Tensor, batch_s
         observer.remove()
 
 
-def _phase_summary(moments: list[PairMoments], factors: list[torch.Tensor], windows: torch.Tensor) -> dict:
+def _phase_summary(moments: list[PairMoments], windows: torch.Tensor) -> dict:
     """What the phases are predicted to do: the rope-key score noise after / before, per layer."""
     ratio = []
-    for m, f in zip(moments, factors):
+    for m in moments:
+        f = pair_phase(m.q_moment, m.k_moment)
         before = pair_noise(m.q_moment, m.k_moment, m.q_power, m.k_power).sum()
         after = pair_noise(m.q_moment, m.k_moment, m.q_power, m.k_power, f).sum()
         ratio.append(round(float(after / before), 4) if float(before) > 0 else 1.0)
@@ -199,7 +206,7 @@ def _phase_summary(moments: list[PairMoments], factors: list[torch.Tensor], wind
             "predicted_noise_ratio_mean": round(sum(ratio) / len(ratio), 4)}
 
 
-def _key_pair_scale(layout: KVLayout, obs: dict[str, KVObserver], strength: float) -> torch.Tensor:
+def _key_pair_scale(layout: KVShape, obs: dict[str, KVObserver], strength: float) -> torch.Tensor:
     if not layout.is_mla:
         pair = pair_amax_from_channels(obs["k"].amax_channel, interleave=False)  # [kv_heads, d/2]
         return pair_equalizing_scale(pair, strength)
@@ -214,12 +221,11 @@ def _key_pair_scale(layout: KVLayout, obs: dict[str, KVObserver], strength: floa
     return torch.where(pair > 0, alpha, torch.ones_like(alpha))
 
 
-def calibrate_model(model, layout: KVLayout, windows: torch.Tensor, settings: CalibrationSettings,
+def calibrate_model(model, layout: KVShape, windows: torch.Tensor, settings: CalibrationSettings,
                     progress=None, log=None) -> CalibrationResult:
     """Calibrate an in-memory fp32 model (rotating its weights in place if enabled)."""
     log = log or (lambda msg: None)
-    if layout.is_mla and settings.granularity == "head":
-        raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
+    settings.check_layout(layout)
     clock = _Clock()
     plan = RotationPlan(layout)
     if settings.rotation_enabled:
@@ -227,11 +233,8 @@ def calibrate_model(model, layout: KVLayout, windows: torch.Tensor, settings: Ca
         plan = plan_rotation(model, layout, settings, windows)
         apply_plan_to_model(model, plan)
     clock.lap("rotation")
-    record = 0
-    recorder = None
-    if settings.observer == "mse":
-        record = max(1, math.ceil(settings.search_tokens / windows.shape[1]))
-        recorder = AttentionRecorder(model)
+    record = settings.search_windows(windows.shape[1])
+    recorder = AttentionRecorder(model) if record else None
     try:
         observers = observe_kv(model, layout, windows, settings.batch_size, recorder, record, progress)
         clock.lap("observe")
@@ -288,7 +291,7 @@ def _kv_scales(layout, settings, per_layer: list[dict]) -> KVScales:
     return KVScales(settings.kv_dtype, settings.granularity, layout.kind, ks, vs)
 
 
-def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings: CalibrationSettings,
+def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings: CalibrationSettings,
                        progress=None, log=None, device="cpu") -> CalibrationResult:
     """Calibrate a checkpoint layer by layer (kvconvert.quant.stream), never building the model;
     the forward runs on `device` (see kvconvert.quant.stream).
@@ -297,19 +300,18 @@ def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings
     rounding), in the memory of one layer plus the calibration hidden states.
     """
     from kvconvert.quant.memory import release_heap
-    from kvconvert.quant.stream import LayerStream, apply_rotation, search_record_windows
+    from kvconvert.quant.stream import LayerStream, apply_rotation
 
     log = log or (lambda msg: None)
-    if layout.is_mla and settings.granularity == "head":
-        raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
+    settings.check_layout(layout)
     clock = _Clock()
     stream = LayerStream(reader, layout, windows, settings.batch_size, device)
     desc: dict = {}
     rot = value_rotation(layout, settings, desc) if settings.rotation_enabled else None
     phase = settings.rotation_enabled and settings.key_phase_enabled(layout)
     strength = settings.key_strength if settings.rotation_enabled else 0.0
-    factors, phases, moments = ([] if phase or strength > 0 else None), [], []
-    record = search_record_windows(settings.search_tokens, windows.shape[1]) if settings.observer == "mse" else 0
+    factors, moments = ([] if phase or strength > 0 else None), []
+    record = settings.search_windows(windows.shape[1])
     observers, scales, infos = [], [], []
     clock.lap("load")
     for i in range(layout.num_layers):
@@ -317,18 +319,11 @@ def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings
         clock.lap("load")
         if factors is not None:  # key factors from this layer's (unrotated) statistics, then folded
             m, key_obs = stream.statistics(i, attn, rest, phase, strength > 0)
-            factor = None
-            if phase:
-                factor = pair_phase(m.q_moment, m.k_moment)
-                moments.append(m)
-                phases.append(factor)
-            if strength > 0:
-                scale = _key_pair_scale(layout, key_obs, strength)
-                factor = scale if factor is None else factor * scale
-            factors.append(factor)
+            factors.append(_key_factor(layout, m, key_obs, strength))
+            moments += [m] if phase else []
         layer_plan = RotationPlan(layout, rot, factors)
         if not layer_plan.is_identity:
-            attn = apply_rotation(layer_plan, i, attn, layout.num_q_heads)
+            attn = apply_rotation(layer_plan, i, attn, layout.num_heads)
         clock.lap("rotation")
         obs, records = stream.advance(i, attn, rest, record)
         del rest
@@ -343,10 +338,7 @@ def calibrate_streamed(reader, layout: KVLayout, windows: torch.Tensor, settings
         release_heap()
         if progress is not None:
             progress(i + 1, layout.num_layers)
-    if phase:
-        desc["key_pair_phase"] = _phase_summary(moments, phases, windows[:STAT_WINDOWS])
-    if strength > 0:
-        desc["key_pair_scaling"] = {"strength": strength, "source_windows": int(windows[:STAT_WINDOWS].shape[0])}
+    _describe_key_factors(desc, moments, strength, windows[:STAT_WINDOWS])
     plan = RotationPlan(layout, rot, factors, desc)
     stats = {"wall_s": clock.wall, "cpu_s": clock.cpu, "search": infos, "search_windows": record}
     return CalibrationResult(_kv_scales(layout, settings, scales), plan, observers, stats)

@@ -18,8 +18,8 @@ import torch
 from transformers import DynamicCache
 
 from kvconvert.errors import KVConvertError, UnsupportedModelError
+from kvconvert.kvmath import KVShape
 from kvconvert.quant.fake_quant import mla_row_from_engine, mla_row_to_engine
-from kvconvert.quant.layout import KVLayout
 
 # hook(layer_idx, key, value) -> (key, value), tensors in transformers' cache layout
 CacheHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -50,7 +50,7 @@ class ReplayCache:
         return self.hook(layer_idx, key_states, value_states)
 
 
-def cache_hook(layout: KVLayout, row_hook: RowHook) -> CacheHook:
+def cache_hook(layout: KVShape, row_hook: RowHook) -> CacheHook:
     """Adapt a per-cached-tensor hook to transformers' update(key, value) arguments.
 
     gqa: row_hook(l, "k", K) and row_hook(l, "v", V). mla: the engine row [latent | k_rope] (engine

@@ -13,24 +13,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from kvconvert.kvformat import kv_format
-from kvconvert.quant.capture import (
-    CacheHook,
-    cache_hook,
-    check_finite,
-    forward_with_hook,
-    load_hf_model,
-)
+from kvconvert.kvmath import KVShape
+from kvconvert.quant.capture import CacheHook, cache_hook, check_finite, forward_with_hook
 from kvconvert.quant.fake_quant import fake_quant
-from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.scales import KVScales
 
 
-def fake_quant_hook(layout: KVLayout, scales: KVScales) -> CacheHook:
+def fake_quant_hook(layout: KVShape, scales: KVScales) -> CacheHook:
     """Cache hook that quantize-dequantizes every cached tensor with `scales`."""
     rope_tail = layout.qk_rope_head_dim if layout.is_mla and kv_format(scales.kv_dtype).mla_rope_16bit else 0
 
@@ -103,29 +96,3 @@ def evaluate_kv_quant(reference_model, candidates: dict[str, tuple], windows: to
             progress(min(start + batch_size, windows.shape[0]), windows.shape[0])
     return {name: a.result() for name, a in acc.items()}
 
-
-def perplexity_with_fake_quant(model_dir: str | Path, kv_dtype: str, scales: KVScales | str | Path,
-                               windows: torch.Tensor, reference_dir: str | Path | None = None,
-                               batch_size: int = 1) -> tuple[float, float]:
-    """(perplexity, mean token KL vs the unquantized reference) with the KV cache fake-quantized.
-
-    model_dir: the model to run (e.g. a calibrated, possibly rotated, checkpoint); scales: a KVScales
-    or a folder written by ``kvconvert calibrate``; windows: [N, T] token ids (e.g.
-    kvconvert.data.eval_windows); reference_dir: the unquantized model for KL (default model_dir).
-    """
-    from kvconvert.checkpoint import CheckpointReader
-    from kvconvert.quant.layout import detect_kv_layout
-    from kvconvert.quant.scales import read_kv_scales
-
-    if not isinstance(scales, KVScales):
-        scales = read_kv_scales(scales)
-    if scales.kv_dtype != kv_dtype:
-        from kvconvert.errors import KVConvertError
-
-        raise KVConvertError(f"scales were calibrated for {scales.kv_dtype}, not {kv_dtype}; recalibrate")
-    reader = CheckpointReader(model_dir, verify=False)
-    layout = detect_kv_layout(reader.config, reader.keys())
-    model = load_hf_model(model_dir)
-    reference = model if reference_dir is None else load_hf_model(reference_dir)
-    results = evaluate_kv_quant(reference, {"quant": (model, fake_quant_hook(layout, scales))}, windows, batch_size)
-    return results["quant"].ppl, results["quant"].kl

@@ -26,7 +26,6 @@ under the vLLM names for kvconvert's runtime, with no quantization_config.
 
 from __future__ import annotations
 
-import io
 import re
 import os
 import tempfile
@@ -37,8 +36,8 @@ import torch
 from kvconvert import __version__
 from kvconvert.errors import CheckpointError, KVConvertError
 from kvconvert.kvformat import SCALE_SUFFIXES, kv_format, scale_name
+from kvconvert.kvmath import MLA, KVShape
 from kvconvert.quant.fold import fold_layer, fold_plan
-from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.rotate import RotationPlan
 from kvconvert.quant.scales import KVScales, is_kv_scale_name
 
@@ -63,7 +62,7 @@ def resolve_format(fmt: str, kv_dtype: str, granularity: str) -> tuple[str, ...]
     return formats
 
 
-def scale_tensors(scales: KVScales, layout: KVLayout, formats: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def scale_tensors(scales: KVScales, layout: KVShape, formats: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Checkpoint tensors for the scales, by name (see module docstring for names and shapes)."""
     out = {}
     for layer in range(scales.num_layers):
@@ -72,7 +71,7 @@ def scale_tensors(scales: KVScales, layout: KVLayout, formats: tuple[str, ...]) 
             for kind in ("k", "v"):
                 out[scale_name("vllm", kind, layer)] = scales.scale(layer, kind).float().reshape(shape).clone()
         if "modelopt" in formats:
-            for kind in layout.kinds:
+            for kind in layout.cached_names:
                 out[scale_name("modelopt", kind, layer)] = scales.scale(layer, kind).float().reshape(()).clone()
     return out
 
@@ -114,25 +113,17 @@ def output_config(src_config: dict, scales: KVScales, formats: tuple[str, ...]) 
     return config
 
 
-def changed_attention(reader, layout: KVLayout, plan: RotationPlan, fold: tuple[float, float] | None,
+def changed_attention(reader, layout: KVShape, plan: RotationPlan, fold: tuple[float, float] | None,
                       layer: int) -> dict[str, torch.Tensor]:
     """Full names -> one layer's attention tensors rotated (then scale-folded, see quant/fold.py),
     only those that change. fold: this layer's (f_k, f_v) from fold.fold_plan, or None."""
     prefix = f"model.layers.{layer}.self_attn."
     local = {k[len(prefix):]: reader.copy_and_drop(k) for k in reader.weight_map
              if k.startswith(prefix) and not is_kv_scale_name(k)}
-    changed = plan.apply(layer, local, layout.num_q_heads) if not plan.is_identity else {}
+    changed = plan.apply(layer, local, layout.num_heads) if not plan.is_identity else {}
     if fold is not None:
         changed.update(fold_layer({**local, **changed}, layout, *fold))
     return {prefix + name: tensor for name, tensor in changed.items()}
-
-
-def rotated_tensors(reader, layout: KVLayout, plan: RotationPlan) -> dict[str, torch.Tensor]:
-    """Every layer's rotated attention tensors at once (tests; the export streams per layer)."""
-    out: dict[str, torch.Tensor] = {}
-    for layer in range(layout.num_layers if not plan.is_identity else 0):
-        out.update(changed_attention(reader, layout, plan, None, layer))
-    return out
 
 
 def fold_report(scales: KVScales) -> tuple[list[tuple[float, float]], KVScales, dict]:
@@ -147,7 +138,7 @@ def fold_report(scales: KVScales) -> tuple[list[tuple[float, float]], KVScales, 
 _LAYER_ATTENTION = re.compile(r"^model\.layers\.(\d+)\.self_attn\.")
 
 
-def _export_tensors(reader, layout: KVLayout, plan: RotationPlan, factors):
+def _export_tensors(reader, layout: KVShape, plan: RotationPlan, factors):
     """(name, tensor) for every weight, in the reader's order, one layer's changes in memory at a
     time; each tensor read is copied out of its pages and the pages are dropped (a 7B export's
     RSS stays near one shard, not the whole checkpoint)."""
@@ -162,7 +153,7 @@ def _export_tensors(reader, layout: KVLayout, plan: RotationPlan, factors):
         yield name, changed[name] if name in changed else reader.copy_and_drop(name)
 
 
-def plot_scales(scales: KVScales, path_or_buffer, title: str) -> None:
+def plot_scales(scales: KVScales, path: Path, title: str) -> None:
     """PNG of per-layer k/v scales (log scale; one faint line per head when per head)."""
     import matplotlib
 
@@ -171,10 +162,10 @@ def plot_scales(scales: KVScales, path_or_buffer, title: str) -> None:
 
     layers = list(range(scales.num_layers))
     fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
-    kinds = [("k", scales.k, "tab:blue")] + ([] if scales.layout_kind == "mla" else [("v", scales.v, "tab:orange")])
+    kinds = [("k", scales.k, "tab:blue")] + ([] if scales.layout_kind == MLA else [("v", scales.v, "tab:orange")])
     for name, values, color in kinds:
         stacked = torch.stack([s.reshape(-1) for s in values])  # [layers, heads]
-        label = "row scale (latent|k_rope)" if scales.layout_kind == "mla" else f"{name}_scale"
+        label = "row scale (latent|k_rope)" if scales.layout_kind == MLA else f"{name}_scale"
         if stacked.shape[1] > 1:
             for h in range(stacked.shape[1]):
                 ax.plot(layers, stacked[:, h], color=color, alpha=0.35, lw=1)
@@ -186,14 +177,8 @@ def plot_scales(scales: KVScales, path_or_buffer, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path_or_buffer, format="png")
+    fig.savefig(path, format="png")
     plt.close(fig)
-
-
-def png_bytes(scales: KVScales, title: str) -> bytes:
-    buf = io.BytesIO()
-    plot_scales(scales, buf, title)
-    return buf.getvalue()
 
 
 # files a calibrated checkpoint gets anew; every other regular file of the source is carried over
@@ -203,7 +188,7 @@ _REWRITTEN = ("config.json", "manifest.json", "hf_quant_config.json", "calibrati
               "model.safetensors.index.json")
 
 
-def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVLayout, scales: KVScales, plan: RotationPlan,
+def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVShape, scales: KVScales, plan: RotationPlan,
                      formats: tuple[str, ...], report: dict, overwrite: bool = False) -> Path:
     """New checkpoint at out_dir (atomic, via CheckpointWriter): weights copied or rotated and folded,
     the scales, and the source's other files. out_dir may be src_dir itself (--in-place): the new
@@ -229,7 +214,7 @@ def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVLayout, scales: KVS
         w.write_json("calibration_report.json", report)
         with tempfile.TemporaryDirectory() as tmp:
             png = Path(tmp) / "kv_scales.png"
-            png.write_bytes(png_bytes(scales, _title(report)))
+            plot_scales(scales, png, _title(report))
             w.copy_file(png, "kv_scales.png")
     return out_dir
 
@@ -246,7 +231,7 @@ def _title(report: dict) -> str:
             f"{report['observer']}, {report['granularity']}, {report['calibration']['tokens']} tokens")
 
 
-def rewrite_in_place(folder: Path, layout: KVLayout, scales: KVScales, plan: RotationPlan,
+def rewrite_in_place(folder: Path, layout: KVShape, scales: KVScales, plan: RotationPlan,
                      formats: tuple[str, ...], report: dict) -> None:
     """--in-place: the calibrated checkpoint replaces `folder` atomically (CheckpointWriter builds it
     beside the folder and swaps it in; the old folder is removed only after the swap)."""

@@ -35,11 +35,6 @@ def scale_from_amax(amax: torch.Tensor | float, kv_dtype: str):
     return check_kv_dtype(kv_dtype).scale_from_amax(amax)
 
 
-def amax_from_scale(scale: torch.Tensor | float, kv_dtype: str):
-    """Inverse of :func:`scale_from_amax`: the largest |x| the scale represents without clipping."""
-    return check_kv_dtype(kv_dtype).amax_from_scale(scale)
-
-
 def _head_broadcast(scale: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
     """Scale [] or [heads] -> tensor broadcastable to x [batch, heads, tokens, dim]."""
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)

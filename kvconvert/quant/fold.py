@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from kvconvert.quant.layout import KVLayout
+from kvconvert.kvmath import KVShape
 from kvconvert.quant.scales import KVScales
 
 
@@ -58,7 +58,7 @@ def _scale_rope_rows(w: torch.Tensor, heads: int, rope: int, factor: float) -> t
     return per_head.view_as(w)
 
 
-def fold_layer(local: dict[str, torch.Tensor], layout: KVLayout, f_k: float, f_v: float) -> dict[str, torch.Tensor]:
+def fold_layer(local: dict[str, torch.Tensor], layout: KVShape, f_k: float, f_v: float) -> dict[str, torch.Tensor]:
     """The layer's attention tensors (names relative to ``self_attn.``, e.g. ``k_proj.weight``)
     that change when the cache is divided by (f_k, f_v); the others are left out."""
     if layout.is_mla:
@@ -74,10 +74,10 @@ def fold_layer(local: dict[str, torch.Tensor], layout: KVLayout, f_k: float, f_v
     return out
 
 
-def _fold_mla(local: dict[str, torch.Tensor], layout: KVLayout, f: float) -> dict[str, torch.Tensor]:
+def _fold_mla(local: dict[str, torch.Tensor], layout: KVShape, f: float) -> dict[str, torch.Tensor]:
     if f == 1.0:
         return {}
-    rank, rope, heads = layout.kv_lora_rank, layout.qk_rope_head_dim, layout.num_q_heads
+    rank, rope, heads = layout.kv_lora_rank, layout.qk_rope_head_dim, layout.num_heads
     kv_a = local["kv_a_proj_with_mqa.weight"].clone()
     kv_a[rank:] = _scaled(kv_a[rank:], 1 / f)
     q_name = "q_b_proj.weight" if "q_b_proj.weight" in local else "q_proj.weight"

@@ -239,23 +239,3 @@ def nvfp4_dequantize(
     out = (blocks * block_scales.float()[..., None]).reshape(values.shape) * g
     return out.to(out_dtype)
 
-
-__all__ = [
-    "FP8_E4M3_MAX",
-    "FP8_E5M2_MAX",
-    "E2M1_VALUES",
-    "E2M1_MAX",
-    "NVFP4_BLOCK",
-    "nvfp4_global_scale_from_kv_scale",
-    "fp8_quantize",
-    "fp8_dequantize",
-    "fp8_tile_quantize",
-    "fp8_tile_dequantize",
-    "e2m1_encode",
-    "e2m1_decode",
-    "pack_nibbles",
-    "unpack_nibbles",
-    "nvfp4_block_scales",
-    "nvfp4_quantize",
-    "nvfp4_dequantize",
-]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.quant.options import GRANULARITIES, OBSERVERS  # noqa: F401  (re-exported)
+from kvconvert.quant.options import OBSERVERS
 
 
 class StreamingHistogram:
@@ -86,13 +86,11 @@ class KVObserver:
     bins: int = 4096
     amax_head: torch.Tensor = field(init=False)  # float64 [heads]
     amax_channel: torch.Tensor = field(init=False)  # float64 [heads, dim]
-    sum_sq_channel: torch.Tensor = field(init=False)  # float64 [heads, dim]
     tokens: int = field(init=False, default=0)
 
     def __post_init__(self):
         self.amax_head = torch.zeros(self.num_heads, dtype=torch.float64)
         self.amax_channel = torch.zeros(self.num_heads, self.dim, dtype=torch.float64)
-        self.sum_sq_channel = torch.zeros(self.num_heads, self.dim, dtype=torch.float64)
         self.head_hists = [StreamingHistogram(self.bins) for _ in range(self.num_heads)]
         self.tensor_hist = StreamingHistogram(self.bins)
 
@@ -103,7 +101,6 @@ class KVObserver:
         a = x.detach().float().abs().transpose(0, 1).reshape(self.num_heads, -1, self.dim)  # [H, N, D]
         self.amax_channel = torch.maximum(self.amax_channel, a.amax(dim=1).double())
         self.amax_head = self.amax_channel.amax(dim=1)
-        self.sum_sq_channel += a.double().square().sum(dim=1)
         for h in range(self.num_heads):
             self.head_hists[h].add(a[h])
         self.tensor_hist.add(a)
@@ -112,10 +109,6 @@ class KVObserver:
     @property
     def amax_tensor(self) -> float:
         return float(self.amax_head.max())
-
-    def rms_channel(self) -> torch.Tensor:
-        """Root mean square of each channel over all tokens, float64 [heads, dim]."""
-        return (self.sum_sq_channel / max(self.tokens, 1)).sqrt()
 
     def statistic(self, observer: str, granularity: str, percentile: float = 99.99) -> torch.Tensor:
         """The clipping magnitude (an "amax") chosen by the observer: float64 [] or [heads].

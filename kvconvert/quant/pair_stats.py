@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import UnsupportedModelError
+from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import decoder_layers
-from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.rotate import rope_pairs
 
 
@@ -47,7 +47,7 @@ def rope_phase(position_embeddings) -> torch.Tensor:
     return torch.complex(cos[..., :half].double(), sin[..., :half].double())
 
 
-def post_rope_pairs(attn, layout: KVLayout, hidden_states: torch.Tensor, position_embeddings):
+def post_rope_pairs(attn, layout: KVShape, hidden_states: torch.Tensor, position_embeddings):
     """Post-RoPE query and key pairs of one attention call, as the cache would store the keys.
 
     gqa: q [b, T, n_q, d/2], k [b, T, n_kv, d/2]; mla: q [b, T, n_q, rope/2] (rope part of each head),
@@ -58,7 +58,7 @@ def post_rope_pairs(attn, layout: KVLayout, hidden_states: torch.Tensor, positio
     if not layout.is_mla:
         if not hasattr(attn, "q_proj") or not hasattr(attn, "k_proj"):
             raise UnsupportedModelError("key pair phases need q_proj / k_proj attention")
-        q = attn.q_proj(hidden_states).view(b, t, layout.num_q_heads, layout.head_dim)
+        q = attn.q_proj(hidden_states).view(b, t, layout.num_heads, layout.head_dim)
         k = attn.k_proj(hidden_states).view(b, t, layout.num_kv_heads, layout.head_dim)
         return complex_pairs(q, False) * phase, complex_pairs(k, False) * phase
     rank, rope = layout.kv_lora_rank, layout.qk_rope_head_dim
@@ -66,7 +66,7 @@ def post_rope_pairs(attn, layout: KVLayout, hidden_states: torch.Tensor, positio
         q = attn.q_proj(hidden_states)
     else:
         q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden_states)))
-    q = q.view(b, t, layout.num_q_heads, -1)[..., -rope:]
+    q = q.view(b, t, layout.num_heads, -1)[..., -rope:]
     k = attn.kv_a_proj_with_mqa(hidden_states)[..., rank:].view(b, t, 1, rope)
     return complex_pairs(q, layout.rope_interleave) * phase, complex_pairs(k, layout.rope_interleave) * phase
 
@@ -74,7 +74,7 @@ def post_rope_pairs(attn, layout: KVLayout, hidden_states: torch.Tensor, positio
 class PairMomentSums:
     """Running sums of post-RoPE pair moments per layer; feed with add(layer, q, k), read .result()."""
 
-    def __init__(self, layout: KVLayout):
+    def __init__(self, layout: KVShape):
         self.layout = layout
         self.sums: list[dict[str, torch.Tensor] | None] = [None] * layout.num_layers
         self.tokens = [0] * layout.num_layers
@@ -106,7 +106,7 @@ class PairMomentSums:
 class PairMomentObserver:
     """Registers the pre-hooks; call .result() after the forward passes, .remove() when done."""
 
-    def __init__(self, model, layout: KVLayout):
+    def __init__(self, model, layout: KVShape):
         self.layout = layout
         self.layers = decoder_layers(model)
         self.sums = PairMomentSums(layout)

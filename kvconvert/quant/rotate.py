@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconvert.errors import KVConvertError, UnsupportedModelError
-from kvconvert.quant.layout import KVLayout
 
 
 def hadamard(n: int, dtype=torch.float64) -> torch.Tensor:
@@ -61,11 +60,6 @@ def block_hadamard(dim: int, block: int, seed: int | None = None) -> torch.Tenso
     return r
 
 
-def largest_pow2_divisor(n: int, cap: int | None = None) -> int:
-    b = n & -n
-    return min(b, cap) if cap else b
-
-
 def rope_pairs(dim: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices (first, second) of the RoPE pairs in a head of `dim` rotary values."""
     half = dim // 2
@@ -83,7 +77,7 @@ class RotationPlan:
     or None (real tensors are taken as pure scales).
     """
 
-    layout: KVLayout
+    layout: KVShape
     value_rotation: torch.Tensor | None = None
     key_pair_factor: list[torch.Tensor] | None = None
     description: dict = field(default_factory=dict)
@@ -114,7 +108,7 @@ def _require(w: dict, names: list[str]) -> None:
         raise UnsupportedModelError(f"cannot fold a rotation: attention tensors {missing} are missing")
 
 
-def _apply_gqa(layout: KVLayout, w, rot, pair, n_q: int) -> dict:
+def _apply_gqa(layout: KVShape, w, rot, pair, n_q: int) -> dict:
     d, n_kv = layout.head_dim, layout.num_kv_heads
     group = n_q // n_kv
     out = {}
@@ -141,7 +135,7 @@ def _apply_gqa(layout: KVLayout, w, rot, pair, n_q: int) -> dict:
     return out
 
 
-def _apply_mla(layout: KVLayout, w, rot, pair, n_q: int) -> dict:
+def _apply_mla(layout: KVShape, w, rot, pair, n_q: int) -> dict:
     rank, rope = layout.kv_lora_rank, layout.qk_rope_head_dim
     _require(w, ["kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "kv_a_layernorm.weight"])
     out = {}
@@ -248,7 +242,7 @@ def apply_plan_to_model(model, plan: RotationPlan) -> None:
     """Rewrite the in-memory model's attention weights with `plan` (same math as the export)."""
     from kvconvert.quant.capture import decoder_layers
 
-    n_q = plan.layout.num_q_heads
+    n_q = plan.layout.num_heads
     for i, layer in enumerate(decoder_layers(model)):
         attn = layer.self_attn
         state = {k: v for k, v in attn.state_dict().items()}

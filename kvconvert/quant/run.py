@@ -19,6 +19,7 @@ from kvconvert import __version__
 from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
+from kvconvert.kvmath import KVShape
 from kvconvert.quant.calibrate import (
     CalibrationResult,
     CalibrationSettings,
@@ -31,7 +32,6 @@ from kvconvert.quant.export import (
     rewrite_in_place,
     write_checkpoint,
 )
-from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.memory import release_heap
 from kvconvert.quant.options import CalibrateOptions
 
@@ -50,11 +50,7 @@ class CalibrateJob:
 
     def __post_init__(self):
         o = self.options
-        self.settings = CalibrationSettings(o.kv_dtype, observer=o.observer, granularity=o.granularity,
-                                            percentile=o.percentile, rotate=o.rotate, key_phase=o.key_phase,
-                                            value_rotation=o.value_rotation, rotation_block=o.rotation_block,
-                                            key_strength=o.key_strength, batch_size=o.batch_size,
-                                            search_tokens=o.search_tokens)
+        self.settings = CalibrationSettings(**o.model_dump())
         self.formats = resolve_format(o.format, o.kv_dtype, o.granularity)
         if (self.out is None) == (not self.in_place):
             raise KVConvertError("give exactly one of --out DIR or --in-place")
@@ -86,8 +82,7 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     reader = CheckpointReader(src)
     check_checkpoint(reader)  # config features, missing tensors (e.g. declared biases), NaN/inf
     layout = detect_kv_layout(reader.config, reader.keys())
-    if layout.is_mla and job.options.granularity == "head":
-        raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): use --granularity tensor")
+    job.settings.check_layout(layout)
     whole_model = stream_unsupported(reader.config, layout)
     check_memory(job, reader, layout, whole_model)
     tokenizer = AutoTokenizer.from_pretrained(src)
@@ -114,7 +109,7 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     return {"path": out, "formats": job.formats, "tokens": int(windows.numel()), "time_s": elapsed, "report": report}
 
 
-def check_memory(job: CalibrateJob, reader, layout: KVLayout, whole_model: str | None) -> None:
+def check_memory(job: CalibrateJob, reader, layout: KVShape, whole_model: str | None) -> None:
     """Refuse up front when the estimated peak memory exceeds what the machine has available."""
     from kvconvert.runtime.memory import available_memory  # one reading of the machine (cgroup-aware)
     from kvconvert.quant.memory import (GB, MemoryEstimate, calibration_memory,
@@ -133,7 +128,7 @@ def check_memory(job: CalibrateJob, reader, layout: KVLayout, whole_model: str |
     check_calibration_memory(est, available_memory(), job.options.window_len, job.options.batch_size)
 
 
-def build_report(job: CalibrateJob, src: Path, layout: KVLayout, result: CalibrationResult,
+def build_report(job: CalibrateJob, src: Path, layout: KVShape, result: CalibrationResult,
                  windows: torch.Tensor, hash_: str, elapsed: float) -> dict:
     """calibration_report.json: settings, data, per-layer amax/scales, rotation, timings."""
     tokens = int(windows.numel())
@@ -155,8 +150,8 @@ def build_report(job: CalibrateJob, src: Path, layout: KVLayout, result: Calibra
         "source": str(src),
         "layout": layout.kind,
         "num_layers": layout.num_layers,
-        "num_kv_heads": layout.num_kv_heads,
-        "head_dim": layout.head_dim,
+        "num_kv_heads": layout.cached_heads,
+        "head_dim": layout.row_dim,
         "kv_dtype": job.options.kv_dtype,
         "observer": job.options.observer,
         "percentile": job.options.percentile if job.options.observer == "percentile" else None,

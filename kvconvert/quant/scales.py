@@ -21,7 +21,7 @@ import torch
 from kvconvert.errors import CheckpointError, KVConvertError
 from kvconvert.kvformat import SCALE_SUFFIXES, scale_names
 from kvconvert.quant.fake_quant import check_kv_dtype
-from kvconvert.quant.observers import GRANULARITIES
+from kvconvert.quant.options import GRANULARITIES
 
 _SCALE_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.(?:%s)$" % "|".join(
     re.escape(suffix) for names in SCALE_SUFFIXES.values() for suffix in names.values()))
@@ -38,7 +38,7 @@ class KVScales:
 
     kv_dtype: str
     granularity: str
-    layout_kind: str  # "gqa" or "mla"
+    layout_kind: str  # kvconvert.kvmath.KVShape.kind: "MHA", "GQA", "MQA" or "MLA"
     k: list[torch.Tensor]
     v: list[torch.Tensor]
 
@@ -108,4 +108,5 @@ def read_kv_scales(folder: str | Path) -> KVScales:
         v = k if v is None else v  # MLA ModelOpt export writes k_scale only
         ks.append(k if granularity == "head" else k.reshape(()))
         vs.append(v if granularity == "head" else v.reshape(()))
-    return KVScales(report["kv_dtype"], granularity, report["layout"], ks, vs)
+    # reports written before the layout names were KVShape's say "gqa" (any Llama attention) or "mla"
+    return KVScales(report["kv_dtype"], granularity, report["layout"].upper(), ks, vs)

@@ -1,11 +1,9 @@
 """MSE-optimal KV scales: search scale ratios minimizing what the model sees.
 
-Two objectives:
-* :func:`dequant_mse_ratio` - squared dequantization error of the cached tensor itself (pure; used
-  in tests and as a reference);
-* :func:`search_layer_scales` - squared error of the attention block's output (o_proj applied),
-  with the block replayed on recorded calibration inputs (capture.AttentionRecorder). Keys are
-  judged through the queries that read them and values through o_proj.
+The objective (:func:`search_replay_scales`) is the squared error of the attention block's output
+(o_proj applied), with the block replayed on recorded calibration inputs (LayerReplay on what
+capture.AttentionRecorder recorded, or BlockReplay on the layer-streamed path's records). Keys are
+judged through the queries that read them and values through o_proj.
 
 Candidates are ``amax_scale * ratio``. For FP8 (floating point) a ratio below 1 clips the top and
 ratios in (1, 2] re-align the grid without clipping; for NVFP4 the ratio moves the global scale,
@@ -25,9 +23,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import AttentionRecorder, cache_hook
 from kvconvert.quant.fake_quant import fake_quant
-from kvconvert.quant.layout import KVLayout
 
 COARSE_STEP = 4  # coarse grid 2^(j/4)
 FINE = tuple(2.0 ** (k / 16) for k in range(-3, 4))  # fine offsets around the coarse best
@@ -37,15 +35,6 @@ def coarse_ratios(kv_dtype: str) -> torch.Tensor:
     """Coarse grid (float64): 2^(j/4) from 1/4 (nvfp4) or 1/2 (fp8) up to 2."""
     low = -8 if kv_dtype == "nvfp4" else -4
     return torch.tensor([2.0 ** (j / COARSE_STEP) for j in range(low, COARSE_STEP + 1)], dtype=torch.float64)
-
-
-def dequant_mse_ratio(x: torch.Tensor, kv_dtype: str, amax_scale: torch.Tensor | float,
-                      ratios: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Best ratio for x [b, heads, T, dim] under plain dequantization MSE; returns (ratio, errors [R])."""
-    errors = torch.stack([
-        (fake_quant(x, kv_dtype, torch.as_tensor(amax_scale) * float(r)).double() - x.double()).square().sum()
-        for r in ratios])
-    return float(ratios[argmin_prefer_last(errors)]), errors
 
 
 def argmin_prefer_last(errors: torch.Tensor) -> int:
@@ -66,14 +55,14 @@ class _Replay(ABC):
     R_g of W_o[:, cols_g], ||d W_g^T|| = ||d R_g^T||, keeps it cheap).
     """
 
-    layout: KVLayout
+    layout: KVShape
     kv_dtype: str
     records: list[dict]
 
     @torch.no_grad()
     def _setup(self, o_weight: torch.Tensor) -> None:
         w = o_weight.detach().double()  # [hidden, heads * v_dim]
-        self.groups = self.layout.num_kv_heads
+        self.groups = self.layout.cached_heads
         self.width = w.shape[1] // self.groups
         self.w_full = w.float()
         self.r_groups = [torch.linalg.qr(w[:, g * self.width:(g + 1) * self.width], mode="r").R.float()
@@ -115,7 +104,7 @@ class LayerReplay(_Replay):
     """
 
     @torch.no_grad()
-    def __init__(self, recorder: AttentionRecorder, layout: KVLayout, layer: int, kv_dtype: str):
+    def __init__(self, recorder: AttentionRecorder, layout: KVShape, layer: int, kv_dtype: str):
         self.layout, self.kv_dtype = layout, kv_dtype
         self.attn = recorder.layers[layer].self_attn
         self.records = self._capture(recorder, layer)
@@ -159,7 +148,7 @@ class BlockReplay(_Replay):
     {"q", "k", "v"} with k/v in transformers' cache layout; attend(q, k, v) -> [B, T, heads * v_dim]."""
 
     @torch.no_grad()
-    def __init__(self, records: list[dict], attend, o_weight: torch.Tensor, layout: KVLayout, kv_dtype: str):
+    def __init__(self, records: list[dict], attend, o_weight: torch.Tensor, layout: KVShape, kv_dtype: str):
         self.layout, self.kv_dtype = layout, kv_dtype
         self.records, self.attend = records, attend
         self._setup(o_weight)
@@ -192,14 +181,7 @@ def _search_kind(replay: _Replay, current: dict, kind: str, base: torch.Tensor, 
 
 
 @torch.no_grad()
-def search_layer_scales(recorder: AttentionRecorder, layout: KVLayout, layer: int, kv_dtype: str,
-                        amax_scales: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    """search_replay_scales on a transformers attention layer replayed from an AttentionRecorder."""
-    return search_replay_scales(LayerReplay(recorder, layout, layer, kv_dtype), layout, kv_dtype, amax_scales)
-
-
-@torch.no_grad()
-def search_replay_scales(replay: _Replay, layout: KVLayout, kv_dtype: str,
+def search_replay_scales(replay: _Replay, layout: KVShape, kv_dtype: str,
                          amax_scales: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     """Scales for one layer minimizing the attention-output error on the replayed inputs.
 
@@ -213,14 +195,14 @@ def search_replay_scales(replay: _Replay, layout: KVLayout, kv_dtype: str,
     before, _ = replay.errors(start, full=True)
     current = dict(start)
     info = {}
-    for kind in layout.kinds:
+    for kind in layout.cached_names:
         ratio = _search_kind(replay, current, kind, amax_scales[kind], kv_dtype)
         current[kind] = (amax_scales[kind].double() * ratio).float()
         info[kind] = ratio.tolist()
     after, _ = replay.errors(current, full=True)
     if after > before:  # cross-head terms made the per-head choice worse on the replay: keep amax
         current, after = start, before
-        info = {kind: 1.0 for kind in layout.kinds} | {"fallback": "amax"}
+        info = {kind: 1.0 for kind in layout.cached_names} | {"fallback": "amax"}
     info["rel_error_amax"] = before / energy
     info["rel_error_search"] = after / energy
     return current, info

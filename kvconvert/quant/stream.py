@@ -27,18 +27,17 @@ the whole-model path (calibrate.calibrate_model, the reference in tests) to fp32
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.quant.calibrate import STAT_WINDOWS
+from kvconvert.kvmath import KVShape
+from kvconvert.quant.calibrate import STAT_WINDOWS, layer_observers
 from kvconvert.models import deepseek_v3 as ds, llama
 from kvconvert.models.common import MLP, rms_norm, short_names, take
 from kvconvert.quant.capture import cache_hook, check_finite
 from kvconvert.quant.fake_quant import mla_row_from_engine, mla_row_to_engine
-from kvconvert.quant.layout import KVLayout
 from kvconvert.quant.observers import KVObserver
 from kvconvert.quant.pair_stats import PairMoments, PairMomentSums, complex_pairs
 from kvconvert.quant.rotate import RotationPlan
@@ -47,7 +46,7 @@ from kvconvert.quant.search import BlockReplay
 GQA_MODEL_TYPES = {"llama", "mistral"}
 
 
-def stream_unsupported(config: dict, layout: KVLayout) -> str | None:
+def stream_unsupported(config: dict, layout: KVShape) -> str | None:
     """Why the functional blocks cannot run this checkpoint (None: they can)."""
     cfg = config.get("text_config", config)
     mt = cfg.get("model_type")
@@ -76,7 +75,7 @@ class _Family:
 
     attention: tuple[str, ...]
 
-    def __init__(self, layout: KVLayout, shape):
+    def __init__(self, layout: KVShape, shape):
         self.layout, self.shape, self.rms_eps = layout, shape, shape.rms_eps
 
 
@@ -118,18 +117,10 @@ class _MLAFamily(_Family):
         return complex_pairs(q_rope.transpose(1, 2), inter), complex_pairs(row.transpose(1, 2), inter)
 
 
-@dataclass
-class LayerResult:
-    observers: dict[str, KVObserver]
-    records: list[dict]  # queries and cached tensors of the first windows (mse search)
-    moments: PairMoments | None
-    factor: torch.Tensor | None  # key pair factor folded into this layer
-
-
 class LayerStream:
     """Reads a checkpoint layer by layer and runs calibration windows through it (see module doc)."""
 
-    def __init__(self, reader, layout: KVLayout, windows: torch.Tensor, batch_size: int,
+    def __init__(self, reader, layout: KVShape, windows: torch.Tensor, batch_size: int,
                  device: torch.device | str = "cpu"):
         self.reader, self.layout, self.batch_size, self.device = reader, layout, batch_size, torch.device(device)
         self.family = (_MLAFamily(layout, ds.MLAShape.from_config(reader.config)) if layout.is_mla
@@ -163,7 +154,7 @@ class LayerStream:
     def statistics(self, i: int, attn: dict, rest: dict, key_phase: bool, key_obs: bool):
         """Pair moments (on the host) and/or K observers of the first STAT_WINDOWS windows at layer i (unrotated)."""
         sums = PairMomentSums(self.layout) if key_phase else None
-        obs = self._new_observers() if key_obs else None
+        obs = layer_observers(self.layout) if key_obs else None
         for a, b in self.batches(STAT_WINDOWS):
             q, k, v = self.family.cache(rms_norm(self.hidden[a:b], rest["input_layernorm"], self.family.rms_eps), attn)
             if sums is not None:
@@ -174,9 +165,6 @@ class LayerStream:
         if moments is not None:
             moments = PairMoments(**{f.name: getattr(moments, f.name).cpu() for f in fields(moments)})
         return moments, obs
-
-    def _new_observers(self) -> dict[str, KVObserver]:
-        return {kind: KVObserver(self.layout.num_kv_heads, self.layout.head_dim) for kind in self.layout.kinds}
 
     def _observe(self, i: int, obs: dict[str, KVObserver], k, v) -> None:
         def row_hook(layer_idx, kind, x):
@@ -189,7 +177,7 @@ class LayerStream:
     def advance(self, i: int, attn: dict, rest: dict, record_windows: int) -> tuple[dict[str, KVObserver], list[dict]]:
         """Observe layer i's cache on every window, keep the first windows' records, and replace the
         hidden states by the layer's output."""
-        obs, records = self._new_observers(), []
+        obs, records = layer_observers(self.layout), []
         eps, o_proj = self.family.rms_eps, attn["o_proj.weight"]
         for a, b in self.batches():
             h = self.hidden[a:b]
@@ -225,7 +213,3 @@ def apply_rotation(plan: RotationPlan, layer: int, attn: dict, num_q_heads: int)
     device = attn["o_proj.weight"].device
     changed = plan.apply(layer, {n: attn[n].cpu() for n in names}, num_q_heads)
     return {**attn, **{n: t.to(device) for n, t in changed.items()}}
-
-
-def search_record_windows(search_tokens: int, window_len: int) -> int:
-    return max(1, math.ceil(search_tokens / window_len))

@@ -70,5 +70,15 @@ def make_deepseek(folder: Path, seed: int = 0, vocab_size: int = 512, layers: in
     return _save(model, folder, vocab_size)
 
 
+def assert_same_logits(model_dir: Path, reference_dir: Path, tokens: int = 32) -> None:
+    """fp32 logits of two checkpoints agree on random ids (exact rewrites: rotations, scale folding)."""
+    from kvconvert.quant.capture import load_hf_model
+
+    ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf_model(model_dir)(input_ids=ids).logits,
+                                   load_hf_model(reference_dir)(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())

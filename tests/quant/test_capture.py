@@ -4,16 +4,10 @@ post-RoPE k_rope), and calibration refuses non-finite activations naming the lay
 import pytest
 import torch
 
-from kvconvert.checkpoint import CheckpointReader
 from kvconvert.errors import KVConvertError, UnsupportedModelError
 from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model, observe_kv
 from kvconvert.quant.capture import cache_hook, load_hf_model, run_with_hook
-from kvconvert.quant.layout import detect_kv_layout
-
-
-def layout_of(path):
-    r = CheckpointReader(path)
-    return detect_kv_layout(r.config, r.keys())
+from kvconvert.quant.layout import checkpoint_kv_layout, detect_kv_layout
 
 
 def capture_layer0(model, layout, ids):
@@ -32,8 +26,8 @@ def capture_layer0(model, layout, ids):
 def test_llama_cache_sees_post_rope_k_and_v(tiny_llama):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    model, layout = load_hf_model(tiny_llama), layout_of(tiny_llama)
-    assert (layout.kind, layout.num_kv_heads, layout.head_dim) == ("gqa", 2, 16)
+    model, layout = load_hf_model(tiny_llama), checkpoint_kv_layout(tiny_llama)
+    assert (layout.kind, layout.num_kv_heads, layout.head_dim, layout.cached_names) == ("GQA", 2, 16, ("k", "v"))
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     seen = capture_layer0(model, layout, ids)
     attn = model.model.layers[0].self_attn
@@ -52,8 +46,8 @@ def test_mla_cache_sees_normed_latent_and_rope_key_in_engine_order(tiny_deepseek
         apply_rotary_pos_emb_interleave,
     )
 
-    model, layout = load_hf_model(tiny_deepseek), layout_of(tiny_deepseek)
-    assert (layout.kind, layout.head_dim, layout.kv_lora_rank, layout.rope_interleave) == ("mla", 48, 32, True)
+    model, layout = load_hf_model(tiny_deepseek), checkpoint_kv_layout(tiny_deepseek)
+    assert (layout.kind, layout.row_dim, layout.kv_lora_rank, layout.rope_interleave) == ("MLA", 48, 32, True)
     ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(1))
     seen = capture_layer0(model, layout, ids)
     attn = model.model.layers[0].self_attn
@@ -69,7 +63,7 @@ def test_mla_cache_sees_normed_latent_and_rope_key_in_engine_order(tiny_deepseek
 
 
 def test_nan_activation_names_the_layer(tiny_llama):
-    model, layout = load_hf_model(tiny_llama), layout_of(tiny_llama)
+    model, layout = load_hf_model(tiny_llama), checkpoint_kv_layout(tiny_llama)
     with torch.no_grad():
         model.model.layers[1].self_attn.v_proj.weight[3, 0] = float("nan")
     ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(2))
@@ -88,7 +82,7 @@ def test_no_recognised_attention_is_refused():
 
 
 def test_observe_counts_every_window(tiny_llama):
-    model, layout = load_hf_model(tiny_llama), layout_of(tiny_llama)
+    model, layout = load_hf_model(tiny_llama), checkpoint_kv_layout(tiny_llama)
     ids = torch.randint(0, 512, (5, 8), generator=torch.Generator().manual_seed(3))
     obs = observe_kv(model, layout, ids, batch_size=2)  # batches of 2, 2, 1
     assert all(o[kind].tokens == 40 for o in obs for kind in ("k", "v"))

@@ -8,26 +8,15 @@ import pytest
 import torch
 from quant_cases import make_deepseek, make_llama
 
-from kvconvert.checkpoint import CheckpointReader
-from kvconvert.quant.capture import cache_hook, forward_with_hook
+from kvconvert.quant.calibrate import observe_kv
+from kvconvert.quant.capture import forward_with_hook, load_hf_model
 from kvconvert.quant.evaluate import fake_quant_hook, identity_hook
 from kvconvert.quant.fake_quant import scale_from_amax
 from kvconvert.quant.fold import fold_factor, fold_layer, fold_plan
-from kvconvert.quant.layout import detect_kv_layout
+from kvconvert.quant.layout import checkpoint_kv_layout, detect_kv_layout
 from kvconvert.quant.scales import KVScales
 
 IDS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(3))
-
-
-def _load(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def _layout(path):
-    r = CheckpointReader(path)
-    return detect_kv_layout(r.config, r.keys())
 
 
 def _fold_model(model, layout, factors) -> None:
@@ -47,15 +36,9 @@ def _random_scales(layout, kv_dtype="fp8", seed=0) -> KVScales:
 
 
 def _amax_scales(model, layout, kv_dtype) -> KVScales:
-    amax: dict[tuple[int, str], float] = {}
-
-    def observe(layer, kind, x):
-        amax[(layer, kind)] = max(amax.get((layer, kind), 0.0), float(x.abs().max()))
-        return x
-    forward_with_hook(model, IDS, cache_hook(layout, observe))
-    kinds = ("kv", "kv") if layout.is_mla else ("k", "v")
-    per = [[scale_from_amax(amax[(i, kind)], kv_dtype) for i in range(layout.num_layers)] for kind in kinds]
-    return KVScales(kv_dtype, "tensor", layout.kind, *per)
+    observers = observe_kv(model, layout, IDS, batch_size=IDS.shape[0])
+    per = [[scale_from_amax(obs[kind].amax_tensor, kv_dtype) for obs in observers] for kind in layout.cached_names]
+    return KVScales(kv_dtype, "tensor", layout.kind, per[0], per[-1])  # MLA: the row scale as k and v
 
 
 def _kl(ref_logits, logits) -> float:
@@ -76,7 +59,7 @@ def test_fold_factor_is_the_next_power_of_two():
     assert fold_factor(torch.tensor(0.3)) == 0.5
     assert fold_factor(torch.tensor(0.25)) == 0.25
     assert fold_factor(torch.tensor([0.01, 3.0])) == 4.0
-    _, remaining = fold_plan(KVScales("fp8", "head", "gqa", [torch.tensor([0.01, 3.0])], [torch.tensor([5e-4, 6e-4])]))
+    _, remaining = fold_plan(KVScales("fp8", "head", "GQA", [torch.tensor([0.01, 3.0])], [torch.tensor([5e-4, 6e-4])]))
     assert torch.equal(remaining.k[0], torch.tensor([0.01 / 4, 0.75]))
     assert float(remaining.v[0].max()) <= 1.0 and float(remaining.v[0].max()) > 0.5
 
@@ -84,7 +67,7 @@ def test_fold_factor_is_the_next_power_of_two():
 @pytest.mark.parametrize("make", CASES)
 def test_folding_keeps_full_precision_logits(make, tmp_path):
     path = make(tmp_path / "m")
-    model, layout = _load(path), _layout(path)
+    model, layout = load_hf_model(path), checkpoint_kv_layout(path)
     before = forward_with_hook(model, IDS, identity_hook)
     factors, _ = fold_plan(_random_scales(layout))
     assert any(f != 1.0 for pair in factors for f in pair)
@@ -110,7 +93,7 @@ def test_folding_is_exact_in_bf16():
 @pytest.mark.parametrize("make", CASES)
 def test_remaining_scale_on_folded_model_quantizes_like_the_calibrated_one(make, kv_dtype, tmp_path):
     path = make(tmp_path / "m")
-    model, layout = _load(path), _layout(path)
+    model, layout = load_hf_model(path), checkpoint_kv_layout(path)
     scales = _amax_scales(model, layout, kv_dtype)
     calibrated = forward_with_hook(model, IDS, fake_quant_hook(layout, scales))
     factors, remaining = fold_plan(scales)
@@ -124,7 +107,7 @@ def test_an_engine_at_scale_one_on_the_folded_model_matches_the_calibrated_scale
     """The cache is made small (x 2^-14, compensated in the readers: an equivalent model) so that an
     engine storing it at scale 1.0 loses it to FP8's subnormal range, as vLLM does with MLA today."""
     path = make(tmp_path / "m")
-    model, layout = _load(path), _layout(path)
+    model, layout = load_hf_model(path), checkpoint_kv_layout(path)
     _fold_model(model, layout, [(2.0 ** 14, 2.0 ** 14)] * layout.num_layers)  # an equivalent tiny-cache model
     ref = forward_with_hook(model, IDS, identity_hook)
     scales = _amax_scales(model, layout, "fp8")

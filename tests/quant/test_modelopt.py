@@ -15,15 +15,13 @@ pytestmark = [
 def test_amax_matches_modelopt_on_smollm2(smollm2_path):
     from transformers import AutoTokenizer
 
-    from kvconvert.checkpoint import CheckpointReader
     from kvconvert.data import calibration_windows
     from kvconvert.quant.calibrate import observe_kv
     from kvconvert.quant.capture import load_hf_model
-    from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.modelopt_ref import modelopt_kv_amax
 
-    reader = CheckpointReader(smollm2_path)
-    layout = detect_kv_layout(reader.config, reader.keys())
+    layout = checkpoint_kv_layout(smollm2_path)
     windows = calibration_windows(AutoTokenizer.from_pretrained(smollm2_path), "builtin", 256, 128)
     model = load_hf_model(smollm2_path)
     ours = observe_kv(model, layout, windows, batch_size=1)

@@ -7,10 +7,9 @@ import pytest
 import torch
 from quant_cases import make_deepseek
 
-from kvconvert.checkpoint import CheckpointReader
 from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model, observe_pair_moments, plan_rotation
 from kvconvert.quant.capture import AttentionRecorder, cache_hook, load_hf_model, run_with_hook
-from kvconvert.quant.layout import detect_kv_layout
+from kvconvert.quant.layout import checkpoint_kv_layout
 from kvconvert.quant.pair_stats import complex_pairs, post_rope_pairs
 from kvconvert.quant.rotate import RotationPlan, apply_plan_to_model, pair_noise, pair_phase
 
@@ -45,9 +44,7 @@ def test_pair_phase_is_the_grid_optimum_and_pair_noise_is_exact(seed):
 
 
 def first_attention_call(path):
-    r = CheckpointReader(path)
-    layout = detect_kv_layout(r.config, r.keys())
-    model = load_hf_model(path)
+    layout, model = checkpoint_kv_layout(path), load_hf_model(path)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
     recorder = AttentionRecorder(model)
     recorder.active = True
@@ -93,9 +90,7 @@ def test_folded_phases_reach_the_optimum_and_keep_logits(kind, tiny_llama, tmp_p
     """After folding, the measured moments sit at the optimum (arg E[q^2] E[k^2] = pi): this checks that
     the queries and keys of the real model were rotated consistently; the logits must not move."""
     path = tiny_llama if kind == "llama" else make_deepseek(tmp_path / "d", rope_interleave=kind.endswith("interleave"))
-    r = CheckpointReader(path)
-    layout = detect_kv_layout(r.config, r.keys())
-    model = load_hf_model(path)
+    layout, model = checkpoint_kv_layout(path), load_hf_model(path)
     ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -112,8 +107,7 @@ def test_folded_phases_reach_the_optimum_and_keep_logits(kind, tiny_llama, tmp_p
 
 
 def test_phases_skip_the_unquantized_mla_rope_key_under_nvfp4(tiny_deepseek):
-    r = CheckpointReader(tiny_deepseek)
-    layout = detect_kv_layout(r.config, r.keys())
+    layout = checkpoint_kv_layout(tiny_deepseek)
     assert not CalibrationSettings("nvfp4").key_phase_enabled(layout)
     assert CalibrationSettings("fp8").key_phase_enabled(layout)
     assert not CalibrationSettings("fp8", rotate=False).rotation_enabled
@@ -128,8 +122,7 @@ def test_phases_cut_fp8_key_noise_on_smollm2(smollm2_path):
     from kvconvert.data import calibration_windows
     from kvconvert.quant.fake_quant import fake_quant
 
-    r = CheckpointReader(smollm2_path)
-    layout = detect_kv_layout(r.config, r.keys())
+    layout = checkpoint_kv_layout(smollm2_path)
     windows = calibration_windows(AutoTokenizer.from_pretrained(smollm2_path), "builtin", 1024, 256)
 
     def key_only_error(model):

@@ -6,8 +6,8 @@ from quant_cases import make_deepseek, make_llama
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.quant.capture import load_hf_model
-from kvconvert.quant.export import rotated_tensors
-from kvconvert.quant.layout import detect_kv_layout
+from kvconvert.quant.export import changed_attention
+from kvconvert.quant.layout import checkpoint_kv_layout
 from kvconvert.quant.rotate import (
     RotationPlan,
     apply_plan_to_model,
@@ -56,9 +56,7 @@ def random_plan(layout, seed=0):
 @pytest.mark.parametrize("bias", [False, True])
 def test_gqa_rotation_keeps_logits(tmp_path, bias):
     path = make_llama(tmp_path / "m", seed=4, bias=bias)
-    r = CheckpointReader(path)
-    layout = detect_kv_layout(r.config, r.keys())
-    model = load_hf_model(path)
+    r, layout, model = CheckpointReader(path), checkpoint_kv_layout(path), load_hf_model(path)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(5))
     before = logits(model, ids)
     plan = random_plan(layout)
@@ -66,7 +64,7 @@ def test_gqa_rotation_keeps_logits(tmp_path, bias):
     after = logits(model, ids)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     # the weights really changed, and the export path computes the same tensors as the in-memory fold
-    exported = rotated_tensors(r, layout, plan)
+    exported = {**changed_attention(r, layout, plan, None, 0), **changed_attention(r, layout, plan, None, 1)}
     v0 = model.model.layers[0].self_attn.v_proj.weight
     assert not torch.allclose(v0, r.get("model.layers.0.self_attn.v_proj.weight"))
     torch.testing.assert_close(exported["model.layers.0.self_attn.v_proj.weight"], v0, rtol=0, atol=0)
@@ -76,11 +74,8 @@ def test_gqa_rotation_keeps_logits(tmp_path, bias):
 
 @pytest.mark.parametrize("interleave", [True, False])
 def test_mla_rotation_keeps_logits_with_nonuniform_norm(tmp_path, interleave):
-
     path = make_deepseek(tmp_path / "d", seed=6, rope_interleave=interleave)
-    r = CheckpointReader(path)
-    layout = detect_kv_layout(r.config, r.keys())
-    model = load_hf_model(path)
+    layout, model = checkpoint_kv_layout(path), load_hf_model(path)
     ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(7))
     before = logits(model, ids)
     apply_plan_to_model(model, random_plan(layout, seed=1))
