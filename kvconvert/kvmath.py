@@ -70,7 +70,7 @@ class KVShape:
     head_dim: int | None = None
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
-    rope_interleave: bool = False
+    rope_interleave: bool = True
 
     def __post_init__(self):
         if self.kind not in (MHA, GQA, MQA, MLA):
@@ -138,7 +138,9 @@ def kv_shape(config: dict) -> KVShape:
     if kind == MLA:
         return KVShape(MLA, layers, heads, kv_lora_rank=config.get("kv_lora_rank"),
                        qk_rope_head_dim=config.get("qk_rope_head_dim"),
-                       rope_interleave=bool(config.get("rope_interleave", False)))
+                       # absent = True: transformers' DeepseekV3Config default, and vLLM's
+                       # DeepSeek rotary is always GPT-J style (is_neox_style=False)
+                       rope_interleave=bool(config.get("rope_interleave", True)))
     return KVShape(kind, layers, heads, num_kv_heads=config.get("num_key_value_heads") or heads,
                    head_dim=head_dim(config))
 

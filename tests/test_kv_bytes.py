@@ -55,4 +55,13 @@ def test_what_one_layer_caches():
         shape = kv_shape(config)
         assert (shape.cached_names, shape.cached_heads, shape.row_dim) == (names, heads, row_dim)
         assert shape.cached_vectors == [row_dim] * (len(names) * heads)
-    assert kv_shape({**DEEPSEEK, "rope_interleave": True}).rope_interleave and not kv_shape(DEEPSEEK).rope_interleave
+    assert not kv_shape({**DEEPSEEK, "rope_interleave": False}).rope_interleave
+
+
+def test_absent_rope_interleave_reads_as_transformers_does():
+    """A DeepSeek config without the key (the published DeepSeek-V3 one) is interleaved: transformers'
+    default, and vLLM's DeepSeek rotary is always GPT-J style. Calibration pairs k_rope channels by it."""
+    from transformers import DeepseekV3Config
+
+    assert "rope_interleave" not in DEEPSEEK
+    assert kv_shape(DEEPSEEK).rope_interleave == DeepseekV3Config().rope_interleave
