@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvconvert import __version__
-from kvconvert.checkpoint import eos_token_ids
+from kvconvert.checkpoint import atomic_save_tensors, eos_token_ids
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import haystack, longbench
 from kvconvert.eval.cache import ResultCache
@@ -133,11 +133,7 @@ class SourceLogits:
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def put(self, i: int, logits: torch.Tensor) -> None:
-        from safetensors.torch import save_file
-
-        tmp = self.folder / f".w{i}.tmp"
-        save_file({"logits": logits.float().contiguous()}, str(tmp))
-        tmp.replace(self.folder / f"w{i}.safetensors")  # atomic
+        atomic_save_tensors({"logits": logits.float().contiguous()}, self.folder / f"w{i}.safetensors")
 
     def get(self, i: int) -> torch.Tensor:
         from safetensors.torch import load_file
@@ -196,7 +192,7 @@ def build_samples(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[s
             samples += [haystack.niah_sample(tok, length, d) for d in spec.niah_depths]
     if spec.ruler_tasks:
         for length in spec.ruler_lengths:
-            budget = max(min(haystack.RULER_MAX_NEW[t], spec.ruler_max_new or 10**9) for t in spec.ruler_tasks)
+            budget = max(haystack.ruler_budget(t, spec.ruler_max_new) for t in spec.ruler_tasks)
             if fits(length, budget, "ruler"):
                 samples += [haystack.ruler_sample(tok, task, length, i, spec.seed, spec.ruler_max_new)
                             for task in spec.ruler_tasks for i in range(spec.ruler_samples)]

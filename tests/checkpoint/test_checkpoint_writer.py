@@ -43,23 +43,15 @@ def test_missing_config_fails_the_commit_and_cleans_up(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_tensor_refused(tmp_path, dtype, bad):
-    t = torch.ones(1000, dtype=dtype)
+    t = torch.ones(1000)
     t[517] = bad
     with pytest.raises(CheckpointError, match="NaN or inf"):
         with CheckpointWriter(tmp_path / "out") as w:
-            w.add("bad", t)
+            w.add("bad", t.to(dtype))  # e4m3fn has no inf: the cast makes it NaN
     assert list(tmp_path.iterdir()) == []
-
-
-def test_fp8_nan_refused(tmp_path):
-    t = torch.ones(64).to(torch.float8_e4m3fn)
-    t[3] = float("nan")
-    with pytest.raises(CheckpointError):
-        with CheckpointWriter(tmp_path / "out") as w:
-            w.add("bad", t)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])

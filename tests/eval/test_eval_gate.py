@@ -148,17 +148,13 @@ def test_shipped_policies_load():
     ("require: [passkey_acc]\nthresholds:\n  kl_mean: 0.1\n", "unknown metric(s) passkey_acc in require"),
     ("thresholds: [1, 2\n", "not valid YAML"),
     ("- just a list\n", "must be a mapping"),
+    (None, "policy file not found"),
 ])
 def test_policy_errors_name_file_and_key(tmp_path, text, message):
-    path = write_policy(tmp_path, text)
+    path = write_policy(tmp_path, text) if text is not None else tmp_path / "none.yaml"
     with pytest.raises(KVConvertError) as info:
         G.load_policy(path)
     assert str(path) in str(info.value) and message in str(info.value)
-
-
-def test_missing_policy_file(tmp_path):
-    with pytest.raises(KVConvertError, match="policy file not found"):
-        G.load_policy(tmp_path / "none.yaml")
 
 
 # --------------------------------------------------------------------------- reports and CLI
