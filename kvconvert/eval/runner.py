@@ -209,10 +209,11 @@ class ModelRunner(RunnerInfo, ABC):
     """Interface shared by the engines: RunnerInfo's attributes, max_len (the longest sequence this
     run needs), and the methods logits, greedy, close."""
 
-    def __init__(self, path: Path, kv_dtype: str, kv_scales: str = "checkpoint", dtype: str | torch.dtype = "auto",
-                 max_len: int | None = None, device: str | torch.device = "auto"):
+    def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint",
+                 dtype: str | torch.dtype = "auto", max_len: int | None = None, device: str | torch.device = "auto"):
         super().__init__(path, kv_dtype, kv_scales, dtype, device)
         self.max_len = min(max_len or self.max_context, self.max_context)
+        self._load()  # each engine's model, from self.path in self.dtype on self.device
 
     @abstractmethod
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -235,9 +236,7 @@ class TransformersRunner(ModelRunner):
 
     engine = "transformers"
 
-    def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint", dtype="auto",
-                 max_len: int | None = None, device: str | torch.device = "auto"):
-        super().__init__(path, kv_dtype, kv_scales, dtype, max_len, device)
+    def _load(self) -> None:
         from kvconvert.quant.capture import load_hf_model  # drops a calibration's KV quantization_config
 
         self.model = load_hf_model(self.path, dtype=self.dtype).to(self.device)
@@ -340,14 +339,12 @@ class RuntimeRunner(ModelRunner):
 
     engine = "runtime"
 
-    def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint", dtype="auto",
-                 max_len: int | None = None, device: str | torch.device = "auto", attention_backend: str = "torch"):
-        super().__init__(path, kv_dtype, kv_scales, dtype, max_len, device)
+    def _load(self) -> None:
         from kvconvert.runtime import LLM
 
-        self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=kv_scales, block_size=RUNTIME_BLOCK,
+        self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=self.kv_scales, block_size=RUNTIME_BLOCK,
                        num_blocks=runtime_blocks(self.max_len),  # one sequence of max_len tokens
-                       max_model_len=self.max_len, attention_backend=attention_backend,
+                       max_model_len=self.max_len, attention_backend="torch",
                        enable_prefix_caching=False, max_num_seqs=1, dtype=self.dtype, device=self.device)
         self.max_context = int(self.llm.max_model_len)
 

@@ -62,27 +62,22 @@ def test_min_new_tokens_masks_stop_ids_at_first_steps(hf_runner):
     assert forced and forced[0] == int(logits.argmax())  # the best token that is not a stop id
 
 
-def test_runtime_runner_matches_transformers_with_fp32_kv(tiny_llama, hf_runner):
-    runtime = R.RuntimeRunner(tiny_llama, kv_dtype="fp32")
-    ids = torch.arange(3, 60)
-    torch.testing.assert_close(runtime.logits(ids), hf_runner.logits(ids), rtol=1e-4, atol=1e-4)
-    assert runtime.greedy(ids, 10, (0,)) == hf_runner.greedy(ids, 10, (0,))
-    first = hf_runner.greedy(ids, 1, ())[0]
-    assert runtime.greedy(ids, 6, (first,), min_new_tokens=1) == hf_runner.greedy(ids, 6, (first,), min_new_tokens=1)
-    assert runtime.fingerprint != hf_runner.fingerprint  # engine is part of the key
-
-
-def test_deepseek_v3_candidate_runs_in_both_engines(tmp_path, tiny_tokenizer_dir, tiny_tokenizer):
-    """A stock DeepSeek-V3 (MLA) checkpoint, what `kvconvert mla` writes, runs in transformers and
-    in the runtime with the same logits (fp32 KV) and the same greedy tokens."""
-    folder = save_tiny_deepseek(tmp_path / "dsv3", len(tiny_tokenizer), tokenizer_dir=tiny_tokenizer_dir)
-    hf = R.TransformersRunner(folder)
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_runtime_runner_matches_transformers_with_fp32_kv(arch, tmp_path, tiny_llama, tiny_tokenizer_dir,
+                                                          tiny_tokenizer):
+    """Both engines, K/V in fp32: the same logits and greedy tokens (with and without min_new_tokens),
+    for a Llama and for a stock DeepSeek-V3 (MLA) checkpoint, what `kvconvert mla` writes."""
+    folder = tiny_llama if arch == "llama" else save_tiny_deepseek(tmp_path / "dsv3", len(tiny_tokenizer),
+                                                                    tokenizer_dir=tiny_tokenizer_dir)
+    hf, runtime = R.TransformersRunner(folder), R.RuntimeRunner(folder, "fp32")
     ids = torch.arange(3, 100)
     logits = hf.logits(ids)
     assert logits.shape == (97, len(tiny_tokenizer))
-    runtime = R.RuntimeRunner(folder, "fp32")
     torch.testing.assert_close(runtime.logits(ids), logits, rtol=1e-4, atol=1e-4)
     assert runtime.greedy(ids, 8, (0,)) == hf.greedy(ids, 8, (0,))
+    first = hf.greedy(ids, 1, ())[0]
+    assert runtime.greedy(ids, 6, (first,), min_new_tokens=1) == hf.greedy(ids, 6, (first,), min_new_tokens=1)
+    assert runtime.fingerprint != hf.fingerprint  # engine is part of the key
 
 
 def test_quantized_kv_without_scales_is_refused_before_loading(tiny_llama):
