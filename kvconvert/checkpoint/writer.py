@@ -344,13 +344,11 @@ class CheckpointWriter:
         if not (self.tmp_dir / "config.json").is_file():
             raise CheckpointError("internal: checkpoint written without config.json")
         self._name_shards()
+        self._write_manifest()
         mode = _readable_mode()
         for path in self.tmp_dir.iterdir():
             os.chmod(path, mode)  # a serving engine often runs as another user
             _fsync_file(path)
-        self._write_manifest()
-        os.chmod(self.tmp_dir / "manifest.json", mode)
-        _fsync_file(self.tmp_dir / "manifest.json")
         self._rename_into_place()
 
     def _name_shards(self) -> None:

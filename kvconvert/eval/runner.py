@@ -102,18 +102,16 @@ def load_tokenizer(folder: Path):
 
 def check_same_tokenizer(source_tok, candidate_tok, source: Path, candidate: Path) -> None:
     """Source and candidate must tokenize identically, or no comparison is meaningful."""
+    fix = "validate a candidate converted from this source (copy the source's tokenizer files)"
     if len(source_tok) != len(candidate_tok):
-        raise KVConvertError(
-            f"tokenizers differ: {source} has {len(source_tok)} tokens, {candidate} has {len(candidate_tok)}; "
-            "validate a candidate converted from this source (copy the source's tokenizer files)")
+        raise KVConvertError(f"tokenizers differ: {source} has {len(source_tok)} tokens, {candidate} has "
+                             f"{len(candidate_tok)}; {fix}")
     a = source_tok(PROBE_TEXT, add_special_tokens=False).input_ids
     b = candidate_tok(PROBE_TEXT, add_special_tokens=False).input_ids
     if a != b:
-        raise KVConvertError(
-            f"tokenizers differ: a probe string tokenizes to {len(a)} ids with {source} and {len(b)} with "
-            f"{candidate} (first difference at position "
-            f"{next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))}); "
-            "validate a candidate converted from this source (copy the source's tokenizer files)")
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        raise KVConvertError(f"tokenizers differ: a probe string tokenizes to {len(a)} ids with {source} and "
+                             f"{len(b)} with {candidate} (first difference at position {first}); {fix}")
 
 
 # --------------------------------------------------------------------------- runners

@@ -1,10 +1,27 @@
-"""Builders shared by the eval tests: a tiny trained BPE tokenizer and tiny random Llamas."""
+"""Builders shared by the eval tests (and tests/faults): a tiny trained BPE tokenizer, tiny random
+Llamas, synthetic validate reports."""
 
 from __future__ import annotations
 
 import shutil
 
 import torch
+
+
+def gen_records(source: list[float], candidate: list[float]) -> list[dict]:
+    """Generation-task records with these source and candidate scores."""
+    return [{"id": str(i), "source": {"score": s}, "candidate": {"score": c}} for i, (s, c) in
+            enumerate(zip(source, candidate))]
+
+
+def make_report(samples: dict, version: int | None = None) -> dict:
+    """A validate report of these per-task records (quick suite, RULER skipped)."""
+    from kvconvert.eval.report import build_report
+    from kvconvert.eval.suites import SUITE_VERSION
+
+    header = {"suite": {"name": "quick", "version": version or SUITE_VERSION},
+              "skipped": {"ruler": "the quick suite does not run RULER"}}
+    return build_report(header, samples)
 
 
 def train_tokenizer(folder, vocab_size: int = 512, chars: int = 200_000):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / folder) for folder in ("quant", "eval")]
 from quant_cases import make_llama  # noqa: E402
 
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from eval_fixtures import gen_records, make_report
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_CAL = ["--kv-dtype", "fp8", "--observer", "amax", "--calib-tokens", "256", "--window-len", "64",
@@ -234,21 +235,11 @@ def test_prompt_and_prompt_file_together_refused(faults, tmp_path):
 
 # ------------------------------------------------------------------ statistics and messages
 
-def _report(samples: dict) -> dict:
-    from kvconvert.eval.suites import SUITE_VERSION
-
-    return {"suite": {"name": "quick", "version": SUITE_VERSION}, "samples": samples, "skipped": {}}
-
-
-def _gen(src, cand):
-    return [{"source": {"score": s}, "candidate": {"score": c}} for s, c in zip(src, cand)]
-
-
 def test_gate_claims_no_interval_from_one_sample_per_task(tmp_path):
     """LongBench-mini in the quick suite: one sample per task gave a zero-width "95% interval"."""
-    samples = {f"longbench/{t}": _gen([0.5], [0.4]) for t in ("a", "b", "c")}
-    samples["passkey"] = _gen([1.0] * 10, [1.0] * 10)
-    (tmp_path / "report.json").write_text(json.dumps(_report(samples)))
+    samples = {f"longbench/{t}": gen_records([0.5], [0.4]) for t in ("a", "b", "c")}
+    samples["passkey"] = gen_records([1.0] * 10, [1.0] * 10)
+    (tmp_path / "report.json").write_text(json.dumps(make_report(samples)))
     policy = tmp_path / "p.yaml"
     policy.write_text("thresholds:\n  longbench_avg_drop: 2.0\n  passkey_accuracy_drop: 10\n")
     done = kvconvert("gate", "--report", tmp_path / "report.json", "--policy", policy)
@@ -263,7 +254,7 @@ def test_gate_claims_no_interval_from_one_sample_per_task(tmp_path):
 
 
 def test_truncated_report_says_rerun_validate(tmp_path):
-    text = json.dumps(_report({"passkey": _gen([1.0] * 4, [1.0] * 4)}))
+    text = json.dumps(make_report({"passkey": gen_records([1.0] * 4, [1.0] * 4)}))
     (tmp_path / "report.json").write_text(text[: len(text) // 2])
     policy = ROOT / "recipes" / "gates" / "default.yaml"
     refused(kvconvert("gate", "--report", tmp_path / "report.json", "--policy", policy), None,
