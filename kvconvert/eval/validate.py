@@ -74,10 +74,9 @@ def prepare(run: ValidateRun) -> Pair:
     engine = resolve_engine("auto" if run.options.engine == "vllm" else run.options.engine)
     source_tok = load_tokenizer(source_path)
     check_same_tokenizer(source_tok, load_tokenizer(candidate_path), source_path, candidate_path)
-    source = LazyRunner(source_path, engine, run.options.source_kv_dtype, run.options.kv_scales, run.options.dtype,
-                        run.options.device)
-    candidate = LazyRunner(candidate_path, engine, run.options.kv_dtype, run.options.kv_scales, run.options.dtype,
-                           run.options.device)
+    opts = run.options
+    source, candidate = (LazyRunner(path, engine, kv_dtype, opts.kv_scales, opts.dtype, opts.device)
+                         for path, kv_dtype in ((source_path, opts.source_kv_dtype), (candidate_path, opts.kv_dtype)))
     if source.vocab_size != candidate.vocab_size:
         raise KVConvertError(f"vocab sizes differ: source {source.vocab_size}, candidate {candidate.vocab_size}; "
                              "logits cannot be compared")

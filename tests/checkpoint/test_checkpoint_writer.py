@@ -59,10 +59,7 @@ def test_non_finite_tensor_refused(tmp_path, dtype, bad):
 def test_huge_finite_values_accepted(tmp_path, dtype):
     """The finiteness check must not overflow on tensors full of the largest finite values."""
     t = torch.full((100_000,), torch.finfo(dtype).max, dtype=dtype)
-    with CheckpointWriter(tmp_path / "out") as w:
-        w.add("big", t)
-        w.write_config({})
-    assert torch.equal(CheckpointReader(tmp_path / "out").get("big"), t)
+    assert torch.equal(CheckpointReader(_write(tmp_path / "out", {"big": t})).get("big"), t)
 
 
 def test_existing_output_refused_and_untouched(tmp_path):
@@ -142,12 +139,8 @@ def test_written_files_are_readable_by_others(tmp_path):
 def test_same_tensor_under_two_names(tmp_path):
     """Tied embeddings written as an explicit lm_head: safetensors refuses shared memory."""
     embed = torch.randn(10, 4)
-    with CheckpointWriter(tmp_path / "out") as w:
-        w.add("model.embed_tokens.weight", embed)
-        w.add("lm_head.weight", embed)
-        w.add("first_rows", embed[:3])
-        w.write_config({})
-    reader = CheckpointReader(tmp_path / "out")
+    reader = CheckpointReader(_write(tmp_path / "out", {"model.embed_tokens.weight": embed, "lm_head.weight": embed,
+                                                        "first_rows": embed[:3]}))
     assert torch.equal(reader.get("lm_head.weight"), embed)
     assert torch.equal(reader.get("first_rows"), embed[:3])
 

@@ -198,7 +198,8 @@ def test_fp32_fingerprint_is_unchanged_by_the_dtype_option(tiny_llama):
 def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path, tiny_llama, tiny_tokenizer_dir,
                                                                         tiny_tokenizer, monkeypatch):
     """Source and candidate are never loaded together (the source's window logits wait on disk),
-    each loads once, and the perplexity/KL records equal window_stats on directly computed logits."""
+    each loads once, and the perplexity/KL records (a different model: KL > 0) equal window_stats on
+    directly computed logits."""
     other = save_tiny_llama(tmp_path / "other", len(tiny_tokenizer), seed=3, tokenizer_dir=tiny_tokenizer_dir)
     loads, resident, live = [], [], set()
     for engine, cls in list(R.RUNNERS.items()):
@@ -223,6 +224,8 @@ def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path,
                               progress=False, threads=1)
         assert loads == [tiny_llama, other] and resident == [1, 1], (engine, loads, resident)
         assert not list((out / "cache").glob("source-logits-*"))  # the temporary logits are gone
+        assert report["metrics"]["kl_mean"]["candidate"] > 0.01 and report["metrics"]["perplexity"]["delta"] != 0.0
+        assert report["source"]["fingerprint"] != report["candidate"]["fingerprint"]
         windows = eval_windows(tiny_tokenizer, 3, spec.ppl_window_len)
         src, cand = R.RUNNERS[engine].__mro__[1](tiny_llama), R.RUNNERS[engine].__mro__[1](other)
         for record, ids in zip(report["samples"]["perplexity"], windows):
