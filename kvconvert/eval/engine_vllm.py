@@ -37,13 +37,6 @@ def vllm_kv_dtype(kv_dtype: str, role: str) -> str:
     return value
 
 
-def check_vllm(python: str | None) -> None:
-    """Fail before the suite runs when vLLM's python is missing."""
-    from kvconvert.engines.vllm import vllm_python
-
-    vllm_python(python)
-
-
 def run_vllm_perplexity(run, report: dict, python: str | None = None) -> dict:
     """Score the suite's perplexity windows with stock vLLM; store and return the section."""
     from kvconvert.data import data_hash, eval_windows

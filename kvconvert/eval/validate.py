@@ -306,9 +306,10 @@ def check_inputs(run: ValidateRun, vllm_python: str | None) -> None:
     from kvconvert.sources import resolve_source
 
     if run.options.engine == "vllm":
-        from kvconvert.eval.engine_vllm import check_vllm, vllm_kv_dtype
+        from kvconvert.engines.vllm import vllm_python as find_vllm_python
+        from kvconvert.eval.engine_vllm import vllm_kv_dtype
 
-        check_vllm(vllm_python)
+        find_vllm_python(vllm_python)  # fails before the suite runs when vLLM's python is missing
         vllm_kv_dtype(run.options.kv_dtype, "candidate")
         vllm_kv_dtype(run.options.source_kv_dtype, "source")
     elif vllm_python:

@@ -158,19 +158,15 @@ def test_engine_resolution():
 
 # --------------------------------------------------------------------------- bounded memory (issue 16)
 
-def _bf16_copy(src, dst):
-    """The checkpoint re-stored in bf16, as real checkpoints ship (tokenizer files kept)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
-    return dst
-
-
 @pytest.fixture(scope="module")
 def bf16_llama(tiny_llama, tmp_path_factory):
-    return _bf16_copy(tiny_llama, tmp_path_factory.mktemp("bf16") / "llama")
+    """The tiny Llama re-stored in bf16, as real checkpoints ship (tokenizer files kept)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny_llama, tmp_path_factory.mktemp("bf16") / "llama")
+    for f in folder.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    return folder
 
 
 def test_both_engines_run_bf16_checkpoints_in_bf16(bf16_llama):
