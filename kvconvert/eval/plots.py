@@ -21,16 +21,13 @@ def _grid(records: list[dict], role: str | None) -> tuple[list[int], list[float]
     """lengths, depths, [depths, lengths] mean score x 100 (role None = candidate - source)."""
     lengths = sorted({r["meta"]["length"] for r in records})
     depths = sorted({r["meta"]["depth"] for r in records})
+    score = (lambda r: r["candidate"]["score"] - r["source"]["score"]) if role is None else (lambda r: r[role]["score"])
     grid = np.full((len(depths), len(lengths)), np.nan)
     for i, d in enumerate(depths):
         for j, length in enumerate(lengths):
-            cell = [r for r in records if r["meta"]["depth"] == d and r["meta"]["length"] == length]
-            if not cell:
-                continue
-            if role is None:
-                grid[i, j] = 100 * np.mean([r["candidate"]["score"] - r["source"]["score"] for r in cell])
-            else:
-                grid[i, j] = 100 * np.mean([r[role]["score"] for r in cell])
+            cell = [score(r) for r in records if r["meta"]["depth"] == d and r["meta"]["length"] == length]
+            if cell:
+                grid[i, j] = 100 * np.mean(cell)
     return lengths, depths, grid
 
 
