@@ -52,8 +52,7 @@ def _write_hf_folder(model, staging: Path, out_dir: Path, dtype: str, overwrite:
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "id2label", "label2id"):
         config.pop(key, None)
     config["architectures"] = [type(model).__name__]
-    config["torch_dtype"] = dtype_name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
-    config["dtype"] = dtype_name
+    config["torch_dtype"] = config["dtype"] = str(_DTYPES[dtype]).removeprefix("torch.")
     with CheckpointWriter(out_dir, overwrite=overwrite, source=source,
                           manifest_extra={"imported_from": gguf_name}) as w:
         for name, tensor in model.state_dict().items():

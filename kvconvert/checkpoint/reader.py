@@ -8,6 +8,7 @@ the model.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 from functools import cached_property
 from pathlib import Path
@@ -217,13 +218,7 @@ class CheckpointReader:
         return sum((self.path / f).stat().st_size for f in set(self.weight_map.values()))
 
     def num_parameters(self) -> int:
-        total = 0
-        for name in self.weight_map:
-            n = 1
-            for d in self.shape(name):
-                n *= d
-            total += n
-        return total
+        return sum(math.prod(self.shape(name)) for name in self.weight_map)
 
     def close(self) -> None:
         """Drop the open shards. Mapped tensors keep their own mapping alive until they are freed."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -22,7 +23,9 @@ import torch
 from safetensors.torch import save_file
 
 from kvconvert import __version__
+from kvconvert.checkpoint.reader import INDEX_NAME, SINGLE_NAME
 from kvconvert.errors import CheckpointError, OutputExistsError, raise_on_sigterm, restore_sigterm
+from kvconvert.st_header import safetensors_header
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -31,20 +34,22 @@ TOKENIZER_FILES = (
 DEFAULT_SHARD_BYTES = 512 * 2**20  # small shards keep peak memory low while streaming
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a small text file (report, progress, recipe) whole or not at all: a temp file beside it, then rename."""
+def _atomic(path: Path, write) -> None:
+    """write(temp path beside `path`), then rename: a reader never sees half a file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
+    write(tmp)
     os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small text file (report, progress, recipe) whole or not at all."""
+    _atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def atomic_save_tensors(tensors: dict, path: Path) -> None:
-    """save_file to a temp file beside `path`, then rename: a reader never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    """safetensors' save_file, whole or not at all."""
+    _atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def sha256_file(path: Path, chunk: int = 2**22) -> str:
@@ -153,7 +158,7 @@ def clean_stale_temps(out_dir: Path) -> list[Path]:
         return []
     removed = []
     for kind in ("tmp", "old"):
-        for path in parent.glob(f".{glob_escape(out_dir.name)}.{kind}-*"):
+        for path in parent.glob(f".{glob.escape(out_dir.name)}.{kind}-*"):
             pid_text = path.name.rsplit("-", 1)[1]
             if not pid_text.isdigit() or int(pid_text) == os.getpid():
                 continue
@@ -168,20 +173,11 @@ def clean_stale_temps(out_dir: Path) -> list[Path]:
     return removed
 
 
-def glob_escape(name: str) -> str:
-    import glob
-
-    return glob.escape(name)
-
-
 def estimate_checkpoint_bytes(src: str | Path, itemsize: int | None = None, untie: bool = False) -> int:
     """Bytes a rewritten copy of the checkpoint at `src` will take, from safetensors headers only:
     every tensor's elements x `itemsize` (None: as stored), plus the embedding again when `untie`
     and the source ties lm_head to it (written as its own copy), plus the other files (tokenizer,
     config) and 1 MiB of headers and metadata."""
-    from kvconvert.checkpoint.reader import INDEX_NAME, SINGLE_NAME
-    from kvconvert.st_header import safetensors_header
-
     src = Path(src)
     index = src / INDEX_NAME
     try:
@@ -220,6 +216,12 @@ def ensure_free_space(folder: Path, needed_bytes: int) -> None:
 _ENV_ERRNOS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system",
                errno.EACCES: "permission denied", errno.EPERM: "operation not permitted", errno.EIO: "I/O error",
                errno.ENOTDIR: "a path component is a file"}
+
+
+def _raise_write_error(out_dir: Path, exc: BaseException) -> None:
+    """An environment's write error (_ENV_ERRNOS) as one CheckpointError line; other errors pass."""
+    if isinstance(exc, OSError) and exc.errno in _ENV_ERRNOS:
+        raise _write_error(out_dir, exc) from None
 
 
 def _write_error(out_dir: Path, exc: OSError) -> CheckpointError:
@@ -264,29 +266,25 @@ class CheckpointWriter:
                 shutil.rmtree(self.tmp_dir)
             self.tmp_dir.mkdir()
         except OSError as exc:
-            if exc.errno in _ENV_ERRNOS:
-                raise _write_error(self.out_dir, exc) from None
+            _raise_write_error(self.out_dir, exc)
             raise
         self._previous_sigterm = raise_on_sigterm()  # SIGTERM cleans up like Ctrl-C
         return self
 
     def __exit__(self, exc_type, exc, tb):
         try:
-            if exc_type is not None:
-                shutil.rmtree(self.tmp_dir, ignore_errors=True)
-                if isinstance(exc, OSError) and exc.errno in _ENV_ERRNOS:
-                    raise _write_error(self.out_dir, exc) from None
-                return False
-            try:
+            if exc_type is None:
                 self._finish()
-            except BaseException as error:
-                shutil.rmtree(self.tmp_dir, ignore_errors=True)
-                if isinstance(error, OSError) and error.errno in _ENV_ERRNOS:
-                    raise _write_error(self.out_dir, error) from None
-                raise
-            return False
+        except BaseException as error:
+            exc = error
+            raise
         finally:
+            if exc is not None:  # the body or the commit failed: remove the temp folder
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
             restore_sigterm(self._previous_sigterm)
+            if exc is not None:
+                _raise_write_error(self.out_dir, exc)
+        return False
 
     # -- tensors ------------------------------------------------------------------------
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -346,13 +344,11 @@ class CheckpointWriter:
         if not (self.tmp_dir / "config.json").is_file():
             raise CheckpointError("internal: checkpoint written without config.json")
         self._name_shards()
+        self._write_manifest()
         mode = _readable_mode()
         for path in self.tmp_dir.iterdir():
             os.chmod(path, mode)  # a serving engine often runs as another user
             _fsync_file(path)
-        self._write_manifest()
-        os.chmod(self.tmp_dir / "manifest.json", mode)
-        _fsync_file(self.tmp_dir / "manifest.json")
         self._rename_into_place()
 
     def _name_shards(self) -> None:

@@ -19,7 +19,6 @@ What vLLM computes here, and what it does not:
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -36,13 +35,6 @@ def vllm_kv_dtype(kv_dtype: str, role: str) -> str:
         raise KVConvertError(f"--engine vllm: the {role}'s KV format {kv_dtype!r} has no vLLM cache here "
                              "(vLLM's NVFP4 KV needs a Blackwell GPU and is refused for MLA); pass another --kv-dtype")
     return value
-
-
-def check_vllm(python: str | None) -> None:
-    """Fail before the suite runs when vLLM's python is missing."""
-    from kvconvert.engines.vllm import vllm_python
-
-    vllm_python(python)
 
 
 def run_vllm_perplexity(run, report: dict, python: str | None = None) -> dict:
@@ -139,12 +131,11 @@ def _score_window(workers: dict, ids, window_stats) -> dict:
 
 
 def _summary(records: list[dict], report: dict) -> dict:
-    n = sum(r["n_tokens"] for r in records)
-    src = math.exp(sum(r["source_nll"] for r in records) / n)
-    cand = math.exp(sum(r["candidate_nll"] for r in records) / n)
-    out = {"perplexity": {"source": src, "candidate": cand, "delta_pct": 100.0 * (cand / src - 1.0)},
-           "kl_mean": sum(r["kl"] for r in records) / n, "tokens": n,
-           "logprob_check_max": max(r["logprob_check"] for r in records)}
+    from kvconvert.eval.report import perplexity_summary
+
+    pooled = perplexity_summary(records)
+    out = {"perplexity": {k: pooled[k] for k in ("source", "candidate", "delta_pct")}, "kl_mean": pooled["kl_mean"],
+           "tokens": pooled["tokens"], "logprob_check_max": max(r["logprob_check"] for r in records)}
     runtime = report.get("metrics", {})
     if "perplexity" in runtime:
         out["bundled"] = {"engine": report["candidate"]["engine"],
@@ -176,11 +167,10 @@ def markdown_section(report: dict) -> list[str]:
               "logits (captured at its logits processor; their log-softmax matches vLLM's prompt logprobs within "
               f"{section['logprob_check_max']:.1e}).", "",
               f"| metric | vLLM | {engine} |", "|---|---:|---:|"]
-    rows = [("source perplexity", section["perplexity"]["source"], bundled.get("perplexity", {}).get("source"), 3),
-            ("candidate perplexity", section["perplexity"]["candidate"],
-             bundled.get("perplexity", {}).get("candidate"), 3),
-            ("candidate delta %", section["perplexity"]["delta_pct"], bundled.get("perplexity", {}).get("delta_pct"),
-             2),
+    ppl, bundled_ppl = section["perplexity"], bundled.get("perplexity", {})
+    rows = [("source perplexity", ppl["source"], bundled_ppl.get("source"), 3),
+            ("candidate perplexity", ppl["candidate"], bundled_ppl.get("candidate"), 3),
+            ("candidate delta %", ppl["delta_pct"], bundled_ppl.get("delta_pct"), 2),
             ("KL mean (nats/token)", section["kl_mean"], bundled.get("kl_mean"), 5)]
     for name, ours, theirs, digits in rows:
         other = "-" if theirs is None else f"{theirs:.{digits}f}"
@@ -195,10 +185,7 @@ def markdown_section(report: dict) -> list[str]:
 
 
 def write_with_vllm(report: dict, out: Path) -> None:
-    """Rewrite report.json / report.md with the vLLM section added."""
-    from kvconvert.checkpoint import atomic_write_text
+    """Rewrite report.json / report.md with the vLLM section added (report.md renders it)."""
     from kvconvert.eval.report import write_report
 
     write_report(report, out)
-    md = Path(out) / "report.md"
-    atomic_write_text(md, md.read_text(encoding="utf-8").rstrip("\n") + "\n" + "\n".join(markdown_section(report)))

@@ -61,7 +61,6 @@ class Policy(BaseModel):
     thresholds: Thresholds
 
 
-
 def load_policy(path: Path) -> Policy:
     """Parse and validate a policy file; errors name the file and the offending key."""
     import yaml

@@ -45,14 +45,13 @@ def encode(tokenizer, text: str) -> list[int]:
 class Haystack:
     """A filled prompt. ids: the prompt's token ids. needle_positions / needle_lengths: token
     index where each needle starts and its token count. span: (first, end) token indexes of the
-    haystack region (after head, before tail; needles included). units: filler pieces used."""
+    haystack region (after head, before tail; needles included)."""
 
     text: str
     ids: list[int]
     needle_positions: list[int]
     needle_lengths: list[int]
     span: tuple[int, int]
-    units: int
 
     def depth_of(self, needle: int) -> float:
         """Measured depth of a needle: filler tokens before it / all filler tokens (needles excluded)."""
@@ -144,7 +143,7 @@ def _assemble(tokenizer, head, tail, units, needles, counts: list[int]) -> Hayst
     positions = [tokens_before(needle_spans[i][0]) for i in range(len(needles))]
     lengths = [tokens_before(needle_spans[i][1]) - positions[i] for i in range(len(needles))]
     return Haystack(text=text, ids=ids, needle_positions=positions, needle_lengths=lengths,
-                    span=(tokens_before(len(head)), tokens_before(haystack_end)), units=n)
+                    span=(tokens_before(len(head)), tokens_before(haystack_end)))
 
 
 # --------------------------------------------------------------------------- passkey
@@ -159,6 +158,10 @@ def passkey_line(passkey: str) -> str:
     return f"\nThe pass key is {passkey}. Remember it. {passkey} is the pass key.\n"
 
 
+def _needle_meta(length: int, depth: float, hay: Haystack) -> dict:
+    return {"length": length, "depth": depth, "tokens": len(hay.ids), "needle_depth": round(hay.depth_of(0), 4)}
+
+
 def passkey_sample(tokenizer, length: int, depth: float, repeat: int, seed: int) -> GenSample:
     """LongLoRA's passkey prompt of at most `length` tokens, the pass key line at `depth`.
     The 5-digit key is drawn from a generator seeded by (seed, length, depth, repeat)."""
@@ -167,9 +170,7 @@ def passkey_sample(tokenizer, length: int, depth: float, repeat: int, seed: int)
     units = lambda k: " " + PASSKEY_FILLER  # every unit carries its separator
     hay = build_haystack(tokenizer, PASSKEY_INTRO, PASSKEY_QUESTION, units, [(depth, passkey_line(passkey))], length)
     max_new = len(tokenizer(" " + passkey, add_special_tokens=False).input_ids) + 2  # the key and a period
-    return GenSample("passkey", sample_id, tuple(hay.ids), max_new, (passkey,),
-                     meta={"length": length, "depth": depth, "tokens": len(hay.ids),
-                           "needle_depth": round(hay.depth_of(0), 4)})
+    return GenSample("passkey", sample_id, tuple(hay.ids), max_new, (passkey,), meta=_needle_meta(length, depth, hay))
 
 
 # --------------------------------------------------------------------------- NIAH (essays)
@@ -200,14 +201,13 @@ def niah_sample(tokenizer, length: int, depth: float) -> GenSample:
     """Kamradt's needle in the essays at `depth`, prompt of at most `length` tokens."""
     hay = build_haystack(tokenizer, "", NIAH_QUESTION, essay_unit, [(depth, NIAH_NEEDLE)], length)
     return GenSample("niah", f"L{length}-d{depth:.2f}", tuple(hay.ids), NIAH_MAX_NEW, NIAH_KEY_PHRASES,
-                     meta={"length": length, "depth": depth, "tokens": len(hay.ids),
-                           "needle_depth": round(hay.depth_of(0), 4)})
+                     meta=_needle_meta(length, depth, hay))
 
 
 # --------------------------------------------------------------------------- RULER
 
 RULER_DEPTHS = tuple(round(100 * i / 39) for i in range(40))  # np.round(np.linspace(0, 100, 40))
-RULER_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+RULER_NOISE = PASSKEY_FILLER  # RULER's noise haystack is the passkey filler sentence
 RULER_NIAH_TEMPLATE = (
     "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
     "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
@@ -245,6 +245,16 @@ RULER_NIAH_TASKS = {
 }
 RULER_TASKS = (*RULER_NIAH_TASKS, "vt")
 RULER_MAX_NEW = {**{name: 128 for name in RULER_NIAH_TASKS}, "vt": 30}  # RULER's tokens_to_generate
+
+
+def ruler_budget(task: str, max_new: int | None = None) -> int:
+    """A RULER task's generation budget: RULER's tokens_to_generate, capped at max_new when given."""
+    return min(RULER_MAX_NEW[task], max_new or RULER_MAX_NEW[task])
+
+
+def _ruler_gen_sample(task: str, length: int, index: int, hay: Haystack, answers, max_new: int | None) -> GenSample:
+    return GenSample(f"ruler/{task}", f"L{length}-i{index}", tuple(hay.ids), ruler_budget(task, max_new),
+                     tuple(answers), meta={"length": length, "tokens": len(hay.ids), "task": task})
 
 
 @functools.lru_cache(maxsize=1)
@@ -298,11 +308,8 @@ def ruler_niah_sample(tokenizer, task: str, length: int, index: int, seed: int, 
     depths = sorted(d / 100 for d in rng.sample(RULER_DEPTHS, len(needles)))
     separator = "\n" if spec.haystack != "essay" else " "
     placed = [(d, separator + n) for d, n in zip(depths, needles)]
-    units = _ruler_units(spec, rng)
-    hay = build_haystack(tokenizer, head, tail, units, placed, length)
-    budget = min(RULER_MAX_NEW[task], max_new or RULER_MAX_NEW[task])
-    return GenSample(f"ruler/{task}", f"L{length}-i{index}", tuple(hay.ids), budget, answers,
-                     meta={"length": length, "tokens": len(hay.ids), "task": task})
+    hay = build_haystack(tokenizer, head, tail, _ruler_units(spec, rng), placed, length)
+    return _ruler_gen_sample(task, length, index, hay, answers, max_new)
 
 
 def _ruler_units(spec: RulerNiah, rng: random.Random):
@@ -343,11 +350,8 @@ def ruler_vt_sample(tokenizer, length: int, index: int, seed: int, num_chains: i
     for _, statements in chains:  # each chain's statements in order, at sorted random depths
         depths = sorted(rng.random() for _ in statements)
         placed += [(d, "\n" + s) for d, s in zip(depths, statements)]
-    units = lambda k: "\n" + RULER_NOISE
-    hay = build_haystack(tokenizer, head, tail, units, placed, length)
-    budget = min(RULER_MAX_NEW["vt"], max_new or RULER_MAX_NEW["vt"])
-    return GenSample("ruler/vt", f"L{length}-i{index}", tuple(hay.ids), budget, tuple(chains[0][0]),
-                     meta={"length": length, "tokens": len(hay.ids), "task": "vt"})
+    hay = build_haystack(tokenizer, head, tail, lambda k: "\n" + RULER_NOISE, placed, length)
+    return _ruler_gen_sample("vt", length, index, hay, chains[0][0], max_new)
 
 
 def ruler_sample(tokenizer, task: str, length: int, index: int, seed: int, max_new: int | None = None) -> GenSample:

@@ -10,32 +10,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib
 import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 
 def _grid(records: list[dict], role: str | None) -> tuple[list[int], list[float], np.ndarray]:
     """lengths, depths, [depths, lengths] mean score x 100 (role None = candidate - source)."""
     lengths = sorted({r["meta"]["length"] for r in records})
     depths = sorted({r["meta"]["depth"] for r in records})
+    score = (lambda r: r["candidate"]["score"] - r["source"]["score"]) if role is None else (lambda r: r[role]["score"])
     grid = np.full((len(depths), len(lengths)), np.nan)
     for i, d in enumerate(depths):
         for j, length in enumerate(lengths):
-            cell = [r for r in records if r["meta"]["depth"] == d and r["meta"]["length"] == length]
-            if not cell:
-                continue
-            if role is None:
-                grid[i, j] = 100 * np.mean([r["candidate"]["score"] - r["source"]["score"] for r in cell])
-            else:
-                grid[i, j] = 100 * np.mean([r[role]["score"] for r in cell])
+            cell = [score(r) for r in records if r["meta"]["depth"] == d and r["meta"]["length"] == length]
+            if cell:
+                grid[i, j] = 100 * np.mean(cell)
     return lengths, depths, grid
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _heatmap(records: list[dict], role: str | None, title: str, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lengths, depths, grid = _grid(records, role)
     fig, ax = plt.subplots(figsize=(max(4.5, 2.4 + 0.9 * len(lengths)), max(3.0, 1.4 + 0.45 * len(depths))))
     if role is None:
@@ -53,18 +56,10 @@ def _heatmap(records: list[dict], role: str | None, title: str, path: Path) -> P
     ax.set_ylabel("needle depth")
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, label="score (%)" if role else "candidate - source (pp)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _longbench_bars(report: dict, path: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = [(k.split("/", 1)[1], m) for k, m in report["metrics"].items() if k.startswith("longbench/")]
     if not tasks:
         return None
@@ -77,10 +72,7 @@ def _longbench_bars(report: dict, path: Path) -> Path | None:
     avg = report["metrics"]["longbench_avg"]
     ax.set_title(f"LongBench-mini: source {avg['source']:.2f}, candidate {avg['candidate']:.2f}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_plots(report: dict, out: Path) -> list[Path]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kvconvert.checkpoint import atomic_write_text
+from kvconvert.eval.engine_vllm import markdown_section
 from kvconvert.eval.metrics import LONGBENCH_TASKS
 from kvconvert.eval.stats import GATE_METRICS, estimate
 
@@ -26,8 +27,26 @@ def _entry(source: float, candidate: float, unit: str, higher_is_better: bool, n
             "higher_is_better": higher_is_better, "n": n}
 
 
-def _mean_scores(records: list[dict], role: str) -> float:
-    return 100.0 * float(np.mean([r[role]["score"] for r in records]))
+def _score_entry(records: list[dict], unit: str) -> dict:
+    """Mean score x 100 of source and candidate over generation records."""
+    means = [100.0 * float(np.mean([r[role]["score"] for r in records])) for role in ("source", "candidate")]
+    return _entry(*means, unit, True, len(records))
+
+
+def _mean_entry(entries: list[dict]) -> dict:
+    """Unweighted mean over (task) entries of their source and candidate values; n summed."""
+    return _entry(float(np.mean([e["source"] for e in entries])), float(np.mean([e["candidate"] for e in entries])),
+                  "points", True, sum(e["n"] for e in entries))
+
+
+def perplexity_summary(records: list[dict]) -> dict:
+    """Perplexity window records pooled: source and candidate ppl = exp(sum NLL / tokens), delta_pct,
+    kl_mean (nats/token) and tokens."""
+    n = sum(r["n_tokens"] for r in records)
+    src = math.exp(sum(r["source_nll"] for r in records) / n)
+    cand = math.exp(sum(r["candidate_nll"] for r in records) / n)
+    return {"source": src, "candidate": cand, "delta_pct": 100.0 * (cand / src - 1.0),
+            "kl_mean": sum(r["kl"] for r in records) / n, "tokens": n}
 
 
 def build_metrics(samples: dict[str, list[dict]]) -> dict[str, dict]:
@@ -35,50 +54,32 @@ def build_metrics(samples: dict[str, list[dict]]) -> dict[str, dict]:
     metrics: dict[str, dict] = {}
     ppl = samples.get("perplexity") or []
     if ppl:
-        n = sum(r["n_tokens"] for r in ppl)
-        src = math.exp(sum(r["source_nll"] for r in ppl) / n)
-        cand = math.exp(sum(r["candidate_nll"] for r in ppl) / n)
-        metrics["perplexity"] = {**_entry(src, cand, "ppl", False, len(ppl)), "delta_pct": 100.0 * (cand / src - 1.0),
-                                 "tokens": n}
-        metrics["kl_mean"] = _entry(0.0, sum(r["kl"] for r in ppl) / n, "nats/token", False, len(ppl))
+        pooled = perplexity_summary(ppl)
+        metrics["perplexity"] = {**_entry(pooled["source"], pooled["candidate"], "ppl", False, len(ppl)),
+                                 "delta_pct": pooled["delta_pct"], "tokens": pooled["tokens"]}
+        metrics["kl_mean"] = _entry(0.0, pooled["kl_mean"], "nats/token", False, len(ppl))
     for family in ("passkey", "niah"):
         if samples.get(family):
-            records = samples[family]
-            metrics[f"{family}_accuracy"] = _entry(_mean_scores(records, "source"), _mean_scores(records, "candidate"),
-                                                   "%", True, len(records))
+            metrics[f"{family}_accuracy"] = _score_entry(samples[family], "%")
     ruler = {t: r for t, r in samples.items() if t.startswith("ruler/")}
     if ruler:
-        pooled = [r for records in ruler.values() for r in records]
-        metrics["ruler_accuracy"] = _entry(_mean_scores(pooled, "source"), _mean_scores(pooled, "candidate"),
-                                           "%", True, len(pooled))
-        for task, records in sorted(ruler.items()):
-            metrics[task] = _entry(_mean_scores(records, "source"), _mean_scores(records, "candidate"), "%", True,
-                                   len(records))
+        metrics["ruler_accuracy"] = _score_entry([r for records in ruler.values() for r in records], "%")
+        metrics.update({task: _score_entry(records, "%") for task, records in sorted(ruler.items())})
     metrics.update(_longbench_metrics(samples))
     return metrics
 
 
 def _longbench_metrics(samples: dict[str, list[dict]]) -> dict[str, dict]:
-    tasks = {t.split("/", 1)[1]: r for t, r in samples.items() if t.startswith("longbench/")}
-    if not tasks:
+    """longbench_avg (mean over tasks), longbench_category/<category> and longbench/<task> entries."""
+    per_task = {t.split("/", 1)[1]: _score_entry(r, "points") for t, r in samples.items() if t.startswith("longbench/")}
+    if not per_task:
         return {}
-    out: dict[str, dict] = {}
-    per_task = {task: (_mean_scores(r, "source"), _mean_scores(r, "candidate"), len(r)) for task, r in tasks.items()}
-    out["longbench_avg"] = _entry(float(np.mean([v[0] for v in per_task.values()])),
-                                  float(np.mean([v[1] for v in per_task.values()])), "points", True,
-                                  sum(v[2] for v in per_task.values()))
-    categories: dict[str, list[str]] = {}
+    groups = {"longbench_avg": list(per_task)}
     for task in LONGBENCH_TASKS:
         if task in per_task:
-            categories.setdefault(LONGBENCH_TASKS[task][2], []).append(task)
-    for category, members in categories.items():
-        out[f"longbench_category/{category}"] = _entry(
-            float(np.mean([per_task[t][0] for t in members])), float(np.mean([per_task[t][1] for t in members])),
-            "points", True, sum(per_task[t][2] for t in members))
-    for task in LONGBENCH_TASKS:
-        if task in per_task:
-            s, c, n = per_task[task]
-            out[f"longbench/{task}"] = _entry(s, c, "points", True, n)
+            groups.setdefault(f"longbench_category/{LONGBENCH_TASKS[task][2]}", []).append(task)
+    out = {name: _mean_entry([per_task[t] for t in members]) for name, members in groups.items()}
+    out.update({f"longbench/{task}": per_task[task] for task in LONGBENCH_TASKS if task in per_task})
     return out
 
 
@@ -109,23 +110,25 @@ def write_report(report: dict, out: Path) -> list[Path]:
 
 
 def _fmt(value: float, unit: str) -> str:
-    if unit in ("nats/token",):
+    if unit == "nats/token":
         return f"{value:.5f}"
     if unit == "ppl":
         return f"{value:.3f}"
     return f"{value:.2f}"
 
 
+def _fmt_delta(metric: dict) -> str:
+    delta = f"{metric['delta']:+.5f}" if metric["unit"] == "nats/token" else f"{metric['delta']:+.3f}"
+    return delta + (f" ({metric['delta_pct']:+.2f}%)" if "delta_pct" in metric else "")
+
+
 def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
     """(metric, source, candidate, delta) strings for the main metrics (per-task rows excluded)."""
     rows = []
     for name, m in report["metrics"].items():
-        if "/" in name:
-            continue
-        delta = f"{m['delta']:+.5f}" if m["unit"] == "nats/token" else f"{m['delta']:+.3f}"
-        if "delta_pct" in m:
-            delta += f" ({m['delta_pct']:+.2f}%)"
-        rows.append((f"{name} ({m['unit']})", _fmt(m["source"], m["unit"]), _fmt(m["candidate"], m["unit"]), delta))
+        if "/" not in name:
+            rows.append((f"{name} ({m['unit']})", _fmt(m["source"], m["unit"]), _fmt(m["candidate"], m["unit"]),
+                         _fmt_delta(m)))
     return rows
 
 
@@ -145,11 +148,8 @@ def render_markdown(report: dict, charts: list[str]) -> str:
         "## Metrics", "", "| metric | source | candidate | delta | n |", "|---|---:|---:|---:|---:|",
     ]
     for name, m in report["metrics"].items():
-        delta = f"{m['delta']:+.5f}" if m["unit"] == "nats/token" else f"{m['delta']:+.3f}"
-        if "delta_pct" in m:
-            delta += f" ({m['delta_pct']:+.2f}%)"
         lines.append(f"| {name} [{m['unit']}] | {_fmt(m['source'], m['unit'])} | {_fmt(m['candidate'], m['unit'])} "
-                     f"| {delta} | {m['n']} |")
+                     f"| {_fmt_delta(m)} | {m['n']} |")
     if report["estimates"]:
         conf = int(100 * report["bootstrap"]["confidence"])
         lines += ["", f"## Degradations gated by `kvconvert gate` ({conf}% paired bootstrap CI)", "",
@@ -165,7 +165,7 @@ def render_markdown(report: dict, charts: list[str]) -> str:
     if charts:
         lines += ["", "## Charts", ""] + [f"![{c}]({c})" for c in charts]
     lines += ["", "Per-sample results (prompts' token counts, outputs, scores) are in report.json.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n".join(markdown_section(report))  # --engine vllm's section, if any
 
 
 def print_summary(report: dict) -> None:

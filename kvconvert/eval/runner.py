@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 
 from kvconvert.device import resolve_device
-from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelError
+from kvconvert.checkpoint import CheckpointReader, read_config
+from kvconvert.errors import CheckpointError, KVConvertError
 from kvconvert.eval.options import KV_DTYPE_CHOICES  # "auto": the engine's own cache
 from kvconvert.kvformat import AUTO, kv_format
 
-ENGINES = ("runtime", "transformers")
 PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 — naïve café 東京 <tag>\n\tend."
 
 
@@ -102,18 +102,16 @@ def load_tokenizer(folder: Path):
 
 def check_same_tokenizer(source_tok, candidate_tok, source: Path, candidate: Path) -> None:
     """Source and candidate must tokenize identically, or no comparison is meaningful."""
+    fix = "validate a candidate converted from this source (copy the source's tokenizer files)"
     if len(source_tok) != len(candidate_tok):
-        raise KVConvertError(
-            f"tokenizers differ: {source} has {len(source_tok)} tokens, {candidate} has {len(candidate_tok)}; "
-            "validate a candidate converted from this source (copy the source's tokenizer files)")
+        raise KVConvertError(f"tokenizers differ: {source} has {len(source_tok)} tokens, {candidate} has "
+                             f"{len(candidate_tok)}; {fix}")
     a = source_tok(PROBE_TEXT, add_special_tokens=False).input_ids
     b = candidate_tok(PROBE_TEXT, add_special_tokens=False).input_ids
     if a != b:
-        raise KVConvertError(
-            f"tokenizers differ: a probe string tokenizes to {len(a)} ids with {source} and {len(b)} with "
-            f"{candidate} (first difference at position "
-            f"{next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))}); "
-            "validate a candidate converted from this source (copy the source's tokenizer files)")
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        raise KVConvertError(f"tokenizers differ: a probe string tokenizes to {len(a)} ids with {source} and "
+                             f"{len(b)} with {candidate} (first difference at position {first}); {fix}")
 
 
 # --------------------------------------------------------------------------- runners
@@ -126,16 +124,6 @@ def argmax_allowed(logits: torch.Tensor, banned: tuple[int, ...]) -> int:
     return int(logits.argmax())
 
 
-def fake_quant_available() -> str | None:
-    """None when kvconvert.quant's fake-quant KV cache imports, else the reason it does not."""
-    try:
-        from kvconvert.quant.capture import KVHookCache  # noqa: F401
-        from kvconvert.quant.evaluate import fake_quant_hook  # noqa: F401
-    except Exception as exc:  # a module still being built may fail in many ways
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def resolve_kv_dtype(engine: str, kv_dtype: str, kv_scales: str = "checkpoint") -> str:
     """The KV format a runner will really use ("auto": runtime bf16, transformers fp32); errors for
     combinations an engine cannot run."""
@@ -146,15 +134,9 @@ def resolve_kv_dtype(engine: str, kv_dtype: str, kv_scales: str = "checkpoint") 
     if kv_dtype in ("auto", "fp32"):
         return "fp32"
     kv_dtype = kv_format(kv_dtype).name  # the transformers hook knows canonical names only (fp8_e4m3 -> fp8)
-    if _quantized(kv_dtype):
-        reason = fake_quant_available()
-        if reason is not None:
-            raise KVConvertError(
-                f"--kv-dtype {kv_dtype} with --engine transformers needs kvconvert.quant's fake-quant cache, "
-                f"which does not import ({reason}); use --engine runtime")
-        if kv_scales != "checkpoint":
-            raise KVConvertError("--kv-scales dynamic is a runtime-engine option; with --engine transformers the "
-                                 "scales come from the calibrated checkpoint")
+    if _quantized(kv_dtype) and kv_scales != "checkpoint":
+        raise KVConvertError("--kv-scales dynamic is a runtime-engine option; with --engine transformers the "
+                             "scales come from the calibrated checkpoint")
     return kv_dtype
 
 
@@ -163,8 +145,6 @@ def check_kv_scales(path: Path, engine: str, kv_dtype: str, kv_scales: str) -> N
     any model is loaded (the transformers engine also needs calibrate's calibration_report.json)."""
     if not _quantized(kv_dtype) or kv_scales != "checkpoint":
         return
-    from kvconvert.checkpoint import CheckpointReader
-
     with CheckpointReader(path, verify=False) as reader:
         has_scales = any(name.endswith(("k_scale", "kv_scale")) for name in reader.keys())
     hint = "run `kvconvert calibrate --src ... --kv-dtype " + kv_dtype + "` on it"
@@ -179,7 +159,6 @@ def check_kv_scales(path: Path, engine: str, kv_dtype: str, kv_scales: str) -> N
 
 def resolve_weight_dtype(path: Path, dtype: str | torch.dtype | None) -> torch.dtype:
     """--dtype auto|bf16|fp16|fp32 -> the torch dtype the model runs in (auto = as stored)."""
-    from kvconvert.checkpoint import CheckpointReader
     from kvconvert.runtime.memory import resolve_dtype
 
     with CheckpointReader(path, verify=False) as reader:
@@ -200,24 +179,20 @@ def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str,
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-class ModelRunner(ABC):
-    """Interface shared by the engines.
-
-    Attributes: path, engine, kv_dtype (resolved), max_context (longest sequence it can run),
-    vocab_size, fingerprint. Methods: logits, greedy, close.
-    """
+class RunnerInfo:
+    """What a runner is, known before any model loads: path, engine, kv_dtype (resolved), kv_scales,
+    config, max_context (longest sequence it can run), vocab_size, dtype (weights), device, fingerprint."""
 
     engine = "abstract"
 
     def __init__(self, path: Path, kv_dtype: str, kv_scales: str = "checkpoint", dtype: str | torch.dtype = "auto",
-                 max_len: int | None = None, device: str | torch.device = "auto"):
+                 device: str | torch.device = "auto"):
         self.path = Path(path)
         self.device = resolve_device(device)
         self.kv_dtype = resolve_kv_dtype(self.engine, kv_dtype, kv_scales)
         self.kv_scales = kv_scales
-        self.config = json.loads((self.path / "config.json").read_text())
+        self.config = read_config(self.path)
         self.max_context = int(self.config.get("max_position_embeddings") or 2048)
-        self.max_len = min(max_len or self.max_context, self.max_context)  # longest sequence this run needs
         self.vocab_size = int(self.config["vocab_size"])
         self.dtype = resolve_weight_dtype(self.path, dtype)
         self.fingerprint = runner_fingerprint(self.path, self.engine, self.kv_dtype, kv_scales, self.dtype, self.device)
@@ -226,6 +201,17 @@ class ModelRunner(ABC):
         return {"path": str(self.path), "engine": self.engine, "kv_dtype": self.kv_dtype,
                 "dtype": str(self.dtype).removeprefix("torch."), "fingerprint": self.fingerprint,
                 "architecture": (self.config.get("architectures") or ["?"])[0]}
+
+
+class ModelRunner(RunnerInfo, ABC):
+    """Interface shared by the engines: RunnerInfo's attributes, max_len (the longest sequence this
+    run needs), and the methods logits, greedy, close."""
+
+    def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint",
+                 dtype: str | torch.dtype = "auto", max_len: int | None = None, device: str | torch.device = "auto"):
+        super().__init__(path, kv_dtype, kv_scales, dtype, device)
+        self.max_len = min(max_len or self.max_context, self.max_context)
+        self._load()  # each engine's model, from self.path in self.dtype on self.device
 
     @abstractmethod
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -248,10 +234,10 @@ class TransformersRunner(ModelRunner):
 
     engine = "transformers"
 
-    def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint", dtype="auto",
-                 max_len: int | None = None, device: str | torch.device = "auto"):
-        super().__init__(path, kv_dtype, kv_scales, dtype, max_len, device)
-        self.model = _load_transformers_model(self.path, self.dtype).to(self.device)
+    def _load(self) -> None:
+        from kvconvert.quant.capture import load_hf_model  # drops a calibration's KV quantization_config
+
+        self.model = load_hf_model(self.path, dtype=self.dtype).to(self.device)
         self.kv_hook = _kv_hook(self.path, self.config, self.kv_dtype)
 
     def _cache(self):
@@ -294,26 +280,6 @@ class TransformersRunner(ModelRunner):
 
     def close(self) -> None:
         del self.model
-
-
-def _load_transformers_model(path: Path, dtype: torch.dtype = torch.float32):
-    """Model in `dtype`, eval mode, no remote code. kvconvert.quant's loader is used when present: it
-    drops a KV-cache quantization_config (from calibration) that transformers would act on."""
-    try:
-        from kvconvert.quant.capture import load_hf_model
-    except Exception:  # kvconvert.quant missing or broken: plain transformers
-        load_hf_model = None
-    if load_hf_model is not None:
-        return load_hf_model(path, dtype=dtype)
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as exc:
-        raise UnsupportedModelError(
-            f"{path}: transformers cannot load this checkpoint ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200]})") from None
-    return model.eval()
 
 
 def _kv_hook(path: Path, config: dict, kv_dtype: str):
@@ -371,14 +337,12 @@ class RuntimeRunner(ModelRunner):
 
     engine = "runtime"
 
-    def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint", dtype="auto",
-                 max_len: int | None = None, device: str | torch.device = "auto", attention_backend: str = "torch"):
-        super().__init__(path, kv_dtype, kv_scales, dtype, max_len, device)
+    def _load(self) -> None:
         from kvconvert.runtime import LLM
 
-        self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=kv_scales, block_size=RUNTIME_BLOCK,
+        self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=self.kv_scales, block_size=RUNTIME_BLOCK,
                        num_blocks=runtime_blocks(self.max_len),  # one sequence of max_len tokens
-                       max_model_len=self.max_len, attention_backend=attention_backend,
+                       max_model_len=self.max_len, attention_backend="torch",
                        enable_prefix_caching=False, max_num_seqs=1, dtype=self.dtype, device=self.device)
         self.max_context = int(self.llm.max_model_len)
 
@@ -428,45 +392,34 @@ def runtime_available() -> str | None:
 def resolve_engine(engine: str | None) -> str:
     """'runtime' or 'transformers'. None/'auto' = runtime when it imports, else transformers
     (with a printed note)."""
-    if engine in (None, "auto"):
-        reason = runtime_available()
-        if reason is None:
-            return "runtime"
-        print(f"note: kvconvert.runtime is not importable ({reason}); using --engine transformers",
-              file=sys.stderr)
-        return "transformers"
-    if engine not in ENGINES:
+    if engine not in (None, "auto", *RUNNERS):
         raise KVConvertError(f"--engine {engine!r} is unknown; choose runtime or transformers")
+    reason = runtime_available() if engine != "transformers" else None
+    if reason is None:
+        return engine if engine in RUNNERS else "runtime"
     if engine == "runtime":
-        reason = runtime_available()
-        if reason is not None:
-            raise KVConvertError(
-                f"--engine runtime: kvconvert.runtime cannot be imported ({reason}); use --engine transformers")
-    return engine
+        raise KVConvertError(
+            f"--engine runtime: kvconvert.runtime cannot be imported ({reason}); use --engine transformers")
+    print(f"note: kvconvert.runtime is not importable ({reason}); using --engine transformers", file=sys.stderr)
+    return "transformers"
 
 
 RUNNERS = {"transformers": TransformersRunner, "runtime": RuntimeRunner}
 
 
-class LazyRunner:
+class LazyRunner(RunnerInfo):
     """A runner that loads its model on first use, so a run whose results are all cached loads
-    nothing. path, engine, kv_dtype, max_context, vocab_size and fingerprint are known up front.
-    device: where the model runs (kvconvert.device; auto = cuda when visible)."""
+    nothing. RunnerInfo's attributes are known up front. device: where the model runs
+    (kvconvert.device; auto = cuda when visible)."""
 
     def __init__(self, path: Path, engine: str, kv_dtype: str = "auto", kv_scales: str = "checkpoint",
                  dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"):
         if engine not in RUNNERS:
             raise KVConvertError(f"--engine {engine!r} is unknown; choose runtime or transformers")
-        self.path, self.engine, self.kv_scales = Path(path), engine, kv_scales
-        self.kv_dtype = resolve_kv_dtype(engine, kv_dtype, kv_scales)
+        self.engine = engine
+        super().__init__(path, kv_dtype, kv_scales, dtype, device)
         check_kv_scales(self.path, engine, self.kv_dtype, kv_scales)
-        self.config = json.loads((self.path / "config.json").read_text())
-        self.max_context = int(self.config.get("max_position_embeddings") or 2048)
         self.max_len: int | None = None  # set by the caller once it knows its longest sequence
-        self.vocab_size = int(self.config["vocab_size"])
-        self.dtype = resolve_weight_dtype(self.path, dtype)
-        self.device = resolve_device(device)
-        self.fingerprint = runner_fingerprint(self.path, engine, self.kv_dtype, kv_scales, self.dtype, self.device)
         self._runner: ModelRunner | None = None
 
     @property
@@ -494,11 +447,6 @@ class LazyRunner:
     def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
                min_new_tokens: int = 0) -> list[int]:
         return self.loaded.greedy(ids, max_new_tokens, stop_ids, min_new_tokens)
-
-    def describe(self) -> dict:
-        return {"path": str(self.path), "engine": self.engine, "kv_dtype": self.kv_dtype,
-                "dtype": str(self.dtype).removeprefix("torch."), "fingerprint": self.fingerprint,
-                "architecture": (self.config.get("architectures") or ["?"])[0]}
 
     def close(self) -> None:
         if self._runner is not None:

@@ -12,7 +12,7 @@ dropped with a note in the report.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.haystack import RULER_TASKS
@@ -69,13 +69,7 @@ class SuiteSpec:
         if unknown:
             raise KVConvertError(f"suite {self.name}: unknown task(s) {', '.join(unknown)}")
 
-    @property
-    def version(self) -> int:
-        return SUITE_VERSION
-
     def as_dict(self) -> dict:
-        from dataclasses import asdict
-
         return {**asdict(self), "version": SUITE_VERSION}
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvconvert import __version__
-from kvconvert.checkpoint import eos_token_ids
+from kvconvert.checkpoint import atomic_save_tensors, eos_token_ids
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import haystack, longbench
 from kvconvert.eval.cache import ResultCache
@@ -74,10 +74,9 @@ def prepare(run: ValidateRun) -> Pair:
     engine = resolve_engine("auto" if run.options.engine == "vllm" else run.options.engine)
     source_tok = load_tokenizer(source_path)
     check_same_tokenizer(source_tok, load_tokenizer(candidate_path), source_path, candidate_path)
-    source = LazyRunner(source_path, engine, run.options.source_kv_dtype, run.options.kv_scales, run.options.dtype,
-                        run.options.device)
-    candidate = LazyRunner(candidate_path, engine, run.options.kv_dtype, run.options.kv_scales, run.options.dtype,
-                           run.options.device)
+    opts = run.options
+    source, candidate = (LazyRunner(path, engine, kv_dtype, opts.kv_scales, opts.dtype, opts.device)
+                         for path, kv_dtype in ((source_path, opts.source_kv_dtype), (candidate_path, opts.kv_dtype)))
     if source.vocab_size != candidate.vocab_size:
         raise KVConvertError(f"vocab sizes differ: source {source.vocab_size}, candidate {candidate.vocab_size}; "
                              "logits cannot be compared")
@@ -133,11 +132,7 @@ class SourceLogits:
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def put(self, i: int, logits: torch.Tensor) -> None:
-        from safetensors.torch import save_file
-
-        tmp = self.folder / f".w{i}.tmp"
-        save_file({"logits": logits.float().contiguous()}, str(tmp))
-        tmp.replace(self.folder / f"w{i}.safetensors")  # atomic
+        atomic_save_tensors({"logits": logits.float().contiguous()}, self.folder / f"w{i}.safetensors")
 
     def get(self, i: int) -> torch.Tensor:
         from safetensors.torch import load_file
@@ -196,7 +191,7 @@ def build_samples(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[s
             samples += [haystack.niah_sample(tok, length, d) for d in spec.niah_depths]
     if spec.ruler_tasks:
         for length in spec.ruler_lengths:
-            budget = max(min(haystack.RULER_MAX_NEW[t], spec.ruler_max_new or 10**9) for t in spec.ruler_tasks)
+            budget = max(haystack.ruler_budget(t, spec.ruler_max_new) for t in spec.ruler_tasks)
             if fits(length, budget, "ruler"):
                 samples += [haystack.ruler_sample(tok, task, length, i, spec.seed, spec.ruler_max_new)
                             for task in spec.ruler_tasks for i in range(spec.ruler_samples)]
@@ -311,9 +306,10 @@ def check_inputs(run: ValidateRun, vllm_python: str | None) -> None:
     from kvconvert.sources import resolve_source
 
     if run.options.engine == "vllm":
-        from kvconvert.eval.engine_vllm import check_vllm, vllm_kv_dtype
+        from kvconvert.engines.vllm import vllm_python as find_vllm_python
+        from kvconvert.eval.engine_vllm import vllm_kv_dtype
 
-        check_vllm(vllm_python)
+        find_vllm_python(vllm_python)  # fails before the suite runs when vLLM's python is missing
         vllm_kv_dtype(run.options.kv_dtype, "candidate")
         vllm_kv_dtype(run.options.source_kv_dtype, "source")
     elif vllm_python:

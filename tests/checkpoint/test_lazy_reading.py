@@ -10,6 +10,10 @@ import sys
 import textwrap
 
 import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvconvert.checkpoint import CheckpointReader
 
 LAYERS = 20
 TENSOR_SHAPE = (1280, 1024)  # fp32: 5 MiB each; 4 per layer -> 20 MiB/layer, 400 MiB in all
@@ -78,11 +82,6 @@ def test_one_layer_is_read_without_loading_the_checkpoint(big_dir):
 
 def test_copy_and_drop_returns_the_tensor_and_releases_its_pages(tmp_path):
     """The export's single pass: each tensor copied out, its mapped pages dropped from RSS."""
-    import torch
-    from safetensors.torch import save_file
-
-    from kvconvert.checkpoint import CheckpointReader
-
     big = torch.randn(2048, 1024).to(torch.bfloat16)  # 4 MiB: whole pages
     save_file({"a": big, "b": torch.arange(10, dtype=torch.int64)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text("{}")
@@ -104,12 +103,6 @@ def test_copy_and_drop_returns_the_tensor_and_releases_its_pages(tmp_path):
 def test_the_finite_scan_holds_one_tensor_not_the_checkpoint(tmp_path):
     """check_finite_weights reads every weight; its peak RSS must not grow with the checkpoint
     (a 7B scan would otherwise hold 13.5 GB of file pages)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from kvconvert.checkpoint import CheckpointReader
-    from kvconvert.checkpoint.checks import check_finite_weights
-
     weights = {f"t{i}": torch.randn(1024, 1024).to(torch.bfloat16) for i in range(64)}  # 128 MiB in bf16
     save_file(weights, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text("{}")

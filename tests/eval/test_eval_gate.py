@@ -5,30 +5,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from eval_fixtures import gen_records, make_report
 
 from kvconvert.cli import main
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import gate as G
-from kvconvert.eval.report import build_report
 from kvconvert.eval.stats import estimate, resample_indices
 from kvconvert.eval.suites import SUITE_VERSION
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "gates"
 
 
-def gen_records(source: list[float], candidate: list[float]) -> list[dict]:
-    return [{"id": str(i), "source": {"score": s}, "candidate": {"score": c}} for i, (s, c) in
-            enumerate(zip(source, candidate))]
-
-
 def ppl_records(source_nll: list[float], candidate_nll: list[float], kl: list[float], n: int = 100) -> list[dict]:
     return [{"id": f"w{i}", "n_tokens": n, "source_nll": s, "candidate_nll": c, "kl": k}
             for i, (s, c, k) in enumerate(zip(source_nll, candidate_nll, kl))]
-
-
-def make_report(samples: dict, version: int = SUITE_VERSION) -> dict:
-    header = {"suite": {"name": "quick", "version": version}, "skipped": {"ruler": "the quick suite does not run RULER"}}
-    return build_report(header, samples)
 
 
 def write_policy(tmp_path, text: str) -> Path:
@@ -148,17 +138,13 @@ def test_shipped_policies_load():
     ("require: [passkey_acc]\nthresholds:\n  kl_mean: 0.1\n", "unknown metric(s) passkey_acc in require"),
     ("thresholds: [1, 2\n", "not valid YAML"),
     ("- just a list\n", "must be a mapping"),
+    (None, "policy file not found"),
 ])
 def test_policy_errors_name_file_and_key(tmp_path, text, message):
-    path = write_policy(tmp_path, text)
+    path = write_policy(tmp_path, text) if text is not None else tmp_path / "none.yaml"
     with pytest.raises(KVConvertError) as info:
         G.load_policy(path)
     assert str(path) in str(info.value) and message in str(info.value)
-
-
-def test_missing_policy_file(tmp_path):
-    with pytest.raises(KVConvertError, match="policy file not found"):
-        G.load_policy(tmp_path / "none.yaml")
 
 
 # --------------------------------------------------------------------------- reports and CLI

@@ -18,43 +18,34 @@ def test_qa_f1_hand_worked():
     assert M.qa_f1_score("a a b", "a b b") == pytest.approx(2 / 3)
 
 
-def test_rouge_l_single_sentence():
+@pytest.mark.parametrize("prediction, reference, expected", [
     # ref words {the, cat, is, on, mat} = 5 unique; hyp {the, cat, sat, on, mat} = 5 unique;
     # LCS = "the cat on the mat" -> unique words {the, cat, on, mat} = 4 -> R = P = 0.8
-    assert M.rouge_score("the cat sat on the mat", "the cat is on the mat") == pytest.approx(0.8, abs=1e-7)
+    ("the cat sat on the mat", "the cat is on the mat", 0.8),
+    # summary level: hyp sentences "a b", "c d"; ref "a c", "b d". For "a c": LCS with "a b" = {a}, with
+    # "c d" = {c} -> 2 new; for "b d": {b} and {d} -> 2 new; overlap 4 of 4 unique words each side -> F = 1.
+    ("a b. c d", "a c. b d", 1.0),
+    ("the the the", "the", 1.0),  # unique-word ("exclusive") counting: repeats add no precision or recall
+    # tie-break: x = ref "a b", y = hyp "b a": both "a" and "b" are LCS of length 1; the rouge package
+    # walks left on ties and ends on "a": one unique word overlaps -> R = P = 1/2.
+    ("b a", "a b", 0.5),
+    ("", "a summary.", 0.0),  # empty prediction scores 0, like LongBench
+    ("...", "a summary.", 0.0),  # only dots: no sentence left
+])
+def test_rouge_l_hand_worked(prediction, reference, expected):
+    assert M.rouge_score(prediction, reference) == pytest.approx(expected, abs=1e-7)
 
 
-def test_rouge_l_summary_level_union_across_sentences():
-    # hyp sentences "a b", "c d"; ref "a c", "b d". For "a c": LCS with "a b" = {a}, with "c d" = {c}
-    # -> 2 new; for "b d": {b} and {d} -> 2 new; overlap 4 of 4 unique words each side -> F = 1.
-    assert M.rouge_score("a b. c d", "a c. b d") == pytest.approx(1.0, abs=1e-7)
-    # unique-word ("exclusive") counting: repeats do not add precision or recall
-    assert M.rouge_score("the the the", "the") == pytest.approx(1.0, abs=1e-7)
-
-
-def test_rouge_empty_prediction_scores_zero_like_longbench():
-    assert M.rouge_score("", "a summary.") == 0.0
-    assert M.rouge_score("...", "a summary.") == 0.0  # only dots: no sentence left
-
-
-def test_rouge_l_tie_break_matches_rouge_package():
-    # x = ref "a b", y = hyp "b a": both "a" and "b" are LCS of length 1; the rouge package walks
-    # left on ties and ends on "a": one unique word overlaps -> R = P = 1/2.
-    assert M.rouge_score("b a", "a b") == pytest.approx(0.5, abs=1e-7)
-
-
-def test_classification_exact_and_ambiguous():
-    classes = ["Food", "Date", "Order, rank", "Speed"]
-    assert M.classification_score("Date", "Date", all_classes=classes) == 1.0
-    assert M.classification_score("Date and Food", "Date", all_classes=classes) == 0.5
-    assert M.classification_score("Speed", "Date", all_classes=classes) == 0.0
-
-
-def test_classification_keeps_longbench_removal_quirk():
+@pytest.mark.parametrize("prediction, truth, classes, expected", [
+    ("Date", "Date", ["Food", "Date", "Order, rank", "Speed"], 1.0),
+    ("Date and Food", "Date", ["Food", "Date", "Order, rank", "Speed"], 0.5),
+    ("Speed", "Date", ["Food", "Date", "Order, rank", "Speed"], 0.0),
     # matches: ["Other location", "location", "Other"]; "location" is removed while iterating,
     # which skips "Other" (LongBench's behaviour): 1 / 2 instead of 1 / 1.
-    classes = ["Other location", "location", "Other", "City"]
-    assert M.classification_score("Other location", "Other location", all_classes=classes) == 0.5
+    ("Other location", "Other location", ["Other location", "location", "Other", "City"], 0.5),
+])
+def test_classification_score(prediction, truth, classes, expected):
+    assert M.classification_score(prediction, truth, all_classes=classes) == expected
 
 
 def test_count_and_retrieval():

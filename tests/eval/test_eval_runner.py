@@ -1,13 +1,19 @@
 """Model runners on a tiny random Llama: logits, greedy decoding, fingerprints, engine checks."""
 
+import dataclasses
+import hashlib
+import json
 import shutil
 
 import pytest
 import torch
 from eval_fixtures import save_tiny_deepseek, save_tiny_llama, train_tokenizer
 
+from kvconvert.data import eval_windows
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import runner as R
+from kvconvert.eval.suites import SUITES
+from kvconvert.eval.validate import ValidateOptions, run_validate, window_stats
 
 
 @pytest.fixture(scope="module")
@@ -56,39 +62,29 @@ def test_min_new_tokens_masks_stop_ids_at_first_steps(hf_runner):
     assert forced and forced[0] == int(logits.argmax())  # the best token that is not a stop id
 
 
-def test_runtime_runner_matches_transformers_with_fp32_kv(tiny_llama, hf_runner):
-    if R.runtime_available() is not None:
-        pytest.skip(f"kvconvert.runtime not importable: {R.runtime_available()}")
-    runtime = R.RuntimeRunner(tiny_llama, kv_dtype="fp32")
-    ids = torch.arange(3, 60)
-    torch.testing.assert_close(runtime.logits(ids), hf_runner.logits(ids), rtol=1e-4, atol=1e-4)
-    assert runtime.greedy(ids, 10, (0,)) == hf_runner.greedy(ids, 10, (0,))
-    first = hf_runner.greedy(ids, 1, ())[0]
-    assert runtime.greedy(ids, 6, (first,), min_new_tokens=1) == hf_runner.greedy(ids, 6, (first,), min_new_tokens=1)
-    assert runtime.fingerprint != hf_runner.fingerprint  # engine is part of the key
-
-
-def test_deepseek_v3_candidate_runs_in_both_engines(tmp_path, tiny_tokenizer_dir, tiny_tokenizer):
-    """A stock DeepSeek-V3 (MLA) checkpoint, what `kvconvert mla` writes, runs in transformers and
-    in the runtime with the same logits (fp32 KV) and the same greedy tokens."""
-    folder = save_tiny_deepseek(tmp_path / "dsv3", len(tiny_tokenizer), tokenizer_dir=tiny_tokenizer_dir)
-    hf = R.TransformersRunner(folder)
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_runtime_runner_matches_transformers_with_fp32_kv(arch, tmp_path, tiny_llama, tiny_tokenizer_dir,
+                                                          tiny_tokenizer):
+    """Both engines, K/V in fp32: the same logits and greedy tokens (with and without min_new_tokens),
+    for a Llama and for a stock DeepSeek-V3 (MLA) checkpoint, what `kvconvert mla` writes."""
+    folder = tiny_llama if arch == "llama" else save_tiny_deepseek(tmp_path / "dsv3", len(tiny_tokenizer),
+                                                                    tokenizer_dir=tiny_tokenizer_dir)
+    hf, runtime = R.TransformersRunner(folder), R.RuntimeRunner(folder, "fp32")
     ids = torch.arange(3, 100)
     logits = hf.logits(ids)
     assert logits.shape == (97, len(tiny_tokenizer))
-    if R.runtime_available() is not None:
-        pytest.skip(f"kvconvert.runtime not importable: {R.runtime_available()}")
-    runtime = R.RuntimeRunner(folder, "fp32")
     torch.testing.assert_close(runtime.logits(ids), logits, rtol=1e-4, atol=1e-4)
     assert runtime.greedy(ids, 8, (0,)) == hf.greedy(ids, 8, (0,))
+    first = hf.greedy(ids, 1, ())[0]
+    assert runtime.greedy(ids, 6, (first,), min_new_tokens=1) == hf.greedy(ids, 6, (first,), min_new_tokens=1)
+    assert runtime.fingerprint != hf.fingerprint  # engine is part of the key
 
 
 def test_quantized_kv_without_scales_is_refused_before_loading(tiny_llama):
     with pytest.raises(KVConvertError, match="needs KV scales.*kvconvert calibrate"):
         R.LazyRunner(tiny_llama, "transformers", "fp8")
-    if R.runtime_available() is None:
-        with pytest.raises(KVConvertError, match="--kv-scales dynamic"):
-            R.LazyRunner(tiny_llama, "runtime", "nvfp4")
+    with pytest.raises(KVConvertError, match="--kv-scales dynamic"):
+        R.LazyRunner(tiny_llama, "runtime", "nvfp4")
     with pytest.raises(KVConvertError, match="unknown"):
         R.resolve_kv_dtype("runtime", "int4")
 
@@ -96,8 +92,6 @@ def test_quantized_kv_without_scales_is_refused_before_loading(tiny_llama):
 def test_fake_quant_kv_in_transformers_matches_the_runtime_bit_for_bit(calibrated_fp8):
     """Both engines quantize the cached K/V with the same scales (bit-exact formats), so an FP8 KV
     candidate scores the same whichever engine runs it; and FP8 really changes the logits."""
-    if R.runtime_available() is not None:
-        pytest.skip(f"kvconvert.runtime not importable: {R.runtime_available()}")
     ids = torch.arange(3, 200)
     hf_fp8 = R.TransformersRunner(calibrated_fp8, "fp8")
     runtime_fp8 = R.RuntimeRunner(calibrated_fp8, "fp8")
@@ -125,8 +119,6 @@ def test_fingerprint_follows_content_engine_and_kv(tmp_path, tiny_llama, tiny_to
 
 
 def test_manifest_fingerprint_ignores_creation_time_but_not_stale_manifests(tmp_path):
-    import json
-
     for name, created in (("a", "2025-01-01"), ("b", "2026-01-01")):
         folder = tmp_path / name
         folder.mkdir()
@@ -166,19 +158,15 @@ def test_engine_resolution():
 
 # --------------------------------------------------------------------------- bounded memory (issue 16)
 
-def _bf16_copy(src, dst):
-    """The checkpoint re-stored in bf16, as real checkpoints ship (tokenizer files kept)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
-    return dst
-
-
 @pytest.fixture(scope="module")
 def bf16_llama(tiny_llama, tmp_path_factory):
-    return _bf16_copy(tiny_llama, tmp_path_factory.mktemp("bf16") / "llama")
+    """The tiny Llama re-stored in bf16, as real checkpoints ship (tokenizer files kept)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny_llama, tmp_path_factory.mktemp("bf16") / "llama")
+    for f in folder.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    return folder
 
 
 def test_both_engines_run_bf16_checkpoints_in_bf16(bf16_llama):
@@ -199,8 +187,6 @@ def test_both_engines_run_bf16_checkpoints_in_bf16(bf16_llama):
 
 def test_fp32_fingerprint_is_unchanged_by_the_dtype_option(tiny_llama):
     """fp32 checkpoints keep the fingerprints (and cached results) they had before --dtype."""
-    import hashlib
-
     old = hashlib.sha256(f"{R.checkpoint_fingerprint(tiny_llama)}|runtime|kv=bf16".encode()).hexdigest()[:16]
     assert R.LazyRunner(tiny_llama, "runtime").fingerprint == old
 
@@ -208,15 +194,8 @@ def test_fp32_fingerprint_is_unchanged_by_the_dtype_option(tiny_llama):
 def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path, tiny_llama, tiny_tokenizer_dir,
                                                                         tiny_tokenizer, monkeypatch):
     """Source and candidate are never loaded together (the source's window logits wait on disk),
-    each loads once, and the perplexity/KL records equal window_stats on directly computed logits."""
-    import dataclasses
-
-    from eval_fixtures import save_tiny_llama
-
-    from kvconvert.data import eval_windows
-    from kvconvert.eval.suites import SUITES
-    from kvconvert.eval.validate import ValidateOptions, run_validate, window_stats
-
+    each loads once, and the perplexity/KL records (a different model: KL > 0) equal window_stats on
+    directly computed logits."""
     other = save_tiny_llama(tmp_path / "other", len(tiny_tokenizer), seed=3, tokenizer_dir=tiny_tokenizer_dir)
     loads, resident, live = [], [], set()
     for engine, cls in list(R.RUNNERS.items()):
@@ -241,6 +220,8 @@ def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path,
                               progress=False, threads=1)
         assert loads == [tiny_llama, other] and resident == [1, 1], (engine, loads, resident)
         assert not list((out / "cache").glob("source-logits-*"))  # the temporary logits are gone
+        assert report["metrics"]["kl_mean"]["candidate"] > 0.01 and report["metrics"]["perplexity"]["delta"] != 0.0
+        assert report["source"]["fingerprint"] != report["candidate"]["fingerprint"]
         windows = eval_windows(tiny_tokenizer, 3, spec.ppl_window_len)
         src, cand = R.RUNNERS[engine].__mro__[1](tiny_llama), R.RUNNERS[engine].__mro__[1](other)
         for record, ids in zip(report["samples"]["perplexity"], windows):
@@ -250,10 +231,6 @@ def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path,
 
 
 def test_validate_refuses_up_front_when_a_model_cannot_fit(tmp_path, tiny_llama, monkeypatch):
-    import dataclasses
-
-    from kvconvert.eval.suites import SUITES
-    from kvconvert.eval.validate import ValidateOptions, run_validate
     from kvconvert.runtime.memory import AVAILABLE_ENV
 
     monkeypatch.setenv(AVAILABLE_ENV, "1000B")

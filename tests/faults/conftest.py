@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / folder) for folder in ("quant", "eval")]
 from quant_cases import make_llama  # noqa: E402
 
 
@@ -60,21 +60,18 @@ def faults(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def _mount(path: Path, options: str) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs root in a container that allows it")
-    return path
-
-
 @pytest.fixture
 def mounts():
     """mounts(path, options) mounts a tmpfs (e.g. "size=3m" or "ro,size=1m"); unmounted at teardown."""
     made = []
 
     def mount(path: Path, options: str) -> Path:
-        made.append(_mount(path, options))
+        path.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs root in a container that allows it")
+        made.append(path)
         return path
 
     yield mount

@@ -12,17 +12,28 @@ import time
 from pathlib import Path
 
 import pytest
+from eval_fixtures import gen_records, make_report
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_CAL = ["--kv-dtype", "fp8", "--observer", "amax", "--calib-tokens", "256", "--window-len", "64",
             "--batch-size", "2", "--quiet", "--threads", "1"]
 TINY_MLA = ["--rank", "16", "--target", "any", "--calib-tokens", "512", "--calib-window", "128", "--dtype", "bf16"]
+ENV = dict(os.environ, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
 
 
 def kvconvert(*args, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "kvconvert.cli", *map(str, args)], input=stdin, capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=timeout)
+                          text=True, env=ENV, cwd=ROOT, timeout=timeout)
+
+
+def command_args(command: str, src: Path, out: Path, base: Path | None = None) -> list:
+    """One command's arguments on the model `src` writing `out` (validate compares it with `base`)."""
+    return {"mla": ["mla", "--src", src, *TINY_MLA, "--out", out],
+            "calibrate": ["calibrate", "--src", src, *TINY_CAL, "--out", out],
+            "generate": ["generate", "--model", src, "--prompt", "the function", "--greedy", "--max-new-tokens", "2"],
+            "heal": ["heal", "--student", src, "--teacher", src, "--recipe", "layerwise", "--out", out],
+            "validate": ["validate", "--source", base or src, "--candidate", src, "--suite", "smoke", "--out", out],
+            "pipeline": ["pipeline", "--src", src, "--rank", "16", "--target", "any", "--out", out]}[command]
 
 
 def error_line(done: subprocess.CompletedProcess) -> str:
@@ -55,11 +66,7 @@ def refused(done, out: Path | None, *expected: str) -> str:
 @pytest.mark.parametrize("command", ["mla", "calibrate", "generate", "validate"])
 def test_sliding_window_refused_on_every_path(faults, tmp_path, command):
     src, out = faults["sliding"], tmp_path / "out"
-    args = {"mla": ["mla", "--src", src, *TINY_MLA, "--out", out],
-            "calibrate": ["calibrate", "--src", src, *TINY_CAL, "--out", out],
-            "generate": ["generate", "--model", src, "--prompt", "the", "--greedy", "--max-new-tokens", "2"],
-            "validate": ["validate", "--source", faults["base"], "--candidate", src, "--suite", "smoke", "--out", out]}
-    refused(kvconvert(*args[command]), out, f"{src / 'config.json'}: not supported: sliding-window attention",
+    refused(kvconvert(*command_args(command, src, out, faults["base"])), out, f"{src / 'config.json'}: not supported: sliding-window attention",
             "sliding_window=256")
 
 
@@ -73,11 +80,7 @@ def test_inspect_reports_what_the_commands_refuse(faults):
 @pytest.mark.parametrize("command", ["generate", "mla", "calibrate", "validate"])
 def test_nan_weight_refused_before_any_work(faults, tmp_path, command):
     src, out = faults["nan"], tmp_path / "out"
-    args = {"generate": ["generate", "--model", src, "--prompt", "the function", "--greedy", "--max-new-tokens", "8"],
-            "mla": ["mla", "--src", src, *TINY_MLA, "--out", out],
-            "calibrate": ["calibrate", "--src", src, *TINY_CAL, "--out", out],
-            "validate": ["validate", "--source", faults["base"], "--candidate", src, "--suite", "smoke", "--out", out]}
-    done = kvconvert(*args[command])
+    done = kvconvert(*command_args(command, src, out, faults["base"]))
     # the up-front scan names the file and tensor (mla used to find it only on reaching layer 1)
     refused(done, out, f"{src / 'model.safetensors'}: tensor 'model.layers.1.self_attn.k_proj.weight' contains NaN")
     assert done.stdout.strip() == ""  # generate printed token ids [7042, 0, 0, ...] before
@@ -86,10 +89,7 @@ def test_nan_weight_refused_before_any_work(faults, tmp_path, command):
 @pytest.mark.parametrize("command", ["generate", "calibrate", "mla"])
 def test_missing_tensor_named_with_its_file(faults, tmp_path, command):
     src, out = faults["missing"], tmp_path / "out"
-    args = {"generate": ["generate", "--model", src, "--prompt", "the", "--greedy", "--max-new-tokens", "2"],
-            "calibrate": ["calibrate", "--src", src, *TINY_CAL, "--out", out],
-            "mla": ["mla", "--src", src, *TINY_MLA, "--out", out]}
-    refused(kvconvert(*args[command]), out,
+    refused(kvconvert(*command_args(command, src, out)), out,
             f"{src / 'model.safetensors'}: tensor 'model.layers.1.self_attn.k_proj.weight' is missing")
 
 
@@ -112,14 +112,8 @@ def test_calib_tokens_below_one_window_refused(faults, tmp_path):
 def test_read_only_output_refused_at_start(faults, tmp_path, mounts, command):
     ro = mounts(tmp_path / "ro", "ro,size=1m")
     out = ro / "out"
-    src = faults["base"]
-    args = {"mla": ["mla", "--src", src, *TINY_MLA, "--out", out],
-            "calibrate": ["calibrate", "--src", src, *TINY_CAL, "--out", out],
-            "heal": ["heal", "--student", src, "--teacher", src, "--recipe", "layerwise", "--out", out],
-            "validate": ["validate", "--source", src, "--candidate", src, "--suite", "smoke", "--out", out],
-            "pipeline": ["pipeline", "--src", src, "--rank", "16", "--target", "any", "--out", out]}
     t0 = time.time()
-    done = kvconvert(*args[command])
+    done = kvconvert(*command_args(command, faults["base"], out))
     refused(done, out, f"{out}: cannot write in {ro} (Read-only file system)")
     assert time.time() - t0 < 60  # refused at start: calibrate used to fail only after calibrating
 
@@ -200,10 +194,9 @@ def test_temp_of_a_live_run_is_refused(faults, tmp_path):
 
 def test_sigterm_mid_write_cleans_up_like_ctrl_c(faults, tmp_path):
     out = tmp_path / "out"
-    env = dict(os.environ, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "kvconvert.cli", "mla", "--src", str(faults["base"]), "--rank", "16",
-                             "--target", "any", "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                             "--target", "any", "--out", str(out)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -242,21 +235,11 @@ def test_prompt_and_prompt_file_together_refused(faults, tmp_path):
 
 # ------------------------------------------------------------------ statistics and messages
 
-def _report(samples: dict) -> dict:
-    from kvconvert.eval.suites import SUITE_VERSION
-
-    return {"suite": {"name": "quick", "version": SUITE_VERSION}, "samples": samples, "skipped": {}}
-
-
-def _gen(src, cand):
-    return [{"source": {"score": s}, "candidate": {"score": c}} for s, c in zip(src, cand)]
-
-
 def test_gate_claims_no_interval_from_one_sample_per_task(tmp_path):
     """LongBench-mini in the quick suite: one sample per task gave a zero-width "95% interval"."""
-    samples = {f"longbench/{t}": _gen([0.5], [0.4]) for t in ("a", "b", "c")}
-    samples["passkey"] = _gen([1.0] * 10, [1.0] * 10)
-    (tmp_path / "report.json").write_text(json.dumps(_report(samples)))
+    samples = {f"longbench/{t}": gen_records([0.5], [0.4]) for t in ("a", "b", "c")}
+    samples["passkey"] = gen_records([1.0] * 10, [1.0] * 10)
+    (tmp_path / "report.json").write_text(json.dumps(make_report(samples)))
     policy = tmp_path / "p.yaml"
     policy.write_text("thresholds:\n  longbench_avg_drop: 2.0\n  passkey_accuracy_drop: 10\n")
     done = kvconvert("gate", "--report", tmp_path / "report.json", "--policy", policy)
@@ -271,7 +254,7 @@ def test_gate_claims_no_interval_from_one_sample_per_task(tmp_path):
 
 
 def test_truncated_report_says_rerun_validate(tmp_path):
-    text = json.dumps(_report({"passkey": _gen([1.0] * 4, [1.0] * 4)}))
+    text = json.dumps(make_report({"passkey": gen_records([1.0] * 4, [1.0] * 4)}))
     (tmp_path / "report.json").write_text(text[: len(text) // 2])
     policy = ROOT / "recipes" / "gates" / "default.yaml"
     refused(kvconvert("gate", "--report", tmp_path / "report.json", "--policy", policy), None,
