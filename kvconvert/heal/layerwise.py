@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, atomic_save_tensors, atomic_write_text
-from kvconvert.heal.reparam import row_scales
+from kvconvert.heal.reparam import row_scales, scheduled_lr
 from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla import factorize as fz
 from kvconvert.mla.options import LATENT_LINEAR_RHO
@@ -134,16 +134,6 @@ def relinearize_latent(x: torch.Tensor, w: dict, shape: MLAShape, limit: float,
     return (out, b) if changed else (w, 1.0)
 
 
-def _lr_at(step: int, steps: int, lr: float) -> float:
-    """Linear warm-up over the first 10% of steps (Adam's first steps are ~lr-sized on every
-    element, too big for a block that already fits well), then cosine decay to lr/20."""
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return lr * (step + 1) / (warmup + 1)
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: MLAShape, stage: LayerwiseStage,
                         generator: torch.Generator | None = None, x_val=None, y_val=None) -> BlockFit:
     """Fit one MLA attention block so that A_s(x) ~ y.
@@ -185,9 +175,12 @@ def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseStage, generator)
     opt = torch.optim.Adam(params.values(), lr=stage.lr)
     denom = y.pow(2).mean().clamp_min(1e-30)  # normalise: the loss reads as a relative error
     n = x.shape[0]
+    # warm-up over the first 10% of steps (Adam's first steps are ~lr-sized on every element, too
+    # big for a block that already fits well), then cosine decay to lr/20
+    warmup = max(1, stage.steps // 10)
     for step in range(stage.steps):
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, stage.steps, stage.lr)
+            group["lr"] = scheduled_lr(step, warmup, stage.steps, "cosine", stage.lr)
         idx = torch.randperm(n, generator=generator)[: stage.batch_windows].to(x.device)
         w = dict(w0)
         w.update({k: scales[k] * p for k, p in params.items()})
