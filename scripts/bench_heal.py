@@ -151,11 +151,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from kvconvert.heal.api import _resolve_teacher, default_device
+    from kvconvert.device import default_device
     from kvconvert.recipe import load_recipe
+    from kvconvert.sources import resolve_source
 
     args.device = args.device or default_device()
-    source = _resolve_teacher(args.source)
+    source = resolve_source(args.source)
     src_cfg = json.loads((source / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     results = {"protocol": {"source": str(args.source), "eval": f"{args.windows} x {args.window_len} essay tokens",

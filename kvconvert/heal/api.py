@@ -32,6 +32,7 @@ from kvconvert.eval.runner import checkpoint_fingerprint, load_tokenizer
 from kvconvert.heal import compat
 from kvconvert.heal.options import DistillOptions, LayerwiseOptions
 from kvconvert.recipe import Recipe, resolve_recipe
+from kvconvert.sources import resolve_source
 
 LAYERWISE_VAL_WINDOWS = 1  # held-out calibration windows, measured per layer (not fitted)
 
@@ -147,7 +148,7 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     recipe = resolve_recipe(recipe)
     if not recipe.heals():
         raise KVConvertError("the recipe has no enabled heal_layerwise or heal_distill stage: nothing to heal")
-    student, teacher, out = Path(student), Path(_resolve_teacher(teacher)), Path(out)
+    student, teacher, out = Path(student), resolve_source(teacher), Path(out)
     check_output_path(out, overwrite, needed_bytes=estimate_checkpoint_bytes(student))
     s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
     notes = compat.check_pair(s_reader, t_reader)
@@ -178,15 +179,6 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     report["seconds"] = round(time.time() - t0, 1)
     shutil.rmtree(state, ignore_errors=True)
     return report
-
-
-def _resolve_teacher(teacher: str | Path) -> Path:
-    path = Path(teacher).expanduser()
-    if path.exists():
-        return path
-    from kvconvert.sources import resolve_source
-
-    return Path(resolve_source(str(teacher)))
 
 
 @contextmanager

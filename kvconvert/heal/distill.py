@@ -152,17 +152,16 @@ class Distiller:
     """One distillation run. Call run(); `max_steps` stops early (state saved) for resumption."""
 
     def __init__(self, student_dir: Path, teacher_dir: Path, ids: torch.Tensor, stage: DistillOptions,
-                 state_dir: Path, fingerprint: str, progress: bool = True, cpu: bool | None = None):
+                 state_dir: Path, fingerprint: str, progress: bool = True):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         self.stage = stage
         self.ids = ids
-        self.state_dir = Path(state_dir)
+        self.state_path = Path(state_dir) / STATE_FILE
         self.fingerprint = fingerprint
         self.progress = progress
-        self.accelerator = Accelerator(mixed_precision=stage.mixed_precision,
-                                       cpu=cpu if cpu is not None else not torch.cuda.is_available())
+        self.accelerator = Accelerator(mixed_precision=stage.mixed_precision, cpu=not torch.cuda.is_available())
         set_seed(stage.seed)
         check_distill_memory(read_config(student_dir), read_config(teacher_dir), stage, self.accelerator.device)
         self.student, self.teacher = self._load_models(student_dir, teacher_dir)
@@ -186,42 +185,37 @@ class Distiller:
 
     def _load_models(self, student_dir: Path, teacher_dir: Path):
         """Both models, whole (the up-front check_distill_memory has said they fit)."""
-        from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
+        from kvconvert.quant.capture import load_hf_model
 
-        student = DeepseekV3ForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
-        teacher_dtype = torch.bfloat16 if self.stage.mixed_precision == "bf16" else torch.float32
-        teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=teacher_dtype)
+        student = load_hf_model(student_dir)  # DeepseekV3ForCausalLM (compat checked the config), fp32
+        teacher = load_hf_model(teacher_dir, torch.bfloat16 if self.stage.mixed_precision == "bf16" else torch.float32)
         student.config.use_cache = False
         if self.stage.gradient_checkpointing:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        teacher.eval().requires_grad_(False)
+        teacher.requires_grad_(False)
         student.train()
         return student, teacher
 
     # ------------------------------------------------------------------ state
-    def _state_path(self) -> Path:
-        return self.state_dir / STATE_FILE
-
     def save_state(self) -> None:
         if not self.accelerator.is_main_process:
             return
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
         model = self.accelerator.unwrap_model(self.student)
         state = {
             "fingerprint": self.fingerprint, "step": self.step, "history": self.history,
             "trainable": {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad},
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
         }
-        tmp = self._state_path().with_suffix(".partial")
+        tmp = self.state_path.with_suffix(".partial")
         torch.save(state, tmp)
-        os.replace(tmp, self._state_path())
+        os.replace(tmp, self.state_path)
 
     def try_resume(self) -> bool:
         """Load a saved state with the same fingerprint; True when resumed."""
-        path = self._state_path()
-        if not path.is_file():
+        if not self.state_path.is_file():
             return False
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(self.state_path, map_location="cpu", weights_only=False)
         if state.get("fingerprint") != self.fingerprint:
             return False
         model = self.accelerator.unwrap_model(self.student)
@@ -249,7 +243,6 @@ class Distiller:
             t_out = self.teacher(input_ids=batch, output_hidden_states=hidden)
         with self.accelerator.autocast():
             s_out = self.student(input_ids=batch, output_hidden_states=hidden)
-        t_logits, s_logits = t_out.logits, s_out.logits
         parts = {}
         loss = torch.zeros((), device=batch.device)
         if hidden:
@@ -257,7 +250,7 @@ class Distiller:
             loss = loss + s.hidden_weight * parts["hidden"]
         if s.kl_weight or s.lm_weight:
             # fused over the vocabulary: no float32 [B, T, V] copies (kvconvert.heal.fused_loss)
-            logit_loss, logit_parts = fused_distill_loss(s_logits, t_logits, next_token_targets(batch),
+            logit_loss, logit_parts = fused_distill_loss(s_out.logits, t_out.logits, next_token_targets(batch),
                                                          s.temperature, s.kl_weight, s.lm_weight)
             parts.update(logit_parts)
             loss = loss + logit_loss

@@ -8,7 +8,7 @@ with KVCONVERT_REQUIRE_VLLM=1 (CI) they fail instead. Each vLLM start costs abou
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
+from contextlib import closing
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from kvconvert.cli import cli
 from kvconvert.engines.vllm import VLLMWorker, vllm_python
 from kvconvert.errors import KVConvertError
+from kvconvert.eval.runner import TransformersRunner
 
 from mla_tiny_models import make_tiny_llama
 
@@ -37,17 +38,6 @@ def essay_ids(tokenizer_dir, tokens: int) -> torch.Tensor:
     from kvconvert.data import eval_windows
 
     return eval_windows(AutoTokenizer.from_pretrained(str(tokenizer_dir)), 1, tokens)[0]
-
-
-@contextmanager
-def transformers_runner(path):
-    from kvconvert.eval.runner import TransformersRunner
-
-    runner = TransformersRunner(path)
-    try:
-        yield runner
-    finally:
-        runner.close()
 
 
 def small_llama(tmp_path, tokenizer_dir, layers: int = 2):
@@ -83,7 +73,7 @@ def test_smollm2_at_latent_320_scores_like_transformers(tmp_path, vllm_python, s
     out = tmp_path / "mla"
     run_cli("mla", "--src", str(smollm2_path), "--rank", "256", "--rope-dim", "64", *FAST_CONVERT, "--out", str(out))
     ids = essay_ids(smollm2_path, 256)
-    with transformers_runner(out) as runner:
+    with closing(TransformersRunner(out)) as runner:
         reference = runner.logits(ids)[:-1].double()
     ref_logprobs = torch.log_softmax(reference, -1).gather(-1, ids[1:, None])[:, 0]
     with VLLMWorker(out, dtype="float32", max_model_len=512) as llm:
@@ -107,7 +97,7 @@ def test_latent_576_greedy_decode_matches_transformers(tmp_path, vllm_python, sm
     config = json.loads((out / "config.json").read_text())
     assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
     prompt, steps = essay_ids(smollm2_path, 40), 24  # 40 + 24 tokens span 4 blocks of 16
-    with transformers_runner(out) as runner:
+    with closing(TransformersRunner(out)) as runner:
         expected = runner.greedy(prompt, steps, stop_ids=())
     with VLLMWorker(out, dtype="float32", max_model_len=256) as llm:
         assert llm.info()["attention"] == {"MLAAttention": "CPU_MLA"}

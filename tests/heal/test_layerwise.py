@@ -119,28 +119,21 @@ def test_heal_layerwise_writes_stock_checkpoint(q_rank, tiny_student, tiny_teach
     assert not torch.equal(s.get(trained), h.get(trained))
 
 
-def test_cli_heal_layerwise_then_resume_state_is_cleaned(tiny_student, tiny_teacher, text_file, tmp_path):
+def test_layerwise_resumes_from_saved_layers(tiny_student, tiny_teacher, text_file, tmp_path, monkeypatch):
+    """A layer-wise run interrupted after layer 0 reuses it and ends identical to a full run (made
+    by `kvconvert heal`, which leaves its report and no state behind)."""
     import yaml
 
     from kvconvert.cli import main
-    from kvconvert.heal.api import state_dir_for
-
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(layerwise_recipe(text_file, steps=5)))
-    out = tmp_path / "healed"
-    main(["heal", "--student", str(tiny_student), "--teacher", str(tiny_teacher), "--recipe", str(recipe),
-          "--out", str(out), "--no-progress", "--threads", "1"])
-    assert (out / "heal_report.json").is_file() and not state_dir_for(out).exists()
-
-
-def test_layerwise_resumes_from_saved_layers(tiny_student, tiny_teacher, text_file, tmp_path, monkeypatch):
-    """A layer-wise run interrupted after layer 0 reuses it and ends identical to a full run."""
     from kvconvert.heal import layerwise
     from kvconvert.heal.api import heal, state_dir_for
 
     recipe = layerwise_recipe(text_file, steps=5)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     full = tmp_path / "full"
-    heal(tiny_student, tiny_teacher, recipe, full, progress=False)
+    main(["heal", "--student", str(tiny_student), "--teacher", str(tiny_teacher), "--recipe", str(tmp_path / "r.yaml"),
+          "--out", str(full), "--no-progress", "--threads", "1"])
+    assert (full / "heal_report.json").is_file() and not state_dir_for(full).exists()
 
     calls = []
     real_fit = layerwise.fit_attention_block
