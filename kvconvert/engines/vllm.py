@@ -74,7 +74,6 @@ class VLLMWorker:
         self.proc: subprocess.Popen | None = None
         self.timeout = timeout
         self._log = None
-        self.load_seconds: float | None = None
 
     # ------------------------------------------------------------------ process
 
@@ -85,11 +84,10 @@ class VLLMWorker:
         self.proc = subprocess.Popen([str(self.python), "-P", str(WORKER), str(config_path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
         try:
-            ready = self._read()
+            self._read()  # "ready", once the model is loaded
         except BaseException:
             self.close()
             raise
-        self.load_seconds = ready.get("seconds")
         return self
 
     def close(self) -> None:

@@ -40,15 +40,19 @@ def essay_ids(tokenizer_dir, tokens: int) -> torch.Tensor:
     return eval_windows(AutoTokenizer.from_pretrained(str(tokenizer_dir)), 1, tokens)[0]
 
 
-def small_llama(tmp_path, tokenizer_dir, layers: int = 2):
+def small_llama(folder, tokenizer_dir, layers: int = 2):
     """A random GQA Llama (4 query / 2 KV heads of 32) with SmolLM2's tokenizer."""
-    return make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=layers)
+    return make_tiny_llama(folder, tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=layers)
 
 
-def calibrate_fp8(src, out) -> None:
-    """`kvconvert calibrate --kv-dtype fp8 --format vllm` on little data (amax observer)."""
+@pytest.fixture(scope="module")
+def fp8_llama(tmp_path_factory, smollm2_path):
+    """(source, its `kvconvert calibrate --kv-dtype fp8 --format vllm` output on little data)."""
+    folder = tmp_path_factory.mktemp("fp8")
+    src, out = small_llama(folder / "src", smollm2_path), folder / "fp8"
     run_cli("calibrate", "--src", str(src), "--kv-dtype", "fp8", "--format", "vllm", "--observer", "amax",
             "--calib-tokens", "512", "--window-len", "256", "--out", str(out), "--quiet")
+    return src, out
 
 
 # --------------------------------------------------------------------------- no vLLM needed
@@ -106,14 +110,13 @@ def test_latent_576_greedy_decode_matches_transformers(tmp_path, vllm_python, sm
 
 
 @vllm
-def test_llama_fp8_scales_load_with_checkpoint_values(tmp_path, vllm_python, smollm2_path):
+def test_llama_fp8_scales_load_with_checkpoint_values(vllm_python, fp8_llama, smollm2_path):
     """`kvconvert calibrate --kv-dtype fp8 --format vllm` on a Llama: vLLM's compressed-tensors KV
     method loads every layer's k_scale / v_scale with exactly the checkpoint's float32 values (not
     the 1.0 it falls back to), and serves with an FP8 cache on this CPU (AVX-512)."""
     from safetensors import safe_open
 
-    out = tmp_path / "fp8"
-    calibrate_fp8(small_llama(tmp_path, smollm2_path), out)
+    _, out = fp8_llama
     written = {}
     for shard in out.glob("*.safetensors"):
         with safe_open(str(shard), "pt") as f:
@@ -145,7 +148,7 @@ def test_validate_engine_vllm_without_vllm_fails_before_the_suite(tmp_path, monk
 
 
 @vllm
-def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, vllm_python, smollm2_path):
+def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, vllm_python, fp8_llama):
     """`validate --engine vllm` adds vLLM's perplexity and KL on the suite's own windows. Source
     in fp32 in both engines: vLLM's source perplexity equals transformers' within 1e-4 relative;
     the fp8 candidate runs with the scales vLLM loaded from the checkpoint (not 1.0)."""
@@ -154,8 +157,7 @@ def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, 
     from kvconvert.eval.options import ValidateOptions
     from kvconvert.eval.validate import ValidateRun, run_validate
 
-    src, fp8 = small_llama(tmp_path, smollm2_path), tmp_path / "fp8"
-    calibrate_fp8(src, fp8)
+    src, fp8 = fp8_llama
     suite = SuiteSpec(name="ppl", description="perplexity only", ppl_windows=2, ppl_window_len=96, longbench=False)
     out = tmp_path / "report"
     opts = ValidateOptions(engine="transformers", kv_dtype="fp8")
@@ -177,7 +179,7 @@ def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, 
 @vllm
 def test_worker_that_does_not_answer_in_time_is_killed(tmp_path, vllm_python, smollm2_path):
     """A hung engine must not hang kvconvert (or CI): no answer within `timeout` -> killed, clear error."""
-    worker = VLLMWorker(small_llama(tmp_path, smollm2_path, layers=1), timeout=1)
+    worker = VLLMWorker(small_llama(tmp_path / "src", smollm2_path, layers=1), timeout=1)
     with pytest.raises(KVConvertError, match=r"gave no answer in 1 s; killed"):
         worker.start()
     assert worker.proc is None
