@@ -142,12 +142,13 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from kvconvert.heal.api import _resolve_teacher, default_device
+    from kvconvert.device import default_device
     from kvconvert.kvmath import kv_shape
     from kvconvert.recipe import load_recipe
+    from kvconvert.sources import resolve_source
 
     args.device = args.device or default_device()
-    source = _resolve_teacher(args.source)
+    source = resolve_source(args.source)
     source_values = kv_shape(json.loads((source / "config.json").read_text())).values_per_token_per_layer
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     results = {"protocol": {"source": str(args.source), "eval": f"{args.windows} x {args.window_len} essay tokens",

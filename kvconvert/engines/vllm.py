@@ -20,7 +20,6 @@ import json
 import os
 import select
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -52,15 +51,6 @@ def vllm_python(explicit: str | os.PathLike | None = None) -> Path:
     raise KVConvertError(f"no vLLM python at {tried} ({origin}); {SETUP_HINT}")
 
 
-def vllm_available(explicit: str | os.PathLike | None = None) -> str | None:
-    """None when a vLLM python is configured, else the reason (for skips and notes)."""
-    try:
-        vllm_python(explicit)
-    except KVConvertError as exc:
-        return str(exc)
-    return None
-
-
 class VLLMWorker:
     """One model loaded in stock vLLM in a subprocess (see the module docstring).
 
@@ -84,7 +74,6 @@ class VLLMWorker:
         self.proc: subprocess.Popen | None = None
         self.timeout = timeout
         self._log = None
-        self.load_seconds: float | None = None
 
     # ------------------------------------------------------------------ process
 
@@ -95,11 +84,10 @@ class VLLMWorker:
         self.proc = subprocess.Popen([str(self.python), "-P", str(WORKER), str(config_path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
         try:
-            ready = self._read()
+            self._read()  # "ready", once the model is loaded
         except BaseException:
             self.close()
             raise
-        self.load_seconds = ready.get("seconds")
         return self
 
     def close(self) -> None:
@@ -130,7 +118,6 @@ class VLLMWorker:
         if not ready:
             tail = self._log_tail()
             self.proc.kill()
-            self.proc.wait()
             self.close()
             raise KVConvertError(f"vLLM worker for {self.model} gave no answer in {self.timeout:.0f} s; killed {tail}")
         line = self.proc.stdout.readline()
@@ -171,28 +158,22 @@ class VLLMWorker:
     def score(self, ids, logits: bool = False):
         """Prompt log-probs [T-1] (float64 tensor); with logits=True also vLLM's fp32 logits
         [T-1, vocab] for positions 0..T-2, read back from the file the worker wrote."""
-        ids = [int(t) for t in (ids.tolist() if torch.is_tensor(ids) else ids)]
+        path = Path(self._tmp.name) / "logits.safetensors"
+        answer = self.request("score", prompt_ids=_token_list(ids), **({"logits_file": str(path)} if logits else {}))
+        logprobs = torch.tensor(answer["prompt_logprobs"], dtype=torch.float64)
         if not logits:
-            answer = self.request("score", prompt_ids=ids)
-            return torch.tensor(answer["prompt_logprobs"], dtype=torch.float64)
+            return logprobs
         from safetensors.torch import load_file
 
-        path = Path(self._tmp.name) / "logits.safetensors"
-        answer = self.request("score", prompt_ids=ids, logits_file=str(path))
         rows = load_file(path)["logits"]
         path.unlink()
-        return torch.tensor(answer["prompt_logprobs"], dtype=torch.float64), rows
+        return logprobs, rows
 
     def generate(self, ids, max_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
-        ids = [int(t) for t in (ids.tolist() if torch.is_tensor(ids) else ids)]
-        return self.request("generate", prompt_ids=ids, max_tokens=int(max_tokens),
-                            stop_ids=[int(t) for t in stop_ids])["tokens"]
+        return self.request("generate", prompt_ids=_token_list(ids), max_tokens=int(max_tokens),
+                            stop_ids=_token_list(stop_ids))["tokens"]
 
 
-def main() -> None:  # pragma: no cover - a manual probe: python -m kvconvert.engines.vllm MODEL
-    with VLLMWorker(sys.argv[1]) as llm:
-        print(json.dumps(llm.info(), indent=1))
-
-
-if __name__ == "__main__":
-    main()
+def _token_list(ids) -> list[int]:
+    """Token ids (a tensor or a sequence) as the JSON request's list of ints."""
+    return [int(t) for t in (ids.tolist() if torch.is_tensor(ids) else ids)]

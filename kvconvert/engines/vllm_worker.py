@@ -96,7 +96,7 @@ def make_llm(config: dict):
 
 # --------------------------------------------------------------------------- requests
 
-def info(llm) -> dict:
+def info(llm, _request: dict | None = None) -> dict:
     import torch
     import vllm
 
@@ -132,17 +132,23 @@ def capture_prompt_logits(llm, prompt_rows: int):
     return captured, lambda: [h.remove() for h in handles]
 
 
-def score(llm, request: dict) -> dict:
+def run_prompt(llm, ids: list[int], **sampling):
+    """vLLM's RequestOutput for one prompt of token ids, greedy (temperature 0)."""
     from vllm import SamplingParams, TokensPrompt
 
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(temperature=0.0, **sampling),
+                          use_tqdm=False)
+    return out
+
+
+def score(llm, request: dict) -> dict:
     ids = [int(t) for t in request["prompt_ids"]]
     if len(ids) < 2:
         raise BadRequest("score needs at least 2 prompt tokens")
     logits_file = request.get("logits_file")
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
     captured, remove = capture_prompt_logits(llm, len(ids) - 1) if logits_file else (None, None)
     try:
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        out = run_prompt(llm, ids, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
     finally:
         if remove is not None:
             remove()
@@ -167,20 +173,16 @@ def save_logits(logits, path: str) -> None:
 
 
 def generate(llm, request: dict) -> dict:
-    from vllm import SamplingParams, TokensPrompt
-
-    ids = [int(t) for t in request["prompt_ids"]]
     stop_ids = [int(t) for t in request.get("stop_ids") or []]
-    params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=not stop_ids,
-                            stop_token_ids=stop_ids or None)
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    out = run_prompt(llm, [int(t) for t in request["prompt_ids"]], max_tokens=int(request["max_tokens"]),
+                     ignore_eos=not stop_ids, stop_token_ids=stop_ids or None)
     tokens = list(out.outputs[0].token_ids)
     while tokens and tokens[-1] in stop_ids:  # vLLM returns the stop token itself
         tokens.pop()
     return {"tokens": tokens}
 
 
-OPS = {"info": lambda llm, request: info(llm), "score": score, "generate": generate}
+OPS = {"info": info, "score": score, "generate": generate}
 
 
 def serve(llm, answers) -> None:

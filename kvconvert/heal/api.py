@@ -18,6 +18,7 @@ import json
 import math
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,9 +28,11 @@ from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_outpu
 from kvconvert.data import data_hash, load_text, token_windows
 from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
+from kvconvert.eval.runner import checkpoint_fingerprint, load_tokenizer
 from kvconvert.heal import compat
 from kvconvert.heal.options import DistillOptions, LayerwiseOptions
 from kvconvert.recipe import Recipe, resolve_recipe
+from kvconvert.sources import resolve_source
 
 LAYERWISE_VAL_WINDOWS = 1  # held-out calibration windows, measured per layer (not fitted)
 
@@ -55,32 +58,30 @@ def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progres
     data = HealData()
     texts: dict[str, str] = {}
 
-    def load(source: str) -> str:
+    def text(source: str) -> str:
+        if source in texts:
+            return texts[source]
         if source != TEACHER_DATA:
-            return load_text(source)
-        if teacher is None:
+            texts[source] = load_text(source)
+        elif teacher is None:
             raise KVConvertError("data: teacher needs the teacher model (kvconvert heal --teacher)")
-        from kvconvert.heal.teacher_data import sample_teacher_text
+        else:
+            from kvconvert.heal.teacher_data import sample_teacher_text
 
-        return sample_teacher_text(teacher, teacher_tokens_needed(recipe), progress=progress, device=device)
-
-    def windows(source: str, count: int, length: int, what: str) -> torch.Tensor:
-        if source not in texts:
-            texts[source] = load(source)
-        try:
-            return token_windows(tokenizer, texts[source], count, length)
-        except KVConvertError as exc:
-            raise KVConvertError(f"{what} (data {source!r}): {exc}") from None
+            texts[source] = sample_teacher_text(teacher, teacher_tokens_needed(recipe), progress=progress,
+                                                device=device)
+        return texts[source]
 
     if (lw := recipe.layerwise) is not None:
-        n = max(2, lw.tokens // lw.window) + LAYERWISE_VAL_WINDOWS
-        data.layerwise = windows(lw.data, n, lw.window, "heal_layerwise")
+        lw_text = text(lw.data)
+        try:
+            data.layerwise = token_windows(tokenizer, lw_text, _layerwise_windows(lw), lw.window)
+        except KVConvertError as exc:
+            raise KVConvertError(f"heal_layerwise (data {lw.data!r}): {exc}") from None
         data.info["layerwise"] = {"data": lw.data, "tokens": int(data.layerwise.numel()),
                                   "data_hash": data_hash(data.layerwise)}
     if (ds := recipe.distill) is not None:
-        if ds.data not in texts:
-            texts[ds.data] = load(ds.data)
-        data.distill = _distill_windows(texts[ds.data], tokenizer, ds)
+        data.distill = _distill_windows(text(ds.data), tokenizer, ds)
         data.info["distill"] = {"data": ds.data, "tokens_requested": ds.tokens,
                                 "unique_tokens": int(data.distill.numel()), "data_hash": data_hash(data.distill)}
     return data
@@ -89,15 +90,25 @@ def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progres
 TEACHER_DATA = "teacher"
 
 
+def _layerwise_windows(lw: LayerwiseOptions) -> int:
+    """Calibration windows of the layer-wise stage: at least 2 fitted, plus the held-out ones."""
+    return max(2, lw.tokens // lw.window) + LAYERWISE_VAL_WINDOWS
+
+
+def _distill_windows_needed(ds: DistillOptions) -> int:
+    """seq_len windows one process trains on (with repeats)."""
+    return ds.steps * ds.batch_size * ds.grad_accum
+
+
 def teacher_tokens_needed(recipe: Recipe) -> int:
     """Tokens the teacher must write for the stages with `data: teacher` (10% spare for the
     windows' cut points and re-tokenization)."""
     need = 0
     if (lw := recipe.layerwise) is not None and lw.data == TEACHER_DATA:
-        need = max(need, (max(2, lw.tokens // lw.window) + LAYERWISE_VAL_WINDOWS) * lw.window)
+        need = max(need, _layerwise_windows(lw) * lw.window)
     if (ds := recipe.distill) is not None and ds.data == TEACHER_DATA:
         # the distiller reuses the windows up to max_epochs times: that many fewer unique tokens
-        need = max(need, math.ceil(ds.steps * ds.batch_size * ds.grad_accum / ds.max_epochs) * ds.seq_len)
+        need = max(need, math.ceil(_distill_windows_needed(ds) / ds.max_epochs) * ds.seq_len)
     return int(need * 1.1) + 1
 
 
@@ -106,7 +117,7 @@ def _distill_windows(text: str, tokenizer, ds: DistillOptions) -> torch.Tensor:
     max_epochs times (the order is drawn per epoch by the distiller)."""
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
     available = ids.numel() // ds.seq_len
-    need = ds.steps * ds.batch_size * ds.grad_accum  # windows, one process
+    need = _distill_windows_needed(ds)
     if available * ds.max_epochs < need:
         raise KVConvertError(
             f"heal_distill (data {ds.data!r}): data too short: {available * ds.seq_len} tokens in whole {ds.seq_len}-token "
@@ -120,12 +131,6 @@ def fingerprint(*parts) -> str:
     for p in parts:
         h.update(json.dumps(p, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
-
-
-def _checkpoint_fingerprint(reader: CheckpointReader) -> dict:
-    files = compat.read_manifest(reader.path).get("files", {})
-    return {"path": str(reader.path.resolve()), "config": reader.config,
-            "weights": {k: v.get("sha256") for k, v in files.items() if k.endswith(".safetensors")}}
 
 
 def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str | Path, out: str | Path, *,
@@ -143,18 +148,17 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     recipe = resolve_recipe(recipe)
     if not recipe.heals():
         raise KVConvertError("the recipe has no enabled heal_layerwise or heal_distill stage: nothing to heal")
-    student, teacher, out = Path(student), Path(_resolve_teacher(teacher)), Path(out)
+    student, teacher, out = Path(student), resolve_source(teacher), Path(out)
     check_output_path(out, overwrite, needed_bytes=estimate_checkpoint_bytes(student))
     s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
     notes = compat.check_pair(s_reader, t_reader)
-    tokenizer = compat.load_tokenizer(teacher, "teacher")
+    tokenizer = load_tokenizer(teacher)
     device = str(resolve_device(device))  # a GPU asked for and missing: a clear error before any work
     data = prepare_data(tokenizer, recipe, teacher, progress, device)
     state = state_dir_for(out)
     if restart and state.exists():
         shutil.rmtree(state)
-    fp = fingerprint(recipe.to_dict(), _checkpoint_fingerprint(s_reader), _checkpoint_fingerprint(t_reader),
-                     data.info)
+    fp = fingerprint(recipe.to_dict(), checkpoint_fingerprint(student), checkpoint_fingerprint(teacher), data.info)
     report = {"student": str(student), "teacher": str(teacher), "recipe": recipe.to_dict(), "data": data.info,
               "notes": notes, "stages": {}}
     current = student
@@ -177,27 +181,24 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     return report
 
 
-def _resolve_teacher(teacher: str | Path) -> Path:
-    path = Path(teacher).expanduser()
-    if path.exists():
-        return path
-    from kvconvert.sources import resolve_source
-
-    return Path(resolve_source(str(teacher)))
-
-
-def _manifest_extra(s_reader: CheckpointReader, report: dict, stage_info: dict) -> dict:
-    """Keep the converter's manifest entry (rank, rope_dim, calibration) and add the healing's."""
-    extra = {k: v for k, v in compat.read_manifest(s_reader.path).items() if k.startswith("kvconvert_")
-             and k != "kvconvert_heal"}
+@contextmanager
+def _stage_writer(target: Path, s_reader: CheckpointReader, report: dict, stage_info: dict, overwrite: bool):
+    """CheckpointWriter of a stage's output: the converter's manifest entries (source, rank,
+    rope_dim, calibration) kept and the healing's added; after the body's tensors, the student's
+    config and tokenizer."""
+    manifest = compat.read_manifest(s_reader.path)
+    extra = {k: v for k, v in manifest.items() if k.startswith("kvconvert_") and k != "kvconvert_heal"}
     extra["kvconvert_heal"] = {"student": report["student"], "teacher": report["teacher"],
                                "recipe": report["recipe"], "data": report["data"], **stage_info}
-    return extra
+    with CheckpointWriter(target, overwrite=overwrite, source=manifest.get("source") or report["teacher"],
+                          manifest_extra=extra) as writer:
+        yield writer
+        writer.write_config(s_reader.config)
+        writer.copy_tokenizer(s_reader.path)
 
 
-def _source_of(s_reader: CheckpointReader, report: dict) -> str:
-    """The original source model (what the student was converted from), as the converter records it."""
-    return compat.read_manifest(s_reader.path).get("source") or report["teacher"]
+def _write_report(writer: CheckpointWriter, report: dict, stage: str, result: dict) -> None:
+    writer.write_json("heal_report.json", {**report, "stages": {**report["stages"], stage: result}})
 
 
 def _layerwise_stage(s_reader, t_reader, data: HealData, stage: LayerwiseOptions, target: Path, state: Path, fp: str,
@@ -209,16 +210,12 @@ def _layerwise_stage(s_reader, t_reader, data: HealData, stage: LayerwiseOptions
         return json.loads((state / "layerwise-report.json").read_text())
     t0 = time.time()
     lw_state = LayerwiseState(state / "layerwise", fp)
-    extra = _manifest_extra(s_reader, report, {"stage": "heal_layerwise"})
-    with CheckpointWriter(target, overwrite=overwrite or not final, source=_source_of(s_reader, report),
-                          manifest_extra=extra) as writer:
+    with _stage_writer(target, s_reader, report, {"stage": "heal_layerwise"}, overwrite or not final) as writer:
         copy_globals(s_reader, writer)
         layers = run_layerwise(s_reader, t_reader, data.layerwise, stage, writer, lw_state, device, progress,
                                LAYERWISE_VAL_WINDOWS)
-        writer.write_config(s_reader.config)
-        writer.copy_tokenizer(s_reader.path)
         result = {"layers": layers, "seconds": round(time.time() - t0, 1), **_layer_summary(layers)}
-        writer.write_json("heal_report.json", {**report, "stages": {"heal_layerwise": result}})
+        _write_report(writer, report, "heal_layerwise", result)
     if not final:
         (state / "layerwise-report.json").write_text(json.dumps(result))
         done_flag.write_text(fp)
@@ -226,12 +223,11 @@ def _layerwise_stage(s_reader, t_reader, data: HealData, stage: LayerwiseOptions
 
 
 def _layer_summary(layers: list[dict]) -> dict:
-    def mean(key):
+    summary = {}
+    for key in ("rel_err_before", "rel_err_after", "val_rel_err_before", "val_rel_err_after"):
         vals = [r[key] for r in layers if key in r]
-        return sum(vals) / len(vals) if vals else None
-
-    return {"mean_rel_err_before": mean("rel_err_before"), "mean_rel_err_after": mean("rel_err_after"),
-            "mean_val_rel_err_before": mean("val_rel_err_before"), "mean_val_rel_err_after": mean("val_rel_err_after")}
+        summary[f"mean_{key}"] = sum(vals) / len(vals) if vals else None
+    return summary
 
 
 def _distill_stage(student: Path, teacher: Path, data: HealData, stage: DistillOptions, out: Path, state: Path,
@@ -246,18 +242,12 @@ def _distill_stage(student: Path, teacher: Path, data: HealData, stage: DistillO
     if not result.finished or not distiller.accelerator.is_main_process:
         return info
     s_reader = CheckpointReader(student)
-    extra = _manifest_extra(s_reader, report, {"stage": "heal_distill", "distill_tokens": info.get("tokens", 0)})
-    with CheckpointWriter(out, overwrite=overwrite, source=_source_of(s_reader, report), manifest_extra=extra) as writer:
+    stage_info = {"stage": "heal_distill", "distill_tokens": info.get("tokens", 0)}
+    with _stage_writer(out, s_reader, report, stage_info, overwrite) as writer:
         for name in s_reader.keys():
             tensor = s_reader.get(name)
-            if name in result.weights:
-                tensor = result.weights[name].to(tensor.dtype)
-            writer.add(name, tensor)
-        writer.write_config(s_reader.config)
-        writer.copy_tokenizer(s_reader.path)
+            writer.add(name, result.weights[name].to(tensor.dtype) if name in result.weights else tensor)
         write_history(result.history, writer.tmp_dir / "distill_history.jsonl")
         plot_loss_curve(result.history, writer.tmp_dir / "loss_curve.png")
-        full = dict(report)
-        full["stages"] = {**report["stages"], "heal_distill": info}
-        writer.write_json("heal_report.json", full)
+        _write_report(writer, report, "heal_distill", info)
     return info

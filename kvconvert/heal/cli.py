@@ -49,12 +49,10 @@ def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, devic
         d = report["stages"]["heal_distill"]
         click.echo(f"stopped at step {d['steps_done']}/{d['steps']}; rerun the same command to resume")
         return
-    lw = report["stages"].get("heal_layerwise")
-    if lw:
+    if lw := report["stages"].get("heal_layerwise"):
         click.echo(f"layer-wise: mean block rel. error {lw['mean_rel_err_before']:.4f} -> {lw['mean_rel_err_after']:.4f} "
                    f"({lw['seconds']:.0f} s)")
-    ds = report["stages"].get("heal_distill")
-    if ds:
+    if ds := report["stages"].get("heal_distill"):
         click.echo(f"distill: {ds['steps_done']} steps, {ds.get('tokens', 0)} tokens, loss "
                    f"{ds.get('loss_first', float('nan')):.4f} -> {ds.get('loss_last', float('nan')):.4f}, "
                    f"{ds.get('tokens_per_s', 0):.0f} tok/s")

@@ -10,6 +10,7 @@ import torch
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.errors import KVConvertError, UnsupportedModelError
+from kvconvert.eval.runner import load_tokenizer
 from kvconvert.mla import deepseek_format as fmt
 
 MATCHING_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size")
@@ -63,21 +64,10 @@ def _check_shared_tensor(student: CheckpointReader, teacher: CheckpointReader, n
             "converted from this teacher; pass the source the student was converted from")
 
 
-def load_tokenizer(folder: Path, role: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
-        raise KVConvertError(f"{folder}: cannot load the {role}'s tokenizer ({type(exc).__name__}); "
-                             "copy tokenizer.json/tokenizer_config.json into the folder") from None
-
-
 def check_tokenizers(student_dir: Path, teacher_dir: Path) -> None:
     """Distillation compares next-token distributions position by position: the two vocabularies
     (token -> id maps) must be identical."""
-    s_vocab = load_tokenizer(student_dir, "student").get_vocab()
-    t_vocab = load_tokenizer(teacher_dir, "teacher").get_vocab()
+    s_vocab, t_vocab = load_tokenizer(student_dir).get_vocab(), load_tokenizer(teacher_dir).get_vocab()
     if s_vocab != t_vocab:
         only_s = len(set(s_vocab) - set(t_vocab))
         moved = sum(1 for k, v in s_vocab.items() if k in t_vocab and t_vocab[k] != v)

@@ -29,9 +29,10 @@ import torch
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
+from kvconvert.checkpoint import read_config
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets
-from kvconvert.heal.reparam import ScaledWeight, row_scales
+from kvconvert.heal.reparam import ScaledWeight, row_scales, scheduled_lr
 from kvconvert.heal.options import TRAINABLE_ATTENTION, DistillOptions
 
 STATE_FILE = "distill_state.pt"
@@ -43,8 +44,6 @@ class DistillResult:
     history: list = field(default_factory=list)  # one dict per optimizer step
     steps_done: int = 0
     finished: bool = False
-    tokens_seen: int = 0
-    seconds: float = 0.0
 
 
 def hidden_state_loss(teacher_states, student_states) -> torch.Tensor:
@@ -56,40 +55,25 @@ def hidden_state_loss(teacher_states, student_states) -> torch.Tensor:
     return torch.stack(terms).mean()
 
 
-def attention_modules(model) -> list[tuple[str, torch.nn.Module]]:
-    """(checkpoint prefix, nn.Linear) for each trainable-kind attention projection of every layer."""
-    out = []
-    for i, layer in enumerate(model.model.layers):
-        for name in TRAINABLE_ATTENTION:
-            module = getattr(layer.self_attn, name, None)
-            if module is not None:
-                out.append((f"model.layers.{i}.self_attn.{name}", module))
-    return out
-
-
 def attach_trainable(model, stage: DistillOptions) -> list[str]:
-    """Freeze the model, then make stage.targets trainable through ScaledWeight parametrizations.
-    Returns the checkpoint names of the parametrized weights."""
+    """Freeze the model, then make stage.targets (those a layer has) trainable through ScaledWeight
+    parametrizations. Returns the checkpoint names of the parametrized weights."""
     for p in model.parameters():
         p.requires_grad_(False)
     rank = model.config.kv_lora_rank  # row_scales splits kv_a_proj_with_mqa's latent / RoPE rows
+    lora = stage.lora_rank if stage.train == "lora" else 0
     names = []
-    for prefix, module in attention_modules(model):
-        short = prefix.rsplit(".", 1)[-1]
-        if short not in stage.targets:
-            continue
-        w = module.weight
-        lora = stage.lora_rank if stage.train == "lora" else 0
-        param = ScaledWeight(row_scales(short, w, rank), w.shape[1], lora, stage.lora_alpha).to(w.device)
-        parametrize.register_parametrization(module, "weight", param)
-        original = module.parametrizations.weight.original
-        original.requires_grad_(stage.train == "full")
-        names.append(f"{prefix}.weight")
+    for i, layer in enumerate(model.model.layers):
+        for short in (name for name in TRAINABLE_ATTENTION if name in stage.targets):
+            module = getattr(layer.self_attn, short, None)
+            if module is None:
+                continue
+            w = module.weight
+            param = ScaledWeight(row_scales(short, w, rank), w.shape[1], lora, stage.lora_alpha).to(w.device)
+            parametrize.register_parametrization(module, "weight", param)
+            module.parametrizations.weight.original.requires_grad_(stage.train == "full")
+            names.append(f"model.layers.{i}.self_attn.{short}.weight")
     return names
-
-
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def merged_weights(model, names: list[str]) -> dict[str, torch.Tensor]:
@@ -97,23 +81,6 @@ def merged_weights(model, names: list[str]) -> dict[str, torch.Tensor]:
     modules = dict(model.named_modules())
     with torch.no_grad():
         return {n: modules[n.rsplit(".", 1)[0]].weight.detach().float().cpu().clone() for n in names}
-
-
-def lr_lambda(stage: DistillOptions, total: int):
-    def factor(step: int) -> float:
-        if step < stage.warmup_steps:
-            return (step + 1) / (stage.warmup_steps + 1)
-        progress = (step - stage.warmup_steps) / max(1, total - stage.warmup_steps)
-        if stage.schedule == "cosine":
-            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        if stage.schedule == "linear":
-            return max(0.05, 1.0 - progress)
-        return 1.0
-    return factor
-
-
-def _config(folder: Path) -> dict:
-    return json.loads((Path(folder) / "config.json").read_text())
 
 
 def window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
@@ -185,19 +152,18 @@ class Distiller:
     """One distillation run. Call run(); `max_steps` stops early (state saved) for resumption."""
 
     def __init__(self, student_dir: Path, teacher_dir: Path, ids: torch.Tensor, stage: DistillOptions,
-                 state_dir: Path, fingerprint: str, progress: bool = True, cpu: bool | None = None):
+                 state_dir: Path, fingerprint: str, progress: bool = True):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         self.stage = stage
         self.ids = ids
-        self.state_dir = Path(state_dir)
+        self.state_path = Path(state_dir) / STATE_FILE
         self.fingerprint = fingerprint
         self.progress = progress
-        self.accelerator = Accelerator(mixed_precision=stage.mixed_precision,
-                                       cpu=cpu if cpu is not None else not torch.cuda.is_available())
+        self.accelerator = Accelerator(mixed_precision=stage.mixed_precision, cpu=not torch.cuda.is_available())
         set_seed(stage.seed)
-        check_distill_memory(_config(student_dir), _config(teacher_dir), stage, self.accelerator.device)
+        check_distill_memory(read_config(student_dir), read_config(teacher_dir), stage, self.accelerator.device)
         self.student, self.teacher = self._load_models(student_dir, teacher_dir)
         self.names = attach_trainable(self.student, stage)
         params = [p for p in self.student.parameters() if p.requires_grad]
@@ -208,53 +174,48 @@ class Distiller:
         # Our own scheduler, one step per optimizer step (accelerate's wrapper would step it once
         # per process), on the optimizer inside accelerate's wrapper.
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        self.steps = stage.steps_on(self.accelerator.num_processes)  # `tokens` is the total over processes
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(stage, self.steps))
-        self.teacher = self.teacher.to(self.accelerator.device)
         world = self.accelerator.num_processes
-        micro = self.steps * stage.grad_accum * world * stage.batch_size
-        self.order = window_order(ids.shape[0], micro, stage.seed)
+        self.steps = stage.steps_on(world)  # `tokens` is the total over processes
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            inner, lambda step: scheduled_lr(step, stage.warmup_steps, self.steps, stage.schedule))
+        self.teacher = self.teacher.to(self.accelerator.device)
+        self.order = window_order(ids.shape[0], self.steps * stage.grad_accum * world * stage.batch_size, stage.seed)
         self.history: list[dict] = []
         self.step = 0
 
     def _load_models(self, student_dir: Path, teacher_dir: Path):
         """Both models, whole (the up-front check_distill_memory has said they fit)."""
-        from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
+        from kvconvert.quant.capture import load_hf_model
 
-        student = DeepseekV3ForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
-        teacher_dtype = torch.bfloat16 if self.stage.mixed_precision == "bf16" else torch.float32
-        teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=teacher_dtype)
+        student = load_hf_model(student_dir)  # DeepseekV3ForCausalLM (compat checked the config), fp32
+        teacher = load_hf_model(teacher_dir, torch.bfloat16 if self.stage.mixed_precision == "bf16" else torch.float32)
         student.config.use_cache = False
         if self.stage.gradient_checkpointing:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        teacher.eval().requires_grad_(False)
+        teacher.requires_grad_(False)
         student.train()
         return student, teacher
 
     # ------------------------------------------------------------------ state
-    def _state_path(self) -> Path:
-        return self.state_dir / STATE_FILE
-
     def save_state(self) -> None:
         if not self.accelerator.is_main_process:
             return
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
         model = self.accelerator.unwrap_model(self.student)
         state = {
             "fingerprint": self.fingerprint, "step": self.step, "history": self.history,
-            "trainable": {k: v.cpu() for k, v in trainable_state(model).items()},
+            "trainable": {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad},
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
         }
-        tmp = self._state_path().with_suffix(".partial")
+        tmp = self.state_path.with_suffix(".partial")
         torch.save(state, tmp)
-        os.replace(tmp, self._state_path())
+        os.replace(tmp, self.state_path)
 
     def try_resume(self) -> bool:
         """Load a saved state with the same fingerprint; True when resumed."""
-        path = self._state_path()
-        if not path.is_file():
+        if not self.state_path.is_file():
             return False
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(self.state_path, map_location="cpu", weights_only=False)
         if state.get("fingerprint") != self.fingerprint:
             return False
         model = self.accelerator.unwrap_model(self.student)
@@ -282,7 +243,6 @@ class Distiller:
             t_out = self.teacher(input_ids=batch, output_hidden_states=hidden)
         with self.accelerator.autocast():
             s_out = self.student(input_ids=batch, output_hidden_states=hidden)
-        t_logits, s_logits = t_out.logits, s_out.logits
         parts = {}
         loss = torch.zeros((), device=batch.device)
         if hidden:
@@ -290,7 +250,7 @@ class Distiller:
             loss = loss + s.hidden_weight * parts["hidden"]
         if s.kl_weight or s.lm_weight:
             # fused over the vocabulary: no float32 [B, T, V] copies (kvconvert.heal.fused_loss)
-            logit_loss, logit_parts = fused_distill_loss(s_logits, t_logits, next_token_targets(batch),
+            logit_loss, logit_parts = fused_distill_loss(s_out.logits, t_out.logits, next_token_targets(batch),
                                                          s.temperature, s.kl_weight, s.lm_weight)
             parts.update(logit_parts)
             loss = loss + logit_loss
@@ -336,7 +296,6 @@ class Distiller:
     def run(self, max_steps: int | None = None) -> DistillResult:
         """Train to self.steps (or stop after max_steps total steps, saving state)."""
         s = self.stage
-        t0 = time.time()
         stop = self.steps if max_steps is None else min(self.steps, max_steps)
         bar = tqdm(total=self.steps, initial=self.step, desc="heal: distill", unit="step",
                    disable=not self.progress or not self.accelerator.is_main_process)
@@ -359,8 +318,7 @@ class Distiller:
             self.save_state()
         model = self.accelerator.unwrap_model(self.student)
         weights = merged_weights(model, self.names) if self.accelerator.is_main_process else {}
-        tokens = sum(r["tokens"] for r in self.history)
-        return DistillResult(weights, self.history, self.step, finished, tokens, time.time() - t0)
+        return DistillResult(weights, self.history, self.step, finished)
 
 
 def plot_loss_curve(history: list[dict], path: Path, title: str = "heal: distillation loss") -> None:
@@ -402,12 +360,10 @@ def summarize(history: list[dict]) -> dict:
     if not history:
         return {}
     k = max(1, len(history) // 10)
-    head, tail = history[:k], history[-k:]
-    secs = sum(r["seconds"] for r in history)
-    return {"steps": len(history), "loss_first": sum(r["loss"] for r in head) / k,
-            "loss_last": sum(r["loss"] for r in tail) / k,
-            "tokens": sum(r["tokens"] for r in history),
-            "tokens_per_s": sum(r["tokens"] for r in history) / max(secs, 1e-9)}
+    tokens, secs = sum(r["tokens"] for r in history), sum(r["seconds"] for r in history)
+    return {"steps": len(history), "loss_first": sum(r["loss"] for r in history[:k]) / k,
+            "loss_last": sum(r["loss"] for r in history[-k:]) / k, "tokens": tokens,
+            "tokens_per_s": tokens / max(secs, 1e-9)}
 
 
 def write_history(history: list[dict], path: Path) -> None:

@@ -16,10 +16,9 @@ import torch.nn.functional as F
 
 
 def load_causal_lm(folder: str | Path, device: str = "cpu"):
-    from transformers import AutoModelForCausalLM
+    from kvconvert.quant.capture import load_hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    return model.eval().to(device)
+    return load_hf_model(folder).to(device)
 
 
 def _device_of(model) -> torch.device:

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, atomic_save_tensors, atomic_write_text
-from kvconvert.heal.reparam import row_scales
+from kvconvert.heal.reparam import row_scales, scheduled_lr
 from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla import factorize as fz
 from kvconvert.mla.options import LATENT_LINEAR_RHO
@@ -116,32 +116,24 @@ def relinearize_latent(x: torch.Tensor, w: dict, shape: MLAShape, limit: float,
     keeps the function. With low-rank queries the same is done for q_a_proj / q_b_proj against
     limit_q. Returns (weights, applied kv factor b <= 1)."""
     out = dict(w)
-    peak = latent_sq_mean_max(x, w["kv_a_proj_with_mqa"], shape.rank)
-    b, changed = 1.0, False
-    if peak > limit:
-        changed = True
-        b = math.sqrt(limit / peak)
-        kv_a = w["kv_a_proj_with_mqa"].clone()
-        kv_a[: shape.rank] *= b
-        out["kv_a_proj_with_mqa"] = kv_a
-        out["kv_b_proj"] = w["kv_b_proj"] / b
+    b = _shrink_latent(x, out, "kv_a_proj_with_mqa", "kv_b_proj", shape.rank, limit)
+    bq = 1.0
     if "q_a_proj" in w and limit_q is not None:
-        q_peak = latent_sq_mean_max(x, w["q_a_proj"], w["q_a_proj"].shape[0])
-        if q_peak > limit_q:
-            changed = True
-            bq = math.sqrt(limit_q / q_peak)
-            out["q_a_proj"], out["q_b_proj"] = w["q_a_proj"] * bq, w["q_b_proj"] / bq
-    return (out, b) if changed else (w, 1.0)
+        bq = _shrink_latent(x, out, "q_a_proj", "q_b_proj", w["q_a_proj"].shape[0], limit_q)
+    return (out, b) if b < 1.0 or bq < 1.0 else (w, 1.0)
 
 
-def _lr_at(step: int, steps: int, lr: float) -> float:
-    """Linear warm-up over the first 10% of steps (Adam's first steps are ~lr-sized on every
-    element, too big for a block that already fits well), then cosine decay to lr/20."""
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return lr * (step + 1) / (warmup + 1)
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+def _shrink_latent(x: torch.Tensor, w: dict, down: str, up: str, rows: int, limit: float) -> float:
+    """When max mean(c^2) of the latent c = x @ w[down][:rows].T exceeds `limit`: those rows times
+    b = sqrt(limit / peak) and w[up] divided by b (new tensors in the dict). Returns b (1.0: unchanged)."""
+    peak = latent_sq_mean_max(x, w[down], rows)
+    if peak <= limit:
+        return 1.0
+    b = math.sqrt(limit / peak)
+    scaled = w[down].clone()
+    scaled[:rows] *= b
+    w[down], w[up] = scaled, w[up] / b
+    return b
 
 
 def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: MLAShape, stage: LayerwiseStage,
@@ -158,11 +150,12 @@ def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: 
     report = {"rel_err_before": relative_error(x, y, w0, shape)}
     if x_val is not None:
         report["val_rel_err_before"] = relative_error(x_val, y_val, w0, shape)
-    base_peak = latent_sq_mean_max(x, w0["kv_a_proj_with_mqa"], shape.rank)
-    base_q = latent_sq_mean_max(x, w0["q_a_proj"], w0["q_a_proj"].shape[0]) if "q_a_proj" in w0 else None
+    linear_peak = LATENT_LINEAR_RHO * shape.latent_eps  # peaks up to here keep the latent norm linear
+    limit = max(latent_sq_mean_max(x, w0["kv_a_proj_with_mqa"], shape.rank), linear_peak)
+    limit_q = None
+    if "q_a_proj" in w0:
+        limit_q = max(latent_sq_mean_max(x, w0["q_a_proj"], w0["q_a_proj"].shape[0]), linear_peak)
     w = _adam_fit(x, y, w0, shape, stage, generator) if stage.steps else dict(w0)
-    limit = max(base_peak, LATENT_LINEAR_RHO * shape.latent_eps)
-    limit_q = max(base_q, LATENT_LINEAR_RHO * shape.latent_eps) if base_q is not None else None
     w, factor = relinearize_latent(x, w, shape, limit, limit_q)
     report["latent_rescale"] = factor
     if stage.refit_o_proj:
@@ -185,9 +178,12 @@ def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseStage, generator)
     opt = torch.optim.Adam(params.values(), lr=stage.lr)
     denom = y.pow(2).mean().clamp_min(1e-30)  # normalise: the loss reads as a relative error
     n = x.shape[0]
+    # warm-up over the first 10% of steps (Adam's first steps are ~lr-sized on every element, too
+    # big for a block that already fits well), then cosine decay to lr/20
+    warmup = max(1, stage.steps // 10)
     for step in range(stage.steps):
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, stage.steps, stage.lr)
+            group["lr"] = scheduled_lr(step, warmup, stage.steps, "cosine", stage.lr)
         idx = torch.randperm(n, generator=generator)[: stage.batch_windows].to(x.device)
         w = dict(w0)
         w.update({k: scales[k] * p for k, p in params.items()})
@@ -245,12 +241,13 @@ class LayerwiseState:
         self.folder = Path(folder)
         self.fingerprint = fingerprint
 
+    def _progress(self) -> dict:
+        path = self.folder / "progress.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
     def done(self) -> int:
         """Number of finished layers that can be reused (0 when the state is absent or stale)."""
-        path = self.folder / "progress.json"
-        if not path.is_file():
-            return 0
-        info = json.loads(path.read_text())
+        info = self._progress()
         return info["done"] if info.get("fingerprint") == self.fingerprint else 0
 
     def save_layer(self, i: int, w: dict, report: dict, h_t, h_s) -> None:
@@ -262,8 +259,7 @@ class LayerwiseState:
                       json.dumps({"done": i + 1, "fingerprint": self.fingerprint, "reports": reports}))
 
     def reports(self) -> list:
-        path = self.folder / "progress.json"
-        return json.loads(path.read_text()).get("reports", []) if path.is_file() else []
+        return self._progress().get("reports", [])
 
     def load_layer(self, i: int) -> dict:
         return load_file(str(self.folder / f"layer_{i:05d}.safetensors"))
@@ -282,20 +278,17 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
     ids: [N, T] calibration token ids; the last `val_windows` windows are held out and only
     measured. Returns one report dict per layer.
     """
-    s_cfg, t_cfg = student.config, teacher.config
-    s_shape, t_shape = MLAShape.from_config(s_cfg), LlamaShape.from_config(t_cfg)
-    n_layers = s_cfg["num_hidden_layers"]
+    s_shape, t_shape = MLAShape.from_config(student.config), LlamaShape.from_config(teacher.config)
     start = state.done() if state is not None else 0
     reports = state.reports()[:start] if start else []
     if start:
         h_t, h_s = (t.to(device) for t in state.load_stream())
     else:
-        embed = student.get("model.embed_tokens.weight", torch.float32)
-        h_s = embed[ids].to(device)
+        h_s = student.get("model.embed_tokens.weight", torch.float32)[ids].to(device)
         h_t = teacher.get("model.embed_tokens.weight", torch.float32)[ids].to(device)
     n_fit = ids.shape[0] - val_windows
-    bar = tqdm(range(n_layers), desc="heal: layer-wise", disable=not progress, initial=start)
-    for i in range(n_layers):
+    bar = tqdm(range(s_shape.layers), desc="heal: layer-wise", disable=not progress, initial=start)
+    for i in range(s_shape.layers):
         if i < start:
             fitted = state.load_layer(i)
         else:
@@ -316,7 +309,7 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
             bar.set_postfix(err=f"{report['rel_err_before']:.3f}->{report['rel_err_after']:.3f}")
         for short, tensor in fitted.items():
             key = fmt.TARGET_ATTENTION[short].format(i=i)
-            writer.add(key, tensor.to(student.get(key).dtype))
+            writer.add(key, tensor.to(student.stored_dtype(key)))
         for name in fmt.COPIED_LAYER_TENSORS.values():  # norms and MLP, unchanged
             writer.add(name.format(i=i), student.get(name.format(i=i)))
     bar.close()

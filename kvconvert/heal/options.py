@@ -4,7 +4,7 @@ and (generated, as --layerwise-* / --distill-*) flags of `kvconvert heal`. Torch
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -12,8 +12,8 @@ from kvconvert.stage_options import StageOptions
 
 # Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
 # low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
-TRAINABLE_ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 AttentionName = Literal["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+TRAINABLE_ATTENTION = get_args(AttentionName)
 DATA_HELP = "builtin (pydoc), teacher (text sampled from the teacher), a .txt/.jsonl/.parquet file or a datasets id."
 
 

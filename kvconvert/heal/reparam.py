@@ -11,6 +11,7 @@ to gradient scale, so this equals Adam on W with a per-row learning rate lr * s:
 
 ScaledWeight is the same idea as a torch parametrization for the distillation stage, optionally
 with a LoRA delta in the scaled units: W = s * (P0 + (alpha / r) B A), merged at the end.
+scheduled_lr is both stages' learning-rate schedule.
 """
 
 from __future__ import annotations
@@ -63,3 +64,16 @@ class ScaledWeight(nn.Module):
     def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
         """Stored parameter P for a given weight (LoRA delta starts at 0)."""
         return weight / self.scale[:, None]
+
+
+def scheduled_lr(step: int, warmup: int, total: int, schedule: str = "cosine", lr: float = 1.0) -> float:
+    """The lr of optimizer step `step` (0-based) of `total`: a linear warm-up over `warmup` steps,
+    then cosine or linear decay to lr/20, or constant."""
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "cosine":
+        return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    if schedule == "linear":
+        return lr * max(0.05, 1.0 - progress)
+    return lr

@@ -10,12 +10,11 @@ a resumed heal reads the same text and the data hash in the manifest stays stabl
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import torch
 
+from kvconvert.checkpoint import atomic_write_text
 from kvconvert.errors import KVConvertError
 
 # Generic openings across registers (narrative, essay, explanation, news, dialogue). The teacher
@@ -36,14 +35,14 @@ def teacher_text_cache(teacher: Path, num_tokens: int, seed: int, device: str = 
     $KVCONVERT_HOME. The device is part of the key: sampling on a GPU draws other random numbers
     (and batches differently), so its text differs from the CPU's for the same seed."""
     from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.heal.api import fingerprint
     from kvconvert.sources import kvconvert_home
 
     reader = CheckpointReader(teacher, verify=False)
     kind = torch.device(device).type
-    key = json.dumps({"v": GENERATOR_VERSION, "config": reader.config, "bytes": reader.total_bytes,
-                      "tokens": num_tokens, "seed": seed, **({} if kind == "cpu" else {"device": kind})},
-                     sort_keys=True, default=str)
-    return kvconvert_home() / "teacher-text" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt"
+    key = fingerprint({"v": GENERATOR_VERSION, "config": reader.config, "bytes": reader.total_bytes,
+                       "tokens": num_tokens, "seed": seed, **({} if kind == "cpu" else {"device": kind})})
+    return kvconvert_home() / "teacher-text" / f"{key}.txt"
 
 
 def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, batch_size: int | None = None,
@@ -63,10 +62,12 @@ def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, bat
         with open(cache, encoding="utf-8", newline="") as f:  # newline="": keep any \r the model wrote
             return f.read()
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from kvconvert.heal.evaluate import load_causal_lm
 
     tok = AutoTokenizer.from_pretrained(str(teacher))
-    model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32).eval().to(device)
+    model = load_causal_lm(teacher, device)
     if batch_size is None:
         batch_size = 32 if torch.device(device).type == "cpu" else 256
     if tok.pad_token_id is None:
@@ -93,8 +94,5 @@ def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, bat
     bar.close()
     text = "\n\n".join(samples)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-    tmp.replace(cache)  # atomic: a killed run never leaves a short cache behind
+    atomic_write_text(cache, text)  # a killed run never leaves a short cache behind
     return text

@@ -38,6 +38,14 @@ def check_activation(name: str) -> str:
     return name
 
 
+def decoder_settings(c: dict) -> dict:
+    """The shape fields every architecture reads alike from config.json `c` (its own default
+    max_position_embeddings filled in): norm eps, layers, vocabulary, activation, context."""
+    return dict(rms_eps=float(c.get("rms_norm_eps", 1e-6)), layers=c.get("num_hidden_layers", 0),
+                vocab=c.get("vocab_size", 0), hidden_act=check_activation(c.get("hidden_act", "silu")),
+                max_position_embeddings=c["max_position_embeddings"])
+
+
 def short_names(w: dict) -> dict:
     """One layer's checkpoint tensors by short name: [model.layers.{i}.]self_attn.q_proj.weight ->
     q_proj, mlp.up_proj.bias -> up_proj_bias, input_layernorm.weight -> input_layernorm."""

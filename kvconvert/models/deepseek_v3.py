@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import UnsupportedModelError
-from kvconvert.models.common import (DecoderLayer, Rope, causal_attention, check_activation, decoder_layer, linear,
+from kvconvert.models.common import (DecoderLayer, Rope, causal_attention, decoder_layer, decoder_settings, linear,
                                      rms_norm, rope_parameters, yarn_softmax_scale)
 
 LATENT_NORM_EPS = 1e-6  # transformers: DeepseekV3RMSNorm(kv_lora_rank) -> default eps
@@ -49,13 +49,10 @@ class MLAShape:
     def from_config(cls, c: dict) -> MLAShape:
         c = {"max_position_embeddings": 4096, **c}  # DeepseekV3Config's default
         nope, rope = c["qk_nope_head_dim"], c["qk_rope_head_dim"]
+        rotary = Rope.from_config(c, rope, interleaved=bool(c.get("rope_interleave", True)))
         return cls(heads=c["num_attention_heads"], rank=c["kv_lora_rank"], rope_dim=rope, nope_dim=nope,
-                   v_dim=c["v_head_dim"],
-                   rope=Rope.from_config(c, rope, interleaved=bool(c.get("rope_interleave", True))),
-                   softmax_scale=yarn_softmax_scale(rope_parameters(c), (nope + rope) ** -0.5),
-                   rms_eps=float(c.get("rms_norm_eps", 1e-6)), layers=c.get("num_hidden_layers", 0),
-                   vocab=c.get("vocab_size", 0), hidden_act=check_activation(c.get("hidden_act", "silu")),
-                   max_position_embeddings=c["max_position_embeddings"])
+                   v_dim=c["v_head_dim"], rope=rotary,
+                   softmax_scale=yarn_softmax_scale(rope_parameters(c), (nope + rope) ** -0.5), **decoder_settings(c))
 
 
 def check_dense(c: dict) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import UnsupportedModelError
-from kvconvert.models.common import DecoderLayer, Rope, causal_attention, check_activation, decoder_layer, linear
+from kvconvert.models.common import DecoderLayer, Rope, causal_attention, decoder_layer, decoder_settings, linear
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,7 @@ class LlamaShape:
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         c = {"max_position_embeddings": 2048, **c}  # LlamaConfig's default
         return cls(hidden=c["hidden_size"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   rms_eps=float(c.get("rms_norm_eps", 1e-6)), rope=Rope.from_config(c, head_dim),
-                   layers=c.get("num_hidden_layers", 0), vocab=c.get("vocab_size", 0),
-                   hidden_act=check_activation(c.get("hidden_act", "silu")),
-                   max_position_embeddings=c["max_position_embeddings"])
+                   rope=Rope.from_config(c, head_dim), **decoder_settings(c))
 
     @property
     def group(self) -> int:

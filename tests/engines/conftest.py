@@ -21,16 +21,12 @@ REQUIRE_ENV = "KVCONVERT_REQUIRE_VLLM"
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
-    from kvconvert.engines.vllm import vllm_available, vllm_python
+    from kvconvert.engines.vllm import vllm_python
+    from kvconvert.errors import KVConvertError
 
-    reason = vllm_available()
-    if reason is not None:
+    try:
+        return vllm_python()
+    except KVConvertError as reason:
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{REQUIRE_ENV}=1 and stock vLLM is not available: {reason}")
         pytest.skip(f"stock vLLM not set up: {reason}")
-    return vllm_python()
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(smollm2_path):
-    return smollm2_path

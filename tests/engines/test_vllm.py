@@ -8,6 +8,7 @@ with KVCONVERT_REQUIRE_VLLM=1 (CI) they fail instead. Each vLLM start costs abou
 from __future__ import annotations
 
 import json
+from contextlib import closing
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 from kvconvert.cli import cli
 from kvconvert.engines.vllm import VLLMWorker, vllm_python
 from kvconvert.errors import KVConvertError
+from kvconvert.eval.runner import TransformersRunner
 
 from mla_tiny_models import make_tiny_llama
 
@@ -38,14 +40,19 @@ def essay_ids(tokenizer_dir, tokens: int) -> torch.Tensor:
     return eval_windows(AutoTokenizer.from_pretrained(str(tokenizer_dir)), 1, tokens)[0]
 
 
-def transformers_logits(path, ids: torch.Tensor) -> torch.Tensor:
-    from kvconvert.eval.runner import TransformersRunner
+def small_llama(folder, tokenizer_dir, layers: int = 2):
+    """A random GQA Llama (4 query / 2 KV heads of 32) with SmolLM2's tokenizer."""
+    return make_tiny_llama(folder, tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=layers)
 
-    runner = TransformersRunner(path)
-    try:
-        return runner.logits(ids)
-    finally:
-        runner.close()
+
+@pytest.fixture(scope="module")
+def fp8_llama(tmp_path_factory, smollm2_path):
+    """(source, its `kvconvert calibrate --kv-dtype fp8 --format vllm` output on little data)."""
+    folder = tmp_path_factory.mktemp("fp8")
+    src, out = small_llama(folder / "src", smollm2_path), folder / "fp8"
+    run_cli("calibrate", "--src", str(src), "--kv-dtype", "fp8", "--format", "vllm", "--observer", "amax",
+            "--calib-tokens", "512", "--window-len", "256", "--out", str(out), "--quiet")
+    return src, out
 
 
 # --------------------------------------------------------------------------- no vLLM needed
@@ -62,15 +69,16 @@ def test_missing_vllm_python_is_a_clear_error(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- stock vLLM
 
 @vllm
-def test_smollm2_at_latent_320_scores_like_transformers(tmp_path, vllm_python, tokenizer_dir):
+def test_smollm2_at_latent_320_scores_like_transformers(tmp_path, vllm_python, smollm2_path):
     """SmolLM2 converted at 256 + 64 (latent 320, one of the two sizes vLLM's MLA accepts):
     vLLM's prompt logprobs equal transformers' (fp32): mean NLL within 1e-4 relative, every token
     within 2e-3 nats; the full logits captured from vLLM's logits processor (what
     `validate --engine vllm` uses for KL) within 1e-4 relative norm of transformers' logits."""
     out = tmp_path / "mla"
-    run_cli("mla", "--src", str(tokenizer_dir), "--rank", "256", "--rope-dim", "64", *FAST_CONVERT, "--out", str(out))
-    ids = essay_ids(tokenizer_dir, 256)
-    reference = transformers_logits(out, ids)[:-1].double()
+    run_cli("mla", "--src", str(smollm2_path), "--rank", "256", "--rope-dim", "64", *FAST_CONVERT, "--out", str(out))
+    ids = essay_ids(smollm2_path, 256)
+    with closing(TransformersRunner(out)) as runner:
+        reference = runner.logits(ids)[:-1].double()
     ref_logprobs = torch.log_softmax(reference, -1).gather(-1, ids[1:, None])[:, 0]
     with VLLMWorker(out, dtype="float32", max_model_len=512) as llm:
         assert llm.info()["attention"] == {"MLAAttention": "CPU_MLA"}
@@ -83,23 +91,18 @@ def test_smollm2_at_latent_320_scores_like_transformers(tmp_path, vllm_python, t
 
 
 @vllm
-def test_latent_576_greedy_decode_matches_transformers(tmp_path, vllm_python, tokenizer_dir):
+def test_latent_576_greedy_decode_matches_transformers(tmp_path, vllm_python, smollm2_path):
     """A random Llama with 8 KV heads x 128 converted at 512 + 64 (latent 576, DeepSeek-V3's):
     vLLM's normal decode path (weight-absorbed MQA over the paged latent cache, the CPU_MLA
     decode kernel, block size 16) generates the same greedy tokens as transformers (fp32)."""
-    from kvconvert.eval.runner import TransformersRunner
-
-    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=8, heads=8, head_dim=128, layers=2)
+    src = make_tiny_llama(tmp_path / "src", smollm2_path, kv_heads=8, heads=8, head_dim=128, layers=2)
     out = tmp_path / "mla"
     run_cli("mla", "--src", str(src), "--rank", "512", "--rope-dim", "64", *FAST_CONVERT, "--out", str(out))
     config = json.loads((out / "config.json").read_text())
     assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
-    prompt, steps = essay_ids(tokenizer_dir, 40), 24  # 40 + 24 tokens span 4 blocks of 16
-    runner = TransformersRunner(out)
-    try:
+    prompt, steps = essay_ids(smollm2_path, 40), 24  # 40 + 24 tokens span 4 blocks of 16
+    with closing(TransformersRunner(out)) as runner:
         expected = runner.greedy(prompt, steps, stop_ids=())
-    finally:
-        runner.close()
     with VLLMWorker(out, dtype="float32", max_model_len=256) as llm:
         assert llm.info()["attention"] == {"MLAAttention": "CPU_MLA"}
         got = llm.generate(prompt, steps)
@@ -107,22 +110,19 @@ def test_latent_576_greedy_decode_matches_transformers(tmp_path, vllm_python, to
 
 
 @vllm
-def test_llama_fp8_scales_load_with_checkpoint_values(tmp_path, vllm_python, tokenizer_dir):
+def test_llama_fp8_scales_load_with_checkpoint_values(vllm_python, fp8_llama, smollm2_path):
     """`kvconvert calibrate --kv-dtype fp8 --format vllm` on a Llama: vLLM's compressed-tensors KV
     method loads every layer's k_scale / v_scale with exactly the checkpoint's float32 values (not
     the 1.0 it falls back to), and serves with an FP8 cache on this CPU (AVX-512)."""
     from safetensors import safe_open
 
-    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=2)
-    out = tmp_path / "fp8"
-    run_cli("calibrate", "--src", str(src), "--kv-dtype", "fp8", "--format", "vllm", "--observer", "amax",
-            "--calib-tokens", "512", "--window-len", "256", "--out", str(out), "--quiet")
+    _, out = fp8_llama
     written = {}
     for shard in out.glob("*.safetensors"):
         with safe_open(str(shard), "pt") as f:
             written.update({k: f.get_tensor(k) for k in f.keys() if k.endswith(("k_scale", "v_scale"))})
     assert len(written) == 4
-    ids = essay_ids(tokenizer_dir, 64)
+    ids = essay_ids(smollm2_path, 64)
     with VLLMWorker(out, dtype="float32", kv_cache_dtype="fp8", max_model_len=256) as llm:
         loaded = llm.info()["kv_scales"]
         logprobs = llm.score(ids)
@@ -148,7 +148,7 @@ def test_validate_engine_vllm_without_vllm_fails_before_the_suite(tmp_path, monk
 
 
 @vllm
-def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, vllm_python, tokenizer_dir):
+def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, vllm_python, fp8_llama):
     """`validate --engine vllm` adds vLLM's perplexity and KL on the suite's own windows. Source
     in fp32 in both engines: vLLM's source perplexity equals transformers' within 1e-4 relative;
     the fp8 candidate runs with the scales vLLM loaded from the checkpoint (not 1.0)."""
@@ -157,10 +157,7 @@ def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, 
     from kvconvert.eval.options import ValidateOptions
     from kvconvert.eval.validate import ValidateRun, run_validate
 
-    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=2)
-    fp8 = tmp_path / "fp8"
-    run_cli("calibrate", "--src", str(src), "--kv-dtype", "fp8", "--format", "vllm", "--observer", "amax",
-            "--calib-tokens", "512", "--window-len", "256", "--out", str(fp8), "--quiet")
+    src, fp8 = fp8_llama
     suite = SuiteSpec(name="ppl", description="perplexity only", ppl_windows=2, ppl_window_len=96, longbench=False)
     out = tmp_path / "report"
     opts = ValidateOptions(engine="transformers", kv_dtype="fp8")
@@ -180,10 +177,9 @@ def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, 
 
 
 @vllm
-def test_worker_that_does_not_answer_in_time_is_killed(tmp_path, vllm_python, tokenizer_dir):
+def test_worker_that_does_not_answer_in_time_is_killed(tmp_path, vllm_python, smollm2_path):
     """A hung engine must not hang kvconvert (or CI): no answer within `timeout` -> killed, clear error."""
-    src = make_tiny_llama(tmp_path / "src", tokenizer_dir, kv_heads=2, heads=4, head_dim=32, layers=1)
-    worker = VLLMWorker(src, timeout=1)
+    worker = VLLMWorker(small_llama(tmp_path / "src", smollm2_path, layers=1), timeout=1)
     with pytest.raises(KVConvertError, match=r"gave no answer in 1 s; killed"):
         worker.start()
     assert worker.proc is None

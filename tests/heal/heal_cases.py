@@ -45,11 +45,13 @@ def build_llama(folder: Path, seed: int = 0, vocab_size: int = VOCAB, layers: in
     return folder
 
 
-def convert_tiny(teacher: Path, out: Path, text_file: Path, rank: int = 8, rope_dim: int = 8) -> Path:
+def convert_tiny(teacher: Path, out: Path, text_file: Path, rank: int = 8, rope_dim: int = 8, **options) -> Path:
+    """teacher converted by `kvconvert mla` at rank + rope_dim (fp32; options: more MLAOptions, e.g. q_rank)."""
     from kvconvert.mla.convert import MLAOptions, convert_to_mla
 
-    convert_to_mla(teacher, out, MLAOptions(rank=rank, rope_dim=rope_dim, target="any", calib_data=str(text_file), calib_tokens=1024,
-                                            calib_window=128, dtype="fp32"), progress=False)
+    convert_to_mla(teacher, out, MLAOptions(rank=rank, rope_dim=rope_dim, target="any", calib_data=str(text_file),
+                                            calib_tokens=1024, calib_window=128, dtype="fp32", **options),
+                   progress=False)
     return out
 
 

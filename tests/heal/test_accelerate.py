@@ -24,6 +24,8 @@ import torch
 import yaml
 from heal_cases import distill_recipe
 
+from kvconvert.checkpoint import CheckpointReader
+
 STEPS, SEQ = 4, 128
 
 
@@ -43,12 +45,8 @@ def _heal(launcher: list[str], student, teacher, recipe, out: Path) -> tuple[lis
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     history = [json.loads(line) for line in (out / "distill_history.jsonl").read_text().splitlines()]
-    from safetensors.torch import load_file
-
-    weights = {}
-    for f in sorted(out.glob("*.safetensors")):
-        weights.update(load_file(f))
-    return history, weights
+    reader = CheckpointReader(out)
+    return history, {name: reader.get(name) for name in reader.keys()}
 
 
 @pytest.mark.slow

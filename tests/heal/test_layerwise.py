@@ -16,7 +16,7 @@ from kvconvert.models.deepseek_v3 import MLAAttention, MLAShape
 from kvconvert.models.llama import LlamaAttention, LlamaShape
 from kvconvert.recipe import LayerwiseStage
 
-from heal_cases import layerwise_recipe
+from heal_cases import convert_tiny, layerwise_recipe
 
 
 def _layer0(student, teacher, n=12, t=128, seed=0):
@@ -90,53 +90,50 @@ def test_teacher_input_target_is_teacher_block(tiny_student, tiny_teacher):
     assert torch.allclose(y, h + a_t - h_s, atol=1e-6)
 
 
-def test_heal_layerwise_writes_stock_checkpoint(tiny_student, tiny_teacher, text_file, tmp_path):
+@pytest.mark.parametrize("q_rank", [None, 16])
+def test_heal_layerwise_writes_stock_checkpoint(q_rank, tiny_student, tiny_teacher, text_file, tmp_path):
+    """Also for a conversion with q_lora_rank (q_a_proj / q_b_proj); q_a_layernorm stays fixed."""
+    import json
+
     from transformers import DeepseekV3ForCausalLM
 
     from kvconvert.checkpoint import verify_manifest
     from kvconvert.heal.api import heal
 
+    student = convert_tiny(tiny_teacher, tmp_path / "qlora", text_file, q_rank=q_rank) if q_rank else tiny_student
     out = tmp_path / "healed"
-    report = heal(tiny_student, tiny_teacher, layerwise_recipe(text_file, steps=20), out, progress=False)
+    report = heal(student, tiny_teacher, layerwise_recipe(text_file, steps=20), out, progress=False)
     lw = report["stages"]["heal_layerwise"]
     assert len(lw["layers"]) == 2 and lw["mean_rel_err_after"] < lw["mean_rel_err_before"]
-    model = DeepseekV3ForCausalLM.from_pretrained(str(out))  # stock transformers, no remote code
-    assert model.config.kv_lora_rank == 8
+    config = DeepseekV3ForCausalLM.from_pretrained(str(out)).config  # stock transformers, no remote code
+    assert (config.kv_lora_rank, config.q_lora_rank) == (8, q_rank)
     assert verify_manifest(out) == []
-    import json
-
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["kvconvert_heal"]["data"]["layerwise"]["tokens"] > 0
     assert manifest["kvconvert_mla"]["rank"] == 8  # the converter's record is carried over
-    # MLP and norms untouched
-    s, h = CheckpointReader(tiny_student), CheckpointReader(out)
-    for name in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"):
-        assert torch.equal(s.get(name), h.get(name))
-    assert not torch.equal(s.get("model.layers.0.self_attn.q_proj.weight"), h.get("model.layers.0.self_attn.q_proj.weight"))
-
-
-def test_cli_heal_layerwise_then_resume_state_is_cleaned(tiny_student, tiny_teacher, text_file, tmp_path):
-    import yaml
-
-    from kvconvert.cli import main
-    from kvconvert.heal.api import state_dir_for
-
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(layerwise_recipe(text_file, steps=5)))
-    out = tmp_path / "healed"
-    main(["heal", "--student", str(tiny_student), "--teacher", str(tiny_teacher), "--recipe", str(recipe),
-          "--out", str(out), "--no-progress", "--threads", "1"])
-    assert (out / "heal_report.json").is_file() and not state_dir_for(out).exists()
+    s, h = CheckpointReader(student), CheckpointReader(out)
+    fixed = ["model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"]
+    for name in fixed + (["model.layers.0.self_attn.q_a_layernorm.weight"] if q_rank else []):
+        assert torch.equal(s.get(name), h.get(name)), name  # MLP and norms untouched
+    trained = "model.layers.0.self_attn." + ("q_b_proj" if q_rank else "q_proj") + ".weight"
+    assert not torch.equal(s.get(trained), h.get(trained))
 
 
 def test_layerwise_resumes_from_saved_layers(tiny_student, tiny_teacher, text_file, tmp_path, monkeypatch):
-    """A layer-wise run interrupted after layer 0 reuses it and ends identical to a full run."""
+    """A layer-wise run interrupted after layer 0 reuses it and ends identical to a full run (made
+    by `kvconvert heal`, which leaves its report and no state behind)."""
+    import yaml
+
+    from kvconvert.cli import main
     from kvconvert.heal import layerwise
     from kvconvert.heal.api import heal, state_dir_for
 
     recipe = layerwise_recipe(text_file, steps=5)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     full = tmp_path / "full"
-    heal(tiny_student, tiny_teacher, recipe, full, progress=False)
+    main(["heal", "--student", str(tiny_student), "--teacher", str(tiny_teacher), "--recipe", str(tmp_path / "r.yaml"),
+          "--out", str(full), "--no-progress", "--threads", "1"])
+    assert (full / "heal_report.json").is_file() and not state_dir_for(full).exists()
 
     calls = []
     real_fit = layerwise.fit_attention_block
@@ -157,23 +154,3 @@ def test_layerwise_resumes_from_saved_layers(tiny_student, tiny_teacher, text_fi
     a, b = CheckpointReader(full), CheckpointReader(part)
     for name in a.keys():
         assert torch.equal(a.get(name), b.get(name)), name
-
-
-def test_low_rank_query_student(tiny_teacher, text_file, tmp_path):
-    """A conversion with q_lora_rank (q_a_proj / q_b_proj) heals too; q_a_layernorm stays fixed."""
-    from transformers import DeepseekV3ForCausalLM
-
-    from kvconvert.heal.api import heal
-    from kvconvert.mla.convert import MLAOptions, convert_to_mla
-
-    student = tmp_path / "qlora"
-    convert_to_mla(tiny_teacher, student, MLAOptions(rank=8, rope_dim=8, q_rank=16, target="any", calib_data=str(text_file),
-                                                     calib_tokens=1024, calib_window=128, dtype="fp32"), progress=False)
-    out = tmp_path / "healed"
-    rep = heal(student, tiny_teacher, layerwise_recipe(text_file, steps=20), out, progress=False)
-    lw = rep["stages"]["heal_layerwise"]
-    assert lw["mean_rel_err_after"] < lw["mean_rel_err_before"]
-    s, h = CheckpointReader(student), CheckpointReader(out)
-    assert torch.equal(s.get("model.layers.0.self_attn.q_a_layernorm.weight"), h.get("model.layers.0.self_attn.q_a_layernorm.weight"))
-    assert not torch.equal(s.get("model.layers.0.self_attn.q_b_proj.weight"), h.get("model.layers.0.self_attn.q_b_proj.weight"))
-    assert DeepseekV3ForCausalLM.from_pretrained(str(out)).config.q_lora_rank == 16

@@ -36,35 +36,25 @@ def _write(tmp_path, text: str) -> Path:
     return path
 
 
-def test_unknown_stage_key_names_key_and_file(tmp_path):
-    path = _write(tmp_path, "heal_layerwise:\n  steps: 10\n  stpes: 20\n")
-    with pytest.raises(KVConvertError) as info:
+@pytest.mark.parametrize("text, match", [
+    ("heal_layerwise:\n  steps: 10\n  stpes: 20\n", r"unknown key 'heal_layerwise\.stpes'"),
+    ("heal_distil:\n  tokens: 100\n", r"unknown key 'heal_distil'"),
+    ("convert:\n  rank: -3\n", r"convert\.rank"),
+    ("heal_layerwise:\n  target: teacher\n", r"heal_layerwise\.target"),
+    ("heal_distill:\n  kl_weight: 0\n  lm_weight: 0\n", "nothing to train"),
+    ("convert: [rank: 3\n", "not valid YAML"),
+    ("[1, 2]\n", "a recipe must be a mapping"),
+], ids=["stage-key", "top-level-key", "bad-value", "bad-choice", "no-loss", "yaml", "not-a-mapping"])
+def test_bad_recipe_names_the_file_and_the_key(tmp_path, text, match):
+    path = _write(tmp_path, text)
+    with pytest.raises(KVConvertError, match=match) as info:
         load_recipe(path)
-    assert "heal_layerwise.stpes" in str(info.value) and str(path) in str(info.value)
+    assert str(info.value).startswith(f"{path}:")
 
 
-def test_unknown_top_level_key(tmp_path):
-    path = _write(tmp_path, "heal_distil:\n  tokens: 100\n")
-    with pytest.raises(KVConvertError, match=r"unknown key 'heal_distil'"):
-        load_recipe(path)
-
-
-def test_bad_value_names_key(tmp_path):
-    path = _write(tmp_path, "convert:\n  rank: -3\n")
-    with pytest.raises(KVConvertError, match=r"convert\.rank"):
-        load_recipe(path)
-    path = _write(tmp_path, "heal_layerwise:\n  target: teacher\n")
-    with pytest.raises(KVConvertError, match=r"heal_layerwise\.target"):
-        load_recipe(path)
-
-
-def test_invalid_yaml_and_missing_file(tmp_path):
-    with pytest.raises(KVConvertError, match="not valid YAML"):
-        load_recipe(_write(tmp_path, "convert: [rank: 3\n"))
+def test_missing_recipe_file(tmp_path):
     with pytest.raises(KVConvertError, match="not found"):
         load_recipe(tmp_path / "nope.yaml")
-    with pytest.raises(KVConvertError, match="mapping"):
-        parse_recipe([1, 2], "x.yaml")
 
 
 def test_all_five_stages_and_derived_values():
@@ -85,11 +75,6 @@ def test_all_five_stages_and_derived_values():
 def test_disabled_stage_does_not_run():
     recipe = parse_recipe({"heal_layerwise": {"enabled": False}})
     assert recipe.layerwise is None and not recipe.heals()
-
-
-def test_distill_needs_some_loss():
-    with pytest.raises(KVConvertError, match="nothing to train"):
-        parse_recipe({"heal_distill": {"kl_weight": 0, "lm_weight": 0}})
 
 
 def _heal_flags(*flags: str) -> dict:
