@@ -11,7 +11,7 @@ from kvconvert.models.common import DecoderLayer, rms_norm, short_names
 
 class Decoder:
     """A decoder of kvconvert.models' layers (DecoderLayer of attention_cls) over the paged KV cache.
-    Subclasses give attention(layer.attn, x, angles, stores, meta, attn) and layout_from_config.
+    Subclasses give attention(layer.attn, x, angles, stores, meta, attn).
 
     cos/sin for every position up to max_positions are precomputed as transformers computes them:
     fp32 position * inv_freq, cos/sin, times the attention factor.
@@ -40,9 +40,6 @@ class Decoder:
         if self.device.type != "cpu":
             reader.drop_pages(name)
         return tensor
-
-    def kv_layout(self):
-        return self.layout_from_config(self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta, attn) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden] (fp32)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 from kvconvert.runtime.attention import AttentionMetadata, causal_mask
-from kvconvert.runtime.kv_cache import CacheSpec
 from kvconvert.runtime.layers import Decoder
 
 from kvconvert.models import deepseek_v3 as ds
@@ -24,17 +23,9 @@ class DeepseekV3ForCausalLM(Decoder):
     """Weights as plain tensors; forward(input_ids [T], positions [T], ...) -> hidden [T, hidden].
     dtype: as LlamaForCausalLM's (weights mapped when stored in it; norms, softmax, logits fp32)."""
 
-    architecture = "deepseek_v3"
-
     def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None, device="cpu"):
         ds.check_dense(reader.config)
         super().__init__(reader, ds.MLAShape.from_config(reader.config), ds.MLAAttention, dtype, max_positions, device)
-
-    @staticmethod
-    def layout_from_config(c: dict) -> list[dict[str, CacheSpec]]:
-        """Per layer: one row [latent (kv_lora_rank) | k_rope (qk_rope_head_dim)] per token."""
-        row = CacheSpec((c["kv_lora_rank"] + c["qk_rope_head_dim"],), rope_tail=c["qk_rope_head_dim"])
-        return [{"kv": row} for _ in range(c["num_hidden_layers"])]
 
     def attention(self, a: ds.MLAAttention, x, angles, stores, meta: AttentionMetadata, attn):
         """x [T, hidden] normed -> attention block output [T, hidden], through the paged cache."""
