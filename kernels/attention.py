@@ -12,21 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from kvconvert.errors import KVConvertError
-
+from ._launch import BACKENDS, check_backend
 from .append import kv_append
 from .cache_layout import GQACacheLayer, MLACacheLayer
 from .gqa_decode import paged_gqa_decode_reference, paged_gqa_decode_triton
 from .merge import merge_lse_reference, merge_lse_triton
 from .mla_decode import paged_mla_decode_reference, paged_mla_decode_triton
-
-BACKENDS = ("triton", "torch")
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise KVConvertError(f"unknown kernel backend {backend!r}: use 'triton' or 'torch'")
-
 
 def paged_mla_decode(
     q_nope: torch.Tensor,
@@ -44,7 +35,7 @@ def paged_mla_decode(
     ``kernel_options`` (triton only): num_splits, dot ('fp32'|'bf16'|'fp16'), block_h, block_n,
     num_warps, num_stages.
     """
-    _check_backend(backend)
+    check_backend(backend)
     if backend == "torch":
         return paged_mla_decode_reference(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale)
     return paged_mla_decode_triton(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale, **kernel_options)
@@ -61,7 +52,7 @@ def paged_gqa_decode(
     **kernel_options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA decode: q ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); options as for MLA."""
-    _check_backend(backend)
+    check_backend(backend)
     if backend == "torch":
         return paged_gqa_decode_reference(q, cache, block_tables, seq_lens, softmax_scale)
     return paged_gqa_decode_triton(q, cache, block_tables, seq_lens, softmax_scale, **kernel_options)
@@ -75,7 +66,7 @@ def merge_lse(
     backend: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge parts ``[..., S, D]`` with LSEs ``[..., S]`` -> (``[..., D]``, ``[...]``); see :mod:`.merge`."""
-    _check_backend(backend)
+    check_backend(backend)
     if backend == "torch":
         return merge_lse_reference(partial_out, partial_lse, out_dtype)
     return merge_lse_triton(partial_out, partial_lse, out_dtype)
