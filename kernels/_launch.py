@@ -3,6 +3,8 @@ precision, and the float64 decode reference loop."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -20,6 +22,22 @@ BACKENDS = ("triton", "torch")
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise KVConvertError(f"unknown kernel backend {backend!r}: use 'triton' or 'torch'")
+
+
+def with_backend(launcher, reference):
+    """The public form of a kernel: ``f(*args, backend='triton' | 'torch', **options)`` runs the Triton
+    ``launcher(*args, **options)`` or its PyTorch ``reference`` with the options it takes (the kernel
+    options, e.g. num_splits, dot, block_h, block_n, num_warps, num_stages, are Triton's only)."""
+    reference_options = inspect.signature(reference).parameters
+
+    @functools.wraps(launcher)
+    def run(*args, backend: str = "triton", **options):
+        check_backend(backend)
+        if backend == "torch":
+            return reference(*args, **{k: v for k, v in options.items() if k in reference_options})
+        return launcher(*args, **options)
+
+    return run
 
 
 def check_paging(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int, block_size: int) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 
-from ._launch import check_backend
+from ._launch import with_backend
 from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
 
 if HAS_TRITON:
@@ -114,7 +114,5 @@ def kv_append_reference(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: t
     flat[slot_mapping[keep]] = rows[keep]
 
 
-def kv_append(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "triton") -> None:
-    """Dispatch: ``backend`` 'triton' (kernel) or 'torch' (reference)."""
-    check_backend(backend)
-    (kv_append_triton if backend == "triton" else kv_append_reference)(cache, rows, slot_mapping)
+# kv_append(cache, rows, slot_mapping, backend="triton"): the kernel or its reference
+kv_append = with_backend(kv_append_triton, kv_append_reference)

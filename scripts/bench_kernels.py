@@ -267,7 +267,8 @@ def measure_step(torch, step, mode, cache, batch, context, peak, cfg, plain_ms) 
 
 
 def bench_mla(torch, args, contexts, grid, peak):
-    from kvconvert.kernels.mla_decode import default_num_splits, paged_mla_decode_triton
+    from kvconvert.kernels._launch import default_num_splits
+    from kvconvert.kernels.mla_decode import paged_mla_decode_triton
 
     rows, tuning, plain_ms = [], {}, {}
     for mode in MLA_MODES:
