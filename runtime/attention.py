@@ -169,16 +169,8 @@ class TritonAttention(TorchAttention):
     def __init__(self, kv_dtype: str, device: torch.device | str = "cpu"):
         if kv_format(kv_dtype).kernel_mode is None:  # fp8_e5m2
             raise KVConvertError("the Triton kernels read fp8 e4m3 caches only; use kv_dtype fp8 or --backend torch")
-        try:
-            from kvconvert.kernels import attention as kernels
-            from kvconvert.kernels import cache_layout
-        except ImportError as exc:
-            raise KVConvertError(
-                f"attention backend 'triton' needs kvconvert.kernels.attention ({exc}); use --backend torch"
-            ) from None
-        missing = [f for f in ("paged_gqa_decode", "paged_mla_decode", "kv_append") if not hasattr(kernels, f)]
-        if missing:
-            raise KVConvertError(f"kvconvert.kernels.attention lacks {', '.join(missing)}; use --backend torch")
+        from kvconvert.kernels import attention as kernels  # imported here: the torch backend never loads Triton
+        from kvconvert.kernels import cache_layout
         from kvconvert.kernels._triton_compat import interpreter_enabled, require_triton
 
         require_triton()
@@ -230,8 +222,5 @@ class TritonAttention(TorchAttention):
 
 
 def make_attention(name: str, kv_dtype: str = "bf16", device: torch.device | str = "cpu"):
-    if name == "torch":
-        return TorchAttention(device)
-    if name == "triton":
-        return TritonAttention(kv_dtype, device)
-    raise KVConvertError(f"attention backend {name!r} is unknown; choose torch or triton")
+    """The backend `name` (EngineConfig checked it is one of ATTENTION_BACKENDS)."""
+    return TritonAttention(kv_dtype, device) if name == "triton" else TorchAttention(device)

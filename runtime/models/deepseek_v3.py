@@ -23,9 +23,11 @@ class DeepseekV3ForCausalLM(Decoder):
     """Weights as plain tensors; forward(input_ids [T], positions [T], ...) -> hidden [T, hidden].
     dtype: as LlamaForCausalLM's (weights mapped when stored in it; norms, softmax, logits fp32)."""
 
+    shape_cls, attention_cls = ds.MLAShape, ds.MLAAttention
+
     def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None, device="cpu"):
         ds.check_dense(reader.config)
-        super().__init__(reader, ds.MLAShape.from_config(reader.config), ds.MLAAttention, dtype, max_positions, device)
+        super().__init__(reader, dtype, max_positions, device)
 
     def attention(self, a: ds.MLAAttention, x, angles, stores, meta: AttentionMetadata, attn):
         """x [T, hidden] normed -> attention block output [T, hidden], through the paged cache."""

@@ -24,8 +24,7 @@ class LlamaForCausalLM(Decoder):
     softmax run in fp32, the final norm and the logits entirely in fp32 (see fp32_logits).
     """
 
-    def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None, device="cpu"):
-        super().__init__(reader, llama.LlamaShape.from_config(reader.config), llama.LlamaAttention, dtype, max_positions, device)
+    shape_cls, attention_cls = llama.LlamaShape, llama.LlamaAttention
 
     def attention(self, a: llama.LlamaAttention, x, angles, stores, meta: AttentionMetadata, attn):
         """x [T, hidden] normed -> attention block output [T, hidden], through the paged cache."""
