@@ -6,12 +6,13 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kvconvert.errors import KVConvertError
 
-from ._triton_compat import check_kernel_device, interpreter_enabled
+from ._triton_compat import interpreter_enabled
 from .dequant import DOT_PRECISIONS
 from .merge import merge_lse_triton
 
@@ -82,20 +83,37 @@ def resolve_dot(dot: str | None, q: torch.Tensor) -> str:
     return dot
 
 
-def check_launch(block_h: int, block_n: int, *tensors: torch.Tensor) -> None:
-    """Tiles tl.dot accepts, and every input on the kernel's device."""
-    if block_h < 16 or block_n < 16:
-        raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
-    check_kernel_device(*tensors)
+@dataclass(frozen=True)
+class DecodeOptions:
+    """The decode launchers' keyword options (defaults as tuned on an H100). num_splits: KV ranges
+    per sequence (None: default_num_splits); dot: operand precision (None: resolve_dot's default);
+    block_h: query heads per program; block_n: tokens per KV tile; num_warps, num_stages: Triton's."""
+
+    num_splits: int | None = None
+    dot: str | None = None
+    block_h: int = 16
+    block_n: int = 16
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_h < 16 or self.block_n < 16:
+            raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
+
+    @property
+    def launch(self) -> dict[str, int]:
+        """The launch keywords every decode kernel takes."""
+        return {"BLOCK_H": self.block_h, "BLOCK_N": self.block_n, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
 
 
 def split_outputs(q: torch.Tensor, width: int, head_groups: int, block_tables: torch.Tensor, block_size: int,
-                  block_n: int, num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  options: DecodeOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1's buffers for q ``[batch, heads, ...]``: part_out fp32 ``[batch, heads, splits, width]``
-    and part_lse fp32 ``[batch, heads, splits]`` (splits: num_splits or the default for the grid)."""
+    and part_lse fp32 ``[batch, heads, splits]`` (splits: options.num_splits or the default for the grid)."""
     batch, heads = q.shape[:2]
     max_context = block_tables.shape[1] * block_size
-    splits = num_splits or default_num_splits(batch, head_groups, max_context, block_n)
+    splits = options.num_splits or default_num_splits(batch, head_groups, max_context, options.block_n)
     part_out = torch.empty(batch, heads, splits, width, dtype=torch.float32, device=q.device)
     return part_out, torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
 

@@ -19,7 +19,7 @@ from .mla_decode import paged_mla_decode_reference, paged_mla_decode_triton
 
 # Absorbed MLA decode: paged_mla_decode(q_nope [B, H, R], q_rope [B, H, P], cache: MLACacheLayer, block_tables,
 # seq_lens, softmax_scale, *, backend="triton", **kernel_options) -> (out [B, H, R], lse [B, H]).
-# kernel_options (triton only): num_splits, dot ('fp32'|'bf16'|'fp16'), block_h, block_n, num_warps, num_stages.
+# kernel_options (triton only): kvconvert.kernels._launch.DecodeOptions.
 paged_mla_decode = with_backend(paged_mla_decode_triton, paged_mla_decode_reference)
 # GQA decode: paged_gqa_decode(q [B, Hq, D], cache: GQACacheLayer, block_tables, seq_lens, softmax_scale, *,
 # backend="triton", **kernel_options) -> (out [B, Hq, D], lse [B, Hq]); options as for MLA.

@@ -22,7 +22,7 @@ from kvconvert.errors import KVConvertError
 
 from ._launch import (
     LOG2E,
-    check_launch,
+    DecodeOptions,
     check_paging,
     check_softmax_scale,
     decode_reference,
@@ -31,7 +31,7 @@ from ._launch import (
     resolve_dot,
     split_outputs,
 )
-from ._triton_compat import HAS_TRITON, next_power_of_2, require_triton, tl, triton
+from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
 from .cache_layout import GQACacheLayer
 from .dequant import MODE_IDS, aux_broadcastable, dot_constexprs
 
@@ -202,24 +202,14 @@ def _scale_stride(s: torch.Tensor) -> int:
     return 0 if s.numel() == 1 else s.stride(0)
 
 
-def paged_gqa_decode_triton(
-    q: torch.Tensor,
-    cache: GQACacheLayer,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    *,
-    num_splits: int | None = None,
-    dot: str | None = None,
-    block_h: int = 16,
-    block_n: int = 16,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton split-KV GQA decode + LSE merge -> (out ``[B, Hq, D]`` q dtype, lse ``[B, Hq]`` fp32)."""
+def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            softmax_scale: float, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton split-KV GQA decode + LSE merge -> (out ``[B, Hq, D]`` q dtype, lse ``[B, Hq]`` fp32).
+    options: :class:`~kvconvert.kernels._launch.DecodeOptions`."""
     require_triton()
     _check_decode_inputs(q, cache, block_tables, seq_lens, softmax_scale)
-    check_launch(block_h, block_n, q, cache.k, cache.v, block_tables, seq_lens)
+    opts = DecodeOptions(**options)
+    check_kernel_device(q, cache.k, cache.v, block_tables, seq_lens)
     q_heads, d = q.shape[1:]
     group = q_heads // cache.kv_heads
     block_d = max(16, next_power_of_2(d))
@@ -229,9 +219,9 @@ def paged_gqa_decode_triton(
     k_aux = cache.k_block_scales if cache.k_block_scales is not None else cache.k
     v_aux = cache.v_block_scales if cache.v_block_scales is not None else cache.v
 
-    groups_per_kv = triton.cdiv(group, block_h)
+    groups_per_kv = triton.cdiv(group, opts.block_h)
     head_groups = cache.kv_heads * groups_per_kv
-    part_out, part_lse = split_outputs(q, d, head_groups, block_tables, cache.block_size, block_n, num_splits)
+    part_out, part_lse = split_outputs(q, d, head_groups, block_tables, cache.block_size, opts)
     splits = part_out.shape[2]
     k, v = cache.k, cache.v
     nvfp4 = cache.mode == "nvfp4"
@@ -249,9 +239,8 @@ def paged_gqa_decode_triton(
         _scale_stride(k_scale), _scale_stride(v_scale),
         block_tables.stride(0),
         *partial_strides(part_out, part_lse),
-        **mode_consts, AUX_BROADCAST=broadcast, **dot_constexprs(resolve_dot(dot, q)),
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=num_warps, num_stages=num_stages,
+        **mode_consts, AUX_BROADCAST=broadcast, **dot_constexprs(resolve_dot(opts.dot, q)),
+        BLOCK_D=block_d, **opts.launch,
     )
     return merge_splits(part_out, part_lse, q.dtype)
 

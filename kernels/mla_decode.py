@@ -25,7 +25,7 @@ from kvconvert.errors import KVConvertError
 
 from ._launch import (
     LOG2E,
-    check_launch,
+    DecodeOptions,
     check_paging,
     check_softmax_scale,
     decode_reference,
@@ -34,7 +34,7 @@ from ._launch import (
     resolve_dot,
     split_outputs,
 )
-from ._triton_compat import HAS_TRITON, next_power_of_2, require_triton, tl, triton
+from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
 from .cache_layout import MLACacheLayer
 from .dequant import MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
 
@@ -213,26 +213,16 @@ def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq
     check_paging(block_tables, seq_lens, q_nope.shape[0], cache.block_size)
 
 
-def paged_mla_decode_triton(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
-    cache: MLACacheLayer,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    *,
-    num_splits: int | None = None,
-    dot: str | None = None,
-    block_h: int = 16,
-    block_n: int = 16,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton split-KV MLA decode + LSE merge -> (out ``[B, H, R]`` q dtype, lse ``[B, H]`` fp32)."""
+def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: MLACacheLayer,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+                            **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton split-KV MLA decode + LSE merge -> (out ``[B, H, R]`` q dtype, lse ``[B, H]`` fp32).
+    options: :class:`~kvconvert.kernels._launch.DecodeOptions`."""
     require_triton()
     _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale)
+    opts = DecodeOptions(**options)
     data = cache.data
-    check_launch(block_h, block_n, q_nope, q_rope, data, block_tables, seq_lens)
+    check_kernel_device(q_nope, q_rope, data, block_tables, seq_lens)
     heads, r = q_nope.shape[1:]
     p = cache.rope_dim
     block_r, block_p = max(16, next_power_of_2(r)), max(16, next_power_of_2(p))
@@ -245,8 +235,8 @@ def paged_mla_decode_triton(
     aux_group = {"fp8_tile": r // aux.shape[-1], "nvfp4": 16}.get(cache.mode, 16)
     scale = cache.tensor_scale if cache.tensor_scale is not None else torch.ones(1, device=data.device)
 
-    head_groups = triton.cdiv(heads, block_h)
-    part_out, part_lse = split_outputs(q_nope, r, head_groups, block_tables, cache.block_size, block_n, num_splits)
+    head_groups = triton.cdiv(heads, opts.block_h)
+    part_out, part_lse = split_outputs(q_nope, r, head_groups, block_tables, cache.block_size, opts)
     splits = part_out.shape[2]
     args = (
         q_nope, q_rope, data, rope, aux, scale, block_tables, seq_lens, part_out, part_lse,
@@ -257,10 +247,7 @@ def paged_mla_decode_triton(
         block_tables.stride(0),
         *partial_strides(part_out, part_lse),
     )
-    consts = dict(
-        **dot_constexprs(resolve_dot(dot, q_nope)), BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    consts = dict(**dot_constexprs(resolve_dot(opts.dot, q_nope)), BLOCK_R=block_r, BLOCK_P=block_p, **opts.launch)
     grid = (q_nope.shape[0], head_groups, splits)
     if mode == MODE_NVFP4:  # even/odd halves of BLOCK_R // 2 features, block-scale groups of 8 bytes
         _mla_decode_split_nvfp4_kernel[grid](*args, AUX_BROADCAST=aux_broadcastable(8, block_r // 2), **consts)
