@@ -38,6 +38,7 @@ def with_backend(launcher, reference):
             return reference(*args, **{k: v for k, v in options.items() if k in reference_options})
         return launcher(*args, **options)
 
+    run.__name__ = run.__qualname__ = launcher.__name__.removesuffix("_triton")  # paged_mla_decode, ...
     return run
 
 
@@ -53,6 +54,20 @@ def check_paging(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int,
     capacity = block_tables.shape[1] * block_size
     if seq_lens.device.type == "cpu" and batch and not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
         raise KVConvertError(f"seq_lens must lie in [0, max_blocks * block_size = {capacity}]: extend the block tables")
+
+
+def check_decode(cache, layout: type, queries: tuple[torch.Tensor, ...], block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, softmax_scale) -> None:
+    """What every decode launcher and reference checks first: the softmax scale, the cache's layout
+    class, queries ``[batch, heads, dim]`` contiguous in their last dim, and the paging."""
+    check_softmax_scale(softmax_scale)
+    if not isinstance(cache, layout):
+        raise KVConvertError(f"cache must be a {layout.__name__}, got {type(cache).__name__}")
+    if any(q.dim() != 3 or q.shape[:2] != queries[0].shape[:2] for q in queries):
+        raise KVConvertError(f"queries {[tuple(q.shape) for q in queries]} must be [batch, heads, dim]")
+    if any(q.stride(-1) != 1 for q in queries):
+        raise KVConvertError("queries must be contiguous in their last dim")
+    check_paging(block_tables, seq_lens, queries[0].shape[0], cache.block_size)
 
 
 def check_softmax_scale(softmax_scale) -> float:

@@ -23,7 +23,7 @@ from kvconvert.errors import KVConvertError
 from ._launch import (
     LOG2E,
     DecodeOptions,
-    check_paging,
+    check_decode,
     check_softmax_scale,
     decode_reference,
     merge_splits,
@@ -186,16 +186,11 @@ if HAS_TRITON:
 
 
 def _check_decode_inputs(q, cache: GQACacheLayer, block_tables, seq_lens, softmax_scale) -> None:
-    check_softmax_scale(softmax_scale)
-    if not isinstance(cache, GQACacheLayer):
-        raise KVConvertError(f"cache must be a GQACacheLayer, got {type(cache).__name__}")
-    if q.dim() != 3 or q.shape[2] != cache.head_dim:
+    check_decode(cache, GQACacheLayer, (q,), block_tables, seq_lens, softmax_scale)
+    if q.shape[2] != cache.head_dim:
         raise KVConvertError(f"q {tuple(q.shape)} must be [batch, q_heads, head_dim={cache.head_dim}]")
     if q.shape[1] % cache.kv_heads:
         raise KVConvertError(f"q_heads {q.shape[1]} is not a multiple of kv_heads {cache.kv_heads}")
-    if q.stride(-1) != 1:
-        raise KVConvertError("q must be contiguous in its last dim")
-    check_paging(block_tables, seq_lens, q.shape[0], cache.block_size)
 
 
 def _scale_stride(s: torch.Tensor) -> int:

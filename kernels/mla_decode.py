@@ -26,7 +26,7 @@ from kvconvert.errors import KVConvertError
 from ._launch import (
     LOG2E,
     DecodeOptions,
-    check_paging,
+    check_decode,
     check_softmax_scale,
     decode_reference,
     merge_splits,
@@ -198,19 +198,12 @@ if HAS_TRITON:
 
 
 def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq_lens, softmax_scale) -> None:
-    check_softmax_scale(softmax_scale)
-    if not isinstance(cache, MLACacheLayer):
-        raise KVConvertError(f"cache must be an MLACacheLayer, got {type(cache).__name__}")
-    if q_nope.dim() != 3 or q_rope.dim() != 3 or q_nope.shape[:2] != q_rope.shape[:2]:
-        raise KVConvertError(f"q_nope {tuple(q_nope.shape)} and q_rope {tuple(q_rope.shape)} must be [batch, heads, dim]")
+    check_decode(cache, MLACacheLayer, (q_nope, q_rope), block_tables, seq_lens, softmax_scale)
     if q_nope.shape[2] != cache.kv_lora_rank or q_rope.shape[2] != cache.rope_dim:
         raise KVConvertError(
             f"query dims {q_nope.shape[2]}+{q_rope.shape[2]} do not match the cache's "
             f"kv_lora_rank {cache.kv_lora_rank} + rope_dim {cache.rope_dim}"
         )
-    if q_nope.stride(-1) != 1 or q_rope.stride(-1) != 1:
-        raise KVConvertError("queries must be contiguous in their last dim")
-    check_paging(block_tables, seq_lens, q_nope.shape[0], cache.block_size)
 
 
 def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: MLACacheLayer,
