@@ -14,7 +14,7 @@ from kvconvert.kernels.attention import paged_gqa_decode
 from kvconvert.kernels.cache_layout import GQACacheLayer
 from kvconvert.kernels.gqa_decode import paged_gqa_decode_reference
 
-from kernel_cases import DEVICE, LOW_PRECISION_DOTS, assert_decode_close, assert_lse_close, make_paging, relative_error
+from kernel_cases import DEVICE, LOW_PRECISION_DOTS, assert_decode_close, assert_low_precision_close, make_paging
 
 # (mode, per-head scales)
 MODES = [("none", False), ("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True)]
@@ -71,11 +71,8 @@ def test_gqa_kernel_options_match_reference(case, options, tol):
 @pytest.mark.parametrize("mode,per_head", MODES)
 def test_gqa_low_precision_dot_operands_every_mode(mode, per_head, dot):
     """Both dots with rounded operands on a Llama-3-like head (D 128, group 4), every cache mode."""
-    cache, q, tables, lens, scale = build_case(mode, per_head, 8, 2, 128, 16, [300, 0, 77], seed=4)
-    out, lse = paged_gqa_decode(q, cache, tables, lens, scale, dot=dot)
-    ref_out, ref_lse = paged_gqa_decode_reference(q, cache, tables, lens, scale)
-    assert relative_error(out, ref_out) < 1e-2
-    assert_lse_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
+    cache, q, *args = build_case(mode, per_head, 8, 2, 128, 16, [300, 0, 77], seed=4)
+    assert_low_precision_close(paged_gqa_decode(q, cache, *args, dot=dot), paged_gqa_decode_reference(q, cache, *args))
 
 
 def test_gqa_reference_equals_dense_attention():

@@ -5,7 +5,6 @@ long as the context) in fp32: logits within 2e-5, greedy tokens identical."""
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -215,10 +214,3 @@ def test_default_pool_fits_the_default_batch(llama_gqa):
     llm = LLM(llama_gqa)
     assert llm.num_blocks == 64 * (MAX_LEN // 16)  # capped at max_num_seqs full-length requests
     assert llm.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2  # layers x (k, v) x kv_heads x head_dim x bf16
-
-
-def test_dynamic_scales_warn(tiny_model):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        LLM(tiny_model, kv_dtype="fp8", kv_scales="dynamic")
-    assert any("dynamic" in str(w.message) for w in caught)
