@@ -5,7 +5,10 @@ Helpers shared by this folder's tests (fixtures live in conftest.py). A uniquely
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -98,3 +101,18 @@ def load_reference(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (scripts/ on sys.path while it loads, for its sibling imports)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPTS))
