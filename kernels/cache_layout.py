@@ -125,6 +125,16 @@ class _PagedLayer:
     def block_size(self) -> int:
         return getattr(self, self.BLOCK_FIELDS[0]).shape[1]
 
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, self.BLOCK_FIELDS[0]).device
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token occupies: every component (values, block scales, RoPE)."""
+        tensors = (getattr(self, f) for f in self.BLOCK_FIELDS)
+        return sum(t[0, 0].numel() * t.element_size() for t in tensors if t is not None)
+
     def _check_tensors(self, layout: Layout) -> None:
         for field, (shape, dtypes) in layout.items():
             _expect(getattr(self, field), f"{type(self).__name__} {self.mode} {field}", shape, dtypes)
