@@ -110,7 +110,7 @@ class TorchAttention:
             k = self._heads_first(k_store, table, q.dtype, "k")[:, :, : c.context_len]  # [1, KVH, S, D]
             v = self._heads_first(v_store, table, q.dtype, "v")[:, :, : c.context_len]
             span = slice(c.query_start, c.query_start + c.query_len)
-            o = _sdpa(q[span].transpose(0, 1)[None], k, v, c.query_len, c.context_len, scale)  # [1, H, L, D]
+            o = causal_sdpa(q[span].transpose(0, 1)[None], k, v, c.query_len, c.context_len, scale)  # [1, H, L, D]
             out[span] = o[0].transpose(0, 1)
         return out
 
@@ -148,9 +148,10 @@ class TorchAttention:
         return torch.bmm(probs, rows[..., :latent_dim])
 
 
-def _sdpa(q, k, v, query_len, context_len, scale):
-    """q [1, H, L, D], k/v [1, KVH, S, D*] with causal offset; GQA by head groups."""
-    gqa = k.shape[1] != q.shape[1]
+def causal_sdpa(q, k, v, query_len, context_len, scale):
+    """q [..., H, L, D], k/v [..., KVH, S, D*] with causal offset (the L queries are the last of the
+    S positions); GQA by head groups."""
+    gqa = k.shape[-3] != q.shape[-3]
     if query_len == context_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     mask = causal_mask(query_len, context_len, q.device)

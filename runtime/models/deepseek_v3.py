@@ -12,7 +12,7 @@ docstring for the cached row [c | k_rope]); this adds the two ways to attend (vL
 from __future__ import annotations
 
 import torch
-from kvconvert.runtime.attention import AttentionMetadata, causal_mask
+from kvconvert.runtime.attention import AttentionMetadata, causal_sdpa
 from kvconvert.runtime.layers import Decoder
 
 from kvconvert.models import deepseek_v3 as ds
@@ -60,7 +60,5 @@ class DeepseekV3ForCausalLM(Decoder):
         k_rope = rows[:, None, s.rank:].expand(rows.shape[0], s.heads, s.rope_dim)
         k = torch.cat([k_nope, k_rope], dim=-1).transpose(0, 1)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
-        mask = None if chunk.query_len == chunk.context_len else causal_mask(chunk.query_len, chunk.context_len, q.device)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v.transpose(0, 1), attn_mask=mask, is_causal=mask is None, scale=s.softmax_scale)
+        o = causal_sdpa(q, k, v.transpose(0, 1), chunk.query_len, chunk.context_len, s.softmax_scale)  # [H, L, v]
         return o.transpose(0, 1)
