@@ -85,10 +85,12 @@ def build_deepseek(path, *, interleave=True, q_lora_rank=None, rope=None, bias=F
     return path
 
 
-def add_tensors(src, dst, extra: dict[str, torch.Tensor], config_update: dict | None = None):
-    """Copy a single-file checkpoint to dst with extra tensors (e.g. KV scales) and config keys."""
+def add_tensors(src, dst, extra: dict[str, torch.Tensor], config_update: dict | None = None,
+                dtype: torch.dtype | None = None):
+    """Copy a single-file checkpoint to dst with extra tensors (e.g. KV scales) and config keys,
+    its tensors converted to dtype if given."""
     dst.mkdir(parents=True, exist_ok=True)
-    tensors = load_file(src / "model.safetensors")
+    tensors = {k: v if dtype is None else v.to(dtype) for k, v in load_file(src / "model.safetensors").items()}
     tensors.update(extra)
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())

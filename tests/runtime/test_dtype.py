@@ -4,17 +4,16 @@ fp32 on request; the up-front memory estimate and refusal."""
 from __future__ import annotations
 
 import ctypes
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.errors import KVConvertError
 from kvconvert.runtime import LLM
 from kvconvert.runtime.memory import AVAILABLE_ENV, estimate_memory, resolve_dtype
-from runtime_cases import assert_bf16_logits_close, greedy, random_ids
+from runtime_cases import add_tensors, assert_bf16_logits_close, greedy, random_ids
 
 IDS = random_ids(120, seed=3)
 
@@ -24,11 +23,7 @@ def bf16_model(request, tmp_path_factory, llama_gqa, deepseek_mla):
     """The tiny fp32 checkpoint re-stored in bf16 (as real checkpoints ship)."""
     src = llama_gqa if request.param == "llama" else deepseek_mla
     dst = tmp_path_factory.mktemp(f"{request.param}_bf16")
-    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(src / "model.safetensors").items()}
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
-    return dst
+    return add_tensors(src, dst, {}, {"torch_dtype": "bfloat16"}, dtype=torch.bfloat16)
 
 
 def _inside(tensor: torch.Tensor, mm) -> bool:
