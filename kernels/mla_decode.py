@@ -24,15 +24,8 @@ import torch
 from kvconvert.errors import KVConvertError
 
 from ._launch import (
-    LOG2E,
-    DecodeOptions,
-    check_decode,
-    check_softmax_scale,
-    decode_reference,
-    merge_splits,
-    partial_strides,
-    resolve_dot,
-    split_outputs,
+    LOG2E, DecodeOptions, check_decode, check_softmax_scale, decode_reference,
+    merge_splits, partial_strides, resolve_dot, split_outputs,
 )
 from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
 from .cache_layout import MLACacheLayer
@@ -40,12 +33,7 @@ from .dequant import MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_co
 
 if HAS_TRITON:
     from .dequant import load_kv_tile, load_nvfp4_halves
-    from .split_softmax import (
-        finish_softmax,
-        online_softmax_step,
-        paged_slots,
-        split_token_range,
-    )
+    from .split_softmax import finish_softmax, online_softmax_step, paged_slots, split_token_range
 
     @triton.jit
     def _mla_decode_split_kernel(
