@@ -1,8 +1,12 @@
-"""Launcher helpers shared by the decode kernels: input checks, split count, dot precision, gathers."""
+"""Launcher helpers shared by the kernels: backend and input checks, split-KV buffers and merge, dot
+precision, and the float64 decode reference loop."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -10,8 +14,32 @@ from kvconvert.errors import KVConvertError
 
 from ._triton_compat import interpreter_enabled
 from .dequant import DOT_PRECISIONS
+from .merge import merge_lse_triton
 
 LOG2E = 1.4426950408889634
+BACKENDS = ("triton", "torch")
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise KVConvertError(f"unknown kernel backend {backend!r}: use 'triton' or 'torch'")
+
+
+def with_backend(launcher, reference):
+    """The public form of a kernel: ``f(*args, backend='triton' | 'torch', **options)`` runs the Triton
+    ``launcher(*args, **options)`` or its PyTorch ``reference`` with the options it takes (the kernel
+    options, e.g. num_splits, dot, block_h, block_n, num_warps, num_stages, are Triton's only)."""
+    reference_options = inspect.signature(reference).parameters
+
+    @functools.wraps(launcher)
+    def run(*args, backend: str = "triton", **options):
+        check_backend(backend)
+        if backend == "torch":
+            return reference(*args, **{k: v for k, v in options.items() if k in reference_options})
+        return launcher(*args, **options)
+
+    run.__name__ = run.__qualname__ = launcher.__name__.removesuffix("_triton")  # paged_mla_decode, ...
+    return run
 
 
 def check_paging(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int, block_size: int) -> None:
@@ -26,6 +54,20 @@ def check_paging(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int,
     capacity = block_tables.shape[1] * block_size
     if seq_lens.device.type == "cpu" and batch and not bool(((seq_lens >= 0) & (seq_lens <= capacity)).all()):
         raise KVConvertError(f"seq_lens must lie in [0, max_blocks * block_size = {capacity}]: extend the block tables")
+
+
+def check_decode(cache, layout: type, queries: tuple[torch.Tensor, ...], block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, softmax_scale) -> None:
+    """What every decode launcher and reference checks first: the softmax scale, the cache's layout
+    class, queries ``[batch, heads, dim]`` contiguous in their last dim, and the paging."""
+    check_softmax_scale(softmax_scale)
+    if not isinstance(cache, layout):
+        raise KVConvertError(f"cache must be a {layout.__name__}, got {type(cache).__name__}")
+    if any(q.dim() != 3 or q.shape[:2] != queries[0].shape[:2] for q in queries):
+        raise KVConvertError(f"queries {[tuple(q.shape) for q in queries]} must be [batch, heads, dim]")
+    if any(q.stride(-1) != 1 for q in queries):
+        raise KVConvertError("queries must be contiguous in their last dim")
+    check_paging(block_tables, seq_lens, queries[0].shape[0], cache.block_size)
 
 
 def check_softmax_scale(softmax_scale) -> float:
@@ -56,11 +98,73 @@ def resolve_dot(dot: str | None, q: torch.Tensor) -> str:
     return dot
 
 
-def sequence_blocks(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Physical blocks holding a sequence's first ``seq_len`` tokens, in order (from its table row)."""
-    return block_row[: -(-seq_len // block_size)].long()
+@dataclass(frozen=True)
+class DecodeOptions:
+    """The decode launchers' keyword options (defaults as tuned on an H100). num_splits: KV ranges
+    per sequence (None: default_num_splits); dot: operand precision (None: resolve_dot's default);
+    block_h: query heads per program; block_n: tokens per KV tile; num_warps, num_stages: Triton's."""
+
+    num_splits: int | None = None
+    dot: str | None = None
+    block_h: int = 16
+    block_n: int = 16
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_h < 16 or self.block_n < 16:
+            raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
+
+    @property
+    def launch(self) -> dict[str, int]:
+        """The launch keywords every decode kernel takes."""
+        return {"BLOCK_H": self.block_h, "BLOCK_N": self.block_n, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
 
 
-def flatten_tokens(blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """``[n_blocks, block_size, ...]`` -> the first ``seq_len`` token rows ``[seq_len, ...]``."""
-    return blocks.reshape(-1, *blocks.shape[2:])[:seq_len]
+def split_outputs(q: torch.Tensor, width: int, head_groups: int, block_tables: torch.Tensor, block_size: int,
+                  options: DecodeOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's buffers for q ``[batch, heads, ...]``: part_out fp32 ``[batch, heads, splits, width]``
+    and part_lse fp32 ``[batch, heads, splits]`` (splits: options.num_splits or the default for the grid)."""
+    batch, heads = q.shape[:2]
+    max_context = block_tables.shape[1] * block_size
+    splits = options.num_splits or default_num_splits(batch, head_groups, max_context, options.block_n)
+    part_out = torch.empty(batch, heads, splits, width, dtype=torch.float32, device=q.device)
+    return part_out, torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+
+
+def partial_strides(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[int, ...]:
+    """The kernels' stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h arguments."""
+    return (*part_out.stride()[:3], *part_lse.stride()[:2])
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 2: the ranges merged by LSE -> (out ``[batch, heads, width]`` out_dtype, lse fp32 ``[batch, heads]``)."""
+    if part_out.shape[2] == 1:
+        return part_out[:, :, 0].to(out_dtype).contiguous(), part_lse[:, :, 0].contiguous()
+    return merge_lse_triton(part_out, part_lse, out_dtype=out_dtype)
+
+
+def decode_reference(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, width: int,
+                     attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode references' float64 loop, for q ``[batch, heads, ...]`` -> (out ``[batch, heads, width]``
+    in q's dtype, lse fp32 ``[batch, heads]``; 0 and -inf for an empty sequence).
+
+    Per sequence b of n > 0 tokens, the dequantized cache tensors as token rows ``[n, ...]`` float64
+    go to ``attend(b, *rows)`` -> (scores ``[heads, n]``, values ``[n, width]`` or ``[heads, n, width]``).
+    """
+    batch, heads = q.shape[:2]
+    out = torch.zeros(batch, heads, width, dtype=torch.float64, device=q.device)
+    lse = torch.full((batch, heads), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        # dequantize only this sequence's blocks (the cache may be much larger than the batch)
+        blocks = block_tables[b, : -(-n // cache.block_size)].long()
+        rows = (t.reshape(-1, *t.shape[2:])[:n].double() for t in cache.select_blocks(blocks).dequantize())
+        scores, values = attend(b, *rows)
+        lse[b] = torch.logsumexp(scores, dim=-1)
+        out[b] = (torch.softmax(scores, dim=-1)[:, None, :] @ values).squeeze(-2)
+    return out.to(q.dtype), lse.float()

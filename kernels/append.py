@@ -16,14 +16,8 @@ import torch
 
 from kvconvert.errors import KVConvertError
 
-from ._triton_compat import (
-    HAS_TRITON,
-    check_kernel_device,
-    next_power_of_2,
-    require_triton,
-    tl,
-    triton,
-)
+from ._launch import with_backend
+from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
 
 if HAS_TRITON:
 
@@ -120,11 +114,5 @@ def kv_append_reference(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: t
     flat[slot_mapping[keep]] = rows[keep]
 
 
-def kv_append(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "triton") -> None:
-    """Dispatch: ``backend`` 'triton' (kernel) or 'torch' (reference)."""
-    if backend == "torch":
-        kv_append_reference(cache, rows, slot_mapping)
-    elif backend == "triton":
-        kv_append_triton(cache, rows, slot_mapping)
-    else:
-        raise KVConvertError(f"unknown kernel backend {backend!r}: use 'triton' or 'torch'")
+# kv_append(cache, rows, slot_mapping, backend="triton"): the kernel or its reference
+kv_append = with_backend(kv_append_triton, kv_append_reference)

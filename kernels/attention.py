@@ -10,75 +10,25 @@ Cache layouts and paging conventions: :mod:`kvconvert.kernels.cache_layout`. Typ
 
 from __future__ import annotations
 
-import torch
-
-from kvconvert.errors import KVConvertError
-
+from ._launch import BACKENDS, with_backend
 from .append import kv_append
 from .cache_layout import GQACacheLayer, MLACacheLayer
 from .gqa_decode import paged_gqa_decode_reference, paged_gqa_decode_triton
 from .merge import merge_lse_reference, merge_lse_triton
 from .mla_decode import paged_mla_decode_reference, paged_mla_decode_triton
 
-BACKENDS = ("triton", "torch")
+# Absorbed MLA decode: paged_mla_decode(q_nope [B, H, R], q_rope [B, H, P], cache: MLACacheLayer, block_tables,
+# seq_lens, softmax_scale, *, backend="triton", **kernel_options) -> (out [B, H, R], lse [B, H]).
+# kernel_options (triton only): kvconvert.kernels._launch.DecodeOptions.
+paged_mla_decode = with_backend(paged_mla_decode_triton, paged_mla_decode_reference)
+# GQA decode: paged_gqa_decode(q [B, Hq, D], cache: GQACacheLayer, block_tables, seq_lens, softmax_scale, *,
+# backend="triton", **kernel_options) -> (out [B, Hq, D], lse [B, Hq]); options as for MLA.
+paged_gqa_decode = with_backend(paged_gqa_decode_triton, paged_gqa_decode_reference)
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise KVConvertError(f"unknown kernel backend {backend!r}: use 'triton' or 'torch'")
-
-
-def paged_mla_decode(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
-    cache: MLACacheLayer,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    *,
-    backend: str = "triton",
-    **kernel_options,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA decode: q_nope ``[B, H, R]``, q_rope ``[B, H, P]`` -> (out ``[B, H, R]``, lse ``[B, H]``).
-
-    ``kernel_options`` (triton only): num_splits, dot ('fp32'|'bf16'|'fp16'), block_h, block_n,
-    num_warps, num_stages.
-    """
-    _check_backend(backend)
-    if backend == "torch":
-        return paged_mla_decode_reference(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale)
-    return paged_mla_decode_triton(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale, **kernel_options)
-
-
-def paged_gqa_decode(
-    q: torch.Tensor,
-    cache: GQACacheLayer,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    *,
-    backend: str = "triton",
-    **kernel_options,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GQA decode: q ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); options as for MLA."""
-    _check_backend(backend)
-    if backend == "torch":
-        return paged_gqa_decode_reference(q, cache, block_tables, seq_lens, softmax_scale)
-    return paged_gqa_decode_triton(q, cache, block_tables, seq_lens, softmax_scale, **kernel_options)
-
-
-def merge_lse(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
-    out_dtype: torch.dtype = torch.float32,
-    *,
-    backend: str = "triton",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge parts ``[..., S, D]`` with LSEs ``[..., S]`` -> (``[..., D]``, ``[...]``); see :mod:`.merge`."""
-    _check_backend(backend)
-    if backend == "torch":
-        return merge_lse_reference(partial_out, partial_lse, out_dtype)
-    return merge_lse_triton(partial_out, partial_lse, out_dtype)
+# merge_lse(partial_out [..., S, D], partial_lse [..., S], out_dtype=torch.float32, *, backend="triton")
+# -> (out [..., D], lse [...]); see .merge.
+merge_lse = with_backend(merge_lse_triton, merge_lse_reference)
 
 
 __all__ = [

@@ -41,6 +41,7 @@ Scales passed to ``allocate`` are the exported kv scales (``amax / 448``) for FP
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,9 @@ GQA_MODES = KERNEL_MODES  # none, fp8, nvfp4: the registry formats' kernel modes
 MLA_MODES = (*KERNEL_MODES, "fp8_tile")  # + FlashMLA's dynamic per-tile layout (no checkpoint format)
 FP8_DTYPE = torch.float8_e4m3fn
 PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# a mode's block tensors: {field: (shape, allowed dtypes)}; PLAIN_DTYPES ones are allocated in the plain dtype
+Layout = dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]
 
 
 def mla_fp8_tile(kv_lora_rank: int) -> int:
@@ -86,13 +90,81 @@ def _scale_tensor(scale, n: int, what: str, device) -> torch.Tensor:
     return s
 
 
+def _quantize(mode: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> list[torch.Tensor]:
+    """New rows x in a mode's stored form: [values] ("none": cast to dtype; "fp8") or
+    [packed codes, block scales] ("nvfp4", scale = the global scale)."""
+    if mode == "none":
+        return [x.to(dtype)]
+    if mode == "fp8":
+        return [F.fp8_quantize(x, scale)]
+    return list(F.nvfp4_quantize(x, scale))
+
+
+def _dequantize(mode: str, values: torch.Tensor, scale: torch.Tensor | None = None,
+                block_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`_quantize`, in fp32."""
+    if mode == "none":
+        return values.float()
+    if mode == "fp8":
+        return F.fp8_dequantize(values, scale)
+    return F.nvfp4_dequantize(values, block_scales, scale)
+
+
+class _PagedLayer:
+    """What both layouts share: the paging sizes, the append and block selection.
+    BLOCK_FIELDS: the tensors indexed by block, ``[num_blocks, block_size, ...]`` (the first always set)."""
+
+    BLOCK_FIELDS: tuple[str, ...] = ()
+    mode: str
+
+    @property
+    def num_blocks(self) -> int:
+        return getattr(self, self.BLOCK_FIELDS[0]).shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return getattr(self, self.BLOCK_FIELDS[0]).shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, self.BLOCK_FIELDS[0]).device
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token occupies: every component (values, block scales, RoPE)."""
+        tensors = (getattr(self, f) for f in self.BLOCK_FIELDS)
+        return sum(t[0, 0].numel() * t.element_size() for t in tensors if t is not None)
+
+    def _check_tensors(self, layout: Layout) -> None:
+        for field, (shape, dtypes) in layout.items():
+            _expect(getattr(self, field), f"{type(self).__name__} {self.mode} {field}", shape, dtypes)
+
+    @staticmethod
+    def _zeros(layout: Layout, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+        """Zeroed block tensors of a layout; plain ones in ``dtype``."""
+        return {field: torch.zeros(shape, dtype=dtype if dtypes == PLAIN_DTYPES else dtypes[0], device=device)
+                for field, (shape, dtypes) in layout.items()}
+
+    def append(self, first: torch.Tensor, second: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "triton"):
+        """Quantize new tokens (MLA: latent, rope; GQA: k, v) in PyTorch and scatter them to their
+        slots (kv_append per component)."""
+        for dst, rows in self.quantize_rows(first, second):
+            kv_append(dst, rows, slot_mapping, backend=backend)
+
+    def select_blocks(self, block_ids: torch.Tensor):
+        """A cache of the same mode holding only blocks ``block_ids`` (copies; scales shared)."""
+        ids = block_ids.long()
+        picked = {f: getattr(self, f)[ids] for f in self.BLOCK_FIELDS if getattr(self, f) is not None}
+        return dataclasses.replace(self, **picked)
+
+
 # ----------------------------------------------------------------------------------------------
 # MLA
 # ----------------------------------------------------------------------------------------------
 
 
 @dataclass
-class MLACacheLayer:
+class MLACacheLayer(_PagedLayer):
     """One layer's paged MLA cache (latent + shared RoPE key); layouts in the module docstring."""
 
     mode: str
@@ -103,6 +175,19 @@ class MLACacheLayer:
     scales: torch.Tensor | None = None
     tensor_scale: torch.Tensor | None = None
 
+    BLOCK_FIELDS = ("data", "rope", "scales")
+
+    @staticmethod
+    def layout(mode: str, num_blocks: int, block_size: int, r: int, p: int, n_tiles: int | None = None) -> Layout:
+        """The block tensors of ``mode`` (``n_tiles``: fp8_tile's scales per row)."""
+        nb_bs = (num_blocks, block_size)
+        if mode in ("none", "fp8"):
+            return {"data": ((*nb_bs, r + p), PLAIN_DTYPES if mode == "none" else (FP8_DTYPE,))}
+        rope = ((*nb_bs, p), PLAIN_DTYPES)
+        if mode == "fp8_tile":
+            return {"data": ((*nb_bs, r), (FP8_DTYPE,)), "scales": ((*nb_bs, n_tiles), (torch.float32,)), "rope": rope}
+        return {"data": ((*nb_bs, r // 2), (torch.uint8,)), "scales": ((*nb_bs, r // 16), (FP8_DTYPE,)), "rope": rope}
+
     def __post_init__(self):
         if self.mode not in MLA_MODES:
             raise KVConvertError(f"unknown MLA cache mode {self.mode!r}: choose one of {MLA_MODES}")
@@ -111,79 +196,43 @@ class MLACacheLayer:
             raise KVConvertError(f"kv_lora_rank and rope_dim must be positive, got {r} and {p}")
         if self.data.dim() != 3:
             raise KVConvertError(f"MLA cache data must be [num_blocks, block_size, width], got {tuple(self.data.shape)}")
-        nb, bs = self.data.shape[:2]
-        if self.mode == "none":
-            _expect(self.data, "MLA cache", (nb, bs, r + p), PLAIN_DTYPES)
-        elif self.mode == "fp8":
-            _expect(self.data, "MLA fp8 cache", (nb, bs, r + p), (FP8_DTYPE,))
-            _expect(self.tensor_scale, "MLA fp8 tensor_scale", (1,), (torch.float32,))
-        elif self.mode == "fp8_tile":
-            _expect(self.data, "MLA fp8 latent", (nb, bs, r), (FP8_DTYPE,))
+        if self.mode == "nvfp4" and r % 16:
+            raise KVConvertError(f"NVFP4 needs kv_lora_rank to be a multiple of 16, got {r}")
+        n_tiles = None
+        if self.mode == "fp8_tile":
             n_tiles = 0 if self.scales is None else self.scales.shape[-1]
             if n_tiles == 0 or r % n_tiles or (r // n_tiles) % 16:
                 raise KVConvertError(f"MLA fp8 tile scales must split {r} into tiles of a multiple of 16 values")
-            _expect(self.scales, "MLA fp8 tile scales", (nb, bs, n_tiles), (torch.float32,))
-            _expect(self.rope, "MLA rope cache", (nb, bs, p), PLAIN_DTYPES)
-        else:
-            if r % 16:
-                raise KVConvertError(f"NVFP4 needs kv_lora_rank to be a multiple of 16, got {r}")
-            _expect(self.data, "MLA nvfp4 latent", (nb, bs, r // 2), (torch.uint8,))
-            _expect(self.scales, "MLA nvfp4 block scales", (nb, bs, r // 16), (FP8_DTYPE,))
-            _expect(self.tensor_scale, "MLA nvfp4 global scale", (1,), (torch.float32,))
-            _expect(self.rope, "MLA rope cache", (nb, bs, p), PLAIN_DTYPES)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.data.shape[1]
+        self._check_tensors(self.layout(self.mode, *self.data.shape[:2], r, p, n_tiles))
+        if self.mode in ("fp8", "nvfp4"):
+            _expect(self.tensor_scale, f"MLA {self.mode} tensor_scale", (1,), (torch.float32,))
 
     @property
     def fp8_tile(self) -> int:
         return self.kv_lora_rank // self.scales.shape[-1]
 
     @classmethod
-    def allocate(
-        cls,
-        mode: str,
-        num_blocks: int,
-        block_size: int,
-        kv_lora_rank: int,
-        rope_dim: int,
-        *,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
-        kv_scale: float | torch.Tensor | None = None,
-        fp8_tile: int | None = None,
-    ) -> "MLACacheLayer":
+    def allocate(cls, mode: str, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 kv_scale: float | torch.Tensor | None = None, fp8_tile: int | None = None) -> "MLACacheLayer":
         """Zeroed cache. ``dtype``: the plain / RoPE dtype. ``kv_scale``: exported amax/448 (fp8, nvfp4)."""
-        shape = (num_blocks, block_size)
-        r, p = kv_lora_rank, rope_dim
-        if mode in ("fp8", "nvfp4") and kv_scale is None:
-            raise KVConvertError(f"MLA mode {mode!r} needs a calibrated kv_scale (amax / 448)")
-        if mode == "none":
-            return cls(mode, r, p, torch.zeros(*shape, r + p, dtype=dtype, device=device))
-        if mode == "fp8":
-            scale = _scale_tensor(kv_scale, 1, "MLA kv_scale", device)
-            return cls(mode, r, p, torch.zeros(*shape, r + p, dtype=FP8_DTYPE, device=device), tensor_scale=scale)
-        rope = torch.zeros(*shape, p, dtype=dtype, device=device)
+        r = kv_lora_rank
+        if mode not in MLA_MODES:
+            raise KVConvertError(f"unknown MLA cache mode {mode!r}: choose one of {MLA_MODES}")
+        tensor_scale, n_tiles = None, None
+        if mode in ("fp8", "nvfp4"):
+            if kv_scale is None:
+                raise KVConvertError(f"MLA mode {mode!r} needs a calibrated kv_scale (amax / 448)")
+            tensor_scale = _scale_tensor(kv_scale, 1, "MLA kv_scale", device)
+            if mode == "nvfp4":
+                tensor_scale = F.nvfp4_global_scale_from_kv_scale(tensor_scale)
         if mode == "fp8_tile":
             tile = fp8_tile or mla_fp8_tile(r)
             if r % tile:
                 raise KVConvertError(f"fp8 tile {tile} does not divide kv_lora_rank {r}")
-            return cls(
-                mode, r, p, torch.zeros(*shape, r, dtype=FP8_DTYPE, device=device), rope=rope,
-                scales=torch.zeros(*shape, r // tile, dtype=torch.float32, device=device),
-            )
-        if mode == "nvfp4":
-            global_scale = F.nvfp4_global_scale_from_kv_scale(_scale_tensor(kv_scale, 1, "MLA kv_scale", device))
-            return cls(
-                mode, r, p, torch.zeros(*shape, r // 2, dtype=torch.uint8, device=device), rope=rope,
-                scales=torch.zeros(*shape, r // 16, dtype=FP8_DTYPE, device=device), tensor_scale=global_scale,
-            )
-        raise KVConvertError(f"unknown MLA cache mode {mode!r}: choose one of {MLA_MODES}")
+            n_tiles = r // tile
+        tensors = cls._zeros(cls.layout(mode, num_blocks, block_size, r, rope_dim, n_tiles), dtype, device)
+        return cls(mode, r, rope_dim, **tensors, tensor_scale=tensor_scale)
 
     def quantize_rows(self, latent: torch.Tensor, rope: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cache tensor, rows) pairs for new tokens: latent ``[T, R]``, rope ``[T, P]`` (any float dtype)."""
@@ -192,43 +241,23 @@ class MLACacheLayer:
                 f"new MLA rows {tuple(latent.shape)} / {tuple(rope.shape)} do not match "
                 f"kv_lora_rank {self.kv_lora_rank} / rope_dim {self.rope_dim}"
             )
-        if self.mode == "none":
-            return [(self.data, torch.cat([latent, rope], -1).to(self.data.dtype))]
-        if self.mode == "fp8":
-            return [(self.data, F.fp8_quantize(torch.cat([latent, rope], -1), self.tensor_scale))]
-        rope_rows = (self.rope, rope.to(self.rope.dtype))
+        if self.mode in ("none", "fp8"):  # one row [latent | rope]
+            row = torch.cat([latent, rope], -1)
+            return [(self.data, _quantize(self.mode, row, self.data.dtype, self.tensor_scale)[0])]
         if self.mode == "fp8_tile":
-            q, s = F.fp8_tile_quantize(latent, self.fp8_tile)
-            return [(self.data, q), (self.scales, s), rope_rows]
-        packed, block_scales = F.nvfp4_quantize(latent, self.tensor_scale)
-        return [(self.data, packed), (self.scales, block_scales), rope_rows]
-
-    def append(self, latent: torch.Tensor, rope: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "triton"):
-        """Quantize new tokens in PyTorch and scatter them to their slots (kv_append per component)."""
-        for dst, rows in self.quantize_rows(latent, rope):
-            kv_append(dst, rows, slot_mapping, backend=backend)
-
-    def select_blocks(self, block_ids: torch.Tensor) -> "MLACacheLayer":
-        """A cache of the same mode holding only blocks ``block_ids`` (copies; scales shared)."""
-        ids = block_ids.long()
-        pick = (lambda t: None if t is None else t[ids])
-        return MLACacheLayer(
-            self.mode, self.kv_lora_rank, self.rope_dim, self.data[ids], pick(self.rope), pick(self.scales),
-            self.tensor_scale,
-        )
+            latent_rows = F.fp8_tile_quantize(latent, self.fp8_tile)
+        else:
+            latent_rows = _quantize(self.mode, latent, self.data.dtype, self.tensor_scale)
+        return [*zip((self.data, self.scales), latent_rows), (self.rope, rope.to(self.rope.dtype))]
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache in fp32: latent ``[nb, bs, R]``, rope ``[nb, bs, P]`` (reference path)."""
-        r = self.kv_lora_rank
-        if self.mode == "none":
-            full = self.data.float()
-        elif self.mode == "fp8":
-            full = F.fp8_dequantize(self.data, self.tensor_scale)
-        elif self.mode == "fp8_tile":
+        if self.mode in ("none", "fp8"):
+            full = _dequantize(self.mode, self.data, self.tensor_scale)
+            return full[..., : self.kv_lora_rank], full[..., self.kv_lora_rank:]
+        if self.mode == "fp8_tile":
             return F.fp8_tile_dequantize(self.data, self.scales), self.rope.float()
-        else:
-            return F.nvfp4_dequantize(self.data, self.scales, self.tensor_scale), self.rope.float()
-        return full[..., :r], full[..., r:]
+        return _dequantize(self.mode, self.data, self.tensor_scale, self.scales), self.rope.float()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,7 +266,7 @@ class MLACacheLayer:
 
 
 @dataclass
-class GQACacheLayer:
+class GQACacheLayer(_PagedLayer):
     """One layer's paged K/V cache; layouts in the module docstring."""
 
     mode: str
@@ -249,115 +278,72 @@ class GQACacheLayer:
     k_block_scales: torch.Tensor | None = None
     v_block_scales: torch.Tensor | None = None
 
+    BLOCK_FIELDS = ("k", "v", "k_block_scales", "v_block_scales")
+
+    @staticmethod
+    def layout(mode: str, num_blocks: int, block_size: int, kv_heads: int, d: int) -> Layout:
+        """The block tensors of ``mode``, k and v alike."""
+        rows = (num_blocks, block_size, kv_heads)
+        if mode == "nvfp4":
+            codes, block_scales = ((*rows, d // 2), (torch.uint8,)), ((*rows, d // 16), (FP8_DTYPE,))
+            return {"k": codes, "v": codes, "k_block_scales": block_scales, "v_block_scales": block_scales}
+        values = ((*rows, d), PLAIN_DTYPES if mode == "none" else (FP8_DTYPE,))
+        return {"k": values, "v": values}
+
     def __post_init__(self):
         if self.mode not in GQA_MODES:
             raise KVConvertError(f"unknown GQA cache mode {self.mode!r}: choose one of {GQA_MODES}")
         if self.k.dim() != 4:
             raise KVConvertError(f"GQA cache must be [num_blocks, block_size, kv_heads, width], got {tuple(self.k.shape)}")
-        nb, bs, h = self.k.shape[:3]
-        d = self.head_dim
-        for name, t in (("k", self.k), ("v", self.v)):
-            if self.mode == "none":
-                _expect(t, f"{name} cache", (nb, bs, h, d), PLAIN_DTYPES)
-            elif self.mode == "fp8":
-                _expect(t, f"{name} fp8 cache", (nb, bs, h, d), (FP8_DTYPE,))
-            else:
-                if d % 16:
-                    raise KVConvertError(f"NVFP4 needs head_dim to be a multiple of 16, got {d}")
-                _expect(t, f"{name} nvfp4 cache", (nb, bs, h, d // 2), (torch.uint8,))
-                _expect(getattr(self, f"{name}_block_scales"), f"{name} block scales", (nb, bs, h, d // 16), (FP8_DTYPE,))
-            if self.mode != "none":
-                s = getattr(self, f"{name}_scale")
-                if s is None or s.dtype != torch.float32 or s.dim() != 1 or s.numel() not in (1, h):
-                    raise KVConvertError(f"{name}_scale must be fp32 [1] or [kv_heads={h}] for mode {self.mode!r}")
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[1]
+        if self.mode == "nvfp4" and self.head_dim % 16:
+            raise KVConvertError(f"NVFP4 needs head_dim to be a multiple of 16, got {self.head_dim}")
+        h = self.kv_heads
+        self._check_tensors(self.layout(self.mode, *self.k.shape[:3], self.head_dim))
+        for name in ("k_scale", "v_scale") if self.mode != "none" else ():
+            s = getattr(self, name)
+            if s is None or s.dtype != torch.float32 or s.dim() != 1 or s.numel() not in (1, h):
+                raise KVConvertError(f"{name} must be fp32 [1] or [kv_heads={h}] for mode {self.mode!r}")
 
     @property
     def kv_heads(self) -> int:
         return self.k.shape[2]
 
     @classmethod
-    def allocate(
-        cls,
-        mode: str,
-        num_blocks: int,
-        block_size: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
-        k_scale: float | torch.Tensor | None = None,
-        v_scale: float | torch.Tensor | None = None,
-    ) -> "GQACacheLayer":
+    def allocate(cls, mode: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
+                 ) -> "GQACacheLayer":
         """Zeroed cache; k_scale / v_scale: exported amax/448, a float or per-head ``[kv_heads]``."""
-        shape = (num_blocks, block_size, kv_heads)
-        if mode == "none":
-            return cls(mode, head_dim, *(torch.zeros(*shape, head_dim, dtype=dtype, device=device) for _ in "kv"))
         if mode not in GQA_MODES:
             raise KVConvertError(f"unknown GQA cache mode {mode!r}: choose one of {GQA_MODES}")
-        if k_scale is None or v_scale is None:
-            raise KVConvertError(f"GQA mode {mode!r} needs calibrated k_scale and v_scale (amax / 448)")
-        ks = _scale_tensor(k_scale, kv_heads, "k_scale", device)
-        vs = _scale_tensor(v_scale, kv_heads, "v_scale", device)
-        if mode == "fp8":
-            k, v = (torch.zeros(*shape, head_dim, dtype=FP8_DTYPE, device=device) for _ in "kv")
-            return cls(mode, head_dim, k, v, ks, vs)
-        k, v = (torch.zeros(*shape, head_dim // 2, dtype=torch.uint8, device=device) for _ in "kv")
-        kb, vb = (torch.zeros(*shape, head_dim // 16, dtype=FP8_DTYPE, device=device) for _ in "kv")
-        g = F.nvfp4_global_scale_from_kv_scale
-        return cls(mode, head_dim, k, v, g(ks), g(vs), kb, vb)
+        scales = {}
+        if mode != "none":
+            if k_scale is None or v_scale is None:
+                raise KVConvertError(f"GQA mode {mode!r} needs calibrated k_scale and v_scale (amax / 448)")
+            for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+                scales[name] = _scale_tensor(scale, kv_heads, name, device)
+                if mode == "nvfp4":
+                    scales[name] = F.nvfp4_global_scale_from_kv_scale(scales[name])
+        tensors = cls._zeros(cls.layout(mode, num_blocks, block_size, kv_heads, head_dim), dtype, device)
+        return cls(mode, head_dim, **tensors, **scales)
 
-    def _head_scale(self, s: torch.Tensor) -> torch.Tensor:
-        return s.reshape(-1, 1)  # [1 or H, 1]: broadcasts over [T, H, D]
+    def _sides(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """(values or codes, block scales, scale as [1 or H, 1]: broadcasts over [T, H, D]) of k, then v."""
+        head_scale = (lambda s: None if s is None else s.reshape(-1, 1))
+        return [(self.k, self.k_block_scales, head_scale(self.k_scale)),
+                (self.v, self.v_block_scales, head_scale(self.v_scale))]
 
     def quantize_rows(self, k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cache tensor, rows) pairs for new tokens: k, v ``[T, kv_heads, head_dim]``."""
         want = (self.kv_heads, self.head_dim)
         if tuple(k.shape[1:]) != want or tuple(v.shape[1:]) != want or k.shape[0] != v.shape[0]:
             raise KVConvertError(f"new K/V rows {tuple(k.shape)} / {tuple(v.shape)} do not match [T, {want[0]}, {want[1]}]")
-        if self.mode == "none":
-            return [(self.k, k.to(self.k.dtype)), (self.v, v.to(self.v.dtype))]
-        if self.mode == "fp8":
-            return [
-                (self.k, F.fp8_quantize(k, self._head_scale(self.k_scale))),
-                (self.v, F.fp8_quantize(v, self._head_scale(self.v_scale))),
-            ]
-        kp, kb = F.nvfp4_quantize(k, self._head_scale(self.k_scale))
-        vp, vb = F.nvfp4_quantize(v, self._head_scale(self.v_scale))
-        return [(self.k, kp), (self.k_block_scales, kb), (self.v, vp), (self.v_block_scales, vb)]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "triton"):
-        """Quantize new tokens in PyTorch and scatter them to their slots (kv_append per component)."""
-        for dst, rows in self.quantize_rows(k, v):
-            kv_append(dst, rows, slot_mapping, backend=backend)
-
-    def select_blocks(self, block_ids: torch.Tensor) -> "GQACacheLayer":
-        """A cache of the same mode holding only blocks ``block_ids`` (copies; scales shared)."""
-        ids = block_ids.long()
-        pick = (lambda t: None if t is None else t[ids])
-        return GQACacheLayer(
-            self.mode, self.head_dim, self.k[ids], self.v[ids], self.k_scale, self.v_scale,
-            pick(self.k_block_scales), pick(self.v_block_scales),
-        )
+        pairs = []
+        for (values, block_scales, scale), x in zip(self._sides(), (k, v)):
+            pairs += zip((values, block_scales), _quantize(self.mode, x, values.dtype, scale))
+        return pairs
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache in fp32: k, v ``[nb, bs, kv_heads, head_dim]`` (reference path)."""
-        if self.mode == "none":
-            return self.k.float(), self.v.float()
-        if self.mode == "fp8":
-            return (
-                F.fp8_dequantize(self.k, self._head_scale(self.k_scale)),
-                F.fp8_dequantize(self.v, self._head_scale(self.v_scale)),
-            )
-        return (
-            F.nvfp4_dequantize(self.k, self.k_block_scales, self._head_scale(self.k_scale)),
-            F.nvfp4_dequantize(self.v, self.v_block_scales, self._head_scale(self.v_scale)),
-        )
+        k, v = (_dequantize(self.mode, values, scale, block_scales) for values, block_scales, scale in self._sides())
+        return k, v

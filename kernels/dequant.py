@@ -29,6 +29,8 @@ MODE_PLAIN = 0
 MODE_FP8 = 1
 MODE_FP8_TILE = 2
 MODE_NVFP4 = 3
+# a cache layout's mode -> the kernels' MODE constexpr
+MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "fp8_tile": MODE_FP8_TILE, "nvfp4": MODE_NVFP4}
 
 # Dot operand precision (accumulation is always fp32):
 #   fp32: operands stay fp32, IEEE products (reference grade; the CPU/interpreter default)

@@ -21,36 +21,16 @@ import torch
 from kvconvert.errors import KVConvertError
 
 from ._launch import (
-    LOG2E,
-    check_paging,
-    check_softmax_scale,
-    default_num_splits,
-    flatten_tokens,
-    resolve_dot,
-    sequence_blocks,
+    LOG2E, DecodeOptions, check_decode, check_softmax_scale, decode_reference,
+    merge_splits, partial_strides, resolve_dot, split_outputs,
 )
-from ._triton_compat import (
-    HAS_TRITON,
-    check_kernel_device,
-    next_power_of_2,
-    require_triton,
-    tl,
-    triton,
-)
+from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
 from .cache_layout import GQACacheLayer
-from .dequant import MODE_FP8, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
-from .merge import merge_lse_triton
-
-GQA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "nvfp4": MODE_NVFP4}
+from .dequant import MODE_IDS, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
     from .dequant import load_kv_tile, load_nvfp4_halves
-    from .split_softmax import (
-        finish_softmax,
-        online_softmax_step,
-        paged_slots,
-        split_token_range,
-    )
+    from .split_softmax import finish_softmax, online_softmax_step, paged_slots, split_token_range
 
     @triton.jit
     def _gqa_decode_split_kernel(
@@ -194,43 +174,26 @@ if HAS_TRITON:
 
 
 def _check_decode_inputs(q, cache: GQACacheLayer, block_tables, seq_lens, softmax_scale) -> None:
-    check_softmax_scale(softmax_scale)
-    if not isinstance(cache, GQACacheLayer):
-        raise KVConvertError(f"cache must be a GQACacheLayer, got {type(cache).__name__}")
-    if q.dim() != 3 or q.shape[2] != cache.head_dim:
+    check_decode(cache, GQACacheLayer, (q,), block_tables, seq_lens, softmax_scale)
+    if q.shape[2] != cache.head_dim:
         raise KVConvertError(f"q {tuple(q.shape)} must be [batch, q_heads, head_dim={cache.head_dim}]")
     if q.shape[1] % cache.kv_heads:
         raise KVConvertError(f"q_heads {q.shape[1]} is not a multiple of kv_heads {cache.kv_heads}")
-    if q.stride(-1) != 1:
-        raise KVConvertError("q must be contiguous in its last dim")
-    check_paging(block_tables, seq_lens, q.shape[0], cache.block_size)
 
 
 def _scale_stride(s: torch.Tensor) -> int:
     return 0 if s.numel() == 1 else s.stride(0)
 
 
-def paged_gqa_decode_triton(
-    q: torch.Tensor,
-    cache: GQACacheLayer,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    *,
-    num_splits: int | None = None,
-    dot: str | None = None,
-    block_h: int = 16,
-    block_n: int = 16,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton split-KV GQA decode + LSE merge -> (out ``[B, Hq, D]`` q dtype, lse ``[B, Hq]`` fp32)."""
+def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            softmax_scale: float, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton split-KV GQA decode + LSE merge -> (out ``[B, Hq, D]`` q dtype, lse ``[B, Hq]`` fp32).
+    options: :class:`~kvconvert.kernels._launch.DecodeOptions`."""
     require_triton()
     _check_decode_inputs(q, cache, block_tables, seq_lens, softmax_scale)
-    if block_h < 16 or block_n < 16:
-        raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
+    opts = DecodeOptions(**options)
     check_kernel_device(q, cache.k, cache.v, block_tables, seq_lens)
-    batch, q_heads, d = q.shape
+    q_heads, d = q.shape[1:]
     group = q_heads // cache.kv_heads
     block_d = max(16, next_power_of_2(d))
     ones = torch.ones(1, dtype=torch.float32, device=q.device)
@@ -239,18 +202,17 @@ def paged_gqa_decode_triton(
     k_aux = cache.k_block_scales if cache.k_block_scales is not None else cache.k
     v_aux = cache.v_block_scales if cache.v_block_scales is not None else cache.v
 
-    groups_per_kv = triton.cdiv(group, block_h)
-    max_context = block_tables.shape[1] * cache.block_size
-    splits = num_splits or default_num_splits(batch, cache.kv_heads * groups_per_kv, max_context, block_n)
-    part_out = torch.empty(batch, q_heads, splits, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
+    groups_per_kv = triton.cdiv(group, opts.block_h)
+    head_groups = cache.kv_heads * groups_per_kv
+    part_out, part_lse = split_outputs(q, d, head_groups, block_tables, cache.block_size, opts)
+    splits = part_out.shape[2]
     k, v = cache.k, cache.v
     nvfp4 = cache.mode == "nvfp4"
     kernel = _gqa_decode_split_nvfp4_kernel if nvfp4 else _gqa_decode_split_kernel
-    mode_consts = {} if nvfp4 else {"MODE": GQA_MODE_IDS[cache.mode]}
+    mode_consts = {} if nvfp4 else {"MODE": MODE_IDS[cache.mode]}
     # NVFP4: even/odd halves of BLOCK_D // 2 features share block-scale groups of 8 bytes
     broadcast = aux_broadcastable(8, block_d // 2) if nvfp4 else aux_broadcastable(16, block_d)
-    kernel[(batch, cache.kv_heads * groups_per_kv, splits)](
+    kernel[(q.shape[0], head_groups, splits)](
         q, k, v, k_aux, v_aux, k_scale, v_scale, block_tables, seq_lens, part_out, part_lse,
         check_softmax_scale(softmax_scale) * LOG2E,
         group, d, cache.block_size, splits, groups_per_kv,
@@ -259,14 +221,11 @@ def paged_gqa_decode_triton(
         k_aux.stride(0), k_aux.stride(1), k_aux.stride(2), v_aux.stride(0), v_aux.stride(1), v_aux.stride(2),
         _scale_stride(k_scale), _scale_stride(v_scale),
         block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        **mode_consts, AUX_BROADCAST=broadcast, **dot_constexprs(resolve_dot(dot, q)),
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=num_warps, num_stages=num_stages,
+        *partial_strides(part_out, part_lse),
+        **mode_consts, AUX_BROADCAST=broadcast, **dot_constexprs(resolve_dot(opts.dot, q)),
+        BLOCK_D=block_d, **opts.launch,
     )
-    if splits == 1:
-        return part_out[:, :, 0].to(q.dtype).contiguous(), part_lse[:, :, 0].contiguous()
-    return merge_lse_triton(part_out, part_lse, out_dtype=q.dtype)
+    return merge_splits(part_out, part_lse, q.dtype)
 
 
 def paged_gqa_decode_reference(
@@ -278,19 +237,10 @@ def paged_gqa_decode_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference (float64 on the dequantized cache): same contract as the Triton launcher."""
     _check_decode_inputs(q, cache, block_tables, seq_lens, softmax_scale)
-    batch, q_heads, d = q.shape
-    group = q_heads // cache.kv_heads
-    out = torch.zeros(batch, q_heads, d, dtype=torch.float64, device=q.device)
-    lse = torch.full((batch, q_heads), float("-inf"), dtype=torch.float64, device=q.device)
-    for b in range(batch):
-        n = int(seq_lens[b])
-        if n == 0:
-            continue
-        # dequantize only this sequence's blocks (the cache may be much larger than the batch)
-        k, v = cache.select_blocks(sequence_blocks(block_tables[b], n, cache.block_size)).dequantize()
-        k = flatten_tokens(k, n).double().repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = flatten_tokens(v, n).double().repeat_interleave(group, dim=1)
-        scores = softmax_scale * torch.einsum("hd,nhd->hn", q[b].double(), k)  # [Hq, n]
-        lse[b] = torch.logsumexp(scores, dim=-1)
-        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
-    return out.to(q.dtype), lse.float()
+    group = q.shape[1] // cache.kv_heads
+
+    def attend(b, k, v):  # k, v [n, kv_heads, D] -> scores [Hq, n], values [Hq, n, D]
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        return softmax_scale * torch.einsum("hd,nhd->hn", q[b].double(), k), v.transpose(0, 1)
+
+    return decode_reference(q, cache, block_tables, seq_lens, cache.head_dim, attend)

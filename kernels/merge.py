@@ -17,13 +17,7 @@ import torch
 from kvconvert.errors import KVConvertError
 
 from ._triton_compat import (
-    HAS_TRITON,
-    check_kernel_device,
-    interpreter_enabled,
-    next_power_of_2,
-    require_triton,
-    tl,
-    triton,
+    HAS_TRITON, check_kernel_device, interpreter_enabled, next_power_of_2, require_triton, tl, triton,
 )
 
 if HAS_TRITON:

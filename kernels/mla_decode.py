@@ -24,43 +24,16 @@ import torch
 from kvconvert.errors import KVConvertError
 
 from ._launch import (
-    LOG2E,
-    check_paging,
-    check_softmax_scale,
-    default_num_splits,
-    flatten_tokens,
-    resolve_dot,
-    sequence_blocks,
+    LOG2E, DecodeOptions, check_decode, check_softmax_scale, decode_reference,
+    merge_splits, partial_strides, resolve_dot, split_outputs,
 )
-from ._triton_compat import (
-    HAS_TRITON,
-    check_kernel_device,
-    next_power_of_2,
-    require_triton,
-    tl,
-    triton,
-)
+from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
 from .cache_layout import MLACacheLayer
-from .dequant import (
-    MODE_FP8,
-    MODE_FP8_TILE,
-    MODE_NVFP4,
-    MODE_PLAIN,
-    aux_broadcastable,
-    dot_constexprs,
-)
-from .merge import merge_lse_triton
-
-MLA_MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "fp8_tile": MODE_FP8_TILE, "nvfp4": MODE_NVFP4}
+from .dequant import MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
     from .dequant import load_kv_tile, load_nvfp4_halves
-    from .split_softmax import (
-        finish_softmax,
-        online_softmax_step,
-        paged_slots,
-        split_token_range,
-    )
+    from .split_softmax import finish_softmax, online_softmax_step, paged_slots, split_token_range
 
     @triton.jit
     def _mla_decode_split_kernel(
@@ -213,47 +186,28 @@ if HAS_TRITON:
 
 
 def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq_lens, softmax_scale) -> None:
-    check_softmax_scale(softmax_scale)
-    if not isinstance(cache, MLACacheLayer):
-        raise KVConvertError(f"cache must be an MLACacheLayer, got {type(cache).__name__}")
-    if q_nope.dim() != 3 or q_rope.dim() != 3 or q_nope.shape[:2] != q_rope.shape[:2]:
-        raise KVConvertError(f"q_nope {tuple(q_nope.shape)} and q_rope {tuple(q_rope.shape)} must be [batch, heads, dim]")
+    check_decode(cache, MLACacheLayer, (q_nope, q_rope), block_tables, seq_lens, softmax_scale)
     if q_nope.shape[2] != cache.kv_lora_rank or q_rope.shape[2] != cache.rope_dim:
         raise KVConvertError(
             f"query dims {q_nope.shape[2]}+{q_rope.shape[2]} do not match the cache's "
             f"kv_lora_rank {cache.kv_lora_rank} + rope_dim {cache.rope_dim}"
         )
-    if q_nope.stride(-1) != 1 or q_rope.stride(-1) != 1:
-        raise KVConvertError("queries must be contiguous in their last dim")
-    check_paging(block_tables, seq_lens, q_nope.shape[0], cache.block_size)
 
 
-def paged_mla_decode_triton(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
-    cache: MLACacheLayer,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    *,
-    num_splits: int | None = None,
-    dot: str | None = None,
-    block_h: int = 16,
-    block_n: int = 16,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton split-KV MLA decode + LSE merge -> (out ``[B, H, R]`` q dtype, lse ``[B, H]`` fp32)."""
+def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: MLACacheLayer,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+                            **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton split-KV MLA decode + LSE merge -> (out ``[B, H, R]`` q dtype, lse ``[B, H]`` fp32).
+    options: :class:`~kvconvert.kernels._launch.DecodeOptions`."""
     require_triton()
     _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale)
-    if block_h < 16 or block_n < 16:
-        raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
+    opts = DecodeOptions(**options)
     data = cache.data
     check_kernel_device(q_nope, q_rope, data, block_tables, seq_lens)
-    batch, heads, r = q_nope.shape
+    heads, r = q_nope.shape[1:]
     p = cache.rope_dim
     block_r, block_p = max(16, next_power_of_2(r)), max(16, next_power_of_2(p))
-    mode = MLA_MODE_IDS[cache.mode]
+    mode = MODE_IDS[cache.mode]
     if cache.mode in ("none", "fp8"):
         rope, rope_mode = data[..., r:], mode  # RoPE sits in the same row, same encoding
     else:
@@ -262,11 +216,9 @@ def paged_mla_decode_triton(
     aux_group = {"fp8_tile": r // aux.shape[-1], "nvfp4": 16}.get(cache.mode, 16)
     scale = cache.tensor_scale if cache.tensor_scale is not None else torch.ones(1, device=data.device)
 
-    head_groups = triton.cdiv(heads, block_h)
-    max_context = block_tables.shape[1] * cache.block_size
-    splits = num_splits or default_num_splits(batch, head_groups, max_context, block_n)
-    part_out = torch.empty(batch, heads, splits, r, dtype=torch.float32, device=data.device)
-    part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=data.device)
+    head_groups = triton.cdiv(heads, opts.block_h)
+    part_out, part_lse = split_outputs(q_nope, r, head_groups, block_tables, cache.block_size, opts)
+    splits = part_out.shape[2]
     args = (
         q_nope, q_rope, data, rope, aux, scale, block_tables, seq_lens, part_out, part_lse,
         check_softmax_scale(softmax_scale) * LOG2E,
@@ -274,13 +226,10 @@ def paged_mla_decode_triton(
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),
         data.stride(0), data.stride(1), rope.stride(0), rope.stride(1), aux.stride(0), aux.stride(1),
         block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        *partial_strides(part_out, part_lse),
     )
-    consts = dict(
-        **dot_constexprs(resolve_dot(dot, q_nope)), BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=block_p,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    grid = (batch, head_groups, splits)
+    consts = dict(**dot_constexprs(resolve_dot(opts.dot, q_nope)), BLOCK_R=block_r, BLOCK_P=block_p, **opts.launch)
+    grid = (q_nope.shape[0], head_groups, splits)
     if mode == MODE_NVFP4:  # even/odd halves of BLOCK_R // 2 features, block-scale groups of 8 bytes
         _mla_decode_split_nvfp4_kernel[grid](*args, AUX_BROADCAST=aux_broadcastable(8, block_r // 2), **consts)
     else:
@@ -288,9 +237,7 @@ def paged_mla_decode_triton(
             *args, MODE=mode, ROPE_MODE=rope_mode, AUX_GROUP=aux_group,
             AUX_BROADCAST=aux_broadcastable(aux_group, block_r), **consts,
         )
-    if splits == 1:
-        return part_out[:, :, 0].to(q_nope.dtype).contiguous(), part_lse[:, :, 0].contiguous()
-    return merge_lse_triton(part_out, part_lse, out_dtype=q_nope.dtype)
+    return merge_splits(part_out, part_lse, q_nope.dtype)
 
 
 def paged_mla_decode_reference(
@@ -303,17 +250,8 @@ def paged_mla_decode_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference (float64 on the dequantized cache): same contract as the Triton launcher."""
     _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale)
-    batch, heads, r = q_nope.shape
-    out = torch.zeros(batch, heads, r, dtype=torch.float64, device=q_nope.device)
-    lse = torch.full((batch, heads), float("-inf"), dtype=torch.float64, device=q_nope.device)
-    for b in range(batch):
-        n = int(seq_lens[b])
-        if n == 0:
-            continue
-        # dequantize only this sequence's blocks (the cache may be much larger than the batch)
-        latent, rope = cache.select_blocks(sequence_blocks(block_tables[b], n, cache.block_size)).dequantize()
-        latent, rope = flatten_tokens(latent, n).double(), flatten_tokens(rope, n).double()  # [n, R], [n, P]
-        scores = softmax_scale * (q_nope[b].double() @ latent.T + q_rope[b].double() @ rope.T)  # [H, n]
-        lse[b] = torch.logsumexp(scores, dim=-1)
-        out[b] = torch.softmax(scores, dim=-1) @ latent
-    return out.to(q_nope.dtype), lse.float()
+
+    def attend(b, latent, rope):  # [n, R], [n, P] -> scores [H, n], values [n, R]
+        return softmax_scale * (q_nope[b].double() @ latent.T + q_rope[b].double() @ rope.T), latent
+
+    return decode_reference(q_nope, cache, block_tables, seq_lens, cache.kv_lora_rank, attend)

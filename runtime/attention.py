@@ -110,7 +110,7 @@ class TorchAttention:
             k = self._heads_first(k_store, table, q.dtype, "k")[:, :, : c.context_len]  # [1, KVH, S, D]
             v = self._heads_first(v_store, table, q.dtype, "v")[:, :, : c.context_len]
             span = slice(c.query_start, c.query_start + c.query_len)
-            o = _sdpa(q[span].transpose(0, 1)[None], k, v, c.query_len, c.context_len, scale)  # [1, H, L, D]
+            o = causal_sdpa(q[span].transpose(0, 1)[None], k, v, c.query_len, c.context_len, scale)  # [1, H, L, D]
             out[span] = o[0].transpose(0, 1)
         return out
 
@@ -148,9 +148,10 @@ class TorchAttention:
         return torch.bmm(probs, rows[..., :latent_dim])
 
 
-def _sdpa(q, k, v, query_len, context_len, scale):
-    """q [1, H, L, D], k/v [1, KVH, S, D*] with causal offset; GQA by head groups."""
-    gqa = k.shape[1] != q.shape[1]
+def causal_sdpa(q, k, v, query_len, context_len, scale):
+    """q [..., H, L, D], k/v [..., KVH, S, D*] with causal offset (the L queries are the last of the
+    S positions); GQA by head groups."""
+    gqa = k.shape[-3] != q.shape[-3]
     if query_len == context_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     mask = causal_mask(query_len, context_len, q.device)
@@ -169,16 +170,8 @@ class TritonAttention(TorchAttention):
     def __init__(self, kv_dtype: str, device: torch.device | str = "cpu"):
         if kv_format(kv_dtype).kernel_mode is None:  # fp8_e5m2
             raise KVConvertError("the Triton kernels read fp8 e4m3 caches only; use kv_dtype fp8 or --backend torch")
-        try:
-            from kvconvert.kernels import attention as kernels
-            from kvconvert.kernels import cache_layout
-        except ImportError as exc:
-            raise KVConvertError(
-                f"attention backend 'triton' needs kvconvert.kernels.attention ({exc}); use --backend torch"
-            ) from None
-        missing = [f for f in ("paged_gqa_decode", "paged_mla_decode", "kv_append") if not hasattr(kernels, f)]
-        if missing:
-            raise KVConvertError(f"kvconvert.kernels.attention lacks {', '.join(missing)}; use --backend torch")
+        from kvconvert.kernels import attention as kernels  # imported here: the torch backend never loads Triton
+        from kvconvert.kernels import cache_layout
         from kvconvert.kernels._triton_compat import interpreter_enabled, require_triton
 
         require_triton()
@@ -230,8 +223,5 @@ class TritonAttention(TorchAttention):
 
 
 def make_attention(name: str, kv_dtype: str = "bf16", device: torch.device | str = "cpu"):
-    if name == "torch":
-        return TorchAttention(device)
-    if name == "triton":
-        return TritonAttention(kv_dtype, device)
-    raise KVConvertError(f"attention backend {name!r} is unknown; choose torch or triton")
+    """The backend `name` (EngineConfig checked it is one of ATTENTION_BACKENDS)."""
+    return TritonAttention(kv_dtype, device) if name == "triton" else TorchAttention(device)

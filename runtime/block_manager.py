@@ -174,16 +174,6 @@ class BlockManager:
                 self._hash_to_block[h] = block.block_id
             parent = h
 
-    def fork(self, parent_id: int, child_id: int) -> None:
-        """Give child_id the parent's blocks (shared, ref-counted; written copy-on-write)."""
-        if child_id in self._tables:
-            raise ValueError(f"sequence {child_id} already has a block table")
-        table = list(self._tables.get(parent_id, []))
-        for block_id in table:
-            self.blocks[block_id].ref_count += 1
-        self._tables[child_id] = table
-        self._seq_hashes[child_id] = list(self._seq_hashes.get(parent_id, []))
-
     def free(self, seq_id: int) -> None:
         """Drop seq_id's table. Tail blocks are released first so LRU evicts them first."""
         table = self._tables.pop(seq_id, [])

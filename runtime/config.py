@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import RUNTIME_KV_DTYPES, kv_format
+from kvconvert.kvformat import RUNTIME_KV_DTYPES
 
 KV_SCALE_SOURCES = ("checkpoint", "dynamic")
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -70,10 +70,6 @@ class EngineConfig:
             raise KVConvertError(
                 f"attention backend {self.attention_backend!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"
             )
-
-    @property
-    def quantized(self) -> bool:
-        return kv_format(self.kv_dtype).quantized
 
 
 @dataclass

@@ -90,9 +90,9 @@ class KVStore(ABC):
         """A storage tensor [num_blocks, block_size, *row] on the cache's device."""
         return torch.zeros(self.num_blocks, self.block_size, *row, dtype=dtype, device=self.device)
 
-    @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
-        """The storage tensors, each [num_blocks, block_size, ...]."""
+        """The storage tensors, each [num_blocks, block_size, ...] (one, `data`, unless a store has more)."""
+        return [self.data]
 
     @property
     def bytes_per_token(self) -> int:
@@ -137,9 +137,6 @@ class FloatStore(KVStore):
         super().__init__(num_blocks, block_size, spec, device)
         self.data = self._zeros(*spec.row_shape, dtype=dtype)
 
-    def tensors(self):
-        return [self.data]
-
     def encode(self, x):
         return [(self.data, x.to(self.data.dtype))]
 
@@ -174,9 +171,6 @@ class FP8Store(ScaledStore):
     def __init__(self, num_blocks, block_size, spec, device, fmt, kv_scale, dynamic):
         super().__init__(num_blocks, block_size, spec, device, fmt, kv_scale, dynamic)
         self.data = self._zeros(*spec.row_shape, dtype=getattr(torch, fmt.torch_dtype))
-
-    def tensors(self):
-        return [self.data]
 
     def encode(self, x):
         self._ensure_scale(x)

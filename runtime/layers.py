@@ -11,7 +11,8 @@ from kvconvert.models.common import DecoderLayer, rms_norm, short_names
 
 class Decoder:
     """A decoder of kvconvert.models' layers (DecoderLayer of attention_cls) over the paged KV cache.
-    Subclasses give attention(layer.attn, x, angles, stores, meta, attn) and layout_from_config.
+    Subclasses give shape_cls (kvconvert.models' shape, from_config), attention_cls and
+    attention(layer.attn, x, angles, stores, meta, attn).
 
     cos/sin for every position up to max_positions are precomputed as transformers computes them:
     fp32 position * inv_freq, cos/sin, times the attention factor.
@@ -20,8 +21,12 @@ class Decoder:
     device, copied there one tensor at a time, each tensor's mapped pages dropped after its copy:
     the model is never resident in host memory (on the CPU they stay views of the files)."""
 
-    def __init__(self, reader, shape, attention_cls, dtype: torch.dtype, max_positions: int | None,
+    shape_cls: type
+    attention_cls: type
+
+    def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None,
                  device: torch.device | str = "cpu"):
+        shape = self.shape_cls.from_config(reader.config)
         self.config, self.shape, self.dtype = reader.config, shape, dtype
         self.vocab_size, self.eps, self.device = shape.vocab, shape.rms_eps, torch.device(device)
         positions = torch.arange(max_positions or shape.max_position_embeddings)
@@ -31,7 +36,7 @@ class Decoder:
         self.lm_head = self._weight(reader, "lm_head.weight") if "lm_head.weight" in reader else self.embed  # tied
         self.layers = [DecoderLayer.of(short_names({k: self._weight(reader, k) for k in reader.keys()
                                                     if k.startswith(f"model.layers.{i}.")}),
-                                       attention_cls, shape.hidden_act) for i in range(shape.layers)]
+                                       self.attention_cls, shape.hidden_act) for i in range(shape.layers)]
 
     def _weight(self, reader, name: str) -> torch.Tensor:
         """One tensor in self.dtype on self.device: on the CPU a view of the mapped file; elsewhere
@@ -40,9 +45,6 @@ class Decoder:
         if self.device.type != "cpu":
             reader.drop_pages(name)
         return tensor
-
-    def kv_layout(self):
-        return self.layout_from_config(self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, meta, attn) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden] (fp32)."""

@@ -97,19 +97,9 @@ def fill_cache(torch, cache, row_dims, chunk=65536):
     total = cache.num_blocks * cache.block_size
     for start in range(0, total, chunk):
         n = min(chunk, total - start)
-        rows = [torch.randn(n, *dims, device=cache_device(cache)) for dims in row_dims]
+        rows = [torch.randn(n, *dims, device=cache.device) for dims in row_dims]
         for dst, r in cache.quantize_rows(*rows):
             dst.view(total, *dst.shape[2:])[start : start + n].copy_(r)
-
-
-def cache_device(cache):
-    return (cache.data if hasattr(cache, "data") else cache.k).device
-
-
-def bytes_per_token(cache) -> int:
-    """KV bytes one token occupies in the cache (all components: values, scales, RoPE)."""
-    names = ("data", "rope", "scales") if hasattr(cache, "data") else ("k", "v", "k_block_scales", "v_block_scales")
-    return sum(t[0, 0].numel() * t.element_size() for t in (getattr(cache, n) for n in names) if t is not None)
 
 
 def mla_case(torch, mode, batch, heads, context, block_size, rank=512, rope=64, seed=0):
@@ -267,7 +257,8 @@ def measure_step(torch, step, mode, cache, batch, context, peak, cfg, plain_ms) 
 
 
 def bench_mla(torch, args, contexts, grid, peak):
-    from kvconvert.kernels.mla_decode import default_num_splits, paged_mla_decode_triton
+    from kvconvert.kernels._launch import default_num_splits
+    from kvconvert.kernels.mla_decode import paged_mla_decode_triton
 
     rows, tuning, plain_ms = [], {}, {}
     for mode in MLA_MODES:
@@ -315,10 +306,10 @@ def bench_gqa(torch, args, contexts, grid, peak, shape=(32, 8, 128)):
 
 
 def result_row(impl, mode, cache, batch, context, ms, peak, cfg=None, error=None, eager=None):
-    kv_bytes = batch * context * bytes_per_token(cache)
+    kv_bytes = batch * context * cache.bytes_per_token
     bw = kv_bytes / (ms * 1e-3) if ms else None
     return {
-        "impl": impl, "mode": mode, "batch": batch, "context": context, "bytes_per_token": bytes_per_token(cache),
+        "impl": impl, "mode": mode, "batch": batch, "context": context, "bytes_per_token": cache.bytes_per_token,
         "time_us": ms * 1e3 if ms else None, "kv_GBps": bw / 1e9 if bw else None,
         "frac_of_peak": bw / peak if (bw and peak) else None, "config": cfg, "error": error,
         "eager_us": eager * 1e3 if eager else None, "unfused_us": None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvconvert.errors import UnsupportedModelError
+from kvconvert.kvmath import MLA, kv_shape
+from kvconvert.runtime.kv_cache import CacheSpec
 
 # config model_type -> (module, class). Imported lazily so one model's problem cannot break another.
 MODELS = {
@@ -34,9 +36,18 @@ def _model_class(config: dict):
     return getattr(importlib.import_module(module), cls)
 
 
-def kv_layout(config: dict):
-    """The cache layout (list over layers of {name: CacheSpec}) from config.json alone."""
-    return _model_class(config).layout_from_config(config)
+def kv_layout(config: dict) -> list[dict[str, CacheSpec]]:
+    """The cache layout (list over layers of {name: CacheSpec}) from config.json alone, as
+    kvconvert.kvmath.kv_shape counts it. Per layer and token, MLA (deepseek_v3) caches one row "kv"
+    [latent (kv_lora_rank) | k_rope (qk_rope_head_dim)]; Llama (MHA/GQA/MQA) caches post-RoPE "k"
+    and "v", each [kv_heads, head_dim]."""
+    model_type(config)  # an architecture the runtime lacks fails here, naming the supported ones
+    shape = kv_shape(config)
+    if shape.kind == MLA:
+        row = CacheSpec((shape.kv_lora_rank + shape.qk_rope_head_dim,), rope_tail=shape.qk_rope_head_dim)
+        return [{"kv": row} for _ in range(shape.num_layers)]
+    row = CacheSpec((shape.num_kv_heads, shape.head_dim))
+    return [{"k": row, "v": row} for _ in range(shape.num_layers)]
 
 
 def stored_dtype(reader) -> torch.dtype:

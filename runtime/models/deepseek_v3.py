@@ -12,8 +12,7 @@ docstring for the cached row [c | k_rope]); this adds the two ways to attend (vL
 from __future__ import annotations
 
 import torch
-from kvconvert.runtime.attention import AttentionMetadata, causal_mask
-from kvconvert.runtime.kv_cache import CacheSpec
+from kvconvert.runtime.attention import AttentionMetadata, causal_sdpa
 from kvconvert.runtime.layers import Decoder
 
 from kvconvert.models import deepseek_v3 as ds
@@ -24,17 +23,11 @@ class DeepseekV3ForCausalLM(Decoder):
     """Weights as plain tensors; forward(input_ids [T], positions [T], ...) -> hidden [T, hidden].
     dtype: as LlamaForCausalLM's (weights mapped when stored in it; norms, softmax, logits fp32)."""
 
-    architecture = "deepseek_v3"
+    shape_cls, attention_cls = ds.MLAShape, ds.MLAAttention
 
     def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None, device="cpu"):
         ds.check_dense(reader.config)
-        super().__init__(reader, ds.MLAShape.from_config(reader.config), ds.MLAAttention, dtype, max_positions, device)
-
-    @staticmethod
-    def layout_from_config(c: dict) -> list[dict[str, CacheSpec]]:
-        """Per layer: one row [latent (kv_lora_rank) | k_rope (qk_rope_head_dim)] per token."""
-        row = CacheSpec((c["kv_lora_rank"] + c["qk_rope_head_dim"],), rope_tail=c["qk_rope_head_dim"])
-        return [{"kv": row} for _ in range(c["num_hidden_layers"])]
+        super().__init__(reader, dtype, max_positions, device)
 
     def attention(self, a: ds.MLAAttention, x, angles, stores, meta: AttentionMetadata, attn):
         """x [T, hidden] normed -> attention block output [T, hidden], through the paged cache."""
@@ -67,7 +60,5 @@ class DeepseekV3ForCausalLM(Decoder):
         k_rope = rows[:, None, s.rank:].expand(rows.shape[0], s.heads, s.rope_dim)
         k = torch.cat([k_nope, k_rope], dim=-1).transpose(0, 1)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
-        mask = None if chunk.query_len == chunk.context_len else causal_mask(chunk.query_len, chunk.context_len, q.device)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v.transpose(0, 1), attn_mask=mask, is_causal=mask is None, scale=s.softmax_scale)
+        o = causal_sdpa(q, k, v.transpose(0, 1), chunk.query_len, chunk.context_len, s.softmax_scale)  # [H, L, v]
         return o.transpose(0, 1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from kvconvert.runtime.attention import AttentionMetadata
-from kvconvert.runtime.kv_cache import CacheSpec
 from kvconvert.runtime.layers import Decoder
 
 from kvconvert.models import llama
@@ -25,17 +24,7 @@ class LlamaForCausalLM(Decoder):
     softmax run in fp32, the final norm and the logits entirely in fp32 (see fp32_logits).
     """
 
-    architecture = "llama"
-
-    def __init__(self, reader, dtype: torch.dtype = torch.float32, max_positions: int | None = None, device="cpu"):
-        super().__init__(reader, llama.LlamaShape.from_config(reader.config), llama.LlamaAttention, dtype, max_positions, device)
-
-    @staticmethod
-    def layout_from_config(c: dict) -> list[dict[str, CacheSpec]]:
-        """Per layer: post-RoPE k and v, each [kv_heads, head_dim] per token."""
-        heads = c["num_attention_heads"]
-        row = CacheSpec((c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads))
-        return [{"k": row, "v": row} for _ in range(c["num_hidden_layers"])]
+    shape_cls, attention_cls = llama.LlamaShape, llama.LlamaAttention
 
     def attention(self, a: llama.LlamaAttention, x, angles, stores, meta: AttentionMetadata, attn):
         """x [T, hidden] normed -> attention block output [T, hidden], through the paged cache."""

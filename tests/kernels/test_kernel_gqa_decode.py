@@ -14,7 +14,7 @@ from kvconvert.kernels.attention import paged_gqa_decode
 from kvconvert.kernels.cache_layout import GQACacheLayer
 from kvconvert.kernels.gqa_decode import paged_gqa_decode_reference
 
-from kernel_cases import DEVICE, LOW_PRECISION_DOTS, assert_lse_close, make_paging, relative_error
+from kernel_cases import DEVICE, LOW_PRECISION_DOTS, assert_decode_close, assert_low_precision_close, make_paging
 
 # (mode, per-head scales)
 MODES = [("none", False), ("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True)]
@@ -46,34 +46,33 @@ CASES = [(m, ph, *shape, bs) for m, ph in MODES for shape in SHAPES for bs in (1
 
 @pytest.mark.parametrize("mode,per_head,q_heads,kv_heads,head_dim,block_size", CASES)
 def test_gqa_decode_matches_reference(mode, per_head, q_heads, kv_heads, head_dim, block_size):
-    seq_lens = [37, 0, 70]
-    cache, q, tables, lens, scale = build_case(mode, per_head, q_heads, kv_heads, head_dim, block_size, seq_lens)
-    out, lse = paged_gqa_decode(q, cache, tables, lens, scale, dot="fp32")
-    ref_out, ref_lse = paged_gqa_decode_reference(q, cache, tables, lens, scale)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
-    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    cache, q, *args = build_case(mode, per_head, q_heads, kv_heads, head_dim, block_size, [37, 0, 70])
+    out, lse = paged_gqa_decode(q, cache, *args, dot="fp32")
+    assert_decode_close((out, lse), paged_gqa_decode_reference(q, cache, *args), 1e-4)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
-def test_gqa_fp16_dot_and_fp16_cache():
-    cache, q, tables, lens, scale = build_case("none", False, 9, 3, 64, 16, [50, 9], dtype=torch.float16)
-    out, lse = paged_gqa_decode(q, cache, tables, lens, scale, dot="fp16", num_splits=3)
-    ref_out, ref_lse = paged_gqa_decode_reference(q, cache, tables, lens, scale)
-    assert out.dtype == torch.float16
-    torch.testing.assert_close(out, ref_out, atol=5e-3, rtol=5e-3)
-    assert_lse_close(lse, ref_lse, atol=5e-3, rtol=5e-3)
+# (case, kernel options, tolerance): an fp16 cache with fp16 dot operands over 3 ranges, and the
+# launch configs the GPU benchmark tunes over
+OPTION_CASES = [
+    (("none", False, 9, 3, 64, 16, [50, 9], 0, torch.float16), {"dot": "fp16", "num_splits": 3}, 5e-3),
+    (("fp8", True, 40, 2, 32, 16, [70, 5]), {"dot": "fp32", "block_n": 32, "block_h": 16}, 1e-4),
+    (("fp8", True, 40, 2, 32, 16, [70, 5]), {"dot": "fp32", "block_n": 64, "block_h": 32}, 1e-4),
+]
+
+
+@pytest.mark.parametrize("case,options,tol", OPTION_CASES)
+def test_gqa_kernel_options_match_reference(case, options, tol):
+    cache, q, *args = build_case(*case)
+    assert_decode_close(paged_gqa_decode(q, cache, *args, **options), paged_gqa_decode_reference(q, cache, *args), tol)
 
 
 @pytest.mark.parametrize("dot", LOW_PRECISION_DOTS)
 @pytest.mark.parametrize("mode,per_head", MODES)
 def test_gqa_low_precision_dot_operands_every_mode(mode, per_head, dot):
     """Both dots with rounded operands on a Llama-3-like head (D 128, group 4), every cache mode."""
-    cache, q, tables, lens, scale = build_case(mode, per_head, 8, 2, 128, 16, [300, 0, 77], seed=4)
-    out, lse = paged_gqa_decode(q, cache, tables, lens, scale, dot=dot)
-    ref_out, ref_lse = paged_gqa_decode_reference(q, cache, tables, lens, scale)
-    assert relative_error(out, ref_out) < 1e-2
-    assert_lse_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
+    cache, q, *args = build_case(mode, per_head, 8, 2, 128, 16, [300, 0, 77], seed=4)
+    assert_low_precision_close(paged_gqa_decode(q, cache, *args, dot=dot), paged_gqa_decode_reference(q, cache, *args))
 
 
 def test_gqa_reference_equals_dense_attention():
@@ -124,13 +123,3 @@ def test_gqa_launcher_and_layout_validation(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(KVConvertError, match="GPU tensors"):
             paged_gqa_decode(q, cache, tables, lens, scale)
-
-
-@pytest.mark.parametrize("block_n,block_h", [(32, 16), (64, 32)])
-def test_gqa_other_tile_configs(block_n, block_h):
-    """The launch configs the GPU benchmark tunes over give the same result."""
-    cache, q, tables, lens, scale = build_case("fp8", True, 40, 2, 32, 16, [70, 5])
-    out, lse = paged_gqa_decode(q, cache, tables, lens, scale, dot="fp32", block_n=block_n, block_h=block_h)
-    ref_out, ref_lse = paged_gqa_decode_reference(q, cache, tables, lens, scale)
-    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
-    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)

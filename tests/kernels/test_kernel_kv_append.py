@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import kv_format
 from kvconvert.kernels.append import kv_append_reference, kv_append_triton
 from kvconvert.kernels.cache_layout import GQACacheLayer, MLACacheLayer
 
@@ -97,3 +98,13 @@ def test_kv_append_rejects_bad_input():
         kv_append_triton(cache, rows, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE))
     with pytest.raises(KVConvertError, match="do not match"):
         kv_append_triton(cache, rows.float(), torch.tensor([0, 1], device=DEVICE))
+
+
+@pytest.mark.parametrize("mode,fmt", [("none", "bf16"), ("fp8", "fp8"), ("nvfp4", "nvfp4")])
+def test_layout_bytes_per_token_equal_the_registry(mode, fmt):
+    """The kernels' layouts store per token what kvconvert.kvformat counts (and the runtime allocates)."""
+    fmt = kv_format(fmt)
+    mla = MLACacheLayer.allocate(mode, 1, 16, 64, 32, device=DEVICE, kv_scale=0.1)
+    gqa = GQACacheLayer.allocate(mode, 1, 16, 3, 64, device=DEVICE, k_scale=0.1, v_scale=0.1)
+    assert mla.bytes_per_token == fmt.vector_bytes(64 + 32, 32)
+    assert gqa.bytes_per_token == 2 * 3 * fmt.vector_bytes(64, 0)

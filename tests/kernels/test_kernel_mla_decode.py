@@ -18,7 +18,7 @@ from kvconvert.kernels.attention import paged_mla_decode
 from kvconvert.kernels.cache_layout import MLACacheLayer, mla_fp8_tile
 from kvconvert.kernels.mla_decode import paged_mla_decode_reference
 
-from kernel_cases import DEVICE, LOW_PRECISION_DOTS, assert_lse_close, make_paging, relative_error
+from kernel_cases import DEVICE, LOW_PRECISION_DOTS, assert_decode_close, assert_low_precision_close, make_paging
 
 MODES = ("none", "fp8", "fp8_tile", "nvfp4")
 # (heads, kv_lora_rank, rope_dim): SmolLM2 conversions (9 heads, rope 32) and one small DeepSeek case
@@ -54,33 +54,28 @@ CASES = [
 @pytest.mark.parametrize("mode,heads,rank,rope_dim,block_size", CASES)
 def test_mla_decode_matches_reference(mode, heads, rank, rope_dim, block_size):
     seq_lens = [37, 1, 0, 90] if rank < 512 else [70, 9]
-    cache, qn, qr, tables, lens, scale, _ = build_case(mode, heads, rank, rope_dim, block_size, seq_lens)
-    out, lse = paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="fp32")
-    ref_out, ref_lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
-    assert out.shape == (len(seq_lens), heads, rank) and out.dtype == qn.dtype
-    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
-    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    cache, qn, qr, *args, _ = build_case(mode, heads, rank, rope_dim, block_size, seq_lens)
+    out, lse = paged_mla_decode(qn, qr, cache, *args, dot="fp32")
+    assert_decode_close((out, lse), paged_mla_decode_reference(qn, qr, cache, *args), 1e-4)
     if 0 in seq_lens:
         assert torch.equal(out[seq_lens.index(0)], torch.zeros(heads, rank, device=DEVICE))
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_mla_split_count_does_not_change_result(num_splits):
-    cache, qn, qr, tables, lens, scale, _ = build_case("fp8_tile", 9, 64, 32, 16, [100, 3, 47])
-    out, lse = paged_mla_decode(qn, qr, cache, tables, lens, scale, num_splits=num_splits, dot="fp32")
-    ref_out, ref_lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
-    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
-    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+# (case, kernel options, tolerance): split counts (1, 2, 5 ranges), fp16 caches with fp16 dot
+# operands, and the launch configs the GPU benchmark tunes over
+OPTION_CASES = [
+    *((("fp8_tile", 9, 64, 32, 16, [100, 3, 47]), {"num_splits": n, "dot": "fp32"}, 1e-4) for n in (1, 2, 5)),
+    *(((mode, 9, 96, 32, 16, [40, 17], 0, torch.float16), {"dot": "fp16"}, 5e-3) for mode in ("none", "nvfp4")),
+    *((("nvfp4", 9, 160, 32, 16, [70, 5]), {"dot": "fp32", "block_n": n, "block_h": h}, 1e-4)
+      for n, h in ((32, 16), (64, 32))),
+]
 
 
-@pytest.mark.parametrize("mode", ["none", "nvfp4"])
-def test_mla_fp16_dot_operands(mode):
-    cache, qn, qr, tables, lens, scale, _ = build_case(mode, 9, 96, 32, 16, [40, 17], dtype=torch.float16)
-    out, lse = paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="fp16")
-    ref_out, ref_lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
-    assert out.dtype == torch.float16
-    torch.testing.assert_close(out, ref_out, atol=5e-3, rtol=5e-3)
-    assert_lse_close(lse, ref_lse, atol=5e-3, rtol=5e-3)
+@pytest.mark.parametrize("case,options,tol", OPTION_CASES)
+def test_mla_kernel_options_match_reference(case, options, tol):
+    cache, qn, qr, *args, _ = build_case(*case)
+    assert_decode_close(paged_mla_decode(qn, qr, cache, *args, **options),
+                        paged_mla_decode_reference(qn, qr, cache, *args), tol)
 
 
 @pytest.mark.parametrize("dot", LOW_PRECISION_DOTS)
@@ -88,11 +83,9 @@ def test_mla_fp16_dot_operands(mode):
 def test_mla_low_precision_dot_operands_every_mode(mode, dot):
     """Both dots (QK^T and P@V) with rounded operands, on the DeepSeek shape: every dequant path
     must feed the matrix units correctly (the P@V operand is the latent tile itself)."""
-    cache, qn, qr, tables, lens, scale, _ = build_case(mode, 16, 512, 64, 64, [300, 1, 129], seed=3)
-    out, lse = paged_mla_decode(qn, qr, cache, tables, lens, scale, dot=dot)
-    ref_out, ref_lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
-    assert relative_error(out, ref_out) < 1e-2
-    assert_lse_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
+    cache, qn, qr, *args, _ = build_case(mode, 16, 512, 64, 64, [300, 1, 129], seed=3)
+    assert_low_precision_close(paged_mla_decode(qn, qr, cache, *args, dot=dot),
+                               paged_mla_decode_reference(qn, qr, cache, *args))
 
 
 def test_mla_reference_equals_dense_attention_over_logical_tokens():
@@ -162,13 +155,3 @@ def test_mla_cache_layout_validation():
         MLACacheLayer("nvfp4", 64, 32, good.data.to(torch.int8), good.rope, good.scales, good.tensor_scale)
     with pytest.raises(KVConvertError, match="shape"):
         MLACacheLayer("nvfp4", 64, 32, good.data, good.rope[..., :16], good.scales, good.tensor_scale)
-
-
-@pytest.mark.parametrize("block_n,block_h", [(32, 16), (64, 32)])
-def test_mla_other_tile_configs(block_n, block_h):
-    """The launch configs the GPU benchmark tunes over give the same result."""
-    cache, qn, qr, tables, lens, scale, _ = build_case("nvfp4", 9, 160, 32, 16, [70, 5])
-    out, lse = paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="fp32", block_n=block_n, block_h=block_h)
-    ref_out, ref_lse = paged_mla_decode_reference(qn, qr, cache, tables, lens, scale)
-    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
-    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)

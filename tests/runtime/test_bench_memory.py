@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+from runtime_cases import SCRIPTS, load_script
 
 
 def test_peak_rss_is_each_childs_own(tmp_path):
@@ -58,7 +44,7 @@ def test_random_checkpoint_has_the_real_shapes_and_runs_mapped(tmp_path):
         tokenizer = resolve_source("smollm2-135m")
     except Exception as exc:  # noqa: BLE001 - the default model is not imported on this machine
         pytest.skip(f"SmolLM2 tokenizer not available: {exc}")
-    mla = _load("bench_mla")
+    mla = load_script("bench_mla")
     folder = tmp_path / "tiny"
     mla.write_random_llama(folder, tokenizer, "tinyllama-1.1b", layers=1)
     with CheckpointReader(folder) as reader:

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
+from runtime_cases import load_script
 from kvconvert.runtime import LLM
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_runtime.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_runtime", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bench_script_tiny_grid(llama_gqa, deepseek_mla, tmp_path, capsys):
-    bench = _load_script()
+    bench = load_script("bench_runtime")
     out = tmp_path / "bench.json"
     bench.main(["--source", str(llama_gqa), "--mla", str(deepseek_mla), "--batches", "1,2", "--contexts", "8",
                 "--decode-tokens", "2", "--kv-memory", "64K", "--request-tokens", "40", "--threads", "1", "--out", str(out)])

@@ -127,18 +127,8 @@ def test_lru_eviction_keeps_recently_used_prefixes():
     bm.check_invariants()
 
 
-def test_fork_shares_then_copies_on_write():
-    bm = BlockManager(num_blocks=8, block_size=4)
-    _compute(bm, 1, [1, 2, 3, 4, 5, 6], 6)
-    bm.fork(1, 2)
-    assert bm.blocks[bm.block_table(1)[1]].ref_count == 2
-    copies = bm.allocate_slots(2, 7, write_from=6)  # child writes into the shared partial block
-    assert len(copies) == 1 and bm.block_table(1)[1] != bm.block_table(2)[1]
-    bm.check_invariants()
-
-
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate / extend / fork / free sequences against a shadow of what each slot holds.
+    """Random allocate / extend / free sequences against a shadow of what each slot holds.
 
     Besides the bookkeeping invariants, the shadow proves the paging is *correct*: every computed
     position of every sequence reads back its own token through its block table, whatever was
@@ -189,16 +179,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.computed[seq_id] == len(self.seqs[seq_id]):
             self.seqs[seq_id] = self.seqs[seq_id] + new  # "generated" tokens
         self._advance(seq_id, n)
-
-    @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.seqs)))
-        child = self.next_id
-        self.next_id += 1
-        self.bm.fork(parent, child)
-        self.seqs[child] = list(self.seqs[parent])
-        self.computed[child] = self.computed[parent]
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())

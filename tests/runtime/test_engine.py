@@ -5,11 +5,10 @@ long as the context) in fp32: logits within 2e-5, greedy tokens identical."""
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
-from runtime_cases import VOCAB, add_tensors, build_deepseek
+from runtime_cases import VOCAB, add_tensors, build_deepseek, greedy, random_ids
 from kvconvert.runtime import LLM, SamplingParams
 from kvconvert.runtime.model_runner import top_p_filter
 
@@ -19,37 +18,29 @@ ATOL = 2e-5
 MAX_LEN = 256  # the tiny models' max_position_embeddings
 
 
-def _prompt(n, seed=0):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _greedy(n=16):
-    return SamplingParams(max_tokens=n, greedy=True, ignore_eos=True)
-
-
 def _contiguous(path, **kw):
     """Unpaged reference: every sequence gets one block as long as the model's context."""
     return LLM(path, kv_dtype="fp32", block_size=MAX_LEN, enable_prefix_caching=False, **kw)
 
 
 def test_paged_equals_contiguous(tiny_model):
-    prompts = [_prompt(n, seed=n) for n in (3, 19, 40)]
+    prompts = [random_ids(n, seed=n) for n in (3, 19, 40)]
     paged = LLM(tiny_model, kv_dtype="fp32", block_size=4, max_num_batched_tokens=16)
     flat = _contiguous(tiny_model)
     torch.testing.assert_close(paged.score(prompts[2]), flat.score(prompts[2]), atol=ATOL, rtol=0)
-    assert [o.token_ids for o in paged.generate(prompts, _greedy())] == \
-        [o.token_ids for o in flat.generate(prompts, _greedy())]
+    assert [o.token_ids for o in paged.generate(prompts, greedy())] == \
+        [o.token_ids for o in flat.generate(prompts, greedy())]
 
 
 def test_prefix_cache_hit_equals_miss(tiny_model):
-    shared = _prompt(24, seed=1)
-    prompts = [shared + _prompt(5, seed=2), shared, shared[:13]]
+    shared = random_ids(24, seed=1)
+    prompts = [shared + random_ids(5, seed=2), shared, shared[:13]]
     llm = LLM(tiny_model, kv_dtype="fp32", block_size=4)
-    first = llm.generate([shared], _greedy())[0]
+    first = llm.generate([shared], greedy())[0]
     assert first.num_cached_tokens == 0
-    hits = llm.generate(prompts, _greedy())
+    hits = llm.generate(prompts, greedy())
     assert [o.num_cached_tokens for o in hits] == [24, 23, 12]  # full hit recomputes its last token
-    misses = _contiguous(tiny_model).generate(prompts, _greedy())
+    misses = _contiguous(tiny_model).generate(prompts, greedy())
     assert [o.token_ids for o in hits] == [o.token_ids for o in misses]
     assert hits[1].token_ids == first.token_ids
 
@@ -57,9 +48,9 @@ def test_prefix_cache_hit_equals_miss(tiny_model):
 def test_copy_on_write_of_a_block_shared_with_a_running_sequence(deepseek_mla):
     """B arrives while A decodes; B's prompt is all cached in A's blocks, so B recomputes its last
     token into a copy of the shared block instead of overwriting A's."""
-    prompt = _prompt(8, seed=3)  # two full blocks of 4
+    prompt = random_ids(8, seed=3)  # two full blocks of 4
     llm = LLM(deepseek_mla, kv_dtype="fp32", block_size=4)
-    a = llm.add_request(prompt, _greedy(12))
+    a = llm.add_request(prompt, greedy(12))
     llm.step()  # A prefilled, its blocks registered
     copies_seen = []
     schedule = llm.scheduler.schedule
@@ -70,19 +61,19 @@ def test_copy_on_write_of_a_block_shared_with_a_running_sequence(deepseek_mla):
         return out
 
     llm.scheduler.schedule = recording_schedule
-    b = llm.add_request(prompt, _greedy(12))
+    b = llm.add_request(prompt, greedy(12))
     while llm.has_unfinished():
         llm.step()
     assert copies_seen, "the shared last block was not copied"
-    ref = _contiguous(deepseek_mla).generate([prompt], _greedy(12))[0].token_ids
+    ref = _contiguous(deepseek_mla).generate([prompt], greedy(12))[0].token_ids
     out_a, out_b = llm.take_output(a), llm.take_output(b)
     assert out_a.token_ids == ref and out_b.token_ids == ref
     assert out_b.num_cached_tokens == 7 and llm.take_output(b) is None
 
 
 def test_preemption_by_recompute_gives_the_same_tokens(tiny_model):
-    prompts = [_prompt(n, seed=10 + n) for n in (9, 14, 11, 6)]
-    params = _greedy(24)
+    prompts = [random_ids(n, seed=10 + n) for n in (9, 14, 11, 6)]
+    params = greedy(24)
     # 12 blocks of 4 = 48 slots for 4 requests of up to 38 tokens: must preempt to finish
     small = LLM(tiny_model, kv_dtype="fp32", block_size=4, num_blocks=12)
     outs = small.generate(prompts, params)
@@ -96,9 +87,9 @@ def test_preemption_by_recompute_gives_the_same_tokens(tiny_model):
 def test_scored_request_survives_preemption(deepseek_mla):
     """Prompt logits of a preempted scoring request are recomputed, not duplicated."""
     llm = LLM(deepseek_mla, kv_dtype="fp32", block_size=4, num_blocks=10, max_num_batched_tokens=8)
-    llm.add_request(_prompt(20, seed=4), _greedy(16))  # older: keeps its blocks
+    llm.add_request(random_ids(20, seed=4), greedy(16))  # older: keeps its blocks
     llm.step()
-    prompt = _prompt(30, seed=5)
+    prompt = random_ids(30, seed=5)
     rid = llm.add_request(prompt, SamplingParams(max_tokens=0), want_prompt_logits=True)
     while llm.has_unfinished():
         llm.step()
@@ -111,26 +102,26 @@ def test_scored_request_survives_preemption(deepseek_mla):
 
 def test_continuous_batching_new_requests_join_between_steps(tiny_model):
     llm = LLM(tiny_model, kv_dtype="fp32", block_size=4)
-    first = llm.add_request(_prompt(10, seed=6), _greedy(20))
+    first = llm.add_request(random_ids(10, seed=6), greedy(20))
     for _ in range(5):
         llm.step()
-    second = llm.add_request(_prompt(7, seed=7), _greedy(20))
+    second = llm.add_request(random_ids(7, seed=7), greedy(20))
     batch_sizes = []
     while llm.has_unfinished():
         batch_sizes.append(len(llm.scheduler.running))
         llm.step()
     assert max(batch_sizes) == 2  # the late request decoded alongside the first
-    ref = _contiguous(tiny_model).generate([_prompt(10, seed=6), _prompt(7, seed=7)], _greedy(20))
+    ref = _contiguous(tiny_model).generate([random_ids(10, seed=6), random_ids(7, seed=7)], greedy(20))
     assert llm.take_output(first).token_ids == ref[0].token_ids
     assert llm.take_output(second).token_ids == ref[1].token_ids
 
 
 def test_bad_requests_fail_alone(tiny_model):
     llm = LLM(tiny_model, kv_dtype="fp32", block_size=4, num_blocks=16)
-    good = _prompt(6, seed=8)
+    good = random_ids(6, seed=8)
     outs = llm.generate(
-        [good, [], _prompt(MAX_LEN, seed=9), [VOCAB + 5], _prompt(40, seed=10), good],
-        [_greedy(), _greedy(), _greedy(), _greedy(), SamplingParams(max_tokens=100), _greedy()],
+        [good, [], random_ids(MAX_LEN, seed=9), [VOCAB + 5], random_ids(40, seed=10), good],
+        [greedy(), greedy(), greedy(), greedy(), SamplingParams(max_tokens=100), greedy()],
     )
     assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "error", "length"]
     assert "empty prompt" in outs[1].error
@@ -142,13 +133,13 @@ def test_bad_requests_fail_alone(tiny_model):
 
 def test_generation_stops_at_the_context_limit(llama_gqa):
     llm = LLM(llama_gqa, kv_dtype="fp32", max_model_len=20)
-    out = llm.generate([_prompt(15)], _greedy(50))[0]
+    out = llm.generate([random_ids(15)], greedy(50))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
 def test_stop_tokens_and_eos(tmp_path, llama_gqa):
-    prompt = _prompt(8)
-    free = LLM(llama_gqa, kv_dtype="fp32").generate([prompt], _greedy(20))[0].token_ids
+    prompt = random_ids(8)
+    free = LLM(llama_gqa, kv_dtype="fp32").generate([prompt], greedy(20))[0].token_ids
     stop = free[5]
     cut = free.index(stop) + 1
     out = LLM(llama_gqa, kv_dtype="fp32").generate([prompt], SamplingParams(max_tokens=20, greedy=True,
@@ -162,19 +153,19 @@ def test_stop_tokens_and_eos(tmp_path, llama_gqa):
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model):
     p = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
     llm = LLM(tiny_model, kv_dtype="fp32")
-    alone = llm.generate([_prompt(9)], p)[0].token_ids
-    crowd = llm.generate([_prompt(5, seed=1), _prompt(9), _prompt(12, seed=2)],
+    alone = llm.generate([random_ids(9)], p)[0].token_ids
+    crowd = llm.generate([random_ids(5, seed=1), random_ids(9), random_ids(12, seed=2)],
                          [SamplingParams(max_tokens=12, temperature=1.0), p, SamplingParams(max_tokens=3)])
     assert crowd[1].token_ids == alone
-    other_seed = llm.generate([_prompt(9)], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=99,
+    other_seed = llm.generate([random_ids(9)], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=99,
                                                            ignore_eos=True))[0].token_ids
     assert other_seed != alone
 
 
-def test_tiny_top_p_is_greedy(tiny_model):
+def test_tiny_top_p_isgreedy(tiny_model):
     llm = LLM(tiny_model, kv_dtype="fp32")
-    greedy = llm.generate([_prompt(9)], _greedy(10))[0].token_ids
-    assert llm.generate([_prompt(9)], SamplingParams(max_tokens=10, top_p=1e-6, ignore_eos=True))[0].token_ids == greedy
+    argmax = llm.generate([random_ids(9)], greedy(10))[0].token_ids
+    assert llm.generate([random_ids(9)], SamplingParams(max_tokens=10, top_p=1e-6, ignore_eos=True))[0].token_ids == argmax
 
 
 def test_top_p_filter_keeps_the_smallest_nucleus():
@@ -223,10 +214,3 @@ def test_default_pool_fits_the_default_batch(llama_gqa):
     llm = LLM(llama_gqa)
     assert llm.num_blocks == 64 * (MAX_LEN // 16)  # capped at max_num_seqs full-length requests
     assert llm.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2  # layers x (k, v) x kv_heads x head_dim x bf16
-
-
-def test_dynamic_scales_warn(tiny_model):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        LLM(tiny_model, kv_dtype="fp8", kv_scales="dynamic")
-    assert any("dynamic" in str(w.message) for w in caught)

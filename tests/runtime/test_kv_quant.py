@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import VOCAB, add_tensors, load_reference
-from kvconvert.runtime import LLM, SamplingParams
+from runtime_cases import add_tensors, greedy, load_reference, random_ids
+from kvconvert.runtime import LLM
 from transformers import DynamicCache
 
 from kvconvert.errors import KVConvertError
@@ -24,10 +24,6 @@ kv_scale_from_amax = kv_format("fp8").scale_from_amax  # amax / 448: FP8 E4M3 an
 
 ATOL = 1e-4
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-def _prompt(n=20, seed=0):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def fake_quant(x: torch.Tensor, kv_dtype: str, kv_scale: torch.Tensor) -> torch.Tensor:
@@ -134,8 +130,8 @@ def test_quantized_cache_matches_fake_quant_reference(arch, kv_dtype, naming, pe
     src = llama_gqa if arch == "llama" else deepseek_mla
     mla = arch == "deepseek"
     ref = load_reference(src)
-    prompt = _prompt()
-    scales = _calibrate(ref, _prompt(40, seed=1), per_head, mla)
+    prompt = random_ids(20)
+    scales = _calibrate(ref, random_ids(40, seed=1), per_head, mla)
     path = _with_scales(src, tmp_path / "scaled", scales, naming, mla)
     fns = (mla_fns if mla else llama_fns)(kv_dtype, [(k.reshape(-1, 1) if per_head else k, v.reshape(-1, 1) if per_head else v)
                                                      for k, v in scales])
@@ -146,7 +142,7 @@ def test_quantized_cache_matches_fake_quant_reference(arch, kv_dtype, naming, pe
 
     llm = LLM(path, kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=8)
     torch.testing.assert_close(llm.score(prompt), ref_logits, atol=ATOL, rtol=0)
-    out = llm.generate([prompt], SamplingParams(max_tokens=24, greedy=True, ignore_eos=True))[0]
+    out = llm.generate([prompt], greedy(24))[0]
     assert out.token_ids == ref_tokens
 
 
@@ -154,13 +150,13 @@ def test_dynamic_scales_use_the_first_prefill_amax(llama_gqa):
     """Layer 0's scale is amax/448 of the prompt's K (its input does not depend on quantization);
     deeper layers' scales see quantized inputs, so the reference reuses the runtime's scales."""
     ref = load_reference(llama_gqa)
-    prompt = _prompt(30, seed=2)
+    prompt = random_ids(30, seed=2)
     cache = DynamicCache(config=ref.config)
     with torch.no_grad():
         ref(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
     with pytest.warns(UserWarning, match="dynamic"):
         llm = LLM(llama_gqa, kv_dtype="fp8", kv_scales="dynamic")
-    out = llm.generate([prompt], SamplingParams(max_tokens=16, greedy=True, ignore_eos=True))[0]
+    out = llm.generate([prompt], greedy(16))[0]
     layer0 = llm.cache.layers[0]
     torch.testing.assert_close(layer0["k"].kv_scale, kv_scale_from_amax(cache.layers[0].keys.abs().amax()))
     torch.testing.assert_close(layer0["v"].kv_scale, kv_scale_from_amax(cache.layers[0].values.abs().amax()))

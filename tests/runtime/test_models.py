@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import VOCAB, build_deepseek, build_llama, load_reference
-from kvconvert.runtime import LLM, SamplingParams
+from runtime_cases import build_deepseek, build_llama, greedy, load_reference, random_ids
+from kvconvert.runtime import LLM
 
 ATOL = 2e-5
-GREEDY = SamplingParams(max_tokens=64, greedy=True, ignore_eos=True)
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 0.8, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
@@ -30,29 +29,25 @@ VARIANTS = {
 }
 
 
-def _prompt(n=23, seed=0):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_and_greedy_match_transformers(variant, tmp_path):
     path = VARIANTS[variant](tmp_path / variant)
     ref = load_reference(path)
-    prompt = _prompt()
+    ids = random_ids(23)
     with torch.no_grad():
-        ref_logits = ref(torch.tensor([prompt])).logits[0]
-        ref_tokens = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
+        ref_logits = ref(torch.tensor([ids])).logits[0]
+        ref_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
     # small blocks and token budget: the prompt is prefilled in 3 chunks across several blocks
     llm = LLM(path, kv_dtype="fp32", block_size=4, max_num_batched_tokens=8)
-    torch.testing.assert_close(llm.score(prompt), ref_logits, atol=ATOL, rtol=0)
-    assert llm.generate([prompt], GREEDY)[0].token_ids == ref_tokens
+    torch.testing.assert_close(llm.score(ids), ref_logits, atol=ATOL, rtol=0)
+    assert llm.generate([ids], greedy(64))[0].token_ids == ref_tokens
 
 
 def test_batched_generation_matches_one_at_a_time(tiny_model):
     """Different prompt lengths decoding together give each prompt's solo greedy tokens."""
-    prompts = [_prompt(n, seed=n) for n in (5, 17, 9, 30)]
+    prompts = [random_ids(n, seed=n) for n in (5, 17, 9, 30)]
     llm = LLM(tiny_model, kv_dtype="fp32", block_size=4)
-    params = SamplingParams(max_tokens=20, greedy=True, ignore_eos=True)
+    params = greedy(20)
     together = [o.token_ids for o in llm.generate(prompts, params)]
     alone = [LLM(tiny_model, kv_dtype="fp32").generate([p], params)[0].token_ids for p in prompts]
     assert together == alone

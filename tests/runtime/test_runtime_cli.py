@@ -29,8 +29,7 @@ def model_with_tokenizer(llama_gqa, tmp_path_factory):
 
 
 def _run(args):
-    result = CliRunner().invoke(cli, ["generate", *args], standalone_mode=False, catch_exceptions=True)
-    return result
+    return CliRunner().invoke(cli, ["generate", *args], standalone_mode=False, catch_exceptions=True)
 
 
 def test_generate_json(model_with_tokenizer):

@@ -12,8 +12,8 @@ import os
 
 import pytest
 import torch
-from runtime_cases import VOCAB
-from kvconvert.runtime import LLM, SamplingParams
+from runtime_cases import greedy, random_ids
+from kvconvert.runtime import LLM
 
 from kvconvert.errors import KVConvertError
 
@@ -27,8 +27,7 @@ needs_interpreter = pytest.mark.skipif(
 @needs_interpreter
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp8", "nvfp4"])
 def test_triton_backend_matches_torch(tiny_model, kv_dtype):
-    prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(max_tokens=6, greedy=True, ignore_eos=True)
+    prompt, params = random_ids(10), greedy(6)
     results = {}
     for backend in ("torch", "triton"):
         llm = LLM(tiny_model, kv_dtype=kv_dtype, kv_scales="dynamic", block_size=4, max_num_batched_tokens=1,
