@@ -275,13 +275,14 @@ _UNITS = {
 }
 
 
-def parse_size(text: str) -> int:
-    """Bytes from '80GiB', '141GB', '80G' (= GiB), '512MiB' or a bare number (GiB)."""
+def parse_size(text: str, bare_unit: int = 2**30) -> int:
+    """Bytes from '80GiB', '141GB', '80G' (= GiB), '512MiB' or a bare number (x bare_unit: GiB for
+    GPU sizes, 1 where a bare number means bytes)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
         raise KVConvertError(f"cannot read size {text!r}; write e.g. 80GiB, 141GB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(float(match.group(1)) * (_UNITS[unit] if unit else bare_unit))
 
 
 def format_bytes(n: float) -> str:

@@ -3,28 +3,19 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 
 import click
+from kvconvert import kvmath
 from kvconvert.kvformat import RUNTIME_KV_DTYPES
 from kvconvert.runtime.config import ATTENTION_BACKENDS, KV_SCALE_SOURCES
 
 from kvconvert.errors import KVConvertError
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
 def parse_size(text: str | None) -> int | None:
-    """'512M', '2G', '1048576' -> bytes (binary units)."""
-    if text is None:
-        return None
-    m = _SIZE.match(text)
-    if not m:
-        raise KVConvertError(f"--kv-memory {text!r} is not a size; write e.g. 512M or 2G")
-    power = " KMGT".index(m.group(2).upper() or " ")  # '' -> 0, K -> 1, M -> 2, ...
-    return int(float(m.group(1)) * 1024**power)
+    """--kv-memory: '512M', '2GiB', '1GB' (decimal), a bare number of bytes (kvmath.parse_size)."""
+    return None if text is None else kvmath.parse_size(text, bare_unit=1)
 
 
 @click.command("generate")

@@ -79,7 +79,7 @@ def available_memory(device: torch.device | str = "cpu") -> int:
     if env:
         from kvconvert.kvmath import parse_size
 
-        return parse_size(env)
+        return parse_size(env, bare_unit=1)
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]

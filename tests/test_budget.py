@@ -167,6 +167,26 @@ def test_parse_size_rejects(text):
         kvmath.parse_size(text)
 
 
+def test_a_bare_number_is_bytes_for_the_runtime(monkeypatch):
+    """generate --kv-memory and $KVCONVERT_AVAILABLE_MEMORY read sizes with kvmath, a bare number as bytes."""
+    from kvconvert.runtime.cli import parse_size
+    from kvconvert.runtime.memory import AVAILABLE_ENV, available_memory
+
+    assert (parse_size("1048576"), parse_size("512M"), parse_size("2GiB")) == (2**20, 512 * 2**20, 2 * 2**30)
+    monkeypatch.setenv(AVAILABLE_ENV, "4096")
+    assert available_memory() == 4096
+    monkeypatch.setenv(AVAILABLE_ENV, "16G")
+    assert available_memory() == 16 * 2**30
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GB"])
+def test_runtime_sizes_reject_like_kvmath(text):
+    from kvconvert.runtime.cli import parse_size
+
+    with pytest.raises(KVConvertError, match="cannot read size"):
+        parse_size(text)
+
+
 def test_format_bytes():
     assert kvmath.format_bytes(327680) == "320.0 KiB"
     assert kvmath.format_bytes(42949672960) == "40.00 GiB"
