@@ -191,7 +191,8 @@ class Scorer:
 
     def __init__(self, src: Path, windows: int, window_len: int):
         from kvconvert.data import eval_windows
-        from kvconvert.eval.runner import RuntimeRunner, load_tokenizer
+        from kvconvert.checkpoint import load_tokenizer
+        from kvconvert.eval.runner import RuntimeRunner
 
         self.ids = eval_windows(load_tokenizer(src), windows, window_len)
         source = RuntimeRunner(src, "bf16", dtype="fp32", max_len=window_len)

@@ -119,6 +119,20 @@ def options_as_flags(opts: StageOptions, keep: tuple[str, ...] = ()) -> list[str
     return out
 
 
+# --------------------------------------------------------------------------- options every stage command shares
+
+def out_option(help_text: str, required: bool = True):
+    """--out FOLDER (a Path) of a stage command."""
+    return click.option("--out", "out", required=required, default=None,
+                        type=click.Path(file_okay=False, path_type=Path), help=help_text)
+
+
+threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
+                              help="torch CPU threads (default: torch's choice; 1 is faster on a CPU shared with "
+                                   "other jobs).")
+no_progress_option = click.option("--no-progress", is_flag=True, help="No progress bars.")
+overwrite_option = click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
+
 # --------------------------------------------------------------------------- YAML files (recipes, gate policies)
 
 def read_yaml(path: str | Path, missing: str = "file not found"):

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from kvconvert import __version__
-from kvconvert.checkpoint import atomic_save_tensors, eos_token_ids
+from kvconvert.checkpoint import atomic_save_tensors, eos_token_ids, load_tokenizer
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import haystack, longbench
 from kvconvert.eval.cache import ResultCache
 from kvconvert.eval.metrics import longbench_sample_score, passkey_score, string_match_all, window_sums
 from kvconvert.eval.options import ValidateOptions
-from kvconvert.eval.runner import LazyRunner, check_same_tokenizer, load_tokenizer, resolve_engine
+from kvconvert.eval.runner import LazyRunner, check_same_tokenizer, resolve_engine
 from kvconvert.eval.samples import GenSample
 from kvconvert.eval.suites import SUITE_VERSION, SuiteSpec, get_suite
 

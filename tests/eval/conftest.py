@@ -20,7 +20,7 @@ def tiny_tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_tokenizer_dir):
-    from kvconvert.eval.runner import load_tokenizer
+    from kvconvert.checkpoint import load_tokenizer
 
     return load_tokenizer(tiny_tokenizer_dir)
 
