@@ -120,7 +120,8 @@ def test_memory_check_refuses_with_the_tokens_that_fit():
 
 
 def test_calib_tokens_below_one_window_is_refused(tiny_llama, tmp_path, run_main):
-    code, err = run_main(["calibrate", "--src", tiny_llama, "--kv-dtype", "fp8", "--out", tmp_path / "o",
+    out = tmp_path / "o"
+    code, err = run_main(["calibrate", "--src", tiny_llama, "--kv-dtype", "fp8", "--out", out,
                           "--calib-tokens", "100", "--window-len", "128"])
     assert code == 2 and "--calib-tokens 100 is less than one window (128)" in err
     assert not out.exists()
