@@ -21,7 +21,6 @@ Nothing else is predicted: what survives is measured. Bytes per token come from 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -192,7 +191,8 @@ class Scorer:
 
     def __init__(self, src: Path, windows: int, window_len: int):
         from kvconvert.data import eval_windows
-        from kvconvert.eval.runner import RuntimeRunner, load_tokenizer
+        from kvconvert.checkpoint import load_tokenizer
+        from kvconvert.eval.runner import RuntimeRunner
 
         self.ids = eval_windows(load_tokenizer(src), windows, window_len)
         source = RuntimeRunner(src, "bf16", dtype="fp32", max_len=window_len)
@@ -200,16 +200,16 @@ class Scorer:
         source.close()
 
     def score(self, path: Path, kv_dtype: str) -> dict:
+        from kvconvert.eval.report import perplexity_summary
         from kvconvert.eval.runner import RuntimeRunner
         from kvconvert.eval.validate import window_stats
 
         runner = RuntimeRunner(path, kv_dtype, dtype="fp32", max_len=self.ids.shape[1])
         stats = [window_stats(ref, runner.logits(w), w) for ref, w in zip(self.reference, self.ids)]
         runner.close()
-        n = sum(s["n_tokens"] for s in stats)
-        total = {k: sum(s[k] for s in stats) for k in ("kl", "source_nll", "candidate_nll")}
-        return {"kl": total["kl"] / n, "ppl": math.exp(total["candidate_nll"] / n),
-                "source_ppl": math.exp(total["source_nll"] / n), "tokens": n}
+        pooled = perplexity_summary(stats)
+        return {"kl": pooled["kl_mean"], "ppl": pooled["candidate"], "source_ppl": pooled["source"],
+                "tokens": pooled["tokens"]}
 
 
 def measure(c: Candidate, scorer: Scorer, src: Path, work: Path, calib_tokens: int, echo) -> Measurement:

@@ -23,7 +23,7 @@ from kvconvert.eval.options import ValidateOptions
 from kvconvert.heal.options import DistillOptions, LayerwiseOptions
 from kvconvert.mla.options import MLAOptions
 from kvconvert.quant.options import CalibrateOptions
-from kvconvert.stage_options import StageOptions
+from kvconvert.stage_options import StageOptions, read_yaml, validation_problems
 
 # Built-in heal recipes (`kvconvert heal --recipe NAME`, `kvconvert mla --heal NAME`).
 HEAL_PRESETS: dict[str, dict] = {
@@ -89,30 +89,6 @@ class Recipe(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-def _describe(err: dict) -> str:
-    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(err["loc"][:-1])
-        return f"unknown key {loc!r}" + (f" (allowed here: {', '.join(allowed)})" if allowed else "")
-    return f"{loc}: {err['msg']}"
-
-
-def _allowed_keys(parent: tuple) -> list[str]:
-    """The keys a recipe block accepts, as written in YAML (aliases such as `validate`)."""
-    import typing
-
-    model = Recipe
-    for part in parent:
-        fields = {f.alias or name: f for name, f in model.model_fields.items()}
-        if part not in fields:
-            return []
-        args = [a for a in typing.get_args(fields[part].annotation) if isinstance(a, type)] or [fields[part].annotation]
-        model = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if model is None:
-            return []
-    return [f.alias or name for name, f in model.model_fields.items()]
-
-
 def parse_recipe(data: object, origin: str = "<recipe>") -> Recipe:
     """A Recipe from a parsed YAML/JSON object; every error names the key and `origin`."""
     if data is None:
@@ -122,9 +98,7 @@ def parse_recipe(data: object, origin: str = "<recipe>") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(_describe(e) for e in exc.errors()[:3])
-        more = f" (+{exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
-        raise KVConvertError(f"{origin}: invalid recipe: {problems}{more}") from None
+        raise KVConvertError(f"{origin}: invalid recipe: {validation_problems(exc, Recipe)}") from None
 
 
 def resolve_recipe(recipe: Recipe | dict | str | Path) -> Recipe:
@@ -139,22 +113,6 @@ def resolve_recipe(recipe: Recipe | dict | str | Path) -> Recipe:
     if path.suffix in (".yaml", ".yml") or path.exists():
         return load_recipe(path)
     raise KVConvertError(f"{recipe}: not a recipe file or preset (presets: {', '.join(HEAL_PRESETS)})")
-
-
-def read_yaml(path: str | Path, missing: str = "file not found"):
-    """The parsed YAML file at `path` (recipes, gate policies). A missing file is a KVConvertError
-    "PATH: `missing`", bad YAML one that names the line."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise KVConvertError(f"{path}: {missing}")
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise KVConvertError(f"{path}: not valid YAML{where}") from None
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 import click
@@ -116,3 +117,65 @@ def options_as_flags(opts: StageOptions, keep: tuple[str, ...] = ()) -> list[str
         elif value is not None:
             out += [flag, str(value)]
     return out
+
+
+# --------------------------------------------------------------------------- options every stage command shares
+
+def out_option(help_text: str, required: bool = True):
+    """--out FOLDER (a Path) of a stage command."""
+    return click.option("--out", "out", required=required, default=None,
+                        type=click.Path(file_okay=False, path_type=Path), help=help_text)
+
+
+threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
+                              help="torch CPU threads (default: torch's choice; 1 is faster on a CPU shared with "
+                                   "other jobs).")
+no_progress_option = click.option("--no-progress", is_flag=True, help="No progress bars.")
+overwrite_option = click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
+
+# --------------------------------------------------------------------------- YAML files (recipes, gate policies)
+
+def read_yaml(path: str | Path, missing: str = "file not found"):
+    """The parsed YAML file at `path`. A missing file is a KVConvertError "PATH: `missing`", bad
+    YAML one that names the line."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise KVConvertError(f"{path}: {missing}")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise KVConvertError(f"{path}: not valid YAML{where}") from None
+
+
+def validation_problems(exc: ValidationError, model: type[BaseModel], most: int = 3) -> str:
+    """The first `most` problems of validating `model` from YAML, each naming the key as written there."""
+    problems = "; ".join(_describe_key(e, model) for e in exc.errors()[:most])
+    return problems + (f" (+{exc.error_count() - most} more)" if exc.error_count() > most else "")
+
+
+def _describe_key(err: dict, model: type[BaseModel]) -> str:
+    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        allowed = allowed_keys(model, err["loc"][:-1])
+        return f"unknown key {loc!r}" + (f" (allowed here: {', '.join(allowed)})" if allowed else "")
+    if err["type"] == "missing":
+        return f"missing key {loc!r}"
+    got = "" if isinstance(err.get("input"), (dict, list)) else f" (got {err.get('input')!r})"
+    return f"{loc}: {err['msg']}{got}"
+
+
+def allowed_keys(model: type[BaseModel], parent: tuple) -> list[str]:
+    """The keys the block at `parent` (a path of keys from `model`) accepts, as written in YAML (aliases)."""
+    for part in parent:
+        fields = {f.alias or name: f for name, f in model.model_fields.items()}
+        if part not in fields:
+            return []
+        args = [a for a in typing.get_args(fields[part].annotation) if isinstance(a, type)] or [fields[part].annotation]
+        model = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return [f.alias or name for name, f in model.model_fields.items()]

@@ -13,3 +13,29 @@ def smollm2_path():
     from kvconvert.sources import resolve_source
 
     return resolve_source("smollm2-135m")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models are all thread-sync overhead: one intra-op thread is many times faster on a busy
+    2-core machine. Restored afterwards so other test directories keep their setting."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def run_main(capsys):
+    """`kvconvert ARGV` in this process (kvconvert.cli.main): returns (exit code, stderr)."""
+    from kvconvert.cli import main
+
+    def run(argv) -> tuple[int, str]:
+        try:
+            main([str(a) for a in argv])
+        except SystemExit as exc:
+            return exc.code, capsys.readouterr().err
+        return 0, capsys.readouterr().err
+    return run

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvconvert import kvmath
-from kvconvert.cli import cli, main
+from kvconvert.cli import cli
 from kvconvert.errors import KVConvertError, UnsupportedModelError
 from kvconvert.presets import PRESETS
 
@@ -263,13 +263,6 @@ def test_budget_from_folder_without_weights_counts_parameters_from_config(tmp_pa
     assert report["requests_fit"] == (GiB - 134_515_008 * 2) // (23040 * 100)
 
 
-def _run_main(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    captured = capsys.readouterr()
-    return exc.value.code, captured.err
-
-
 @pytest.mark.parametrize("args, messages", [
     (["--model", "llama-9"], ["llama-3.1-70b", "deepseek-v3"]),  # an unknown preset lists the known ones
     (["--rope-dim", "64"], ["needs --mla-rank"]),
@@ -278,16 +271,16 @@ def _run_main(argv, capsys):
     (["--context", "0"], ["--context"]),
     (["--gpu-mem", "eighty"], ["cannot read size"]),
 ])
-def test_budget_bad_options_are_one_line_errors(args, messages, capsys):
-    code, err = _run_main(["budget", "--model", "llama-3.1-8b", "--context", "10", *args], capsys)
+def test_budget_bad_options_are_one_line_errors(args, messages, run_main):
+    code, err = run_main(["budget", "--model", "llama-3.1-8b", "--context", "10", *args])
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
     assert all(m in err for m in messages)
 
 
-def test_budget_unknown_architecture_is_one_line_error(tmp_path, capsys):
+def test_budget_unknown_architecture_is_one_line_error(tmp_path, run_main):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "mamba", "hidden_size": 768, "num_hidden_layers": 24}))
-    code, err = _run_main(["budget", "--model", str(path), "--context", "10"], capsys)
+    code, err = run_main(["budget", "--model", str(path), "--context", "10"])
     assert code == 2 and "num_attention_heads" in err and err.count("\n") == 1
 
 

@@ -18,13 +18,6 @@ def _kvconvert(*args, timeout=120):
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def _run_main(argv, capsys) -> tuple[int, str]:
-    """main(argv) in this process: its exit code and stderr."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    return exc.value.code, capsys.readouterr().err
-
-
 def test_help_lists_foundation_commands():
     result = CliRunner().invoke(cli, ["--help"])
     assert result.exit_code == 0
@@ -51,13 +44,13 @@ def test_debug_reraises_in_process(tmp_path):
         main(["--debug", "budget", "--model", "no-such-model"])
 
 
-def test_click_usage_errors_keep_clicks_exit_code(capsys):
-    code, err = _run_main(["budget"], capsys)  # --model missing
+def test_click_usage_errors_keep_clicks_exit_code(run_main):
+    code, err = run_main(["budget"])  # --model missing
     assert code == 2 and "--model" in err
 
 
-def test_fetch_unknown_name(capsys):
-    code, err = _run_main(["fetch", "gpt-5"], capsys)
+def test_fetch_unknown_name(run_main):
+    code, err = run_main(["fetch", "gpt-5"])
     assert code == 2 and "smollm2-135m" in err
 
 
@@ -67,15 +60,15 @@ def test_fetch_prints_the_cached_folder(smollm2_path):
     assert result.exit_code == 0 and result.output.strip() == str(smollm2_path)
 
 
-def test_import_gguf_refuses_existing_output_before_loading(tmp_path, capsys):
+def test_import_gguf_refuses_existing_output_before_loading(tmp_path, run_main):
     (tmp_path / "out").mkdir()
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    code, err = _run_main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")], capsys)
+    code, err = run_main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")])
     assert code == 2 and "--overwrite" in err and err.count("\n") == 1
 
 
-def test_import_gguf_bad_file_is_one_line(tmp_path, capsys):
+def test_import_gguf_bad_file_is_one_line(tmp_path, run_main):
     (tmp_path / "model.gguf").write_bytes(b"not a gguf at all")
-    code, err = _run_main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")], capsys)
+    code, err = run_main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")])
     assert code == 2 and "model.gguf" in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]

@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from kvconvert.checkpoint import CheckpointWriter
-from kvconvert.cli import cli, main
+from kvconvert.cli import cli
 from kvconvert.presets import PRESETS
 
 
@@ -114,19 +114,15 @@ def test_sliding_window_and_bias_notes(tmp_path):
     assert "attention projections have biases" in report["notes"]
 
 
-def test_corrupt_folder_is_one_line_error(tmp_path, capsys):
+def test_corrupt_folder_is_one_line_error(tmp_path, run_main):
     _tiny_llama_folder(tmp_path / "m", tie_word_embeddings=True)
     shard = sorted((tmp_path / "m").glob("model-*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-10])
-    with pytest.raises(SystemExit) as exc:
-        main(["inspect", str(tmp_path / "m")])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    code, err = run_main(["inspect", tmp_path / "m"])
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
     assert shard.name in err and "truncated" in err
 
 
-def test_unknown_source_lists_known_models(capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["inspect", "no-such-model"])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "smollm2-135m" in err and "llama-3.1-8b" in err
+def test_unknown_source_lists_known_models(run_main):
+    code, err = run_main(["inspect", "no-such-model"])
+    assert code == 2 and "smollm2-135m" in err and "llama-3.1-8b" in err

@@ -63,8 +63,8 @@ def test_every_key_reaches_the_stages_and_their_printed_commands(tmp_path):
         assert _printed_options(stage) == stage.options, stage.name
     (conv, cal, val), gate = [_params(s) for s in stages[:3]], stages[3].argv
     assert conv["heal"] == "none" and conv["out_dir"] == stages[0].out == tmp_path / "mla"
-    assert cal["src"] == str(tmp_path / "mla") and Path(cal["out"]) == tmp_path / "mla-nvfp4"
-    assert (val["source"], val["candidate"]) == ("smollm2-135m", cal["out"])
+    assert cal["src"] == str(tmp_path / "mla") and cal["out"] == tmp_path / "mla-nvfp4"
+    assert (val["source"], val["candidate"]) == ("smollm2-135m", str(cal["out"]))
     assert gate[-1] == str(ROOT / "recipes" / "gates" / "smoke.yaml")
 
 
@@ -104,7 +104,7 @@ def test_calibrate_only_recipe_quantizes_the_source(tmp_path):
     stages = _stages({"calibrate": {"kv_dtype": "nvfp4"}}, tmp_path)
     params = _params(stages[0])
     assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
-    assert (params["src"], params["out"], stages[1].options.kv_dtype) == ("smollm2-135m", str(tmp_path / "source-nvfp4"),
+    assert (params["src"], params["out"], stages[1].options.kv_dtype) == ("smollm2-135m", tmp_path / "source-nvfp4",
                                                                            "nvfp4")
 
 

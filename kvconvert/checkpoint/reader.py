@@ -38,6 +38,29 @@ def read_config(folder: Path) -> dict:
         raise CheckpointError(f"{path}: unreadable config.json ({exc})") from None
 
 
+def read_manifest(folder: Path) -> dict:
+    """manifest.json of a folder that kvconvert wrote (CheckpointWriter), or {} when it has none or it is unreadable."""
+    try:
+        manifest = json.loads((Path(folder) / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def load_tokenizer(folder: Path):
+    """The folder's own tokenizer (AutoTokenizer, no remote code); clear error when absent."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise CheckpointError(
+            f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them from the source model")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception as exc:  # transformers raises many error types here
+        raise CheckpointError(f"{folder}: cannot load its tokenizer ({type(exc).__name__}: {exc})") from None
+
+
 def eos_token_ids(folder: Path, config: dict | None = None) -> tuple[int, ...]:
     """EOS ids named by config.json (or `config`, when already read) and generation_config.json:
     an int or a list in either; an unreadable generation_config.json names none."""

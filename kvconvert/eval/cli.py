@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from kvconvert.eval.options import ValidateOptions
-from kvconvert.stage_options import build_options, click_options
+from kvconvert.stage_options import build_options, click_options, no_progress_option, out_option, threads_option
 
 
 @click.command("validate")
@@ -18,12 +18,10 @@ from kvconvert.stage_options import build_options, click_options
 @click.option("--vllm-python", type=click.Path(dir_okay=False), default=None,
               help="--engine vllm: the python that has vllm "
                    "(default $KVCONVERT_VLLM_PYTHON, else ./.venv-vllm/bin/python).")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Report folder (report.json, report.md, PNGs, cache/). Reusing it resumes.")
+@out_option("Report folder (report.json, report.md, PNGs, cache/). Reusing it resumes.")
 @click.option("--no-resume", is_flag=True, help="Recompute every sample instead of reusing cached results.")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch CPU threads (default: torch's choice; 1 is faster on a CPU shared with other jobs).")
+@no_progress_option
+@threads_option
 def validate_cmd(source, candidate, vllm_python, out, no_resume, no_progress, threads, **params):
     """Run SOURCE and CANDIDATE on identical inputs; write a report with per-metric deltas.
 

@@ -41,7 +41,8 @@ def run_vllm_perplexity(run, report: dict, python: str | None = None) -> dict:
     """Score the suite's perplexity windows with stock vLLM; store and return the section."""
     from kvconvert.data import data_hash, eval_windows
     from kvconvert.eval.cache import ResultCache
-    from kvconvert.eval.runner import load_tokenizer, runner_fingerprint
+    from kvconvert.checkpoint import load_tokenizer
+    from kvconvert.eval.runner import runner_fingerprint
     from kvconvert.eval.validate import window_stats
     from kvconvert.sources import resolve_source
 

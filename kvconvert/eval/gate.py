@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.stats import GATE_METRICS, estimate
 from kvconvert.eval.suites import SUITE_VERSION
+from kvconvert.stage_options import read_yaml, validation_problems
 
 
 # Maximum allowed degradation per gated metric (leave one out to not gate it): one optional key per
@@ -63,47 +64,19 @@ class Policy(BaseModel):
 
 def load_policy(path: Path) -> Policy:
     """Parse and validate a policy file; errors name the file and the offending key."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise KVConvertError(f"{path}: policy file not found (see recipes/gates/default.yaml)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise KVConvertError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    data = read_yaml(path, "policy file not found (see recipes/gates/default.yaml)")
     if not isinstance(data, dict):
         raise KVConvertError(f"{path}: a policy must be a mapping with a 'thresholds' section")
     try:
         policy = Policy.model_validate(data)
     except ValidationError as exc:
-        raise KVConvertError(f"{path}: {_explain(exc)}") from None
+        raise KVConvertError(f"{path}: {validation_problems(exc, Policy)}") from None
     unknown = [m for m in policy.require if m not in GATE_METRICS]
     if unknown:
         raise KVConvertError(f"{path}: unknown metric(s) {', '.join(unknown)} in require; known: {', '.join(GATE_METRICS)}")
     if all(v is None for v in policy.thresholds.model_dump().values()):
         raise KVConvertError(f"{path}: no thresholds set; a gate that checks nothing always passes")
     return policy
-
-
-def _explain(exc: ValidationError) -> str:
-    """One line for the first problem, naming the key the way the user wrote it."""
-    error = exc.errors()[0]
-    where = ".".join(str(p) for p in error["loc"])
-    if error["type"] == "extra_forbidden":
-        if len(error["loc"]) == 2 and error["loc"][0] == "thresholds":
-            return f"unknown metric {error['loc'][1]!r} in thresholds; known: {', '.join(GATE_METRICS)}"
-        return f"unknown key {where!r}; allowed: {', '.join(_allowed(error['loc']))}"
-    if error["type"] == "missing":
-        return f"missing key {where!r}"
-    return f"{where}: {error['msg']} (got {error.get('input')!r})"
-
-
-def _allowed(loc: tuple) -> list[str]:
-    model = Policy
-    for part in loc[:-1]:
-        model = model.model_fields[part].annotation
-    return list(model.model_fields)
 
 
 # --------------------------------------------------------------------------- reports

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from kvconvert.device import resolve_device
-from kvconvert.checkpoint import CheckpointReader, read_config
+from kvconvert.checkpoint import CheckpointReader, read_config, read_manifest
 from kvconvert.errors import CheckpointError, KVConvertError
 from kvconvert.eval.options import KV_DTYPE_CHOICES  # "auto": the engine's own cache
 from kvconvert.kvformat import AUTO, kv_format
@@ -76,28 +76,14 @@ def checkpoint_fingerprint(folder: Path) -> str:
 
 def _manifest_files(folder: Path) -> dict | None:
     """manifest.json's file table when it matches the folder's weight files and config by size."""
+    files = read_manifest(folder).get("files")
     try:
-        files = json.loads((folder / "manifest.json").read_text())["files"]
         for path in [folder / "config.json", *folder.glob("*.safetensors")]:
             if files[path.name]["bytes"] != path.stat().st_size:
                 return None
         return files if all("sha256" in v for v in files.values()) else None
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+    except (OSError, KeyError, TypeError, AttributeError):
         return None
-
-
-def load_tokenizer(folder: Path):
-    """The folder's own tokenizer (AutoTokenizer, no remote code); clear error when absent."""
-    from transformers import AutoTokenizer
-
-    folder = Path(folder)
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise CheckpointError(
-            f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them from the source model")
-    try:
-        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-    except Exception as exc:  # transformers raises many error types here
-        raise CheckpointError(f"{folder}: cannot load its tokenizer ({type(exc).__name__}: {exc})") from None
 
 
 def check_same_tokenizer(source_tok, candidate_tok, source: Path, candidate: Path) -> None:

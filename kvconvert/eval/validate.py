@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from kvconvert import __version__
-from kvconvert.checkpoint import atomic_save_tensors, eos_token_ids
+from kvconvert.checkpoint import atomic_save_tensors, eos_token_ids, load_tokenizer
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import haystack, longbench
 from kvconvert.eval.cache import ResultCache
-from kvconvert.eval.metrics import longbench_sample_score, passkey_score, string_match_all
+from kvconvert.eval.metrics import longbench_sample_score, passkey_score, string_match_all, window_sums
 from kvconvert.eval.options import ValidateOptions
-from kvconvert.eval.runner import LazyRunner, check_same_tokenizer, load_tokenizer, resolve_engine
+from kvconvert.eval.runner import LazyRunner, check_same_tokenizer, resolve_engine
 from kvconvert.eval.samples import GenSample
 from kvconvert.eval.suites import SUITE_VERSION, SuiteSpec, get_suite
 
@@ -89,24 +89,14 @@ def prepare(run: ValidateRun) -> Pair:
 # --------------------------------------------------------------------------- perplexity and KL
 
 def window_stats(source_logits: torch.Tensor, candidate_logits: torch.Tensor, ids: torch.Tensor) -> dict:
-    """NLL sums and KL sum of one window.
+    """One window's cached perplexity record: float64 sums over its T-1 predictions (window_sums).
 
-    logits: [T, V] fp32 from each model for ids [T]. Positions 0..T-2 predict ids 1..T-1.
-    Returns source_nll / candidate_nll = sum of -log p(next token) and
-    kl = sum_t sum_v p_s(v) (log p_s(v) - log p_c(v)), all float64 sums over T-1 positions.
-    Identical logits give exactly 0 KL and equal NLLs.
+    logits: [T, V] fp32 from each model for ids [T]. Returns source_nll / candidate_nll = sum of
+    -log p(next token), kl = sum of KL(source || candidate) and n_tokens.
     """
-    targets = ids[1:]
-    total = {"source_nll": 0.0, "candidate_nll": 0.0, "kl": 0.0}
-    for start in range(0, len(targets), 256):  # chunks bound the [chunk, V] temporaries
-        rows = slice(start, min(start + 256, len(targets)))
-        logp_s = torch.log_softmax(source_logits[rows].double(), dim=-1)
-        logp_c = torch.log_softmax(candidate_logits[rows].double(), dim=-1)
-        picked = targets[rows].unsqueeze(-1)
-        total["source_nll"] -= float(logp_s.gather(-1, picked).sum())
-        total["candidate_nll"] -= float(logp_c.gather(-1, picked).sum())
-        total["kl"] += float((logp_s.exp() * (logp_s - logp_c)).sum())
-    return {**total, "n_tokens": len(targets)}
+    source = window_sums(source_logits, ids)
+    candidate = window_sums(candidate_logits, ids, source_logits)
+    return {"source_nll": source.nll, "candidate_nll": candidate.nll, "kl": candidate.kl, "n_tokens": candidate.tokens}
 
 
 def perplexity_windows(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[str, str]) -> list:

@@ -24,11 +24,13 @@ from pathlib import Path
 
 import torch
 
-from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_output_path, estimate_checkpoint_bytes
+from kvconvert.checkpoint import (
+    CheckpointReader, CheckpointWriter, check_output_path, estimate_checkpoint_bytes, load_tokenizer, read_manifest,
+)
 from kvconvert.data import data_hash, load_text, token_windows
 from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
-from kvconvert.eval.runner import checkpoint_fingerprint, load_tokenizer
+from kvconvert.eval.runner import checkpoint_fingerprint
 from kvconvert.heal import compat
 from kvconvert.heal.options import DistillOptions, LayerwiseOptions
 from kvconvert.recipe import Recipe, resolve_recipe
@@ -186,7 +188,7 @@ def _stage_writer(target: Path, s_reader: CheckpointReader, report: dict, stage_
     """CheckpointWriter of a stage's output: the converter's manifest entries (source, rank,
     rope_dim, calibration) kept and the healing's added; after the body's tensors, the student's
     config and tokenizer."""
-    manifest = compat.read_manifest(s_reader.path)
+    manifest = read_manifest(s_reader.path)
     extra = {k: v for k, v in manifest.items() if k.startswith("kvconvert_") and k != "kvconvert_heal"}
     extra["kvconvert_heal"] = {"student": report["student"], "teacher": report["teacher"],
                                "recipe": report["recipe"], "data": report["data"], **stage_info}

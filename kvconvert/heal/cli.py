@@ -9,7 +9,9 @@ import click
 
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.options import DistillOptions, LayerwiseOptions
-from kvconvert.stage_options import build_options, click_options, given_options
+from kvconvert.stage_options import (
+    build_options, click_options, given_options, no_progress_option, out_option, overwrite_option, threads_option,
+)
 
 # recipe block, its options model, the prefix of its flags (--layerwise-steps, --distill-lr)
 HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill", DistillOptions, "distill"))
@@ -24,15 +26,14 @@ HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill
                    "--layerwise-* / --distill-* flags replace single keys of its blocks.")
 @click_options(LayerwiseOptions, prefix="layerwise")
 @click_options(DistillOptions, prefix="distill")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Output folder (stock DeepSeek-V3 checkpoint).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@out_option("Output folder (stock DeepSeek-V3 checkpoint).")
+@overwrite_option
 @click.option("--restart", is_flag=True, help="Discard saved progress instead of resuming it.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None,
               help="Stop distillation after this many steps and keep its state (rerun to resume).")
 @click.option("--device", default=None, help="Device for the layer-wise stage and teacher data (default: cuda if visible, else cpu).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@threads_option
+@no_progress_option
 def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, device, threads, no_progress, **params):
     """Recover the quality lost by MLA conversion: layer-wise reconstruction of each attention block,
     then end-to-end distillation (KL to the source). Resumes after an interruption."""

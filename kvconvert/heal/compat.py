@@ -3,14 +3,12 @@ starts. Each failure is one KVConvertError line that says what differs and what 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from kvconvert.checkpoint import CheckpointReader
+from kvconvert.checkpoint import CheckpointReader, load_tokenizer, read_manifest
 from kvconvert.errors import KVConvertError, UnsupportedModelError
-from kvconvert.eval.runner import load_tokenizer
 from kvconvert.mla import deepseek_format as fmt
 
 MATCHING_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size")
@@ -74,16 +72,6 @@ def check_tokenizers(student_dir: Path, teacher_dir: Path) -> None:
         raise KVConvertError(
             f"student and teacher tokenizers differ ({len(s_vocab)} vs {len(t_vocab)} tokens, {only_s} only in the "
             f"student, {moved} with other ids): heal needs the teacher the student was converted from")
-
-
-def read_manifest(folder: Path) -> dict:
-    path = Path(folder) / "manifest.json"
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def _manifest_notes(student_dir: Path, teacher_dir: Path) -> list[str]:

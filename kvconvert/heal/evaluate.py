@@ -8,11 +8,9 @@ float32 on one device (the CPU unless load_causal_lm is given another), one wind
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 
 def load_causal_lm(folder: str | Path, device: str = "cpu"):
@@ -34,25 +32,20 @@ def window_metrics(source, candidates: dict, ids: torch.Tensor, progress: bool =
     """
     from tqdm.auto import tqdm
 
-    nll = {name: 0.0 for name in ["source", *candidates]}
-    kl = {name: 0.0 for name in candidates}
-    count = 0
+    from kvconvert.eval.metrics import TokenSums, window_sums
+
+    sums = {name: TokenSums() for name in ["source", *candidates]}
     for row in tqdm(ids, desc="eval: windows", disable=not progress):
         x = row[None].to(_device_of(source))
-        target = x[:, 1:]
-        src = F.log_softmax(source(input_ids=x).logits[:, :-1].float(), -1)
-        nll["source"] += float(-src.gather(-1, target[..., None]).sum())
+        src = source(input_ids=x).logits[0]
+        sums["source"] += window_sums(src, row)
         for name, model in candidates.items():
-            cand = F.log_softmax(model(input_ids=x.to(_device_of(model))).logits[:, :-1].float(), -1)
-            nll[name] += float(-cand.gather(-1, target[..., None]).sum())
-            cand = cand.to(src.device)
-            kl[name] += float((src.exp() * (src - cand)).sum())
-        count += target.numel()
-    src_ppl = math.exp(nll["source"] / count)
-    out = {"source": {"ppl": src_ppl, "tokens": count}}
+            sums[name] += window_sums(model(input_ids=x.to(_device_of(model))).logits[0], row, src)
+    src_ppl = sums["source"].ppl
+    out = {"source": {"ppl": src_ppl, "tokens": sums["source"].tokens}}
     for name in candidates:
-        ppl = math.exp(nll[name] / count)
-        out[name] = {"ppl": ppl, "kl_mean": kl[name] / count, "ppl_increase_pct": 100 * (ppl / src_ppl - 1)}
+        out[name] = {"ppl": sums[name].ppl, "kl_mean": sums[name].kl_mean,
+                     "ppl_increase_pct": 100 * (sums[name].ppl / src_ppl - 1)}
     return out
 
 

@@ -62,11 +62,11 @@ def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, bat
         with open(cache, encoding="utf-8", newline="") as f:  # newline="": keep any \r the model wrote
             return f.read()
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
+    from kvconvert.checkpoint import load_tokenizer
     from kvconvert.heal.evaluate import load_causal_lm
 
-    tok = AutoTokenizer.from_pretrained(str(teacher))
+    tok = load_tokenizer(teacher)
     model = load_causal_lm(teacher, device)
     if batch_size is None:
         batch_size = 32 if torch.device(device).type == "cpu" else 256

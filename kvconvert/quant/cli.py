@@ -5,16 +5,16 @@ from __future__ import annotations
 import click
 
 from kvconvert.quant.options import CalibrateOptions
-from kvconvert.stage_options import build_options, click_options
+from kvconvert.stage_options import build_options, click_options, out_option, overwrite_option, threads_option
 
 
 @click.command("calibrate")
 @click.option("--src", required=True, help="Model folder, built-in name (smollm2-135m) or hub id.")
 @click_options(CalibrateOptions)
-@click.option("--out", type=click.Path(), default=None, help="Output folder (written atomically).")
+@out_option("Output folder (written atomically).", required=False)
 @click.option("--in-place", is_flag=True, help="Replace --src itself (built beside it, swapped in at the end).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
-@click.option("--threads", default=None, type=int, help="torch CPU threads (default: torch's choice).")
+@overwrite_option
+@threads_option
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def calibrate_cmd(src, out, in_place, overwrite, threads, quiet, **params):
     """Calibrate static FP8 / NVFP4 KV-cache scales, fold them into the weights and write them in vLLM

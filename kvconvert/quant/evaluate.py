@@ -11,11 +11,11 @@ reference is the unquantized source model (docs/calibrate.md, "Evaluation API").
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from kvconvert.eval.metrics import TokenSums, window_sums
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import CacheHook, cache_hook, check_finite, forward_with_hook
@@ -56,24 +56,6 @@ class EvalResult:
         return {"ppl": self.ppl, "kl": self.kl, "tokens": self.tokens}
 
 
-class _Accumulator:
-    def __init__(self):
-        self.nll = 0.0
-        self.kl = 0.0
-        self.tokens = 0
-
-    def add(self, logprobs: torch.Tensor, targets: torch.Tensor, ref_logprobs: torch.Tensor | None) -> None:
-        """logprobs [b, T-1, V] predicting targets [b, T-1]."""
-        self.nll -= float(logprobs.gather(-1, targets[..., None]).sum())
-        if ref_logprobs is not None:
-            kl = (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum(-1)
-            self.kl += float(kl.sum())
-        self.tokens += targets.numel()
-
-    def result(self) -> EvalResult:
-        return EvalResult(math.exp(self.nll / self.tokens), self.kl / self.tokens, self.tokens)
-
-
 @torch.no_grad()
 def evaluate_kv_quant(reference_model, candidates: dict[str, tuple], windows: torch.Tensor,
                       batch_size: int = 1, progress=None) -> dict[str, EvalResult]:
@@ -83,16 +65,14 @@ def evaluate_kv_quant(reference_model, candidates: dict[str, tuple], windows: to
     model may differ from the reference (rotated weights). windows: [N, T] token ids.
     Returns name -> EvalResult, plus "reference" (its own perplexity, KL 0).
     """
-    acc = {"reference": _Accumulator(), **{name: _Accumulator() for name in candidates}}
+    sums = {name: TokenSums() for name in ["reference", *candidates]}
     for start in range(0, windows.shape[0], batch_size):
         ids = windows[start:start + batch_size]
-        targets = ids[:, 1:]
-        ref = torch.log_softmax(reference_model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
-        acc["reference"].add(ref, targets, None)
+        ref = reference_model(input_ids=ids, use_cache=False).logits
+        sums["reference"] += sum(map(window_sums, ref, ids), TokenSums())  # window by window: [T, V] each
         for name, (model, hook) in candidates.items():
-            logprobs = torch.log_softmax(forward_with_hook(model, ids, hook)[:, :-1].float(), -1)
-            acc[name].add(logprobs, targets, ref)
+            sums[name] += sum(map(window_sums, forward_with_hook(model, ids, hook), ids, ref), TokenSums())
         if progress is not None:
             progress(min(start + batch_size, windows.shape[0]), windows.shape[0])
-    return {name: a.result() for name, a in acc.items()}
+    return {name: EvalResult(s.ppl, s.kl_mean, s.tokens) for name, s in sums.items()}
 

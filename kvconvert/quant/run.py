@@ -60,9 +60,9 @@ class CalibrateJob:
 
 def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     """Run the job; returns {"path", "formats", "tokens", "time_s", "report"}."""
-    from transformers import AutoTokenizer
-
-    from kvconvert.checkpoint import CheckpointReader, check_checkpoint, check_output_path, estimate_checkpoint_bytes
+    from kvconvert.checkpoint import (
+        CheckpointReader, check_checkpoint, check_output_path, estimate_checkpoint_bytes, load_tokenizer,
+    )
     from kvconvert.data import calibration_windows, data_hash
     from kvconvert.quant.capture import load_hf_model
     from kvconvert.quant.layout import detect_kv_layout
@@ -85,7 +85,7 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     job.settings.check_layout(layout)
     whole_model = stream_unsupported(reader.config, layout)
     check_memory(job, reader, layout, whole_model)
-    tokenizer = AutoTokenizer.from_pretrained(src)
+    tokenizer = load_tokenizer(src)
     windows = calibration_windows(tokenizer, job.options.calib_data, job.options.calib_tokens, job.options.window_len)
     echo(f"calibrating {layout.kind} ({layout.num_layers} layers) on {windows.numel()} tokens of "
          f"{job.options.calib_data!r}: {job.options.kv_dtype}, observer {job.options.observer}, {job.options.granularity}")

@@ -136,14 +136,11 @@ def test_llama_fp8_scales_load_with_checkpoint_values(vllm_python, fp8_llama, sm
     assert torch.isfinite(logprobs).all() and logprobs.shape == (63,)
 
 
-def test_validate_engine_vllm_without_vllm_fails_before_the_suite(tmp_path, monkeypatch):
-    from kvconvert.cli import main
-
+def test_validate_engine_vllm_without_vllm_fails_before_the_suite(tmp_path, monkeypatch, run_main):
     monkeypatch.setenv("KVCONVERT_VLLM_PYTHON", str(tmp_path / "none" / "python"))
-    with pytest.raises(SystemExit) as info:
-        main(["validate", "--source", str(tmp_path / "a"), "--candidate", str(tmp_path / "b"), "--engine", "vllm",
-              "--out", str(tmp_path / "r")])
-    assert info.value.code == 2
+    code, _ = run_main(["validate", "--source", tmp_path / "a", "--candidate", tmp_path / "b", "--engine", "vllm",
+                        "--out", tmp_path / "r"])
+    assert code == 2
     assert not (tmp_path / "r").exists()
 
 

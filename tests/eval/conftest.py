@@ -20,7 +20,7 @@ def tiny_tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_tokenizer_dir):
-    from kvconvert.eval.runner import load_tokenizer
+    from kvconvert.checkpoint import load_tokenizer
 
     return load_tokenizer(tiny_tokenizer_dir)
 
@@ -46,11 +46,5 @@ def calibrated_fp8(tmp_path_factory, tiny_llama):
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    """These tests run small matmuls; one thread avoids spin-wait contention on a shared CPU."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """These tests run small matmuls: one torch thread (tests/conftest.py)."""

@@ -128,7 +128,8 @@ def test_shipped_policies_load():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("thresholds:\n  perplexity_increase: 5\n", "unknown metric 'perplexity_increase' in thresholds"),
+    ("thresholds:\n  perplexity_increase: 5\n",
+     "unknown key 'thresholds.perplexity_increase' (allowed here: perplexity_increase_pct, kl_mean"),
     ("thresholds:\n  kl_mean: 0.1\nthreshold_mode: x\n", "unknown key 'threshold_mode'"),
     ("bootstrap: {samples: 1000, level: 0.9}\nthresholds:\n  kl_mean: 0.1\n", "unknown key 'bootstrap.level'"),
     ("thresholds:\n  kl_mean: -1\n", "thresholds.kl_mean"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 from eval_fixtures import save_tiny_deepseek, save_tiny_llama, train_tokenizer
 
+from kvconvert.checkpoint import load_tokenizer
 from kvconvert.data import eval_windows
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import runner as R
@@ -139,13 +140,13 @@ def test_different_tokenizers_are_refused(tmp_path, tiny_tokenizer_dir, tiny_tok
     same_size = train_tokenizer(tmp_path / "shifted", vocab_size=512, chars=150_000)
     with pytest.raises(KVConvertError, match="probe string"):
         R.check_same_tokenizer(tiny_tokenizer, same_size, tiny_tokenizer_dir, tmp_path / "shifted")
-    R.check_same_tokenizer(tiny_tokenizer, R.load_tokenizer(tiny_tokenizer_dir), tiny_tokenizer_dir, tiny_tokenizer_dir)
+    R.check_same_tokenizer(tiny_tokenizer, load_tokenizer(tiny_tokenizer_dir), tiny_tokenizer_dir, tiny_tokenizer_dir)
 
 
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(KVConvertError, match="no tokenizer files"):
-        R.load_tokenizer(tmp_path)
+        load_tokenizer(tmp_path)
 
 
 def test_engine_resolution():

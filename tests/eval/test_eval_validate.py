@@ -139,13 +139,12 @@ def test_missing_longbench_data_skipped_in_smoke_error_in_standard(tmp_path, tin
 
 
 @pytest.mark.parametrize("candidate, extra", [("missing", []), ("tiny", ["--kv-dtype", "fp8"])])
-def test_validate_cli_errors(tmp_path, tiny_llama, candidate, extra):
+def test_validate_cli_errors(tmp_path, tiny_llama, candidate, extra, run_main):
     """A missing candidate folder, and FP8 KV without calibrated scales, exit 2."""
     folder = tiny_llama if candidate == "tiny" else tmp_path / candidate
-    with pytest.raises(SystemExit) as info:
-        main(["validate", "--source", str(tiny_llama), "--candidate", str(folder), "--out", str(tmp_path / "r"),
-              "--engine", "transformers", *extra])
-    assert info.value.code == 2
+    code, _ = run_main(["validate", "--source", tiny_llama, "--candidate", folder, "--out", tmp_path / "r",
+                        "--engine", "transformers", *extra])
+    assert code == 2
 
 
 # --------------------------------------------------------------------------- SmolLM2 (slow)

@@ -62,12 +62,8 @@ def test_existing_output(tiny_student, tiny_teacher, text_file, tmp_path):
         heal(tiny_student, tiny_teacher, layerwise_recipe(text_file), out, progress=False)
 
 
-def test_cli_reports_errors(tiny_student, tiny_teacher, tmp_path, capsys):
-    from kvconvert.cli import main
-
+def test_cli_reports_errors(tiny_student, tiny_teacher, tmp_path, run_main):
     bad = _file(tmp_path, "bad.yaml", "heal_distill:\n  tokenz: 3\n")
-    with pytest.raises(SystemExit) as info:
-        main(["heal", "--student", str(tiny_student), "--teacher", str(tiny_teacher), "--recipe", str(bad),
-              "--out", str(tmp_path / "o")])
-    assert info.value.code == 2
-    assert "heal_distill.tokenz" in capsys.readouterr().err
+    code, err = run_main(["heal", "--student", tiny_student, "--teacher", tiny_teacher, "--recipe", bad,
+                          "--out", tmp_path / "o"])
+    assert code == 2 and "heal_distill.tokenz" in err

@@ -119,19 +119,17 @@ def test_memory_check_refuses_with_the_tokens_that_fit():
         check_calibration_memory(est, int(0.5 * GB), 512, 4)
 
 
-def test_calib_tokens_below_one_window_is_refused(tiny_llama, tmp_path, capsys):
+def test_calib_tokens_below_one_window_is_refused(tiny_llama, tmp_path, run_main):
     out = tmp_path / "o"
-    with pytest.raises(SystemExit) as e:
-        main(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "fp8", "--out", str(out),
-              "--calib-tokens", "100", "--window-len", "128"])
-    assert e.value.code == 2
-    assert "--calib-tokens 100 is less than one window (128)" in capsys.readouterr().err
+    code, err = run_main(["calibrate", "--src", tiny_llama, "--kv-dtype", "fp8", "--out", out,
+                          "--calib-tokens", "100", "--window-len", "128"])
+    assert code == 2 and "--calib-tokens 100 is less than one window (128)" in err
     assert not out.exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto means cuda on this machine")
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_deepseek"])
-def test_device_cpu_and_auto_calibrate_identically(model, calib_text, tmp_path, monkeypatch, request, capsys):
+def test_device_cpu_and_auto_calibrate_identically(model, calib_text, tmp_path, monkeypatch, request, run_main):
     """--device cpu and the default (auto: cpu without a GPU) give the same scales and weights (nvfp4:
     key phases, value rotation and the mse search all run); cuda without a GPU is refused up front."""
     from safetensors.torch import load_file
@@ -146,7 +144,6 @@ def test_device_cpu_and_auto_calibrate_identically(model, calib_text, tmp_path, 
     assert written[0].keys() == written[1].keys() and any("k_scale" in k for k in written[0])
     assert all(torch.equal(v, written[1][k]) for k, v in written[0].items())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit):
-        main([*args, "--out", str(tmp_path / "cuda"), "--device", "cuda"])
-    assert "--device cuda asked for a GPU, but torch sees none" in capsys.readouterr().err
+    code, err = run_main([*args, "--out", tmp_path / "cuda", "--device", "cuda"])
+    assert code != 0 and "--device cuda asked for a GPU, but torch sees none" in err
     assert not (tmp_path / "cuda").exists()

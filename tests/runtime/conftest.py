@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from runtime_cases import build_deepseek, build_llama
 
 
@@ -23,10 +22,5 @@ def tiny_model(request, llama_gqa, deepseek_mla):
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models are all thread-sync overhead: one intra-op thread is many times faster on a busy
-    2-core machine. Restored afterwards so other test directories keep their setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Tiny models: one torch thread (tests/conftest.py)."""
