@@ -36,7 +36,10 @@ GQA (:class:`GQACacheLayer`), ``k`` and ``v`` alike, ``H = kv_heads``, ``D = hea
 * ``nvfp4``: uint8 ``[nb, bs, H, D // 2]``; ``k_block_scales``/``v_block_scales`` e4m3
   ``[nb, bs, H, D // 16]``; ``k_scale``/``v_scale`` = global scale fp32 ``[1]`` or ``[H]``.
 
-Scales passed to ``allocate`` are the exported kv scales (``amax / 448``) for FP8 and NVFP4 alike.
+Scales passed to ``allocate`` / ``set_kv_scales`` are the exported kv scales (``amax / 448``) for FP8
+and NVFP4 alike. ``fp8`` data may also be float8_e5m2 (``allocate(dtype=torch.float8_e5m2)``, scale
+``amax / 57344``): the runtime's torch backend reads it; the Triton kernels are for e4m3.
+These layer objects are the runtime's paged cache storage too (``kvconvert.runtime.kv_cache``).
 """
 
 from __future__ import annotations
@@ -50,14 +53,14 @@ from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import KERNEL_MODES
 from kvconvert.quant import formats as F
 
-from .append import kv_append
-
 GQA_MODES = KERNEL_MODES  # none, fp8, nvfp4: the registry formats' kernel modes
 MLA_MODES = (*KERNEL_MODES, "fp8_tile")  # + FlashMLA's dynamic per-tile layout (no checkpoint format)
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPES = (FP8_DTYPE, torch.float8_e5m2)  # fp8 mode's data: e4m3 (the kernels' and the default) or e5m2
 PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# a mode's block tensors: {field: (shape, allowed dtypes)}; PLAIN_DTYPES ones are allocated in the plain dtype
+# a mode's block tensors: {field: (shape, allowed dtypes)}; allocated in the requested dtype where allowed
+# (PLAIN_DTYPES: the plain / RoPE dtype; FP8_DTYPES: e4m3 or e5m2), else in the first allowed
 Layout = dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]
 
 
@@ -90,24 +93,32 @@ def _scale_tensor(scale, n: int, what: str, device) -> torch.Tensor:
     return s
 
 
+def _stored_scale(mode: str, kv_scale, n: int, what: str, device) -> torch.Tensor:
+    """A mode's fp32 ``[1]`` or ``[n]`` scale from an exported kv scale: fp8's dequant scale as is,
+    nvfp4's global scale = kv_scale / 6."""
+    s = _scale_tensor(kv_scale, n, what, device)
+    return F.nvfp4_global_scale_from_kv_scale(s) if mode == "nvfp4" else s
+
+
 def _quantize(mode: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> list[torch.Tensor]:
-    """New rows x in a mode's stored form: [values] ("none": cast to dtype; "fp8") or
+    """New rows x in a mode's stored form: [values] ("none": cast to dtype; "fp8": in fp8 dtype) or
     [packed codes, block scales] ("nvfp4", scale = the global scale)."""
     if mode == "none":
         return [x.to(dtype)]
     if mode == "fp8":
-        return [F.fp8_quantize(x, scale)]
+        return [F.fp8_quantize(x, scale, dtype)]
     return list(F.nvfp4_quantize(x, scale))
 
 
-def _dequantize(mode: str, values: torch.Tensor, scale: torch.Tensor | None = None,
-                block_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of :func:`_quantize`, in fp32."""
+def dequantize_rows(mode: str, values: torch.Tensor, scale: torch.Tensor | None = None,
+                    block_scales: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`_quantize` (the kernels' reference dequant), in out_dtype: each value in fp32,
+    rounded once to out_dtype ("none": cast straight to out_dtype)."""
     if mode == "none":
-        return values.float()
+        return values.to(out_dtype)
     if mode == "fp8":
-        return F.fp8_dequantize(values, scale)
-    return F.nvfp4_dequantize(values, block_scales, scale)
+        return F.fp8_dequantize(values, scale, out_dtype)
+    return F.nvfp4_dequantize(values, block_scales, scale, out_dtype)
 
 
 class _PagedLayer:
@@ -116,6 +127,9 @@ class _PagedLayer:
 
     BLOCK_FIELDS: tuple[str, ...] = ()
     mode: str
+    # the runtime's kv_scales="dynamic": the format whose scale_from_amax sets the kv scales from the
+    # first rows written (kvconvert.runtime.kv_cache); None once set, or for calibrated scales
+    dynamic_format = None
 
     @property
     def num_blocks(self) -> int:
@@ -132,8 +146,7 @@ class _PagedLayer:
     @property
     def bytes_per_token(self) -> int:
         """Cache bytes one token occupies: every component (values, block scales, RoPE)."""
-        tensors = (getattr(self, f) for f in self.BLOCK_FIELDS)
-        return sum(t[0, 0].numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t[0, 0].numel() * t.element_size() for t in self.block_tensors())
 
     def _check_tensors(self, layout: Layout) -> None:
         for field, (shape, dtypes) in layout.items():
@@ -141,13 +154,19 @@ class _PagedLayer:
 
     @staticmethod
     def _zeros(layout: Layout, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-        """Zeroed block tensors of a layout; plain ones in ``dtype``."""
-        return {field: torch.zeros(shape, dtype=dtype if dtypes == PLAIN_DTYPES else dtypes[0], device=device)
+        """Zeroed block tensors of a layout, each in ``dtype`` where allowed, else its first allowed dtype."""
+        return {field: torch.zeros(shape, dtype=dtype if dtype in dtypes else dtypes[0], device=device)
                 for field, (shape, dtypes) in layout.items()}
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """The tensors indexed by block, each ``[num_blocks, block_size, ...]``."""
+        return [t for t in (getattr(self, f) for f in self.BLOCK_FIELDS) if t is not None]
 
     def append(self, first: torch.Tensor, second: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "triton"):
         """Quantize new tokens (MLA: latent, rope; GQA: k, v) in PyTorch and scatter them to their
         slots (kv_append per component)."""
+        from .append import kv_append  # imported here: the layouts themselves need no Triton
+
         for dst, rows in self.quantize_rows(first, second):
             kv_append(dst, rows, slot_mapping, backend=backend)
 
@@ -182,7 +201,7 @@ class MLACacheLayer(_PagedLayer):
         """The block tensors of ``mode`` (``n_tiles``: fp8_tile's scales per row)."""
         nb_bs = (num_blocks, block_size)
         if mode in ("none", "fp8"):
-            return {"data": ((*nb_bs, r + p), PLAIN_DTYPES if mode == "none" else (FP8_DTYPE,))}
+            return {"data": ((*nb_bs, r + p), PLAIN_DTYPES if mode == "none" else FP8_DTYPES)}
         rope = ((*nb_bs, p), PLAIN_DTYPES)
         if mode == "fp8_tile":
             return {"data": ((*nb_bs, r), (FP8_DTYPE,)), "scales": ((*nb_bs, n_tiles), (torch.float32,)), "rope": rope}
@@ -223,9 +242,7 @@ class MLACacheLayer(_PagedLayer):
         if mode in ("fp8", "nvfp4"):
             if kv_scale is None:
                 raise KVConvertError(f"MLA mode {mode!r} needs a calibrated kv_scale (amax / 448)")
-            tensor_scale = _scale_tensor(kv_scale, 1, "MLA kv_scale", device)
-            if mode == "nvfp4":
-                tensor_scale = F.nvfp4_global_scale_from_kv_scale(tensor_scale)
+            tensor_scale = _stored_scale(mode, kv_scale, 1, "MLA kv_scale", device)
         if mode == "fp8_tile":
             tile = fp8_tile or mla_fp8_tile(r)
             if r % tile:
@@ -233,6 +250,20 @@ class MLACacheLayer(_PagedLayer):
             n_tiles = r // tile
         tensors = cls._zeros(cls.layout(mode, num_blocks, block_size, r, rope_dim, n_tiles), dtype, device)
         return cls(mode, r, rope_dim, **tensors, tensor_scale=tensor_scale)
+
+    def set_kv_scales(self, kv_scale: float | torch.Tensor) -> None:
+        """Replace the fp8 / nvfp4 scale by one from an exported kv scale (amax / 448)."""
+        self.tensor_scale = _stored_scale(self.mode, kv_scale, 1, "MLA kv_scale", self.device)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """What one token caches, dequantized: ``(R + P,)``."""
+        return (self.kv_lora_rank + self.rope_dim,)
+
+    def stored(self, name: str = "kv") -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                                torch.Tensor | None]:
+        """(values or codes, block scales, scale, 16-bit RoPE tail) of the cached rows, "kv" (not fp8_tile)."""
+        return self.data, self.scales, self.tensor_scale, self.rope
 
     def quantize_rows(self, latent: torch.Tensor, rope: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cache tensor, rows) pairs for new tokens: latent ``[T, R]``, rope ``[T, P]`` (any float dtype)."""
@@ -253,11 +284,11 @@ class MLACacheLayer(_PagedLayer):
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache in fp32: latent ``[nb, bs, R]``, rope ``[nb, bs, P]`` (reference path)."""
         if self.mode in ("none", "fp8"):
-            full = _dequantize(self.mode, self.data, self.tensor_scale)
+            full = dequantize_rows(self.mode, self.data, self.tensor_scale)
             return full[..., : self.kv_lora_rank], full[..., self.kv_lora_rank:]
         if self.mode == "fp8_tile":
             return F.fp8_tile_dequantize(self.data, self.scales), self.rope.float()
-        return _dequantize(self.mode, self.data, self.tensor_scale, self.scales), self.rope.float()
+        return dequantize_rows(self.mode, self.data, self.tensor_scale, self.scales), self.rope.float()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,7 +318,7 @@ class GQACacheLayer(_PagedLayer):
         if mode == "nvfp4":
             codes, block_scales = ((*rows, d // 2), (torch.uint8,)), ((*rows, d // 16), (FP8_DTYPE,))
             return {"k": codes, "v": codes, "k_block_scales": block_scales, "v_block_scales": block_scales}
-        values = ((*rows, d), PLAIN_DTYPES if mode == "none" else (FP8_DTYPE,))
+        values = ((*rows, d), PLAIN_DTYPES if mode == "none" else FP8_DTYPES)
         return {"k": values, "v": values}
 
     def __post_init__(self):
@@ -321,17 +352,26 @@ class GQACacheLayer(_PagedLayer):
             if k_scale is None or v_scale is None:
                 raise KVConvertError(f"GQA mode {mode!r} needs calibrated k_scale and v_scale (amax / 448)")
             for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-                scales[name] = _scale_tensor(scale, kv_heads, name, device)
-                if mode == "nvfp4":
-                    scales[name] = F.nvfp4_global_scale_from_kv_scale(scales[name])
+                scales[name] = _stored_scale(mode, scale, kv_heads, name, device)
         tensors = cls._zeros(cls.layout(mode, num_blocks, block_size, kv_heads, head_dim), dtype, device)
         return cls(mode, head_dim, **tensors, **scales)
 
-    def _sides(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-        """(values or codes, block scales, scale as [1 or H, 1]: broadcasts over [T, H, D]) of k, then v."""
-        head_scale = (lambda s: None if s is None else s.reshape(-1, 1))
-        return [(self.k, self.k_block_scales, head_scale(self.k_scale)),
-                (self.v, self.v_block_scales, head_scale(self.v_scale))]
+    def set_kv_scales(self, k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> None:
+        """Replace the fp8 / nvfp4 scales by ones from exported kv scales (amax / 448, per tensor or head)."""
+        self.k_scale = _stored_scale(self.mode, k_scale, self.kv_heads, "k_scale", self.device)
+        self.v_scale = _stored_scale(self.mode, v_scale, self.kv_heads, "v_scale", self.device)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """What one token caches in k (and in v), dequantized: ``(kv_heads, head_dim)``."""
+        return (self.kv_heads, self.head_dim)
+
+    def stored(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, None]:
+        """(values or codes, block scales, scale as [1 or H, 1]: broadcasts over [..., H, D], no RoPE
+        tail) of ``name``, "k" or "v"."""
+        scale = getattr(self, f"{name}_scale")
+        head_scale = None if scale is None else scale.reshape(-1, 1)
+        return getattr(self, name), getattr(self, f"{name}_block_scales"), head_scale, None
 
     def quantize_rows(self, k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cache tensor, rows) pairs for new tokens: k, v ``[T, kv_heads, head_dim]``."""
@@ -339,11 +379,11 @@ class GQACacheLayer(_PagedLayer):
         if tuple(k.shape[1:]) != want or tuple(v.shape[1:]) != want or k.shape[0] != v.shape[0]:
             raise KVConvertError(f"new K/V rows {tuple(k.shape)} / {tuple(v.shape)} do not match [T, {want[0]}, {want[1]}]")
         pairs = []
-        for (values, block_scales, scale), x in zip(self._sides(), (k, v)):
+        for (values, block_scales, scale, _), x in zip(map(self.stored, "kv"), (k, v)):
             pairs += zip((values, block_scales), _quantize(self.mode, x, values.dtype, scale))
         return pairs
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache in fp32: k, v ``[nb, bs, kv_heads, head_dim]`` (reference path)."""
-        k, v = (_dequantize(self.mode, values, scale, block_scales) for values, block_scales, scale in self._sides())
-        return k, v
+        return tuple(dequantize_rows(self.mode, values, scale, block_scales)
+                     for values, block_scales, scale, _ in map(self.stored, "kv"))

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvconvert.runtime.kv_cache import FP8Store, KVStore, NVFP4Store, Workspace
+from kvconvert.runtime import kv_cache
+from kvconvert.runtime.kv_cache import Workspace
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
@@ -73,56 +74,57 @@ class TorchAttention:
         self.workspace = Workspace(device)
 
     # ---------------------------------------------------------------- cache access
-    def write(self, store: KVStore, x: torch.Tensor, meta: AttentionMetadata) -> None:
-        """x [T, *row_shape] -> store at meta.slot_mapping."""
-        store.write(meta.slot_mapping, x)
+    # `layer`: one layer's cache, a kvconvert.kernels GQACacheLayer (k, v) or MLACacheLayer (row "kv")
+    def write(self, layer, first: torch.Tensor, second: torch.Tensor, meta: AttentionMetadata) -> None:
+        """New tokens (GQA: k, v [T, kv_heads, head_dim]; MLA: latent [T, R], k_rope [T, P]) -> the
+        layer's cache at meta.slot_mapping."""
+        kv_cache.write(layer, first, second, meta.slot_mapping)
 
-    def read_rows(self, store: KVStore, chunk: PrefillChunk, dtype: torch.dtype) -> torch.Tensor:
-        """The chunk's sequence context, dequantized: [context_len, *row_shape] (a workspace
-        buffer: use it before the next read)."""
-        return self._rows(store, chunk.block_table[None], dtype, "rows")[0, : chunk.context_len]
+    def read_rows(self, layer, chunk: PrefillChunk, dtype: torch.dtype) -> torch.Tensor:
+        """The chunk's sequence context of an MLA layer, dequantized: [context_len, R + P] (a
+        workspace buffer: use it before the next read)."""
+        return self._rows(layer, chunk.block_table[None], dtype, "rows")[0, : chunk.context_len]
 
-    def _rows(self, store: KVStore, block_tables: torch.Tensor, dtype: torch.dtype, name: str):
-        """The blocks' rows, dequantized: [B, n * block_size, *row_shape] (a workspace buffer)."""
-        b, width = block_tables.shape[0], block_tables.shape[1] * store.block_size
-        out = self.workspace.get(name, (b, width, *store.row_shape), dtype)
-        return store.gather(block_tables, out, self.workspace)
+    def _rows(self, layer, block_tables: torch.Tensor, dtype: torch.dtype, name: str):
+        """The blocks' MLA rows, dequantized: [B, n * block_size, R + P] (a workspace buffer)."""
+        b, width = block_tables.shape[0], block_tables.shape[1] * layer.block_size
+        out = self.workspace.get(name, (b, width, *layer.row_shape), dtype)
+        return kv_cache.gather(layer, "kv", block_tables, out, self.workspace)
 
-    def _heads_first(self, store: KVStore, block_tables: torch.Tensor, dtype: torch.dtype, name: str):
-        """K or V of the blocks as [B, KVH, n * block_size, D] (contiguous) from [.., KVH, D] rows."""
-        b, width = block_tables.shape[0], block_tables.shape[1] * store.block_size
-        kvh, d = store.row_shape
-        buf = self.workspace.get(name, (b, kvh, width, d), dtype)
-        store.gather(block_tables, buf.transpose(1, 2), self.workspace)
+    def _heads_first(self, layer, side: str, block_tables: torch.Tensor, dtype: torch.dtype):
+        """K or V (side "k" / "v") of the blocks as [B, KVH, n * block_size, D] (contiguous)."""
+        b, width = block_tables.shape[0], block_tables.shape[1] * layer.block_size
+        kvh, d = layer.row_shape
+        buf = self.workspace.get(side, (b, kvh, width, d), dtype)
+        kv_cache.gather(layer, side, block_tables, buf.transpose(1, 2), self.workspace)
         return buf
 
     # ---------------------------------------------------------------- MHA / GQA
-    def gqa(self, q: torch.Tensor, k_store: KVStore, v_store: KVStore, meta: AttentionMetadata,
-            scale: float) -> torch.Tensor:
+    def gqa(self, q: torch.Tensor, layer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]; K/V [.., kv_heads, D] with H % kv_heads == 0
         (query head h reads KV head h // (H / kv_heads), as transformers' repeat_kv)."""
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            out[:nd] = self.gqa_decode(q[:nd], k_store, v_store, meta, scale)
+            out[:nd] = self.gqa_decode(q[:nd], layer, meta, scale)
         for c in meta.prefills:
             table = c.block_table[None]
-            k = self._heads_first(k_store, table, q.dtype, "k")[:, :, : c.context_len]  # [1, KVH, S, D]
-            v = self._heads_first(v_store, table, q.dtype, "v")[:, :, : c.context_len]
+            k = self._heads_first(layer, "k", table, q.dtype)[:, :, : c.context_len]  # [1, KVH, S, D]
+            v = self._heads_first(layer, "v", table, q.dtype)[:, :, : c.context_len]
             span = slice(c.query_start, c.query_start + c.query_len)
             o = causal_sdpa(q[span].transpose(0, 1)[None], k, v, c.query_len, c.context_len, scale)  # [1, H, L, D]
             out[span] = o[0].transpose(0, 1)
         return out
 
-    def gqa_decode(self, q, k_store, v_store, meta, scale):
+    def gqa_decode(self, q, layer, meta, scale):
         """q [B, H, D], one token per sequence -> [B, H, D].
 
         K/V are read heads-first, [B, KVH, S, D]; each (sequence, KV head) pair is one batch entry
         of two matmuls, its G = H / KVH query heads the rows: scores [B*KVH, G, S]."""
         b, h, d = q.shape
         s = meta.decode_max_len
-        k = self._heads_first(k_store, meta.decode_block_tables, q.dtype, "k")[:, :, :s]  # [B, KVH, S, D]
-        v = self._heads_first(v_store, meta.decode_block_tables, q.dtype, "v")[:, :, :s]
+        k = self._heads_first(layer, "k", meta.decode_block_tables, q.dtype)[:, :, :s]  # [B, KVH, S, D]
+        v = self._heads_first(layer, "v", meta.decode_block_tables, q.dtype)[:, :, :s]
         kvh = k.shape[1]
         qg = q.reshape(b * kvh, h // kvh, d)
         scores = torch.bmm(qg, k.flatten(0, 1).transpose(1, 2)) * scale  # [B*KVH, G, S]
@@ -132,7 +134,7 @@ class TorchAttention:
         return torch.bmm(probs, v.flatten(0, 1)).view(b, h, d)
 
     # ---------------------------------------------------------------- MLA
-    def mla_decode(self, q: torch.Tensor, store: KVStore, meta: AttentionMetadata, scale: float,
+    def mla_decode(self, q: torch.Tensor, layer, meta: AttentionMetadata, scale: float,
                    latent_dim: int) -> torch.Tensor:
         """Absorbed MLA decode, MQA over cached rows [latent | k_rope].
 
@@ -140,7 +142,7 @@ class TorchAttention:
         = softmax(scale * q . row) @ latent (the caller applies W_UV). Two batched matmuls read the
         rows in place (the latent is a strided view): no per-head K/V is ever formed.
         """
-        rows = self._rows(store, meta.decode_block_tables, q.dtype, "rows")[:, : meta.decode_max_len]  # [B, S, R]
+        rows = self._rows(layer, meta.decode_block_tables, q.dtype, "rows")[:, : meta.decode_max_len]  # [B, S, R]
         scores = torch.bmm(q, rows.transpose(1, 2)) * scale  # [B, H, S]
         if meta.decode_mask is not None:
             scores.masked_fill_(~meta.decode_mask[:, 0], float("-inf"))
@@ -161,9 +163,8 @@ def causal_sdpa(q, k, v, query_len, context_len, scale):
 class TritonAttention(TorchAttention):
     """Cache writes (kv_append) and decode (paged_gqa_decode / paged_mla_decode) through the Triton
     kernels of kvconvert.kernels.attention; multi-token prefill chunks (compute-bound) stay on the
-    PyTorch path. The runtime's stores already have the kernels' cache layout
-    (kvconvert.kernels.cache_layout), so the kernels read them in place. On a CPU the kernels need
-    TRITON_INTERPRET=1 (slow; for tests)."""
+    PyTorch path. The runtime's cache layers are the kernels' (kvconvert.kernels.cache_layout), so
+    the kernels read them in place. On a CPU the kernels need TRITON_INTERPRET=1 (slow; for tests)."""
 
     name = "triton"
 
@@ -171,7 +172,6 @@ class TritonAttention(TorchAttention):
         if kv_format(kv_dtype).kernel_mode is None:  # fp8_e5m2
             raise KVConvertError("the Triton kernels read fp8 e4m3 caches only; use kv_dtype fp8 or --backend torch")
         from kvconvert.kernels import attention as kernels  # imported here: the torch backend never loads Triton
-        from kvconvert.kernels import cache_layout
         from kvconvert.kernels._triton_compat import interpreter_enabled, require_triton
 
         require_triton()
@@ -182,44 +182,23 @@ class TritonAttention(TorchAttention):
             warnings.warn("TRITON_INTERPRET=1 with --device cuda: the Triton kernels run in the interpreter, not "
                           "compiled (slow); unset TRITON_INTERPRET for GPU speed", stacklevel=3)
         super().__init__(device)
-        self.kernels, self.layouts = kernels, cache_layout
+        self.kernels = kernels
 
-    def write(self, store: KVStore, x: torch.Tensor, meta: AttentionMetadata) -> None:
-        for dst, rows in store.encode(x):  # quantize in PyTorch, scatter bytes with the kernel
+    def write(self, layer, first: torch.Tensor, second: torch.Tensor, meta: AttentionMetadata) -> None:
+        for dst, rows in kv_cache.rows_to_write(layer, first, second):  # quantize in PyTorch, scatter bytes
             self.kernels.kv_append(dst, rows.contiguous(), meta.slot_mapping, backend="triton")
 
-    def gqa_decode(self, q, k_store, v_store, meta, scale):
-        layer = self._gqa_layer(k_store, v_store, q.shape[-1])
+    def gqa_decode(self, q, layer, meta, scale):
         out, _ = self.kernels.paged_gqa_decode(
             q.contiguous(), layer, meta.decode_block_tables.int(), meta.decode_context_lens.int(), scale,
             backend="triton")
         return out
 
-    def mla_decode(self, q, store, meta, scale, latent_dim):
-        layer = self._mla_layer(store, latent_dim)
+    def mla_decode(self, q, layer, meta, scale, latent_dim):
         out, _ = self.kernels.paged_mla_decode(
             q[..., :latent_dim].contiguous(), q[..., latent_dim:].contiguous(), layer,
             meta.decode_block_tables.int(), meta.decode_context_lens.int(), scale, backend="triton")
         return out
-
-    def _gqa_layer(self, k: KVStore, v: KVStore, head_dim: int):
-        GQA = self.layouts.GQACacheLayer
-        if isinstance(k, NVFP4Store):
-            return GQA("nvfp4", head_dim, k.packed, v.packed, k.global_scale.reshape(-1), v.global_scale.reshape(-1),
-                       k.block_scales, v.block_scales)
-        if isinstance(k, FP8Store):
-            return GQA("fp8", head_dim, k.data, v.data, k.kv_scale.reshape(-1), v.kv_scale.reshape(-1))
-        return GQA("none", head_dim, k.data, v.data)
-
-    def _mla_layer(self, store: KVStore, latent_dim: int):
-        MLA = self.layouts.MLACacheLayer
-        rope_dim = store.row_shape[-1] - latent_dim
-        if isinstance(store, NVFP4Store):
-            return MLA("nvfp4", latent_dim, rope_dim, store.packed, rope=store.rope, scales=store.block_scales,
-                       tensor_scale=store.global_scale.reshape(1))
-        if isinstance(store, FP8Store):
-            return MLA("fp8", latent_dim, rope_dim, store.data, tensor_scale=store.kv_scale.reshape(1))
-        return MLA("none", latent_dim, rope_dim, store.data)
 
 
 def make_attention(name: str, kv_dtype: str = "bf16", device: torch.device | str = "cpu"):

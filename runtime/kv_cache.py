@@ -11,35 +11,29 @@ Storage formats (kv_dtype):
   * nvfp4: per row, packed E2M1 codes uint8 [..., D/2] + e4m3 scale per 16 values [..., D/16] +
     global scale kv_scale / 6 (per tensor or per head). For MLA only the latent is NVFP4; the
     k_rope tail stays bf16 ([num_blocks, block_size, rope]) like FlashMLA's layout, since it is a
-    small part of the row and carries the position signal. This is the layout of
-    kvconvert.kernels.cache_layout, so the Triton kernels read the runtime's cache as is.
+    small part of the row and carries the position signal.
+The storage is kvconvert.kernels.cache_layout's layer objects (one per layer), so the Triton
+kernels read the runtime's cache as is and the torch backend gathers from the same tensors.
 Formats, scale conventions and scale names are kvconvert.kvformat's: the checkpoint's kv_scale is
 amax / 448 for FP8 E4M3 and NVFP4, amax / 57344 for FP8 E5M2 (what kv_scales="dynamic" derives
 too), under the vLLM / compressed-tensors name (model.layers.N.self_attn.k_scale, .v_scale), the
 ModelOpt / TensorRT-LLM one (self_attn.k_proj.k_scale, .v_proj.v_scale) or vLLM's shared kv_scale.
 An MLA checkpoint has one scale for the whole cached row: self_attn.k_scale (v_scale equal), or
 the ModelOpt-style self_attn.kv_a_proj_with_mqa.k_scale.
-Quantization uses kvconvert.quant.formats (bit-exact references) on write and on read.
+Quantization uses the layers' (kvconvert.quant.formats, bit-exact references) on write and on read.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kernels.cache_layout import GQACacheLayer, MLACacheLayer, dequantize_rows
 from kvconvert.kvformat import RUNTIME_KV_DTYPES, SHARED_SCALE_SUFFIX, KVFormat, kv_format, scale_names
-from kvconvert.quant.formats import (
-    fp8_dequantize,
-    fp8_quantize,
-    nvfp4_dequantize,
-    nvfp4_global_scale_from_kv_scale,
-    nvfp4_quantize,
-)
 
 
 class Workspace:
@@ -75,164 +69,86 @@ class CacheSpec:
     rope_tail: int = 0
 
 
-class KVStore(ABC):
-    """One cached quantity of one layer: logical shape [num_blocks, block_size, *row_shape].
-
-    encode(x) turns new rows into (storage tensor, encoded rows) pairs; write scatters them to
-    slots; gather reads blocks back, dequantized.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, spec: CacheSpec, device: torch.device):
-        self.num_blocks, self.block_size, self.spec, self.device = num_blocks, block_size, spec, device
-        self.row_shape = spec.row_shape
-
-    def _zeros(self, *row: int, dtype: torch.dtype) -> torch.Tensor:
-        """A storage tensor [num_blocks, block_size, *row] on the cache's device."""
-        return torch.zeros(self.num_blocks, self.block_size, *row, dtype=dtype, device=self.device)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The storage tensors, each [num_blocks, block_size, ...] (one, `data`, unless a store has more)."""
-        return [self.data]
-
-    @property
-    def bytes_per_token(self) -> int:
-        return sum(t[0, 0].numel() * t.element_size() for t in self.tensors())
-
-    @abstractmethod
-    def encode(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """x [T, *row_shape] -> [(storage tensor, rows [T, ...] in its dtype)]."""
-
-    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Store x [T, *row_shape] at flat slots [T] (slot = block * block_size + offset)."""
-        for dst, rows in self.encode(x):
-            if dst.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # CPU index_copy_ lacks float8: copy bytes
-                dst, rows = dst.view(torch.uint8), rows.view(torch.uint8)
-            dst.view(self.num_blocks * self.block_size, *dst.shape[2:]).index_copy_(0, slots, rows)
-
-    @abstractmethod
-    def gather(self, block_tables: torch.Tensor, out: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-        """Read blocks block_tables [B, n] back, dequantized, into out [B, n * block_size, *row_shape]
-        (any float dtype and strides, e.g. a transposed view of a heads-first buffer); returns out."""
-
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        s, d = (torch.tensor(i, dtype=torch.long, device=self.device) for i in (src, dst))
-        for t in self.tensors():
-            t[d] = t[s]
-
-    def _gather(self, t: torch.Tensor, block_tables: torch.Tensor, workspace: Workspace | None,
-                name: str) -> torch.Tensor:
-        """Raw storage rows of the blocks: [B, n * block_size, ...] in t's dtype."""
-        b, n = block_tables.shape
-        idx = block_tables.reshape(-1)
-        # index_select: a plain row gather, several times faster on CPU than advanced indexing
-        if workspace is None:
-            raw = torch.index_select(t, 0, idx)
-        else:
-            raw = torch.index_select(t, 0, idx, out=workspace.get(name, (b * n, *t.shape[1:]), t.dtype))
-        return raw.view(b, n * self.block_size, *t.shape[2:])
-
-
-class FloatStore(KVStore):
-    def __init__(self, num_blocks, block_size, spec, device, dtype: torch.dtype):
-        super().__init__(num_blocks, block_size, spec, device)
-        self.data = self._zeros(*spec.row_shape, dtype=dtype)
-
-    def encode(self, x):
-        return [(self.data, x.to(self.data.dtype))]
-
-    def gather(self, block_tables, out, workspace=None):
-        return out.copy_(self._gather(self.data, block_tables, workspace, "raw"))
-
-
-class ScaledStore(KVStore):
-    """A quantized store with a kv_scale (fmt.scale_from_amax): from the checkpoint, or, when
-    dynamic, from the amax of the first tensor written (per tensor)."""
-
-    def __init__(self, num_blocks, block_size, spec, device, fmt: KVFormat, kv_scale: torch.Tensor | None,
-                 dynamic: bool):
-        super().__init__(num_blocks, block_size, spec, device)
-        self.fmt, self.dynamic = fmt, dynamic
-        self.kv_scale = None if kv_scale is None else kv_scale.to(device)
-
-    def _ensure_scale(self, x: torch.Tensor) -> None:
-        if self.kv_scale is not None:
-            return
-        if not self.dynamic:
-            raise KVConvertError("quantized KV cache has no scale (internal: scales are checked at load)")
-        amax = float(x.detach().abs().amax())
-        if not math.isfinite(amax):
-            raise KVConvertError("non-finite K/V values in the first prefill: cannot derive a dynamic KV scale")
-        # an all-zero tensor leaves any positive scale exact; use 1.0
-        self.kv_scale = torch.tensor(self.fmt.scale_from_amax(amax) if amax > 0 else 1.0, dtype=torch.float32,
-                                     device=self.device)
-
-
-class FP8Store(ScaledStore):
-    def __init__(self, num_blocks, block_size, spec, device, fmt, kv_scale, dynamic):
-        super().__init__(num_blocks, block_size, spec, device, fmt, kv_scale, dynamic)
-        self.data = self._zeros(*spec.row_shape, dtype=getattr(torch, fmt.torch_dtype))
-
-    def encode(self, x):
-        self._ensure_scale(x)
-        return [(self.data, fp8_quantize(x, self.kv_scale, self.data.dtype))]
-
-    def gather(self, block_tables, out, workspace=None):
-        raw = self._gather(self.data, block_tables, workspace, "raw")
-        return out.copy_(fp8_dequantize(raw, self.kv_scale, out.dtype))
-
-
-class NVFP4Store(ScaledStore):
-    """NVFP4 over the row (minus a bf16 RoPE tail, if the spec has one)."""
-
-    def __init__(self, num_blocks, block_size, spec, device, fmt, kv_scale, dynamic):
-        super().__init__(num_blocks, block_size, spec, device, fmt, kv_scale, dynamic)
-        *lead, width = spec.row_shape
-        d = width - spec.rope_tail
-        if d % 16:
-            raise KVConvertError(
-                f"nvfp4 KV cache needs {'kv_lora_rank' if spec.rope_tail else 'head_dim'} divisible by 16, "
-                f"got {d}; use fp8 instead"
-            )
-        self.quantized_width = d
-        self.packed = self._zeros(*lead, d // 2, dtype=torch.uint8)
-        self.block_scales = self._zeros(*lead, d // 16, dtype=torch.float8_e4m3fn)
-        self.rope = self._zeros(spec.rope_tail, dtype=torch.bfloat16) if spec.rope_tail else None
-
-    def tensors(self):
-        return [self.packed, self.block_scales] + ([self.rope] if self.rope is not None else [])
-
-    @property
-    def global_scale(self) -> torch.Tensor:
-        return nvfp4_global_scale_from_kv_scale(self.kv_scale)
-
-    def encode(self, x):
-        self._ensure_scale(x)
-        d = self.quantized_width
-        packed, scales = nvfp4_quantize(x[..., :d], self.global_scale)
-        pairs = [(self.packed, packed), (self.block_scales, scales)]
-        if self.rope is not None:
-            pairs.append((self.rope, x[..., d:].to(self.rope.dtype)))
-        return pairs
-
-    def gather(self, block_tables, out, workspace=None):
-        packed = self._gather(self.packed, block_tables, workspace, "raw")
-        scales = self._gather(self.block_scales, block_tables, workspace, "raw_scales")
-        d = self.quantized_width
-        out[..., :d].copy_(nvfp4_dequantize(packed, scales, self.global_scale, out.dtype))
-        if self.rope is not None:
-            out[..., d:].copy_(self._gather(self.rope, block_tables, workspace, "raw_rope"))
-        return out
-
-
-def make_store(kv_dtype: str, num_blocks: int, block_size: int, spec: CacheSpec, kv_scale=None,
-               dynamic: bool = False, device: torch.device | str = "cpu") -> KVStore:
+def make_layer(kv_dtype: str, num_blocks: int, block_size: int, specs: dict[str, CacheSpec],
+               scales: dict[str, torch.Tensor], dynamic: bool = False, device: torch.device | str = "cpu"):
+    """One layer's storage, a kvconvert.kernels cache layer: MLACacheLayer for a {"kv": row} layout,
+    GQACacheLayer for {"k", "v"}. Dynamic scales start as placeholders, set by the first write."""
     if kv_dtype not in RUNTIME_KV_DTYPES:
         raise KVConvertError(f"kv_dtype {kv_dtype!r} is not supported; choose one of {', '.join(RUNTIME_KV_DTYPES)}")
-    fmt, device = kv_format(kv_dtype), torch.device(device)
-    if not fmt.quantized:
-        return FloatStore(num_blocks, block_size, spec, device, getattr(torch, fmt.torch_dtype))
-    store = FP8Store if fmt.torch_dtype else NVFP4Store  # NVFP4: packed codes + block scales
-    return store(num_blocks, block_size, spec, device, fmt, kv_scale, dynamic)
+    fmt = kv_format(kv_dtype)
+    mode = "fp8" if fmt.quantized and fmt.torch_dtype else fmt.kernel_mode  # fp8 e4m3 or e5m2; none; nvfp4
+    dtype = getattr(torch, fmt.torch_dtype or "bfloat16")  # nvfp4: the bf16 RoPE tail
+    placeholder = 1.0 if fmt.quantized else None
+    spec = next(iter(specs.values()))
+    if "kv" in specs:
+        rank = spec.row_shape[0] - spec.rope_tail
+        layer = MLACacheLayer.allocate(mode, num_blocks, block_size, rank, spec.rope_tail, dtype=dtype, device=device,
+                                       kv_scale=scales.get("kv", placeholder))
+    else:
+        layer = GQACacheLayer.allocate(mode, num_blocks, block_size, *spec.row_shape, dtype=dtype, device=device,
+                                       k_scale=scales.get("k", placeholder), v_scale=scales.get("v", placeholder))
+    layer.dynamic_format = fmt if dynamic and fmt.quantized else None
+    return layer
+
+
+def rows_to_write(layer, first: torch.Tensor, second: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(storage tensor, encoded rows [T, ...]) pairs for new tokens (GQA: k, v [T, kv_heads, head_dim];
+    MLA: latent [T, R], k_rope [T, P]); a dynamic layer first takes its scales from them."""
+    fmt = layer.dynamic_format
+    if fmt is not None:
+        if isinstance(layer, MLACacheLayer):  # one scale for the whole row [latent | k_rope]
+            layer.set_kv_scales(_dynamic_scale(fmt, first, second))
+        else:
+            layer.set_kv_scales(_dynamic_scale(fmt, first), _dynamic_scale(fmt, second))
+        layer.dynamic_format = None
+    return layer.quantize_rows(first, second)
+
+
+def _dynamic_scale(fmt: KVFormat, *parts: torch.Tensor) -> float:
+    """A per-tensor kv scale (fmt.scale_from_amax) from the amax of the first rows written."""
+    amax = max(float(x.detach().abs().amax()) for x in parts)
+    if not math.isfinite(amax):
+        raise KVConvertError("non-finite K/V values in the first prefill: cannot derive a dynamic KV scale")
+    return fmt.scale_from_amax(amax) if amax > 0 else 1.0  # an all-zero tensor leaves any positive scale exact
+
+
+def write(layer, first: torch.Tensor, second: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store new tokens (as rows_to_write) at flat slots [T] (slot = block * block_size + offset)."""
+    for dst, rows in rows_to_write(layer, first, second):
+        if dst.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # CPU index_copy_ lacks float8: copy bytes
+            dst, rows = dst.view(torch.uint8), rows.view(torch.uint8)
+        dst.view(dst.shape[0] * dst.shape[1], *dst.shape[2:]).index_copy_(0, slots, rows)
+
+
+def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, workspace: Workspace | None = None
+           ) -> torch.Tensor:
+    """Read quantity `name` ("k", "v" or MLA's "kv") of blocks block_tables [B, n] back, dequantized
+    (kvconvert.kernels.cache_layout's reference dequant), into out [B, n * block_size, *row_shape]
+    (any float dtype and strides, e.g. a transposed view of a heads-first buffer); returns out."""
+    values, block_scales, scale, rope = layer.stored(name)
+    raw = _gather_blocks(values, block_tables, workspace, "raw")
+    if layer.mode == "none":
+        return out.copy_(raw)
+    if block_scales is not None:
+        block_scales = _gather_blocks(block_scales, block_tables, workspace, "raw_scales")
+    lead = out if rope is None else out[..., : -rope.shape[-1]]
+    lead.copy_(dequantize_rows(layer.mode, raw, scale, block_scales, out.dtype))
+    if rope is not None:
+        out[..., -rope.shape[-1]:].copy_(_gather_blocks(rope, block_tables, workspace, "raw_rope"))
+    return out
+
+
+def _gather_blocks(t: torch.Tensor, block_tables: torch.Tensor, workspace: Workspace | None, name: str
+                   ) -> torch.Tensor:
+    """Raw storage rows of the blocks: [B, n * block_size, ...] in t's dtype."""
+    b, n = block_tables.shape
+    idx = block_tables.reshape(-1)
+    # index_select: a plain row gather, several times faster on CPU than advanced indexing
+    if workspace is None:
+        raw = torch.index_select(t, 0, idx)
+    else:
+        raw = torch.index_select(t, 0, idx, out=workspace.get(name, (b * n, *t.shape[1:]), t.dtype))
+    return raw.view(b, n * t.shape[1], *t.shape[2:])
 
 
 def bytes_per_token(layout: list[dict[str, CacheSpec]], kv_dtype: str) -> int:
@@ -244,8 +160,9 @@ def bytes_per_token(layout: list[dict[str, CacheSpec]], kv_dtype: str) -> int:
 
 
 class PagedKVCache:
-    """All layers' stores. layers[i][name] is a KVStore; names come from the model's kv layout.
-    Every storage tensor and kv scale lives on `device`."""
+    """All layers' storage: layers[i] is a kvconvert.kernels cache layer (GQACacheLayer: k and v;
+    MLACacheLayer: the [latent | k_rope] row), the layout the Triton kernels read and the torch
+    backend gathers from. Every storage tensor and kv scale lives on `device`."""
 
     def __init__(self, layout: list[dict[str, CacheSpec]], num_blocks: int, block_size: int,
                  kv_dtype: str, scales: list[dict[str, torch.Tensor]] | None = None, dynamic: bool = False,
@@ -253,23 +170,20 @@ class PagedKVCache:
         self.num_blocks, self.block_size, self.kv_dtype = num_blocks, block_size, kv_dtype
         self.device = torch.device(device)
         scales = scales or [{} for _ in layout]
-        self.layers = [
-            {name: make_store(kv_dtype, num_blocks, block_size, spec, scales[i].get(name), dynamic, self.device)
-             for name, spec in layer.items()}
-            for i, layer in enumerate(layout)
-        ]
+        self.layers = [make_layer(kv_dtype, num_blocks, block_size, specs, scales[i], dynamic, self.device)
+                       for i, specs in enumerate(layout)]
 
     @property
     def bytes_per_token(self) -> int:
-        return sum(store.bytes_per_token for layer in self.layers for store in layer.values())
+        return sum(layer.bytes_per_token for layer in self.layers)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
-        src, dst = [s for s, _ in copies], [d for _, d in copies]
+        src, dst = (torch.tensor(i, dtype=torch.long, device=self.device) for i in zip(*copies))
         for layer in self.layers:
-            for store in layer.values():
-                store.copy_blocks(src, dst)
+            for t in layer.block_tensors():
+                t[dst] = t[src]
 
 
 # ------------------------------------------------------------------------------ scales

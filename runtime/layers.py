@@ -12,7 +12,7 @@ from kvconvert.models.common import DecoderLayer, rms_norm, short_names
 class Decoder:
     """A decoder of kvconvert.models' layers (DecoderLayer of attention_cls) over the paged KV cache.
     Subclasses give shape_cls (kvconvert.models' shape, from_config), attention_cls and
-    attention(layer.attn, x, angles, stores, meta, attn).
+    attention(layer.attn, x, angles, layer_cache, meta, attn) (layer_cache: PagedKVCache.layers[i]).
 
     cos/sin for every position up to max_positions are precomputed as transformers computes them:
     fp32 position * inv_freq, cos/sin, times the attention factor.
@@ -50,8 +50,9 @@ class Decoder:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden] (fp32)."""
         x = self.embed[input_ids].to(self.dtype)
         angles = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, dim/2], shared by layers
-        for layer, stores in zip(self.layers, cache.layers):
-            x = x + self.attention(layer.attn, rms_norm(x, layer.input_layernorm, self.eps), angles, stores, meta, attn)
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            normed = rms_norm(x, layer.input_layernorm, self.eps)
+            x = x + self.attention(layer.attn, normed, angles, layer_cache, meta, attn)
             x = x + layer.mlp(rms_norm(x, layer.post_attention_layernorm, self.eps))
         return rms_norm(x.float(), self.norm.float(), self.eps)  # the last norm in fp32: it feeds the logits
 

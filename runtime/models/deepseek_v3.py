@@ -29,27 +29,27 @@ class DeepseekV3ForCausalLM(Decoder):
         ds.check_dense(reader.config)
         super().__init__(reader, dtype, max_positions, device)
 
-    def attention(self, a: ds.MLAAttention, x, angles, stores, meta: AttentionMetadata, attn):
-        """x [T, hidden] normed -> attention block output [T, hidden], through the paged cache."""
-        s, store = self.shape, stores["kv"]
+    def attention(self, a: ds.MLAAttention, x, angles, cache, meta: AttentionMetadata, attn):
+        """x [T, hidden] normed -> attention block output [T, hidden], through the layer's paged cache."""
+        s = self.shape
         q_nope, q_rope = ds.project_queries(x, a, s)
         latent, k_rope = ds.project_latent(x, a, s)
         q_rope = s.rope(q_rope, *angles)
-        attn.write(store, torch.cat([latent, s.rope(k_rope[:, None, :], *angles)[:, 0]], dim=-1), meta)
+        attn.write(cache, latent, s.rope(k_rope[:, None, :], *angles)[:, 0], meta)
         out = x.new_empty(x.shape[0], s.heads, s.v_dim)
         nd = meta.num_decode
         if nd:
-            out[:nd] = self._decode(a, q_nope[:nd], q_rope[:nd], store, meta, attn)
+            out[:nd] = self._decode(a, q_nope[:nd], q_rope[:nd], cache, meta, attn)
         for c in meta.prefills:
             span = slice(c.query_start, c.query_start + c.query_len)
-            out[span] = self._prefill(a, q_nope[span], q_rope[span], attn.read_rows(store, c, x.dtype), c)
+            out[span] = self._prefill(a, q_nope[span], q_rope[span], attn.read_rows(cache, c, x.dtype), c)
         return linear(out.flatten(-2), a.o_proj, a.o_proj_bias)
 
-    def _decode(self, a, q_nope, q_rope, store, meta, attn):
+    def _decode(self, a, q_nope, q_rope, cache, meta, attn):
         """Absorbed: [B, H, nope] x W_UK -> latent queries; out_lat [B, H, rank] x W_UV -> [B, H, v]."""
         w_uk, w_uv = a.absorbed(self.shape)
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
-        out_lat = attn.mla_decode(torch.cat([q_lat, q_rope], dim=-1), store, meta, self.shape.softmax_scale,
+        out_lat = attn.mla_decode(torch.cat([q_lat, q_rope], dim=-1), cache, meta, self.shape.softmax_scale,
                                   self.shape.rank)
         return torch.einsum("bhr,hvr->bhv", out_lat, w_uv)
 

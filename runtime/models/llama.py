@@ -26,10 +26,9 @@ class LlamaForCausalLM(Decoder):
 
     shape_cls, attention_cls = llama.LlamaShape, llama.LlamaAttention
 
-    def attention(self, a: llama.LlamaAttention, x, angles, stores, meta: AttentionMetadata, attn):
-        """x [T, hidden] normed -> attention block output [T, hidden], through the paged cache."""
+    def attention(self, a: llama.LlamaAttention, x, angles, cache, meta: AttentionMetadata, attn):
+        """x [T, hidden] normed -> attention block output [T, hidden], through the layer's paged cache."""
         q, k, v = llama.project_qkv(x, a, self.shape)
-        attn.write(stores["k"], self.shape.rope(k, *angles), meta)
-        attn.write(stores["v"], v, meta)
-        out = attn.gqa(self.shape.rope(q, *angles), stores["k"], stores["v"], meta, self.shape.scale)
+        attn.write(cache, self.shape.rope(k, *angles), v, meta)
+        out = attn.gqa(self.shape.rope(q, *angles), cache, meta, self.shape.scale)
         return linear(out.flatten(-2), a.o_proj, a.o_proj_bias)

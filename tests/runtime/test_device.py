@@ -28,11 +28,8 @@ def model_tensors(llm) -> list[torch.Tensor]:
                 found.append(value)
             elif dataclasses.is_dataclass(value):
                 walk(value)
-    for layer in m.layers:
+    for layer in [*m.layers, *llm.cache.layers]:  # the cache's layers are dataclasses too (kernels' layouts)
         walk(layer)
-    for layer in llm.cache.layers:
-        for store in layer.values():
-            found += store.tensors() + ([store.kv_scale] if getattr(store, "kv_scale", None) is not None else [])
     return found
 
 

@@ -158,9 +158,9 @@ def test_dynamic_scales_use_the_first_prefill_amax(llama_gqa):
         llm = LLM(llama_gqa, kv_dtype="fp8", kv_scales="dynamic")
     out = llm.generate([prompt], greedy(16))[0]
     layer0 = llm.cache.layers[0]
-    torch.testing.assert_close(layer0["k"].kv_scale, kv_scale_from_amax(cache.layers[0].keys.abs().amax()))
-    torch.testing.assert_close(layer0["v"].kv_scale, kv_scale_from_amax(cache.layers[0].values.abs().amax()))
-    scales = [(layer["k"].kv_scale, layer["v"].kv_scale) for layer in llm.cache.layers]
+    torch.testing.assert_close(layer0.k_scale, kv_scale_from_amax(cache.layers[0].keys.abs().amax()).reshape(1))
+    torch.testing.assert_close(layer0.v_scale, kv_scale_from_amax(cache.layers[0].values.abs().amax()).reshape(1))
+    scales = [(layer.k_scale, layer.v_scale) for layer in llm.cache.layers]
     _, ref_tokens = _reference(ref, prompt, llama_fns("fp8", scales), 16)
     assert out.token_ids == ref_tokens
 
