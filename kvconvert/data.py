@@ -70,7 +70,7 @@ def _load_file(path: Path) -> str:
 
 
 def _row_text(row: dict, path: Path) -> str:
-    for key in ("text", "content", "context", "input"):
+    for key in ("text", "content", "context", "input", "prompt"):
         if key in row:
             return str(row[key])
     raise KVConvertError(f"{path}: a .jsonl row has no 'text' field (keys: {sorted(row)[:5]})")
@@ -109,9 +109,10 @@ def calibration_windows(tokenizer, source: str = "builtin", num_tokens: int = 32
     return token_windows(tokenizer, load_text(source), n, window_len)
 
 
-def eval_windows(tokenizer, num_windows: int = 32, window_len: int = 1024) -> torch.Tensor:
-    """The held-out perplexity protocol: the essays, `num_windows` x `window_len` tokens."""
-    return token_windows(tokenizer, essays_text(), num_windows, window_len)
+def eval_windows(tokenizer, num_windows: int = 32, window_len: int = 1024, source: str = "essays") -> torch.Tensor:
+    """The held-out perplexity protocol: `num_windows` x `window_len` tokens of the essays (or of
+    another held-out `source`, read as load_text does, e.g. a LongBench .jsonl: its prompts)."""
+    return token_windows(tokenizer, load_text(source), num_windows, window_len)
 
 
 def data_hash(ids: torch.Tensor) -> str:

@@ -3,10 +3,14 @@
 random-weight checkpoint in Llama-2-7B's shapes.
 
   python scripts/bench_mla.py smollm2 [--windows 32] [--settings 160:32,96:32,64:32,32:16]
+      [--variant NAME=CONVERTER_FLAGS ...] [--corpus essays --corpus FILE:WINDOWS ...] [--json FILE]
   python scripts/bench_mla.py llama7b [--workdir /tmp/kvc-bench] [--calib-tokens 512]
 
 Writes docs/bench_mla.json (merged per section) and prints a markdown table for docs/BENCHMARKS.md.
 Perplexity protocol: the Paul Graham essays, N windows of 1024 tokens, fp32, no special tokens.
+--variant compares converter options side by side (same calibration tokens, same windows), e.g.
+--variant base= --variant "residual=--fit-target residual"; --corpus adds held-out corpora (any
+source kvconvert.data.load_text reads), each with its own window count after a colon.
 """
 
 from __future__ import annotations
@@ -29,26 +33,32 @@ TRANSMLA = {"source": 24.68, "160:32": (57.76, 104, 7.6), "96:32": (99.29, 101, 
             "64:32": (149.84, 98, 7.5), "32:16": (286.34, 165, 7.7)}
 
 
-def eval_model(path: Path, windows: int, ref=None):
-    """(perplexity, mean token KL(ref || model), log-probs) on the essays windows."""
+def eval_model(path: Path, windows: int, ref: Path, corpus: str = "essays", save_ref: bool = False):
+    """(perplexity, mean token KL(reference || model)) on `windows` x 1024 tokens of `corpus`.
+
+    ref: a folder of the reference's per-window log-probs [1023, vocab] bf16 (save_ref: write them
+    there instead; on disk, as 32 windows x 49152 vocab hold 3.2 GB, too much to keep in memory)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvconvert.data import eval_windows
 
     tok = AutoTokenizer.from_pretrained(path)
-    ids = eval_windows(tok, windows, 1024)
+    ids = eval_windows(tok, windows, 1024, corpus)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    nll, kl, lps = 0.0, 0.0, []
+    nll, kl = 0.0, 0.0
+    ref.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         for i in range(windows):
             lp = model(ids[i: i + 1]).logits[0, :-1].float().log_softmax(-1)
             nll += float(-lp.gather(1, ids[i, 1:, None]).sum())
-            if ref is not None:
-                kl += float((ref[i].exp() * (ref[i] - lp)).sum())
-            lps.append(lp.to(torch.bfloat16))
+            if save_ref:
+                torch.save(lp.to(torch.bfloat16), ref / f"{i}.pt")
+            else:
+                ref_lp = torch.load(ref / f"{i}.pt").float()
+                kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
     n = windows * 1023
-    return float(torch.tensor(nll / n).exp()), kl / n, torch.stack(lps).float()
+    return float(torch.tensor(nll / n).exp()), kl / n
 
 
 def convert_subprocess(src: str, out: Path, rank: int, rope: int, extra: list[str]) -> dict:
@@ -67,30 +77,73 @@ def convert_subprocess(src: str, out: Path, rank: int, rope: int, extra: list[st
     return summary
 
 
+def source_ppl(src: Path, windows: int, ref: Path, corpus: str) -> float:
+    """The source's perplexity; its log-probs are saved under ref, or read back from there when an
+    earlier run on the same --workdir saved them (parallel runs of other settings share them)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kvconvert.data import eval_windows
+
+    if not all((ref / f"{i}.pt").is_file() for i in range(windows)):
+        return eval_model(src, windows, ref, corpus, save_ref=True)[0]
+    ids = eval_windows(AutoTokenizer.from_pretrained(src), windows, 1024, corpus)
+    nll = sum(float(-torch.load(ref / f"{i}.pt").float().gather(1, ids[i, 1:, None]).sum()) for i in range(windows))
+    return float(torch.tensor(nll / (windows * 1023)).exp())
+
+
+def parse_corpora(specs: list[str] | None, windows: int) -> dict[str, int]:
+    """--corpus values -> {corpus: windows}: "essays" or "FILE:16" (window count after the last colon)."""
+    corpora = {}
+    for spec in specs or ["essays"]:
+        name, _, n = spec.rpartition(":")
+        if not n.isdigit():
+            name, n = spec, ""
+        corpora[name] = int(n) if n else windows
+    return corpora
+
+
 def bench_smollm2(args) -> dict:
     from kvconvert.sources import resolve_source
 
     src = resolve_source("smollm2-135m")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    src_ppl, _, ref = eval_model(src, args.windows)
+    variants = dict(v.split("=", 1) for v in args.variant or ["oneshot="])
+    corpora = parse_corpora(args.corpus, args.windows)
+    refs = {c: work / f"ref-{i}" for i, c in enumerate(corpora)}  # the source's log-probs per corpus
+    source = {c: source_ppl(src, n, refs[c], c) for c, n in corpora.items()}
     rows = []
     for setting in args.settings.split(","):
         rank, rope = map(int, setting.split(":"))
-        out = work / f"smollm2-mla-{rank}-{rope}"
-        conv = convert_subprocess(str(src), out, rank, rope, ["--dtype", "fp32", "--calib-tokens", str(args.calib_tokens)])
-        ppl, kl, _ = eval_model(out, args.windows, ref)
-        tm = TRANSMLA.get(setting)
-        row = dict(setting=setting, rank=rank, rope_dim=rope, kv_fraction=(rank + rope) / 384, ppl=ppl, kl=kl,
-                   source_ppl=src_ppl, convert_seconds=conv["wall_seconds"], peak_rss_mb=conv["child_peak_rss_mb"],
-                   transmla_ppl=tm[0] if tm else None)
-        if tm:  # the bar: our increase at most half of TransMLA's (TransMLA measured with source 24.68)
-            row["bar_ppl"] = src_ppl + 0.5 * (tm[0] - TRANSMLA["source"])
-            row["meets_bar"] = ppl <= row["bar_ppl"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        shutil.rmtree(out, ignore_errors=True)
-    return {"windows": args.windows, "calib_tokens": args.calib_tokens, "source_ppl": src_ppl, "rows": rows}
+        for name, flags in variants.items():
+            out = work / f"smollm2-mla-{rank}-{rope}-{name}"
+            conv = convert_subprocess(str(src), out, rank, rope, ["--dtype", "fp32", "--calib-tokens",
+                                                                  str(args.calib_tokens), *flags.split()])
+            rows.append(_row(setting, rank, rope, name, flags, conv, out, corpora, source, refs))
+            print(json.dumps(rows[-1]), flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    first = next(iter(corpora))
+    return {"windows": corpora[first], "calib_tokens": args.calib_tokens, "source_ppl": source[first],
+            "corpora": {c: {"windows": n, "source_ppl": source[c]} for c, n in corpora.items()}, "rows": rows}
+
+
+def _row(setting, rank, rope, variant, flags, conv, out, corpora, source, refs) -> dict:
+    """One conversion's row: the first corpus's ppl/KL at the top level (the published table's
+    columns), every corpus's under "corpora"."""
+    scores = {}
+    for corpus, n in corpora.items():
+        ppl, kl = eval_model(out, n, refs[corpus], corpus)
+        scores[corpus] = {"ppl": ppl, "kl": kl, "source_ppl": source[corpus]}
+    first = scores[next(iter(corpora))]
+    tm = TRANSMLA.get(setting)
+    row = dict(setting=setting, variant=variant, flags=flags, rank=rank, rope_dim=rope, kv_fraction=(rank + rope) / 384,
+               **first, convert_seconds=conv["wall_seconds"], peak_rss_mb=conv["child_peak_rss_mb"],
+               transmla_ppl=tm[0] if tm else None, corpora=scores)
+    if tm:  # the bar: our increase at most half of TransMLA's (TransMLA measured with source 24.68)
+        row["bar_ppl"] = first["source_ppl"] + 0.5 * (tm[0] - TRANSMLA["source"])
+        row["meets_bar"] = first["ppl"] <= row["bar_ppl"]
+    return row
 
 
 # Real configs' shapes for random-weight checkpoints (the vocabulary is SmolLM2's 49152 so its
@@ -177,12 +230,29 @@ def markdown(results: dict) -> str:
             lines.append(f"| {row['rank']}+{row['rope_dim']} | {row['kv_fraction']:.1%} | {row['ppl']:.2f} | {row['kl']:.3f} | "
                          f"{row.get('transmla_ppl') or '-'} | {row.get('bar_ppl', float('nan')):.1f} | "
                          f"{'yes' if row.get('meets_bar') else 'no'} | {row['convert_seconds']} | {row['peak_rss_mb']} |")
+    if "oneshot" in results:
+        lines += variants_markdown(results["oneshot"])
     if "llama7b" in results:
         r = results["llama7b"]
         lines += ["", f"Streaming: random weights in Llama-2-7B shapes ({r['layers']} layers, {r['source_gb']:.1f} GB bf16) -> "
                   f"rank {r['rank']} + rope 64, {r['calib_tokens']} calibration tokens: {r['convert_seconds']} s, "
                   f"peak RSS {r['peak_rss_mb']} MB, output {r['output_gb']:.1f} GB."]
     return "\n".join(lines)
+
+
+def variants_markdown(r: dict) -> list[str]:
+    """The --variant comparison: one row per setting and variant, ppl and KL on every corpus."""
+    corpora = r["corpora"]
+    names = [Path(c).stem for c in corpora]
+    head = "| KV kept (rank+rope) | variant | " + " | ".join(f"{n} ppl | {n} KL" for n in names) + " | convert s |"
+    lines = ["Source perplexity: " + ", ".join(f"{Path(c).stem} {v['source_ppl']:.2f} ({v['windows']} x 1024)"
+                                                 for c, v in corpora.items()) + ".", "", head,
+             "|" + "---|" * (3 + 2 * len(names))]
+    for row in r["rows"]:
+        cells = " | ".join(f"{row['corpora'][c]['ppl']:.2f} | {row['corpora'][c]['kl']:.3f}" for c in corpora)
+        lines.append(f"| {row['kv_fraction']:.1%} ({row['rank']}+{row['rope_dim']}) | {row['variant']} "
+                     f"(`{row['flags'] or 'defaults'}`) | {cells} | {row['convert_seconds']} |")
+    return lines
 
 
 def main():
@@ -195,12 +265,16 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rank", type=int, default=512)
     ap.add_argument("--keep", action="store_true", help="keep the random 7B source for reruns")
+    ap.add_argument("--variant", action="append", help="NAME=CONVERTER_FLAGS (repeatable; default oneshot=)")
+    ap.add_argument("--corpus", action="append", help="held-out corpus[:windows] (repeatable; default essays)")
+    ap.add_argument("--json", type=Path, default=JSON_OUT, help="results file (merged per section)")
     args = ap.parse_args()
     args.calib_tokens = args.calib_tokens or (8192 if args.which == "smollm2" else 512)
-    results = json.loads(JSON_OUT.read_text()) if JSON_OUT.is_file() else {}
-    results[args.which] = bench_smollm2(args) if args.which == "smollm2" else bench_llama7b(args)
-    results[args.which]["command"] = command()
-    write_json(JSON_OUT, results)
+    results = json.loads(args.json.read_text()) if args.json.is_file() else {}
+    section = "oneshot" if args.which == "smollm2" and args.variant else args.which  # never replaces published rows
+    results[section] = bench_smollm2(args) if args.which == "smollm2" else bench_llama7b(args)
+    results[section]["command"] = command()
+    write_json(args.json, results)
     print(markdown(results))
 
 
