@@ -178,10 +178,9 @@ class CheckpointReader:
             tensor = tensor.to(dtype)
         return tensor
 
-    def tensors(self, prefix: str, dtype: torch.dtype | None = None, mapped: bool = False) -> dict[str, torch.Tensor]:
-        """All tensors whose names start with `prefix` (e.g. 'model.layers.3.'); mapped=True: see `mapped`."""
-        read = self.mapped if mapped else self.get
-        return {k: read(k, dtype) for k in self.weight_map if k.startswith(prefix)}
+    def tensors(self, prefix: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """All tensors whose names start with `prefix` (e.g. 'model.layers.3.'), as `get` reads them."""
+        return {k: self.get(k, dtype) for k in self.weight_map if k.startswith(prefix)}
 
     def stored_dtype(self, name: str) -> torch.dtype:
         """The dtype `name` is stored in (from the safetensors header; no data is read)."""

@@ -89,11 +89,6 @@ def _readable_mode() -> int:
     return 0o644 & ~umask
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def _refuse_existing(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"{out_dir}: output exists; choose another --out or pass --overwrite")
@@ -220,16 +215,12 @@ _ENV_ERRNOS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", e
 
 def _raise_write_error(out_dir: Path, exc: BaseException) -> None:
     """An environment's write error (_ENV_ERRNOS) as one CheckpointError line; other errors pass."""
-    if isinstance(exc, OSError) and exc.errno in _ENV_ERRNOS:
-        raise _write_error(out_dir, exc) from None
-
-
-def _write_error(out_dir: Path, exc: OSError) -> CheckpointError:
-    what = _ENV_ERRNOS[exc.errno]
+    if not isinstance(exc, OSError) or exc.errno not in _ENV_ERRNOS:
+        return
     name = Path(exc.filename).name if getattr(exc, "filename", None) else "a file"
     fix = "free some space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "choose a writable --out"
-    return CheckpointError(f"{out_dir}: {what} while writing {name}; nothing was left at the output path; "
-                           f"{fix} and rerun")
+    raise CheckpointError(f"{out_dir}: {_ENV_ERRNOS[exc.errno]} while writing {name}; nothing was left at the "
+                          f"output path; {fix} and rerun") from None
 
 
 class CheckpointWriter:
@@ -348,7 +339,8 @@ class CheckpointWriter:
         mode = _readable_mode()
         for path in self.tmp_dir.iterdir():
             os.chmod(path, mode)  # a serving engine often runs as another user
-            _fsync_file(path)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
         self._rename_into_place()
 
     def _name_shards(self) -> None:

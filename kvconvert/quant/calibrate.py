@@ -26,12 +26,7 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import KVShape
-from kvconvert.quant.capture import (
-    AttentionRecorder,
-    cache_hook,
-    check_finite,
-    run_with_hook,
-)
+from kvconvert.quant.capture import AttentionRecorder, CacheHook, cache_hook, check_finite, run_with_hook
 from kvconvert.quant.fake_quant import scale_from_amax
 from kvconvert.quant.observers import KVObserver
 from kvconvert.quant.options import CalibrateOptions
@@ -105,6 +100,16 @@ def layer_observers(layout: KVShape) -> dict[str, KVObserver]:
     return {kind: KVObserver(layout.cached_heads, layout.row_dim) for kind in layout.cached_names}
 
 
+def observing_hook(layout: KVShape, observers_of) -> CacheHook:
+    """Cache hook feeding observers_of(layer)[kind] with every cached tensor (on the host), after
+    refusing NaN/inf; the tensors pass unchanged."""
+    def row_hook(layer_idx, kind, x):
+        check_finite(layer_idx, kind, x)
+        observers_of(layer_idx)[kind].observe(x.cpu())
+        return x
+    return cache_hook(layout, row_hook)
+
+
 def observe_kv(model, layout: KVShape, windows: torch.Tensor, batch_size: int,
                recorder: AttentionRecorder | None = None, record_windows: int = 0,
                progress=None) -> list[dict[str, KVObserver]]:
@@ -113,13 +118,7 @@ def observe_kv(model, layout: KVShape, windows: torch.Tensor, batch_size: int,
     The recorder (if any) records the attention inputs of the first `record_windows` windows.
     """
     observers = [layer_observers(layout) for _ in range(layout.num_layers)]
-
-    def row_hook(layer_idx, kind, x):
-        check_finite(layer_idx, kind, x)
-        observers[layer_idx][kind].observe(x)
-        return x
-
-    hook = cache_hook(layout, row_hook)
+    hook = observing_hook(layout, observers.__getitem__)
     record_windows = min(record_windows, windows.shape[0]) if recorder is not None else 0
     done = 0
     for part, recording in ((windows[:record_windows], True), (windows[record_windows:], False)):
@@ -238,13 +237,13 @@ def calibrate_model(model, layout: KVShape, windows: torch.Tensor, settings: Cal
     try:
         observers = observe_kv(model, layout, windows, settings.batch_size, recorder, record, progress)
         clock.lap("observe")
-        scales, search_info = _scales_from_observers(model, layout, observers, settings, recorder, log)
+        per_layer = [_layer_scales(layout, layer, obs, settings, lambda layer=layer: LayerReplay(
+            recorder, layout, layer, settings.kv_dtype), log) for layer, obs in enumerate(observers)]
         clock.lap("search")
     finally:
         if recorder is not None:
             recorder.remove()
-    stats = {"wall_s": clock.wall, "cpu_s": clock.cpu, "search": search_info, "search_windows": record}
-    return CalibrationResult(scales, plan, observers, stats)
+    return _result(layout, settings, per_layer, plan, observers, clock, record)
 
 
 class _Clock:
@@ -260,12 +259,6 @@ class _Clock:
         self.wall[name] = self.wall.get(name, 0.0) + w - self._w  # phases recur per layer when streamed
         self.cpu[name] = self.cpu.get(name, 0.0) + c - self._c
         self._w, self._c = w, c
-
-
-def _scales_from_observers(model, layout, observers, settings, recorder, log):
-    per_layer = [_layer_scales(layout, layer, obs, settings, lambda layer=layer: LayerReplay(
-        recorder, layout, layer, settings.kv_dtype), log) for layer, obs in enumerate(observers)]
-    return _kv_scales(layout, settings, [s for s, _ in per_layer]), [i for _, i in per_layer if i is not None]
 
 
 def _layer_scales(layout, layer, obs, settings, make_replay, log):
@@ -285,10 +278,15 @@ def _layer_scales(layout, layer, obs, settings, make_replay, log):
     return scale, info
 
 
-def _kv_scales(layout, settings, per_layer: list[dict]) -> KVScales:
-    ks = [s["kv"] if layout.is_mla else s["k"] for s in per_layer]
-    vs = [s["kv"] if layout.is_mla else s["v"] for s in per_layer]
-    return KVScales(settings.kv_dtype, settings.granularity, layout.kind, ks, vs)
+def _result(layout, settings, per_layer: list[tuple[dict, dict | None]], plan, observers, clock: _Clock,
+            record: int) -> CalibrationResult:
+    """The result from each layer's (kind -> scale, search info or None) (_layer_scales)."""
+    ks = [s["kv"] if layout.is_mla else s["k"] for s, _ in per_layer]
+    vs = [s["kv"] if layout.is_mla else s["v"] for s, _ in per_layer]
+    scales = KVScales(settings.kv_dtype, settings.granularity, layout.kind, ks, vs)
+    infos = [info for _, info in per_layer if info is not None]
+    stats = {"wall_s": clock.wall, "cpu_s": clock.cpu, "search": infos, "search_windows": record}
+    return CalibrationResult(scales, plan, observers, stats)
 
 
 def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings: CalibrationSettings,
@@ -312,7 +310,7 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
     strength = settings.key_strength if settings.rotation_enabled else 0.0
     factors, moments = ([] if phase or strength > 0 else None), []
     record = settings.search_windows(windows.shape[1])
-    observers, scales, infos = [], [], []
+    observers, per_layer = [], []
     clock.lap("load")
     for i in range(layout.num_layers):
         attn, rest = stream.read_layer(i)
@@ -328,17 +326,13 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
         obs, records = stream.advance(i, attn, rest, record)
         del rest
         clock.lap("observe")
-        scale, info = _layer_scales(layout, i, obs, settings, lambda: stream.replay(attn, records, settings.kv_dtype), log)
+        per_layer.append(_layer_scales(layout, i, obs, settings,
+                                       lambda: stream.replay(attn, records, settings.kv_dtype), log))
         clock.lap("search")
         observers.append(obs)
-        scales.append(scale)
-        if info is not None:
-            infos.append(info)
         del attn, records
         release_heap()
         if progress is not None:
             progress(i + 1, layout.num_layers)
     _describe_key_factors(desc, moments, strength, windows[:STAT_WINDOWS])
-    plan = RotationPlan(layout, rot, factors, desc)
-    stats = {"wall_s": clock.wall, "cpu_s": clock.cpu, "search": infos, "search_windows": record}
-    return CalibrationResult(_kv_scales(layout, settings, scales), plan, observers, stats)
+    return _result(layout, settings, per_layer, RotationPlan(layout, rot, factors, desc), observers, clock, record)

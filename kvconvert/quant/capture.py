@@ -119,20 +119,10 @@ def forward_with_hook(model, ids: torch.Tensor, hook: CacheHook) -> torch.Tensor
     return model(input_ids=ids, past_key_values=KVHookCache(hook, config=model.config), use_cache=True).logits
 
 
-@torch.no_grad()
-def run_with_hook(model, windows: torch.Tensor, hook: CacheHook, batch_size: int = 1,
-                  on_logits: Callable[[int, torch.Tensor], None] | None = None) -> None:
-    """Forward every window ([N, T] token ids) with a KVHookCache; optionally hand logits to a callback.
-
-    on_logits(first_window_index, logits [b, T, vocab]).
-    """
+def run_with_hook(model, windows: torch.Tensor, hook: CacheHook, batch_size: int = 1) -> None:
+    """Forward every window ([N, T] token ids) with a KVHookCache, `batch_size` windows at a time."""
     for start in range(0, windows.shape[0], batch_size):
-        ids = windows[start:start + batch_size]
-        cache = KVHookCache(hook, config=model.config)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        if on_logits is not None:
-            on_logits(start, out.logits)
-        del cache, out
+        forward_with_hook(model, windows[start:start + batch_size], hook)
 
 
 class AttentionRecorder:

@@ -27,14 +27,13 @@ under the vLLM names for kvconvert's runtime, with no quantization_config.
 from __future__ import annotations
 
 import re
-import os
 import tempfile
 from pathlib import Path
 
 import torch
 
 from kvconvert import __version__
-from kvconvert.errors import CheckpointError, KVConvertError
+from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import SCALE_SUFFIXES, kv_format, scale_name
 from kvconvert.kvmath import MLA, KVShape
 from kvconvert.quant.fold import fold_layer, fold_plan
@@ -229,15 +228,3 @@ def _carry_other_files(src_dir: Path, writer, skip: set[str]) -> None:
 def _title(report: dict) -> str:
     return (f"{Path(str(report.get('source', ''))).name}: {report['kv_dtype']} KV scales, observer "
             f"{report['observer']}, {report['granularity']}, {report['calibration']['tokens']} tokens")
-
-
-def rewrite_in_place(folder: Path, layout: KVShape, scales: KVScales, plan: RotationPlan,
-                     formats: tuple[str, ...], report: dict) -> None:
-    """--in-place: the calibrated checkpoint replaces `folder` atomically (CheckpointWriter builds it
-    beside the folder and swaps it in; the old folder is removed only after the swap)."""
-    write_checkpoint(folder, folder, layout, scales, plan, formats, {**report, "in_place": True}, overwrite=True)
-
-
-def check_writable_in_place(folder: Path) -> None:
-    if not os.access(folder, os.W_OK):
-        raise CheckpointError(f"{folder}: not writable; use --out DIR instead of --in-place")

@@ -8,6 +8,7 @@ later (non-finite activations, bad scales) is raised before anything is written.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import torch
 
 from kvconvert import __version__
 from kvconvert.device import resolve_device
-from kvconvert.errors import KVConvertError
+from kvconvert.errors import CheckpointError, KVConvertError
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import KVShape
 from kvconvert.quant.calibrate import (
@@ -26,12 +27,7 @@ from kvconvert.quant.calibrate import (
     calibrate_model,
     calibrate_streamed,
 )
-from kvconvert.quant.export import (
-    check_writable_in_place,
-    resolve_format,
-    rewrite_in_place,
-    write_checkpoint,
-)
+from kvconvert.quant.export import resolve_format, write_checkpoint
 from kvconvert.quant.memory import release_heap
 from kvconvert.quant.options import CalibrateOptions
 
@@ -75,10 +71,10 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     t_start = time.perf_counter()
     src = resolve_source(job.src)
     out = Path(src if job.in_place else job.out).absolute()
-    if job.in_place:
-        check_writable_in_place(out)
-    else:
+    if not job.in_place:
         check_output_path(out, job.overwrite, needed_bytes=estimate_checkpoint_bytes(src))
+    elif not os.access(out, os.W_OK):
+        raise CheckpointError(f"{out}: not writable; use --out DIR instead of --in-place")
     reader = CheckpointReader(src)
     check_checkpoint(reader)  # config features, missing tensors (e.g. declared biases), NaN/inf
     layout = detect_kv_layout(reader.config, reader.keys())
@@ -102,10 +98,10 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     report = build_report(job, src, layout, result, windows, data_hash(windows), elapsed)
     reader.close()
     release_heap()  # the layer loop's freed blocks, before the export allocates its own
-    if job.in_place:
-        rewrite_in_place(out, layout, result.scales, result.plan, job.formats, report)
-    else:
-        write_checkpoint(src, out, layout, result.scales, result.plan, job.formats, report, job.overwrite)
+    # --in-place: out is src; CheckpointWriter builds the new folder beside it and swaps it in
+    written, source = ({**report, "in_place": True}, out) if job.in_place else (report, src)
+    write_checkpoint(source, out, layout, result.scales, result.plan, job.formats, written,
+                     job.overwrite or job.in_place)
     return {"path": out, "formats": job.formats, "tokens": int(windows.numel()), "time_s": elapsed, "report": report}
 
 

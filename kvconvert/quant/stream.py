@@ -33,10 +33,9 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvmath import KVShape
-from kvconvert.quant.calibrate import STAT_WINDOWS, layer_observers
+from kvconvert.quant.calibrate import STAT_WINDOWS, layer_observers, observing_hook
 from kvconvert.models import deepseek_v3 as ds, llama
 from kvconvert.models.common import MLP, rms_norm, short_names, take
-from kvconvert.quant.capture import cache_hook, check_finite
 from kvconvert.quant.fake_quant import mla_row_from_engine, mla_row_to_engine
 from kvconvert.quant.observers import KVObserver
 from kvconvert.quant.pair_stats import PairMoments, PairMomentSums, complex_pairs
@@ -160,18 +159,11 @@ class LayerStream:
             if sums is not None:
                 sums.add(i, *self.family.pairs(q, k, v))
             if obs is not None:
-                self._observe(i, obs, k, v)
+                observing_hook(self.layout, lambda _: obs)(i, k, v)
         moments = sums.layer_result(i) if sums else None
         if moments is not None:
             moments = PairMoments(**{f.name: getattr(moments, f.name).cpu() for f in fields(moments)})
         return moments, obs
-
-    def _observe(self, i: int, obs: dict[str, KVObserver], k, v) -> None:
-        def row_hook(layer_idx, kind, x):
-            check_finite(layer_idx, kind, x)
-            obs[kind].observe(x.cpu())  # the observers accumulate on the host
-            return x
-        cache_hook(self.layout, row_hook)(i, k, v)
 
     @torch.no_grad()
     def advance(self, i: int, attn: dict, rest: dict, record_windows: int) -> tuple[dict[str, KVObserver], list[dict]]:
@@ -182,7 +174,7 @@ class LayerStream:
         for a, b in self.batches():
             h = self.hidden[a:b]
             q, k, v = self.family.cache(rms_norm(h, rest["input_layernorm"], eps), attn)
-            self._observe(i, obs, k, v)
+            observing_hook(self.layout, lambda _: obs)(i, k, v)
             if a < record_windows:
                 records.append({"q": q.cpu(), "k": k.cpu(), "v": v.cpu()})  # the search runs on the host
             h = h + self.family.attend(q, k, v, attn) @ o_proj.T
