@@ -1,8 +1,6 @@
 """Checkpoint I/O: lazy safetensors reading, atomic sharded writing, GGUF import."""
 
-from kvconvert.checkpoint.reader import (
-    CheckpointReader, check_safetensors_file, eos_token_ids, load_tokenizer, read_config, read_manifest,
-)
+from kvconvert.checkpoint.reader import CheckpointReader, eos_token_ids, load_tokenizer, read_config, read_manifest
 from kvconvert.checkpoint.writer import (
     CheckpointWriter, atomic_save_tensors, atomic_write_text, check_output_path, check_writable, clean_stale_temps, ensure_free_space,
     estimate_checkpoint_bytes, sha256_file, verify_manifest,
@@ -11,6 +9,6 @@ from kvconvert.checkpoint.checks import check_checkpoint, check_finite_weights, 
 
 __all__ = [
     "CheckpointReader", "CheckpointWriter", "atomic_save_tensors", "atomic_write_text", "check_checkpoint", "check_finite_weights", "check_output_path",
-    "check_safetensors_file", "check_tensors_present", "check_writable", "clean_stale_temps", "ensure_free_space", "eos_token_ids",
+    "check_tensors_present", "check_writable", "clean_stale_temps", "ensure_free_space", "eos_token_ids",
     "estimate_checkpoint_bytes", "load_tokenizer", "read_config", "read_manifest", "sha256_file", "verify_manifest",
 ]

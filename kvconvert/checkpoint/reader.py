@@ -79,11 +79,6 @@ def eos_token_ids(folder: Path, config: dict | None = None) -> tuple[int, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def check_safetensors_file(path: Path) -> None:
-    """Validate a safetensors file's header and size before any work: catches truncation."""
-    safetensors_header(Path(path))
-
-
 def _drop_pages(mm: mmap.mmap, start: int, end: int) -> None:
     """Let the kernel drop the mapped pages wholly inside [start, end) from this process's RSS
     (MADV_DONTNEED; the mapping is private and never written, so a later read re-faults the
@@ -109,8 +104,8 @@ class CheckpointReader:
         self._handles: dict[str, object] = {}
         self._maps: dict[str, tuple[mmap.mmap, int, dict]] = {}
         if verify:
-            for name in sorted(set(self.weight_map.values())):
-                check_safetensors_file(self.path / name)
+            for name in sorted(set(self.weight_map.values())):  # header vs file size: catches truncation
+                safetensors_header(self.path / name)
 
     def _weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_NAME
@@ -125,7 +120,7 @@ class CheckpointReader:
             return weight_map
         single = self.path / SINGLE_NAME
         if single.is_file():
-            check_safetensors_file(single)
+            safetensors_header(single)
             with safe_open(single, framework="pt") as f:
                 return {k: SINGLE_NAME for k in f.keys()}
         if list(self.path.glob("*.bin")) or list(self.path.glob("*.pt")):

@@ -52,9 +52,6 @@ class EvalResult:
     kl: float
     tokens: int
 
-    def to_json(self) -> dict:
-        return {"ppl": self.ppl, "kl": self.kl, "tokens": self.tokens}
-
 
 @torch.no_grad()
 def evaluate_kv_quant(reference_model, candidates: dict[str, tuple], windows: torch.Tensor,

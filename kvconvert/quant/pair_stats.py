@@ -72,7 +72,7 @@ def post_rope_pairs(attn, layout: KVShape, hidden_states: torch.Tensor, position
 
 
 class PairMomentSums:
-    """Running sums of post-RoPE pair moments per layer; feed with add(layer, q, k), read .result()."""
+    """Running sums of post-RoPE pair moments per layer; feed with add(layer, q, k), read .layer_result(layer)."""
 
     def __init__(self, layout: KVShape):
         self.layout = layout
@@ -99,9 +99,6 @@ class PairMomentSums:
             mean = {key: v[0] for key, v in mean.items()}  # one shared k_rope "head"
         return PairMoments(**mean)
 
-    def result(self) -> list[PairMoments]:
-        return [self.layer_result(i) for i in range(len(self.sums))]
-
 
 class PairMomentObserver:
     """Registers the pre-hooks; call .result() after the forward passes, .remove() when done."""
@@ -125,7 +122,7 @@ class PairMomentObserver:
         return hook
 
     def result(self) -> list[PairMoments]:
-        return self.sums.result()
+        return [self.sums.layer_result(i) for i in range(self.layout.num_layers)]
 
     def remove(self) -> None:
         for h in self._handles:

@@ -244,7 +244,5 @@ def apply_plan_to_model(model, plan: RotationPlan) -> None:
 
     n_q = plan.layout.num_heads
     for i, layer in enumerate(decoder_layers(model)):
-        attn = layer.self_attn
-        state = {k: v for k, v in attn.state_dict().items()}
-        for name, tensor in plan.apply(i, state, n_q).items():
-            attn.get_parameter(name).copy_(tensor)
+        for name, tensor in plan.apply(i, layer.self_attn.state_dict(), n_q).items():
+            layer.self_attn.get_parameter(name).copy_(tensor)

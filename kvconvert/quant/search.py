@@ -160,24 +160,16 @@ class BlockReplay(_Replay):
 
 def _search_kind(replay: _Replay, current: dict, kind: str, base: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     """Chosen ratio for `kind` ([] per tensor or [heads]); other kinds held at `current`."""
-    per_head = base.dim() == 1
-
-    def evaluate(ratio: torch.Tensor):
-        return replay.errors({**current, kind: (base.double() * ratio).float()})
-
     def pick(ratios_per_candidate: list[torch.Tensor]) -> torch.Tensor:
-        results = [evaluate(r) for r in ratios_per_candidate]
-        if per_head:
+        results = [replay.errors({**current, kind: (base.double() * r).float()}) for r in ratios_per_candidate]
+        if base.dim() == 1:  # per head
             errs = torch.stack([g for _, g in results])  # [candidates, heads]
             best = [argmin_prefer_last(errs[:, h]) for h in range(errs.shape[1])]
             return torch.stack([ratios_per_candidate[b][h] for h, b in enumerate(best)])
         return ratios_per_candidate[argmin_prefer_last(torch.tensor([t for t, _ in results]))]
 
-    shape = base.shape
-    coarse = [torch.full(shape, float(r), dtype=torch.float64) for r in coarse_ratios(kv_dtype)]
-    best = pick(coarse)
-    fine = [best * f for f in FINE]
-    return pick(fine)
+    best = pick([torch.full(base.shape, float(r), dtype=torch.float64) for r in coarse_ratios(kv_dtype)])
+    return pick([best * f for f in FINE])
 
 
 @torch.no_grad()

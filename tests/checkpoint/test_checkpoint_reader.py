@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, check_safetensors_file
+from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
 from kvconvert.errors import CheckpointError
 
 
@@ -95,8 +95,6 @@ def test_single_file_truncated(tmp_path):
         w.write_config({})
     os.truncate(out / "model.safetensors", (out / "model.safetensors").stat().st_size - 4)
     assert str(out / "model.safetensors") in _error(out)
-    with pytest.raises(CheckpointError):
-        check_safetensors_file(out / "model.safetensors")
 
 
 def test_tensor_named_in_index_but_absent_from_its_shard(sharded):

@@ -25,22 +25,23 @@ def _write(out, tensors, **kwargs):
     return out
 
 
-def test_exception_inside_with_leaves_nothing(tmp_path):
-    out = tmp_path / "out"
-    with pytest.raises(RuntimeError, match="boom"):
-        with CheckpointWriter(out, max_shard_bytes=1) as w:  # flushes a shard on every add
-            w.add("a", torch.ones(8))
-            w.add("b", torch.ones(8))
-            w.write_config({})
-            raise RuntimeError("boom")
+def _raise_after_two_shards(w):
+    w.add("a", torch.ones(8))  # max_shard_bytes=1: a shard flushed on every add
+    w.add("b", torch.ones(8))
+    w.write_config({})
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("body, error, match", [
+    (_raise_after_two_shards, RuntimeError, "boom"),
+    (lambda w: w.add("a", torch.ones(8)), CheckpointError, "config.json"),  # the commit fails
+    (lambda w: [w.add("a", torch.ones(2)) for _ in range(2)], ValueError, "twice"),
+], ids=["exception-in-body", "missing-config", "duplicate-name"])
+def test_failure_inside_with_leaves_nothing(tmp_path, body, error, match):
+    with pytest.raises(error, match=match):
+        with CheckpointWriter(tmp_path / "out", max_shard_bytes=1) as w:
+            body(w)
     assert list(tmp_path.iterdir()) == []  # neither the output nor a temp folder
-
-
-def test_missing_config_fails_the_commit_and_cleans_up(tmp_path):
-    with pytest.raises(CheckpointError, match="config.json"):
-        with CheckpointWriter(tmp_path / "out") as w:
-            w.add("a", torch.ones(8))
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("dtype, bad", [(d, b) for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -53,13 +54,6 @@ def test_non_finite_tensor_refused(tmp_path, dtype, bad):
         with CheckpointWriter(tmp_path / "out") as w:
             w.add("bad", t)
     assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-def test_huge_finite_values_accepted(tmp_path, dtype):
-    """The finiteness check must not overflow on tensors full of the largest finite values."""
-    t = torch.full((100_000,), torch.finfo(dtype).max, dtype=dtype)
-    assert torch.equal(CheckpointReader(_write(tmp_path / "out", {"big": t})).get("big"), t)
 
 
 def test_existing_output_refused_and_untouched(tmp_path):
@@ -145,16 +139,12 @@ def test_same_tensor_under_two_names(tmp_path):
     assert torch.equal(reader.get("first_rows"), embed[:3])
 
 
-def test_duplicate_name_rejected(tmp_path):
-    with pytest.raises(ValueError, match="twice"):
-        with CheckpointWriter(tmp_path / "out") as w:
-            w.add("a", torch.ones(2))
-            w.add("a", torch.ones(2))
-
-
-def test_dtypes_round_trip(tmp_path):
+def test_dtypes_and_huge_finite_values_round_trip(tmp_path):
     tensors = {"bf16": torch.randn(4, 16).to(torch.bfloat16), "fp8": torch.randn(4, 16).to(torch.float8_e4m3fn),
                "u8": torch.randint(0, 255, (4, 8), dtype=torch.uint8), "scale": torch.tensor(0.5)}
+    # the finiteness check must not overflow on tensors full of the largest finite values
+    tensors.update({f"max_{d}": torch.full((100_000,), torch.finfo(d).max, dtype=d)
+                    for d in (torch.float32, torch.float16, torch.float64)})
     out = _write(tmp_path / "out", tensors)
     reader = CheckpointReader(out)
     for name, t in tensors.items():

@@ -71,10 +71,7 @@ def test_nan_activation_names_the_layer(tiny_llama):
         calibrate_model(model, layout, ids, CalibrationSettings("fp8", observer="amax"))
 
 
-def test_no_recognised_attention_is_refused():
-    with pytest.raises(UnsupportedModelError, match="no attention layers"):
-        detect_kv_layout({"model_type": "mamba", "num_hidden_layers": 2},
-                         ["model.layers.0.mixer.in_proj.weight", "model.embed_tokens.weight"])
+def test_mla_tensors_need_deepseek_v3():  # no attention at all: test_quant_cli's no-attention case
     with pytest.raises(UnsupportedModelError, match="deepseek_v3"):
         detect_kv_layout({"model_type": "custom_mla", "num_hidden_layers": 1, "kv_lora_rank": 8,
                           "qk_rope_head_dim": 4, "num_attention_heads": 2},

@@ -19,12 +19,15 @@ def kv():
     return torch.randn(2, 3, 5, 32) * torch.tensor([1.0, 4.0, 0.25]).view(1, 3, 1, 1)
 
 
-def test_fp8_per_tensor_bit_exact(kv):
+@pytest.mark.parametrize("kv_dtype, reference", [
+    ("fp8", lambda x, s: F.fp8_dequantize(F.fp8_quantize(x, s), s)),
+    ("fp8_e5m2", lambda x, s: F.fp8_dequantize(F.fp8_quantize(x, s, torch.float8_e5m2), s)),
+    # NVFP4's global scale is the stored fp32 scale / 6 (the engine divides it)
+    ("nvfp4", lambda x, s: F.nvfp4_dequantize(*F.nvfp4_quantize(x, s / 6), s / 6)),
+])
+def test_per_tensor_bit_exact(kv, kv_dtype, reference):
     s = 0.0123
-    expected = F.fp8_dequantize(F.fp8_quantize(kv, s), s)
-    assert torch.equal(fake_quant(kv, "fp8", s), expected)
-    e5 = F.fp8_dequantize(F.fp8_quantize(kv, s, torch.float8_e5m2), s)
-    assert torch.equal(fake_quant(kv, "fp8_e5m2", s), e5)
+    assert torch.equal(fake_quant(kv, kv_dtype, s), reference(kv, torch.tensor(s, dtype=torch.float32)))
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
@@ -33,13 +36,6 @@ def test_per_head_equals_head_by_head(kv, kv_dtype):
     got = fake_quant(kv, kv_dtype, scales)
     for h in range(3):
         assert torch.equal(got[:, h], fake_quant(kv[:, h:h + 1], kv_dtype, scales[h])[:, 0])
-
-
-def test_nvfp4_uses_global_scale_over_six(kv):
-    s = 0.02
-    g = torch.tensor(s, dtype=torch.float32) / 6  # the engine divides the stored fp32 scale
-    packed, bs = F.nvfp4_quantize(kv, g)
-    assert torch.equal(fake_quant(kv, "nvfp4", s), F.nvfp4_dequantize(packed, bs, g))
 
 
 def test_scale_conventions():

@@ -16,27 +16,22 @@ from kvconvert.quant.scales import read_kv_scales
 TINY = ["--calib-tokens", "256", "--window-len", "64", "--batch-size", "2", "--quiet"]
 
 
-def run(argv, capsys=None):
-    """Run the CLI in-process; returns (exit code, stderr)."""
-    code = 0
-    try:
-        main(argv)
-    except SystemExit as exc:
-        code = exc.code or 0
-    return code, capsys.readouterr().err if capsys else ""
-
-
-def calibrate(src, out, capsys, *extra):
-    code, err = run(["calibrate", "--src", str(src), "--out", str(out), *TINY, *extra], capsys)
-    assert code == 0, err
-    return out
+@pytest.fixture
+def calibrate(run_main):
+    """calibrate(src, out, *flags) -> out, asserting success (the tiny settings TINY); out None: --in-place."""
+    def run(src, out, *extra):
+        where = ["--in-place"] if out is None else ["--out", out]
+        code, err = run_main(["calibrate", "--src", src, *where, *TINY, *extra])
+        assert code == 0, err
+        return out
+    return run
 
 
 @pytest.fixture(scope="module")
 def fp8_both(tiny_llama, calib_text, tmp_path_factory):
     out = tmp_path_factory.mktemp("cal") / "fp8"
-    assert run(["calibrate", "--src", str(tiny_llama), "--out", str(out), "--kv-dtype", "fp8", "--observer", "amax",
-                "--calib-data", str(calib_text), *TINY])[0] == 0
+    main(["calibrate", "--src", str(tiny_llama), "--out", str(out), "--kv-dtype", "fp8", "--observer", "amax",
+          "--calib-data", str(calib_text), *TINY])
     return out
 
 
@@ -87,8 +82,8 @@ def test_transformers_loads_vllm_format(fp8_both):
     assert k_scale.item() == pytest.approx(read_kv_scales(fp8_both).k[0].item())
 
 
-def test_per_head_vllm_shapes_and_transformers_load(tiny_llama, calib_text, tmp_path, capsys):
-    out = calibrate(tiny_llama, tmp_path / "head", capsys, "--kv-dtype", "fp8", "--granularity", "head",
+def test_per_head_vllm_shapes_and_transformers_load(tiny_llama, calib_text, tmp_path, calibrate):
+    out = calibrate(tiny_llama, tmp_path / "head", "--kv-dtype", "fp8", "--granularity", "head",
                     "--observer", "percentile", "--calib-data", str(calib_text))
     tensors = load_file(out / "model.safetensors")
     assert tensors["model.layers.0.self_attn.k_scale"].shape == (2, 1, 1)
@@ -106,20 +101,8 @@ def test_per_head_vllm_shapes_and_transformers_load(tiny_llama, calib_text, tmp_
         assert model.model.layers[1].self_attn.v_scale.shape == (2, 1, 1)
 
 
-def test_nvfp4_rotated_checkpoint_keeps_logits(tiny_llama, calib_text, tmp_path, capsys):
-    out = calibrate(tiny_llama, tmp_path / "nv", capsys, "--kv-dtype", "nvfp4", "--observer", "percentile",
-                    "--calib-data", str(calib_text))
-    assert not (out / "config.json").read_text().count("quantization_config")
-    assert read_json(out / "hf_quant_config.json")["quantization"]["kv_cache_quant_algo"] == "NVFP4"
-    report = read_json(out / "calibration_report.json")
-    assert report["rotation"]["value_rotation"].startswith("hadamard") and "key_pair_phase" in report["rotation"]
-    assert_same_logits(out, tiny_llama)
-    assert not torch.equal(CheckpointReader(out).get("model.layers.0.self_attn.v_proj.weight"),
-                           CheckpointReader(tiny_llama).get("model.layers.0.self_attn.v_proj.weight"))
-
-
-def test_no_key_phase_leaves_queries_and_keys(tiny_llama, calib_text, tmp_path, capsys):
-    out = calibrate(tiny_llama, tmp_path / "nv", capsys, "--kv-dtype", "nvfp4", "--observer", "amax",
+def test_no_key_phase_leaves_queries_and_keys(tiny_llama, calib_text, tmp_path, calibrate):
+    out = calibrate(tiny_llama, tmp_path / "nv", "--kv-dtype", "nvfp4", "--observer", "amax",
                     "--no-key-phase", "--calib-data", str(calib_text))
     rotation = read_json(out / "calibration_report.json")["rotation"]
     assert "key_pair_phase" not in rotation and rotation["value_rotation"].startswith("hadamard")
@@ -133,8 +116,8 @@ def test_no_key_phase_leaves_queries_and_keys(tiny_llama, calib_text, tmp_path, 
             assert torch.equal(written.get(name), src.get(name)) != name.endswith(("v_proj.weight", "o_proj.weight")), name
 
 
-def test_mla_row_scale_names(tiny_deepseek, calib_text, tmp_path, capsys):
-    out = calibrate(tiny_deepseek, tmp_path / "mla", capsys, "--kv-dtype", "fp8", "--observer", "mse",
+def test_mla_row_scale_names(tiny_deepseek, calib_text, tmp_path, calibrate):
+    out = calibrate(tiny_deepseek, tmp_path / "mla", "--kv-dtype", "fp8", "--observer", "mse",
                     "--calib-data", str(calib_text))
     tensors = load_file(out / "model.safetensors")
     for layer in range(2):
@@ -148,15 +131,14 @@ def test_mla_row_scale_names(tiny_deepseek, calib_text, tmp_path, capsys):
         assert entry["search"]["rel_error_search"] <= entry["search"]["rel_error_amax"]
 
 
-def test_in_place_replaces_the_folder_and_keeps_its_other_files(tiny_llama, calib_text, tmp_path, capsys):
+def test_in_place_replaces_the_folder_and_keeps_its_other_files(tiny_llama, calib_text, tmp_path, calibrate):
     folder = tmp_path / "inplace"
     shutil.copytree(tiny_llama, folder)
     tokenizer_before = (folder / "tokenizer.json").read_bytes()
     (folder / "conversion_report.json").write_text('{"kept": true}')  # e.g. written by kvconvert mla
     for _ in range(2):  # a second calibration replaces the first one's scales
-        code, err = run(["calibrate", "--src", str(folder), "--in-place", "--kv-dtype", "fp8", "--observer", "amax",
-                         "--format", "vllm", "--calib-data", str(calib_text), *TINY], capsys)
-        assert code == 0, err
+        calibrate(folder, None, "--kv-dtype", "fp8", "--observer", "amax", "--format", "vllm",
+                  "--calib-data", str(calib_text))
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []  # no temp files, no backup
     assert (folder / "tokenizer.json").read_bytes() == tokenizer_before
     assert read_json(folder / "conversion_report.json") == {"kept": True}
@@ -168,60 +150,50 @@ def test_in_place_replaces_the_folder_and_keeps_its_other_files(tiny_llama, cali
     assert not (folder / "hf_quant_config.json").exists()
 
 
-def assert_error(code, err, message, out):
+def no_attention(tiny_llama, folder):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "mamba", "num_hidden_layers": 1}))
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(folder / "model.safetensors"))
+    return folder
+
+
+def overflowing_keys(tiny_llama, folder):
+    """Finite weights whose keys overflow fp32 (an inf weight is refused earlier, by the up-front scan)."""
+    shutil.copytree(tiny_llama, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"][0] = 3e38
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("make_src, args, message", [
+    (None, ["--kv-dtype", "int4"], "Invalid value for '--kv-dtype': 'int4' is not one of 'fp8', 'fp8_e5m2', 'nvfp4'"),
+    (None, ["--calib-data", "CALIB", "--calib-tokens", "100000", "--window-len", "64"], "data too short"),
+    (None, ["--kv-dtype", "nvfp4", "--format", "vllm"], "no static NVFP4 KV-cache scheme"),
+    (None, ["--kv-dtype", "fp8_e5m2", "--format", "modelopt"], "no FP8 E5M2 KV cache"),
+    (no_attention, [], "no attention layers"),
+    (overflowing_keys, ["--observer", "amax", "--calib-data", "CALIB", *TINY], "layer 1: non-finite key activations"),
+], ids=["kv-dtype", "data-too-short", "nvfp4-vllm", "e5m2-modelopt", "no-attention", "non-finite-activations"])
+def test_bad_input_is_refused_before_writing(make_src, args, message, tiny_llama, calib_text, tmp_path, run_main):
+    src, out = make_src(tiny_llama, tmp_path / "src") if make_src else tiny_llama, tmp_path / "o"
+    args = [str(calib_text) if a == "CALIB" else a for a in args]
+    code, err = run_main(["calibrate", "--src", src, "--out", out, *args])
     assert code == 2, err
     assert "error:" in err.lower() and message in err, err
     assert not out.exists()
     assert not list(out.parent.glob(f".{out.name}*"))  # no temp folder left either
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--kv-dtype", "int4"], "Invalid value for '--kv-dtype': 'int4' is not one of 'fp8', 'fp8_e5m2', 'nvfp4'"),
-    (["--kv-dtype", "fp8", "--calib-data", "CALIB", "--calib-tokens", "100000", "--window-len", "64"],
-     "data too short"),
-    (["--kv-dtype", "nvfp4", "--format", "vllm"], "no static NVFP4 KV-cache scheme"),
-    (["--kv-dtype", "fp8_e5m2", "--format", "modelopt"], "no FP8 E5M2 KV cache"),
-], ids=["kv-dtype", "data-too-short", "nvfp4-vllm", "e5m2-modelopt"])
-def test_bad_options_are_refused_before_writing(args, message, tiny_llama, calib_text, tmp_path, capsys):
-    out = tmp_path / "o"
-    args = [str(calib_text) if a == "CALIB" else a for a in args]
-    code, err = run(["calibrate", "--src", str(tiny_llama), "--out", str(out), *args], capsys)
-    assert_error(code, err, message, out)
-
-
-def test_no_attention_layers(tmp_path, capsys):
-    src = tmp_path / "noattn"
-    src.mkdir()
-    (src / "config.json").write_text(json.dumps({"model_type": "mamba", "num_hidden_layers": 1}))
-    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(src / "model.safetensors"))
-    out = tmp_path / "o"
-    code, err = run(["calibrate", "--src", str(src), "--kv-dtype", "fp8", "--out", str(out)], capsys)
-    assert_error(code, err, "no attention layers", out)
-
-
-def test_non_finite_activations(tiny_llama, calib_text, tmp_path, capsys):
-    src = tmp_path / "nan"
-    shutil.copytree(tiny_llama, src)
-    tensors = load_file(src / "model.safetensors")
-    # finite weights whose keys overflow fp32 (an inf weight is refused earlier, by the up-front scan)
-    tensors["model.layers.1.self_attn.k_proj.weight"][0] = 3e38
-    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
-    out = tmp_path / "o"
-    code, err = run(["calibrate", "--src", str(src), "--kv-dtype", "fp8", "--out", str(out), "--observer", "amax",
-                     "--calib-data", str(calib_text), *TINY], capsys)
-    assert_error(code, err, "layer 1: non-finite key activations", out)
-
-
-def test_existing_output(tiny_llama, tmp_path, capsys):
+def test_existing_output(tiny_llama, tmp_path, run_main):
     out = tmp_path / "o"
     out.mkdir()
-    code, err = run(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "fp8", "--out", str(out)], capsys)
+    code, err = run_main(["calibrate", "--src", str(tiny_llama), "--kv-dtype", "fp8", "--out", str(out)])
     assert code == 2 and "output exists" in err
 
 
-def test_in_place_sharded_with_rotation_keeps_manifest_and_logits(tiny_llama, calib_text, tmp_path, capsys):
-    """A sharded checkpoint written by CheckpointWriter (with manifest): rewritten in place (rotated and
-    folded weights, the scales in the index), the manifest's hashes valid, logits unchanged."""
+def test_nvfp4_rotated_in_place_on_a_sharded_checkpoint(tiny_llama, calib_text, tmp_path, calibrate):
+    """A sharded checkpoint written by CheckpointWriter (with manifest), calibrated to nvfp4 in place:
+    Hadamard-rotated and folded weights, the scales in the index, the manifest's hashes valid, logits unchanged."""
     from kvconvert.checkpoint import CheckpointWriter, verify_manifest
 
     folder = tmp_path / "sharded"
@@ -232,18 +204,22 @@ def test_in_place_sharded_with_rotation_keeps_manifest_and_logits(tiny_llama, ca
         w.write_config(src.config)
         w.copy_tokenizer(tiny_llama)
     assert (folder / "model.safetensors.index.json").is_file()
-    code, err = run(["calibrate", "--src", str(folder), "--in-place", "--kv-dtype", "nvfp4", "--observer", "amax",
-                     "--calib-data", str(calib_text), *TINY], capsys)
-    assert code == 0, err
+    calibrate(folder, None, "--kv-dtype", "nvfp4", "--observer", "percentile", "--calib-data", str(calib_text))
     assert verify_manifest(folder) == []
     assert "model.layers.1.self_attn.k_proj.k_scale" in CheckpointReader(folder).weight_map
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
+    assert "quantization_config" not in (folder / "config.json").read_text()
+    assert read_json(folder / "hf_quant_config.json")["quantization"]["kv_cache_quant_algo"] == "NVFP4"
+    rotation = read_json(folder / "calibration_report.json")["rotation"]
+    assert rotation["value_rotation"].startswith("hadamard") and "key_pair_phase" in rotation
     assert_same_logits(folder, tiny_llama)
+    assert not torch.equal(CheckpointReader(folder).get("model.layers.0.self_attn.v_proj.weight"),
+                           src.get("model.layers.0.self_attn.v_proj.weight"))
     assert read_kv_scales(folder).kv_dtype == "nvfp4"
 
 
-def test_fp8_e5m2_scales_without_engine_config(tiny_llama, calib_text, tmp_path, capsys):
-    out = calibrate(tiny_llama, tmp_path / "e5m2", capsys, "--kv-dtype", "fp8_e5m2", "--observer", "amax",
+def test_fp8_e5m2_scales_without_engine_config(tiny_llama, calib_text, tmp_path, calibrate):
+    out = calibrate(tiny_llama, tmp_path / "e5m2", "--kv-dtype", "fp8_e5m2", "--observer", "amax",
                     "--calib-data", str(calib_text))
     assert "quantization_config" not in read_json(out / "config.json")  # vLLM refuses e5m2 with an FP8-KV config
     assert not (out / "hf_quant_config.json").exists()
