@@ -86,9 +86,7 @@ def _where(reader: CheckpointReader, name: str) -> Path:
 
 def check_tensors_present(reader: CheckpointReader) -> None:
     """Every tensor config.json implies is in the checkpoint, else a one-line error naming it."""
-    expected = expected_tensors(reader.config)
-    if expected is None:
-        return
+    expected = expected_tensors(reader.config) or {}
     missing = [n for n in expected if n not in reader.weight_map]
     if not missing:
         return

@@ -193,14 +193,6 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], d // NVFP4_BLOCK, NVFP4_BLOCK)
 
 
-def nvfp4_block_scales(x: torch.Tensor, global_scale: float | torch.Tensor) -> torch.Tensor:
-    """E4M3 block scales ``s_b = e4m3(min(amax(|block|) / 6 / g, 448))``: x ``[..., D]`` -> ``[..., D//16]``."""
-    _reject_nan(x, "nvfp4 input")
-    g = _as_scale(global_scale, x.device, "nvfp4 global scale")
-    amax = _blocks(x).abs().amax(-1)
-    return (amax / E2M1_MAX / g).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-
-
 def nvfp4_quantize(
     x: torch.Tensor, global_scale: float | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,12 +201,14 @@ def nvfp4_quantize(
     ``global_scale`` is the dequant global scale (amax / (6*448)): float, or a tensor broadcastable
     against ``x[..., :1]`` (per tensor, or per head such as ``[heads, 1]`` for x ``[T, heads, D]``).
     """
-    block_scales = nvfp4_block_scales(x, global_scale)
-    g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    _reject_nan(x, "nvfp4 input")
+    g = _as_scale(global_scale, x.device, "nvfp4 global scale")
+    blocks = _blocks(x)
+    # E4M3 block scales s_b = e4m3(min(amax(|block|) / 6 / g, 448)): [..., D//16]
+    block_scales = (blocks.abs().amax(-1) / E2M1_MAX / g).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     effective = block_scales.float() * g  # [..., D//16]
     # A zero block scale (all-zero block, or one too small for e4m3) encodes the block as zeros.
     safe = torch.where(effective > 0, effective, torch.ones_like(effective))
-    blocks = _blocks(x)
     scaled = torch.where(effective[..., None] > 0, blocks / safe[..., None], torch.zeros_like(blocks))
     codes = e2m1_encode(scaled).reshape(x.shape)
     return pack_nibbles(codes), block_scales

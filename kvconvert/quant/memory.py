@@ -52,14 +52,12 @@ def _dims(cfg: dict) -> dict:
              vocab=int(cfg.get("vocab_size") or 0), layers=int(cfg["num_hidden_layers"]),
              stored=DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), 4))
     if cfg.get("kv_lora_rank"):  # DeepSeek-V3 MLA
-        qk = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
-        rank, v = int(cfg["kv_lora_rank"]), int(cfg["v_head_dim"])
-        q_rank = cfg.get("q_lora_rank")
+        names = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        rank, rope, nope, v = (int(cfg[name]) for name in names)
+        q_rank, qk = cfg.get("q_lora_rank"), nope + rope
         q_params = hidden * heads * qk if not q_rank else int(q_rank) * (hidden + heads * qk)
-        d.update(attn_params=q_params + hidden * (rank + int(cfg["qk_rope_head_dim"])) + rank * heads * (qk - int(
-            cfg["qk_rope_head_dim"]) + v) + heads * v * hidden,
-                 q_width=heads * qk, kv_width=heads * (qk + v), cache_width=rank + int(cfg["qk_rope_head_dim"]),
-                 out_width=heads * v, kinds=1)
+        d.update(attn_params=q_params + hidden * (rank + rope) + rank * heads * (nope + v) + heads * v * hidden,
+                 q_width=heads * qk, kv_width=heads * (qk + v), cache_width=rank + rope, out_width=heads * v, kinds=1)
         d["rotated_params"] = d["attn_params"]  # small: every MLA rewrite touches most of it
     else:
         kv = int(cfg.get("num_key_value_heads") or heads)

@@ -117,12 +117,6 @@ def test_fp8_zeros_and_bf16_input():
     assert torch.equal(F.fp8_quantize(x, 0.01), F.fp8_quantize(x.float(), 0.01))
 
 
-def test_nvfp4_global_scale_convention():
-    assert F.nvfp4_global_scale_from_kv_scale(kv_format("nvfp4").scale_from_amax(2688.0)) == 1.0  # 6*448
-    amax = torch.tensor([10.7736, 0.6014])
-    assert torch.allclose(kv_format("fp8").scale_from_amax(amax) * 448, amax)
-
-
 def test_fp8_tile_quantize_roundtrip_and_zero_tile():
     torch.manual_seed(1)
     x = torch.randn(4, 256) * torch.tensor([1.0, 100.0]).repeat_interleave(128)
