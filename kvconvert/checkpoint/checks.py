@@ -24,7 +24,6 @@ from kvconvert.checkpoint.writer import _all_finite
 from kvconvert.errors import CheckpointError
 from kvconvert.mla import deepseek_format as fmt
 
-_LLAMA_TYPES = {"llama", "mistral"}
 _LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -58,7 +57,7 @@ def expected_tensors(cfg: dict) -> dict[str, str] | None:
     (their own checks refuse them)."""
     if cfg.get("kv_lora_rank") is not None and cfg.get("model_type") == "deepseek_v3":
         layer = _layer_names_deepseek
-    elif cfg.get("model_type") in _LLAMA_TYPES:
+    elif cfg.get("model_type") in fmt.SUPPORTED_MODEL_TYPES:  # Llama family
         layer = _layer_names_llama
     else:
         return None

@@ -33,6 +33,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvmath import KVShape
+from kvconvert.mla.deepseek_format import SUPPORTED_MODEL_TYPES as GQA_MODEL_TYPES
 from kvconvert.quant.calibrate import STAT_WINDOWS, layer_observers, observing_hook
 from kvconvert.models import deepseek_v3 as ds, llama
 from kvconvert.models.common import MLP, rms_norm, short_names, take
@@ -41,8 +42,6 @@ from kvconvert.quant.observers import KVObserver
 from kvconvert.quant.pair_stats import PairMoments, PairMomentSums, complex_pairs
 from kvconvert.quant.rotate import RotationPlan
 from kvconvert.quant.search import BlockReplay
-
-GQA_MODEL_TYPES = {"llama", "mistral"}
 
 
 def stream_unsupported(config: dict, layout: KVShape) -> str | None:
