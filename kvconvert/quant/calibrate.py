@@ -221,14 +221,12 @@ def _key_pair_scale(layout: KVShape, obs: dict[str, KVObserver], strength: float
 
 
 def calibrate_model(model, layout: KVShape, windows: torch.Tensor, settings: CalibrationSettings,
-                    progress=None, log=None) -> CalibrationResult:
+                    progress=None) -> CalibrationResult:
     """Calibrate an in-memory fp32 model (rotating its weights in place if enabled)."""
-    log = log or (lambda msg: None)
     settings.check_layout(layout)
     clock = _Clock()
     plan = RotationPlan(layout)
     if settings.rotation_enabled:
-        log("planning rotation")
         plan = plan_rotation(model, layout, settings, windows)
         apply_plan_to_model(model, plan)
     clock.lap("rotation")
@@ -238,7 +236,7 @@ def calibrate_model(model, layout: KVShape, windows: torch.Tensor, settings: Cal
         observers = observe_kv(model, layout, windows, settings.batch_size, recorder, record, progress)
         clock.lap("observe")
         per_layer = [_layer_scales(layout, layer, obs, settings, lambda layer=layer: LayerReplay(
-            recorder, layout, layer, settings.kv_dtype), log) for layer, obs in enumerate(observers)]
+            recorder, layout, layer, settings.kv_dtype)) for layer, obs in enumerate(observers)]
         clock.lap("search")
     finally:
         if recorder is not None:
@@ -261,7 +259,7 @@ class _Clock:
         self._w, self._c = w, c
 
 
-def _layer_scales(layout, layer, obs, settings, make_replay, log):
+def _layer_scales(layout, layer, obs, settings, make_replay):
     """(kind -> scale, search info or None) of one layer from its observers (and a replay, for mse)."""
     amax = {kind: o.statistic(settings.observer, settings.granularity, settings.percentile)
             for kind, o in obs.items()}
@@ -273,9 +271,7 @@ def _layer_scales(layout, layer, obs, settings, make_replay, log):
     scale = {kind: scale_from_amax(a, settings.kv_dtype).float() for kind, a in amax.items()}
     if settings.observer != "mse":
         return scale, None
-    scale, info = search_replay_scales(make_replay(), layout, settings.kv_dtype, scale)
-    log(f"layer {layer}: search {info}")
-    return scale, info
+    return search_replay_scales(make_replay(), layout, settings.kv_dtype, scale)
 
 
 def _result(layout, settings, per_layer: list[tuple[dict, dict | None]], plan, observers, clock: _Clock,
@@ -290,7 +286,7 @@ def _result(layout, settings, per_layer: list[tuple[dict, dict | None]], plan, o
 
 
 def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings: CalibrationSettings,
-                       progress=None, log=None, device="cpu") -> CalibrationResult:
+                       progress=None, device="cpu") -> CalibrationResult:
     """Calibrate a checkpoint layer by layer (kvconvert.quant.stream), never building the model;
     the forward runs on `device` (see kvconvert.quant.stream).
 
@@ -300,7 +296,6 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
     from kvconvert.quant.memory import release_heap
     from kvconvert.quant.stream import LayerStream, apply_rotation
 
-    log = log or (lambda msg: None)
     settings.check_layout(layout)
     clock = _Clock()
     stream = LayerStream(reader, layout, windows, settings.batch_size, device)
@@ -327,7 +322,7 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
         del rest
         clock.lap("observe")
         per_layer.append(_layer_scales(layout, i, obs, settings,
-                                       lambda: stream.replay(attn, records, settings.kv_dtype), log))
+                                       lambda: stream.replay(attn, records, settings.kv_dtype)))
         clock.lap("search")
         observers.append(obs)
         del attn, records

@@ -56,12 +56,10 @@ def test_corrupt_gguf_is_one_line_error_and_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
 
 
-def test_missing_gguf(tmp_path):
-    with pytest.raises(CheckpointError, match="not found"):
-        import_gguf(tmp_path / "none.gguf", tmp_path / "out")
-
-
-def test_existing_output_refused_before_loading(tmp_path):
-    (tmp_path / "out").mkdir()
-    with pytest.raises(OutputExistsError):  # raised before the GGUF is even looked at
+@pytest.mark.parametrize("existing_out, error, match", [(False, CheckpointError, "not found"),
+                                                       (True, OutputExistsError, "--overwrite")])
+def test_missing_gguf_or_existing_output_refused(tmp_path, existing_out, error, match):
+    if existing_out:
+        (tmp_path / "out").mkdir()  # refused before the GGUF is even looked at
+    with pytest.raises(error, match=match):
         import_gguf(tmp_path / "none.gguf", tmp_path / "out")
