@@ -58,38 +58,33 @@ def first_attention_call(path):
     return layout, model, recorder.records[1][0], cached[1]
 
 
-def test_post_rope_pairs_match_transformers_llama(tiny_llama):
+def model_path(kind: str, tiny_llama, tmp_path):
+    return tiny_llama if kind == "llama" else make_deepseek(tmp_path / "d", rope_interleave=kind.endswith("interleave"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek-interleave", "deepseek-half"])
+def test_post_rope_pairs_match_the_cache_and_transformers(kind, tiny_llama, tmp_path):
+    """The key pairs are exactly what the cache stores (MLA: transformers caches k_rope de-interleaved,
+    pairs (i, i + r/2), whatever rope_interleave says); the Llama queries are what transformers rotates."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    layout, model, rec, (cached_k, _) = first_attention_call(tiny_llama)
-    attn = model.model.layers[1].self_attn
+    layout, model, rec, (cached_k, cached_k_rope) = first_attention_call(model_path(kind, tiny_llama, tmp_path))
+    attn, h = model.model.layers[1].self_attn, rec["hidden_states"]
     with torch.no_grad():
-        q, k = post_rope_pairs(attn, layout, rec["hidden_states"], rec["position_embeddings"])
-        h = rec["hidden_states"]
-        b, t, _ = h.shape
-        q_ref = attn.q_proj(h).view(b, t, -1, layout.head_dim).transpose(1, 2)
-        k_ref = attn.k_proj(h).view(b, t, -1, layout.head_dim).transpose(1, 2)
-        q_ref, k_ref = apply_rotary_pos_emb(q_ref, k_ref, *rec["position_embeddings"])
-    # the key is exactly what the cache stores; the query is what transformers rotates
-    torch.testing.assert_close(k, complex_pairs(cached_k.transpose(1, 2), False), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(q, complex_pairs(q_ref.transpose(1, 2), False), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("interleave", [True, False])
-def test_post_rope_pairs_match_the_mla_cache(tmp_path, interleave):
-    layout, model, rec, (_, cached_k_rope) = first_attention_call(make_deepseek(tmp_path / "d", rope_interleave=interleave))
-    attn = model.model.layers[1].self_attn
-    with torch.no_grad():
-        _, k = post_rope_pairs(attn, layout, rec["hidden_states"], rec["position_embeddings"])
-    # transformers caches k_rope de-interleaved (pairs (i, i + r/2)) whatever rope_interleave says
-    torch.testing.assert_close(k, complex_pairs(cached_k_rope.transpose(1, 2), False), rtol=1e-6, atol=1e-6)
+        q, k = post_rope_pairs(attn, layout, h, rec["position_embeddings"])
+        q_ref = attn.q_proj(h).view(*h.shape[:2], -1, layout.head_dim).transpose(1, 2) if not layout.is_mla else None
+    cached = cached_k_rope if layout.is_mla else cached_k  # MLA caches (latent, k_rope)
+    torch.testing.assert_close(k, complex_pairs(cached.transpose(1, 2), False), rtol=1e-6, atol=1e-6)
+    if q_ref is not None:
+        q_ref, _ = apply_rotary_pos_emb(q_ref, q_ref, *rec["position_embeddings"])
+        torch.testing.assert_close(q, complex_pairs(q_ref.transpose(1, 2), False), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek-interleave", "deepseek-half"])
 def test_folded_phases_reach_the_optimum_and_keep_logits(kind, tiny_llama, tmp_path):
     """After folding, the measured moments sit at the optimum (arg E[q^2] E[k^2] = pi): this checks that
     the queries and keys of the real model were rotated consistently; the logits must not move."""
-    path = tiny_llama if kind == "llama" else make_deepseek(tmp_path / "d", rope_interleave=kind.endswith("interleave"))
+    path = model_path(kind, tiny_llama, tmp_path)
     layout, model = checkpoint_kv_layout(path), load_hf_model(path)
     ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
