@@ -8,7 +8,7 @@ import torch
 from quant_cases import make_deepseek
 
 from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model, observe_pair_moments, plan_rotation
-from kvconvert.quant.capture import AttentionRecorder, cache_hook, load_hf_model, run_with_hook
+from kvconvert.quant.capture import AttentionRecorder, load_hf_model, run_with_hook
 from kvconvert.quant.layout import checkpoint_kv_layout
 from kvconvert.quant.pair_stats import complex_pairs, post_rope_pairs
 from kvconvert.quant.rotate import RotationPlan, apply_plan_to_model, pair_noise, pair_phase
