@@ -60,8 +60,8 @@ def test_overwrite_replaces_the_whole_folder(tmp_path):
     out.mkdir()
     (out / "stale.safetensors").write_text("old")
     tensors = _tensors(2)
-    _write(out, tensors, overwrite=True)
-    assert not (out / "stale.safetensors").exists()
+    _write(out, tensors, overwrite=True)  # one shard: named model.safetensors, no index
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no backup or temp left behind
     reader = CheckpointReader(out)
     assert all(torch.equal(reader.get(k), v) for k, v in tensors.items())
@@ -104,11 +104,6 @@ def test_sharding_index_and_manifest(tmp_path):
     data[-1] ^= 0xFF  # flip one byte of tensor data
     shard.write_bytes(bytes(data))
     assert verify_manifest(out) == [shards[1]]
-
-
-def test_single_shard_is_model_safetensors(tmp_path):
-    out = _write(tmp_path / "out", _tensors(2))
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]
 
 
 def test_written_files_are_readable_by_others(tmp_path):
