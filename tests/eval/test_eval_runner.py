@@ -34,7 +34,7 @@ def test_transformers_logits_match_plain_forward(hf_runner, tiny_llama):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_equals_argmax_of_full_recompute(hf_runner):
+def test_greedy_equals_argmax_of_full_recompute_and_stops_before_a_stop_token(hf_runner):
     """The cached decode loop must pick what a from-scratch forward would pick at every step."""
     ids = torch.arange(5, 25)
     tokens = hf_runner.greedy(ids, 12, stop_ids=())
@@ -43,11 +43,6 @@ def test_greedy_equals_argmax_of_full_recompute(hf_runner):
     for token in tokens:
         assert int(hf_runner.logits(seq)[-1].argmax()) == token
         seq = torch.cat([seq, torch.tensor([token])])
-
-
-def test_greedy_stops_before_stop_token(hf_runner):
-    ids = torch.arange(5, 25)
-    tokens = hf_runner.greedy(ids, 12, stop_ids=())
     cut = hf_runner.greedy(ids, 12, stop_ids=(tokens[3],))
     assert cut == tokens[:tokens.index(tokens[3])]
     assert hf_runner.greedy(ids, 0, ()) == []
@@ -117,6 +112,9 @@ def test_fingerprint_follows_content_engine_and_kv(tmp_path, tiny_llama, tiny_to
         tiny_llama, "runtime", "fp8", "dynamic")
     assert base != R.runner_fingerprint(tiny_llama, "transformers", "bf16", "checkpoint")
     assert base != R.runner_fingerprint(tiny_llama, "runtime", "bf16", "checkpoint", device="cuda")
+    # fp32 checkpoints keep the fingerprints (and cached results) they had before --dtype
+    old = hashlib.sha256(f"{R.checkpoint_fingerprint(tiny_llama)}|runtime|kv=bf16".encode()).hexdigest()[:16]
+    assert R.LazyRunner(tiny_llama, "runtime").fingerprint == old
 
 
 def test_manifest_fingerprint_ignores_creation_time_but_not_stale_manifests(tmp_path):
@@ -184,12 +182,6 @@ def test_both_engines_run_bf16_checkpoints_in_bf16(bf16_llama):
     fp32 = R.RuntimeRunner(bf16_llama, "bf16", dtype="fp32")
     assert fp32.llm.model.dtype == torch.float32 and fp32.fingerprint != rt.fingerprint
     assert float((fp32.logits(ids) - b).abs().max()) < 0.25 * float(a.std())
-
-
-def test_fp32_fingerprint_is_unchanged_by_the_dtype_option(tiny_llama):
-    """fp32 checkpoints keep the fingerprints (and cached results) they had before --dtype."""
-    old = hashlib.sha256(f"{R.checkpoint_fingerprint(tiny_llama)}|runtime|kv=bf16".encode()).hexdigest()[:16]
-    assert R.LazyRunner(tiny_llama, "runtime").fingerprint == old
 
 
 def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path, tiny_llama, tiny_tokenizer_dir,
