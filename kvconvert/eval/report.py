@@ -84,12 +84,9 @@ def _longbench_metrics(samples: dict[str, list[dict]]) -> dict[str, dict]:
 
 
 def build_report(header: dict, samples: dict[str, list[dict]]) -> dict:
-    estimates = {}
-    for name in GATE_METRICS:
-        found = estimate(samples, name, REPORT_BOOTSTRAP["samples"], REPORT_BOOTSTRAP["confidence"],
-                         REPORT_BOOTSTRAP["seed"])
-        if found is not None:
-            estimates[name] = found.as_dict()
+    found = {name: estimate(samples, name, REPORT_BOOTSTRAP["samples"], REPORT_BOOTSTRAP["confidence"],
+                            REPORT_BOOTSTRAP["seed"]) for name in GATE_METRICS}
+    estimates = {name: e.as_dict() for name, e in found.items() if e is not None}
     return {**header, "metrics": build_metrics(samples), "estimates": estimates, "bootstrap": REPORT_BOOTSTRAP,
             "samples": samples}
 

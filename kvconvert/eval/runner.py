@@ -298,17 +298,15 @@ def runtime_blocks(max_len: int) -> int:
 def memory_need(config: dict, engine: str, kv_dtype: str, dtype: torch.dtype, max_len: int):
     """MemoryEstimate of one runner holding one sequence of max_len tokens (config.json only)."""
     from kvconvert.runtime.kv_cache import bytes_per_token
-    from kvconvert.runtime.memory import estimate_memory
+    from kvconvert.runtime.memory import DTYPES, estimate_memory
     from kvconvert.runtime.models import kv_layout
 
-    if engine == "runtime":
-        kv = runtime_blocks(max_len) * RUNTIME_BLOCK * bytes_per_token(kv_layout(config), kv_dtype)
-        return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=min(2048, max_len), context=max_len)
-    # transformers: the whole sequence in one forward, its K/V cached in the model's dtype
-    from kvconvert.runtime.memory import DTYPES
-
-    kv = bytes_per_token(kv_layout(config), {v: k for k, v in DTYPES.items() if v is not None}[dtype]) * max_len
-    return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=max_len, context=max_len)
+    if engine == "runtime":  # its paged pool, prefilled in steps of at most 2048 tokens
+        kv_tokens, step = runtime_blocks(max_len) * RUNTIME_BLOCK, min(2048, max_len)
+    else:  # transformers: the whole sequence in one forward, its K/V cached in the model's dtype
+        kv_tokens, step, kv_dtype = max_len, max_len, {v: k for k, v in DTYPES.items() if v is not None}[dtype]
+    kv = kv_tokens * bytes_per_token(kv_layout(config), kv_dtype)
+    return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=step, context=max_len)
 
 
 class RuntimeRunner(ModelRunner):
