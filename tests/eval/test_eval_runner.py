@@ -184,12 +184,12 @@ def test_both_engines_run_bf16_checkpoints_in_bf16(bf16_llama):
     assert float((fp32.logits(ids) - b).abs().max()) < 0.25 * float(a.std())
 
 
-def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path, tiny_llama, tiny_tokenizer_dir,
+def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path, tiny_llama, calibrated_fp8,
                                                                         tiny_tokenizer, monkeypatch):
     """Source and candidate are never loaded together (the source's window logits wait on disk),
-    each loads once, and the perplexity/KL records (a different model: KL > 0) equal window_stats on
-    directly computed logits."""
-    other = save_tiny_llama(tmp_path / "other", len(tiny_tokenizer), seed=3, tokenizer_dir=tiny_tokenizer_dir)
+    each loads once, and the perplexity/KL records equal window_stats on directly computed logits.
+    The candidate is FP8 KV (calibrated scales) against the fp32-KV source: the runtime stores the
+    cache in FP8, transformers fake-quantizes it bit-exactly, so both engines report the same KL."""
     loads, resident, live = [], [], set()
     for engine, cls in list(R.RUNNERS.items()):
         class Tracked(cls):
@@ -205,22 +205,26 @@ def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path,
         monkeypatch.setitem(R.RUNNERS, engine, Tracked)
     spec = dataclasses.replace(SUITES["smoke"], name="seq", ppl_windows=3, passkey_lengths=(512,), niah_lengths=(),
                                ruler_tasks=(), longbench=False)
+    kl = {}
     for engine in ("runtime", "transformers"):
         loads.clear()
         resident.clear()
         out = tmp_path / engine
-        report = run_validate(str(tiny_llama), str(other), out, ValidateOptions(engine=engine), spec=spec,
-                              progress=False, threads=1)
-        assert loads == [tiny_llama, other] and resident == [1, 1], (engine, loads, resident)
+        report = run_validate(str(tiny_llama), str(calibrated_fp8), out, spec=spec, progress=False, threads=1,
+                              options=ValidateOptions(engine=engine, kv_dtype="fp8", source_kv_dtype="fp32"))
+        assert loads == [tiny_llama, calibrated_fp8] and resident == [1, 1], (engine, loads, resident)
         assert not list((out / "cache").glob("source-logits-*"))  # the temporary logits are gone
-        assert report["metrics"]["kl_mean"]["candidate"] > 0.01 and report["metrics"]["perplexity"]["delta"] != 0.0
-        assert report["source"]["fingerprint"] != report["candidate"]["fingerprint"]
+        assert (report["source"]["kv_dtype"], report["candidate"]["kv_dtype"]) == ("fp32", "fp8")
+        kl[engine] = report["metrics"]["kl_mean"]["candidate"]
+        assert 0 < kl[engine] < 0.05  # FP8 KV with calibrated scales: a small, nonzero change
         windows = eval_windows(tiny_tokenizer, 3, spec.ppl_window_len)
-        src, cand = R.RUNNERS[engine].__mro__[1](tiny_llama), R.RUNNERS[engine].__mro__[1](other)
+        direct = R.RUNNERS[engine].__mro__[1]  # the engine's runner class, untracked
+        src, cand = direct(tiny_llama, "fp32"), direct(calibrated_fp8, "fp8")
         for record, ids in zip(report["samples"]["perplexity"], windows):
             expected = window_stats(src.logits(ids), cand.logits(ids), ids)
             assert record["kl"] == pytest.approx(expected["kl"], rel=1e-9)
             assert record["candidate_nll"] == pytest.approx(expected["candidate_nll"], rel=1e-9)
+    assert kl["transformers"] == pytest.approx(kl["runtime"], rel=1e-4)
 
 
 def test_validate_refuses_up_front_when_a_model_cannot_fit(tmp_path, tiny_llama, monkeypatch):

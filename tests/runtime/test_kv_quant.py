@@ -141,20 +141,15 @@ def test_missing_scales_are_an_error_not_scale_one(tiny_model, kv_dtype):
         LLM(tiny_model, kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("value, match", [
-    (torch.tensor([0.0]), "zero, negative or non-finite"),
-    (torch.tensor([1.0, 2.0, 3.0]), "expected one value or one per KV head"),
+@pytest.mark.parametrize("arch, value, match", [
+    ("llama", torch.tensor([0.0]), "zero, negative or non-finite"),
+    ("llama", torch.tensor([1.0, 2.0, 3.0]), "expected one value or one per KV head"),
+    ("deepseek", torch.ones(4), "per-tensor scale only"),  # MLA caches one row: no per-head scales
 ])
-def test_bad_scales_are_rejected(llama_gqa, tmp_path, value, match):
+def test_bad_scales_are_rejected(llama_gqa, deepseek_mla, tmp_path, arch, value, match):
     extra = {f"model.layers.{i}.self_attn.{n}_scale": value.clone() for i in range(2) for n in "kv"}
     with pytest.raises(KVConvertError, match=match):
-        LLM(add_tensors(llama_gqa, tmp_path / "bad", extra), kv_dtype="fp8")
-
-
-def test_mla_per_head_scales_are_rejected(deepseek_mla, tmp_path):
-    extra = {f"model.layers.{i}.self_attn.k_scale": torch.ones(4) for i in range(2)}  # distinct tensors
-    with pytest.raises(KVConvertError, match="per-tensor scale only"):
-        LLM(add_tensors(deepseek_mla, tmp_path / "bad", extra), kv_dtype="fp8")
+        LLM(add_tensors(llama_gqa if arch == "llama" else deepseek_mla, tmp_path / "bad", extra), kv_dtype="fp8")
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32", "fp8", "fp8_e5m2", "nvfp4"])
