@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from eval_fixtures import save_tiny_deepseek, save_tiny_llama, train_tokenizer
+from eval_fixtures import save_tiny_model, train_tokenizer
 
 from kvconvert.checkpoint import load_tokenizer
 from kvconvert.data import eval_windows
@@ -63,8 +63,8 @@ def test_runtime_runner_matches_transformers_with_fp32_kv(arch, tmp_path, tiny_l
                                                           tiny_tokenizer):
     """Both engines, K/V in fp32: the same logits and greedy tokens (with and without min_new_tokens),
     for a Llama and for a stock DeepSeek-V3 (MLA) checkpoint, what `kvconvert mla` writes."""
-    folder = tiny_llama if arch == "llama" else save_tiny_deepseek(tmp_path / "dsv3", len(tiny_tokenizer),
-                                                                    tokenizer_dir=tiny_tokenizer_dir)
+    folder = tiny_llama if arch == "llama" else save_tiny_model(tmp_path / "dsv3", len(tiny_tokenizer),
+                                                                 tokenizer_dir=tiny_tokenizer_dir, arch=arch)
     hf, runtime = R.TransformersRunner(folder), R.RuntimeRunner(folder, "fp32")
     ids = torch.arange(3, 100)
     logits = hf.logits(ids)
@@ -104,7 +104,7 @@ def test_fingerprint_follows_content_engine_and_kv(tmp_path, tiny_llama, tiny_to
     copy = tmp_path / "copy"
     shutil.copytree(tiny_llama, copy)  # copy2 keeps sizes and mtimes: same weights, same fingerprint
     assert R.checkpoint_fingerprint(copy) == R.checkpoint_fingerprint(tiny_llama)
-    other = save_tiny_llama(tmp_path / "other", len(tiny_tokenizer), seed=1)
+    other = save_tiny_model(tmp_path / "other", len(tiny_tokenizer), seed=1)
     assert R.checkpoint_fingerprint(other) != R.checkpoint_fingerprint(tiny_llama)
     base = R.runner_fingerprint(tiny_llama, "runtime", "bf16", "checkpoint")
     assert base != R.runner_fingerprint(tiny_llama, "runtime", "fp8", "checkpoint")

@@ -11,7 +11,7 @@ import json
 import shutil
 
 import pytest
-from eval_fixtures import save_tiny_llama, train_tokenizer
+from eval_fixtures import save_tiny_model, train_tokenizer
 
 from kvconvert.cli import main
 from kvconvert.errors import KVConvertError
@@ -107,7 +107,7 @@ def test_rerun_resumes_from_cache_and_recomputes_torn_lines(tmp_path, tiny_repor
 
 
 def test_tokenizer_mismatch_is_refused(tmp_path, tiny_llama, tiny_tokenizer):
-    other = save_tiny_llama(tmp_path / "m", len(tiny_tokenizer))
+    other = save_tiny_model(tmp_path / "m", len(tiny_tokenizer))
     train_tokenizer(other, vocab_size=400)
     with pytest.raises(KVConvertError, match="tokenizers differ"):
         validate(tiny_llama, other, tmp_path / "rep")
