@@ -16,10 +16,11 @@ import numpy as np
 
 from kvconvert.checkpoint import atomic_write_text
 from kvconvert.eval.engine_vllm import markdown_section
+from kvconvert.eval.gate import Bootstrap
 from kvconvert.eval.metrics import LONGBENCH_TASKS
 from kvconvert.eval.stats import GATE_METRICS, estimate
 
-REPORT_BOOTSTRAP = {"samples": 2000, "confidence": 0.95, "seed": 0}
+REPORT_BOOTSTRAP = Bootstrap().model_dump()  # the gate policies' default: {"samples", "confidence", "seed"}
 
 
 def _entry(source: float, candidate: float, unit: str, higher_is_better: bool, n: int) -> dict:
