@@ -36,7 +36,7 @@ from kvconvert.runtime.models import kv_layout, load_model, model_type, stored_d
 from kvconvert.runtime.scheduler import Scheduler
 from kvconvert.runtime.sequence import Sequence
 
-from kvconvert.checkpoint import CheckpointReader, eos_token_ids
+from kvconvert.checkpoint import CheckpointReader, eos_token_ids, load_tokenizer
 from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 
@@ -137,16 +137,10 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The model folder's tokenizer (kvconvert.checkpoint.load_tokenizer: a KVConvertError when it
+        has none or it does not load; pass token ids instead of text then)."""
         if self._tokenizer is None:
-            try:
-                from transformers import AutoTokenizer
-
-                self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-            except Exception as exc:  # noqa: BLE001 - transformers raises many error types for a missing tokenizer
-                raise KVConvertError(
-                    f"{self.model_path}: cannot load a tokenizer ({type(exc).__name__}); "
-                    "pass token ids instead of text, or copy the tokenizer files into the model folder"
-                ) from None
+            self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
 
     # ---------------------------------------------------------------- requests
@@ -239,11 +233,6 @@ class LLM:
         )
 
     def _tokenizer_available(self) -> bool:
-        if self._tokenizer is not None:
-            return True
-        has_files = any((self.model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-        if not has_files:
-            return False
         try:
             return self.tokenizer is not None
         except KVConvertError:

@@ -115,28 +115,17 @@ def _slot(counts: list[int], depth: float) -> int:
 
 
 def _assemble(tokenizer, head, tail, units, needles, counts: list[int]) -> Haystack:
-    n = len(counts)
     slots = [_slot(counts, depth) for depth, _ in needles]
     order = sorted(range(len(needles)), key=lambda i: (slots[i], i))
-    pieces, needle_spans = [head], {}
-    length, cursor = len(head), 0
-
-    def add(piece: str) -> None:
-        nonlocal length
-        pieces.append(piece)
-        length += len(piece)
-
+    text, needle_spans, cursor = head, {}, 0
     for i in order:
-        for k in range(cursor, slots[i]):
-            add(units(k))
+        text += "".join(units(k) for k in range(cursor, slots[i]))
         cursor = slots[i]
-        start = length
-        add(needles[i][1])
-        needle_spans[i] = (start, length)
-    for k in range(cursor, n):
-        add(units(k))
-    haystack_end = length
-    text = "".join(pieces) + tail
+        needle_spans[i] = (len(text), len(text) + len(needles[i][1]))
+        text += needles[i][1]
+    text += "".join(units(k) for k in range(cursor, len(counts)))
+    haystack_end = len(text)
+    text += tail
     ids = encode(tokenizer, text)
     # Token position of a character offset = number of tokens of the text before it.
     tokens_before = lambda offset: len(encode(tokenizer, text[:offset]))

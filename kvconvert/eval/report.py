@@ -16,10 +16,11 @@ import numpy as np
 
 from kvconvert.checkpoint import atomic_write_text
 from kvconvert.eval.engine_vllm import markdown_section
+from kvconvert.eval.gate import Bootstrap
 from kvconvert.eval.metrics import LONGBENCH_TASKS
 from kvconvert.eval.stats import GATE_METRICS, estimate
 
-REPORT_BOOTSTRAP = {"samples": 2000, "confidence": 0.95, "seed": 0}
+REPORT_BOOTSTRAP = Bootstrap().model_dump()  # the gate policies' default: {"samples", "confidence", "seed"}
 
 
 def _entry(source: float, candidate: float, unit: str, higher_is_better: bool, n: int) -> dict:
@@ -84,12 +85,9 @@ def _longbench_metrics(samples: dict[str, list[dict]]) -> dict[str, dict]:
 
 
 def build_report(header: dict, samples: dict[str, list[dict]]) -> dict:
-    estimates = {}
-    for name in GATE_METRICS:
-        found = estimate(samples, name, REPORT_BOOTSTRAP["samples"], REPORT_BOOTSTRAP["confidence"],
-                         REPORT_BOOTSTRAP["seed"])
-        if found is not None:
-            estimates[name] = found.as_dict()
+    found = {name: estimate(samples, name, REPORT_BOOTSTRAP["samples"], REPORT_BOOTSTRAP["confidence"],
+                            REPORT_BOOTSTRAP["seed"]) for name in GATE_METRICS}
+    estimates = {name: e.as_dict() for name, e in found.items() if e is not None}
     return {**header, "metrics": build_metrics(samples), "estimates": estimates, "bootstrap": REPORT_BOOTSTRAP,
             "samples": samples}
 

@@ -143,14 +143,6 @@ def check_kv_scales(path: Path, engine: str, kv_dtype: str, kv_scales: str) -> N
                              f"which is missing; {hint}, or use --engine runtime")
 
 
-def resolve_weight_dtype(path: Path, dtype: str | torch.dtype | None) -> torch.dtype:
-    """--dtype auto|bf16|fp16|fp32 -> the torch dtype the model runs in (auto = as stored)."""
-    from kvconvert.runtime.memory import resolve_dtype
-
-    with CheckpointReader(path, verify=False) as reader:
-        return resolve_dtype(dtype, reader.stored_dtype("model.embed_tokens.weight"))
-
-
 def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str,
                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> str:
     """16 hex chars naming (checkpoint content, engine, KV format, KV scale source, weight dtype,
@@ -180,7 +172,10 @@ class RunnerInfo:
         self.config = read_config(self.path)
         self.max_context = int(self.config.get("max_position_embeddings") or 2048)
         self.vocab_size = int(self.config["vocab_size"])
-        self.dtype = resolve_weight_dtype(self.path, dtype)
+        from kvconvert.runtime.memory import resolve_dtype
+
+        with CheckpointReader(self.path, verify=False) as reader:  # --dtype auto: as stored
+            self.dtype = resolve_dtype(dtype, reader.stored_dtype("model.embed_tokens.weight"))
         self.fingerprint = runner_fingerprint(self.path, self.engine, self.kv_dtype, kv_scales, self.dtype, self.device)
 
     def describe(self) -> dict:
@@ -279,7 +274,6 @@ def _kv_hook(path: Path, config: dict, kv_dtype: str):
     if not kv_format(kv_dtype).quantized:  # bf16, fp16
         low = getattr(torch, kv_format(kv_dtype).torch_dtype)
         return lambda layer, key, value: (key.to(low).to(key.dtype), value.to(low).to(value.dtype))
-    from kvconvert.checkpoint import CheckpointReader
     from kvconvert.quant.evaluate import fake_quant_hook
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.scales import read_kv_scales
@@ -304,17 +298,15 @@ def runtime_blocks(max_len: int) -> int:
 def memory_need(config: dict, engine: str, kv_dtype: str, dtype: torch.dtype, max_len: int):
     """MemoryEstimate of one runner holding one sequence of max_len tokens (config.json only)."""
     from kvconvert.runtime.kv_cache import bytes_per_token
-    from kvconvert.runtime.memory import estimate_memory
+    from kvconvert.runtime.memory import DTYPES, estimate_memory
     from kvconvert.runtime.models import kv_layout
 
-    if engine == "runtime":
-        kv = runtime_blocks(max_len) * RUNTIME_BLOCK * bytes_per_token(kv_layout(config), kv_dtype)
-        return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=min(2048, max_len), context=max_len)
-    # transformers: the whole sequence in one forward, its K/V cached in the model's dtype
-    from kvconvert.runtime.memory import DTYPES
-
-    kv = bytes_per_token(kv_layout(config), {v: k for k, v in DTYPES.items() if v is not None}[dtype]) * max_len
-    return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=max_len, context=max_len)
+    if engine == "runtime":  # its paged pool, prefilled in steps of at most 2048 tokens
+        kv_tokens, step = runtime_blocks(max_len) * RUNTIME_BLOCK, min(2048, max_len)
+    else:  # transformers: the whole sequence in one forward, its K/V cached in the model's dtype
+        kv_tokens, step, kv_dtype = max_len, max_len, {v: k for k, v in DTYPES.items() if v is not None}[dtype]
+    kv = kv_tokens * bytes_per_token(kv_layout(config), kv_dtype)
+    return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=step, context=max_len)
 
 
 class RuntimeRunner(ModelRunner):

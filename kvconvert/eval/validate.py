@@ -233,11 +233,10 @@ def score_sample(sample: GenSample, text: str) -> float:
 
 
 def _progress(items, label: str, run: ValidateRun):
-    if not run.progress:
-        return items
     from tqdm import tqdm
 
-    return tqdm(items, desc=label, unit="sample", file=sys.stderr, leave=False, dynamic_ncols=True)
+    return tqdm(items, desc=label, unit="sample", file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=not run.progress)
 
 
 # --------------------------------------------------------------------------- the run

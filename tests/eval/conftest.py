@@ -8,7 +8,7 @@ validate pipeline run in seconds without the SmolLM2 download.
 from __future__ import annotations
 
 import pytest
-from eval_fixtures import save_tiny_llama, train_tokenizer
+from eval_fixtures import save_tiny_model, train_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +27,7 @@ def tiny_tokenizer(tiny_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), len(tiny_tokenizer), seed=0,
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), len(tiny_tokenizer), seed=0,
                            tokenizer_dir=tiny_tokenizer_dir)
 
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from eval_fixtures import save_tiny_deepseek, save_tiny_llama, train_tokenizer
+from eval_fixtures import save_tiny_model, train_tokenizer
 
 from kvconvert.checkpoint import load_tokenizer
 from kvconvert.data import eval_windows
@@ -34,7 +34,7 @@ def test_transformers_logits_match_plain_forward(hf_runner, tiny_llama):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_equals_argmax_of_full_recompute(hf_runner):
+def test_greedy_equals_argmax_of_full_recompute_and_stops_before_a_stop_token(hf_runner):
     """The cached decode loop must pick what a from-scratch forward would pick at every step."""
     ids = torch.arange(5, 25)
     tokens = hf_runner.greedy(ids, 12, stop_ids=())
@@ -43,11 +43,6 @@ def test_greedy_equals_argmax_of_full_recompute(hf_runner):
     for token in tokens:
         assert int(hf_runner.logits(seq)[-1].argmax()) == token
         seq = torch.cat([seq, torch.tensor([token])])
-
-
-def test_greedy_stops_before_stop_token(hf_runner):
-    ids = torch.arange(5, 25)
-    tokens = hf_runner.greedy(ids, 12, stop_ids=())
     cut = hf_runner.greedy(ids, 12, stop_ids=(tokens[3],))
     assert cut == tokens[:tokens.index(tokens[3])]
     assert hf_runner.greedy(ids, 0, ()) == []
@@ -68,8 +63,8 @@ def test_runtime_runner_matches_transformers_with_fp32_kv(arch, tmp_path, tiny_l
                                                           tiny_tokenizer):
     """Both engines, K/V in fp32: the same logits and greedy tokens (with and without min_new_tokens),
     for a Llama and for a stock DeepSeek-V3 (MLA) checkpoint, what `kvconvert mla` writes."""
-    folder = tiny_llama if arch == "llama" else save_tiny_deepseek(tmp_path / "dsv3", len(tiny_tokenizer),
-                                                                    tokenizer_dir=tiny_tokenizer_dir)
+    folder = tiny_llama if arch == "llama" else save_tiny_model(tmp_path / "dsv3", len(tiny_tokenizer),
+                                                                 tokenizer_dir=tiny_tokenizer_dir, arch=arch)
     hf, runtime = R.TransformersRunner(folder), R.RuntimeRunner(folder, "fp32")
     ids = torch.arange(3, 100)
     logits = hf.logits(ids)
@@ -109,7 +104,7 @@ def test_fingerprint_follows_content_engine_and_kv(tmp_path, tiny_llama, tiny_to
     copy = tmp_path / "copy"
     shutil.copytree(tiny_llama, copy)  # copy2 keeps sizes and mtimes: same weights, same fingerprint
     assert R.checkpoint_fingerprint(copy) == R.checkpoint_fingerprint(tiny_llama)
-    other = save_tiny_llama(tmp_path / "other", len(tiny_tokenizer), seed=1)
+    other = save_tiny_model(tmp_path / "other", len(tiny_tokenizer), seed=1)
     assert R.checkpoint_fingerprint(other) != R.checkpoint_fingerprint(tiny_llama)
     base = R.runner_fingerprint(tiny_llama, "runtime", "bf16", "checkpoint")
     assert base != R.runner_fingerprint(tiny_llama, "runtime", "fp8", "checkpoint")
@@ -117,6 +112,9 @@ def test_fingerprint_follows_content_engine_and_kv(tmp_path, tiny_llama, tiny_to
         tiny_llama, "runtime", "fp8", "dynamic")
     assert base != R.runner_fingerprint(tiny_llama, "transformers", "bf16", "checkpoint")
     assert base != R.runner_fingerprint(tiny_llama, "runtime", "bf16", "checkpoint", device="cuda")
+    # fp32 checkpoints keep the fingerprints (and cached results) they had before --dtype
+    old = hashlib.sha256(f"{R.checkpoint_fingerprint(tiny_llama)}|runtime|kv=bf16".encode()).hexdigest()[:16]
+    assert R.LazyRunner(tiny_llama, "runtime").fingerprint == old
 
 
 def test_manifest_fingerprint_ignores_creation_time_but_not_stale_manifests(tmp_path):
@@ -186,18 +184,12 @@ def test_both_engines_run_bf16_checkpoints_in_bf16(bf16_llama):
     assert float((fp32.logits(ids) - b).abs().max()) < 0.25 * float(a.std())
 
 
-def test_fp32_fingerprint_is_unchanged_by_the_dtype_option(tiny_llama):
-    """fp32 checkpoints keep the fingerprints (and cached results) they had before --dtype."""
-    old = hashlib.sha256(f"{R.checkpoint_fingerprint(tiny_llama)}|runtime|kv=bf16".encode()).hexdigest()[:16]
-    assert R.LazyRunner(tiny_llama, "runtime").fingerprint == old
-
-
-def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path, tiny_llama, tiny_tokenizer_dir,
+def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path, tiny_llama, calibrated_fp8,
                                                                         tiny_tokenizer, monkeypatch):
     """Source and candidate are never loaded together (the source's window logits wait on disk),
-    each loads once, and the perplexity/KL records (a different model: KL > 0) equal window_stats on
-    directly computed logits."""
-    other = save_tiny_llama(tmp_path / "other", len(tiny_tokenizer), seed=3, tokenizer_dir=tiny_tokenizer_dir)
+    each loads once, and the perplexity/KL records equal window_stats on directly computed logits.
+    The candidate is FP8 KV (calibrated scales) against the fp32-KV source: the runtime stores the
+    cache in FP8, transformers fake-quantizes it bit-exactly, so both engines report the same KL."""
     loads, resident, live = [], [], set()
     for engine, cls in list(R.RUNNERS.items()):
         class Tracked(cls):
@@ -213,22 +205,26 @@ def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path,
         monkeypatch.setitem(R.RUNNERS, engine, Tracked)
     spec = dataclasses.replace(SUITES["smoke"], name="seq", ppl_windows=3, passkey_lengths=(512,), niah_lengths=(),
                                ruler_tasks=(), longbench=False)
+    kl = {}
     for engine in ("runtime", "transformers"):
         loads.clear()
         resident.clear()
         out = tmp_path / engine
-        report = run_validate(str(tiny_llama), str(other), out, ValidateOptions(engine=engine), spec=spec,
-                              progress=False, threads=1)
-        assert loads == [tiny_llama, other] and resident == [1, 1], (engine, loads, resident)
+        report = run_validate(str(tiny_llama), str(calibrated_fp8), out, spec=spec, progress=False, threads=1,
+                              options=ValidateOptions(engine=engine, kv_dtype="fp8", source_kv_dtype="fp32"))
+        assert loads == [tiny_llama, calibrated_fp8] and resident == [1, 1], (engine, loads, resident)
         assert not list((out / "cache").glob("source-logits-*"))  # the temporary logits are gone
-        assert report["metrics"]["kl_mean"]["candidate"] > 0.01 and report["metrics"]["perplexity"]["delta"] != 0.0
-        assert report["source"]["fingerprint"] != report["candidate"]["fingerprint"]
+        assert (report["source"]["kv_dtype"], report["candidate"]["kv_dtype"]) == ("fp32", "fp8")
+        kl[engine] = report["metrics"]["kl_mean"]["candidate"]
+        assert 0 < kl[engine] < 0.05  # FP8 KV with calibrated scales: a small, nonzero change
         windows = eval_windows(tiny_tokenizer, 3, spec.ppl_window_len)
-        src, cand = R.RUNNERS[engine].__mro__[1](tiny_llama), R.RUNNERS[engine].__mro__[1](other)
+        direct = R.RUNNERS[engine].__mro__[1]  # the engine's runner class, untracked
+        src, cand = direct(tiny_llama, "fp32"), direct(calibrated_fp8, "fp8")
         for record, ids in zip(report["samples"]["perplexity"], windows):
             expected = window_stats(src.logits(ids), cand.logits(ids), ids)
             assert record["kl"] == pytest.approx(expected["kl"], rel=1e-9)
             assert record["candidate_nll"] == pytest.approx(expected["candidate_nll"], rel=1e-9)
+    assert kl["transformers"] == pytest.approx(kl["runtime"], rel=1e-4)
 
 
 def test_validate_refuses_up_front_when_a_model_cannot_fit(tmp_path, tiny_llama, monkeypatch):

@@ -49,21 +49,27 @@ def _perturb_norms(model, seed: int) -> None:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
 
 
+def _save_random(path, model_cls, config, seed: int):
+    model = model_cls(config).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def _common_config(layers: int, rope, bias: bool) -> dict:
+    """What every tiny model shares: vocab VOCAB, hidden 64, MLP 96, 256 positions, no special tokens."""
+    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                max_position_embeddings=256, rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
+                attention_bias=bias, initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
 def build_llama(path, *, heads=4, kv_heads=2, tie=True, rope=None, bias=False, seed=0, layers=2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=256,
-        tie_word_embeddings=tie, rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
-        attention_bias=bias, mlp_bias=bias, initializer_range=0.15, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    _perturb_norms(model, seed)
-    model.save_pretrained(path)
-    return path
+    cfg = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, tie_word_embeddings=tie,
+                      mlp_bias=bias, **_common_config(layers, rope, bias))
+    return _save_random(path, LlamaForCausalLM, cfg, seed)
 
 
 def build_deepseek(path, *, interleave=True, q_lora_rank=None, rope=None, bias=False, seed=0, layers=2,
@@ -72,17 +78,10 @@ def build_deepseek(path, *, interleave=True, q_lora_rank=None, rope=None, bias=F
 
     torch.manual_seed(seed)
     cfg = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=16,
-        qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=layers, n_routed_experts=4,
-        tie_word_embeddings=False, max_position_embeddings=256, rope_interleave=interleave,
-        rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0}, attention_bias=bias,
-        initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    model = DeepseekV3ForCausalLM(cfg).eval()
-    _perturb_norms(model, seed)
-    model.save_pretrained(path)
-    return path
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=layers, n_routed_experts=4,
+        tie_word_embeddings=False, rope_interleave=interleave, **_common_config(layers, rope, bias))
+    return _save_random(path, DeepseekV3ForCausalLM, cfg, seed)
 
 
 def add_tensors(src, dst, extra: dict[str, torch.Tensor], config_update: dict | None = None,

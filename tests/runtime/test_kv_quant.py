@@ -1,11 +1,12 @@
 """Quantized KV storage (fp8 e4m3 / e5m2, nvfp4) against transformers with fake-quantized K/V.
 
-The reference runs transformers' model with a DynamicCache whose update() quantizes and
-dequantizes the new K/V (Llama: post-RoPE k and v per head; DeepSeek: the latent and k_rope) with
-kvconvert.quant.formats, exactly what the runtime's cache stores. Attention then reads only
-quantized values on both sides, so fp32 logits agree to rounding (atol 1e-4; a K/V value sitting
-on a rounding boundary could flip one code, which the greedy check would expose) and greedy tokens
-are identical. Scales are calibrated amax/448 shrunk by 0.7 so some values saturate.
+The reference runs transformers' model with kvconvert.quant's hook cache (KVHookCache +
+fake_quant_hook: the quantize-dequantize of kvconvert.quant.formats applied to what an engine
+caches; Llama: post-RoPE k and v per head; DeepSeek: the row [latent | k_rope], k_rope kept bf16 by
+nvfp4). Attention then reads only quantized values on both sides, so fp32 logits agree to rounding
+(atol 1e-4; a K/V value sitting on a rounding boundary could flip one code, which the greedy check
+would expose) and greedy tokens are identical. Scales are calibrated amax/448 shrunk by 0.7 so some
+values saturate.
 """
 
 from __future__ import annotations
@@ -16,56 +17,26 @@ from runtime_cases import add_tensors, greedy, load_reference, random_ids
 from kvconvert.runtime import LLM
 from transformers import DynamicCache
 
+from kvconvert.checkpoint import read_config
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
-from kvconvert.quant import formats as F
+from kvconvert.kvmath import kv_shape
+from kvconvert.quant.capture import KVHookCache
+from kvconvert.quant.evaluate import fake_quant_hook
+from kvconvert.quant.scales import KVScales
 
 kv_scale_from_amax = kv_format("fp8").scale_from_amax  # amax / 448: FP8 E4M3 and NVFP4 alike
 
 ATOL = 1e-4
-FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def fake_quant(x: torch.Tensor, kv_dtype: str, kv_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., D] (heads second to last when kv_scale is per head [H, 1])."""
-    if kv_dtype in FP8:
-        return F.fp8_dequantize(F.fp8_quantize(x, kv_scale, FP8[kv_dtype]), kv_scale)
-    g = F.nvfp4_global_scale_from_kv_scale(kv_scale)
-    return F.nvfp4_dequantize(*F.nvfp4_quantize(x, g), g)
-
-
-class FakeQuantCache(DynamicCache):
-    """transformers' cache with K/V fake-quantized on the way in. fns[layer] = (fk, fv)."""
-
-    def __init__(self, config, fns):
-        super().__init__(config=config)
-        self.fns = fns
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        fk, fv = self.fns[layer_idx]
-        return super().update(fk(key_states), fv(value_states), layer_idx, *args, **kwargs)
-
-
-def _heads_last2(fn):
-    """Apply fn on [B, S, H, D] to transformers' [B, H, S, D]."""
-    return lambda x: fn(x.transpose(1, 2)).transpose(1, 2)
-
-
-def llama_fns(kv_dtype, scales):
-    return [(_heads_last2(lambda x, s=k: fake_quant(x, kv_dtype, s)),
-             _heads_last2(lambda x, s=v: fake_quant(x, kv_dtype, s))) for k, v in scales]
-
-
-def mla_fns(kv_dtype, scales):
-    """DeepSeek caches (latent [B,1,S,R], k_rope [B,1,S,P]); one scale for the row. nvfp4 keeps
-    k_rope in bf16 (FlashMLA-style layout)."""
-    fns = []
-    for s, _ in scales:
-        if kv_dtype in FP8:
-            fns.append((lambda x, s=s: fake_quant(x, kv_dtype, s), lambda x, s=s: fake_quant(x, kv_dtype, s)))
-        else:
-            fns.append((lambda x, s=s: fake_quant(x, "nvfp4", s), lambda x: x.to(torch.bfloat16).float()))
-    return fns
+def fake_quant_cache(ref, path, kv_dtype: str, scales) -> KVHookCache:
+    """transformers' cache of `ref` (the model at path) with every K/V fake-quantized on the way in.
+    scales: per layer (k, v), each [] or [kv_heads]."""
+    shape = kv_shape(read_config(path))
+    granularity = "head" if scales[0][0].dim() else "tensor"
+    kv_scales = KVScales(kv_dtype, granularity, shape.kind, [k for k, _ in scales], [v for _, v in scales])
+    return KVHookCache(fake_quant_hook(shape, kv_scales), config=ref.config)
 
 
 def _calibrate(ref, prompt, per_head: bool, mla: bool):
@@ -104,10 +75,11 @@ def _with_scales(src, dst, scales, naming: str, mla: bool = False):
     return add_tensors(src, dst, extra)
 
 
-def _reference(ref, prompt, fns, n_new):
+def _reference(ref, path, prompt, kv_dtype, scales, n_new):
     with torch.no_grad():
-        logits = ref(torch.tensor([prompt]), past_key_values=FakeQuantCache(ref.config, fns), use_cache=True).logits[0]
-        tokens = ref.generate(torch.tensor([prompt]), past_key_values=FakeQuantCache(ref.config, fns),
+        logits = ref(torch.tensor([prompt]), past_key_values=fake_quant_cache(ref, path, kv_dtype, scales),
+                     use_cache=True).logits[0]
+        tokens = ref.generate(torch.tensor([prompt]), past_key_values=fake_quant_cache(ref, path, kv_dtype, scales),
                               max_new_tokens=n_new, do_sample=False)[0, len(prompt):].tolist()
     return logits, tokens
 
@@ -133,9 +105,7 @@ def test_quantized_cache_matches_fake_quant_reference(arch, kv_dtype, naming, pe
     prompt = random_ids(20)
     scales = _calibrate(ref, random_ids(40, seed=1), per_head, mla)
     path = _with_scales(src, tmp_path / "scaled", scales, naming, mla)
-    fns = (mla_fns if mla else llama_fns)(kv_dtype, [(k.reshape(-1, 1) if per_head else k, v.reshape(-1, 1) if per_head else v)
-                                                     for k, v in scales])
-    ref_logits, ref_tokens = _reference(ref, prompt, fns, 24)
+    ref_logits, ref_tokens = _reference(ref, src, prompt, kv_dtype, scales, 24)
     with torch.no_grad():
         exact = ref(torch.tensor([prompt])).logits[0]
     assert (ref_logits - exact).abs().max() > 10 * ATOL, "quantization too weak for this test to see it"
@@ -160,8 +130,8 @@ def test_dynamic_scales_use_the_first_prefill_amax(llama_gqa):
     layer0 = llm.cache.layers[0]
     torch.testing.assert_close(layer0.k_scale, kv_scale_from_amax(cache.layers[0].keys.abs().amax()).reshape(1))
     torch.testing.assert_close(layer0.v_scale, kv_scale_from_amax(cache.layers[0].values.abs().amax()).reshape(1))
-    scales = [(layer.k_scale, layer.v_scale) for layer in llm.cache.layers]
-    _, ref_tokens = _reference(ref, prompt, llama_fns("fp8", scales), 16)
+    scales = [(layer.k_scale.reshape(()), layer.v_scale.reshape(())) for layer in llm.cache.layers]
+    _, ref_tokens = _reference(ref, llama_gqa, prompt, "fp8", scales, 16)
     assert out.token_ids == ref_tokens
 
 
@@ -171,20 +141,15 @@ def test_missing_scales_are_an_error_not_scale_one(tiny_model, kv_dtype):
         LLM(tiny_model, kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("value, match", [
-    (torch.tensor([0.0]), "zero, negative or non-finite"),
-    (torch.tensor([1.0, 2.0, 3.0]), "expected one value or one per KV head"),
+@pytest.mark.parametrize("arch, value, match", [
+    ("llama", torch.tensor([0.0]), "zero, negative or non-finite"),
+    ("llama", torch.tensor([1.0, 2.0, 3.0]), "expected one value or one per KV head"),
+    ("deepseek", torch.ones(4), "per-tensor scale only"),  # MLA caches one row: no per-head scales
 ])
-def test_bad_scales_are_rejected(llama_gqa, tmp_path, value, match):
+def test_bad_scales_are_rejected(llama_gqa, deepseek_mla, tmp_path, arch, value, match):
     extra = {f"model.layers.{i}.self_attn.{n}_scale": value.clone() for i in range(2) for n in "kv"}
     with pytest.raises(KVConvertError, match=match):
-        LLM(add_tensors(llama_gqa, tmp_path / "bad", extra), kv_dtype="fp8")
-
-
-def test_mla_per_head_scales_are_rejected(deepseek_mla, tmp_path):
-    extra = {f"model.layers.{i}.self_attn.k_scale": torch.ones(4) for i in range(2)}  # distinct tensors
-    with pytest.raises(KVConvertError, match="per-tensor scale only"):
-        LLM(add_tensors(deepseek_mla, tmp_path / "bad", extra), kv_dtype="fp8")
+        LLM(add_tensors(llama_gqa if arch == "llama" else deepseek_mla, tmp_path / "bad", extra), kv_dtype="fp8")
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32", "fp8", "fp8_e5m2", "nvfp4"])

@@ -80,13 +80,9 @@ def test_generate_dtype_option(model_with_tokenizer):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="auto means cuda on this machine")
 def test_generate_device_option(model_with_tokenizer):
-    """--device cpu and the default (auto: cpu without a GPU) sample the same tokens; cuda without a GPU
-    is a clear error."""
-    from kvconvert.errors import KVConvertError
-
+    """--device cpu and the default (auto: cpu without a GPU) sample the same tokens (cuda without a
+    GPU: tests/runtime/test_device.py)."""
     base = ["--model", str(model_with_tokenizer), "--prompt", "w1 w2 w3", "--max-new-tokens", "5", "--seed", "3",
             "--json"]
     outs = [json.loads(_run([*base, *extra]).output) for extra in ([], ["--device", "cpu"])]
     assert outs[0]["device"] == outs[1]["device"] == "cpu" and outs[0]["token_ids"] == outs[1]["token_ids"]
-    result = _run([*base, "--device", "cuda"])
-    assert isinstance(result.exception, KVConvertError) and "torch sees none" in str(result.exception)
