@@ -83,10 +83,6 @@ class KVFormat:
         """Exported kv scale for an amax (float or tensor): amax / amax_divisor."""
         return amax / self.amax_divisor
 
-    def amax_from_scale(self, scale):
-        """The largest |x| an exported scale represents without clipping."""
-        return scale * self.amax_divisor
-
 
 _RUNTIME = "kvconvert"  # the bundled paged runtime (kvconvert.targets)
 _E4M3_SCALED = dict(quantized=True, amax_divisor=FP8_E4M3_MAX)

@@ -156,12 +156,10 @@ def build_stages(src: str, convert: MLAOptions | None, heal, heal_shown: str, ca
 
 def _policy_path(policy: str, base: Path | None = None) -> str:
     """A policy file (as given, or relative to `base`, the recipe's folder) or a built-in name."""
-    for path in (Path(policy), *((base / policy,) if base is not None else ())):
+    beside_recipe = (base / policy,) if base is not None else ()
+    for path in (Path(policy), *beside_recipe, REPO_GATES / f"{policy}.yaml", REPO_GATES / Path(policy).name):
         if path.is_file():
             return str(path)
-    for candidate in (REPO_GATES / f"{policy}.yaml", REPO_GATES / Path(policy).name):
-        if candidate.is_file():
-            return str(candidate)
     raise KVConvertError(f"--policy {policy}: not a file and not a built-in policy in {REPO_GATES}")
 
 

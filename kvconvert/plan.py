@@ -150,15 +150,6 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 # ------------------------------------------------------------------------------ measurement
 
-@dataclass
-class Measurement:
-    kl: float  # mean token KL(source || candidate), nats
-    ppl: float
-    source_ppl: float
-    tokens: int
-    seconds: float  # building the artifact (conversion, calibration) and scoring it
-
-
 def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, echo) -> Path:
     """The candidate's checkpoint under `work` (reused when already there): MLA conversion one-shot,
     then KV scales by a quick calibration (per-tensor amax, no rotation) for fp8/nvfp4."""
@@ -200,6 +191,7 @@ class Scorer:
         source.close()
 
     def score(self, path: Path, kv_dtype: str) -> dict:
+        """{kl: mean token KL(source || candidate) in nats, ppl, source_ppl, tokens}."""
         from kvconvert.eval.report import perplexity_summary
         from kvconvert.eval.runner import RuntimeRunner
         from kvconvert.eval.validate import window_stats
@@ -212,10 +204,11 @@ class Scorer:
                 "tokens": pooled["tokens"]}
 
 
-def measure(c: Candidate, scorer: Scorer, src: Path, work: Path, calib_tokens: int, echo) -> Measurement:
+def measure(c: Candidate, scorer: Scorer, src: Path, work: Path, calib_tokens: int, echo) -> dict:
+    """Scorer.score's dict for the candidate's artifact, plus the seconds building and scoring it took."""
     t0 = time.time()
     path = build_artifact(c, src, work, calib_tokens, echo)
-    return Measurement(**scorer.score(path, c.kv_dtype), seconds=round(time.time() - t0, 1))
+    return {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - t0, 1)}
 
 
 # ------------------------------------------------------------------------------ outputs
@@ -321,17 +314,17 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
     scorer = Scorer(src_path, windows, window_len)
     results = {}
     for c in sorted(to_measure, key=lambda c: (c.kind != "source", c.latent, c.kv_dtype)):
-        results[c.name] = measure(c, scorer, src_path, work, calib_tokens, echo)
-        echo(f"  {c.name}: KL {results[c.name].kl:.4f}, ppl {results[c.name].ppl:.2f} ({results[c.name].seconds} s)")
-    best = min(to_measure, key=lambda c: results[c.name].kl)
+        m = results[c.name] = measure(c, scorer, src_path, work, calib_tokens, echo)
+        echo(f"  {c.name}: KL {m['kl']:.4f}, ppl {m['ppl']:.2f} ({m['seconds']} s)")
+    best = min(to_measure, key=lambda c: results[c.name]["kl"])
     # with --measure-dominated: a pruned candidate measured better than what dominates it
     contradicted = [f"{name} < {by}" for name, by in pruned.items()
-                    if name in results and results[name].kl < results[by].kl]
+                    if name in results and results[name]["kl"] < results[by]["kl"]]
     rows = []
     for c in sorted(fitting, key=lambda c: -c.fraction):
         status = "chosen" if c is best else (f"dominated by {pruned[c.name]}" if c.name in pruned else "measured")
-        m = asdict(results[c.name]) if c.name in results else {}
-        rows.append({**asdict(c), "name": c.name, "fraction": c.fraction, **m, "status": status, "chosen": c is best})
+        rows.append({**asdict(c), "name": c.name, "fraction": c.fraction, **results.get(c.name, {}), "status": status,
+                     "chosen": c is best})
     verdict = (f"don't convert, just quantize: the source with its KV cache in {best.kv_dtype}" if best.rank is None
                else f"convert to MLA {best.rank}+{best.rope_dim} with its KV cache in {best.kv_dtype}")
     plan = {"source": src, "budget": budget, "target": target, "chosen": best.name, "verdict": verdict,
@@ -346,7 +339,7 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
     atomic_write_text(out / "plan.md", f"{verdict}\n\n{table(rows)}\n")
     atomic_write_text(out / "plan.json", json.dumps({**plan, "recipe": recipe}, indent=1) + "\n")
     echo(f"\n{table(rows)}\n\nChosen: {best.name} ({best.fraction:.1%} of the bf16 KV bytes, KL "
-         f"{results[best.name].kl:.4f}): {verdict}.\nRecipe: {out / 'recipe.yaml'} (kvconvert pipeline --recipe "
+         f"{results[best.name]['kl']:.4f}): {verdict}.\nRecipe: {out / 'recipe.yaml'} (kvconvert pipeline --recipe "
          f"{out / 'recipe.yaml'} --out OUT)\nPicture: {out / 'plan.png'}\nTotal: {plan['seconds']:.0f} s")
     return plan
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import ALIASES, KV_FORMATS, RUNTIME_KV_DTYPES
-from kvconvert.kvmath import kv_bytes_per_request, kv_bytes_per_token, kv_shape
+from kvconvert.kvmath import kv_bytes_per_token, kv_shape
 from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token
 from kvconvert.runtime.models import kv_layout
 
@@ -34,18 +34,6 @@ def test_planner_bytes_equal_runtime_allocated_bytes(config, kv_dtype):
         return
     cache = PagedKVCache(kv_layout(config), num_blocks=1, block_size=1, kv_dtype=kv_dtype, dynamic=True)
     assert planned == cache.bytes_per_token == bytes_per_token(kv_layout(config), kv_dtype)
-
-
-@CONFIGS
-@pytest.mark.parametrize("kv_dtype", list(KV_FORMATS))
-def test_request_bytes_are_context_times_token_bytes(config, kv_dtype):
-    shape = kv_shape(config)
-    assert kv_bytes_per_request(shape, kv_dtype, 1000) == 1000 * kv_bytes_per_token(shape, kv_dtype)
-
-
-def test_deepseek_v3_nvfp4_keeps_k_rope_in_16_bits():
-    # 512 latent values: 256 bytes of E2M1 codes + 32 E4M3 block scales; k_rope 64 x 2 bytes
-    assert kv_bytes_per_token(kv_shape(DEEPSEEK), "nvfp4") == 61 * (256 + 32 + 128)
 
 
 def test_what_one_layer_caches():

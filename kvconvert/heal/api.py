@@ -13,6 +13,7 @@ inputs continues from it, and it is removed once `out` is complete.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -58,21 +59,16 @@ def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progres
     `data: teacher` in a stage: text sampled from the teacher (kvconvert.heal.teacher_data), enough
     for the larger of the two stages (they share it), generated once and cached."""
     data = HealData()
-    texts: dict[str, str] = {}
 
+    @functools.cache  # the two stages may read the same source: load (or generate) it once
     def text(source: str) -> str:
-        if source in texts:
-            return texts[source]
         if source != TEACHER_DATA:
-            texts[source] = load_text(source)
-        elif teacher is None:
+            return load_text(source)
+        if teacher is None:
             raise KVConvertError("data: teacher needs the teacher model (kvconvert heal --teacher)")
-        else:
-            from kvconvert.heal.teacher_data import sample_teacher_text
+        from kvconvert.heal.teacher_data import sample_teacher_text
 
-            texts[source] = sample_teacher_text(teacher, teacher_tokens_needed(recipe), progress=progress,
-                                                device=device)
-        return texts[source]
+        return sample_teacher_text(teacher, teacher_tokens_needed(recipe), progress=progress, device=device)
 
     if (lw := recipe.layerwise) is not None:
         lw_text = text(lw.data)

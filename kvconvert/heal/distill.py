@@ -336,10 +336,7 @@ def plot_loss_curve(history: list[dict], path: Path, title: str = "heal: distill
         values = [r[key] for r in history]
         ax.plot(steps, values, color=color, lw=0.8, alpha=0.35)
         ax.plot(steps, _ema(values), color=color, lw=1.6, label=f"{key} (EMA)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_yscale("log")
-    ax.set_title(title)
+    ax.set(xlabel="optimizer step", ylabel="loss (nats/token)", yscale="log", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -270,8 +270,8 @@ class LayerwiseState:
 
 
 def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: torch.Tensor, stage: LayerwiseStage,
-                  writer: CheckpointWriter, state: LayerwiseState | None = None, device: str = "cpu",
-                  progress: bool = True, val_windows: int = 0) -> list[dict]:
+                  writer: CheckpointWriter, state: LayerwiseState, device: str = "cpu", progress: bool = True,
+                  val_windows: int = 0) -> list[dict]:
     """Heal every attention block of `student` and write the full checkpoint into `writer`
     (stock DeepSeek-V3 names, the student's dtypes; non-attention tensors copied unchanged).
 
@@ -279,8 +279,8 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
     measured. Returns one report dict per layer.
     """
     s_shape, t_shape = MLAShape.from_config(student.config), LlamaShape.from_config(teacher.config)
-    start = state.done() if state is not None else 0
-    reports = state.reports()[:start] if start else []
+    start = state.done()
+    reports = state.reports()[:start]
     if start:
         h_t, h_s = (t.to(device) for t in state.load_stream())
     else:
@@ -303,8 +303,7 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
             h_t, h_s = _advance(h_t, h_s, a_t, tw, sw, t_shape, s_shape)
             report = {"layer": i, **fit.report}
             reports.append(report)
-            if state is not None:
-                state.save_layer(i, fitted, report, h_t, h_s)
+            state.save_layer(i, fitted, report, h_t, h_s)
             bar.update(1)
             bar.set_postfix(err=f"{report['rel_err_before']:.3f}->{report['rel_err_after']:.3f}")
         for short, tensor in fitted.items():

@@ -63,11 +63,27 @@ def refused(done, out: Path | None, *expected: str) -> str:
 
 # ------------------------------------------------------------------ silently wrong before
 
-@pytest.mark.parametrize("command", ["mla", "calibrate", "generate", "validate"])
-def test_sliding_window_refused_on_every_path(faults, tmp_path, command):
-    src, out = faults["sliding"], tmp_path / "out"
-    refused(kvconvert(*command_args(command, src, out, faults["base"])), out, f"{src / 'config.json'}: not supported: sliding-window attention",
-            "sliding_window=256")
+# fault -> what every command's one-line refusal says ({src}: the faulty model's folder)
+REFUSALS = {
+    "sliding": ("{src}/config.json: not supported: sliding-window attention", "sliding_window=256"),
+    # the up-front scan names the file and tensor (mla used to find it only on reaching layer 1)
+    "nan": ("{src}/model.safetensors: tensor 'model.layers.1.self_attn.k_proj.weight' contains NaN",),
+    "missing": ("{src}/model.safetensors: tensor 'model.layers.1.self_attn.k_proj.weight' is missing",),
+    "bias": ("tensor 'model.layers.0.self_attn.q_proj.bias' is missing", "attention_bias is true"),
+}
+
+
+@pytest.mark.parametrize("fault, command", [
+    *[("sliding", c) for c in ("mla", "calibrate", "generate", "validate")],
+    *[("nan", c) for c in ("generate", "mla", "calibrate", "validate")],
+    *[("missing", c) for c in ("generate", "calibrate", "mla")],
+    ("bias", "calibrate"),
+])
+def test_faulty_checkpoint_refused_before_any_work(faults, tmp_path, fault, command):
+    src, out = faults[fault], tmp_path / "out"
+    done = kvconvert(*command_args(command, src, out, faults["base"]))
+    refused(done, out, *(text.format(src=src) for text in REFUSALS[fault]))
+    assert done.stdout.strip() == ""  # generate printed token ids [7042, 0, 0, ...] before a NaN
 
 
 def test_inspect_reports_what_the_commands_refuse(faults):
@@ -75,28 +91,6 @@ def test_inspect_reports_what_the_commands_refuse(faults):
 
     notes = inspect_report(load_model_info(str(faults["sliding"]), prefer_preset=False))["notes"]
     assert any(n.startswith("not supported by kvconvert") and "sliding_window=256" in n for n in notes)
-
-
-@pytest.mark.parametrize("command", ["generate", "mla", "calibrate", "validate"])
-def test_nan_weight_refused_before_any_work(faults, tmp_path, command):
-    src, out = faults["nan"], tmp_path / "out"
-    done = kvconvert(*command_args(command, src, out, faults["base"]))
-    # the up-front scan names the file and tensor (mla used to find it only on reaching layer 1)
-    refused(done, out, f"{src / 'model.safetensors'}: tensor 'model.layers.1.self_attn.k_proj.weight' contains NaN")
-    assert done.stdout.strip() == ""  # generate printed token ids [7042, 0, 0, ...] before
-
-
-@pytest.mark.parametrize("command", ["generate", "calibrate", "mla"])
-def test_missing_tensor_named_with_its_file(faults, tmp_path, command):
-    src, out = faults["missing"], tmp_path / "out"
-    refused(kvconvert(*command_args(command, src, out)), out,
-            f"{src / 'model.safetensors'}: tensor 'model.layers.1.self_attn.k_proj.weight' is missing")
-
-
-def test_declared_bias_without_tensors_refused_by_calibrate(faults, tmp_path):
-    out = tmp_path / "out"
-    refused(kvconvert("calibrate", "--src", faults["bias"], *TINY_CAL, "--out", out), out,
-            "tensor 'model.layers.0.self_attn.q_proj.bias' is missing", "attention_bias is true")
 
 
 def test_calib_tokens_below_one_window_refused(faults, tmp_path):

@@ -60,10 +60,3 @@ def test_existing_output(tiny_student, tiny_teacher, text_file, tmp_path):
     out.mkdir()
     with pytest.raises(OutputExistsError):
         heal(tiny_student, tiny_teacher, layerwise_recipe(text_file), out, progress=False)
-
-
-def test_cli_reports_errors(tiny_student, tiny_teacher, tmp_path, run_main):
-    bad = _file(tmp_path, "bad.yaml", "heal_distill:\n  tokenz: 3\n")
-    code, err = run_main(["heal", "--student", tiny_student, "--teacher", tiny_teacher, "--recipe", bad,
-                          "--out", tmp_path / "o"])
-    assert code == 2 and "heal_distill.tokenz" in err

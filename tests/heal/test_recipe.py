@@ -44,17 +44,13 @@ def _write(tmp_path, text: str) -> Path:
     ("heal_distill:\n  kl_weight: 0\n  lm_weight: 0\n", "nothing to train"),
     ("convert: [rank: 3\n", "not valid YAML"),
     ("[1, 2]\n", "a recipe must be a mapping"),
-], ids=["stage-key", "top-level-key", "bad-value", "bad-choice", "no-loss", "yaml", "not-a-mapping"])
+    (None, "recipe file not found"),
+], ids=["stage-key", "top-level-key", "bad-value", "bad-choice", "no-loss", "yaml", "not-a-mapping", "missing"])
 def test_bad_recipe_names_the_file_and_the_key(tmp_path, text, match):
-    path = _write(tmp_path, text)
+    path = tmp_path / "recipe.yaml" if text is None else _write(tmp_path, text)
     with pytest.raises(KVConvertError, match=match) as info:
         load_recipe(path)
     assert str(info.value).startswith(f"{path}:")
-
-
-def test_missing_recipe_file(tmp_path):
-    with pytest.raises(KVConvertError, match="not found"):
-        load_recipe(tmp_path / "nope.yaml")
 
 
 def test_all_five_stages_and_derived_values():
