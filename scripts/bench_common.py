@@ -53,13 +53,18 @@ def run_child(cmd: list[str], log: Path, threads: int | None = None) -> dict:
     return row
 
 
-def write_json(path: str | Path, payload: dict, indent: int = 2) -> None:
-    """Write the results atomically (a temp file beside it, then a rename), creating the folder."""
+def write_text(path: str | Path, text: str) -> None:
+    """Write atomically (a temp file beside it, then a rename), creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=indent) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_json(path: str | Path, payload: dict, indent: int = 2) -> None:
+    """Write the results as JSON, atomically (write_text)."""
+    write_text(path, json.dumps(payload, indent=indent) + "\n")
 
 
 def write_block(name: str, body: str, doc: Path = DOC) -> None:
@@ -71,4 +76,4 @@ def write_block(name: str, body: str, doc: Path = DOC) -> None:
         text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
+    write_text(doc, text)
