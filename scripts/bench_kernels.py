@@ -26,9 +26,10 @@ import os
 import sys
 import time
 
+import torch
 from bench_common import DOCS, parser, write_json, write_text
 
-from kvconvert.kernels.cache_layout import GQA_MODES, MLA_MODES
+from kvconvert.kernels.cache_layout import GQA_MODES, MLA_MODES, GQACacheLayer, MLACacheLayer
 
 DEVICE = "cuda"  # "cpu" only for --cpu-smoke (Triton interpreter)
 
@@ -65,16 +66,13 @@ def parse_args(argv):
     p.add_argument("--skip-gqa", action="store_true")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run the whole script on CPU in the Triton interpreter at toy sizes (checks the plumbing only)")
-    p.add_argument("--json", default=None, help="default: docs/bench_kernels.json (--cpu-smoke: /tmp/bench_kernels_smoke.json)")
-    p.add_argument("--md", default=None, help="default: docs/bench_kernels.md (--cpu-smoke: /tmp/bench_kernels_smoke.md)")
+    p.add_argument("--json", default=None, help="default: docs/bench_kernels.json (--cpu-smoke: /tmp/...smoke.json)")
+    p.add_argument("--md", default=None, help="default: docs/bench_kernels.md (--cpu-smoke: /tmp/...smoke.md)")
     return p.parse_args(argv)
 
 
 def peak_bandwidth(name: str) -> float | None:
-    for key, bw in PEAK_BANDWIDTH:
-        if key in name:
-            return bw
-    return None
+    return next((bw for key, bw in PEAK_BANDWIDTH if key in name), None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,7 +80,7 @@ def peak_bandwidth(name: str) -> float | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def random_paging(torch, batch, context, block_size, device, seed=0):
+def random_paging(batch, context, block_size, device, seed=0):
     """Block tables with random distinct physical blocks; every sequence ``context`` tokens long."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     per_seq = math.ceil(context / block_size)
@@ -92,7 +90,7 @@ def random_paging(torch, batch, context, block_size, device, seed=0):
     return tables, lens, num_blocks
 
 
-def fill_cache(torch, cache, row_dims, chunk=65536):
+def fill_cache(cache, row_dims, chunk=65536):
     """Quantize random rows into every slot of a cache layer (through the real formats)."""
     total = cache.num_blocks * cache.block_size
     for start in range(0, total, chunk):
@@ -102,29 +100,23 @@ def fill_cache(torch, cache, row_dims, chunk=65536):
             dst.view(total, *dst.shape[2:])[start : start + n].copy_(r)
 
 
-def mla_case(torch, mode, batch, context, block_size, heads=16, rank=512, rope=64, seed=0):
+def mla_case(mode, batch, context, block_size, heads=16, rank=512, rope=64, seed=0):
     """(cache, (q_nope, q_rope), tables, lens, softmax scale); default: a DeepSeek-V3 TP-8 shard."""
-    from kvconvert.kernels.cache_layout import MLACacheLayer
-
-    tables, lens, num_blocks = random_paging(torch, batch, context, block_size, DEVICE, seed)
+    tables, lens, num_blocks = random_paging(batch, context, block_size, DEVICE, seed)
     cache = MLACacheLayer.allocate(mode, num_blocks, block_size, rank, rope, dtype=torch.bfloat16, device=DEVICE,
                                    kv_scale=4.5 / 448)
-    fill_cache(torch, cache, [(rank,), (rope,)])
+    fill_cache(cache, [(rank,), (rope,)])
     q_nope = torch.randn(batch, heads, rank, device=DEVICE, dtype=torch.bfloat16)
     q_rope = torch.randn(batch, heads, rope, device=DEVICE, dtype=torch.bfloat16)
     return cache, (q_nope, q_rope), tables, lens, (rank + rope) ** -0.5
 
 
-def gqa_case(torch, mode, batch, context, block_size, q_heads=32, kv_heads=8, head_dim=128, seed=0):
+def gqa_case(mode, batch, context, block_size, q_heads=32, kv_heads=8, head_dim=128, seed=0):
     """(cache, (q,), tables, lens, softmax scale); default: Llama-3-8B's attention."""
-    from kvconvert.kernels.cache_layout import GQACacheLayer
-
-    tables, lens, num_blocks = random_paging(torch, batch, context, block_size, DEVICE, seed)
-    cache = GQACacheLayer.allocate(
-        mode, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE,
-        k_scale=4.5 / 448, v_scale=4.5 / 448,
-    )
-    fill_cache(torch, cache, [(kv_heads, head_dim), (kv_heads, head_dim)])
+    tables, lens, num_blocks = random_paging(batch, context, block_size, DEVICE, seed)
+    cache = GQACacheLayer.allocate(mode, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16,
+                                   device=DEVICE, k_scale=4.5 / 448, v_scale=4.5 / 448)
+    fill_cache(cache, [(kv_heads, head_dim), (kv_heads, head_dim)])
     q = torch.randn(batch, q_heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
     return cache, (q,), tables, lens, head_dim**-0.5
 
@@ -143,7 +135,7 @@ def decode_fns(kernel: str):
 # ----------------------------------------------------------------------------------------------
 
 
-def rel_err(torch, a, b):
+def rel_err(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
@@ -153,13 +145,13 @@ def check_dots() -> list[tuple[str, float]]:
     return low + [("fp32", 1e-4)]
 
 
-def check_kernels(torch):
+def check_kernels():
     """Kernel vs reference on small ragged cases, per mode, with bf16 and fp32 dot operands."""
     cases = [("mla", mode, f"R{rank}+{rope} H{heads}", [300, 1, 129],
-              mla_case(torch, mode, 3, 300, 64, heads=heads, rank=rank, rope=rope, seed=1))
+              mla_case(mode, 3, 300, 64, heads=heads, rank=rank, rope=rope, seed=1))
              for mode in MLA_MODES for rank, rope, heads in ((512, 64, 16), (160, 32, 9))]
     cases += [("gqa", mode, f"{hq}q/{hk}kv D{d}", [300, 0, 77],
-               gqa_case(torch, mode, 3, 300, 16, q_heads=hq, kv_heads=hk, head_dim=d, seed=2))
+               gqa_case(mode, 3, 300, 16, q_heads=hq, kv_heads=hk, head_dim=d, seed=2))
               for mode in GQA_MODES for hq, hk, d in ((32, 8, 128), (9, 3, 64))]
     results = []
     for kernel, mode, shape, lens, (cache, queries, tables, _, scale) in cases:
@@ -168,7 +160,7 @@ def check_kernels(torch):
         ref, ref_lse = reference(*inputs, scale)
         for dot, tol in check_dots():
             out, lse = triton_fn(*inputs, scale, dot=dot)
-            err = rel_err(torch, out, ref)
+            err = rel_err(out, ref)
             lse_err = {"lse_max_abs_err": float((lse - ref_lse).abs().max())} if kernel == "mla" else {}
             results.append({"kernel": kernel, "mode": mode, "shape": shape, "dot": dot, "rel_err": err, **lse_err,
                             "ok": err < tol})
@@ -204,14 +196,14 @@ def eager_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
-def dequant_first_ms(torch, cache) -> float:
+def dequant_first_ms(cache) -> float:
     """The unfused alternative's extra step: dequantize the whole cache to bf16 with PyTorch ops
     (kvconvert.quant.formats) before a bf16 kernel reads it. Timed eagerly (its lookup tables are
     built on the host, which a graph capture refuses); its kernels are large, so launch cost is small."""
     return eager_ms(lambda: [t.to(torch.bfloat16) for t in cache.dequantize()])
 
 
-def copy_bandwidth(torch) -> float:
+def copy_bandwidth() -> float:
     """Measured device-to-device copy bandwidth (read + write bytes / time) on 1 GiB."""
     if DEVICE == "cpu":
         return float("nan")
@@ -238,7 +230,7 @@ def tune(run_with, grid, splits_candidates):
     return (best[0] if best else None), tried
 
 
-def measure_step(torch, step, mode, cache, batch, context, peak, cfg, plain_ms) -> list[dict]:
+def measure_step(step, mode, cache, batch, context, peak, cfg, plain_ms) -> list[dict]:
     """Rows for one (mode, context): the decode ``step(dot=...)`` timed from a CUDA graph and eagerly,
     the dequantize-first alternative (quantized modes, next to the plain time at this context), and
     the same step with fp16 dot operands (exact for quantized values). ``plain_ms`` collects the
@@ -250,12 +242,12 @@ def measure_step(torch, step, mode, cache, batch, context, peak, cfg, plain_ms) 
         plain_ms[context] = ms
         return rows
     if context in plain_ms:
-        rows[0]["unfused_us"] = (dequant_first_ms(torch, cache) + plain_ms[context]) * 1e3
+        rows[0]["unfused_us"] = (dequant_first_ms(cache) + plain_ms[context]) * 1e3
     rows.append(result_row("triton-fp16dot", mode, cache, batch, context, time_ms(lambda: step(dot="fp16")), peak, cfg))
     return rows
 
 
-def bench_kernel(torch, kernel: str, args, contexts, grid, peak):
+def bench_kernel(kernel: str, args, contexts, grid, peak):
     """Rows and tuning trials of one kernel: per mode, the launch config tuned at args.tune_context, then
     every context timed with it (MLA: num_splits also tuned, as a ratio to the default heuristic's)."""
     from kvconvert.kernels._launch import default_num_splits
@@ -263,13 +255,13 @@ def bench_kernel(torch, kernel: str, args, contexts, grid, peak):
     decode = decode_fns(kernel)[0]
     if kernel == "mla":
         modes, baselines = MLA_MODES, mla_baselines
-        make_case = lambda mode, context: mla_case(torch, mode, args.batch, context, args.block_size,  # noqa: E731
+        make_case = lambda mode, context: mla_case(mode, args.batch, context, args.block_size,  # noqa: E731
                                                    heads=args.mla_heads)
         default_splits = lambda context: default_num_splits(args.batch, math.ceil(args.mla_heads / 16),  # noqa: E731
                                                             context, 16)
     else:
         modes, baselines = GQA_MODES, gqa_baselines
-        make_case = lambda mode, context: gqa_case(torch, mode, args.batch, context, args.block_size)  # noqa: E731
+        make_case = lambda mode, context: gqa_case(mode, args.batch, context, args.block_size)  # noqa: E731
         default_splits = None
     rows, tuning, plain_ms = [], {}, {}
     for mode in modes:
@@ -285,8 +277,8 @@ def bench_kernel(torch, kernel: str, args, contexts, grid, peak):
             cfg = {**best, "num_splits": max(1, round(default_splits(context) * best["num_splits"] / base))} \
                 if base else best
             step = lambda dot: decode(*queries, cache, tables, lens, scale, dot=dot, **cfg)  # noqa: E731
-            rows += measure_step(torch, step, mode, cache, args.batch, context, peak, cfg, plain_ms)
-            rows += baselines(torch, mode, cache, queries, tables, lens, scale, args.batch, context, peak)
+            rows += measure_step(step, mode, cache, args.batch, context, peak, cfg, plain_ms)
+            rows += baselines(mode, cache, queries, tables, lens, scale, args.batch, context, peak)
             torch.cuda.empty_cache()
     return rows, tuning
 
@@ -315,7 +307,7 @@ def baseline(impl, module, mode, cache, batch, context, peak, timed) -> list[dic
         return [result_row(impl, mode, cache, batch, context, None, peak, error=f"{type(e).__name__}: {str(e)[:200]}")]
 
 
-def mla_baselines(torch, mode, cache, queries, tables, lens, scale, batch, context, peak):
+def mla_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak):
     """FlashMLA and FlashInfer on the same bf16 cache (mode "none" only)."""
     if mode != "none":
         return []
@@ -341,16 +333,15 @@ def mla_baselines(torch, mode, cache, queries, tables, lens, scale, batch, conte
             + baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer))
 
 
-def gqa_baselines(torch, mode, cache, queries, tables, lens, scale, batch, context, peak):
+def gqa_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak):
     """FlashInfer batch decode on the same NHD paged cache (bf16, or fp8 with the same scales)."""
     if mode not in ("none", "fp8"):
         return []
     (q,) = queries
 
     def flashinfer(flashinfer):
-        per_seq = tables.shape[1]
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE),
-                                                                "NHD")
+        per_seq, workspace = tables.shape[1], torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * per_seq
         last = lens - (per_seq - 1) * cache.block_size
         wrapper.plan(indptr, tables.reshape(-1).contiguous(), last, q.shape[1], cache.kv_heads, cache.head_dim,
@@ -405,8 +396,6 @@ def markdown(report) -> str:
 def main(argv=None) -> int:
     global DEVICE
     args = parse_args(argv)
-    import torch
-
     if args.cpu_smoke:
         DEVICE = "cpu"
         os.environ["TRITON_INTERPRET"] = "1"
@@ -427,24 +416,21 @@ def main(argv=None) -> int:
     args.json, args.md = args.json or f"{stem}.json", args.md or f"{stem}.md"
 
     contexts = [1024, 8192] if args.quick else [int(c) for c in args.contexts.split(",")]
-    grid = QUICK_GRID if args.quick else TUNE_GRID
-    if args.cpu_smoke:
-        grid = QUICK_GRID[:1]
+    grid = QUICK_GRID[:1] if args.cpu_smoke else QUICK_GRID if args.quick else TUNE_GRID
     name = "cpu (Triton interpreter smoke run)" if args.cpu_smoke else torch.cuda.get_device_name()
     peak = peak_bandwidth(name)
     started = time.time()
     report = {
         "device": name, "torch": torch.__version__, "triton": triton.__version__,
         "peak_bandwidth_GBps": peak / 1e9 if peak else None, "batch": args.batch, "block_size": args.block_size,
-        "mla_heads": args.mla_heads, "contexts": contexts,
+        "mla_heads": args.mla_heads, "contexts": contexts, "copy_bandwidth_GBps": copy_bandwidth() / 1e9,
     }
-    report["copy_bandwidth_GBps"] = copy_bandwidth(torch) / 1e9
     print(f"{name}: peak {report['peak_bandwidth_GBps']} GB/s, copy {report['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
-    report["checks"] = check_kernels(torch)
+    report["checks"] = check_kernels()
     bad = [c for c in report["checks"] if not c["ok"]]
     print(f"checks: {len(report['checks']) - len(bad)}/{len(report['checks'])} ok" + (f"; FAILED: {bad}" if bad else ""), flush=True)
     for kernel in ("mla",) if args.skip_gqa else ("mla", "gqa"):
-        report[kernel], report[f"{kernel}_tuning"] = bench_kernel(torch, kernel, args, contexts, grid, peak)
+        report[kernel], report[f"{kernel}_tuning"] = bench_kernel(kernel, args, contexts, grid, peak)
     report["seconds"] = time.time() - started
     write_json(args.json, report, indent=1)
     md = markdown(report)
