@@ -135,10 +135,6 @@ def decode_fns(kernel: str):
 # ----------------------------------------------------------------------------------------------
 
 
-def rel_err(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
-
-
 def check_dots() -> list[tuple[str, float]]:
     """(dot precision, max rel. error) pairs to check; bf16 dots are wrong in the interpreter."""
     low = [("fp16", 1e-2)] if DEVICE == "cpu" else [("bf16", 1e-2), ("fp16", 1e-2)]
@@ -160,7 +156,7 @@ def check_kernels():
         ref, ref_lse = reference(*inputs, scale)
         for dot, tol in check_dots():
             out, lse = triton_fn(*inputs, scale, dot=dot)
-            err = rel_err(out, ref)
+            err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
             lse_err = {"lse_max_abs_err": float((lse - ref_lse).abs().max())} if kernel == "mla" else {}
             results.append({"kernel": kernel, "mode": mode, "shape": shape, "dot": dot, "rel_err": err, **lse_err,
                             "ok": err < tol})
@@ -172,10 +168,11 @@ def check_kernels():
 # ----------------------------------------------------------------------------------------------
 
 
-def time_ms(fn) -> float:
+def time_ms(fn, graph: bool = True) -> float:
     """Device time of one call (median), launch gaps removed: the call is captured in a CUDA graph
     and its replays are timed with events. A decode step in a serving engine runs inside a graph
-    too (vLLM, SGLang), so this is the number that matters; ``eager_ms`` adds the Python launch cost."""
+    too (vLLM, SGLang), so this is the number that matters. graph=False: wall time per call launched
+    from Python (median of event-timed calls), which adds the launch overhead."""
     if DEVICE == "cpu":  # --cpu-smoke: one timed call, no CUDA events
         fn()
         start = time.perf_counter()
@@ -183,24 +180,17 @@ def time_ms(fn) -> float:
         return (time.perf_counter() - start) * 1e3
     import triton.testing
 
+    if not graph:
+        return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
     fn()  # compile outside the capture
     return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
-
-
-def eager_ms(fn) -> float:
-    """Wall time per call launched from Python (median of event-timed calls): includes launch overhead."""
-    if DEVICE == "cpu":
-        return time_ms(fn)
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
 def dequant_first_ms(cache) -> float:
     """The unfused alternative's extra step: dequantize the whole cache to bf16 with PyTorch ops
     (kvconvert.quant.formats) before a bf16 kernel reads it. Timed eagerly (its lookup tables are
     built on the host, which a graph capture refuses); its kernels are large, so launch cost is small."""
-    return eager_ms(lambda: [t.to(torch.bfloat16) for t in cache.dequantize()])
+    return time_ms(lambda: [t.to(torch.bfloat16) for t in cache.dequantize()], graph=False)
 
 
 def copy_bandwidth() -> float:
@@ -237,7 +227,7 @@ def measure_step(step, mode, cache, batch, context, peak, cfg, plain_ms) -> list
     plain mode's times; MODES lists "none" first so they exist when the quantized modes run."""
     call = lambda: step(dot=None)  # noqa: E731
     ms = time_ms(call)
-    rows = [result_row("triton", mode, cache, batch, context, ms, peak, cfg, eager=eager_ms(call))]
+    rows = [result_row("triton", mode, cache, batch, context, ms, peak, cfg, eager=time_ms(call, graph=False))]
     if mode == "none":
         plain_ms[context] = ms
         return rows

@@ -138,10 +138,8 @@ def count_paged(bm, num_blocks: int, request_tokens: int) -> int:
 
 def make_llm(path, args, budget):
     from kvconvert.runtime import LLM
-    from kvconvert.runtime.kv_cache import bytes_per_token
-    from kvconvert.runtime.models import kv_layout
 
-    bpt = bytes_per_token(kv_layout(read_config(path)), args.kv_dtype)
+    bpt = kv_bytes_per_token(kv_shape(read_config(path)), args.kv_dtype)  # = the runtime's (tests/test_kv_bytes.py)
     max_tokens = max(args.batches) * (max(args.contexts) + args.decode_tokens + 1)
     kv_memory = int(min(max_tokens * bpt * 1.05 + (1 << 20), budget / 4))
     return LLM(path, kv_dtype=args.kv_dtype, kv_scales="dynamic", kv_memory=kv_memory,
