@@ -370,16 +370,14 @@ def markdown(report) -> str:
                   "| impl | mode | bytes/token | context | time (us) | KV GB/s | % of peak | eager (us) | unfused (us) | config |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
+            first = f"| {r['impl']} | {r['mode']} | {r['bytes_per_token']} | {r['context']} |"
             if r["error"]:
-                lines.append(f"| {r['impl']} | {r['mode']} | {r['bytes_per_token']} | {r['context']} | - | - | - | - | - | error: {r['error'][:60]} |")
+                lines.append(f"{first} - | - | - | - | - | error: {r['error'][:60]} |")
                 continue
             frac = f"{100 * r['frac_of_peak']:.0f}%" if r["frac_of_peak"] else "-"
-            cfg = r["config"] or {}
-            cfg_s = " ".join(f"{k}={v}" for k, v in cfg.items() if v is not None)
-            eager = f"{r['eager_us']:.1f}" if r.get("eager_us") else "-"
-            unfused = f"{r['unfused_us']:.1f}" if r.get("unfused_us") else "-"
-            lines.append(f"| {r['impl']} | {r['mode']} | {r['bytes_per_token']} | {r['context']} | {r['time_us']:.1f} | "
-                         f"{r['kv_GBps']:.0f} | {frac} | {eager} | {unfused} | {cfg_s} |")
+            eager, unfused = (f"{r[key]:.1f}" if r.get(key) else "-" for key in ("eager_us", "unfused_us"))
+            cfg_s = " ".join(f"{k}={v}" for k, v in (r["config"] or {}).items() if v is not None)
+            lines.append(f"{first} {r['time_us']:.1f} | {r['kv_GBps']:.0f} | {frac} | {eager} | {unfused} | {cfg_s} |")
     return "\n".join(lines) + "\n"
 
 
