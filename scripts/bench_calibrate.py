@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import DOCS, parser, write_json
+from bench_common import DOCS, calibrated_candidate, parser, quant_eval_inputs, write_json
 
 TARGETS = {"fp8": 0.5, "nvfp4": 3.0}
 
@@ -56,37 +56,23 @@ def parse_args():
 
 
 def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> list[dict]:
-    from transformers import AutoTokenizer
-
-    from kvconvert.data import eval_windows
-    from kvconvert.quant.capture import load_hf_model
-    from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook
+    from kvconvert.quant.evaluate import evaluate_kv_quant
     from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.options import CalibrateOptions
-    from kvconvert.quant.run import CalibrateJob, run_calibrate
-    from kvconvert.quant.scales import read_kv_scales
-    from kvconvert.sources import resolve_source
 
-    path = resolve_source(src)
-    layout = checkpoint_kv_layout(path)
-    windows = eval_windows(AutoTokenizer.from_pretrained(path), args.windows, args.window_len)
-    reference = load_hf_model(path)
+    path, _, windows, reference = quant_eval_inputs(src, args.windows, args.window_len)
+    is_mla = checkpoint_kv_layout(path).is_mla
     candidates, calib = {}, {}
     for name, overrides in configs.items():
-        if layout.is_mla and overrides.get("granularity") == "head":
+        if is_mla and overrides.get("granularity") == "head":
             continue
-        out = workdir / f"{label}-{len(calib)}"
         options = CalibrateOptions(calib_tokens=args.calib_tokens, search_tokens=args.search_tokens, **overrides)
-        job = CalibrateJob(src=str(path), options=options, out=out)
         print(f"[{label}] calibrating: {name}", file=sys.stderr, flush=True)
-        result = run_calibrate(job, echo=lambda msg: None)
-        report = result["report"]
+        report, candidates[name] = calibrated_candidate(path, options, workdir / f"{label}-{len(calib)}", reference)
         calib[name] = {"time_s": report["time_s"], "cpu_s": report.get("cpu_s"),
                        "seconds_per_million_tokens": report["seconds_per_million_tokens"],
                        "cpu_seconds_per_million_tokens": report.get("cpu_seconds_per_million_tokens"),
                        "tokens": report["calibration"]["tokens"], "threads": report["threads"]}
-        model = reference if report["rotation"] is None else load_hf_model(out)
-        candidates[name] = (model, fake_quant_hook(layout, read_kv_scales(out)))
     t0 = time.perf_counter()
     results = evaluate_kv_quant(
         reference, candidates, windows,

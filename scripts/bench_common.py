@@ -1,7 +1,8 @@
-"""What the benchmark scripts share (torch-free, so bench_memory stays small): the paths, the
-argument parser, the command line a result records, timing and peak-RSS measurement, JSON output, and
-docs/BENCHMARKS.md's generated tables: each benchmark owns the block between its two markers
-(`<!-- NAME:begin -->` ... `<!-- NAME:end -->`) and rewrites only that."""
+"""What the benchmark scripts share (torch-free at import, so bench_memory stays small): the paths, the
+argument parser, the command line a result records, timing and peak-RSS measurement, JSON output,
+docs/BENCHMARKS.md's generated tables (each benchmark owns the block between its two markers,
+`<!-- NAME:begin -->` ... `<!-- NAME:end -->`, and rewrites only that), and the fake-quantized KV
+evaluation's inputs and calibrated candidates (kvconvert.quant.evaluate)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,18 @@ def run_child(cmd: list[str], log: Path, threads: int | None = None) -> dict:
     return row
 
 
-def write_json(path: str | Path, payload: dict, indent: int = 2) -> None:
-    """Write the results atomically (a temp file beside it, then a rename), creating the folder."""
+def write_text(path: str | Path, text: str) -> None:
+    """Write atomically (a temp file beside it, then a rename), creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=indent) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_json(path: str | Path, payload: dict, indent: int = 2) -> None:
+    """Write the results as JSON, atomically (write_text)."""
+    write_text(path, json.dumps(payload, indent=indent) + "\n")
 
 
 def write_block(name: str, body: str, doc: Path = DOC) -> None:
@@ -71,4 +77,34 @@ def write_block(name: str, body: str, doc: Path = DOC) -> None:
         text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
+    write_text(doc, text)
+
+
+def quant_eval_inputs(src: str, windows: int, window_len: int = 1024):
+    """(source folder, its tokenizer, `windows` x `window_len` essay tokens (kvconvert.data.eval_windows),
+    the fp32 reference model): what kvconvert.quant.evaluate scores fake-quantized KV caches against."""
+    from transformers import AutoTokenizer
+
+    from kvconvert.data import eval_windows
+    from kvconvert.quant.capture import load_hf_model
+    from kvconvert.sources import resolve_source
+
+    path = resolve_source(src)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return path, tokenizer, eval_windows(tokenizer, windows, window_len), load_hf_model(path)
+
+
+def calibrated_candidate(src: str | Path, options, out: Path, source_model=None) -> tuple[dict, tuple]:
+    """The real `kvconvert calibrate` path (kvconvert.quant.run) from src into out, with `options`
+    (CalibrateOptions): (its report, (model, fake-quant cache hook), a kvconvert.quant.evaluate
+    candidate). source_model: src loaded, reused when the calibration rotated nothing."""
+    from kvconvert.quant.capture import load_hf_model
+    from kvconvert.quant.evaluate import fake_quant_hook
+    from kvconvert.quant.layout import checkpoint_kv_layout
+    from kvconvert.quant.run import CalibrateJob, run_calibrate
+    from kvconvert.quant.scales import read_kv_scales
+
+    report = run_calibrate(CalibrateJob(src=str(src), options=options, out=out, overwrite=True),
+                           echo=lambda msg: None)["report"]
+    model = source_model if source_model is not None and report["rotation"] is None else load_hf_model(out)
+    return report, (model, fake_quant_hook(checkpoint_kv_layout(out), read_kv_scales(out)))

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import DOCS, command, parser, write_block, write_json
+from bench_common import DOCS, calibrated_candidate, command, parser, quant_eval_inputs, write_block, write_json
 from bench_mla import TRANSMLA
 
 SMOLLM2 = "smollm2-135m"
@@ -90,23 +90,15 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
     save(points so far) after each group, so an interrupted run keeps what it measured."""
     import torch
 
-    from kvconvert.data import eval_windows
     from kvconvert.mla.convert import convert_to_mla
     from kvconvert.mla.options import MLAOptions
     from kvconvert.quant.capture import cache_hook, load_hf_model
-    from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook, identity_hook
+    from kvconvert.quant.evaluate import evaluate_kv_quant, identity_hook
     from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.options import CalibrateOptions
-    from kvconvert.quant.run import CalibrateJob, run_calibrate
-    from kvconvert.quant.scales import read_kv_scales
-    from kvconvert.sources import resolve_source
 
-    src = resolve_source(SMOLLM2)
-    from transformers import AutoTokenizer
-
-    windows = eval_windows(AutoTokenizer.from_pretrained(src), args.windows, 1024)
+    src, _, windows, reference = quant_eval_inputs(SMOLLM2, args.windows)
     proto = f"essays {args.windows} x 1024"
-    reference = load_hf_model(src)
 
     def log(msg):
         print(f"[{time.time() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
@@ -127,11 +119,8 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
         log(f"converted {setting}")
         models = {f"MLA {rank}+{rope} bf16": (load_hf_model(mla), identity_hook)}
         for kv in ("fp8", "nvfp4"):
-            out_dir = work / f"mla-{rank}-{rope}-{kv}"
-            run_calibrate(CalibrateJob(src=str(mla), options=CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens),
-                                       out=out_dir, overwrite=True), echo=lambda m: None)
-            models[f"MLA {rank}+{rope} {kv}"] = (load_hf_model(out_dir), fake_quant_hook(checkpoint_kv_layout(out_dir),
-                                                                                    read_kv_scales(out_dir)))
+            _, models[f"MLA {rank}+{rope} {kv}"] = calibrated_candidate(
+                mla, CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens), work / f"mla-{rank}-{rope}-{kv}")
             log(f"calibrated {setting} {kv}")
         res = evaluate_kv_quant(reference, models, windows)
         for name in models:

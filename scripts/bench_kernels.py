@@ -20,15 +20,17 @@ on CPU is covered by tests/kernels in the Triton interpreter.
 
 from __future__ import annotations
 
-import argparse
-import json
+import importlib
 import math
 import os
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import torch
+from bench_common import DOCS, parser, write_json, write_text
+
+from kvconvert.kernels.cache_layout import GQA_MODES, MLA_MODES, GQACacheLayer, MLACacheLayer
+
 DEVICE = "cuda"  # "cpu" only for --cpu-smoke (Triton interpreter)
 
 # HBM bandwidth from vendor spec sheets, bytes/s; first substring match of the device name wins
@@ -48,14 +50,13 @@ PEAK_BANDWIDTH = [
     ("L4", 0.3e12),
 ]
 
-from kvconvert.kernels.cache_layout import GQA_MODES, MLA_MODES  # noqa: E402
 # (block_n, num_warps, num_stages) candidates tuned per mode at the tuning context
 TUNE_GRID = [(16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 8, 2), (64, 8, 3)]
 QUICK_GRID = [(16, 4, 2), (32, 8, 2), (64, 8, 2)]
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768", help="comma-separated context lengths")
     p.add_argument("--batch", type=int, default=8, help="sequences per decode step")
     p.add_argument("--mla-heads", type=int, default=16, help="query heads per MLA shard (DeepSeek-V3 TP-8: 16)")
@@ -65,16 +66,13 @@ def parse_args(argv):
     p.add_argument("--skip-gqa", action="store_true")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run the whole script on CPU in the Triton interpreter at toy sizes (checks the plumbing only)")
-    p.add_argument("--json", default=str(ROOT / "docs" / "bench_kernels.json"))
-    p.add_argument("--md", default=str(ROOT / "docs" / "bench_kernels.md"))
+    p.add_argument("--json", default=None, help="default: docs/bench_kernels.json (--cpu-smoke: /tmp/...smoke.json)")
+    p.add_argument("--md", default=None, help="default: docs/bench_kernels.md (--cpu-smoke: /tmp/...smoke.md)")
     return p.parse_args(argv)
 
 
 def peak_bandwidth(name: str) -> float | None:
-    for key, bw in PEAK_BANDWIDTH:
-        if key in name:
-            return bw
-    return None
+    return next((bw for key, bw in PEAK_BANDWIDTH if key in name), None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,7 +80,7 @@ def peak_bandwidth(name: str) -> float | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def random_paging(torch, batch, context, block_size, device, seed=0):
+def random_paging(batch, context, block_size, device, seed=0):
     """Block tables with random distinct physical blocks; every sequence ``context`` tokens long."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     per_seq = math.ceil(context / block_size)
@@ -92,7 +90,7 @@ def random_paging(torch, batch, context, block_size, device, seed=0):
     return tables, lens, num_blocks
 
 
-def fill_cache(torch, cache, row_dims, chunk=65536):
+def fill_cache(cache, row_dims, chunk=65536):
     """Quantize random rows into every slot of a cache layer (through the real formats)."""
     total = cache.num_blocks * cache.block_size
     for start in range(0, total, chunk):
@@ -102,37 +100,39 @@ def fill_cache(torch, cache, row_dims, chunk=65536):
             dst.view(total, *dst.shape[2:])[start : start + n].copy_(r)
 
 
-def mla_case(torch, mode, batch, heads, context, block_size, rank=512, rope=64, seed=0):
-    from kvconvert.kernels.cache_layout import MLACacheLayer
-
-    tables, lens, num_blocks = random_paging(torch, batch, context, block_size, DEVICE, seed)
-    cache = MLACacheLayer.allocate(mode, num_blocks, block_size, rank, rope, dtype=torch.bfloat16, device=DEVICE, kv_scale=4.5 / 448)
-    fill_cache(torch, cache, [(rank,), (rope,)])
+def mla_case(mode, batch, context, block_size, heads=16, rank=512, rope=64, seed=0):
+    """(cache, (q_nope, q_rope), tables, lens, softmax scale); default: a DeepSeek-V3 TP-8 shard."""
+    tables, lens, num_blocks = random_paging(batch, context, block_size, DEVICE, seed)
+    cache = MLACacheLayer.allocate(mode, num_blocks, block_size, rank, rope, dtype=torch.bfloat16, device=DEVICE,
+                                   kv_scale=4.5 / 448)
+    fill_cache(cache, [(rank,), (rope,)])
     q_nope = torch.randn(batch, heads, rank, device=DEVICE, dtype=torch.bfloat16)
     q_rope = torch.randn(batch, heads, rope, device=DEVICE, dtype=torch.bfloat16)
-    return cache, q_nope, q_rope, tables, lens, (rank + rope) ** -0.5
+    return cache, (q_nope, q_rope), tables, lens, (rank + rope) ** -0.5
 
 
-def gqa_case(torch, mode, batch, q_heads, kv_heads, head_dim, context, block_size, seed=0):
-    from kvconvert.kernels.cache_layout import GQACacheLayer
-
-    tables, lens, num_blocks = random_paging(torch, batch, context, block_size, DEVICE, seed)
-    cache = GQACacheLayer.allocate(
-        mode, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE,
-        k_scale=4.5 / 448, v_scale=4.5 / 448,
-    )
-    fill_cache(torch, cache, [(kv_heads, head_dim), (kv_heads, head_dim)])
+def gqa_case(mode, batch, context, block_size, q_heads=32, kv_heads=8, head_dim=128, seed=0):
+    """(cache, (q,), tables, lens, softmax scale); default: Llama-3-8B's attention."""
+    tables, lens, num_blocks = random_paging(batch, context, block_size, DEVICE, seed)
+    cache = GQACacheLayer.allocate(mode, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16,
+                                   device=DEVICE, k_scale=4.5 / 448, v_scale=4.5 / 448)
+    fill_cache(cache, [(kv_heads, head_dim), (kv_heads, head_dim)])
     q = torch.randn(batch, q_heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
-    return cache, q, tables, lens, head_dim**-0.5
+    return cache, (q,), tables, lens, head_dim**-0.5
+
+
+def decode_fns(kernel: str):
+    """(triton kernel, PyTorch reference) of "mla" or "gqa"; both take (*queries, cache, tables, lens, scale)."""
+    from kvconvert.kernels import gqa_decode, mla_decode
+
+    if kernel == "mla":
+        return mla_decode.paged_mla_decode_triton, mla_decode.paged_mla_decode_reference
+    return gqa_decode.paged_gqa_decode_triton, gqa_decode.paged_gqa_decode_reference
 
 
 # ----------------------------------------------------------------------------------------------
 # correctness on the GPU
 # ----------------------------------------------------------------------------------------------
-
-
-def rel_err(torch, a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
 def check_dots() -> list[tuple[str, float]]:
@@ -141,38 +141,25 @@ def check_dots() -> list[tuple[str, float]]:
     return low + [("fp32", 1e-4)]
 
 
-def check_kernels(torch):
+def check_kernels():
     """Kernel vs reference on small ragged cases, per mode, with bf16 and fp32 dot operands."""
-    from kvconvert.kernels.gqa_decode import (
-        paged_gqa_decode_reference,
-        paged_gqa_decode_triton,
-    )
-    from kvconvert.kernels.mla_decode import (
-        paged_mla_decode_reference,
-        paged_mla_decode_triton,
-    )
-
+    cases = [("mla", mode, f"R{rank}+{rope} H{heads}", [300, 1, 129],
+              mla_case(mode, 3, 300, 64, heads=heads, rank=rank, rope=rope, seed=1))
+             for mode in MLA_MODES for rank, rope, heads in ((512, 64, 16), (160, 32, 9))]
+    cases += [("gqa", mode, f"{hq}q/{hk}kv D{d}", [300, 0, 77],
+               gqa_case(mode, 3, 300, 16, q_heads=hq, kv_heads=hk, head_dim=d, seed=2))
+              for mode in GQA_MODES for hq, hk, d in ((32, 8, 128), (9, 3, 64))]
     results = []
-    for mode in MLA_MODES:
-        for rank, rope, heads in ((512, 64, 16), (160, 32, 9)):
-            cache, qn, qr, tables, lens, scale = mla_case(torch, mode, 3, heads, 300, 64, rank, rope, seed=1)
-            lens = torch.tensor([300, 1, 129], dtype=torch.int32, device=DEVICE)
-            ref, ref_lse = paged_mla_decode_reference(qn.float(), qr.float(), cache, tables, lens, scale)
-            for dot, tol in check_dots():
-                out, lse = paged_mla_decode_triton(qn.float(), qr.float(), cache, tables, lens, scale, dot=dot)
-                err = rel_err(torch, out, ref)
-                results.append({"kernel": "mla", "mode": mode, "shape": f"R{rank}+{rope} H{heads}", "dot": dot,
-                                "rel_err": err, "lse_max_abs_err": float((lse - ref_lse).abs().max()), "ok": err < tol})
-    for mode in GQA_MODES:
-        for hq, hk, d in ((32, 8, 128), (9, 3, 64)):
-            cache, q, tables, lens, scale = gqa_case(torch, mode, 3, hq, hk, d, 300, 16, seed=2)
-            lens = torch.tensor([300, 0, 77], dtype=torch.int32, device=DEVICE)
-            ref, _ = paged_gqa_decode_reference(q.float(), cache, tables, lens, scale)
-            for dot, tol in check_dots():
-                out, _ = paged_gqa_decode_triton(q.float(), cache, tables, lens, scale, dot=dot)
-                err = rel_err(torch, out, ref)
-                results.append({"kernel": "gqa", "mode": mode, "shape": f"{hq}q/{hk}kv D{d}", "dot": dot,
-                                "rel_err": err, "ok": err < tol})
+    for kernel, mode, shape, lens, (cache, queries, tables, _, scale) in cases:
+        triton_fn, reference = decode_fns(kernel)
+        inputs = (*(q.float() for q in queries), cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+        ref, ref_lse = reference(*inputs, scale)
+        for dot, tol in check_dots():
+            out, lse = triton_fn(*inputs, scale, dot=dot)
+            err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+            lse_err = {"lse_max_abs_err": float((lse - ref_lse).abs().max())} if kernel == "mla" else {}
+            results.append({"kernel": kernel, "mode": mode, "shape": shape, "dot": dot, "rel_err": err, **lse_err,
+                            "ok": err < tol})
     return results
 
 
@@ -181,10 +168,11 @@ def check_kernels(torch):
 # ----------------------------------------------------------------------------------------------
 
 
-def time_ms(fn) -> float:
+def time_ms(fn, graph: bool = True) -> float:
     """Device time of one call (median), launch gaps removed: the call is captured in a CUDA graph
     and its replays are timed with events. A decode step in a serving engine runs inside a graph
-    too (vLLM, SGLang), so this is the number that matters; ``eager_ms`` adds the Python launch cost."""
+    too (vLLM, SGLang), so this is the number that matters. graph=False: wall time per call launched
+    from Python (median of event-timed calls), which adds the launch overhead."""
     if DEVICE == "cpu":  # --cpu-smoke: one timed call, no CUDA events
         fn()
         start = time.perf_counter()
@@ -192,27 +180,20 @@ def time_ms(fn) -> float:
         return (time.perf_counter() - start) * 1e3
     import triton.testing
 
+    if not graph:
+        return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
     fn()  # compile outside the capture
     return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
 
 
-def eager_ms(fn) -> float:
-    """Wall time per call launched from Python (median of event-timed calls): includes launch overhead."""
-    if DEVICE == "cpu":
-        return time_ms(fn)
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-
-
-def dequant_first_ms(torch, cache) -> float:
+def dequant_first_ms(cache) -> float:
     """The unfused alternative's extra step: dequantize the whole cache to bf16 with PyTorch ops
     (kvconvert.quant.formats) before a bf16 kernel reads it. Timed eagerly (its lookup tables are
     built on the host, which a graph capture refuses); its kernels are large, so launch cost is small."""
-    return eager_ms(lambda: [t.to(torch.bfloat16) for t in cache.dequantize()])
+    return time_ms(lambda: [t.to(torch.bfloat16) for t in cache.dequantize()], graph=False)
 
 
-def copy_bandwidth(torch) -> float:
+def copy_bandwidth() -> float:
     """Measured device-to-device copy bandwidth (read + write bytes / time) on 1 GiB."""
     if DEVICE == "cpu":
         return float("nan")
@@ -239,68 +220,55 @@ def tune(run_with, grid, splits_candidates):
     return (best[0] if best else None), tried
 
 
-def measure_step(torch, step, mode, cache, batch, context, peak, cfg, plain_ms) -> list[dict]:
+def measure_step(step, mode, cache, batch, context, peak, cfg, plain_ms) -> list[dict]:
     """Rows for one (mode, context): the decode ``step(dot=...)`` timed from a CUDA graph and eagerly,
     the dequantize-first alternative (quantized modes, next to the plain time at this context), and
     the same step with fp16 dot operands (exact for quantized values). ``plain_ms`` collects the
     plain mode's times; MODES lists "none" first so they exist when the quantized modes run."""
     call = lambda: step(dot=None)  # noqa: E731
     ms = time_ms(call)
-    rows = [result_row("triton", mode, cache, batch, context, ms, peak, cfg, eager=eager_ms(call))]
+    rows = [result_row("triton", mode, cache, batch, context, ms, peak, cfg, eager=time_ms(call, graph=False))]
     if mode == "none":
         plain_ms[context] = ms
         return rows
     if context in plain_ms:
-        rows[0]["unfused_us"] = (dequant_first_ms(torch, cache) + plain_ms[context]) * 1e3
+        rows[0]["unfused_us"] = (dequant_first_ms(cache) + plain_ms[context]) * 1e3
     rows.append(result_row("triton-fp16dot", mode, cache, batch, context, time_ms(lambda: step(dot="fp16")), peak, cfg))
     return rows
 
 
-def bench_mla(torch, args, contexts, grid, peak):
+def bench_kernel(kernel: str, args, contexts, grid, peak):
+    """Rows and tuning trials of one kernel: per mode, the launch config tuned at args.tune_context, then
+    every context timed with it (MLA: num_splits also tuned, as a ratio to the default heuristic's)."""
     from kvconvert.kernels._launch import default_num_splits
-    from kvconvert.kernels.mla_decode import paged_mla_decode_triton
 
+    decode = decode_fns(kernel)[0]
+    if kernel == "mla":
+        modes, baselines = MLA_MODES, mla_baselines
+        make_case = lambda mode, context: mla_case(mode, args.batch, context, args.block_size,  # noqa: E731
+                                                   heads=args.mla_heads)
+        default_splits = lambda context: default_num_splits(args.batch, math.ceil(args.mla_heads / 16),  # noqa: E731
+                                                            context, 16)
+    else:
+        modes, baselines = GQA_MODES, gqa_baselines
+        make_case = lambda mode, context: gqa_case(mode, args.batch, context, args.block_size)  # noqa: E731
+        default_splits = None
     rows, tuning, plain_ms = [], {}, {}
-    for mode in MLA_MODES:
-        cache, qn, qr, tables, lens, scale = mla_case(torch, mode, args.batch, args.mla_heads, args.tune_context, args.block_size)
-        base = default_num_splits(args.batch, math.ceil(args.mla_heads / 16), args.tune_context, 16)
-        splits = sorted({max(1, base // 2), base, base * 2, base * 4})
-        run = lambda cfg: paged_mla_decode_triton(qn, qr, cache, tables, lens, scale, **cfg)  # noqa: E731
-        best, tried = tune(run, grid, splits)
-        tuning[mode] = {"best": best, "tried": tried}
-        if best is None:
-            continue
-        split_ratio = best["num_splits"] / base
-        for context in contexts:
-            cache, qn, qr, tables, lens, scale = mla_case(torch, mode, args.batch, args.mla_heads, context, args.block_size)
-            n_splits = max(1, round(default_num_splits(args.batch, math.ceil(args.mla_heads / 16), context, 16) * split_ratio))
-            cfg = {**best, "num_splits": n_splits}
-            step = lambda dot: paged_mla_decode_triton(qn, qr, cache, tables, lens, scale, dot=dot, **cfg)  # noqa: E731
-            rows += measure_step(torch, step, mode, cache, args.batch, context, peak, cfg, plain_ms)
-            if mode == "none":
-                rows += mla_baselines(torch, cache, qn, qr, tables, lens, scale, args.batch, context, peak)
-            torch.cuda.empty_cache()
-    return rows, tuning
-
-
-def bench_gqa(torch, args, contexts, grid, peak, shape=(32, 8, 128)):
-    from kvconvert.kernels.gqa_decode import paged_gqa_decode_triton
-
-    hq, hk, d = shape
-    rows, tuning, plain_ms = [], {}, {}
-    for mode in GQA_MODES:
-        cache, q, tables, lens, scale = gqa_case(torch, mode, args.batch, hq, hk, d, args.tune_context, args.block_size)
-        run = lambda cfg: paged_gqa_decode_triton(q, cache, tables, lens, scale, **cfg)  # noqa: E731
-        best, tried = tune(run, grid, [None])
+    for mode in modes:
+        cache, queries, tables, lens, scale = make_case(mode, args.tune_context)
+        base = default_splits and default_splits(args.tune_context)
+        splits = sorted({max(1, base // 2), base, base * 2, base * 4}) if base else [None]
+        best, tried = tune(lambda cfg: decode(*queries, cache, tables, lens, scale, **cfg), grid, splits)
         tuning[mode] = {"best": best, "tried": tried}
         if best is None:
             continue
         for context in contexts:
-            cache, q, tables, lens, scale = gqa_case(torch, mode, args.batch, hq, hk, d, context, args.block_size)
-            step = lambda dot: paged_gqa_decode_triton(q, cache, tables, lens, scale, dot=dot, **best)  # noqa: E731
-            rows += measure_step(torch, step, mode, cache, args.batch, context, peak, best, plain_ms)
-            if mode in ("none", "fp8"):
-                rows += gqa_baselines(torch, mode, cache, q, tables, lens, scale, args.batch, context, peak)
+            cache, queries, tables, lens, scale = make_case(mode, context)
+            cfg = {**best, "num_splits": max(1, round(default_splits(context) * best["num_splits"] / base))} \
+                if base else best
+            step = lambda dot: decode(*queries, cache, tables, lens, scale, dot=dot, **cfg)  # noqa: E731
+            rows += measure_step(step, mode, cache, args.batch, context, peak, cfg, plain_ms)
+            rows += baselines(mode, cache, queries, tables, lens, scale, args.batch, context, peak)
             torch.cuda.empty_cache()
     return rows, tuning
 
@@ -316,63 +284,62 @@ def result_row(impl, mode, cache, batch, context, ms, peak, cfg=None, error=None
     }
 
 
-def mla_baselines(torch, cache, qn, qr, tables, lens, scale, batch, context, peak):
-    """FlashMLA and FlashInfer on the same bf16 cache (best effort: errors are recorded)."""
-    rows = []
-    r = cache.kv_lora_rank
+def baseline(impl, module, mode, cache, batch, context, peak, timed) -> list[dict]:
+    """A third-party kernel's row, best effort: none when `module` is not installed, its error when
+    timed(module) fails."""
     try:
-        from flash_mla import flash_mla_with_kvcache, get_mla_metadata
-
-        q = torch.cat([qn, qr], -1).unsqueeze(1)  # [B, 1, H, 576]
-        kv = cache.data.unsqueeze(2)  # [nb, 64, 1, 576]
-        meta, splits = get_mla_metadata(lens, qn.shape[1], 1)
-        ms = time_ms(lambda: flash_mla_with_kvcache(q, kv, tables, lens, r, meta, splits, softmax_scale=scale, causal=False))
-        rows.append(result_row("flashmla", "none", cache, batch, context, ms, peak))
-    except ImportError:
-        pass
-    except Exception as e:  # noqa: BLE001
-        rows.append(result_row("flashmla", "none", cache, batch, context, None, peak, error=f"{type(e).__name__}: {str(e)[:200]}"))
-    try:
-        import flashinfer
-
-        bs = cache.block_size
-        per_seq = tables.shape[1]
-        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE))
-        qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
-        kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * per_seq
-        wrapper.plan(qo_indptr, kv_indptr, tables.reshape(-1).contiguous(), lens, qn.shape[1], r, cache.rope_dim, bs,
-                     False, scale, qn.dtype, cache.data.dtype)
-        ckv, kpe = cache.data[..., :r], cache.data[..., r:]
-        ms = time_ms(lambda: wrapper.run(qn, qr, ckv, kpe))
-        rows.append(result_row("flashinfer", "none", cache, batch, context, ms, peak))
-    except ImportError:
-        pass
-    except Exception as e:  # noqa: BLE001
-        rows.append(result_row("flashinfer", "none", cache, batch, context, None, peak, error=f"{type(e).__name__}: {str(e)[:200]}"))
-    return rows
-
-
-def gqa_baselines(torch, mode, cache, q, tables, lens, scale, batch, context, peak):
-    """FlashInfer batch decode on the same NHD paged cache (bf16, or fp8 with the same scales)."""
-    try:
-        import flashinfer
+        lib = importlib.import_module(module)
     except ImportError:
         return []
     try:
-        per_seq = tables.shape[1]
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE), "NHD")
+        return [result_row(impl, mode, cache, batch, context, timed(lib), peak)]
+    except Exception as e:  # noqa: BLE001
+        return [result_row(impl, mode, cache, batch, context, None, peak, error=f"{type(e).__name__}: {str(e)[:200]}")]
+
+
+def mla_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak):
+    """FlashMLA and FlashInfer on the same bf16 cache (mode "none" only)."""
+    if mode != "none":
+        return []
+    (qn, qr), r, heads = queries, cache.kv_lora_rank, queries[0].shape[1]
+
+    def flashmla(flash_mla):
+        q = torch.cat([qn, qr], -1).unsqueeze(1)  # [B, 1, H, 576]
+        kv = cache.data.unsqueeze(2)  # [nb, 64, 1, 576]
+        meta, splits = flash_mla.get_mla_metadata(lens, heads, 1)
+        return time_ms(lambda: flash_mla.flash_mla_with_kvcache(q, kv, tables, lens, r, meta, splits,
+                                                                softmax_scale=scale, causal=False))
+
+    def flashinfer(flashinfer):
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE))
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+        kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * tables.shape[1]
+        wrapper.plan(qo_indptr, kv_indptr, tables.reshape(-1).contiguous(), lens, heads, r, cache.rope_dim,
+                     cache.block_size, False, scale, qn.dtype, cache.data.dtype)
+        ckv, kpe = cache.data[..., :r], cache.data[..., r:]
+        return time_ms(lambda: wrapper.run(qn, qr, ckv, kpe))
+
+    return (baseline("flashmla", "flash_mla", mode, cache, batch, context, peak, flashmla)
+            + baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer))
+
+
+def gqa_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak):
+    """FlashInfer batch decode on the same NHD paged cache (bf16, or fp8 with the same scales)."""
+    if mode not in ("none", "fp8"):
+        return []
+    (q,) = queries
+
+    def flashinfer(flashinfer):
+        per_seq, workspace = tables.shape[1], torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * per_seq
         last = lens - (per_seq - 1) * cache.block_size
         wrapper.plan(indptr, tables.reshape(-1).contiguous(), last, q.shape[1], cache.kv_heads, cache.head_dim,
                      cache.block_size, q_data_type=q.dtype, kv_data_type=cache.k.dtype, sm_scale=scale)
-        if mode == "fp8":
-            ks, vs = float(cache.k_scale[0]), float(cache.v_scale[0])
-            ms = time_ms(lambda: wrapper.run(q, (cache.k, cache.v), k_scale=ks, v_scale=vs))
-        else:
-            ms = time_ms(lambda: wrapper.run(q, (cache.k, cache.v)))
-        return [result_row("flashinfer", mode, cache, batch, context, ms, peak)]
-    except Exception as e:  # noqa: BLE001
-        return [result_row("flashinfer", mode, cache, batch, context, None, peak, error=f"{type(e).__name__}: {str(e)[:200]}")]
+        scales = {"k_scale": float(cache.k_scale[0]), "v_scale": float(cache.v_scale[0])} if mode == "fp8" else {}
+        return time_ms(lambda: wrapper.run(q, (cache.k, cache.v), **scales))
+
+    return baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,31 +370,25 @@ def markdown(report) -> str:
                   "| impl | mode | bytes/token | context | time (us) | KV GB/s | % of peak | eager (us) | unfused (us) | config |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
+            first = f"| {r['impl']} | {r['mode']} | {r['bytes_per_token']} | {r['context']} |"
             if r["error"]:
-                lines.append(f"| {r['impl']} | {r['mode']} | {r['bytes_per_token']} | {r['context']} | - | - | - | - | - | error: {r['error'][:60]} |")
+                lines.append(f"{first} - | - | - | - | - | error: {r['error'][:60]} |")
                 continue
             frac = f"{100 * r['frac_of_peak']:.0f}%" if r["frac_of_peak"] else "-"
-            cfg = r["config"] or {}
-            cfg_s = " ".join(f"{k}={v}" for k, v in cfg.items() if v is not None)
-            eager = f"{r['eager_us']:.1f}" if r.get("eager_us") else "-"
-            unfused = f"{r['unfused_us']:.1f}" if r.get("unfused_us") else "-"
-            lines.append(f"| {r['impl']} | {r['mode']} | {r['bytes_per_token']} | {r['context']} | {r['time_us']:.1f} | "
-                         f"{r['kv_GBps']:.0f} | {frac} | {eager} | {unfused} | {cfg_s} |")
+            eager, unfused = (f"{r[key]:.1f}" if r.get(key) else "-" for key in ("eager_us", "unfused_us"))
+            cfg_s = " ".join(f"{k}={v}" for k, v in (r["config"] or {}).items() if v is not None)
+            lines.append(f"{first} {r['time_us']:.1f} | {r['kv_GBps']:.0f} | {frac} | {eager} | {unfused} | {cfg_s} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     global DEVICE
     args = parse_args(argv)
-    import torch
-
     if args.cpu_smoke:
         DEVICE = "cpu"
         os.environ["TRITON_INTERPRET"] = "1"
         args.batch, args.mla_heads, args.block_size, args.tune_context = 2, 16, 16, 64
         args.contexts = "48,100"
-        if args.json == str(ROOT / "docs" / "bench_kernels.json"):
-            args.json, args.md = "/tmp/bench_kernels_smoke.json", "/tmp/bench_kernels_smoke.md"
     elif not torch.cuda.is_available():
         print("bench_kernels: no CUDA GPU visible, benchmark not run (on CPU the kernels are verified by "
               "tests/kernels in the Triton interpreter)")
@@ -439,33 +400,29 @@ def main(argv=None) -> int:
     except ImportError:
         print("bench_kernels: Triton is not installed (pip install triton), benchmark not run")
         return 0
+    stem = "/tmp/bench_kernels_smoke" if args.cpu_smoke else str(DOCS / "bench_kernels")
+    args.json, args.md = args.json or f"{stem}.json", args.md or f"{stem}.md"
 
     contexts = [1024, 8192] if args.quick else [int(c) for c in args.contexts.split(",")]
-    grid = QUICK_GRID if args.quick else TUNE_GRID
-    if args.cpu_smoke:
-        grid = QUICK_GRID[:1]
+    grid = QUICK_GRID[:1] if args.cpu_smoke else QUICK_GRID if args.quick else TUNE_GRID
     name = "cpu (Triton interpreter smoke run)" if args.cpu_smoke else torch.cuda.get_device_name()
     peak = peak_bandwidth(name)
     started = time.time()
     report = {
         "device": name, "torch": torch.__version__, "triton": triton.__version__,
         "peak_bandwidth_GBps": peak / 1e9 if peak else None, "batch": args.batch, "block_size": args.block_size,
-        "mla_heads": args.mla_heads, "contexts": contexts,
+        "mla_heads": args.mla_heads, "contexts": contexts, "copy_bandwidth_GBps": copy_bandwidth() / 1e9,
     }
-    report["copy_bandwidth_GBps"] = copy_bandwidth(torch) / 1e9
     print(f"{name}: peak {report['peak_bandwidth_GBps']} GB/s, copy {report['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
-    report["checks"] = check_kernels(torch)
+    report["checks"] = check_kernels()
     bad = [c for c in report["checks"] if not c["ok"]]
     print(f"checks: {len(report['checks']) - len(bad)}/{len(report['checks'])} ok" + (f"; FAILED: {bad}" if bad else ""), flush=True)
-    report["mla"], report["mla_tuning"] = bench_mla(torch, args, contexts, grid, peak)
-    if not args.skip_gqa:
-        report["gqa"], report["gqa_tuning"] = bench_gqa(torch, args, contexts, grid, peak)
+    for kernel in ("mla",) if args.skip_gqa else ("mla", "gqa"):
+        report[kernel], report[f"{kernel}_tuning"] = bench_kernel(kernel, args, contexts, grid, peak)
     report["seconds"] = time.time() - started
-
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1))
+    write_json(args.json, report, indent=1)
     md = markdown(report)
-    Path(args.md).write_text(md)
+    write_text(args.md, md)
     print(md)
     print(f"wrote {args.json} and {args.md} in {report['seconds']:.0f} s")
     return 1 if bad else 0

@@ -15,7 +15,7 @@ Writes docs/bench_key_floor.json and prints a markdown table (same windows, one 
 from __future__ import annotations
 
 import torch
-from bench_common import DOCS, parser, write_json
+from bench_common import DOCS, parser, quant_eval_inputs, write_json
 
 
 def parse_args():
@@ -55,9 +55,7 @@ def ideal_rotation_hook(kv_dtype: str, hadamard: torch.Tensor, key_amax: dict[in
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from kvconvert.data import calibration_windows, eval_windows
+    from kvconvert.data import calibration_windows
     from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model
     from kvconvert.quant.capture import load_hf_model
     from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook
@@ -65,15 +63,12 @@ def main():
     from kvconvert.quant.rotate import block_hadamard
     from kvconvert.sources import resolve_source
 
-    path = resolve_source(args.src)
-    layout = checkpoint_kv_layout(path)
+    layout = checkpoint_kv_layout(resolve_source(args.src))
     if layout.is_mla:
         raise SystemExit("this bound is for GQA/MHA keys (an MLA latent can already be rotated freely)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    path, tokenizer, windows, reference = quant_eval_inputs(args.src, args.windows)
     calib = calibration_windows(tokenizer, "builtin", args.calib_tokens, 512)
-    windows = eval_windows(tokenizer, args.windows, 1024)
     hadamard = block_hadamard(layout.head_dim, layout.head_dim, seed=0).float()
-    reference = load_hf_model(path)
     candidates = {}
     for kv_dtype in ("fp8", "nvfp4"):
         for label, settings in (("naive (amax, no rotation)", CalibrationSettings(kv_dtype, observer="amax", rotate=False)),

@@ -18,22 +18,25 @@ this machine's RAM are recorded as skipped, with the estimate.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from bench_common import DOCS, parser, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvconvert.checkpoint import read_config
+from kvconvert.kvmath import kv_bytes_per_token, kv_shape
+
 REQUEST_TOKENS = 2048
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--source", default="smollm2-135m", help="source model folder or built-in name")
     ap.add_argument("--mla", default=None, help="MLA conversion of the source (HF folder), optional")
     ap.add_argument("--batches", default="1,8,32")
@@ -45,7 +48,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 8 at 512 tokens, 8 decode tokens")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench_runtime.json"))
+    ap.add_argument("--out", default=str(DOCS / "bench_runtime.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.batches, args.contexts, args.decode_tokens = "1,8", "512", 8
@@ -83,42 +86,15 @@ def runtime_decode(llm, prompts, n_decode: int) -> float:
     return len(prompts) * steps / elapsed
 
 
-def runtime_kv_needed(llm, batch: int, context: int, n_decode: int) -> int:
-    blocks = batch * -(-(context + n_decode + 1) // llm.config.block_size)
-    return blocks * llm.config.block_size * llm.kv_bytes_per_token
-
-
 # ---------------------------------------------------------------------------------------- transformers
-class _Clock:
-    """A generate() streamer that only timestamps: put() is called with the prompt, then per token."""
-
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 def transformers_decode(model, prompts, n_decode: int) -> float:
     ids = torch.tensor(prompts)
-    clock = _Clock()
+    t = []  # timestamps: generate() streams the prompt, then each token: [prompt, token 1 (after prefill), ...]
+    clock = SimpleNamespace(put=lambda _: t.append(time.perf_counter()), end=lambda: None)
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_decode + 1,
                        min_new_tokens=n_decode + 1, do_sample=False, streamer=clock, pad_token_id=0)
-    t = clock.times  # [prompt, token 1 (after prefill), ..., token n+1]
     return len(prompts) * (len(t) - 2) / (t[-1] - t[1])
-
-
-def transformers_memory(config: dict, batch: int, context: int) -> int:
-    """fp32 weights-free estimate: the DynamicCache (fp32) twice over (torch.cat copies)."""
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4
-    return 2 * per_token * batch * context
 
 
 # ---------------------------------------------------------------------------------------- KV math
@@ -129,8 +105,6 @@ def kv_table(paths: dict[str, Path], kv_memory: int, request_tokens: int = REQUE
     from kvconvert.runtime.block_manager import BlockManager
     from kvconvert.runtime.kv_cache import bytes_per_token
     from kvconvert.runtime.models import kv_layout
-
-    from kvconvert.checkpoint import read_config
 
     sizes, fits = [], []
     base = None
@@ -164,12 +138,8 @@ def count_paged(bm, num_blocks: int, request_tokens: int) -> int:
 
 def make_llm(path, args, budget):
     from kvconvert.runtime import LLM
-    from kvconvert.runtime.kv_cache import bytes_per_token
-    from kvconvert.runtime.models import kv_layout
 
-    from kvconvert.checkpoint import read_config
-
-    bpt = bytes_per_token(kv_layout(read_config(path)), args.kv_dtype)
+    bpt = kv_bytes_per_token(kv_shape(read_config(path)), args.kv_dtype)  # = the runtime's (tests/test_kv_bytes.py)
     max_tokens = max(args.batches) * (max(args.contexts) + args.decode_tokens + 1)
     kv_memory = int(min(max_tokens * bpt * 1.05 + (1 << 20), budget / 4))
     return LLM(path, kv_dtype=args.kv_dtype, kv_scales="dynamic", kv_memory=kv_memory,
@@ -177,26 +147,30 @@ def make_llm(path, args, budget):
 
 
 def runtime_row(name, llm, batch, context, args) -> dict:
-    row = {"model": name, "engine": "kvconvert-runtime", "batch": batch, "context": context, "kv_dtype": args.kv_dtype}
-    need = runtime_kv_needed(llm, batch, context, args.decode_tokens)
-    if need > llm.num_blocks * llm.config.block_size * llm.kv_bytes_per_token:
-        row["skipped"] = f"KV needs {need / 2**30:.1f} GiB"
-    else:
-        prompts = prompts_for(batch, context, llm.model.vocab_size, batch * context)
-        row["tokens_per_s"] = round(runtime_decode(llm, prompts, args.decode_tokens), 3)
-    print(json.dumps(row), file=sys.stderr)
-    return row
+    block_size, bpt = llm.config.block_size, llm.kv_bytes_per_token
+    need = batch * -(-(context + args.decode_tokens + 1) // block_size) * block_size * bpt
+    skipped = f"KV needs {need / 2**30:.1f} GiB" if need > llm.num_blocks * block_size * bpt else None
+    return decode_row(name, "kvconvert-runtime", args.kv_dtype, batch, context, skipped, lambda: runtime_decode(
+        llm, prompts_for(batch, context, llm.model.vocab_size, batch * context), args.decode_tokens))
 
 
 def transformers_row(model, batch, context, args, budget) -> dict:
     config = model.config.to_dict()
-    row = {"model": "source", "engine": "transformers", "batch": batch, "context": context, "kv_dtype": "fp32"}
-    need = transformers_memory(config, batch, context + args.decode_tokens)
-    if need > budget:
-        row["skipped"] = f"needs ~{need / 2**30:.0f} GiB"
+    # weights-free estimate: the fp32 DynamicCache twice over (torch.cat copies)
+    need = 2 * kv_bytes_per_token(kv_shape(config), "fp32") * batch * (context + args.decode_tokens)
+    skipped = f"needs ~{need / 2**30:.0f} GiB" if need > budget else None
+    return decode_row("source", "transformers", "fp32", batch, context, skipped, lambda: transformers_decode(
+        model, prompts_for(batch, context, config["vocab_size"], batch * context), args.decode_tokens))
+
+
+def decode_row(model: str, engine: str, kv_dtype: str, batch: int, context: int, skipped: str | None,
+               tokens_per_s) -> dict:
+    """One decode configuration: why it was skipped, or the rate tokens_per_s() measures."""
+    row = {"model": model, "engine": engine, "batch": batch, "context": context, "kv_dtype": kv_dtype}
+    if skipped:
+        row["skipped"] = skipped
     else:
-        prompts = prompts_for(batch, context, config["vocab_size"], batch * context)
-        row["tokens_per_s"] = round(transformers_decode(model, prompts, args.decode_tokens), 3)
+        row["tokens_per_s"] = round(tokens_per_s(), 3)
     print(json.dumps(row), file=sys.stderr)
     return row
 
@@ -230,7 +204,6 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     from kvconvert.runtime.cli import parse_size
-
     from kvconvert.sources import resolve_source
 
     source = resolve_source(args.source)
@@ -259,11 +232,9 @@ def main(argv=None):
             if hf is not None:
                 report["decode"].append(transformers_row(hf, batch, context, args, budget))
     report["kv_bytes_per_token"], report["concurrency"] = kv_table(models, parse_size(args.kv_memory), args.request_tokens)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(markdown(report))
-    print(f"\nwrote {out}", file=sys.stderr)
+    print(f"\nwrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -11,25 +11,24 @@ time is a load-independent estimate of the single-core wall time. The deltas mus
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import stopwatch, write_json
+from bench_common import parser, stopwatch, write_json
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", default="quick")
-    parser.add_argument("--engine", default="auto", choices=["auto", "runtime", "transformers"])
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--source", default="smollm2-135m")
-    parser.add_argument("--out", type=Path, default=None, help="report folder (default: a temp folder)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the timings here")
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--suite", default="quick")
+    ap.add_argument("--engine", default="auto", choices=["auto", "runtime", "transformers"])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--source", default="smollm2-135m")
+    ap.add_argument("--out", type=Path, default=None, help="report folder (default: a temp folder)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the timings here")
+    args = ap.parse_args()
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from kvconvert.eval.options import ValidateOptions

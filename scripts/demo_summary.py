@@ -17,8 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvconvert.eval.gate import load_policy
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import kv_bytes_per_token, kv_shape
+from kvconvert.pipeline import _policy_path
 from kvconvert.targets import TARGETS
 
 
@@ -27,18 +29,10 @@ def _config(report: dict, model: str) -> dict:
     return json.loads((Path(report[model]["path"]) / "config.json").read_text())
 
 
-def _candidate_bytes(report: dict) -> tuple[int, int]:
-    """(candidate, source bf16) KV bytes per token, from the models' configs (kvconvert.kvmath)."""
-    return (kv_bytes_per_token(kv_shape(_config(report, "candidate")), report["candidate"]["kv_dtype"]),
-            kv_bytes_per_token(kv_shape(_config(report, "source")), "bf16"))
-
-
-def _gate(report_path: Path, policy: str) -> bool:
+def _gate(report_path: Path, policy_file: str) -> bool:
     """The real `kvconvert gate` (exit 0 = pass, 1 = fail; anything else is an error, not a verdict)."""
-    from kvconvert.pipeline import _policy_path
-
     proc = subprocess.run([sys.executable, "-m", "kvconvert.cli", "gate", "--report", str(report_path),
-                           "--policy", _policy_path(policy)], capture_output=True, text=True)
+                           "--policy", policy_file], capture_output=True, text=True)
     if proc.returncode not in (0, 1):
         raise SystemExit(f"kvconvert gate failed on {report_path}:\n{proc.stderr}")
     return proc.returncode == 0
@@ -55,15 +49,17 @@ def _engines(report: dict) -> str:
     return ", ".join(engines)
 
 
-def summarize(label: str, out: Path, policy: str) -> dict:
+def summarize(label: str, out: Path, policy_file: str) -> dict:
     report_path = out / "report" / "report.json"
     report = json.loads(report_path.read_text())
     m = report["metrics"]
-    cand, src = _candidate_bytes(report)
+    # KV bytes per token of the candidate and of the source in bf16, from the models' configs
+    cand = kv_bytes_per_token(kv_shape(_config(report, "candidate")), report["candidate"]["kv_dtype"])
+    src = kv_bytes_per_token(kv_shape(_config(report, "source")), "bf16")
     return {"label": label, "bytes": cand, "fraction": cand / src, "ppl_pct": m["perplexity"]["delta_pct"],
             "kl": m["kl_mean"]["candidate"], "passkey_drop": _drop(m, "passkey_accuracy"),
             "niah_drop": _drop(m, "niah_accuracy"), "engines": _engines(report),
-            "gate": _gate(report_path, policy), "suite": report["suite"]["name"]}
+            "gate": _gate(report_path, policy_file), "suite": report["suite"]["name"]}
 
 
 def _drop(metrics: dict, name: str) -> float | None:
@@ -137,15 +133,11 @@ def main() -> int:
     ap.add_argument("--policy", default="default")
     ap.add_argument("--png", type=Path, required=True)
     args = ap.parse_args()
-    rows = []
-    for item in args.candidates:
-        label, _, folder = item.partition("=")
-        rows.append(summarize(label, Path(folder), args.policy))
+    policy_file = _policy_path(args.policy)
+    rows = [summarize(label, Path(folder), policy_file)
+            for label, _, folder in (item.partition("=") for item in args.candidates)]
     print_table(rows, args.policy)
-    from kvconvert.eval.gate import load_policy
-    from kvconvert.pipeline import _policy_path
-
-    plot(rows, args.png, load_policy(Path(_policy_path(args.policy))).thresholds.kl_mean)
+    plot(rows, args.png, load_policy(Path(policy_file)).thresholds.kl_mean)
     print(f"\nPicture: {args.png}")
     print("\n" + verdict(rows))
     return 0 if any(r["gate"] for r in rows) else 1
