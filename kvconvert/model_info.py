@@ -16,10 +16,6 @@ from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelEr
 from kvconvert.kvformat import INSPECT_KV_DTYPES
 from kvconvert.presets import PRESETS, get_preset
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-
-
 # ----------------------------------------------------------------------------------------------
 # model sources: a folder, a config.json, or a preset
 # ----------------------------------------------------------------------------------------------
@@ -50,21 +46,14 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-from kvconvert.st_header import safetensors_header  # noqa: E402  (torch-free)
+from kvconvert.st_header import SINGLE_NAME, index_weight_map, safetensors_header  # noqa: E402  (torch-free)
 
 
 def weight_files(folder: Path) -> list[Path]:
     """Safetensors files of an HF folder (index shards or model.safetensors); [] when it has none."""
-    index = folder / INDEX_NAME
-    if index.is_file():
-        try:
-            shards = sorted(set(_read_json(index)["weight_map"].values()))
-        except (KeyError, AttributeError, TypeError):
-            raise CheckpointError(f"{index}: index has no weight_map") from None
-        for shard in shards:
-            if not (folder / shard).is_file():
-                raise CheckpointError(f"{folder / shard}: shard named in {INDEX_NAME} is missing")
-        return [folder / s for s in shards]
+    weight_map = index_weight_map(folder)
+    if weight_map is not None:
+        return [folder / s for s in sorted(set(weight_map.values()))]
     return [folder / SINGLE_NAME] if (folder / SINGLE_NAME).is_file() else []
 
 

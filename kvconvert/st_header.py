@@ -9,6 +9,25 @@ from pathlib import Path
 
 from kvconvert.errors import CheckpointError
 
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def index_weight_map(folder: Path) -> dict[str, str] | None:
+    """{tensor name: shard file} of a sharded HF folder's index, every shard checked present;
+    None when the folder has no index (a single model.safetensors, or no weights)."""
+    index = folder / INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        weight_map = dict(json.loads(index.read_text())["weight_map"])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{index}: unreadable index ({exc})") from None
+    for shard in sorted(set(weight_map.values())):
+        if not (folder / shard).is_file():
+            raise CheckpointError(f"{folder / shard}: shard named in {INDEX_NAME} is missing")
+    return weight_map
+
 
 def safetensors_header(path: Path) -> dict:
     """Header of one safetensors file {name: {dtype, shape, data_offsets}}, validated against the

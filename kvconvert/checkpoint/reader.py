@@ -17,14 +17,12 @@ import torch
 from safetensors import safe_open
 
 from kvconvert.errors import CheckpointError
-from kvconvert.st_header import safetensors_header
+from kvconvert.st_header import INDEX_NAME, SINGLE_NAME, index_weight_map, safetensors_header
 
-INDEX_NAME = "model.safetensors.index.json"
 # safetensors dtype names -> torch dtypes (those a checkpoint's weights and scales use)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
               "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-SINGLE_NAME = "model.safetensors"
 
 
 def read_config(folder: Path) -> dict:
@@ -108,15 +106,8 @@ class CheckpointReader:
                 safetensors_header(self.path / name)
 
     def _weight_map(self) -> dict[str, str]:
-        index = self.path / INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError) as exc:
-                raise CheckpointError(f"{index}: unreadable index ({exc})") from None
-            for shard in sorted(set(weight_map.values())):
-                if not (self.path / shard).is_file():
-                    raise CheckpointError(f"{self.path / shard}: shard named in {INDEX_NAME} is missing")
+        weight_map = index_weight_map(self.path)
+        if weight_map is not None:
             return weight_map
         single = self.path / SINGLE_NAME
         if single.is_file():
