@@ -9,7 +9,7 @@ random-weight checkpoint in Llama-2-7B's shapes.
 Writes docs/bench_mla.json (merged per section) and prints a markdown table for docs/BENCHMARKS.md.
 Perplexity protocol: the Paul Graham essays, N windows of 1024 tokens, fp32, no special tokens.
 --variant compares converter options side by side (same calibration tokens, same windows), e.g.
---variant base= --variant "residual=--fit-target residual"; --corpus adds held-out corpora (any
+--variant base= --variant "k01=--key-weight 0.1"; --corpus adds held-out corpora (any
 source kvconvert.data.load_text reads), each with its own window count after a colon.
 """
 

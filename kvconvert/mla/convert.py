@@ -13,7 +13,6 @@ import json
 import resource
 import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from kvconvert.data import calibration_windows, data_hash
 from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
-from kvconvert.mla.convert_layer import LayerPlan, convert_layer, max_rank, refit_down_proj
+from kvconvert.mla.convert_layer import LayerPlan, convert_layer, max_rank
 from kvconvert.mla.options import MLAOptions
 from kvconvert.models import deepseek_v3 as ds, llama
 from kvconvert.models.common import DecoderLayer, rms_norm, take
@@ -119,8 +118,6 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     out_dtype = DTYPES[opts.dtype]
     embed = reader.get("model.embed_tokens.weight")
     hidden = embed[ids].float().to(device)  # [N, T, hidden] calibration hidden states, carried layer to layer
-    # the source model's own hidden states on the same tokens (2x the memory), for the residual fits
-    src_hidden = hidden.clone() if opts.fit_target == "residual" or opts.refit_down_proj else None
     with CheckpointWriter(out_dir, overwrite=overwrite, source=report.source, max_shard_bytes=256 * 2**20,
                           manifest_extra={"kvconvert_mla": {"rank": plan.rank, "rope_dim": rope_dim,
                                                             "calib_tokens": report.calib_tokens,
@@ -132,8 +129,8 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
         for i in tqdm(layers, desc="mla: layers", disable=not progress):
             w = source_layer_weights(reader, i, "attention")
             reader.close()  # copied out: drop the mapped pages before the heavy math (they count in RSS)
-            mla_w, layer_rep, hidden, src_hidden = _convert_and_advance(
-                hidden, src_hidden, w, source, target, plan, opts, i, partial(source_layer_weights, reader, i, "mlp"))
+            mla_w, layer_rep, hidden = _convert_and_advance(hidden, w, source, target, plan, opts, i,
+                                                            load_mlp=lambda: source_layer_weights(reader, i, "mlp"))
             reader.close()
             for short, name in fmt.TARGET_ATTENTION.items():
                 if short in mla_w:
@@ -160,46 +157,28 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     return report
 
 
-def _convert_and_advance(hidden, src_hidden, w, source: LlamaShape, target: MLAShape, plan: LayerPlan,
-                         opts: MLAOptions, i: int, load_mlp):
+def _convert_and_advance(hidden, w, source: LlamaShape, target: MLAShape, plan: LayerPlan, opts: MLAOptions, i: int,
+                         load_mlp):
     """Convert layer i and advance the calibration hidden states [N, T, hidden] through it.
 
-    src_hidden: the source model's own hidden states [N, T, hidden] on the same tokens (None unless
-    --fit-target residual or --refit-down-proj), advanced through the source layer.
     w: the layer's attention weights and norms (host); load_mlp() returns its MLP weights, which are
-    added to w once the attention is converted (--stream converted: through the converted attention;
-    --refit-down-proj replaces w["down_proj"]). The maths runs on hidden's device, with a copy of w
-    there; the weights returned stay there."""
+    added to w once the attention is converted (--stream converted: through the converted attention).
+    The maths runs on hidden's device, with a copy of w there; the weights returned stay there."""
     on_device = {k: v.to(hidden.device) for k, v in w.items()}
     xn = rms_norm(hidden, on_device["input_layernorm"], source.rms_eps)  # [N, T, hidden] fp32
     _check_finite(xn, f"layer {i} input")
-    src_mid = None
-    if src_hidden is not None:  # the source model's hidden state after attention
-        src_xn = rms_norm(src_hidden, on_device["input_layernorm"], source.rms_eps)
-        src_mid = src_hidden + llama.attention(src_xn, take(llama.LlamaAttention, on_device), source)
-    y_target = src_mid - hidden if opts.fit_target == "residual" else None  # source after attn - converted before
-    result = convert_layer(xn, on_device, source, target, plan, opts.q_rank, opts.refit_o_proj, layer=i,
-                           y_target=y_target)
+    result = convert_layer(xn, on_device, source, target, plan, opts.q_rank, opts.refit_o_proj, layer=i)
     mlp = load_mlp()
     w.update(mlp)
     on_device.update({k: v.to(hidden.device) for k, v in mlp.items()})
     layer = DecoderLayer.of(on_device, llama.LlamaAttention)
-    if src_mid is not None:
-        src_hidden = src_mid + layer.mlp(rms_norm(src_mid, layer.post_attention_layernorm, source.rms_eps))
-        _check_finite(src_hidden, f"layer {i} source output")
     if opts.stream == "converted":
         h = hidden + ds.attention(xn, take(ds.MLAAttention, {k: v.float() for k, v in result.weights.items()}), target)
-        x_mlp = rms_norm(h, layer.post_attention_layernorm, source.rms_eps)
-        if opts.refit_down_proj:  # the MLP repairs what the converted stream still misses after attention
-            layer.mlp.down_proj = refit_down_proj(x_mlp, layer.mlp, src_hidden - h).float()
-            w["down_proj"] = layer.mlp.down_proj.cpu()
-            result.report["down_proj_rel_change"] = float((layer.mlp.down_proj - mlp["down_proj"].to(h)).norm()
-                                                          / mlp["down_proj"].float().norm())
-        hidden = h + layer.mlp(x_mlp)
+        hidden = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm, source.rms_eps))
     else:
         hidden = llama.layer(hidden, layer, source)
     _check_finite(hidden, f"layer {i} output")
-    return result.weights, result.report, hidden, src_hidden
+    return result.weights, result.report, hidden
 
 
 def save_report_json(report: ConversionReport, path: Path) -> None:

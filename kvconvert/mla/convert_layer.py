@@ -3,8 +3,7 @@ device of its inputs).
 
 convert_layer is the one entry point (used by `kvconvert mla` and the budget search): the
 closed form on the layer's calibration inputs, the latent RMSNorm linearisation, optional
-low-rank queries and the least-squares o_proj refit, with the attention errors measured.
-refit_down_proj is the optional MLP step after it (--refit-down-proj)."""
+low-rank queries and the least-squares o_proj refit, with the attention errors measured."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import torch
 from kvconvert.mla import factorize as fz
 from kvconvert.mla.options import LATENT_LINEAR_RHO
 from kvconvert.models import deepseek_v3 as ds, llama
-from kvconvert.models.common import ACTIVATIONS, MLP, linear, take
+from kvconvert.models.common import take
 from kvconvert.models.deepseek_v3 import MLAShape
 from kvconvert.models.llama import LlamaShape
 
@@ -154,17 +153,14 @@ def factorize_query(q_proj: torch.Tensor, flat_x: torch.Tensor, q_rank: int, pla
 
 
 def convert_layer(xn: torch.Tensor, w: dict, source: LlamaShape, target: MLAShape, plan: LayerPlan,
-                  q_rank: int | None = None, refit_o_proj: bool = True, layer: int = 0,
-                  y_target: torch.Tensor | None = None) -> LayerResult:
+                  q_rank: int | None = None, refit_o_proj: bool = True, layer: int = 0) -> LayerResult:
     """DeepSeek MLA attention weights (float64, short names, on xn's device) for one source layer,
     and a report. Every input on one device (kvconvert mla --device).
 
     xn: [N, T, hidden] fp32 calibration inputs of the block (the layer's input RMSNorm applied);
     w: the source's q/k/v/o_proj in float64 (short names). report: the closed form's (see
     convert_attention), attn_rel_error = |A_mla(xn) - A_src(xn)| / |A_src(xn)| and, when the
-    o_proj refit ran, attn_rel_error_refit after it (both against the source block's output).
-    y_target: [N, T, hidden] the refit's target (--fit-target residual: the source model's hidden
-    state after attention minus the converted model's before it); default the source block's output."""
+    o_proj refit ran, attn_rel_error_refit after it."""
     flat = xn.reshape(-1, xn.shape[-1]).double()
     result = convert_attention(w, flat.T @ flat / flat.shape[0], flat.mean(0), source, plan)
     c = flat @ result.weights["kv_a_proj_with_mqa"][: plan.rank].T
@@ -177,30 +173,11 @@ def convert_layer(xn: torch.Tensor, w: dict, source: LlamaShape, target: MLAShap
     if refit_o_proj:
         # least squares against the source block output, with the converted attention's own
         # probabilities and values (the most effective closed-form step)
-        a = ds.attention_heads(xn, take(ds.MLAAttention, _f32(mla_w)), target)
-        moments = fz.lstsq_moments([(a, y_src if y_target is None else y_target)])
-        mla_w["o_proj"] = fz.refit_o_proj(*moments, mla_w["o_proj"])
+        a = ds.attention_heads(xn, take(ds.MLAAttention, _f32(mla_w)), target).flatten(0, -2).double()
+        y = y_src.reshape(-1, y_src.shape[-1]).double()
+        mla_w["o_proj"] = fz.refit_o_proj(a.T @ a / a.shape[0], y.T @ a / a.shape[0], mla_w["o_proj"])
         report["attn_rel_error_refit"] = _relative_error(xn, mla_w, target, y_src)
     return LayerResult(mla_w, report)
-
-
-def mlp_intermediate(x: torch.Tensor, mlp: MLP) -> torch.Tensor:
-    """act(gate(x)) * up(x): [..., hidden] -> [..., intermediate], the input of down_proj (MLP's
-    arithmetic up to its last linear)."""
-    return ACTIVATIONS[mlp.act](linear(x, mlp.gate_proj, mlp.gate_proj_bias)) * linear(x, mlp.up_proj, mlp.up_proj_bias)
-
-
-def refit_down_proj(x: torch.Tensor, mlp: MLP, y: torch.Tensor) -> torch.Tensor:
-    """Ridge least-squares down_proj [hidden, intermediate] float64 (fz.refit_o_proj's form, the
-    source down_proj as the prior): argmin_W E||W u + b - y||^2 + lam ||W - W0||^2, u = mlp_intermediate(x).
-
-    x: [N, T, hidden] the MLP's normed input; y: [N, T, hidden] what the MLP should add (the source
-    model's hidden state after the layer minus the converted one after attention). The float64
-    covariance is [intermediate, intermediate]: SmolLM2 1536 -> 19 MB, a 7B's 11008 -> 0.97 GB;
-    it is accumulated one calibration window at a time."""
-    bias = 0 if mlp.down_proj_bias is None else mlp.down_proj_bias.to(y.dtype)
-    pairs = ((mlp_intermediate(xw, mlp), yw - bias) for xw, yw in zip(x, y))
-    return fz.refit_o_proj(*fz.lstsq_moments(pairs), mlp.down_proj.double())
 
 
 _ATTENTION_KEYS = {f.name for cls in (llama.LlamaAttention, ds.MLAAttention) for f in fields(cls)}

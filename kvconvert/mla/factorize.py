@@ -273,25 +273,11 @@ def linearize_norm_scale(latent_sq_mean_max: float, eps: float, rho: float) -> f
     return (rho * eps / max(latent_sq_mean_max, 1e-300)) ** 0.5
 
 
-def lstsq_moments(pairs) -> tuple[Tensor, Tensor]:
-    """(E[a a^T] [Din, Din], E[y a^T] [Dout, Din]) in float64 over an iterable of (a [..., Din],
-    y [..., Dout]) chunks: one calibration window at a time keeps the float64 copies to one window."""
-    cov, cross, n = 0, 0, 0
-    for a, y in pairs:
-        a, y = a.reshape(-1, a.shape[-1]).double(), y.reshape(-1, y.shape[-1]).double()
-        cov, cross, n = cov + a.T @ a, cross + y.T @ a, n + a.shape[0]
-    if n == 0:
-        raise ValueError("lstsq_moments: no samples")
-    return cov / n, cross / n
-
-
 def refit_o_proj(attn_out_cov: Tensor, cross: Tensor, w_o_init: Tensor, ridge: float = 1e-4) -> Tensor:
     """Least-squares o_proj: argmin_W E||W a - y||^2 + lam ||W - W0||^2.
 
     attn_out_cov = E[a a^T] [Din, Din] (converted attention outputs, all heads concatenated),
-    cross = E[y a^T] [hidden, Din] (the fit's target y: the source attention block's output, or the
-    residual-stream target of --fit-target residual). lam = ridge * mean diag. The same ridge form
-    refits mlp.down_proj (a = the MLP's intermediate activations, W0 = the source down_proj).
+    cross = E[y a^T] [hidden, Din] (source attention block output y). lam = ridge * mean diag.
     """
     lam = ridge * attn_out_cov.diagonal().mean()
     eye = torch.eye(attn_out_cov.shape[0], dtype=attn_out_cov.dtype, device=attn_out_cov.device)

@@ -32,15 +32,6 @@ class MLAOptions(StageOptions):
     key_weight: float = Field(0.3, ge=0, description="Weight of key (attention score) errors against value "
                                                      "errors in the latent objective.")
     refit_o_proj: bool = Field(True, description="Least-squares o_proj refit against the source attention output.")
-    # residual / refit_down_proj carry the source model's own hidden states beside the converted
-    # ones: 2x the calibration states' memory (SmolLM2, 8192 tokens: 2 x 19 MB; 7B: 2 x 134 MB).
-    fit_target: Literal["block", "residual"] = Field(
-        "block", description="Target of the o_proj refit: the source block's output at the converted input "
-                             "(block), or the source model's hidden state after attention minus the converted "
-                             "model's before it (residual: each layer also repairs the drift of the layers before).")
-    refit_down_proj: bool = Field(
-        False, description="Ridge least-squares refit of mlp.down_proj against the source model's hidden state "
-                           "after the layer (float64 intermediate^2 covariance: 7B, 11008 -> 1 GB).")
     rho: float = Field(LATENT_LINEAR_RHO, gt=0, lt=1,
                        description="Latent-norm linear range: mean(c^2) <= rho * eps on calibration tokens.")
     stream: Literal["converted", "source"] = Field(
@@ -54,8 +45,4 @@ class MLAOptions(StageOptions):
     def _enough_tokens(self):
         if self.calib_tokens < self.calib_window:
             raise ValueError(f"--calib-tokens {self.calib_tokens} is less than one window ({self.calib_window})")
-        if self.fit_target == "residual" and not self.refit_o_proj:
-            raise ValueError("--fit-target residual is the target of the o_proj refit: it needs --refit-o-proj")
-        if self.refit_down_proj and self.stream != "converted":
-            raise ValueError("--refit-down-proj fits the converted stream: it needs --stream converted")
         return self

@@ -137,37 +137,3 @@ def test_closed_form_stays_on_its_inputs_device(dy_over_hidden):
     refit = fz.refit_o_proj(torch.empty(H * d, H * d, **meta), torch.empty(hidden, H * d, **meta), w_o)
     out = [*basis.bases, maps.key_rope, maps.query_nope, metric.key, *metric.values, latent.down, latent.up, refit]
     assert all(t.device.type == "meta" for t in out)
-
-
-def test_lstsq_moments_refit_equals_lstsq_on_any_target():
-    """Chunked float64 moments + the ridge refit (ridge -> 0) = the direct least-squares solution for
-    a target that no W reproduces exactly (the residual-stream target is just another y)."""
-    g = torch.Generator().manual_seed(5)
-    a = torch.randn(3, 100, 12, generator=g)  # three "windows"
-    y = torch.randn(3, 100, 8, generator=g)
-    cov, cross = fz.lstsq_moments(zip(a, y))
-    w = fz.refit_o_proj(cov, cross, torch.zeros(8, 12, dtype=torch.float64), ridge=1e-12)
-    ref = torch.linalg.lstsq(a.reshape(-1, 12).double(), y.reshape(-1, 8).double()).solution.T
-    torch.testing.assert_close(w, ref, rtol=1e-7, atol=1e-9)
-    with pytest.raises(ValueError, match="no samples"):
-        fz.lstsq_moments([])
-
-
-def test_refit_down_proj_equals_augmented_lstsq():
-    """The down_proj refit = argmin ||U W^T - Y||^2 / n + lam ||W - W0||^2 solved directly as an
-    augmented least-squares problem, U = act(gate(x)) * up(x) the MLP's intermediate activations."""
-    from kvconvert.mla.convert_layer import mlp_intermediate, refit_down_proj
-    from kvconvert.models.common import MLP
-
-    g = torch.Generator().manual_seed(6)
-    hidden, inter = 8, 16
-    mlp = MLP(*(torch.randn(*s, generator=g) for s in ((inter, hidden), (inter, hidden), (hidden, inter))))
-    x, y = torch.randn(2, 40, hidden, generator=g), torch.randn(2, 40, hidden, generator=g)
-    w = refit_down_proj(x, mlp, y)
-    u = mlp_intermediate(x, mlp).reshape(-1, inter).double()
-    torch.testing.assert_close(mlp(x), mlp_intermediate(x, mlp) @ mlp.down_proj.T)
-    n = u.shape[0]
-    lam = 1e-4 * (u.T @ u / n).diagonal().mean()
-    lhs = torch.cat([u, (lam * n) ** 0.5 * torch.eye(inter, dtype=torch.float64)])
-    rhs = torch.cat([y.reshape(-1, hidden).double(), (lam * n) ** 0.5 * mlp.down_proj.double().T])
-    torch.testing.assert_close(w, torch.linalg.lstsq(lhs, rhs).solution.T, rtol=1e-6, atol=1e-8)
