@@ -30,7 +30,9 @@ from .dequant import MODE_IDS, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
     from .dequant import load_kv_tile, load_nvfp4_halves
-    from .split_softmax import finish_softmax, online_softmax_step, paged_slots, split_token_range
+    from .split_softmax import (
+        finish_softmax, load_head_rows, online_softmax_step, split_token_range, store_head_rows, tile_slots,
+    )
 
     @triton.jit
     def _gqa_decode_split_kernel(
@@ -47,130 +49,76 @@ if HAS_TRITON:
         MODE: tl.constexpr, AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        b = tl.program_id(0)
-        kv_head = tl.program_id(1) // groups_per_kv
-        in_group = (tl.program_id(1) % groups_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)
-        split = tl.program_id(2)
-        h_mask = in_group < GROUP
-        offs_h = kv_head * GROUP + in_group  # query heads served by this KV head
-        offs_d = tl.arange(0, BLOCK_D)
-
-        start, end = split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
-
-        q = tl.load(
-            q_ptr + b * stride_q_b + offs_h[:, None] * stride_q_h + offs_d[None, :],
-            mask=h_mask[:, None] & (offs_d < D)[None, :], other=0.0,
-        ).to(tl.float32).to(DOT_DTYPE)  # upcast right after the load, then the dot operand dtype
-        k_scale = tl.load(k_scale_ptr + kv_head * stride_k_scale)
-        v_scale = tl.load(v_scale_ptr + kv_head * stride_v_scale)
-        kvh = kv_head.to(tl.int64)
-
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            phys, slot = paged_slots(block_tables_ptr + b * stride_bt_b, offs_n, n_mask, block_size)
-            k = load_kv_tile(
-                k_ptr, phys * stride_k_blk + slot * stride_k_tok + kvh * stride_k_head, n_mask, D,
-                k_aux_ptr, phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head,
-                MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D,
-            )
-            v = load_kv_tile(
-                v_ptr, phys * stride_v_blk + slot * stride_v_tok + kvh * stride_v_head, n_mask, D,
-                v_aux_ptr, phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head,
-                MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D,
-            )
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if MODE == 1:  # raw fp8 keys: the head's scale, applied to the scores
-                qk = qk * k_scale
-            p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-
-        if MODE == 1:  # raw fp8 values: the head's scale, applied to the output
-            acc = acc * v_scale
-        l_safe, lse = finish_softmax(m_i, l_i)
-        out = acc / l_safe[:, None]
-        tl.store(
-            part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s + offs_d[None, :],
-            out, mask=h_mask[:, None] & (offs_d < D)[None, :],
-        )
-        tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _gqa_decode_split_nvfp4_kernel(
-        q_ptr, k_ptr, v_ptr, k_aux_ptr, v_aux_ptr, k_scale_ptr, v_scale_ptr,
-        block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-        qk_scale_log2,
-        GROUP, D, block_size, num_splits, groups_per_kv,
-        stride_q_b, stride_q_h,
-        stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
-        stride_ka_blk, stride_ka_tok, stride_ka_head, stride_va_blk, stride_va_tok, stride_va_head,
-        stride_k_scale, stride_v_scale,
-        stride_bt_b,
-        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
-        AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
-        """As ``_gqa_decode_split_kernel`` for NVFP4 K and V, on even/odd feature halves:
+        """MODE_NVFP4 K and V are computed on even/odd feature halves (``load_nvfp4_halves``):
         q.k = q[0::2].k_even + q[1::2].k_odd; out[0::2] and out[1::2] accumulate separately."""
         b = tl.program_id(0)
         kv_head = tl.program_id(1) // groups_per_kv
         in_group = (tl.program_id(1) % groups_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)
         h_mask = in_group < GROUP
-        offs_h = kv_head * GROUP + in_group
+        offs_h = kv_head * GROUP + in_group  # query heads served by this KV head
         HALF: tl.constexpr = BLOCK_D // 2
-        offs_j = tl.arange(0, HALF)
 
         start, end = split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
         q_rows = q_ptr + b * stride_q_b + offs_h[:, None] * stride_q_h
-        j_mask = h_mask[:, None] & (offs_j < D // 2)[None, :]
-        q_even = tl.load(q_rows + 2 * offs_j[None, :], mask=j_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
-        q_odd = tl.load(q_rows + 2 * offs_j[None, :] + 1, mask=j_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
         k_scale = tl.load(k_scale_ptr + kv_head * stride_k_scale)
         v_scale = tl.load(v_scale_ptr + kv_head * stride_v_scale)
         kvh = kv_head.to(tl.int64)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
-        acc_odd = tl.zeros([BLOCK_H, HALF], tl.float32)
+        if MODE == 3:
+            q_even = load_head_rows(q_rows, h_mask, D // 2, 2, DOT_DTYPE, HALF)
+            q_odd = load_head_rows(q_rows + 1, h_mask, D // 2, 2, DOT_DTYPE, HALF)
+            acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
+            acc_odd = tl.zeros([BLOCK_H, HALF], tl.float32)
+        else:
+            q = load_head_rows(q_rows, h_mask, D, 1, DOT_DTYPE, BLOCK_D)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            phys, slot = paged_slots(block_tables_ptr + b * stride_bt_b, offs_n, n_mask, block_size)
-            k_even, k_odd = load_nvfp4_halves(
-                k_ptr, phys * stride_k_blk + slot * stride_k_tok + kvh * stride_k_head, n_mask, D,
-                k_aux_ptr, phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head,
-                AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D,
-            )
-            v_even, v_odd = load_nvfp4_halves(
-                v_ptr, phys * stride_v_blk + slot * stride_v_tok + kvh * stride_v_head, n_mask, D,
-                v_aux_ptr, phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head,
-                AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D,
-            )
-            qk = tl.dot(q_even, tl.trans(k_even), input_precision=DOT_PRECISION)
-            qk += tl.dot(q_odd, tl.trans(k_odd), input_precision=DOT_PRECISION)
-            qk = qk * k_scale  # the keys' global scale
+            n_mask, phys, slot = tile_slots(block_tables_ptr + b * stride_bt_b, n0, end, block_size, BLOCK_N)
+            k_off = phys * stride_k_blk + slot * stride_k_tok + kvh * stride_k_head
+            v_off = phys * stride_v_blk + slot * stride_v_tok + kvh * stride_v_head
+            k_aux_off = phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head
+            v_aux_off = phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head
+            if MODE == 3:
+                k_even, k_odd = load_nvfp4_halves(
+                    k_ptr, k_off, n_mask, D, k_aux_ptr, k_aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
+                )
+                v_even, v_odd = load_nvfp4_halves(
+                    v_ptr, v_off, n_mask, D, v_aux_ptr, v_aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
+                )
+                qk = tl.dot(q_even, tl.trans(k_even), input_precision=DOT_PRECISION)
+                qk += tl.dot(q_odd, tl.trans(k_odd), input_precision=DOT_PRECISION)
+            else:
+                k = load_kv_tile(
+                    k_ptr, k_off, n_mask, D, k_aux_ptr, k_aux_off, MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
+                )
+                v = load_kv_tile(
+                    v_ptr, v_off, n_mask, D, v_aux_ptr, v_aux_off, MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
+                )
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if MODE == 1 or MODE == 3:  # raw fp8 / e2m1 * block-scale keys: the head's scale, on the scores
+                qk = qk * k_scale
             p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
             p = p.to(DOT_DTYPE)
-            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PRECISION)
-            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PRECISION)
+            if MODE == 3:
+                acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PRECISION)
+                acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
 
-        acc_even = acc_even * v_scale  # the values' global scale
-        acc_odd = acc_odd * v_scale
-
-        l_safe, lse = finish_softmax(m_i, l_i)
+        l_safe = finish_softmax(m_i, l_i, part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, h_mask)
         out_rows = part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
-        tl.store(out_rows + 2 * offs_j[None, :], acc_even / l_safe[:, None], mask=j_mask)
-        tl.store(out_rows + 2 * offs_j[None, :] + 1, acc_odd / l_safe[:, None], mask=j_mask)
-        tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
+        # the values' scale (raw fp8 / e2m1 * block-scale values), applied to the output
+        if MODE == 3:
+            store_head_rows(out_rows, acc_even * v_scale / l_safe[:, None], h_mask, D // 2, 2, HALF)
+            store_head_rows(out_rows + 1, acc_odd * v_scale / l_safe[:, None], h_mask, D // 2, 2, HALF)
+        else:
+            if MODE == 1:
+                acc = acc * v_scale
+            store_head_rows(out_rows, acc / l_safe[:, None], h_mask, D, 1, BLOCK_D)
 
 
 def _check_decode_inputs(q, cache: GQACacheLayer, block_tables, seq_lens, softmax_scale) -> None:
@@ -207,12 +155,9 @@ def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables:
     part_out, part_lse = split_outputs(q, d, head_groups, block_tables, cache.block_size, opts)
     splits = part_out.shape[2]
     k, v = cache.k, cache.v
-    nvfp4 = cache.mode == "nvfp4"
-    kernel = _gqa_decode_split_nvfp4_kernel if nvfp4 else _gqa_decode_split_kernel
-    mode_consts = {} if nvfp4 else {"MODE": MODE_IDS[cache.mode]}
     # NVFP4: even/odd halves of BLOCK_D // 2 features share block-scale groups of 8 bytes
-    broadcast = aux_broadcastable(8, block_d // 2) if nvfp4 else aux_broadcastable(16, block_d)
-    kernel[(q.shape[0], head_groups, splits)](
+    broadcast = aux_broadcastable(8, block_d // 2) if cache.mode == "nvfp4" else aux_broadcastable(16, block_d)
+    _gqa_decode_split_kernel[(q.shape[0], head_groups, splits)](
         q, k, v, k_aux, v_aux, k_scale, v_scale, block_tables, seq_lens, part_out, part_lse,
         check_softmax_scale(softmax_scale) * LOG2E,
         group, d, cache.block_size, splits, groups_per_kv,
@@ -222,7 +167,7 @@ def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables:
         _scale_stride(k_scale), _scale_stride(v_scale),
         block_tables.stride(0),
         *partial_strides(part_out, part_lse),
-        **mode_consts, AUX_BROADCAST=broadcast, **dot_constexprs(resolve_dot(opts.dot, q)),
+        MODE=MODE_IDS[cache.mode], AUX_BROADCAST=broadcast, **dot_constexprs(resolve_dot(opts.dot, q)),
         BLOCK_D=block_d, **opts.launch,
     )
     return merge_splits(part_out, part_lse, q.dtype)

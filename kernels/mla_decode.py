@@ -33,7 +33,9 @@ from .dequant import MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_co
 
 if HAS_TRITON:
     from .dequant import load_kv_tile, load_nvfp4_halves
-    from .split_softmax import finish_softmax, online_softmax_step, paged_slots, split_token_range
+    from .split_softmax import (
+        finish_softmax, load_head_rows, online_softmax_step, split_token_range, store_head_rows, tile_slots,
+    )
 
     @triton.jit
     def _mla_decode_split_kernel(
@@ -51,138 +53,76 @@ if HAS_TRITON:
         AUX_GROUP: tl.constexpr, AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     ):
-        b = tl.program_id(0)
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        split = tl.program_id(2)
-        h_mask = offs_h < H
-        offs_r = tl.arange(0, BLOCK_R)
-        offs_p = tl.arange(0, BLOCK_P)
-
-        start, end = split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
-
-        # queries upcast to fp32 right after the load
-        q_nope = tl.load(
-            q_nope_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_r[None, :],
-            mask=h_mask[:, None] & (offs_r < R)[None, :], other=0.0,
-        ).to(tl.float32)
-        q_rope = tl.load(
-            q_rope_ptr + b * stride_qr_b + offs_h[:, None] * stride_qr_h + offs_p[None, :],
-            mask=h_mask[:, None] & (offs_p < P)[None, :], other=0.0,
-        ).to(tl.float32)
-        # dot operands: fp32 (IEEE) or rounded once to bf16/fp16 for tensor cores
-        q_nope = q_nope.to(DOT_DTYPE)
-        q_rope = q_rope.to(DOT_DTYPE)
-        scale = tl.load(scale_ptr)  # fp8 tensor scale (unused for plain and fp8_tile)
-
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            phys, slot = paged_slots(block_tables_ptr + b * stride_bt_b, offs_n, n_mask, block_size)
-            latent = load_kv_tile(
-                kv_ptr, phys * stride_kv_blk + slot * stride_kv_tok, n_mask, R,
-                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok,
-                MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R,
-            )
-            rope = load_kv_tile(
-                rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P,
-                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok,
-                ROPE_MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_P,
-            )
-            qk = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
-            qk += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION)
-            if MODE == 1:  # fp8 row (latent and RoPE): the tensor scale, applied to the scores
-                qk = qk * scale
-            p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), latent, input_precision=DOT_PRECISION)
-
-        if MODE == 1:  # the latent values were unscaled fp8
-            acc = acc * scale
-        l_safe, lse = finish_softmax(m_i, l_i)
-        out = acc / l_safe[:, None]
-        tl.store(
-            part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s + offs_r[None, :],
-            out, mask=h_mask[:, None] & (offs_r < R)[None, :],
-        )
-        tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _mla_decode_split_nvfp4_kernel(
-        q_nope_ptr, q_rope_ptr,
-        kv_ptr, rope_ptr, aux_ptr, scale_ptr,
-        block_tables_ptr, seq_lens_ptr,
-        part_out_ptr, part_lse_ptr,
-        qk_scale_log2,
-        H, R, P, block_size, num_splits,
-        stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
-        stride_kv_blk, stride_kv_tok, stride_rope_blk, stride_rope_tok, stride_aux_blk, stride_aux_tok,
-        stride_bt_b,
-        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
-        AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    ):
-        """As ``_mla_decode_split_kernel`` for an NVFP4 latent, computed on even/odd feature halves:
+        """An MODE_NVFP4 latent is computed on even/odd feature halves (``load_nvfp4_halves``):
         q.c = q[0::2].c_even + q[1::2].c_odd and out[0::2] / out[1::2] accumulate separately, so the
-        packed nibbles never need re-interleaving. RoPE rows are plain (16/32-bit)."""
+        packed nibbles never need re-interleaving. Its RoPE rows are plain (16/32-bit)."""
         b = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)
         h_mask = offs_h < H
         HALF: tl.constexpr = BLOCK_R // 2
-        offs_j = tl.arange(0, HALF)
-        offs_p = tl.arange(0, BLOCK_P)
 
         start, end = split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
+        # dot operands: fp32 (IEEE) or rounded once to bf16/fp16 for tensor cores
         qn_rows = q_nope_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h
-        j_mask = h_mask[:, None] & (offs_j < R // 2)[None, :]
-        q_even = tl.load(qn_rows + 2 * offs_j[None, :], mask=j_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
-        q_odd = tl.load(qn_rows + 2 * offs_j[None, :] + 1, mask=j_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
-        q_rope = tl.load(
-            q_rope_ptr + b * stride_qr_b + offs_h[:, None] * stride_qr_h + offs_p[None, :],
-            mask=h_mask[:, None] & (offs_p < P)[None, :], other=0.0,
-        ).to(tl.float32).to(DOT_DTYPE)
-        scale = tl.load(scale_ptr)  # nvfp4 global scale
+        q_rope = load_head_rows(q_rope_ptr + b * stride_qr_b + offs_h[:, None] * stride_qr_h, h_mask, P, 1,
+                                DOT_DTYPE, BLOCK_P)
+        scale = tl.load(scale_ptr)  # fp8 tensor scale or nvfp4 global scale (unused for plain and fp8_tile)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
-        acc_odd = tl.zeros([BLOCK_H, HALF], tl.float32)
+        if MODE == 3:
+            q_even = load_head_rows(qn_rows, h_mask, R // 2, 2, DOT_DTYPE, HALF)
+            q_odd = load_head_rows(qn_rows + 1, h_mask, R // 2, 2, DOT_DTYPE, HALF)
+            acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
+            acc_odd = tl.zeros([BLOCK_H, HALF], tl.float32)
+        else:
+            q_nope = load_head_rows(qn_rows, h_mask, R, 1, DOT_DTYPE, BLOCK_R)
+            acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < end
-            phys, slot = paged_slots(block_tables_ptr + b * stride_bt_b, offs_n, n_mask, block_size)
-            c_even, c_odd = load_nvfp4_halves(
-                kv_ptr, phys * stride_kv_blk + slot * stride_kv_tok, n_mask, R,
-                aux_ptr, phys * stride_aux_blk + slot * stride_aux_tok,
-                AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R,
-            )
+            n_mask, phys, slot = tile_slots(block_tables_ptr + b * stride_bt_b, n0, end, block_size, BLOCK_N)
+            kv_off = phys * stride_kv_blk + slot * stride_kv_tok
+            aux_off = phys * stride_aux_blk + slot * stride_aux_tok
+            if MODE == 3:
+                c_even, c_odd = load_nvfp4_halves(
+                    kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R
+                )
+                # the global scale multiplies the latent's scores (not RoPE's) and, below, its output
+                qk = tl.dot(q_even, tl.trans(c_even), input_precision=DOT_PRECISION)
+                qk += tl.dot(q_odd, tl.trans(c_odd), input_precision=DOT_PRECISION)
+                qk = qk * scale
+            else:
+                latent = load_kv_tile(
+                    kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off,
+                    MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R,
+                )
+                qk = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
             rope = load_kv_tile(
-                rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P,
-                aux_ptr, 0, 0, 16, False, DOT_DTYPE, BLOCK_N, BLOCK_P,
+                rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P, aux_ptr, aux_off,
+                ROPE_MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_P,
             )
-            # the global scale multiplies the latent's scores (not RoPE's) and, below, its output
-            qk = tl.dot(q_even, tl.trans(c_even), input_precision=DOT_PRECISION)
-            qk += tl.dot(q_odd, tl.trans(c_odd), input_precision=DOT_PRECISION)
-            qk = qk * scale
             qk += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION)
+            if MODE == 1:  # fp8 row (latent and RoPE): the tensor scale, applied to the scores
+                qk = qk * scale
             p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
             p = p.to(DOT_DTYPE)
-            acc_even = acc_even * alpha[:, None] + tl.dot(p, c_even, input_precision=DOT_PRECISION)
-            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, c_odd, input_precision=DOT_PRECISION)
+            if MODE == 3:
+                acc_even = acc_even * alpha[:, None] + tl.dot(p, c_even, input_precision=DOT_PRECISION)
+                acc_odd = acc_odd * alpha[:, None] + tl.dot(p, c_odd, input_precision=DOT_PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, latent, input_precision=DOT_PRECISION)
 
-        acc_even = acc_even * scale  # the latent values lacked the global scale
-        acc_odd = acc_odd * scale
-        l_safe, lse = finish_softmax(m_i, l_i)
+        l_safe = finish_softmax(m_i, l_i, part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, h_mask)
         out_rows = part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
-        tl.store(out_rows + 2 * offs_j[None, :], acc_even / l_safe[:, None], mask=j_mask)
-        tl.store(out_rows + 2 * offs_j[None, :] + 1, acc_odd / l_safe[:, None], mask=j_mask)
-        tl.store(part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=h_mask)
+        # the latent values were unscaled fp8 / lacked the nvfp4 global scale
+        if MODE == 3:
+            store_head_rows(out_rows, acc_even * scale / l_safe[:, None], h_mask, R // 2, 2, HALF)
+            store_head_rows(out_rows + 1, acc_odd * scale / l_safe[:, None], h_mask, R // 2, 2, HALF)
+        else:
+            if MODE == 1:
+                acc = acc * scale
+            store_head_rows(out_rows, acc / l_safe[:, None], h_mask, R, 1, BLOCK_R)
 
 
 def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq_lens, softmax_scale) -> None:
@@ -219,7 +159,9 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
     head_groups = triton.cdiv(heads, opts.block_h)
     part_out, part_lse = split_outputs(q_nope, r, head_groups, block_tables, cache.block_size, opts)
     splits = part_out.shape[2]
-    args = (
+    # NVFP4: even/odd halves of BLOCK_R // 2 features, block-scale groups of 8 bytes
+    broadcast = aux_broadcastable(8, block_r // 2) if mode == MODE_NVFP4 else aux_broadcastable(aux_group, block_r)
+    _mla_decode_split_kernel[(q_nope.shape[0], head_groups, splits)](
         q_nope, q_rope, data, rope, aux, scale, block_tables, seq_lens, part_out, part_lse,
         check_softmax_scale(softmax_scale) * LOG2E,
         heads, r, p, cache.block_size, splits,
@@ -227,16 +169,9 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
         data.stride(0), data.stride(1), rope.stride(0), rope.stride(1), aux.stride(0), aux.stride(1),
         block_tables.stride(0),
         *partial_strides(part_out, part_lse),
+        MODE=mode, ROPE_MODE=rope_mode, AUX_GROUP=aux_group, AUX_BROADCAST=broadcast,
+        **dot_constexprs(resolve_dot(opts.dot, q_nope)), BLOCK_R=block_r, BLOCK_P=block_p, **opts.launch,
     )
-    consts = dict(**dot_constexprs(resolve_dot(opts.dot, q_nope)), BLOCK_R=block_r, BLOCK_P=block_p, **opts.launch)
-    grid = (q_nope.shape[0], head_groups, splits)
-    if mode == MODE_NVFP4:  # even/odd halves of BLOCK_R // 2 features, block-scale groups of 8 bytes
-        _mla_decode_split_nvfp4_kernel[grid](*args, AUX_BROADCAST=aux_broadcastable(8, block_r // 2), **consts)
-    else:
-        _mla_decode_split_kernel[grid](
-            *args, MODE=mode, ROPE_MODE=rope_mode, AUX_GROUP=aux_group,
-            AUX_BROADCAST=aux_broadcastable(aux_group, block_r), **consts,
-        )
     return merge_splits(part_out, part_lse, q_nope.dtype)
 
 

@@ -1,8 +1,11 @@
 """Split-KV online-softmax pieces shared by the decode kernels (``@triton.jit`` helpers, inlined).
 
-A program owns one range of a sequence's tokens (whole BLOCK_N tiles), walks it tile by tile with
-an online softmax in base 2 (scores pre-multiplied by ``softmax_scale * log2(e)``) and stores its
-un-merged output and its natural-log LSE; :mod:`.merge` combines the ranges.
+A program owns one range of a sequence's tokens (whole BLOCK_N tiles) and a block of BLOCK_H query
+heads, walks the range tile by tile with an online softmax in base 2 (scores pre-multiplied by
+``softmax_scale * log2(e)``) and stores its un-merged output and its natural-log LSE; :mod:`.merge`
+combines the ranges. Head rows (queries, partial outputs) are addressed by ``[BLOCK_H, 1]`` pointers
+to each row's first feature and read or written whole (STEP 1) or as even/odd features (STEP 2,
+the second from ``rows + 1``: the NVFP4 kernels' halves).
 """
 
 from __future__ import annotations
@@ -20,10 +23,27 @@ if HAS_TRITON:
         return start, tl.minimum(start + per_split, seq_len)
 
     @triton.jit
-    def paged_slots(table_row_ptr, offs_n, n_mask, block_size):
-        """int64 (physical block, slot in the block) of each logical token in ``offs_n``."""
+    def tile_slots(table_row_ptr, n0, end, block_size, BLOCK_N: tl.constexpr):
+        """Tokens ``n0 .. n0 + BLOCK_N`` of a sequence -> (mask: below end, int64 physical block, int64 slot
+        in the block), from the sequence's block table row."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
         phys = tl.load(table_row_ptr + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-        return phys, (offs_n % block_size).to(tl.int64)
+        return n_mask, phys, (offs_n % block_size).to(tl.int64)
+
+    @triton.jit
+    def load_head_rows(rows_ptr, h_mask, n, STEP: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+        """Features ``0, STEP, 2 * STEP, ...`` (n of them) of each head row -> ``[BLOCK_H, BLOCK]`` in OUT_DTYPE
+        (upcast to fp32 right after the load, then the dot operand dtype); masked heads and padding read 0."""
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(rows_ptr + STEP * offs[None, :], mask=h_mask[:, None] & (offs < n)[None, :], other=0.0)
+        return x.to(tl.float32).to(OUT_DTYPE)
+
+    @triton.jit
+    def store_head_rows(rows_ptr, x, h_mask, n, STEP: tl.constexpr, BLOCK: tl.constexpr):
+        """Inverse of :func:`load_head_rows`: x ``[BLOCK_H, BLOCK]`` to features ``0, STEP, ...`` (n of them)."""
+        offs = tl.arange(0, BLOCK)
+        tl.store(rows_ptr + STEP * offs[None, :], x, mask=h_mask[:, None] & (offs < n)[None, :])
 
     @triton.jit
     def online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2):
@@ -39,10 +59,12 @@ if HAS_TRITON:
         return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
     @triton.jit
-    def finish_softmax(m_i, l_i):
-        """(normalizer, natural-log LSE). An empty range (l_i == 0) gets normalizer 1, so its output
-        stores as 0, and LSE -inf, so the merge gives it weight 0."""
+    def finish_softmax(m_i, l_i, lse_ptrs, h_mask):
+        """Stores the natural-log LSE ``[BLOCK_H]`` at lse_ptrs and returns the normalizer. An empty range
+        (l_i == 0) gets normalizer 1, so its output stores as 0, and LSE -inf, so the merge gives it weight 0."""
         nonempty = l_i > 0
         l_safe = tl.where(nonempty, l_i, 1.0)
         # ln(2) literal: a @jit function may only read module globals that are tl.constexpr
-        return l_safe, tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptrs, lse, mask=h_mask)
+        return l_safe
