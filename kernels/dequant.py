@@ -54,16 +54,9 @@ if HAS_TRITON:
 
     @triton.jit
     def load_group_scales(
-        aux_ptr,
-        aux_row_off,
-        offs_d,
-        row_mask,
-        D,
-        AUX_GROUP: tl.constexpr,
-        AUX_BROADCAST: tl.constexpr,
-        S_DTYPE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        aux_ptr, aux_row_off, offs_d, row_mask, D,
+        AUX_GROUP: tl.constexpr, AUX_BROADCAST: tl.constexpr, S_DTYPE: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """``[BLOCK_N, BLOCK_D]`` in S_DTYPE: the scale of each feature's group, from aux rows at aux_row_off."""
         n_groups = D // AUX_GROUP
@@ -82,18 +75,9 @@ if HAS_TRITON:
 
     @triton.jit
     def load_kv_tile(
-        data_ptr,
-        row_off,
-        row_mask,
-        D,
-        aux_ptr,
-        aux_row_off,
-        MODE: tl.constexpr,
-        AUX_GROUP: tl.constexpr,
-        AUX_BROADCAST: tl.constexpr,
-        OUT_DTYPE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        data_ptr, row_off, row_mask, D, aux_ptr, aux_row_off,
+        MODE: tl.constexpr, AUX_GROUP: tl.constexpr, AUX_BROADCAST: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """Tile ``[BLOCK_N, BLOCK_D]`` in OUT_DTYPE (the dot operand dtype) of rows at ``data_ptr + row_off``.
 
@@ -118,16 +102,8 @@ if HAS_TRITON:
 
     @triton.jit
     def load_nvfp4_halves(
-        data_ptr,
-        row_off,
-        row_mask,
-        D,
-        aux_ptr,
-        aux_row_off,
-        AUX_BROADCAST: tl.constexpr,
-        OUT_DTYPE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        data_ptr, row_off, row_mask, D, aux_ptr, aux_row_off,
+        AUX_BROADCAST: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """NVFP4 rows as two tiles ``[BLOCK_N, BLOCK_D // 2]`` in OUT_DTYPE: features 0, 2, 4, ... and 1, 3, 5, ...
 
