@@ -199,6 +199,8 @@ class MLACacheLayer(_PagedLayer):
     @staticmethod
     def layout(mode: str, num_blocks: int, block_size: int, r: int, p: int, n_tiles: int | None = None) -> Layout:
         """The block tensors of ``mode`` (``n_tiles``: fp8_tile's scales per row)."""
+        if mode not in MLA_MODES:
+            raise KVConvertError(f"unknown MLA cache mode {mode!r}: choose one of {MLA_MODES}")
         nb_bs = (num_blocks, block_size)
         if mode in ("none", "fp8"):
             return {"data": ((*nb_bs, r + p), PLAIN_DTYPES if mode == "none" else FP8_DTYPES)}
@@ -208,8 +210,6 @@ class MLACacheLayer(_PagedLayer):
         return {"data": ((*nb_bs, r // 2), (torch.uint8,)), "scales": ((*nb_bs, r // 16), (FP8_DTYPE,)), "rope": rope}
 
     def __post_init__(self):
-        if self.mode not in MLA_MODES:
-            raise KVConvertError(f"unknown MLA cache mode {self.mode!r}: choose one of {MLA_MODES}")
         r, p = self.kv_lora_rank, self.rope_dim
         if r <= 0 or p <= 0:
             raise KVConvertError(f"kv_lora_rank and rope_dim must be positive, got {r} and {p}")
@@ -236,8 +236,6 @@ class MLACacheLayer(_PagedLayer):
                  kv_scale: float | torch.Tensor | None = None, fp8_tile: int | None = None) -> "MLACacheLayer":
         """Zeroed cache. ``dtype``: the plain / RoPE dtype. ``kv_scale``: exported amax/448 (fp8, nvfp4)."""
         r = kv_lora_rank
-        if mode not in MLA_MODES:
-            raise KVConvertError(f"unknown MLA cache mode {mode!r}: choose one of {MLA_MODES}")
         tensor_scale, n_tiles = None, None
         if mode in ("fp8", "nvfp4"):
             if kv_scale is None:
@@ -314,6 +312,8 @@ class GQACacheLayer(_PagedLayer):
     @staticmethod
     def layout(mode: str, num_blocks: int, block_size: int, kv_heads: int, d: int) -> Layout:
         """The block tensors of ``mode``, k and v alike."""
+        if mode not in GQA_MODES:
+            raise KVConvertError(f"unknown GQA cache mode {mode!r}: choose one of {GQA_MODES}")
         rows = (num_blocks, block_size, kv_heads)
         if mode == "nvfp4":
             codes, block_scales = ((*rows, d // 2), (torch.uint8,)), ((*rows, d // 16), (FP8_DTYPE,))
@@ -322,8 +322,6 @@ class GQACacheLayer(_PagedLayer):
         return {"k": values, "v": values}
 
     def __post_init__(self):
-        if self.mode not in GQA_MODES:
-            raise KVConvertError(f"unknown GQA cache mode {self.mode!r}: choose one of {GQA_MODES}")
         if self.k.dim() != 4:
             raise KVConvertError(f"GQA cache must be [num_blocks, block_size, kv_heads, width], got {tuple(self.k.shape)}")
         if self.mode == "nvfp4" and self.head_dim % 16:
@@ -345,16 +343,14 @@ class GQACacheLayer(_PagedLayer):
                  k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
                  ) -> "GQACacheLayer":
         """Zeroed cache; k_scale / v_scale: exported amax/448, a float or per-head ``[kv_heads]``."""
-        if mode not in GQA_MODES:
-            raise KVConvertError(f"unknown GQA cache mode {mode!r}: choose one of {GQA_MODES}")
+        layout = cls.layout(mode, num_blocks, block_size, kv_heads, head_dim)  # rejects an unknown mode first
         scales = {}
         if mode != "none":
             if k_scale is None or v_scale is None:
                 raise KVConvertError(f"GQA mode {mode!r} needs calibrated k_scale and v_scale (amax / 448)")
             for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
                 scales[name] = _stored_scale(mode, scale, kv_heads, name, device)
-        tensors = cls._zeros(cls.layout(mode, num_blocks, block_size, kv_heads, head_dim), dtype, device)
-        return cls(mode, head_dim, **tensors, **scales)
+        return cls(mode, head_dim, **cls._zeros(layout, dtype, device), **scales)
 
     def set_kv_scales(self, k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> None:
         """Replace the fp8 / nvfp4 scales by ones from exported kv scales (amax / 448, per tensor or head)."""

@@ -121,13 +121,12 @@ def gqa_case(mode, batch, context, block_size, q_heads=32, kv_heads=8, head_dim=
     return cache, (q,), tables, lens, head_dim**-0.5
 
 
-def decode_fns(kernel: str):
-    """(triton kernel, PyTorch reference) of "mla" or "gqa"; both take (*queries, cache, tables, lens, scale)."""
-    from kvconvert.kernels import gqa_decode, mla_decode
+def decode_fn(kernel: str):
+    """paged_mla_decode or paged_gqa_decode ("mla" / "gqa"): (*queries, cache, tables, lens, scale, backend=...,
+    **kernel_options); backend="torch" runs the PyTorch reference."""
+    from kvconvert.kernels import attention
 
-    if kernel == "mla":
-        return mla_decode.paged_mla_decode_triton, mla_decode.paged_mla_decode_reference
-    return gqa_decode.paged_gqa_decode_triton, gqa_decode.paged_gqa_decode_reference
+    return getattr(attention, f"paged_{kernel}_decode")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,11 +150,11 @@ def check_kernels():
               for mode in GQA_MODES for hq, hk, d in ((32, 8, 128), (9, 3, 64))]
     results = []
     for kernel, mode, shape, lens, (cache, queries, tables, _, scale) in cases:
-        triton_fn, reference = decode_fns(kernel)
+        decode = decode_fn(kernel)
         inputs = (*(q.float() for q in queries), cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE))
-        ref, ref_lse = reference(*inputs, scale)
+        ref, ref_lse = decode(*inputs, scale, backend="torch")
         for dot, tol in check_dots():
-            out, lse = triton_fn(*inputs, scale, dot=dot)
+            out, lse = decode(*inputs, scale, dot=dot)
             err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
             lse_err = {"lse_max_abs_err": float((lse - ref_lse).abs().max())} if kernel == "mla" else {}
             results.append({"kernel": kernel, "mode": mode, "shape": shape, "dot": dot, "rel_err": err, **lse_err,
@@ -242,7 +241,7 @@ def bench_kernel(kernel: str, args, contexts, grid, peak):
     every context timed with it (MLA: num_splits also tuned, as a ratio to the default heuristic's)."""
     from kvconvert.kernels._launch import default_num_splits
 
-    decode = decode_fns(kernel)[0]
+    decode = decode_fn(kernel)
     if kernel == "mla":
         modes, baselines = MLA_MODES, mla_baselines
         make_case = lambda mode, context: mla_case(mode, args.batch, context, args.block_size,  # noqa: E731
