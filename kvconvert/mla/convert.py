@@ -9,7 +9,6 @@ come back to the host to be written. The embeddings and the writes stay on the h
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -179,7 +178,3 @@ def _convert_and_advance(hidden, w, source: LlamaShape, target: MLAShape, plan: 
         hidden = llama.layer(hidden, layer, source)
     _check_finite(hidden, f"layer {i} output")
     return result.weights, result.report, hidden
-
-
-def save_report_json(report: ConversionReport, path: Path) -> None:
-    path.write_text(json.dumps(asdict(report), indent=2))

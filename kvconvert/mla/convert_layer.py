@@ -39,7 +39,7 @@ class LayerPlan:
 
 @dataclass
 class LayerResult:
-    weights: dict  # DeepSeek attention weights (short names), float64
+    weights: dict  # DeepSeek attention weights (short names): float64 (closed form), float32 (layer-wise fit)
     report: dict = field(default_factory=dict)
 
 
@@ -121,9 +121,7 @@ def finalize_latent_norm(weights: dict, latent_sq_mean: torch.Tensor, plan: Laye
     kv_b_proj by the same factor: kv_b(w0 * a c / sqrt(eps)) = kv_b_eff(c).
     """
     r = plan.rank
-    a = fz.linearize_norm_scale(float(latent_sq_mean.max()), plan.latent_eps, plan.rho)
-    typical_rms = float(latent_sq_mean.mean().sqrt().clamp_min(1e-30))
-    w0 = plan.latent_eps ** 0.5 / (a * typical_rms)
+    a, typical_rms, w0 = _linear_norm(latent_sq_mean, plan)
     kv_a = weights["kv_a_proj_with_mqa"].clone()
     kv_a[:r] *= a
     out = dict(weights)
@@ -131,6 +129,14 @@ def finalize_latent_norm(weights: dict, latent_sq_mean: torch.Tensor, plan: Laye
     out["kv_a_layernorm"] = kv_a.new_full((r,), w0)
     out["kv_b_proj"] = weights["kv_b_proj"] * typical_rms
     return out
+
+
+def _linear_norm(latent_sq_mean: torch.Tensor, plan: LayerPlan) -> tuple[float, float, float]:
+    """(a, typical RMS, w0) for a latent with mean(c^2) = latent_sq_mean [N] per calibration token:
+    a keeps a c in the norm's linear range, w0 = sqrt(eps) / (a * typical RMS) the uniform norm weight."""
+    a = fz.linearize_norm_scale(float(latent_sq_mean.max()), plan.latent_eps, plan.rho)
+    typical_rms = float(latent_sq_mean.mean().sqrt().clamp_min(1e-30))
+    return a, typical_rms, plan.latent_eps ** 0.5 / (a * typical_rms)
 
 
 def factorize_query(q_proj: torch.Tensor, flat_x: torch.Tensor, q_rank: int, plan: LayerPlan) -> dict:
@@ -145,10 +151,7 @@ def factorize_query(q_proj: torch.Tensor, flat_x: torch.Tensor, q_rank: int, pla
     u, s, vh = torch.linalg.svd(q_proj @ c_half, full_matrices=False)
     q_a = vh[:q_rank] @ c_half_inv
     q_b = u[:, :q_rank] * s[:q_rank]
-    lat_sq = (flat_x @ q_a.T).pow(2).mean(-1)
-    a = fz.linearize_norm_scale(float(lat_sq.max()), plan.latent_eps, plan.rho)
-    typical = float(lat_sq.mean().sqrt().clamp_min(1e-30))
-    w0 = plan.latent_eps ** 0.5 / (a * typical)
+    a, typical, w0 = _linear_norm((flat_x @ q_a.T).pow(2).mean(-1), plan)
     return {"q_a_proj": q_a * a, "q_a_layernorm": q_a.new_full((q_rank,), w0), "q_b_proj": q_b * typical}
 
 
