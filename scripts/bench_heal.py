@@ -68,12 +68,10 @@ def heal_once(converted: Path, source: Path, recipe, folder: Path, reuse: bool, 
 
 def _heal_summary(rep: dict) -> dict:
     out = {}
-    lw = rep["stages"].get("heal_layerwise")
-    if lw:
+    if lw := rep["stages"].get("heal_layerwise"):
         out["layerwise"] = {k: lw[k] for k in lw if k != "layers"}
         out["layerwise_tokens"] = rep["data"]["layerwise"]["tokens"]
-    ds = rep["stages"].get("heal_distill")
-    if ds:
+    if ds := rep["stages"].get("heal_distill"):
         out["distill"] = ds
         out["distill_tokens"] = ds.get("tokens", 0)
     out["tokens"] = out.get("layerwise_tokens", 0) + out.get("distill_tokens", 0)

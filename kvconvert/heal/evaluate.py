@@ -53,12 +53,8 @@ def passkey_samples(tokenizer, lengths: tuple[int, ...], per_length: int, seed: 
     """`per_length` passkey prompts per length, depths evenly spread over [0, 1]."""
     from kvconvert.eval.haystack import passkey_sample
 
-    samples = []
-    for length in lengths:
-        for k in range(per_length):
-            depth = k / max(1, per_length - 1)
-            samples.append(passkey_sample(tokenizer, length, depth, repeat=0, seed=seed))
-    return samples
+    return [passkey_sample(tokenizer, length, k / max(1, per_length - 1), repeat=0, seed=seed)
+            for length in lengths for k in range(per_length)]
 
 
 @torch.no_grad()

@@ -146,9 +146,8 @@ def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: 
         report["val_rel_err_before"] = relative_error(x_val, y_val, w0, shape)
     linear_peak = LATENT_LINEAR_RHO * shape.latent_eps  # peaks up to here keep the latent norm linear
     limit = max(latent_sq_mean_max(x, w0["kv_a_proj_with_mqa"], shape.rank), linear_peak)
-    limit_q = None
-    if "q_a_proj" in w0:
-        limit_q = max(latent_sq_mean_max(x, w0["q_a_proj"], w0["q_a_proj"].shape[0]), linear_peak)
+    limit_q = (max(latent_sq_mean_max(x, w0["q_a_proj"], w0["q_a_proj"].shape[0]), linear_peak)
+               if "q_a_proj" in w0 else None)
     w = _adam_fit(x, y, w0, shape, stage, generator) if stage.steps else dict(w0)
     w, factor = relinearize_latent(x, w, shape, limit, limit_q)
     report["latent_rescale"] = factor

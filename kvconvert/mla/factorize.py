@@ -189,10 +189,6 @@ class BlockMetric:
     key: Tensor
     values: list[Tensor]
 
-    @property
-    def size(self) -> int:
-        return self.key.shape[0] + sum(v.shape[0] for v in self.values)
-
     def dense(self) -> Tensor:
         return torch.block_diag(self.key, *self.values)
 
