@@ -30,7 +30,6 @@ class LayerPlan:
     key_weight: float = 0.3  # weight of key (score) errors vs value errors (both in output units)
     rho: float = LATENT_LINEAR_RHO  # latent RMSNorm linearisation margin (mean(c^2) <= rho * eps)
     latent_eps: float = 1e-6  # eps of kv_a_layernorm (transformers hard-codes 1e-6)
-    query_weighted_rope: bool = False
 
     @staticmethod
     def for_source(head_dim: int, rank: int, rope_dim: int, **kw) -> "LayerPlan":
@@ -48,15 +47,6 @@ def max_rank(kv_heads: int, head_dim: int, rope_dim: int) -> int:
     return 2 * kv_heads * head_dim - rope_dim
 
 
-def query_key_weight(w_q: torch.Tensor, cov_x: torch.Tensor, s: LlamaShape) -> torch.Tensor:
-    """[G, d/2] query energy reading each KV head's frequency: sum_{h in g} E|q_{h,f}|^2."""
-    wq = w_q.view(s.heads, s.head_dim, -1)
-    half = s.head_dim // 2
-    energy = torch.einsum("hdi,ij,hdj->hd", wq, cov_x, wq)  # E[q_hd^2]
-    per_freq = energy[:, :half] + energy[:, half:]
-    return per_freq.view(s.kv_heads, s.group, half).sum(1)
-
-
 def convert_attention(w: dict, cov_x: torch.Tensor, mean_x: torch.Tensor, s: LlamaShape, plan: LayerPlan) -> LayerResult:
     """DeepSeek MLA weights for one layer, from source weights w (float64: q/k/v/o_proj) and
     the covariance cov_x = E[x x^T] of the layer's normed input.
@@ -65,8 +55,7 @@ def convert_attention(w: dict, cov_x: torch.Tensor, mean_x: torch.Tensor, s: Lla
     o_proj, and a report. `finalize_latent_norm` then applies the RMSNorm linearisation.
     """
     H, G, d = s.heads, s.kv_heads, s.head_dim
-    kw = query_key_weight(w["q_proj"], cov_x, s) if plan.query_weighted_rope else None
-    basis = fz.rope_basis(w["k_proj"], cov_x, G, d, plan.rope_dim, key_weight=kw)
+    basis = fz.rope_basis(w["k_proj"], cov_x, G, d, plan.rope_dim)
     maps = fz.rope_maps(basis, H, G, d)
     dn = maps.key_nope.shape[0]
     w_y = torch.cat([maps.key_nope @ w["k_proj"], w["v_proj"]])  # [Dn + G*d, hidden]
