@@ -93,9 +93,7 @@ def parse_corpora(specs: list[str] | None, windows: int) -> dict[str, int]:
     corpora = {}
     for spec in specs or ["essays"]:
         name, _, n = spec.rpartition(":")
-        if not n.isdigit():
-            name, n = spec, ""
-        corpora[name] = int(n) if n else windows
+        corpora.update({name: int(n)} if n.isdigit() else {spec: windows})
     return corpora
 
 
