@@ -80,11 +80,12 @@ def _heal_summary(rep: dict) -> dict:
 
 def evaluate(source: Path, models: dict[str, Path], args, tokenizer, cache: dict) -> dict:
     from kvconvert.data import eval_windows
-    from kvconvert.heal.evaluate import load_causal_lm, passkey_accuracy, passkey_samples, window_metrics
+    from kvconvert.heal.evaluate import passkey_accuracy, passkey_samples, window_metrics
+    from kvconvert.quant.capture import load_hf_model
 
     ids = eval_windows(tokenizer, args.windows, args.window_len)
-    src_model = load_causal_lm(source, args.device)
-    cands = {name: load_causal_lm(path, args.device) for name, path in models.items()}
+    src_model = load_hf_model(source).to(args.device)
+    cands = {name: load_hf_model(path).to(args.device) for name, path in models.items()}
     res = window_metrics(src_model, cands, ids, progress=True)
     if args.passkey:
         lengths = tuple(int(x) for x in args.passkey_lengths.split(","))
