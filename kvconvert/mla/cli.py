@@ -8,7 +8,7 @@ import click
 
 from kvconvert.errors import KVConvertError
 from kvconvert.mla.options import MLAOptions
-from kvconvert.stage_options import build_options, click_options, out_option, overwrite_option
+from kvconvert.stage_options import build_options, click_options, overwrite_option
 
 
 @click.command("mla")
@@ -19,10 +19,10 @@ from kvconvert.stage_options import build_options, click_options, out_option, ov
 @click_options(MLAOptions)
 @click.option("--heal", default="none", show_default=True,
               help="none, a heal preset (layerwise, layerwise+distill) or a recipe YAML (its heal blocks).")
-@out_option("Output folder (stock DeepSeek-V3 checkpoint).")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @overwrite_option
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion summary as JSON.")
-def mla_cmd(src, kv_budget, heal, out, overwrite, as_json, **params):
+def mla_cmd(src, kv_budget, heal, out_dir, overwrite, as_json, **params):
     """Convert a Llama-family (MHA/GQA) checkpoint to Multi-head Latent Attention in stock DeepSeek-V3
     format (loads in transformers, vLLM and SGLang with no custom code)."""
     import json
@@ -31,7 +31,7 @@ def mla_cmd(src, kv_budget, heal, out, overwrite, as_json, **params):
     from kvconvert.pipeline import convert_stage, heal_recipe  # the heal chain lives at the pipeline level
     from kvconvert.sources import resolve_source
 
-    check_output_path(out, overwrite)
+    check_output_path(out_dir, overwrite)
     recipe = heal_recipe(heal)
     src_path = resolve_source(src)
     check_checkpoint(src_path)  # config features, missing tensors, NaN/inf: before any conversion work
@@ -48,8 +48,8 @@ def mla_cmd(src, kv_budget, heal, out, overwrite, as_json, **params):
         params["rank"], params["rope_dim"], _ = search_split(src_path, budget, probe.calib_data,
                                                              key_weight=probe.key_weight, target=probe.target)
     opts = build_options(MLAOptions, params)
-    report = convert_stage(src_path, opts, out, recipe, source_name=str(src), overwrite=overwrite)
-    summary = _summary(report, out)
+    report = convert_stage(src_path, opts, out_dir, recipe, source_name=str(src), overwrite=overwrite)
+    summary = _summary(report, out_dir)
     click.echo(json.dumps(summary, indent=2) if as_json else _table(summary))
 
 

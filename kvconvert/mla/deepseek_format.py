@@ -6,8 +6,8 @@ copied unchanged, plus the config builder. Attention tensors are produced by con
 
 from __future__ import annotations
 
-from kvconvert.errors import UnsupportedModelError
 from kvconvert import kvmath
+from kvconvert.errors import UnsupportedModelError
 
 # source name -> target name, for tensors copied as they are ({i} = layer index)
 COPIED_LAYER_TENSORS = {
