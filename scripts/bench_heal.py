@@ -68,12 +68,10 @@ def heal_once(converted: Path, source: Path, recipe, folder: Path, reuse: bool, 
 
 def _heal_summary(rep: dict) -> dict:
     out = {}
-    lw = rep["stages"].get("heal_layerwise")
-    if lw:
+    if lw := rep["stages"].get("heal_layerwise"):
         out["layerwise"] = {k: lw[k] for k in lw if k != "layers"}
         out["layerwise_tokens"] = rep["data"]["layerwise"]["tokens"]
-    ds = rep["stages"].get("heal_distill")
-    if ds:
+    if ds := rep["stages"].get("heal_distill"):
         out["distill"] = ds
         out["distill_tokens"] = ds.get("tokens", 0)
     out["tokens"] = out.get("layerwise_tokens", 0) + out.get("distill_tokens", 0)
@@ -82,11 +80,12 @@ def _heal_summary(rep: dict) -> dict:
 
 def evaluate(source: Path, models: dict[str, Path], args, tokenizer, cache: dict) -> dict:
     from kvconvert.data import eval_windows
-    from kvconvert.heal.evaluate import load_causal_lm, passkey_accuracy, passkey_samples, window_metrics
+    from kvconvert.heal.evaluate import passkey_accuracy, passkey_samples, window_metrics
+    from kvconvert.quant.capture import load_hf_model
 
     ids = eval_windows(tokenizer, args.windows, args.window_len)
-    src_model = load_causal_lm(source, args.device)
-    cands = {name: load_causal_lm(path, args.device) for name, path in models.items()}
+    src_model = load_hf_model(source).to(args.device)
+    cands = {name: load_hf_model(path).to(args.device) for name, path in models.items()}
     res = window_metrics(src_model, cands, ids, progress=True)
     if args.passkey:
         lengths = tuple(int(x) for x in args.passkey_lengths.split(","))

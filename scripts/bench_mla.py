@@ -42,23 +42,19 @@ def eval_model(path: Path, windows: int, ref: Path, corpus: str = "essays", save
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvconvert.data import eval_windows
+    from kvconvert.eval.metrics import TokenSums, window_sums
 
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = eval_windows(tok, windows, 1024, corpus)
+    ids = eval_windows(AutoTokenizer.from_pretrained(path), windows, 1024, corpus)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    nll, kl = 0.0, 0.0
+    sums = TokenSums()
     ref.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         for i in range(windows):
-            lp = model(ids[i: i + 1]).logits[0, :-1].float().log_softmax(-1)
-            nll += float(-lp.gather(1, ids[i, 1:, None]).sum())
+            logits = model(ids[i: i + 1]).logits[0]
             if save_ref:
-                torch.save(lp.to(torch.bfloat16), ref / f"{i}.pt")
-            else:
-                ref_lp = torch.load(ref / f"{i}.pt").float()
-                kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
-    n = windows * 1023
-    return float(torch.tensor(nll / n).exp()), kl / n
+                torch.save(logits[:-1].float().log_softmax(-1).to(torch.bfloat16), ref / f"{i}.pt")
+            sums += window_sums(logits, ids[i], None if save_ref else torch.load(ref / f"{i}.pt"))
+    return sums.ppl, sums.kl_mean
 
 
 def convert_subprocess(src: str, out: Path, rank: int, rope: int, extra: list[str]) -> dict:
@@ -84,12 +80,12 @@ def source_ppl(src: Path, windows: int, ref: Path, corpus: str) -> float:
     from transformers import AutoTokenizer
 
     from kvconvert.data import eval_windows
+    from kvconvert.eval.metrics import TokenSums, window_sums
 
     if not all((ref / f"{i}.pt").is_file() for i in range(windows)):
         return eval_model(src, windows, ref, corpus, save_ref=True)[0]
     ids = eval_windows(AutoTokenizer.from_pretrained(src), windows, 1024, corpus)
-    nll = sum(float(-torch.load(ref / f"{i}.pt").float().gather(1, ids[i, 1:, None]).sum()) for i in range(windows))
-    return float(torch.tensor(nll / (windows * 1023)).exp())
+    return sum((window_sums(torch.load(ref / f"{i}.pt"), ids[i]) for i in range(windows)), TokenSums()).ppl
 
 
 def parse_corpora(specs: list[str] | None, windows: int) -> dict[str, int]:
@@ -97,9 +93,7 @@ def parse_corpora(specs: list[str] | None, windows: int) -> dict[str, int]:
     corpora = {}
     for spec in specs or ["essays"]:
         name, _, n = spec.rpartition(":")
-        if not n.isdigit():
-            name, n = spec, ""
-        corpora[name] = int(n) if n else windows
+        corpora.update({name: int(n)} if n.isdigit() else {spec: windows})
     return corpora
 
 

@@ -2,21 +2,13 @@
 on identical held-out windows, and passkey retrieval accuracy (greedy, plain LongLoRA prompt).
 
 Models are transformers CausalLMs (the source LlamaForCausalLM, candidates DeepseekV3ForCausalLM),
-float32 on one device (the CPU unless load_causal_lm is given another), one window at a time
+float32 (kvconvert.quant.capture.load_hf_model) on one device, one window at a time
 (logits [1, T, V] are the largest temporaries).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-
-
-def load_causal_lm(folder: str | Path, device: str = "cpu"):
-    from kvconvert.quant.capture import load_hf_model
-
-    return load_hf_model(folder).to(device)
 
 
 def _device_of(model) -> torch.device:
@@ -53,12 +45,8 @@ def passkey_samples(tokenizer, lengths: tuple[int, ...], per_length: int, seed: 
     """`per_length` passkey prompts per length, depths evenly spread over [0, 1]."""
     from kvconvert.eval.haystack import passkey_sample
 
-    samples = []
-    for length in lengths:
-        for k in range(per_length):
-            depth = k / max(1, per_length - 1)
-            samples.append(passkey_sample(tokenizer, length, depth, repeat=0, seed=seed))
-    return samples
+    return [passkey_sample(tokenizer, length, k / max(1, per_length - 1), repeat=0, seed=seed)
+            for length in lengths for k in range(per_length)]
 
 
 @torch.no_grad()

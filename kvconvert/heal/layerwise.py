@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, atomic_save
 from kvconvert.heal.reparam import row_scales, scheduled_lr
 from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla import factorize as fz
+from kvconvert.mla.convert_layer import LayerResult
 from kvconvert.mla.options import LATENT_LINEAR_RHO
 from kvconvert.models import deepseek_v3 as ds, llama
 from kvconvert.models.common import DecoderLayer, rms_norm, short_names, take
@@ -53,12 +53,6 @@ def read_layer(reader: CheckpointReader, i: int, attention_cls, device="cpu") ->
 def attention_tensors(a: MLAAttention) -> dict:
     """The attention's weights by short name (the ones present): what the fit optimises."""
     return {k: getattr(a, k) for k in fmt.TARGET_ATTENTION if getattr(a, k) is not None}
-
-
-@dataclass
-class BlockFit:
-    weights: dict  # fitted attention weights (short names), float32
-    report: dict = field(default_factory=dict)
 
 
 def _chunks(n: int, size: int = CHUNK_WINDOWS):
@@ -137,11 +131,11 @@ def _shrink_latent(x: torch.Tensor, w: dict, down: str, up: str, rows: int, limi
 
 
 def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: MLAShape, stage: LayerwiseStage,
-                        generator: torch.Generator | None = None, x_val=None, y_val=None) -> BlockFit:
+                        generator: torch.Generator | None = None, x_val=None, y_val=None) -> LayerResult:
     """Fit one MLA attention block so that A_s(x) ~ y.
 
     x, y: [N, T, hidden] float32 (normed block inputs and targets). weights: the block's current
-    attention weights (short names; kv_a_layernorm included and kept fixed). Returns float32
+    attention weights (short names; kv_a_layernorm included and kept fixed). Returns the fitted float32
     weights and a report: rel_err before and after the fit (and on x_val/y_val when given),
     latent_rescale (1.0 = the latent norm stayed in its linear range), seconds.
     """
@@ -152,9 +146,8 @@ def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: 
         report["val_rel_err_before"] = relative_error(x_val, y_val, w0, shape)
     linear_peak = LATENT_LINEAR_RHO * shape.latent_eps  # peaks up to here keep the latent norm linear
     limit = max(latent_sq_mean_max(x, w0["kv_a_proj_with_mqa"], shape.rank), linear_peak)
-    limit_q = None
-    if "q_a_proj" in w0:
-        limit_q = max(latent_sq_mean_max(x, w0["q_a_proj"], w0["q_a_proj"].shape[0]), linear_peak)
+    limit_q = (max(latent_sq_mean_max(x, w0["q_a_proj"], w0["q_a_proj"].shape[0]), linear_peak)
+               if "q_a_proj" in w0 else None)
     w = _adam_fit(x, y, w0, shape, stage, generator) if stage.steps else dict(w0)
     w, factor = relinearize_latent(x, w, shape, limit, limit_q)
     report["latent_rescale"] = factor
@@ -168,7 +161,7 @@ def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: 
     if x_val is not None:
         report["val_rel_err_after"] = relative_error(x_val, y_val, w, shape)
     report["seconds"] = round(time.time() - t0, 2)
-    return BlockFit(w, report)
+    return LayerResult(w, report)
 
 
 def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseStage, generator) -> dict:

@@ -64,10 +64,10 @@ def sample_teacher_text(teacher: str | Path, num_tokens: int, seed: int = 0, bat
     from tqdm.auto import tqdm
 
     from kvconvert.checkpoint import load_tokenizer
-    from kvconvert.heal.evaluate import load_causal_lm
+    from kvconvert.quant.capture import load_hf_model
 
     tok = load_tokenizer(teacher)
-    model = load_causal_lm(teacher, device)
+    model = load_hf_model(teacher).to(device)
     if batch_size is None:
         batch_size = 32 if torch.device(device).type == "cpu" else 256
     if tok.pad_token_id is None:

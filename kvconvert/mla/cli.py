@@ -8,7 +8,7 @@ import click
 
 from kvconvert.errors import KVConvertError
 from kvconvert.mla.options import MLAOptions
-from kvconvert.stage_options import build_options, click_options
+from kvconvert.stage_options import build_options, click_options, overwrite_option
 
 
 @click.command("mla")
@@ -20,7 +20,7 @@ from kvconvert.stage_options import build_options, click_options
 @click.option("--heal", default="none", show_default=True,
               help="none, a heal preset (layerwise, layerwise+distill) or a recipe YAML (its heal blocks).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
-@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+@overwrite_option
 @click.option("--json", "as_json", is_flag=True, help="Print the conversion summary as JSON.")
 def mla_cmd(src, kv_budget, heal, out_dir, overwrite, as_json, **params):
     """Convert a Llama-family (MHA/GQA) checkpoint to Multi-head Latent Attention in stock DeepSeek-V3
@@ -54,14 +54,12 @@ def mla_cmd(src, kv_budget, heal, out_dir, overwrite, as_json, **params):
 
 
 def _summary(report, out_dir: Path) -> dict:
-    cfg = report.config
-    layers = report.layers
-    kv_values = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    cfg, layers = report.config, report.layers
     return {
         "out": str(out_dir),
         "kv_lora_rank": cfg["kv_lora_rank"],
         "qk_rope_head_dim": cfg["qk_rope_head_dim"],
-        "kv_values_per_token_per_layer": kv_values,
+        "kv_values_per_token_per_layer": cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"],
         "mean_rope_energy_kept": sum(r["rope_energy_kept"] for r in layers) / len(layers),
         "mean_latent_energy_kept": sum(r["latent_energy_kept"] for r in layers) / len(layers),
         "mean_attn_rel_error": sum(r.get("attn_rel_error_refit", r["attn_rel_error"]) for r in layers) / len(layers),

@@ -9,7 +9,6 @@ come back to the host to be written. The embeddings and the writes stay on the h
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -102,8 +101,7 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     check_output_path(Path(out_dir), overwrite)
     ensure_free_space(Path(out_dir), int(estimate_checkpoint_bytes(src_path, DTYPES[opts.dtype].itemsize, untie=True)
                                          * 1.2))  # lm_head written as its own copy; 1.2: MLA attention size
-    plan = LayerPlan.for_source(d, opts.rank, rope_dim, key_weight=opts.key_weight, rho=opts.rho,
-                               query_weighted_rope=opts.query_weighted_rope)
+    plan = LayerPlan.for_source(d, opts.rank, rope_dim, key_weight=opts.key_weight, rho=opts.rho)
     source = LlamaShape.from_config(cfg)
 
     from transformers import AutoTokenizer
@@ -179,7 +177,3 @@ def _convert_and_advance(hidden, w, source: LlamaShape, target: MLAShape, plan: 
         hidden = llama.layer(hidden, layer, source)
     _check_finite(hidden, f"layer {i} output")
     return result.weights, result.report, hidden
-
-
-def save_report_json(report: ConversionReport, path: Path) -> None:
-    path.write_text(json.dumps(asdict(report), indent=2))

@@ -30,7 +30,6 @@ class LayerPlan:
     key_weight: float = 0.3  # weight of key (score) errors vs value errors (both in output units)
     rho: float = LATENT_LINEAR_RHO  # latent RMSNorm linearisation margin (mean(c^2) <= rho * eps)
     latent_eps: float = 1e-6  # eps of kv_a_layernorm (transformers hard-codes 1e-6)
-    query_weighted_rope: bool = False
 
     @staticmethod
     def for_source(head_dim: int, rank: int, rope_dim: int, **kw) -> "LayerPlan":
@@ -39,22 +38,13 @@ class LayerPlan:
 
 @dataclass
 class LayerResult:
-    weights: dict  # DeepSeek attention weights (short names), float64
+    weights: dict  # DeepSeek attention weights (short names): float64 (closed form), float32 (layer-wise fit)
     report: dict = field(default_factory=dict)
 
 
 def max_rank(kv_heads: int, head_dim: int, rope_dim: int) -> int:
     """Largest useful kv_lora_rank: all NoPE key features plus all values (2*G*d - rope_dim)."""
     return 2 * kv_heads * head_dim - rope_dim
-
-
-def query_key_weight(w_q: torch.Tensor, cov_x: torch.Tensor, s: LlamaShape) -> torch.Tensor:
-    """[G, d/2] query energy reading each KV head's frequency: sum_{h in g} E|q_{h,f}|^2."""
-    wq = w_q.view(s.heads, s.head_dim, -1)
-    half = s.head_dim // 2
-    energy = torch.einsum("hdi,ij,hdj->hd", wq, cov_x, wq)  # E[q_hd^2]
-    per_freq = energy[:, :half] + energy[:, half:]
-    return per_freq.view(s.kv_heads, s.group, half).sum(1)
 
 
 def convert_attention(w: dict, cov_x: torch.Tensor, mean_x: torch.Tensor, s: LlamaShape, plan: LayerPlan) -> LayerResult:
@@ -65,8 +55,7 @@ def convert_attention(w: dict, cov_x: torch.Tensor, mean_x: torch.Tensor, s: Lla
     o_proj, and a report. `finalize_latent_norm` then applies the RMSNorm linearisation.
     """
     H, G, d = s.heads, s.kv_heads, s.head_dim
-    kw = query_key_weight(w["q_proj"], cov_x, s) if plan.query_weighted_rope else None
-    basis = fz.rope_basis(w["k_proj"], cov_x, G, d, plan.rope_dim, key_weight=kw)
+    basis = fz.rope_basis(w["k_proj"], cov_x, G, d, plan.rope_dim)
     maps = fz.rope_maps(basis, H, G, d)
     dn = maps.key_nope.shape[0]
     w_y = torch.cat([maps.key_nope @ w["k_proj"], w["v_proj"]])  # [Dn + G*d, hidden]
@@ -121,9 +110,7 @@ def finalize_latent_norm(weights: dict, latent_sq_mean: torch.Tensor, plan: Laye
     kv_b_proj by the same factor: kv_b(w0 * a c / sqrt(eps)) = kv_b_eff(c).
     """
     r = plan.rank
-    a = fz.linearize_norm_scale(float(latent_sq_mean.max()), plan.latent_eps, plan.rho)
-    typical_rms = float(latent_sq_mean.mean().sqrt().clamp_min(1e-30))
-    w0 = plan.latent_eps ** 0.5 / (a * typical_rms)
+    a, typical_rms, w0 = _linear_norm(latent_sq_mean, plan)
     kv_a = weights["kv_a_proj_with_mqa"].clone()
     kv_a[:r] *= a
     out = dict(weights)
@@ -131,6 +118,14 @@ def finalize_latent_norm(weights: dict, latent_sq_mean: torch.Tensor, plan: Laye
     out["kv_a_layernorm"] = kv_a.new_full((r,), w0)
     out["kv_b_proj"] = weights["kv_b_proj"] * typical_rms
     return out
+
+
+def _linear_norm(latent_sq_mean: torch.Tensor, plan: LayerPlan) -> tuple[float, float, float]:
+    """(a, typical RMS, w0) for a latent with mean(c^2) = latent_sq_mean [N] per calibration token:
+    a keeps a c in the norm's linear range, w0 = sqrt(eps) / (a * typical RMS) the uniform norm weight."""
+    a = fz.linearize_norm_scale(float(latent_sq_mean.max()), plan.latent_eps, plan.rho)
+    typical_rms = float(latent_sq_mean.mean().sqrt().clamp_min(1e-30))
+    return a, typical_rms, plan.latent_eps ** 0.5 / (a * typical_rms)
 
 
 def factorize_query(q_proj: torch.Tensor, flat_x: torch.Tensor, q_rank: int, plan: LayerPlan) -> dict:
@@ -145,10 +140,7 @@ def factorize_query(q_proj: torch.Tensor, flat_x: torch.Tensor, q_rank: int, pla
     u, s, vh = torch.linalg.svd(q_proj @ c_half, full_matrices=False)
     q_a = vh[:q_rank] @ c_half_inv
     q_b = u[:, :q_rank] * s[:q_rank]
-    lat_sq = (flat_x @ q_a.T).pow(2).mean(-1)
-    a = fz.linearize_norm_scale(float(lat_sq.max()), plan.latent_eps, plan.rho)
-    typical = float(lat_sq.mean().sqrt().clamp_min(1e-30))
-    w0 = plan.latent_eps ** 0.5 / (a * typical)
+    a, typical, w0 = _linear_norm((flat_x @ q_a.T).pow(2).mean(-1), plan)
     return {"q_a_proj": q_a * a, "q_a_layernorm": q_a.new_full((q_rank,), w0), "q_b_proj": q_b * typical}
 
 

@@ -6,6 +6,7 @@ copied unchanged, plus the config builder. Attention tensors are produced by con
 
 from __future__ import annotations
 
+from kvconvert import kvmath
 from kvconvert.errors import UnsupportedModelError
 
 # source name -> target name, for tensors copied as they are ({i} = layer index)
@@ -32,11 +33,8 @@ TARGET_ATTENTION = {
     "kv_b_proj": "model.layers.{i}.self_attn.kv_b_proj.weight",
     "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
 }
-GLOBAL_TENSORS = {
-    "model.embed_tokens.weight": "model.embed_tokens.weight",
-    "model.norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",  # written explicitly even when the source ties it
-}
+
+head_dim = kvmath.head_dim  # one definition (explicit head_dim, else hidden_size / heads)
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -60,8 +58,6 @@ def unsupported_features(cfg: dict) -> list[str]:
     `inspect`, so a feature refused on one path is refused on all. A sliding window counts only
     when it is shorter than max_position_embeddings (otherwise it never drops a token); which
     layers use one follows kvmath.layer_windows (the same rule `inspect` and `budget` use)."""
-    from kvconvert import kvmath
-
     text = kvmath.text_config(cfg)
     found = []
     try:
@@ -110,10 +106,6 @@ def check_source_config(cfg: dict) -> None:
     rope_parameters(cfg, SUPPORTED_ROPE_TYPES)
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"not supported yet: hidden_act {cfg.get('hidden_act')!r} (DeepSeek-V3 uses silu)")
-
-
-def head_dim(cfg: dict) -> int:
-    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
 def deepseek_config(src: dict, rank: int, rope_dim: int, nope_dim: int, v_dim: int, q_rank: int | None, dtype: str) -> dict:

@@ -36,8 +36,6 @@ class MLAOptions(StageOptions):
                        description="Latent-norm linear range: mean(c^2) <= rho * eps on calibration tokens.")
     stream: Literal["converted", "source"] = Field(
         "converted", description="Calibration hidden states carried through the converted layers or the source's.")
-    # measured: plain complex PCA 125 vs query-weighted 128 ppl (rank 64 + rope 32); research only
-    query_weighted_rope: bool = Field(False, description="Weight the RoPE PCA by query energy (research).")
     dtype: Literal["bf16", "fp32", "fp16"] = Field("bf16", description="Dtype of the written weights.")
     device: str = DEVICE_FIELD
 

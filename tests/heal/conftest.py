@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from heal_cases import build_llama, convert_tiny
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))  # eval_fixtures, for heal_cases
+from heal_cases import build_llama, convert_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")

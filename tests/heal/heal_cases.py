@@ -2,31 +2,17 @@
 trained on the built-in corpus) and its MLA conversion by kvconvert's own converter.
 
 Helpers shared by this folder's tests (fixtures live in conftest.py). A uniquely named module, so
-`from heal_cases import ...` resolves to this folder whatever pytest collected first."""
+`from heal_cases import ...` resolves to this folder whatever pytest collected first (conftest.py puts
+tests/eval, home of the shared tokenizer builder, on sys.path)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from eval_fixtures import train_tokenizer  # byte-level BPE on 200 KB of the built-in corpus
 
 VOCAB = 384
-
-
-def build_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
-    """A byte-level BPE tokenizer trained on the first 200 KB of the built-in corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from kvconvert.data import pydoc_corpus
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([pydoc_corpus()[:200_000]], trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(folder))
 
 
 def build_llama(folder: Path, seed: int = 0, vocab_size: int = VOCAB, layers: int = 2) -> Path:
@@ -41,7 +27,7 @@ def build_llama(folder: Path, seed: int = 0, vocab_size: int = VOCAB, layers: in
                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
     model = LlamaForCausalLM(cfg).float()
     model.save_pretrained(str(folder))
-    build_tokenizer(folder, vocab_size)
+    train_tokenizer(folder, vocab_size)
     return folder
 
 

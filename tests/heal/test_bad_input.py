@@ -7,7 +7,7 @@ import pytest
 from kvconvert.errors import KVConvertError, OutputExistsError, UnsupportedModelError
 from kvconvert.heal.api import heal, state_dir_for
 
-from heal_cases import build_llama, build_tokenizer, distill_recipe, layerwise_recipe
+from heal_cases import build_llama, distill_recipe, layerwise_recipe, train_tokenizer
 
 
 def _retokenized(teacher, tmp_path):
@@ -16,7 +16,7 @@ def _retokenized(teacher, tmp_path):
     shutil.copytree(teacher, copy)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (copy / f).unlink()
-    build_tokenizer(copy, vocab_size=300)
+    train_tokenizer(copy, vocab_size=300)
     return copy
 
 

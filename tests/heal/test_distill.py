@@ -14,11 +14,12 @@ def _eval_kl(teacher, student, text_file):
     from transformers import AutoTokenizer
 
     from kvconvert.data import token_windows
-    from kvconvert.heal.evaluate import load_causal_lm, window_metrics
+    from kvconvert.heal.evaluate import window_metrics
+    from kvconvert.quant.capture import load_hf_model
 
     tok = AutoTokenizer.from_pretrained(str(teacher))
     ids = token_windows(tok, text_file.read_text()[-20000:], 4, 128)  # not in the training windows
-    return window_metrics(load_causal_lm(teacher), {"c": load_causal_lm(student)}, ids)["c"]["kl_mean"]
+    return window_metrics(load_hf_model(teacher), {"c": load_hf_model(student)}, ids)["c"]["kl_mean"]
 
 
 def test_distill_reduces_kl_and_resumes(tiny_student, tiny_teacher, text_file, tmp_path):

@@ -7,14 +7,15 @@ import math
 import pytest
 import torch
 
-from kvconvert.heal.evaluate import load_causal_lm, window_metrics
+from kvconvert.heal.evaluate import window_metrics
+from kvconvert.quant.capture import load_hf_model
 
 
 def test_source_against_itself_has_zero_kl_and_the_student_does_not(tiny_teacher, tiny_student):
-    source = load_causal_lm(tiny_teacher, "cpu")
+    source = load_hf_model(tiny_teacher).to("cpu")
     assert next(source.parameters()).device.type == "cpu"
     ids = torch.randint(0, source.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
-    res = window_metrics(source, {"self": load_causal_lm(tiny_teacher), "student": load_causal_lm(tiny_student)}, ids)
+    res = window_metrics(source, {"self": load_hf_model(tiny_teacher), "student": load_hf_model(tiny_student)}, ids)
     assert res["source"]["tokens"] == 2 * 23
     assert res["self"]["kl_mean"] == pytest.approx(0.0, abs=1e-6)
     assert res["self"]["ppl"] == pytest.approx(res["source"]["ppl"], rel=1e-6)

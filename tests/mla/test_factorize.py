@@ -129,7 +129,7 @@ def test_closed_form_stays_on_its_inputs_device(dy_over_hidden):
     meta = dict(dtype=torch.float64, device="meta")
     w_q, w_k, w_v = (torch.empty(n * d, hidden, **meta) for n in (H, G, G))
     w_o, cov, mean = torch.empty(hidden, H * d, **meta), torch.empty(hidden, hidden, **meta), torch.empty(hidden, **meta)
-    basis = fz.rope_basis(w_k, cov, G, d, rope, key_weight=torch.empty(G, d // 2, **meta))
+    basis = fz.rope_basis(w_k, cov, G, d, rope)
     maps = fz.rope_maps(basis, H, G, d)
     metric = fz.attention_weights(w_q, w_v, w_o, maps, cov, mean, H, G, d, 0.3)
     w_y = torch.cat([maps.key_nope @ w_k, w_v])
