@@ -157,6 +157,23 @@ def test_disk_full_mid_write_leaves_nothing(tmp_path, mounts):
     nothing_left(out)
 
 
+def test_result_cache_unwritable_or_full_says_what_to_do(tmp_path, mounts):
+    """validate's per-sample cache (OUT/cache): a read-only folder is refused when the cache is made,
+    before any sample runs; a full disk at the sample that does not fit; the samples written before
+    it are kept for the rerun (both were a raw OSError)."""
+    from kvconvert.errors import KVConvertError
+    from kvconvert.eval.cache import ResultCache
+
+    advice = r"cannot write the result cache \(.+\); free disk space or choose a writable --out"
+    with pytest.raises(KVConvertError, match=rf"{mounts(tmp_path / 'ro', 'ro,size=1m')}/cache: {advice}"):
+        ResultCache(tmp_path / "ro" / "cache")
+    cache = ResultCache(mounts(tmp_path / "full", "size=64k") / "cache")
+    cache.put("model", "task", "s0", "h0", {"score": 1.0})
+    with pytest.raises(KVConvertError, match=rf"model__task.jsonl: {advice}.*finished samples are reused"):
+        cache.put("model", "task", "s1", "h1", {"text": "x" * 200_000})
+    assert ResultCache(tmp_path / "full" / "cache").get("model", "task", "s0", "h0") == {"score": 1.0}
+
+
 # ------------------------------------------------------------------ interrupted runs
 
 def _dead_pid() -> int:
