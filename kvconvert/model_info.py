@@ -15,6 +15,7 @@ from kvconvert import kvmath
 from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelError
 from kvconvert.kvformat import INSPECT_KV_DTYPES
 from kvconvert.presets import PRESETS, get_preset
+from kvconvert.st_header import safetensors_header, weight_files
 
 # ----------------------------------------------------------------------------------------------
 # model sources: a folder, a config.json, or a preset
@@ -44,17 +45,6 @@ def _read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data
-
-
-from kvconvert.st_header import SINGLE_NAME, index_weight_map, safetensors_header  # noqa: E402  (torch-free)
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """Safetensors files of an HF folder (index shards or model.safetensors); [] when it has none."""
-    weight_map = index_weight_map(folder)
-    if weight_map is not None:
-        return [folder / s for s in sorted(set(weight_map.values()))]
-    return [folder / SINGLE_NAME] if (folder / SINGLE_NAME).is_file() else []
 
 
 def _add_weight_stats(info: ModelInfo) -> None:

@@ -59,13 +59,6 @@ def test_fetch_prints_the_cached_folder(smollm2_path):
     assert result.exit_code == 0 and result.output.strip() == str(smollm2_path)
 
 
-def test_import_gguf_refuses_existing_output_before_loading(tmp_path, run_main):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    code, err = run_main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")])
-    assert code == 2 and "--overwrite" in err and err.count("\n") == 1
-
-
 def test_import_gguf_bad_file_is_one_line(tmp_path, run_main):
     (tmp_path / "model.gguf").write_bytes(b"not a gguf at all")
     code, err = run_main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")])
