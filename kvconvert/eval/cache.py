@@ -4,15 +4,14 @@ One JSON line per finished sample: {"id", "hash", "result"}. The key is (model f
 task, sample id); `hash` is the sample's content hash, so a changed prompt or budget is
 recomputed instead of reused. Lines are appended and flushed as samples finish, so an
 interrupted run resumes where it stopped; a torn last line (killed mid-write) is ignored.
-A folder that cannot be written is refused when the cache is made (before any sample runs), a full
-disk at the sample that does not fit: both as a KVConvertError saying what to do.
+A folder that cannot be written is refused when the cache is made, a full disk at the sample that
+does not fit: both as one line saying what to do.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import tempfile
 from pathlib import Path
 
 from kvconvert.errors import KVConvertError
@@ -28,11 +27,10 @@ class ResultCache:
         self._tables: dict[tuple[str, str], dict[str, dict]] = {}
         self.hits = 0
         self.misses = 0
-        try:  # a real probe: root ignores permission bits, a read-only mount does not
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=self.folder).close()
-        except OSError as exc:
-            raise _write_error(self.folder, exc) from None
+        from kvconvert.checkpoint import check_writable
+
+        check_writable(self.folder)  # a read-only or foreign folder: refused now, not at the first sample
+        self.folder.mkdir(parents=True, exist_ok=True)
 
     def _path(self, fingerprint: str, task: str) -> Path:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", task)
@@ -71,13 +69,9 @@ class ResultCache:
                 f.write(prefix + json.dumps(entry) + "\n")
                 f.flush()
         except OSError as exc:
-            raise _write_error(path, exc) from None
-
-
-def _write_error(path: Path, exc: OSError) -> KVConvertError:
-    return KVConvertError(
-        f"{path}: cannot write the result cache ({exc.strerror or exc}); free disk space or choose a writable "
-        "--out (the cache is OUT/cache), then rerun with the same --out: finished samples are reused")
+            raise KVConvertError(f"{path}: cannot write the result cache ({exc.strerror or exc}); free disk space or "
+                                 "choose another --out (the cache is OUT/cache), then rerun with the same --out: "
+                                 "finished samples are reused") from None
 
 
 def _ends_mid_line(path: Path) -> bool:
