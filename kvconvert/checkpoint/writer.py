@@ -51,12 +51,9 @@ def atomic_save_tensors(tensors: dict, path: Path) -> None:
     _atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
-def sha256_file(path: Path, chunk: int = 2**22) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _all_finite(t: torch.Tensor) -> bool:
