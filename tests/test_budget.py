@@ -253,7 +253,7 @@ def test_budget_from_folder_without_weights_counts_parameters_from_config(tmp_pa
 
 
 @pytest.mark.parametrize("args, messages", [
-    (["--model", "llama-9"], ["llama-3.1-70b", "deepseek-v3"]),  # an unknown preset lists the known ones
+    (["--model", "llama-9"], ["llama-3.1-70b", "smollm2-135m"]),  # an unknown model lists the known ones
     (["--rope-dim", "64"], ["needs --mla-rank"]),
     (["--mla-rank", "512", "--rope-dim", "65"], ["even"]),
     (["--batch", "0"], ["--batch"]),

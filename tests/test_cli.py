@@ -8,8 +8,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from kvconvert.cli import cli, main
-from kvconvert.errors import KVConvertError
+from kvconvert.cli import cli
 
 
 def _kvconvert(*args, timeout=120):
@@ -37,11 +36,6 @@ def test_debug_shows_the_traceback(tmp_path):
     result = _kvconvert("--debug", "inspect", str(tmp_path))
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "CheckpointError" in result.stderr
-
-
-def test_debug_reraises_in_process(tmp_path):
-    with pytest.raises(KVConvertError):
-        main(["--debug", "budget", "--model", "no-such-model"])
 
 
 @pytest.mark.parametrize("argv, message", [
