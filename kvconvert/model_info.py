@@ -68,22 +68,18 @@ def _add_weight_stats(info: ModelInfo) -> None:
         info.notes.append("quantized tensors present: packed elements and scales are counted as stored")
 
 
-def _parameters_from_config(info: ModelInfo) -> None:
+def _parameters_from_config(info: ModelInfo) -> ModelInfo:
+    """`info` with its parameter count from the config, or a note saying why there is none."""
     try:
         info.parameters, info.parameters_source = kvmath.parameter_count(info.config), "config"
     except UnsupportedModelError as exc:
         info.notes.append(str(exc))
+    return info
 
 
 def _from_folder(name: str, folder: Path) -> ModelInfo:
     info = ModelInfo(name=name, config=_read_json(folder / "config.json"), path=folder.resolve())
     _add_weight_stats(info)
-    return info
-
-
-def _from_config_file(path: Path) -> ModelInfo:
-    info = ModelInfo(name=str(path), config=_read_json(path), origin="config")
-    _parameters_from_config(info)
     return info
 
 
@@ -104,7 +100,7 @@ def load_model_info(src: str, prefer_preset: bool) -> ModelInfo:
 
     path = Path(src).expanduser()
     if path.is_file() and path.suffix == ".json":
-        return _from_config_file(path)
+        return _parameters_from_config(ModelInfo(name=str(path), config=_read_json(path), origin="config"))
     if path.exists():
         return _from_folder(src, resolve_source(path))
     name = src.lower()
