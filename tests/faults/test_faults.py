@@ -112,11 +112,16 @@ def test_read_only_output_refused_at_start(faults, tmp_path, mounts, command):
     assert time.time() - t0 < 60  # refused at start: calibrate used to fail only after calibrating
 
 
-def test_output_below_a_file_refused(faults, tmp_path):
+@pytest.mark.parametrize("out, problem", [("afile", "exists and is a file, not a folder"),
+                                          ("afile/out", "{tmp}/afile is a file, not a folder")])
+def test_output_that_is_or_is_below_a_file_refused(tmp_path, out, problem):
+    """check_writable, which every writing command runs first (the read-only test above: through each CLI)."""
+    from kvconvert.checkpoint import check_writable
+    from kvconvert.errors import CheckpointError
+
     (tmp_path / "afile").write_text("x")
-    out = tmp_path / "afile" / "out"
-    refused(kvconvert("mla", "--src", faults["base"], *TINY_MLA, "--out", out), None,
-            f"{out}: {tmp_path / 'afile'} is a file, not a folder")
+    with pytest.raises(CheckpointError, match=f"{tmp_path / out}: {problem.format(tmp=tmp_path)}"):
+        check_writable(tmp_path / out)
 
 
 def test_tied_source_size_estimate_counts_lm_head(faults, tmp_path, mounts):
@@ -299,15 +304,6 @@ def test_missing_tensor_in_a_sharded_checkpoint_names_the_layers_shard(faults, t
     with pytest.raises(CheckpointError, match=rf"tensor '{gone}' is missing; config.json requires it") as info:
         check_tensors_present(reader)
     assert str(info.value).split(":")[0] in {str(tmp_path / "sharded" / f) for f in shards}
-
-
-def test_output_that_is_a_file_refused(tmp_path):
-    from kvconvert.checkpoint import check_writable
-    from kvconvert.errors import CheckpointError
-
-    (tmp_path / "report").write_text("x")
-    with pytest.raises(CheckpointError, match="exists and is a file, not a folder"):
-        check_writable(tmp_path / "report")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2"])
