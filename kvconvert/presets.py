@@ -17,8 +17,8 @@ _DEEPSEEK_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim"
 
 def _preset(repo: str, published: str, parameters: int, model_type: str, layers: int, hidden: int, heads: int,
             kv_heads: int, vocab: int, ffn: int, context: int, **fields) -> dict:
-    """A PRESETS entry: `repo`'s config.json fields (the family's, the sizes, then `fields`); the
-    architecture is transformers' class for model_type (deepseek_v3 -> DeepseekV3ForCausalLM)."""
+    """A PRESETS entry: `repo`'s config.json fields (the family's: model_type, its transformers class
+    deepseek_v3 -> DeepseekV3ForCausalLM, untied embeddings; the sizes; then `fields`)."""
     architecture = "".join(part.capitalize() for part in model_type.split("_")) + "ForCausalLM"
     config = {"model_type": model_type, "architectures": [architecture], "tie_word_embeddings": False,
               "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
