@@ -37,15 +37,11 @@ def text_config(config: dict) -> dict:
     return config
 
 
-def _is_mla(config: dict) -> bool:
-    return config.get("kv_lora_rank") is not None
-
-
 def attention_kind(config: dict) -> str:
     """MLA if the config has a kv_lora_rank; else MHA (kv heads == heads), MQA (one kv head) or
     GQA (several query heads per kv head)."""
     config = text_config(config)
-    if _is_mla(config):
+    if config.get("kv_lora_rank") is not None:
         return MLA
     heads = config.get("num_attention_heads")
     if heads is None:
@@ -257,7 +253,7 @@ def parameter_count(config: dict) -> int:
     if config.get("num_local_experts") or config.get("num_experts"):
         raise UnsupportedModelError("cannot count parameters of this MoE layout from its config; pass a folder with weights")
     layers, hidden, vocab, _ = _require(config, "num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size")
-    attention = (_mla_attention_params if _is_mla(config) else _llama_attention_params)(config, hidden)
+    attention = (_mla_attention_params if attention_kind(config) == MLA else _llama_attention_params)(config, hidden)
     norms = 2 * hidden
     total = sum(attention + norms + _mlp_params(config, hidden, i) for i in range(layers))
     embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)

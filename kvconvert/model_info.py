@@ -15,6 +15,7 @@ from kvconvert import kvmath
 from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelError
 from kvconvert.kvformat import INSPECT_KV_DTYPES
 from kvconvert.presets import PRESETS, get_preset
+from kvconvert.st_header import safetensors_header, weight_files
 
 # ----------------------------------------------------------------------------------------------
 # model sources: a folder, a config.json, or a preset
@@ -46,17 +47,6 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-from kvconvert.st_header import SINGLE_NAME, index_weight_map, safetensors_header  # noqa: E402  (torch-free)
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """Safetensors files of an HF folder (index shards or model.safetensors); [] when it has none."""
-    weight_map = index_weight_map(folder)
-    if weight_map is not None:
-        return [folder / s for s in sorted(set(weight_map.values()))]
-    return [folder / SINGLE_NAME] if (folder / SINGLE_NAME).is_file() else []
-
-
 def _add_weight_stats(info: ModelInfo) -> None:
     files = weight_files(info.path)
     if not files:
@@ -78,22 +68,18 @@ def _add_weight_stats(info: ModelInfo) -> None:
         info.notes.append("quantized tensors present: packed elements and scales are counted as stored")
 
 
-def _parameters_from_config(info: ModelInfo) -> None:
+def _parameters_from_config(info: ModelInfo) -> ModelInfo:
+    """`info` with its parameter count from the config, or a note saying why there is none."""
     try:
         info.parameters, info.parameters_source = kvmath.parameter_count(info.config), "config"
     except UnsupportedModelError as exc:
         info.notes.append(str(exc))
+    return info
 
 
 def _from_folder(name: str, folder: Path) -> ModelInfo:
     info = ModelInfo(name=name, config=_read_json(folder / "config.json"), path=folder.resolve())
     _add_weight_stats(info)
-    return info
-
-
-def _from_config_file(path: Path) -> ModelInfo:
-    info = ModelInfo(name=str(path), config=_read_json(path), origin="config")
-    _parameters_from_config(info)
     return info
 
 
@@ -114,7 +100,7 @@ def load_model_info(src: str, prefer_preset: bool) -> ModelInfo:
 
     path = Path(src).expanduser()
     if path.is_file() and path.suffix == ".json":
-        return _from_config_file(path)
+        return _parameters_from_config(ModelInfo(name=str(path), config=_read_json(path), origin="config"))
     if path.exists():
         return _from_folder(src, resolve_source(path))
     name = src.lower()

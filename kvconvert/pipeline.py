@@ -252,7 +252,8 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
         src, stages = _from_recipe(recipe_file, src, out_dir, device)
     else:
         if not convert:
-            _refuse_mla_flags()
+            _refuse_given(("rank", "rope_dim", "target", "heal"),
+                          "belong to the MLA conversion, which --no-mla skips; drop them or --no-mla")
             rank = None
         elif rank is None:
             rank, rope_dim = _default_shape(src, target, rope_dim)
@@ -296,10 +297,11 @@ def _given_flags(names: tuple[str, ...]) -> str:
                      if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE)
 
 
-def _refuse_mla_flags() -> None:
-    flags = _given_flags(("rank", "rope_dim", "target", "heal"))
+def _refuse_given(names: tuple[str, ...], why: str) -> None:
+    """KVConvertError "FLAGS: why" when the command line gave any of the parameters `names`."""
+    flags = _given_flags(names)
     if flags:
-        raise KVConvertError(f"{flags}: belong to the MLA conversion, which --no-mla skips; drop them or --no-mla")
+        raise KVConvertError(f"{flags}: {why}")
 
 
 def _default_shape(src: str, target: str, rope_dim: int | None) -> tuple[int, int]:
@@ -326,9 +328,7 @@ def _default_shape(src: str, target: str, rope_dim: int | None) -> tuple[int, in
 def _from_recipe(recipe_file: Path, src: str, out_dir: Path, device: str | None = None) -> tuple[str, list[Stage]]:
     from kvconvert.recipe import load_recipe
 
-    flags = _given_flags(RECIPE_OWNS)
-    if flags:
-        raise KVConvertError(f"{flags}: set by the recipe ({recipe_file}); change the recipe instead")
+    _refuse_given(RECIPE_OWNS, f"set by the recipe ({recipe_file}); change the recipe instead")
     recipe = load_recipe(recipe_file)
     if recipe.source and _given_flags(("src",)) and src != recipe.source:
         raise KVConvertError(f"--src {src}: the recipe's source is {recipe.source}; drop --src or edit the recipe")
@@ -343,9 +343,8 @@ def _from_plan(src: str, kv_budget: str, target: str, device: str | None, out_di
     from kvconvert.plan import parse_budget, run_plan
     from kvconvert.recipe import load_recipe
 
-    flags = _given_flags(("recipe_file", "convert", "rank", "rope_dim", "kv_dtype", "heal"))
-    if flags:
-        raise KVConvertError(f"{flags}: --kv-budget lets `kvconvert plan` choose these; drop them or --kv-budget")
+    _refuse_given(("recipe_file", "convert", "rank", "rope_dim", "kv_dtype", "heal"),
+                  "--kv-budget lets `kvconvert plan` choose these; drop them or --kv-budget")
     budget, plan_dir = parse_budget(kv_budget), out_dir / "plan"
     done = plan_dir / "plan.json"
     measured = json.loads(done.read_text()) if done.is_file() and not overwrite else {}

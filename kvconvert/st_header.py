@@ -29,6 +29,14 @@ def index_weight_map(folder: Path) -> dict[str, str] | None:
     return weight_map
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """Safetensors files of an HF folder (index shards or model.safetensors); [] when it has none."""
+    weight_map = index_weight_map(folder)
+    if weight_map is not None:
+        return [folder / s for s in sorted(set(weight_map.values()))]
+    return [folder / SINGLE_NAME] if (folder / SINGLE_NAME).is_file() else []
+
+
 def safetensors_header(path: Path) -> dict:
     """Header of one safetensors file {name: {dtype, shape, data_offsets}}, validated against the
     file size (catches truncation) without reading any tensor data.

@@ -179,10 +179,6 @@ def write(doc: dict) -> None:
     from kvconvert.plan import pareto_front, plot_frontier
 
     points = doc["points"]
-    here = next(p for p in points if p["name"] == "source bf16")
-    for p in points:  # runs before source_ppl was recorded: the bf16-cache source on the same windows (KL 4e-5)
-        p.setdefault("source_ppl", here["ppl"])
-        p["ppl_increase_pct"] = 100 * (p["ppl"] / p["source_ppl"] - 1)
     with_kl = [p for p in points if p["kl"] is not None]
     kl_front = {id(with_kl[i]) for i in pareto_front([(p["fraction"], p["kl"]) for p in with_kl])}
     ppl_front = {id(points[i]) for i in pareto_front([(p["fraction"], p["ppl_increase_pct"]) for p in points])}

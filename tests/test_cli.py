@@ -8,8 +8,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from kvconvert.cli import cli, main
-from kvconvert.errors import KVConvertError
+from kvconvert.cli import cli
 
 
 def _kvconvert(*args, timeout=120):
@@ -39,11 +38,6 @@ def test_debug_shows_the_traceback(tmp_path):
     assert "Traceback" in result.stderr and "CheckpointError" in result.stderr
 
 
-def test_debug_reraises_in_process(tmp_path):
-    with pytest.raises(KVConvertError):
-        main(["--debug", "budget", "--model", "no-such-model"])
-
-
 @pytest.mark.parametrize("argv, message", [
     (["budget"], "--model"),  # click's usage error (--model missing) keeps click's exit code
     (["fetch", "gpt-5"], "smollm2-135m"),  # an unknown name lists the built-in models
@@ -57,13 +51,6 @@ def test_exit_code_2_with_the_message(argv, message, run_main):
 def test_fetch_prints_the_cached_folder(smollm2_path):
     result = CliRunner().invoke(cli, ["fetch"])
     assert result.exit_code == 0 and result.output.strip() == str(smollm2_path)
-
-
-def test_import_gguf_refuses_existing_output_before_loading(tmp_path, run_main):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    code, err = run_main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")])
-    assert code == 2 and "--overwrite" in err and err.count("\n") == 1
 
 
 def test_import_gguf_bad_file_is_one_line(tmp_path, run_main):

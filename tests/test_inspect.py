@@ -121,8 +121,3 @@ def test_corrupt_folder_is_one_line_error(tmp_path, run_main):
     code, err = run_main(["inspect", tmp_path / "m"])
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
     assert shard.name in err and "truncated" in err
-
-
-def test_unknown_source_lists_known_models(run_main):
-    code, err = run_main(["inspect", "no-such-model"])
-    assert code == 2 and "smollm2-135m" in err and "llama-3.1-8b" in err

@@ -86,10 +86,14 @@ def test_unset_keys_take_the_stages_defaults(tmp_path):
     assert "--kv-dtype" in calibrate.argv and validate.options.suite == "quick"
 
 
-def test_recipe_without_calibrate_validates_the_unquantized_model(tmp_path):
-    stages = _stages({"convert": {"rank": 64}}, tmp_path)
-    assert [s.name for s in stages] == ["convert", "validate", "gate"] and stages[1].options.kv_dtype == "auto"
-    assert _params(stages[1])["candidate"] == str(tmp_path / "mla")
+@pytest.mark.parametrize("blocks, first, candidate, kv_dtype", [
+    ({"convert": {"rank": 64}}, "convert", "mla", "auto"),  # no calibrate block: the unquantized model
+    ({"calibrate": {"kv_dtype": "nvfp4"}}, "calibrate", "source-nvfp4", "nvfp4"),  # "don't convert, just quantize"
+])
+def test_a_recipe_with_one_build_block(blocks, first, candidate, kv_dtype, tmp_path):
+    stages = _stages(blocks, tmp_path)
+    assert [s.name for s in stages] == [first, "validate", "gate"] and _params(stages[0])["src"] == "smollm2-135m"
+    assert (_params(stages[1])["candidate"], stages[1].options.kv_dtype) == (str(tmp_path / candidate), kv_dtype)
 
 
 def test_recipe_needs_a_convert_or_calibrate_block(tmp_path):
@@ -97,15 +101,6 @@ def test_recipe_needs_a_convert_or_calibrate_block(tmp_path):
         _stages({"validate": {}}, tmp_path)
     with pytest.raises(KVConvertError, match="heal blocks need a `convert` block"):
         _stages({"heal_layerwise": {}, "calibrate": {}}, tmp_path)
-
-
-def test_calibrate_only_recipe_quantizes_the_source(tmp_path):
-    """No convert block: "don't convert, just quantize" - calibrate runs on the source itself."""
-    stages = _stages({"calibrate": {"kv_dtype": "nvfp4"}}, tmp_path)
-    params = _params(stages[0])
-    assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
-    assert (params["src"], params["out"], stages[1].options.kv_dtype) == ("smollm2-135m", tmp_path / "source-nvfp4",
-                                                                           "nvfp4")
 
 
 RECIPE_25 = str(ROOT / "recipes" / "smollm2-135m-25pct.yaml")

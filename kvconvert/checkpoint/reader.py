@@ -110,10 +110,8 @@ class CheckpointReader:
         if weight_map is not None:
             return weight_map
         single = self.path / SINGLE_NAME
-        if single.is_file():
-            safetensors_header(single)
-            with safe_open(single, framework="pt") as f:
-                return {k: SINGLE_NAME for k in f.keys()}
+        if single.is_file():  # the header's names, sorted as safe_open lists them
+            return dict.fromkeys(sorted(safetensors_header(single)), SINGLE_NAME)
         if list(self.path.glob("*.bin")) or list(self.path.glob("*.pt")):
             raise CheckpointError(
                 f"{self.path}: only pickle weights (.bin/.pt) found; kvconvert loads safetensors only "

@@ -23,9 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 from kvconvert import __version__
-from kvconvert.checkpoint.reader import INDEX_NAME, SINGLE_NAME
 from kvconvert.errors import CheckpointError, OutputExistsError, raise_on_sigterm, restore_sigterm
-from kvconvert.st_header import safetensors_header
+from kvconvert.st_header import safetensors_header, weight_files
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -52,12 +51,9 @@ def atomic_save_tensors(tensors: dict, path: Path) -> None:
     _atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
-def sha256_file(path: Path, chunk: int = 2**22) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -174,16 +170,15 @@ def estimate_checkpoint_bytes(src: str | Path, itemsize: int | None = None, unti
     and the source ties lm_head to it (written as its own copy), plus the other files (tokenizer,
     config) and 1 MiB of headers and metadata."""
     src = Path(src)
-    index = src / INDEX_NAME
     try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [SINGLE_NAME]
-    except (OSError, ValueError, KeyError, AttributeError):
+        shards = weight_files(src)
+    except CheckpointError:
+        shards = []
+    if not shards:
         return 0  # not a readable checkpoint: CheckpointReader says what is wrong, in its own words
-    if not all((src / shard).is_file() for shard in shards):
-        return 0
     total, names = 0, {}
     for shard in shards:
-        for name, meta in safetensors_header(src / shard).items():
+        for name, meta in safetensors_header(shard).items():
             numel = math.prod(meta["shape"])
             nbytes = meta["data_offsets"][1] - meta["data_offsets"][0]
             names[name] = numel * itemsize if itemsize else nbytes

@@ -4,6 +4,8 @@ One JSON line per finished sample: {"id", "hash", "result"}. The key is (model f
 task, sample id); `hash` is the sample's content hash, so a changed prompt or budget is
 recomputed instead of reused. Lines are appended and flushed as samples finish, so an
 interrupted run resumes where it stopped; a torn last line (killed mid-write) is ignored.
+A folder that cannot be written is refused when the cache is made, a full disk at the sample that
+does not fit: both as one line saying what to do.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+
+from kvconvert.errors import KVConvertError
 
 
 class ResultCache:
@@ -23,6 +27,10 @@ class ResultCache:
         self._tables: dict[tuple[str, str], dict[str, dict]] = {}
         self.hits = 0
         self.misses = 0
+        from kvconvert.checkpoint import check_writable
+
+        check_writable(self.folder)  # a read-only or foreign folder: refused now, not at the first sample
+        self.folder.mkdir(parents=True, exist_ok=True)
 
     def _path(self, fingerprint: str, task: str) -> Path:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", task)
@@ -54,12 +62,16 @@ class ResultCache:
     def put(self, fingerprint: str, task: str, sample_id: str, content_hash: str, result: dict) -> None:
         entry = {"id": sample_id, "hash": content_hash, "result": result}
         self._table(fingerprint, task)[sample_id] = entry
-        self.folder.mkdir(parents=True, exist_ok=True)
         path = self._path(fingerprint, task)
         prefix = "\n" if _ends_mid_line(path) else ""  # never glue a new line onto a torn one
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(prefix + json.dumps(entry) + "\n")
-            f.flush()
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(prefix + json.dumps(entry) + "\n")
+                f.flush()
+        except OSError as exc:
+            raise KVConvertError(f"{path}: cannot write the result cache ({exc.strerror or exc}); free disk space or "
+                                 "choose another --out (the cache is OUT/cache), then rerun with the same --out: "
+                                 "finished samples are reused") from None
 
 
 def _ends_mid_line(path: Path) -> bool:

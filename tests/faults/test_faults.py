@@ -112,11 +112,16 @@ def test_read_only_output_refused_at_start(faults, tmp_path, mounts, command):
     assert time.time() - t0 < 60  # refused at start: calibrate used to fail only after calibrating
 
 
-def test_output_below_a_file_refused(faults, tmp_path):
+@pytest.mark.parametrize("out, problem", [("afile", "exists and is a file, not a folder"),
+                                          ("afile/out", "{tmp}/afile is a file, not a folder")])
+def test_output_that_is_or_is_below_a_file_refused(tmp_path, out, problem):
+    """check_writable, which every writing command runs first (the read-only test above: through each CLI)."""
+    from kvconvert.checkpoint import check_writable
+    from kvconvert.errors import CheckpointError
+
     (tmp_path / "afile").write_text("x")
-    out = tmp_path / "afile" / "out"
-    refused(kvconvert("mla", "--src", faults["base"], *TINY_MLA, "--out", out), None,
-            f"{out}: {tmp_path / 'afile'} is a file, not a folder")
+    with pytest.raises(CheckpointError, match=f"{tmp_path / out}: {problem.format(tmp=tmp_path)}"):
+        check_writable(tmp_path / out)
 
 
 def test_tied_source_size_estimate_counts_lm_head(faults, tmp_path, mounts):
@@ -155,6 +160,24 @@ def test_disk_full_mid_write_leaves_nothing(tmp_path, mounts):
             w.write_config({"model_type": "llama"})
             w.copy_tokenizer(tmp_path)
     nothing_left(out)
+
+
+def test_result_cache_unwritable_or_full_says_what_to_do(tmp_path, mounts):
+    """validate's per-sample cache (OUT/cache): a read-only folder is refused when the cache is made,
+    before any sample runs; a full disk at the sample that does not fit; the samples written before
+    it are kept for the rerun (both were a raw OSError)."""
+    from kvconvert.errors import KVConvertError
+    from kvconvert.eval.cache import ResultCache
+
+    ro = mounts(tmp_path / "ro", "ro,size=1m")
+    with pytest.raises(KVConvertError, match=rf"{ro}/cache: cannot write in {ro} \(Read-only file system\); choose"):
+        ResultCache(ro / "cache")
+    cache = ResultCache(mounts(tmp_path / "full", "size=64k") / "cache")
+    cache.put("model", "task", "s0", "h0", {"score": 1.0})
+    with pytest.raises(KVConvertError, match=r"model__task.jsonl: cannot write the result cache \(No space left on "
+                                             r"device\); free disk space or choose another --out .* are reused"):
+        cache.put("model", "task", "s1", "h1", {"text": "x" * 200_000})
+    assert ResultCache(tmp_path / "full" / "cache").get("model", "task", "s0", "h0") == {"score": 1.0}
 
 
 # ------------------------------------------------------------------ interrupted runs
@@ -281,15 +304,6 @@ def test_missing_tensor_in_a_sharded_checkpoint_names_the_layers_shard(faults, t
     with pytest.raises(CheckpointError, match=rf"tensor '{gone}' is missing; config.json requires it") as info:
         check_tensors_present(reader)
     assert str(info.value).split(":")[0] in {str(tmp_path / "sharded" / f) for f in shards}
-
-
-def test_output_that_is_a_file_refused(tmp_path):
-    from kvconvert.checkpoint import check_writable
-    from kvconvert.errors import CheckpointError
-
-    (tmp_path / "report").write_text("x")
-    with pytest.raises(CheckpointError, match="exists and is a file, not a folder"):
-        check_writable(tmp_path / "report")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2"])

@@ -1,4 +1,5 @@
-"""CheckpointWriter: atomic commit, overwrite rules, sharding + index, manifest hashes."""
+"""CheckpointWriter: atomic commit, overwrite rules, sharding + index, manifest hashes; CheckpointReader's
+errors: each a one-line CheckpointError naming the file at fault."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def _write(out, tensors, **kwargs):
             w.add(name, t)
         w.write_config({"model_type": "test"})
     return out
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """A 3-shard checkpoint of _tensors(6): float32 [64, 32], 8 KiB each."""
+    return _write(tmp_path / "ckpt", _tensors(6), max_shard_bytes=16_000, source="unit-test")
 
 
 def _raise_after_two_shards(w):
@@ -78,9 +85,8 @@ def test_failed_overwrite_keeps_the_old_output(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_sharding_index_and_manifest(tmp_path):
-    tensors = _tensors(6)  # 6 x 8 KiB
-    out = _write(tmp_path / "out", tensors, max_shard_bytes=16_000, source="unit-test")
+def test_sharding_index_and_manifest(sharded):
+    tensors, out = _tensors(6), sharded
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -88,12 +94,16 @@ def test_sharding_index_and_manifest(tmp_path):
     assert set(index["weight_map"].values()) == set(shards)
     assert index["metadata"]["total_size"] == 6 * 64 * 32 * 4
     reader = CheckpointReader(out)
-    assert sorted(reader.keys()) == sorted(tensors)
+    assert sorted(reader.keys()) == sorted(tensors) and reader.config == {"model_type": "test"}
     for name, t in tensors.items():
         got = reader.get(name)
         assert got.dtype == torch.float32 and torch.equal(got, t)
     assert reader.tensors("model.layers.3.").keys() == {"model.layers.3.w"}
-    assert reader.num_parameters() == 6 * 64 * 32
+    assert reader.num_parameters() == 6 * 64 * 32 and reader.shape("model.layers.4.w") == (64, 32)
+    assert "model.layers.4.w" in reader and "nope" not in reader
+    assert reader.total_bytes == sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    with pytest.raises(CheckpointError, match="'nope' not in checkpoint"):
+        reader.get("nope")
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["source"] == "unit-test" and manifest["producer"].startswith("kvconvert")
@@ -174,3 +184,75 @@ def test_transformers_loads_a_sharded_output(tmp_path):
     ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+# ------------------------------------------------------------------ reading damaged checkpoints
+
+def _error(folder, **kwargs) -> str:
+    with pytest.raises(CheckpointError) as exc:
+        reader = CheckpointReader(folder, **kwargs)
+        for name in reader.keys():
+            reader.get(name)
+    message = str(exc.value)
+    assert "\n" not in message, message
+    return message
+
+
+SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+
+
+def _truncate(name: str, size: int):
+    """Cut a file to `size` bytes (negative: that many bytes off its end)."""
+    return lambda d: os.truncate(d / name, size if size >= 0 else (d / name).stat().st_size + size)
+
+
+def _garbage_header(d):
+    data = (d / SHARDS[0]).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    (d / SHARDS[0]).write_bytes(data[:8] + b"[" + b" " * (n - 1) + data[8 + n:])  # header JSON is not an object
+
+
+def _index_names_a_tensor_its_shard_lacks(d):
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.9.w"] = SHARDS[0]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _weights_only(name: str | None):
+    """The safetensors files and index replaced by an (empty) file `name`; None: no weights at all."""
+    def damage(d):
+        for path in [*d.glob("*.safetensors"), d / "model.safetensors.index.json"]:
+            path.unlink()
+        if name is not None:
+            (d / name).touch()
+    return damage
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda d: (d / "config.json").unlink(), ["{d}/config.json", "not found"]),
+    (lambda d: (d / "config.json").write_text("{not json"), ["{d}/config.json"]),
+    (lambda d: os.rename(d, d.with_name("gone")), ["not a folder"]),
+    (_truncate(SHARDS[1], -100), ["{d}/" + SHARDS[1], "truncated"]),
+    (_truncate(SHARDS[2], 20), ["{d}/" + SHARDS[2], "corrupt"]),
+    (_truncate(SHARDS[2], 3), ["shorter than"]),
+    (_garbage_header, ["{d}/" + SHARDS[0]]),
+    (lambda d: (d / SHARDS[1]).unlink(), [SHARDS[1], "missing"]),
+    (lambda d: (d / "model.safetensors.index.json").write_text("{}"), ["model.safetensors.index.json"]),
+    (_index_names_a_tensor_its_shard_lacks, ["{d}/" + SHARDS[0], "'model.layers.9.w'"]),
+    (_weights_only("pytorch_model.bin"), [".bin", "safetensors"]),
+    (_weights_only("model.gguf"), ["import-gguf"]),
+    (_weights_only(None), ["no model.safetensors"]),
+])
+def test_damaged_folder_is_one_line_naming_the_file(sharded, damage, expected):
+    damage(sharded)
+    message = _error(sharded)
+    assert all(text.format(d=sharded) in message for text in expected), message
+
+
+def test_single_file_truncated(tmp_path):
+    out = tmp_path / "one"
+    with CheckpointWriter(out) as w:
+        w.add("a", torch.randn(100))
+        w.write_config({})
+    os.truncate(out / "model.safetensors", (out / "model.safetensors").stat().st_size - 4)
+    assert str(out / "model.safetensors") in _error(out)

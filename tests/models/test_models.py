@@ -1,5 +1,5 @@
-"""kvconvert.models.llama beyond the decoder (test_decoders), and the RoPE of models.common, against
-transformers."""
+"""kvconvert.models beyond the whole decoder (test_decoders): Llama's cached K/V and the RoPE of
+models.common (frequencies, DeepSeek's yarn softmax scale) against transformers; configs refused."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from model_cases import LLAMA3, VOCAB, YARN, assert_matches, build, layer_weights
 
 from kvconvert.errors import UnsupportedModelError
-from kvconvert.models import llama
-from kvconvert.models.common import rms_norm, rope_inv_freq, rope_parameters
+from kvconvert.models import deepseek_v3 as ds, llama
+from kvconvert.models.common import rms_norm, rope_inv_freq, rope_parameters, yarn_softmax_scale
 
 def test_cached_keys_and_values_match_transformers():
     """qkv gives the post-RoPE K and V transformers caches (what calibration observes)."""
@@ -38,6 +38,13 @@ def test_rope_frequencies_match_transformers(rope):
     assert factor == pytest.approx(hf_factor, rel=1e-12)
 
 
+def test_yarn_softmax_scale_matches_transformers():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    assert yarn_softmax_scale(YARN, 32 ** -0.5) == pytest.approx(yarn_apply_mscale(YARN, 32 ** -0.5), rel=1e-12)
+    assert yarn_softmax_scale(YARN, 32 ** -0.5) != 32 ** -0.5
+
+
 def test_legacy_rope_scaling_keys_are_read():
     params = rope_parameters({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0},
                               "max_position_embeddings": 64})
@@ -52,6 +59,12 @@ def test_unsupported_rope_is_a_clear_error(rope):
         rope_parameters({"rope_parameters": rope, "max_position_embeddings": 64})
 
 
-def test_heads_not_a_multiple_of_kv_heads_is_refused():
-    with pytest.raises(UnsupportedModelError, match="not a multiple of num_key_value_heads"):
-        llama.LlamaShape.from_config({"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 2})
+@pytest.mark.parametrize("read, config, message", [
+    (llama.LlamaShape.from_config, {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 2},
+     "not a multiple of num_key_value_heads"),
+    (ds.check_dense, {"num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8},
+     "first_k_dense_replace=1"),  # MoE layers
+], ids=["llama-heads", "deepseek-moe"])
+def test_unsupported_configs_are_refused(read, config, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        read(config)
