@@ -36,7 +36,7 @@ def test_generate_json(model_with_tokenizer):
     from kvconvert.runtime import LLM, SamplingParams
 
     args = ["--model", str(model_with_tokenizer), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "8", "--greedy",
-            "--kv-dtype", "fp32", "--json"]
+            "--kv-dtype", "fp32", "--kv-memory", "64K", "--json"]
     result = _run(args)
     assert result.exception is None, result.output
     out = json.loads(result.output)
