@@ -195,20 +195,16 @@ def read_kv_scales(reader, layout: list[dict[str, CacheSpec]], kv_dtype: str, so
     "checkpoint" every layer must have them (KVConvertError otherwise); with "dynamic" they are
     computed from the first prefill and a warning says so.
     """
-    if not kv_format(kv_dtype).quantized:
-        return [{} for _ in layout], False
-    if source == "dynamic":
+    quantized = kv_format(kv_dtype).quantized
+    if quantized and source == "dynamic":
         warnings.warn(
             f"kv_scales='dynamic': {kv_dtype} KV scales are computed from the amax of the first prefill step "
-            "(amax/448 per tensor, amax/57344 for e5m2); later, larger values are clipped. Calibrated checkpoint scales are "
-            "the reliable source (kvconvert calibrate).",
-            stacklevel=3,
-        )
-        return [{} for _ in layout], True
-    scales = []
-    for i, layer in enumerate(layout):
-        scales.append({name: _read_scale(reader, i, name, spec.row_shape, kv_dtype) for name, spec in layer.items()})
-    return scales, False
+            "(amax/448 per tensor, amax/57344 for e5m2); later, larger values are clipped. Calibrated checkpoint "
+            "scales are the reliable source (kvconvert calibrate).", stacklevel=3)
+    if not quantized or source == "dynamic":
+        return [{} for _ in layout], quantized
+    return [{name: _read_scale(reader, i, name, spec.row_shape, kv_dtype) for name, spec in layer.items()}
+            for i, layer in enumerate(layout)], False
 
 
 def _read_scale(reader, layer: int, name: str, row_shape: tuple[int, ...], kv_dtype: str) -> torch.Tensor:
@@ -222,7 +218,8 @@ def _read_scale(reader, layer: int, name: str, row_shape: tuple[int, ...], kv_dt
         )
     scale = reader.get(found).float()
     if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
-        raise KVConvertError(f"{reader.path}: {found} has a zero, negative or non-finite value; recalibrate the KV scales")
+        raise KVConvertError(f"{reader.path}: {found} has a zero, negative or non-finite value; "
+                             "recalibrate the KV scales")
     if scale.numel() == 1:
         return scale.reshape(())
     heads = row_shape[0] if len(row_shape) == 2 else None
