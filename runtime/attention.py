@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvconvert.runtime import kv_cache
-from kvconvert.runtime.kv_cache import Workspace
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
+from kvconvert.runtime import kv_cache
+from kvconvert.runtime.kv_cache import Workspace
 
 
 def length_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:

@@ -22,23 +22,24 @@ finish_reason "error" while the others complete.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from kvconvert.runtime.attention import make_attention
-from kvconvert.runtime.block_manager import BlockManager
-from kvconvert.runtime.config import DEFAULT_KV_MEMORY, EngineConfig, SamplingParams
-from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token, read_kv_scales
-from kvconvert.runtime.model_runner import ModelRunner
-from kvconvert.runtime.memory import check_memory, estimate_memory, resolve_dtype
-from kvconvert.runtime.models import kv_layout, load_model, stored_dtype
-from kvconvert.runtime.scheduler import Scheduler
-from kvconvert.runtime.sequence import Sequence
 
 from kvconvert.checkpoint import CheckpointReader, eos_token_ids, load_tokenizer
 from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
+from kvconvert.runtime.attention import make_attention
+from kvconvert.runtime.block_manager import BlockManager
+from kvconvert.runtime.config import DEFAULT_KV_MEMORY, EngineConfig, SamplingParams
+from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token, read_kv_scales
+from kvconvert.runtime.memory import check_memory, estimate_memory, resolve_dtype
+from kvconvert.runtime.model_runner import ModelRunner
+from kvconvert.runtime.models import kv_layout, load_model, stored_dtype
+from kvconvert.runtime.scheduler import Scheduler
+from kvconvert.runtime.sequence import Sequence
 
 
 @dataclass
@@ -216,8 +217,8 @@ class LLM:
 
     def _output(self, seq: Sequence) -> Output:
         text = None
-        if seq.error is None and self._tokenizer_available():
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        with contextlib.suppress(KVConvertError):  # a folder without a tokenizer: token ids only
+            text = None if seq.error else self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         return Output(
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
             text=text, finish_reason=seq.finish_reason, error=seq.error, num_cached_tokens=seq.num_cached_tokens,
@@ -225,12 +226,6 @@ class LLM:
             time_to_first_token_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             latency_s=None if seq.finish_time is None else seq.finish_time - seq.arrival_time,
         )
-
-    def _tokenizer_available(self) -> bool:
-        try:
-            return self.tokenizer is not None
-        except KVConvertError:
-            return False
 
 
 def _as_prompt_list(prompts) -> list:

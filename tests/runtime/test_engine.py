@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import VOCAB, add_tensors, greedy, random_ids
-from kvconvert.runtime import LLM, SamplingParams
-from kvconvert.runtime.model_runner import top_p_filter
 
 from kvconvert.errors import KVConvertError, UnsupportedModelError
+from kvconvert.runtime import LLM, SamplingParams
+from kvconvert.runtime.model_runner import top_p_filter
+from runtime_cases import VOCAB, add_tensors, greedy, random_ids
 
 ATOL = 2e-5
 MAX_LEN = 256  # the tiny models' max_position_embeddings

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import add_tensors, greedy, load_reference, random_ids, transformers_reference
-from kvconvert.runtime import LLM
 from transformers import DynamicCache
 
 from kvconvert.checkpoint import read_config
@@ -24,6 +22,8 @@ from kvconvert.kvmath import kv_shape
 from kvconvert.quant.capture import KVHookCache
 from kvconvert.quant.evaluate import fake_quant_hook
 from kvconvert.quant.scales import KVScales
+from kvconvert.runtime import LLM
+from runtime_cases import add_tensors, greedy, load_reference, random_ids, transformers_reference
 
 kv_scale_from_amax = kv_format("fp8").scale_from_amax  # amax / 448: FP8 E4M3 and NVFP4 alike
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import build, greedy, load_reference, model_cases, random_ids, transformers_reference
+
 from kvconvert.runtime import LLM, SamplingParams
+from runtime_cases import build, greedy, load_reference, model_cases, random_ids, transformers_reference
 
 ATOL = 2e-5
 
