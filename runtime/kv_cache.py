@@ -120,8 +120,7 @@ def write(layer, first: torch.Tensor, second: torch.Tensor, slots: torch.Tensor)
         dst.view(dst.shape[0] * dst.shape[1], *dst.shape[2:]).index_copy_(0, slots, rows)
 
 
-def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, workspace: Workspace | None = None
-           ) -> torch.Tensor:
+def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, workspace: Workspace) -> torch.Tensor:
     """Read quantity `name` ("k", "v" or MLA's "kv") of blocks block_tables [B, n] back, dequantized
     (kvconvert.kernels.cache_layout's reference dequant), into out [B, n * block_size, *row_shape]
     (any float dtype and strides, e.g. a transposed view of a heads-first buffer); returns out."""
@@ -138,16 +137,11 @@ def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, work
     return out
 
 
-def _gather_blocks(t: torch.Tensor, block_tables: torch.Tensor, workspace: Workspace | None, name: str
-                   ) -> torch.Tensor:
-    """Raw storage rows of the blocks: [B, n * block_size, ...] in t's dtype."""
+def _gather_blocks(t: torch.Tensor, block_tables: torch.Tensor, workspace: Workspace, name: str) -> torch.Tensor:
+    """Raw storage rows of the blocks: [B, n * block_size, ...] in t's dtype (a workspace buffer)."""
     b, n = block_tables.shape
-    idx = block_tables.reshape(-1)
     # index_select: a plain row gather, several times faster on CPU than advanced indexing
-    if workspace is None:
-        raw = torch.index_select(t, 0, idx)
-    else:
-        raw = torch.index_select(t, 0, idx, out=workspace.get(name, (b * n, *t.shape[1:]), t.dtype))
+    raw = torch.index_select(t, 0, block_tables.reshape(-1), out=workspace.get(name, (b * n, *t.shape[1:]), t.dtype))
     return raw.view(b, n * t.shape[1], *t.shape[2:])
 
 
