@@ -17,17 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvconvert.runtime import kv_cache
-from kvconvert.runtime.kv_cache import Workspace
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
-
-
-def causal_mask(query_len: int, context_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[query_len, context_len] bool: query i (position ctx - q_len + i) sees keys 0..its position."""
-    q_pos = torch.arange(context_len - query_len, context_len, device=device)
-    return torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
+from kvconvert.runtime import kv_cache
+from kvconvert.runtime.kv_cache import Workspace
 
 
 def length_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -156,7 +150,8 @@ def causal_sdpa(q, k, v, query_len, context_len, scale):
     gqa = k.shape[-3] != q.shape[-3]
     if query_len == context_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    mask = causal_mask(query_len, context_len, q.device)
+    q_pos = torch.arange(context_len - query_len, context_len, device=q.device)  # each query's position
+    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # [L, S] bool: keys up to it
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 

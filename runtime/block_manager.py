@@ -112,33 +112,22 @@ class BlockManager:
         self._seq_hashes[seq_id] = list(hashes)
         return max(0, min(len(ids) * self.block_size, len(token_ids) - 1))
 
-    def slots_cost(self, seq_id: int, num_tokens: int, write_from: int) -> int:
-        """Blocks allocate_slots(seq_id, num_tokens, write_from) would take from the pool."""
-        table = self._tables.get(seq_id, [])
-        new_blocks = max(0, self.blocks_for(num_tokens) - len(table))
-        copies = sum(
-            1 for i in range(write_from // self.block_size, min(len(table), self.blocks_for(num_tokens)))
-            if self.blocks[table[i]].ref_count > 1
-        )
-        return new_blocks + copies
-
     def allocate_slots(self, seq_id: int, num_tokens: int, write_from: int) -> list[tuple[int, int]] | None:
         """Cover positions [0, num_tokens) and make those in [write_from, num_tokens) writable.
 
         Returns the (src, dst) block copies the cache must perform before writing, or None (and
         changes nothing) when the pool has too few blocks.
         """
-        if self.slots_cost(seq_id, num_tokens, write_from) > self.num_free_blocks:
+        table = self._tables.get(seq_id, [])
+        needed = self.blocks_for(num_tokens)
+        rewritten = range(write_from // self.block_size, min(len(table), needed))  # blocks it has that get writes
+        shared = sum(1 for i in rewritten if self.blocks[table[i]].ref_count > 1)  # each one copied on write
+        if max(0, needed - len(table)) + shared > self.num_free_blocks:
             return None
-        table = self._tables.setdefault(seq_id, [])
+        self._tables[seq_id] = table
         self._seq_hashes.setdefault(seq_id, [])
-        copies = []
-        for i in range(write_from // self.block_size, min(len(table), self.blocks_for(num_tokens))):
-            copy = self._make_writable(seq_id, i)
-            if copy is not None:
-                copies.append(copy)
-        while len(table) < self.blocks_for(num_tokens):
-            table.append(self._take())
+        copies = [copy for i in rewritten if (copy := self._make_writable(seq_id, i)) is not None]
+        table.extend(self._take() for _ in range(needed - len(table)))
         return copies
 
     def _make_writable(self, seq_id: int, index: int) -> tuple[int, int] | None:

@@ -7,15 +7,11 @@ import sys
 import time
 
 import click
+
 from kvconvert import kvmath
+from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import RUNTIME_KV_DTYPES
 from kvconvert.runtime.config import ATTENTION_BACKENDS, KV_SCALE_SOURCES
-
-from kvconvert.errors import KVConvertError
-
-def parse_size(text: str | None) -> int | None:
-    """--kv-memory: '512M', '2GiB', '1GB' (decimal), a bare number of bytes (kvmath.parse_size)."""
-    return None if text is None else kvmath.parse_size(text, bare_unit=1)
 
 
 @click.command("generate")
@@ -32,7 +28,7 @@ def parse_size(text: str | None) -> int | None:
 @click.option("--kv-scales", type=click.Choice(KV_SCALE_SOURCES), default="checkpoint", show_default=True,
               help="fp8/nvfp4 scales: from the checkpoint, or from the first prefill's amax (dynamic).")
 @click.option("--backend", type=click.Choice(ATTENTION_BACKENDS), default="torch", show_default=True)
-@click.option("--kv-memory", default=None, help="KV pool size, e.g. 512M (default: up to 1G).")
+@click.option("--kv-memory", default=None, help="KV pool size, e.g. 512M (bare number: bytes; default: up to 1G).")
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
               help="Weights/activations: auto = as stored (bf16 checkpoints stay bf16, mapped from the files).")
@@ -42,9 +38,8 @@ def parse_size(text: str | None) -> int | None:
 def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature, top_p, seed, kv_dtype, kv_scales,
                  backend, kv_memory, block_size, dtype, device, as_json):
     """Generate text with the bundled paged-KV runtime (Llama and DeepSeek-V3 MLA checkpoints)."""
-    from kvconvert.runtime import LLM, SamplingParams
-
     from kvconvert.checkpoint import check_checkpoint
+    from kvconvert.runtime import LLM, SamplingParams
     from kvconvert.sources import resolve_source
 
     prompt = read_prompt(prompt, prompt_file)
@@ -54,9 +49,9 @@ def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature
     t0 = time.perf_counter()
     path = resolve_source(model)
     check_checkpoint(path)  # unsupported config, missing tensors, NaN/inf weights: refuse before generating
-    llm = LLM(path, kv_dtype=kv_dtype, kv_scales=kv_scales, attention_backend=backend,
-              kv_memory=parse_size(kv_memory), block_size=block_size, max_num_seqs=1, dtype=dtype,
-              device=device)
+    kv_memory = None if kv_memory is None else kvmath.parse_size(kv_memory, bare_unit=1)
+    llm = LLM(path, kv_dtype=kv_dtype, kv_scales=kv_scales, attention_backend=backend, kv_memory=kv_memory,
+              block_size=block_size, max_num_seqs=1, dtype=dtype, device=device)
     tokenizer = llm.tokenizer
     load_s = time.perf_counter() - t0
     output = _run(llm, prompt, params, tokenizer, stream=not as_json)

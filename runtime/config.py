@@ -53,23 +53,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self):
-        _positive_int("block_size", self.block_size)
-        _positive_int("num_blocks", self.num_blocks, allow_none=True)
-        _positive_int("kv_memory", self.kv_memory, allow_none=True)
-        _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_blocks", "kv_memory", "max_model_len"):
+            _positive_int(name, getattr(self, name), allow_none=True)
         if self.num_blocks is not None and self.kv_memory is not None:
             raise KVConvertError("give num_blocks or kv_memory, not both")
-        if self.kv_dtype not in RUNTIME_KV_DTYPES:
-            raise KVConvertError(
-                f"kv_dtype {self.kv_dtype!r} is not supported; choose one of {', '.join(RUNTIME_KV_DTYPES)}")
-        if self.kv_scales not in KV_SCALE_SOURCES:
-            raise KVConvertError(f"kv_scales {self.kv_scales!r} is not supported; choose checkpoint or dynamic")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise KVConvertError(
-                f"attention backend {self.attention_backend!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"
-            )
+        for name, choices in (("kv_dtype", RUNTIME_KV_DTYPES), ("kv_scales", KV_SCALE_SOURCES),
+                              ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in choices:
+                raise KVConvertError(
+                    f"{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(choices)}")
 
 
 @dataclass

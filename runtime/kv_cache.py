@@ -120,8 +120,7 @@ def write(layer, first: torch.Tensor, second: torch.Tensor, slots: torch.Tensor)
         dst.view(dst.shape[0] * dst.shape[1], *dst.shape[2:]).index_copy_(0, slots, rows)
 
 
-def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, workspace: Workspace | None = None
-           ) -> torch.Tensor:
+def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, workspace: Workspace) -> torch.Tensor:
     """Read quantity `name` ("k", "v" or MLA's "kv") of blocks block_tables [B, n] back, dequantized
     (kvconvert.kernels.cache_layout's reference dequant), into out [B, n * block_size, *row_shape]
     (any float dtype and strides, e.g. a transposed view of a heads-first buffer); returns out."""
@@ -138,16 +137,11 @@ def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, work
     return out
 
 
-def _gather_blocks(t: torch.Tensor, block_tables: torch.Tensor, workspace: Workspace | None, name: str
-                   ) -> torch.Tensor:
-    """Raw storage rows of the blocks: [B, n * block_size, ...] in t's dtype."""
+def _gather_blocks(t: torch.Tensor, block_tables: torch.Tensor, workspace: Workspace, name: str) -> torch.Tensor:
+    """Raw storage rows of the blocks: [B, n * block_size, ...] in t's dtype (a workspace buffer)."""
     b, n = block_tables.shape
-    idx = block_tables.reshape(-1)
     # index_select: a plain row gather, several times faster on CPU than advanced indexing
-    if workspace is None:
-        raw = torch.index_select(t, 0, idx)
-    else:
-        raw = torch.index_select(t, 0, idx, out=workspace.get(name, (b * n, *t.shape[1:]), t.dtype))
+    raw = torch.index_select(t, 0, block_tables.reshape(-1), out=workspace.get(name, (b * n, *t.shape[1:]), t.dtype))
     return raw.view(b, n * t.shape[1], *t.shape[2:])
 
 
@@ -195,20 +189,16 @@ def read_kv_scales(reader, layout: list[dict[str, CacheSpec]], kv_dtype: str, so
     "checkpoint" every layer must have them (KVConvertError otherwise); with "dynamic" they are
     computed from the first prefill and a warning says so.
     """
-    if not kv_format(kv_dtype).quantized:
-        return [{} for _ in layout], False
-    if source == "dynamic":
+    quantized = kv_format(kv_dtype).quantized
+    if quantized and source == "dynamic":
         warnings.warn(
             f"kv_scales='dynamic': {kv_dtype} KV scales are computed from the amax of the first prefill step "
-            "(amax/448 per tensor, amax/57344 for e5m2); later, larger values are clipped. Calibrated checkpoint scales are "
-            "the reliable source (kvconvert calibrate).",
-            stacklevel=3,
-        )
-        return [{} for _ in layout], True
-    scales = []
-    for i, layer in enumerate(layout):
-        scales.append({name: _read_scale(reader, i, name, spec.row_shape, kv_dtype) for name, spec in layer.items()})
-    return scales, False
+            "(amax/448 per tensor, amax/57344 for e5m2); later, larger values are clipped. Calibrated checkpoint "
+            "scales are the reliable source (kvconvert calibrate).", stacklevel=3)
+    if not quantized or source == "dynamic":
+        return [{} for _ in layout], quantized
+    return [{name: _read_scale(reader, i, name, spec.row_shape, kv_dtype) for name, spec in layer.items()}
+            for i, layer in enumerate(layout)], False
 
 
 def _read_scale(reader, layer: int, name: str, row_shape: tuple[int, ...], kv_dtype: str) -> torch.Tensor:
@@ -222,7 +212,8 @@ def _read_scale(reader, layer: int, name: str, row_shape: tuple[int, ...], kv_dt
         )
     scale = reader.get(found).float()
     if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
-        raise KVConvertError(f"{reader.path}: {found} has a zero, negative or non-finite value; recalibrate the KV scales")
+        raise KVConvertError(f"{reader.path}: {found} has a zero, negative or non-finite value; "
+                             "recalibrate the KV scales")
     if scale.numel() == 1:
         return scale.reshape(())
     heads = row_shape[0] if len(row_shape) == 2 else None

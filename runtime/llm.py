@@ -22,23 +22,24 @@ finish_reason "error" while the others complete.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from kvconvert.runtime.attention import make_attention
-from kvconvert.runtime.block_manager import BlockManager
-from kvconvert.runtime.config import DEFAULT_KV_MEMORY, EngineConfig, SamplingParams
-from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token, read_kv_scales
-from kvconvert.runtime.model_runner import ModelRunner
-from kvconvert.runtime.memory import check_memory, estimate_memory, resolve_dtype
-from kvconvert.runtime.models import kv_layout, load_model, model_type, stored_dtype
-from kvconvert.runtime.scheduler import Scheduler
-from kvconvert.runtime.sequence import Sequence
 
 from kvconvert.checkpoint import CheckpointReader, eos_token_ids, load_tokenizer
 from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
+from kvconvert.runtime.attention import make_attention
+from kvconvert.runtime.block_manager import BlockManager
+from kvconvert.runtime.config import DEFAULT_KV_MEMORY, EngineConfig, SamplingParams
+from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token, read_kv_scales
+from kvconvert.runtime.memory import check_memory, estimate_memory, resolve_dtype
+from kvconvert.runtime.model_runner import ModelRunner
+from kvconvert.runtime.models import kv_layout, load_model, stored_dtype
+from kvconvert.runtime.scheduler import Scheduler
+from kvconvert.runtime.sequence import Sequence
 
 
 @dataclass
@@ -58,30 +59,24 @@ class Output:
 
 
 class LLM:
-    def __init__(self, model_path, kv_dtype: str = "bf16", block_size: int = 16, num_blocks: int | None = None,
-                 kv_memory: int | None = None, attention_backend: str = "torch", dtype: torch.dtype | str | None = None,
-                 kv_scales: str = "checkpoint", max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True, device: str = "auto"):
-        self.config = EngineConfig(
-            block_size=block_size, num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, kv_dtype=kv_dtype,
-            kv_scales=kv_scales, attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
-        )
+    def __init__(self, model_path, dtype: torch.dtype | str | None = None, device: str = "auto", **engine):
+        """engine: EngineConfig's settings (kv_dtype, kv_scales, attention_backend, block_size, num_blocks,
+        kv_memory, max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching)."""
+        self.config = cfg = EngineConfig(**engine)
         self.model_path = Path(model_path)
         self.device = resolve_device(device)
         reader = CheckpointReader(model_path)
-        model_type(reader.config)  # unsupported architecture: fail before reading any weight
-        self.attention = make_attention(attention_backend, kv_dtype, self.device)
+        layout = kv_layout(reader.config)  # an unsupported architecture fails here, before any weight is read
+        self.attention = make_attention(cfg.attention_backend, cfg.kv_dtype, self.device)
         self.max_model_len = self._max_model_len(reader.config)
-        layout = kv_layout(reader.config)
-        self.kv_bytes_per_token = bytes_per_token(layout, kv_dtype)
+        self.kv_bytes_per_token = bytes_per_token(layout, cfg.kv_dtype)
         self.num_blocks = self._num_blocks()
         self.dtype = resolve_dtype(dtype, stored_dtype(reader))
         self._check_memory(reader.config)
         self.model = load_model(reader, dtype=self.dtype, max_positions=self.max_model_len, device=self.device)
-        scales, dynamic = read_kv_scales(reader, layout, kv_dtype, kv_scales)
-        self.cache = PagedKVCache(layout, self.num_blocks, block_size, kv_dtype, scales, dynamic, self.device)
-        self.block_manager = BlockManager(self.num_blocks, block_size, enable_prefix_caching)
+        scales, dynamic = read_kv_scales(reader, layout, cfg.kv_dtype, cfg.kv_scales)
+        self.cache = PagedKVCache(layout, self.num_blocks, cfg.block_size, cfg.kv_dtype, scales, dynamic, self.device)
+        self.block_manager = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len, self.model.vocab_size,
                                    eos_token_ids(self.model_path, reader.config))
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.attention)
@@ -222,8 +217,8 @@ class LLM:
 
     def _output(self, seq: Sequence) -> Output:
         text = None
-        if seq.error is None and self._tokenizer_available():
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        with contextlib.suppress(KVConvertError):  # a folder without a tokenizer: token ids only
+            text = None if seq.error else self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         return Output(
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
             text=text, finish_reason=seq.finish_reason, error=seq.error, num_cached_tokens=seq.num_cached_tokens,
@@ -231,12 +226,6 @@ class LLM:
             time_to_first_token_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             latency_s=None if seq.finish_time is None else seq.finish_time - seq.arrival_time,
         )
-
-    def _tokenizer_available(self) -> bool:
-        try:
-            return self.tokenizer is not None
-        except KVConvertError:
-            return False
 
 
 def _as_prompt_list(prompts) -> list:

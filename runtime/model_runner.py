@@ -10,6 +10,7 @@ gives the same tokens on every device for the same logits).
 from __future__ import annotations
 
 import torch
+
 from kvconvert.runtime.attention import AttentionMetadata, PrefillChunk, length_mask
 from kvconvert.runtime.block_manager import BlockManager
 from kvconvert.runtime.kv_cache import PagedKVCache

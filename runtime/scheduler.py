@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvconvert.runtime.block_manager import BlockManager
 from kvconvert.runtime.config import EngineConfig
-from kvconvert.runtime.sequence import Sequence, SequenceStatus
+from kvconvert.runtime.sequence import Sequence
 
 
 @dataclass
@@ -144,7 +144,6 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add(out, seq, n, copies)
             budget -= n
@@ -163,7 +162,6 @@ class Scheduler:
         self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ after the forward

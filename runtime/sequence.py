@@ -1,18 +1,12 @@
-"""One request's state as it moves through the engine: waiting -> running -> finished."""
+"""One request's state as it moves through the engine: waiting -> running -> finished (the scheduler's
+queue holding it says which of the first two; finish() sets the last)."""
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
 from kvconvert.runtime.config import SamplingParams
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass(eq=False)
@@ -32,7 +26,6 @@ class Sequence:
     want_prompt_logits: bool = False
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
     num_cached_tokens: int = 0  # prefix-cache hit on first admission
@@ -66,10 +59,9 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.finish_reason is not None
 
     def finish(self, reason: str, error: str | None = None) -> None:
-        self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.error = error
         self.finish_time = time.perf_counter()

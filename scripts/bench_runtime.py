@@ -30,7 +30,7 @@ import torch
 from bench_common import DOCS, parser, write_json
 
 from kvconvert.checkpoint import read_config
-from kvconvert.kvmath import kv_bytes_per_token, kv_shape
+from kvconvert.kvmath import kv_bytes_per_token, kv_shape, parse_size
 
 REQUEST_TOKENS = 2048
 
@@ -43,7 +43,8 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--kv-dtype", default="bf16", help="runtime KV storage for the speed runs")
-    ap.add_argument("--kv-memory", default="1G", help="fixed KV memory for the concurrency count")
+    ap.add_argument("--kv-memory", default="1G", type=lambda text: parse_size(text, bare_unit=1),
+                    help="fixed KV memory for the concurrency count (bare number: bytes)")
     ap.add_argument("--request-tokens", type=int, default=REQUEST_TOKENS, help="request length for that count")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 8 at 512 tokens, 8 decode tokens")
@@ -203,7 +204,6 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvconvert.runtime.cli import parse_size
     from kvconvert.sources import resolve_source
 
     source = resolve_source(args.source)
@@ -231,7 +231,7 @@ def main(argv=None):
                 report["decode"].append(runtime_row(name, llm, batch, context, args))
             if hf is not None:
                 report["decode"].append(transformers_row(hf, batch, context, args, budget))
-    report["kv_bytes_per_token"], report["concurrency"] = kv_table(models, parse_size(args.kv_memory), args.request_tokens)
+    report["kv_bytes_per_token"], report["concurrency"] = kv_table(models, args.kv_memory, args.request_tokens)
     write_json(args.out, report)
     print(markdown(report))
     print(f"\nwrote {args.out}", file=sys.stderr)

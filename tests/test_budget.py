@@ -155,21 +155,17 @@ def test_parse_size(text, expected):
 
 
 @pytest.mark.parametrize("text", ["", "lots", "80 parsecs", "-1GB"])
-@pytest.mark.parametrize("reader", ["kvmath", "runtime"])
-def test_parse_size_rejects(text, reader):
-    """generate --kv-memory reads sizes with kvmath too, and refuses the same way."""
-    from kvconvert.runtime.cli import parse_size as runtime_parse_size
-
+def test_parse_size_rejects(text):
     with pytest.raises(KVConvertError, match="cannot read size"):
-        (kvmath.parse_size if reader == "kvmath" else runtime_parse_size)(text)
+        kvmath.parse_size(text)
 
 
 def test_a_bare_number_is_bytes_for_the_runtime(monkeypatch):
     """generate --kv-memory and $KVCONVERT_AVAILABLE_MEMORY read sizes with kvmath, a bare number as bytes."""
-    from kvconvert.runtime.cli import parse_size
     from kvconvert.runtime.memory import AVAILABLE_ENV, available_memory
 
-    assert (parse_size("1048576"), parse_size("512M"), parse_size("2GiB")) == (2**20, 512 * 2**20, 2 * 2**30)
+    sizes = [kvmath.parse_size(text, bare_unit=1) for text in ("1048576", "512M", "2GiB")]
+    assert sizes == [2**20, 512 * 2**20, 2 * 2**30]
     monkeypatch.setenv(AVAILABLE_ENV, "4096")
     assert available_memory() == 4096
     monkeypatch.setenv(AVAILABLE_ENV, "16G")

@@ -1,4 +1,4 @@
-"""Model implementations by architecture; `load_model(reader)` picks one from config.json."""
+"""Model implementations by architecture; `load_model(reader, dtype)` picks one from config.json."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ MODELS = {
     "llama": ("kvconvert.runtime.models.llama", "LlamaForCausalLM"),
     "deepseek_v3": ("kvconvert.runtime.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "DeepseekV3ForCausalLM": "deepseek_v3"}
+ARCHITECTURES = {cls: kind for kind, (_, cls) in MODELS.items()}  # config.json architectures -> model_type
 
 
 def model_type(config: dict) -> str:
@@ -27,13 +27,6 @@ def model_type(config: dict) -> str:
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     return kind
-
-
-def _model_class(config: dict):
-    import importlib
-
-    module, cls = MODELS[model_type(config)]
-    return getattr(importlib.import_module(module), cls)
 
 
 def kv_layout(config: dict) -> list[dict[str, CacheSpec]]:
@@ -55,13 +48,12 @@ def stored_dtype(reader) -> torch.dtype:
     return reader.stored_dtype("model.embed_tokens.weight")
 
 
-def load_model(reader, dtype: torch.dtype | str | None = None, max_positions: int | None = None,
-               device: torch.device | str = "cpu"):
-    """Build the runtime model for the checkpoint behind `reader` (a CheckpointReader).
-    dtype: None/"auto" = as stored (bf16 weights stay bf16, mapped from the files), or
-    "bf16"/"fp16"/"fp32"/a torch dtype (converted copies where the stored dtype differs).
-    device: where the weights go (copied tensor by tensor; on the CPU they stay mapped)."""
-    from kvconvert.runtime.memory import resolve_dtype
+def load_model(reader, dtype: torch.dtype, max_positions: int | None = None, device: torch.device | str = "cpu"):
+    """Build the runtime model for the checkpoint behind `reader` (a CheckpointReader), its weights in
+    dtype (views of the mapped files when that is the stored dtype, else converted copies) on device
+    (copied tensor by tensor; on the CPU they stay mapped)."""
+    import importlib
 
-    dtype = resolve_dtype(dtype, stored_dtype(reader))
-    return _model_class(reader.config)(reader, dtype=dtype, max_positions=max_positions, device=device)
+    module, cls = MODELS[model_type(reader.config)]
+    model_cls = getattr(importlib.import_module(module), cls)
+    return model_cls(reader, dtype=dtype, max_positions=max_positions, device=device)

@@ -12,11 +12,11 @@ docstring for the cached row [c | k_rope]); this adds the two ways to attend (vL
 from __future__ import annotations
 
 import torch
-from kvconvert.runtime.attention import AttentionMetadata, causal_sdpa
-from kvconvert.runtime.layers import Decoder
 
 from kvconvert.models import deepseek_v3 as ds
 from kvconvert.models.common import linear
+from kvconvert.runtime.attention import AttentionMetadata, causal_sdpa
+from kvconvert.runtime.layers import Decoder
 
 
 class DeepseekV3ForCausalLM(Decoder):

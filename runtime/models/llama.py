@@ -9,11 +9,11 @@ tied embeddings when lm_head.weight is absent.
 from __future__ import annotations
 
 import torch
-from kvconvert.runtime.attention import AttentionMetadata
-from kvconvert.runtime.layers import Decoder
 
 from kvconvert.models import llama
 from kvconvert.models.common import linear
+from kvconvert.runtime.attention import AttentionMetadata
+from kvconvert.runtime.layers import Decoder
 
 
 class LlamaForCausalLM(Decoder):

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from runtime_cases import build_deepseek, build_llama
+from runtime_cases import build
 
 
 @pytest.fixture(scope="session")
 def llama_gqa(tmp_path_factory):
-    return build_llama(tmp_path_factory.mktemp("llama_gqa"))
+    return build(tmp_path_factory.mktemp("llama_gqa"), "llama", tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")
 def deepseek_mla(tmp_path_factory):
-    return build_deepseek(tmp_path_factory.mktemp("deepseek_mla"))
+    return build(tmp_path_factory.mktemp("deepseek_mla"), "deepseek_v3")
 
 
 @pytest.fixture(params=["llama", "deepseek"])

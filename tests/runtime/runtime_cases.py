@@ -1,11 +1,12 @@
 """Tiny random Llama / DeepSeek-V3 checkpoints built with transformers (fast, no network).
 
 Helpers shared by this folder's tests (fixtures live in conftest.py). A uniquely named module, so
-`from runtime_cases import ...` resolves to this folder whatever pytest collected first."""
+`from runtime_cases import ...` resolves to this folder whatever pytest collected first. The tiny
+models are tests/models' (model_cases: configs, variants, random norms), saved as checkpoints."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -15,7 +16,35 @@ from safetensors.torch import load_file, save_file
 
 from kvconvert.runtime import SamplingParams
 
-VOCAB = 96
+TESTS = Path(__file__).resolve().parents[1]
+SCRIPTS = TESTS.parent / "scripts"
+
+
+def load_module(folder: Path, name: str):
+    """Module `name` from folder (on sys.path while it loads, for its sibling imports)."""
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module."""
+    return load_module(SCRIPTS, name)
+
+
+model_cases = load_module(TESTS / "models", "model_cases")
+VOCAB = model_cases.VOCAB
+# no special tokens: no EOS ends a generation early
+NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+def build(path, arch: str, **config):
+    """A tiny random checkpoint at path: model_cases' `arch` ("llama", "deepseek_v3") with the config changes."""
+    model, _ = model_cases.build(arch, **{**NO_SPECIAL_TOKENS, **config})
+    model.save_pretrained(path)
+    return path
 
 
 def random_ids(n: int, seed: int = 0) -> list[int]:
@@ -40,50 +69,6 @@ def assert_bf16_logits_close(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert float((ref.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.9
 
 
-def _perturb_norms(model, seed: int) -> None:
-    """Random RMSNorm weights (transformers initialises them to 1, which would hide norm bugs)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-
-
-def _save_random(path, model_cls, config, seed: int):
-    model = model_cls(config).eval()
-    _perturb_norms(model, seed)
-    model.save_pretrained(path)
-    return path
-
-
-def _common_config(layers: int, rope, bias: bool) -> dict:
-    """What every tiny model shares: vocab VOCAB, hidden 64, MLP 96, 256 positions, no special tokens."""
-    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                max_position_embeddings=256, rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
-                attention_bias=bias, initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-
-def build_llama(path, *, heads=4, kv_heads=2, tie=True, rope=None, bias=False, seed=0, layers=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, tie_word_embeddings=tie,
-                      mlp_bias=bias, **_common_config(layers, rope, bias))
-    return _save_random(path, LlamaForCausalLM, cfg, seed)
-
-
-def build_deepseek(path, *, interleave=True, q_lora_rank=None, rope=None, bias=False, seed=0, layers=2,
-                   kv_lora_rank=32):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = DeepseekV3Config(
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=layers, n_routed_experts=4,
-        tie_word_embeddings=False, rope_interleave=interleave, **_common_config(layers, rope, bias))
-    return _save_random(path, DeepseekV3ForCausalLM, cfg, seed)
-
-
 def add_tensors(src, dst, extra: dict[str, torch.Tensor], config_update: dict | None = None,
                 dtype: torch.dtype | None = None):
     """Copy a single-file checkpoint to dst with extra tensors (e.g. KV scales) and config keys,
@@ -104,16 +89,12 @@ def load_reference(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
-
-def load_script(name: str):
-    """scripts/<name>.py as a module (scripts/ on sys.path while it loads, for its sibling imports)."""
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+def transformers_reference(model, ids: list[int], n_new: int, make_cache=lambda: None):
+    """transformers' fp32 logits [T, vocab] of ids and its n_new greedy tokens, each run with a fresh
+    make_cache() as its cache (None: transformers' own)."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(x, past_key_values=make_cache(), use_cache=True).logits[0]
+        tokens = model.generate(x, past_key_values=make_cache(), max_new_tokens=n_new, do_sample=False)
+    return logits, tokens[0, len(ids):].tolist()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from runtime_cases import load_script
 from kvconvert.runtime import LLM
+from runtime_cases import load_script
 
 
 def test_bench_script_tiny_grid(llama_gqa, deepseek_mla, tmp_path, capsys):

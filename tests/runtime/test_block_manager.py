@@ -81,31 +81,26 @@ def test_prefix_chain_requires_same_parents():
     assert cached == 0
 
 
-def test_full_hit_recomputes_last_token_with_copy_on_write():
+@pytest.mark.parametrize("holder_freed", [False, True], ids=["shared", "sole-owner"])
+def test_full_hit_recomputes_last_token(holder_freed):
+    """A fully cached prompt recomputes its last token (its logits are needed) into its last block:
+    into a copy while another sequence holds the block; in place once it is the sole owner, the block
+    then no longer served from the prefix cache until recommitted."""
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(8))
     _compute(bm, 1, tokens, 8)
-    cached = bm.allocate_prefix(2, tokens)
-    assert cached == 7  # the last token must be recomputed for its logits
-    shared = bm.block_table(2)[1]
+    if holder_freed:
+        bm.free(1)  # its blocks stay cached
+    assert bm.allocate_prefix(2, tokens) == 7
+    last = bm.block_table(2)[1]
     copies = bm.allocate_slots(2, 8, write_from=7)
-    assert copies == [(shared, bm.block_table(2)[1])] and bm.block_table(2)[1] != shared
-    assert bm.blocks[shared].ref_count == 1
-    bm.check_invariants()
-
-
-def test_private_registered_block_is_unregistered_before_rewrite():
-    bm = BlockManager(num_blocks=8, block_size=4)
-    tokens = list(range(8))
-    _compute(bm, 1, tokens, 8)
-    bm.free(1)  # blocks stay cached
-    cached = bm.allocate_prefix(2, tokens)
-    assert cached == 7
-    block = bm.block_table(2)[1]
-    assert bm.allocate_slots(2, 8, write_from=7) == []  # sole owner: no copy...
-    assert bm.blocks[block].hash is None  # ...but no longer served from the cache until recommitted
-    bm.commit(2, tokens, 8)
-    assert bm.blocks[block].hash is not None
+    if holder_freed:
+        assert copies == [] and bm.blocks[last].hash is None
+        bm.commit(2, tokens, 8)
+        assert bm.blocks[last].hash is not None
+    else:
+        assert copies == [(last, bm.block_table(2)[1])] and bm.block_table(2)[1] != last
+        assert bm.blocks[last].ref_count == 1
     bm.check_invariants()
 
 

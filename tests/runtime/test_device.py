@@ -12,7 +12,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.runtime import LLM, SamplingParams
-from runtime_cases import assert_bf16_logits_close, random_ids
+from runtime_cases import assert_bf16_logits_close, load_reference, random_ids
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="auto means cuda on this machine")
 
@@ -78,13 +78,11 @@ def test_cuda_bf16_logits_match_transformers_on_the_gpu(tiny_model, backend):
     """Runtime on cuda in bf16 against transformers on cuda in fp32 with the same (bf16-rounded)
     weights: the bf16-activation tolerance of tests/runtime/test_dtype.py. Triton compiles its
     kernels when TRITON_INTERPRET=0."""
-    from transformers import AutoModelForCausalLM
-
     ids = torch.tensor(random_ids(120, seed=3))
     llm = LLM(tiny_model, device="cuda", dtype="bf16", attention_backend=backend, block_size=16)
     assert all(t.device.type == "cuda" for t in model_tensors(llm))
     got = llm.score(ids.tolist())
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    hf = load_reference(tiny_model)
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(p.to(torch.bfloat16).float())

@@ -4,15 +4,13 @@ long as the context) in fp32: logits within 2e-5, greedy tokens identical."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from runtime_cases import VOCAB, add_tensors, build_deepseek, greedy, random_ids
-from kvconvert.runtime import LLM, SamplingParams
-from kvconvert.runtime.model_runner import top_p_filter
 
 from kvconvert.errors import KVConvertError, UnsupportedModelError
+from kvconvert.runtime import LLM, SamplingParams
+from kvconvert.runtime.model_runner import top_p_filter
+from runtime_cases import VOCAB, add_tensors, greedy, random_ids
 
 ATOL = 2e-5
 MAX_LEN = 256  # the tiny models' max_position_embeddings
@@ -165,7 +163,8 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model):
 def test_tiny_top_p_isgreedy(tiny_model):
     llm = LLM(tiny_model, kv_dtype="fp32")
     argmax = llm.generate([random_ids(9)], greedy(10))[0].token_ids
-    assert llm.generate([random_ids(9)], SamplingParams(max_tokens=10, top_p=1e-6, ignore_eos=True))[0].token_ids == argmax
+    tiny_top_p = SamplingParams(max_tokens=10, top_p=1e-6, ignore_eos=True)
+    assert llm.generate([random_ids(9)], tiny_top_p)[0].token_ids == argmax
 
 
 def test_top_p_filter_keeps_the_smallest_nucleus():
@@ -175,20 +174,13 @@ def test_top_p_filter_keeps_the_smallest_nucleus():
 
 
 # ---------------------------------------------------------------------------------- bad models / configs
-def test_unsupported_architecture(tmp_path, llama_gqa):
-    config = json.loads((llama_gqa / "config.json").read_text())
-    bad = add_tensors(llama_gqa, tmp_path / "gpt2", {}, {**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(UnsupportedModelError, match="gpt2"):
-        LLM(bad)
-
-
-def test_moe_deepseek_is_refused(tmp_path):
-    path = build_deepseek(tmp_path / "moe")
-    config = json.loads((path / "config.json").read_text())
-    config["first_k_dense_replace"] = 1
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="MoE"):
-        LLM(path)
+@pytest.mark.parametrize("arch, config, match", [
+    ("llama", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "gpt2"),
+    ("deepseek", {"first_k_dense_replace": 1}, "MoE"),
+])
+def test_unsupported_models_are_refused(llama_gqa, deepseek_mla, tmp_path, arch, config, match):
+    with pytest.raises(UnsupportedModelError, match=match):
+        LLM(add_tensors(llama_gqa if arch == "llama" else deepseek_mla, tmp_path / "bad", {}, config))
 
 
 @pytest.mark.parametrize("kw, match", [

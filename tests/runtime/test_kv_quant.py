@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import add_tensors, greedy, load_reference, random_ids
-from kvconvert.runtime import LLM
 from transformers import DynamicCache
 
 from kvconvert.checkpoint import read_config
@@ -24,6 +22,8 @@ from kvconvert.kvmath import kv_shape
 from kvconvert.quant.capture import KVHookCache
 from kvconvert.quant.evaluate import fake_quant_hook
 from kvconvert.quant.scales import KVScales
+from kvconvert.runtime import LLM
+from runtime_cases import add_tensors, greedy, load_reference, random_ids, transformers_reference
 
 kv_scale_from_amax = kv_format("fp8").scale_from_amax  # amax / 448: FP8 E4M3 and NVFP4 alike
 
@@ -75,15 +75,6 @@ def _with_scales(src, dst, scales, naming: str, mla: bool = False):
     return add_tensors(src, dst, extra)
 
 
-def _reference(ref, path, prompt, kv_dtype, scales, n_new):
-    with torch.no_grad():
-        logits = ref(torch.tensor([prompt]), past_key_values=fake_quant_cache(ref, path, kv_dtype, scales),
-                     use_cache=True).logits[0]
-        tokens = ref.generate(torch.tensor([prompt]), past_key_values=fake_quant_cache(ref, path, kv_dtype, scales),
-                              max_new_tokens=n_new, do_sample=False)[0, len(prompt):].tolist()
-    return logits, tokens
-
-
 CASES = [
     ("llama", "fp8", "vllm", False),
     ("llama", "fp8_e5m2", "vllm", False),
@@ -98,14 +89,16 @@ CASES = [
 
 
 @pytest.mark.parametrize("arch, kv_dtype, naming, per_head", CASES, ids=["-".join(map(str, c)) for c in CASES])
-def test_quantized_cache_matches_fake_quant_reference(arch, kv_dtype, naming, per_head, llama_gqa, deepseek_mla, tmp_path):
+def test_quantized_cache_matches_fake_quant_reference(arch, kv_dtype, naming, per_head, llama_gqa, deepseek_mla,
+                                                       tmp_path):
     src = llama_gqa if arch == "llama" else deepseek_mla
     mla = arch == "deepseek"
     ref = load_reference(src)
     prompt = random_ids(20)
     scales = _calibrate(ref, random_ids(40, seed=1), per_head, mla)
     path = _with_scales(src, tmp_path / "scaled", scales, naming, mla)
-    ref_logits, ref_tokens = _reference(ref, src, prompt, kv_dtype, scales, 24)
+    ref_logits, ref_tokens = transformers_reference(
+        ref, prompt, 24, lambda: fake_quant_cache(ref, src, kv_dtype, scales))
     with torch.no_grad():
         exact = ref(torch.tensor([prompt])).logits[0]
     assert (ref_logits - exact).abs().max() > 10 * ATOL, "quantization too weak for this test to see it"
@@ -131,7 +124,7 @@ def test_dynamic_scales_use_the_first_prefill_amax(llama_gqa):
     torch.testing.assert_close(layer0.k_scale, kv_scale_from_amax(cache.layers[0].keys.abs().amax()).reshape(1))
     torch.testing.assert_close(layer0.v_scale, kv_scale_from_amax(cache.layers[0].values.abs().amax()).reshape(1))
     scales = [(layer.k_scale.reshape(()), layer.v_scale.reshape(())) for layer in llm.cache.layers]
-    _, ref_tokens = _reference(ref, llama_gqa, prompt, "fp8", scales, 16)
+    _, ref_tokens = transformers_reference(ref, prompt, 16, lambda: fake_quant_cache(ref, llama_gqa, "fp8", scales))
     assert out.token_ids == ref_tokens
 
 
@@ -150,16 +143,3 @@ def test_bad_scales_are_rejected(llama_gqa, deepseek_mla, tmp_path, arch, value,
     extra = {f"model.layers.{i}.self_attn.{n}_scale": value.clone() for i in range(2) for n in "kv"}
     with pytest.raises(KVConvertError, match=match):
         LLM(add_tensors(llama_gqa if arch == "llama" else deepseek_mla, tmp_path / "bad", extra), kv_dtype="fp8")
-
-
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32", "fp8", "fp8_e5m2", "nvfp4"])
-def test_kv_bytes_per_token_is_exact(tiny_model, kv_dtype):
-    llm = LLM(tiny_model, kv_dtype=kv_dtype, kv_scales="dynamic", num_blocks=4)
-    assert llm.kv_bytes_per_token == llm.cache.bytes_per_token
-    mla = "deepseek" in str(tiny_model)
-    per_layer = {  # Llama: k+v of 2 heads x 16; MLA: 32 latent + 16 rope
-        "bf16": 128 if not mla else 96, "fp16": 128 if not mla else 96, "fp32": 256 if not mla else 192,
-        "fp8": 64 if not mla else 48, "fp8_e5m2": 64 if not mla else 48,
-        "nvfp4": 4 * (8 + 1) if not mla else (16 + 2) + 2 * 16,
-    }[kv_dtype]
-    assert llm.kv_bytes_per_token == 2 * per_layer

@@ -2,45 +2,52 @@
 
 Tolerance: fp32 logits within 2e-5 absolute (|logits| ~ 1-5): the runtime fuses matmuls, attends
 through the paged cache and (MLA decode) uses the absorbed form, all exact in real arithmetic, so
-only fp32 rounding differs. Greedy generations must be identical for 64 tokens. The per-layer maths alone are checked against
-transformers in tests/models; this checks the paged-cache path around them.
+only fp32 rounding differs. Greedy generations must be identical for 64 tokens. The per-layer maths
+alone are checked against transformers in tests/models (same variants); this checks the paged-cache
+path around them.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import build_deepseek, build_llama, greedy, load_reference, random_ids
-from kvconvert.runtime import LLM
+
+from kvconvert.runtime import LLM, SamplingParams
+from runtime_cases import build, greedy, load_reference, model_cases, random_ids, transformers_reference
 
 ATOL = 2e-5
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-        "mscale": 0.8, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-
-VARIANTS = {
-    "llama-gqa-tied": lambda p: build_llama(p),
-    "llama-mha-untied-llama3-bias": lambda p: build_llama(p, heads=4, kv_heads=4, tie=False, rope=LLAMA3, bias=True),
-    "deepseek-interleave": lambda p: build_deepseek(p, interleave=True),
-    "deepseek-qlora-yarn-bias-no-interleave": lambda p: build_deepseek(
-        p, interleave=False, q_lora_rank=24, rope=YARN, bias=True),
-}
+# tests/models' variants, and tied embeddings (the runtime's lm_head when the checkpoint has none)
+VARIANTS = {**model_cases.VARIANTS, ("llama", "gqa-tied"): {"tie_word_embeddings": True}}
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_logits_and_greedy_match_transformers(variant, tmp_path):
-    path = VARIANTS[variant](tmp_path / variant)
-    ref = load_reference(path)
+@pytest.mark.parametrize("arch, variant", sorted(VARIANTS), ids="-".join)
+def test_logits_and_greedy_match_transformers(arch, variant, tmp_path):
+    path = build(tmp_path / variant, arch, **VARIANTS[arch, variant])
     ids = random_ids(23)
-    with torch.no_grad():
-        ref_logits = ref(torch.tensor([ids])).logits[0]
-        ref_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
+    ref_logits, ref_tokens = transformers_reference(load_reference(path), ids, 64)
     # small blocks and token budget: the prompt is prefilled in 3 chunks across several blocks
     llm = LLM(path, kv_dtype="fp32", block_size=4, max_num_batched_tokens=8)
     torch.testing.assert_close(llm.score(ids), ref_logits, atol=ATOL, rtol=0)
     assert llm.generate([ids], greedy(64))[0].token_ids == ref_tokens
+
+
+@pytest.mark.slow
+def test_smollm2_logits_and_greedy_match_transformers(smollm2_path):
+    """The real SmolLM2-135M (embedded default model; loads 540 MB twice): fp32 logits agree within
+    2e-4 absolute over 30 layers (|logits| up to ~30), and greedy generation of 64 tokens is identical
+    (both stop at EOS if it comes)."""
+    from transformers import AutoTokenizer
+
+    prompt = "The history of the printing press begins in"
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = tokenizer.encode(prompt)
+    ref_logits, ref_tokens = transformers_reference(load_reference(smollm2_path), ids, 64)
+    llm = LLM(smollm2_path, kv_dtype="fp32", block_size=16, max_num_batched_tokens=4)
+    torch.testing.assert_close(llm.score(ids), ref_logits, atol=2e-4, rtol=0)
+    out = llm.generate([prompt], SamplingParams(max_tokens=64, greedy=True))[0]
+    assert out.prompt_token_ids == ids and out.token_ids == ref_tokens
+    assert out.text == tokenizer.decode(ref_tokens, skip_special_tokens=True)
 
 
 def test_batched_generation_matches_one_at_a_time(tiny_model):

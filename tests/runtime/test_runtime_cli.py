@@ -32,14 +32,18 @@ def _run(args):
     return CliRunner().invoke(cli, ["generate", *args], standalone_mode=False, catch_exceptions=True)
 
 
+def _json(model, *args) -> dict:
+    """`kvconvert generate --model model ARGS --json`'s report."""
+    result = _run(["--model", str(model), *args, "--json"])
+    assert result.exception is None, result.output
+    return json.loads(result.output)
+
+
 def test_generate_json(model_with_tokenizer):
     from kvconvert.runtime import LLM, SamplingParams
 
-    args = ["--model", str(model_with_tokenizer), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "8", "--greedy",
-            "--kv-dtype", "fp32", "--json"]
-    result = _run(args)
-    assert result.exception is None, result.output
-    out = json.loads(result.output)
+    out = _json(model_with_tokenizer, "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "8", "--greedy",
+                "--kv-dtype", "fp32", "--kv-memory", "64K")
     expected = LLM(model_with_tokenizer, kv_dtype="fp32").generate(
         ["w1 w2 w3 w4"], SamplingParams(max_tokens=8, greedy=True))[0]
     assert out["token_ids"] == expected.token_ids and len(out["token_ids"]) == 8
@@ -67,13 +71,8 @@ def test_generate_reports_request_errors(model_with_tokenizer):
 
 def test_generate_dtype_option(model_with_tokenizer):
     """--dtype: auto keeps the stored fp32; bf16 converts; the same greedy tokens on this model."""
-    base = ["--model", str(model_with_tokenizer), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "4", "--greedy",
-            "--json"]
-    outs = {}
-    for dtype in ("auto", "bf16"):
-        result = _run([*base, "--dtype", dtype])
-        assert result.exit_code == 0, result.output
-        outs[dtype] = json.loads(result.output)
+    args = ["--prompt", "w1 w2 w3 w4", "--max-new-tokens", "4", "--greedy"]
+    outs = {dtype: _json(model_with_tokenizer, *args, "--dtype", dtype) for dtype in ("auto", "bf16")}
     assert outs["auto"]["dtype"] == "float32" and outs["bf16"]["dtype"] == "bfloat16"
     assert len(outs["bf16"]["token_ids"]) == 4
 
@@ -82,7 +81,6 @@ def test_generate_dtype_option(model_with_tokenizer):
 def test_generate_device_option(model_with_tokenizer):
     """--device cpu and the default (auto: cpu without a GPU) sample the same tokens (cuda without a
     GPU: tests/runtime/test_device.py)."""
-    base = ["--model", str(model_with_tokenizer), "--prompt", "w1 w2 w3", "--max-new-tokens", "5", "--seed", "3",
-            "--json"]
-    outs = [json.loads(_run([*base, *extra]).output) for extra in ([], ["--device", "cpu"])]
+    args = ["--prompt", "w1 w2 w3", "--max-new-tokens", "5", "--seed", "3"]
+    outs = [_json(model_with_tokenizer, *args, *extra) for extra in ([], ["--device", "cpu"])]
     assert outs[0]["device"] == outs[1]["device"] == "cpu" and outs[0]["token_ids"] == outs[1]["token_ids"]

@@ -12,10 +12,10 @@ import os
 
 import pytest
 import torch
-from runtime_cases import greedy, random_ids
-from kvconvert.runtime import LLM
 
 from kvconvert.errors import KVConvertError
+from kvconvert.runtime import LLM
+from runtime_cases import greedy, random_ids
 
 pytest.importorskip("triton")
 needs_interpreter = pytest.mark.skipif(
