@@ -189,14 +189,14 @@ def read_kv_scales(reader, layout: list[dict[str, CacheSpec]], kv_dtype: str, so
     "checkpoint" every layer must have them (KVConvertError otherwise); with "dynamic" they are
     computed from the first prefill and a warning says so.
     """
-    quantized = kv_format(kv_dtype).quantized
-    if quantized and source == "dynamic":
+    if not kv_format(kv_dtype).quantized:
+        return [{} for _ in layout], False
+    if source == "dynamic":
         warnings.warn(
             f"kv_scales='dynamic': {kv_dtype} KV scales are computed from the amax of the first prefill step "
             "(amax/448 per tensor, amax/57344 for e5m2); later, larger values are clipped. Calibrated checkpoint "
             "scales are the reliable source (kvconvert calibrate).", stacklevel=3)
-    if not quantized or source == "dynamic":
-        return [{} for _ in layout], quantized
+        return [{} for _ in layout], True
     return [{name: _read_scale(reader, i, name, spec.row_shape, kv_dtype) for name, spec in layer.items()}
             for i, layer in enumerate(layout)], False
 
