@@ -307,7 +307,7 @@ def _refuse_given(names: tuple[str, ...], why: str) -> None:
 def _default_shape(src: str, target: str, rope_dim: int | None) -> tuple[int, int]:
     """The largest MLA latent the target engine serves that is smaller than the source's K+V."""
     from kvconvert.checkpoint import read_config
-    from kvconvert.mla.deepseek_format import head_dim
+    from kvconvert.kvmath import head_dim
     from kvconvert.sources import resolve_source
     from kvconvert.targets import get_target, servable_shapes
 

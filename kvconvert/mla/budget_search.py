@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
+from kvconvert import kvmath
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.data import calibration_windows
 from kvconvert.device import resolve_device
@@ -24,7 +25,7 @@ def candidate_splits(cfg: dict, budget: int, target: str = "any") -> list[tuple[
     """(rank, rope_dim) pairs to try for a budget of KV values per token and layer. For a research
     target: rank + rope_dim == budget, rope_dim a valid fold of head_dim (>= 8). For an engine: the
     shapes it serves at its largest latent size within the budget (kvconvert.targets)."""
-    d = fmt.head_dim(cfg)
+    d = kvmath.head_dim(cfg)
     kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     engine = get_target(target)
     if engine.latent_sizes is not None:
@@ -52,7 +53,7 @@ def _servable_within(engine, budget: int, kv_heads: int, d: int) -> list[tuple[i
 
 def parse_budget(text: str, cfg: dict) -> int:
     """'0.25' / '25%' of the source's K+V values per token per layer, or an absolute count like '96'."""
-    d = fmt.head_dim(cfg)
+    d = kvmath.head_dim(cfg)
     full = 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * d
     text = text.strip()
     try:
@@ -92,7 +93,7 @@ def _measure_splits(reader, cfg, splits, budget, calib_data, calib_tokens, probe
     from kvconvert.models.common import DecoderLayer, rms_norm
     from kvconvert.models.deepseek_v3 import MLAShape
 
-    d, source = fmt.head_dim(cfg), llama.LlamaShape.from_config(cfg)
+    d, source = kvmath.head_dim(cfg), llama.LlamaShape.from_config(cfg)
     layers = cfg["num_hidden_layers"]
     probe_layers = sorted({round((k + 0.5) * layers / probes) for k in range(probes)} - {layers})
     tok = AutoTokenizer.from_pretrained(str(reader.path))

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from kvconvert import kvmath
 from kvconvert.checkpoint import (CheckpointReader, CheckpointWriter, check_output_path, ensure_free_space,
                                   estimate_checkpoint_bytes)
 from kvconvert.data import calibration_windows, data_hash
@@ -49,7 +50,7 @@ class ConversionReport:
 def validate_plan(cfg: dict, opts: MLAOptions) -> tuple[int, int]:
     """(head_dim, rope_dim) after checking rank and rope-dim against the source; errors say the limits."""
     fmt.check_source_config(cfg)
-    d = fmt.head_dim(cfg)
+    d = kvmath.head_dim(cfg)
     rope_dim = opts.rope_dim if opts.rope_dim is not None else min(64, d)
     if rope_dim <= 0 or rope_dim % 2:
         raise KVConvertError(f"--rope-dim {rope_dim}: must be a positive even number")

@@ -34,8 +34,6 @@ TARGET_ATTENTION = {
     "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
 }
 
-head_dim = kvmath.head_dim  # one definition (explicit head_dim, else hidden_size / heads)
-
 SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
