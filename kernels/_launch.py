@@ -13,6 +13,7 @@ import torch
 from kvconvert.errors import KVConvertError
 
 from ._triton_compat import interpreter_enabled
+from .cache_layout import FP8_DTYPE
 from .dequant import DOT_PRECISIONS
 from .merge import merge_lse_triton
 
@@ -89,20 +90,37 @@ def default_num_splits(batch: int, head_groups: int, max_context: int, block_n: 
     return max(1, min(math.ceil(264 / max(programs, 1)), math.ceil(max_context / 256), 64))
 
 
-def resolve_dot(dot: str | None, q: torch.Tensor) -> str:
-    """Dot operand precision: 'fp32' on CPU (interpreter: bf16 is wrong there), 'bf16' on GPUs."""
+def resolve_dot(dot: str | None, q: torch.Tensor, cache) -> str:
+    """Dot operand precision: 'fp32' on CPU (interpreter: bf16 is wrong there), 'bf16' on GPUs; 'fp8'
+    only on request and only for an fp8 cache in e4m3 (its bytes are the operand as stored)."""
     if dot is None:
         dot = "fp32" if q.device.type == "cpu" else "bf16"
     if dot not in DOT_PRECISIONS:
         raise KVConvertError(f"unknown dot precision {dot!r}: choose one of {DOT_PRECISIONS}")
+    if dot == "fp8" and (cache.mode != "fp8" or cache.block_tensors()[0].dtype != FP8_DTYPE):
+        raise KVConvertError(
+            f"dot='fp8' needs an fp8 cache in float8_e4m3fn (its bytes feed the matrix unit as stored), "
+            f"not a {cache.mode!r} cache of {cache.block_tensors()[0].dtype}: use dot='bf16' or 'fp16'"
+        )
     return dot
+
+
+def e4m3_query_rows(q: torch.Tensor) -> torch.Tensor:
+    """What dot='fp8' makes of queries ``[..., D]``, dequantized: each row rounded to e4m3 with its own
+    scale amax / 448 (``formats.fp8_tile_quantize`` with one tile per row; the kernels'
+    ``quantize_rows_e4m3`` is bit-exact with it), in q's dtype. The references given these queries
+    see the scores the fp8 dots compute."""
+    from kvconvert.quant import formats as F
+
+    return F.fp8_tile_dequantize(*F.fp8_tile_quantize(q, tile=q.shape[-1])).to(q.dtype)
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
     """The decode launchers' keyword options (defaults as tuned on an H100). num_splits: KV ranges
     per sequence (None: default_num_splits); dot: operand precision (None: resolve_dot's default);
-    block_h: query heads per program; block_n: tokens per KV tile; num_warps, num_stages: Triton's."""
+    block_h: query heads per program (64 and num_warps 4 or 8 let Hopper's wgmma take the dots; below
+    64 they run on mma.sync); block_n: tokens per KV tile; num_warps, num_stages: Triton's."""
 
     num_splits: int | None = None
     dot: str | None = None
@@ -114,6 +132,8 @@ class DecodeOptions:
     def __post_init__(self):
         if self.block_h < 16 or self.block_n < 16:
             raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
+        if self.dot == "fp8" and self.block_n < 32:
+            raise KVConvertError("dot='fp8' needs block_n >= 32: an fp8 dot's K is at least 32, and P@V's K is block_n")
 
     @property
     def launch(self) -> dict[str, int]:

@@ -36,9 +36,15 @@ MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "fp8_tile": MODE_FP8_TILE, "nvf
 #   fp32: operands stay fp32, IEEE products (reference grade; the CPU/interpreter default)
 #   bf16: operands rounded to bf16 for tensor cores (GPU default; bf16 is wrong in the interpreter)
 #   fp16: operands rounded to fp16 (exact in the interpreter; range +-65504)
-DOT_PRECISIONS = ("fp32", "bf16", "fp16")
+#   fp8:  float8 e4m3 operands, for MODE_FP8 caches only: the cached bytes feed the matrix unit as
+#         stored (no conversion), queries are quantized per head row to e4m3 (scale amax / 448,
+#         :func:`quantize_rows_e4m3`) and probabilities are stored as e4m3 times P_SCALE_FP8
+DOT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 if HAS_TRITON:
+    # fp8 dots: p in [0, 1] is scaled by 2^8 before its e4m3 rounding: exact (a power of two), keeps
+    # the largest value (256) under e4m3's 448 and moves the smallest normal down from 2^-6 to 2^-14
+    P_SCALE_FP8 = tl.constexpr(256.0)
 
     @triton.jit
     def e2m1_code_to_f16(code):
@@ -93,12 +99,17 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (offs_d < D)[None, :]
         # through fp32 even for float8 -> bf16: a direct conversion measured the same on an H100
-        x = tl.load(data_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MODE == 2:
-            x = x * load_group_scales(
-                aux_ptr, aux_row_off, offs_d, row_mask, D, AUX_GROUP, AUX_BROADCAST, tl.float32, BLOCK_N, BLOCK_D
-            )
-        return x.to(OUT_DTYPE)
+        x = tl.load(data_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        if OUT_DTYPE == tl.float8e4nv:  # fp8 dots: the cached e4m3 bytes are the operand, unconverted
+            tl.static_assert(MODE == 1, "fp8 dot operands need an fp8 (per-tensor / per-head scale) cache")
+        else:
+            x = x.to(tl.float32)
+            if MODE == 2:
+                x = x * load_group_scales(
+                    aux_ptr, aux_row_off, offs_d, row_mask, D, AUX_GROUP, AUX_BROADCAST, tl.float32, BLOCK_N, BLOCK_D
+                )
+            x = x.to(OUT_DTYPE)
+        return x
 
     @triton.jit
     def load_nvfp4_halves(
@@ -126,6 +137,44 @@ if HAS_TRITON:
         return even, odd
 
 
+    @triton.jit
+    def round_to_e4m3(x):
+        """fp32 x (|x| <= 448) -> fp32 on the e4m3 grid, rounded to nearest even, so the cast that follows
+        is exact: bit-identical to torch's ``x.to(float8_e4m3fn)`` compiled and in the interpreter
+        (whose own fp32 -> e4m3 cast mis-rounds values that round up into the next binade: 127.9 -> 64).
+
+        Normals (|x| >= 2^-6) keep 3 of fp32's 23 mantissa bits: add half an e4m3 ulp minus one,
+        plus the kept lsb (ties to even), then clear the 20 dropped bits. Subnormals are multiples of
+        2^-9: adding and removing 1.5 * 2^14 rounds |x| there (fp32's ulp at 2^14 is 2^-9), and x's
+        sign bit goes back on (so -tiny -> -0, as in torch).
+        """
+        bits = x.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        magnitude = ((tl.abs(x) + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+        subnormal = (magnitude | (bits & -2147483648)).to(tl.float32, bitcast=True)
+        return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+    @triton.jit
+    def quantize_rows_e4m3(x):
+        """fp32 ``[BLOCK_H, BLOCK]`` -> (e4m3 ``[BLOCK_H, BLOCK]``, fp32 scale ``[BLOCK_H]``), x ~= q * scale.
+
+        One scale per row (head), amax / 448, so each row's largest magnitude maps to e4m3's largest
+        finite value; an all-zero row gets scale 1. The rounding is e4m3's, to nearest even (3 mantissa
+        bits: a relative error up to 2^-4 per element).
+        """
+        amax = tl.max(tl.abs(x), 1)
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        return round_to_e4m3(x / scale[:, None]).to(tl.float8e4nv), scale
+
+    @triton.jit
+    def probs_operand(p, DOT_DTYPE: tl.constexpr):
+        """Probabilities ``[BLOCK_H, BLOCK_N]`` in [0, 1] as the P@V dot operand (fp8: times P_SCALE_FP8,
+        which the kernel divides out of its output once)."""
+        if DOT_DTYPE == tl.float8e4nv:
+            p = round_to_e4m3(p * P_SCALE_FP8)
+        return p.to(DOT_DTYPE)
+
+
 def aux_broadcastable(group: int, block_d: int) -> bool:
     """Whether per-group scales can be expanded by broadcast+reshape (group a power of two <= BLOCK_D)."""
     return group > 0 and (group & (group - 1)) == 0 and group <= block_d
@@ -133,6 +182,6 @@ def aux_broadcastable(group: int, block_d: int) -> bool:
 
 def dot_constexprs(dot: str) -> dict:
     """Kernel constexprs DOT_DTYPE / DOT_PRECISION for a dot precision name (needs Triton)."""
-    dtype = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[dot]
+    dtype = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16, "fp8": tl.float8e4nv}[dot]
     # input_precision only matters for fp32 operands ("ieee": no TF32 rounding)
     return {"DOT_DTYPE": dtype, "DOT_PRECISION": "ieee" if dot == "fp32" else "tf32"}

@@ -29,9 +29,10 @@ from .cache_layout import GQACacheLayer
 from .dequant import MODE_IDS, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
-    from .dequant import load_kv_tile, load_nvfp4_halves
+    from .dequant import P_SCALE_FP8, load_kv_tile, load_nvfp4_halves, probs_operand
     from .split_softmax import (
-        finish_softmax, load_head_rows, online_softmax_step, split_token_range, store_head_rows, tile_slots,
+        dot_scores, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_head_rows,
+        tile_slots,
     )
 
     @triton.jit
@@ -69,12 +70,12 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         if MODE == 3:
-            q_even = load_head_rows(q_rows, h_mask, D // 2, 2, DOT_DTYPE, HALF)
-            q_odd = load_head_rows(q_rows + 1, h_mask, D // 2, 2, DOT_DTYPE, HALF)
+            q_even, q_scale = load_query_rows(q_rows, h_mask, D // 2, 2, DOT_DTYPE, HALF)
+            q_odd, q_scale = load_query_rows(q_rows + 1, h_mask, D // 2, 2, DOT_DTYPE, HALF)
             acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
             acc_odd = tl.zeros([BLOCK_H, HALF], tl.float32)
         else:
-            q = load_head_rows(q_rows, h_mask, D, 1, DOT_DTYPE, BLOCK_D)
+            q, q_scale = load_query_rows(q_rows, h_mask, D, 1, DOT_DTYPE, BLOCK_D)
             acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n_mask, phys, slot = tile_slots(block_tables_ptr + b * stride_bt_b, n0, end, block_size, BLOCK_N)
@@ -89,8 +90,8 @@ if HAS_TRITON:
                 v_even, v_odd = load_nvfp4_halves(
                     v_ptr, v_off, n_mask, D, v_aux_ptr, v_aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
                 )
-                qk = tl.dot(q_even, tl.trans(k_even), input_precision=DOT_PRECISION)
-                qk += tl.dot(q_odd, tl.trans(k_odd), input_precision=DOT_PRECISION)
+                qk = dot_scores(q_even, q_scale, k_even, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores(q_odd, q_scale, k_odd, DOT_DTYPE, DOT_PRECISION)
             else:
                 k = load_kv_tile(
                     k_ptr, k_off, n_mask, D, k_aux_ptr, k_aux_off, MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
@@ -98,11 +99,11 @@ if HAS_TRITON:
                 v = load_kv_tile(
                     v_ptr, v_off, n_mask, D, v_aux_ptr, v_aux_off, MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
                 )
-                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                qk = dot_scores(q, q_scale, k, DOT_DTYPE, DOT_PRECISION)
             if MODE == 1 or MODE == 3:  # raw fp8 / e2m1 * block-scale keys: the head's scale, on the scores
                 qk = qk * k_scale
             p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
-            p = p.to(DOT_DTYPE)
+            p = probs_operand(p, DOT_DTYPE)
             if MODE == 3:
                 acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PRECISION)
                 acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PRECISION)
@@ -118,6 +119,8 @@ if HAS_TRITON:
         else:
             if MODE == 1:
                 acc = acc * v_scale
+            if DOT_DTYPE == tl.float8e4nv:
+                acc = acc / P_SCALE_FP8
             store_head_rows(out_rows, acc / l_safe[:, None], h_mask, D, 1, BLOCK_D)
 
 
@@ -167,7 +170,7 @@ def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables:
         _scale_stride(k_scale), _scale_stride(v_scale),
         block_tables.stride(0),
         *partial_strides(part_out, part_lse),
-        MODE=MODE_IDS[cache.mode], AUX_BROADCAST=broadcast, **dot_constexprs(resolve_dot(opts.dot, q)),
+        MODE=MODE_IDS[cache.mode], AUX_BROADCAST=broadcast, **dot_constexprs(resolve_dot(opts.dot, q, cache)),
         BLOCK_D=block_d, **opts.launch,
     )
     return merge_splits(part_out, part_lse, q.dtype)

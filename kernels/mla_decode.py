@@ -32,9 +32,10 @@ from .cache_layout import MLACacheLayer
 from .dequant import MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
-    from .dequant import load_kv_tile, load_nvfp4_halves
+    from .dequant import P_SCALE_FP8, load_kv_tile, load_nvfp4_halves, probs_operand
     from .split_softmax import (
-        finish_softmax, load_head_rows, online_softmax_step, split_token_range, store_head_rows, tile_slots,
+        dot_scores, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_head_rows,
+        tile_slots,
     )
 
     @triton.jit
@@ -66,19 +67,19 @@ if HAS_TRITON:
 
         # dot operands: fp32 (IEEE) or rounded once to bf16/fp16 for tensor cores
         qn_rows = q_nope_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h
-        q_rope = load_head_rows(q_rope_ptr + b * stride_qr_b + offs_h[:, None] * stride_qr_h, h_mask, P, 1,
-                                DOT_DTYPE, BLOCK_P)
+        q_rope, qr_scale = load_query_rows(q_rope_ptr + b * stride_qr_b + offs_h[:, None] * stride_qr_h, h_mask,
+                                           P, 1, DOT_DTYPE, BLOCK_P)
         scale = tl.load(scale_ptr)  # fp8 tensor scale or nvfp4 global scale (unused for plain and fp8_tile)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         if MODE == 3:
-            q_even = load_head_rows(qn_rows, h_mask, R // 2, 2, DOT_DTYPE, HALF)
-            q_odd = load_head_rows(qn_rows + 1, h_mask, R // 2, 2, DOT_DTYPE, HALF)
+            q_even, qn_scale = load_query_rows(qn_rows, h_mask, R // 2, 2, DOT_DTYPE, HALF)
+            q_odd, qn_scale = load_query_rows(qn_rows + 1, h_mask, R // 2, 2, DOT_DTYPE, HALF)
             acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
             acc_odd = tl.zeros([BLOCK_H, HALF], tl.float32)
         else:
-            q_nope = load_head_rows(qn_rows, h_mask, R, 1, DOT_DTYPE, BLOCK_R)
+            q_nope, qn_scale = load_query_rows(qn_rows, h_mask, R, 1, DOT_DTYPE, BLOCK_R)
             acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n_mask, phys, slot = tile_slots(block_tables_ptr + b * stride_bt_b, n0, end, block_size, BLOCK_N)
@@ -89,24 +90,24 @@ if HAS_TRITON:
                     kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R
                 )
                 # the global scale multiplies the latent's scores (not RoPE's) and, below, its output
-                qk = tl.dot(q_even, tl.trans(c_even), input_precision=DOT_PRECISION)
-                qk += tl.dot(q_odd, tl.trans(c_odd), input_precision=DOT_PRECISION)
+                qk = dot_scores(q_even, qn_scale, c_even, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores(q_odd, qn_scale, c_odd, DOT_DTYPE, DOT_PRECISION)
                 qk = qk * scale
             else:
                 latent = load_kv_tile(
                     kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off,
                     MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R,
                 )
-                qk = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
+                qk = dot_scores(q_nope, qn_scale, latent, DOT_DTYPE, DOT_PRECISION)
             rope = load_kv_tile(
                 rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P, aux_ptr, aux_off,
                 ROPE_MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_P,
             )
-            qk += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION)
+            qk += dot_scores(q_rope, qr_scale, rope, DOT_DTYPE, DOT_PRECISION)
             if MODE == 1:  # fp8 row (latent and RoPE): the tensor scale, applied to the scores
                 qk = qk * scale
             p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
-            p = p.to(DOT_DTYPE)
+            p = probs_operand(p, DOT_DTYPE)
             if MODE == 3:
                 acc_even = acc_even * alpha[:, None] + tl.dot(p, c_even, input_precision=DOT_PRECISION)
                 acc_odd = acc_odd * alpha[:, None] + tl.dot(p, c_odd, input_precision=DOT_PRECISION)
@@ -122,6 +123,8 @@ if HAS_TRITON:
         else:
             if MODE == 1:
                 acc = acc * scale
+            if DOT_DTYPE == tl.float8e4nv:
+                acc = acc / P_SCALE_FP8
             store_head_rows(out_rows, acc / l_safe[:, None], h_mask, R, 1, BLOCK_R)
 
 
@@ -170,7 +173,7 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
         block_tables.stride(0),
         *partial_strides(part_out, part_lse),
         MODE=mode, ROPE_MODE=rope_mode, AUX_GROUP=aux_group, AUX_BROADCAST=broadcast,
-        **dot_constexprs(resolve_dot(opts.dot, q_nope)), BLOCK_R=block_r, BLOCK_P=block_p, **opts.launch,
+        **dot_constexprs(resolve_dot(opts.dot, q_nope, cache)), BLOCK_R=block_r, BLOCK_P=block_p, **opts.launch,
     )
     return merge_splits(part_out, part_lse, q_nope.dtype)
 

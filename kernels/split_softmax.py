@@ -13,6 +13,7 @@ from __future__ import annotations
 from ._triton_compat import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
+    from .dequant import quantize_rows_e4m3
 
     @triton.jit
     def split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: tl.constexpr):
@@ -38,6 +39,27 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK)
         x = tl.load(rows_ptr + STEP * offs[None, :], mask=h_mask[:, None] & (offs < n)[None, :], other=0.0)
         return x.to(tl.float32).to(OUT_DTYPE)
+
+    @triton.jit
+    def load_query_rows(rows_ptr, h_mask, n, STEP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+        """Query rows as a dot operand -> (``[BLOCK_H, BLOCK]`` in DOT_DTYPE, the scale its scores carry):
+        :func:`load_head_rows` and scale 1.0, except for fp8 dots, where each head row is quantized to
+        e4m3 with its own fp32 scale ``[BLOCK_H]`` (:func:`~.dequant.quantize_rows_e4m3`)."""
+        # one return statement: compiled Triton requires every return of a function to have one type
+        if DOT_DTYPE == tl.float8e4nv:
+            rows, scale = quantize_rows_e4m3(load_head_rows(rows_ptr, h_mask, n, STEP, tl.float32, BLOCK))
+        else:
+            rows, scale = load_head_rows(rows_ptr, h_mask, n, STEP, DOT_DTYPE, BLOCK), 1.0
+        return rows, scale
+
+    @triton.jit
+    def dot_scores(q, q_scale, tile, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """q ``[BLOCK_H, D]`` . tile ``[BLOCK_N, D]`` -> fp32 ``[BLOCK_H, BLOCK_N]``, times the query rows'
+        scale when they were quantized (fp8 dots; :func:`load_query_rows`)."""
+        s = tl.dot(q, tl.trans(tile), input_precision=DOT_PRECISION)
+        if DOT_DTYPE == tl.float8e4nv:
+            s = s * q_scale[:, None]
+        return s
 
     @triton.jit
     def store_head_rows(rows_ptr, x, h_mask, n, STEP: tl.constexpr, BLOCK: tl.constexpr):

@@ -29,6 +29,7 @@ import time
 import torch
 from bench_common import DOCS, parser, write_json, write_text
 
+from kvconvert.kernels._launch import e4m3_query_rows
 from kvconvert.kernels.cache_layout import GQA_MODES, MLA_MODES, GQACacheLayer, MLACacheLayer
 
 DEVICE = "cuda"  # "cpu" only for --cpu-smoke (Triton interpreter)
@@ -50,9 +51,13 @@ PEAK_BANDWIDTH = [
     ("L4", 0.3e12),
 ]
 
-# (block_n, num_warps, num_stages) candidates tuned per mode at the tuning context
-TUNE_GRID = [(16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 8, 2), (64, 8, 3)]
-QUICK_GRID = [(16, 4, 2), (32, 8, 2), (64, 8, 2)]
+# (block_h, block_n, num_warps, num_stages) candidates tuned per mode at the tuning context. block_h 16
+# runs the dots on mma.sync; 64 is the tile Hopper's wgmma takes (the 16-head MLA shard and a GQA group
+# of 4 pad the rest), the only one where fp8 dots run on fp8 matrix units (tests/kernels/compile_kernels.py)
+TUNE_GRID = [(16, 16, 4, 2), (16, 16, 4, 3), (16, 32, 4, 2), (16, 32, 8, 2), (16, 32, 8, 3), (16, 64, 8, 2),
+             (16, 64, 8, 3), (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 3)]
+QUICK_GRID = [(16, 16, 4, 2), (16, 32, 8, 2), (16, 64, 8, 2), (64, 64, 8, 2)]
+FP8_DOT_MIN_BLOCK_N = 32  # an fp8 dot's K (P@V: block_n) is at least 32
 
 
 def parse_args(argv):
@@ -141,7 +146,9 @@ def check_dots() -> list[tuple[str, float]]:
 
 
 def check_kernels():
-    """Kernel vs reference on small ragged cases, per mode, with bf16 and fp32 dot operands."""
+    """Kernel vs reference on small ragged cases, per mode, with bf16 and fp32 dot operands; fp8 caches
+    also with fp8 dots, against the reference given the same e4m3 queries (tolerance 3e-2: the
+    probabilities' e4m3 rounding, as in tests/kernels)."""
     cases = [("mla", mode, f"R{rank}+{rope} H{heads}", [300, 1, 129],
               mla_case(mode, 3, 300, 64, heads=heads, rank=rank, rope=rope, seed=1))
              for mode in MLA_MODES for rank, rope, heads in ((512, 64, 16), (160, 32, 9))]
@@ -153,8 +160,11 @@ def check_kernels():
         decode = decode_fn(kernel)
         inputs = (*(q.float() for q in queries), cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE))
         ref, ref_lse = decode(*inputs, scale, backend="torch")
-        for dot, tol in check_dots():
-            out, lse = decode(*inputs, scale, dot=dot)
+        for dot, tol in check_dots() + ([("fp8", 3e-2)] if mode == "fp8" else []):
+            if dot == "fp8":
+                fp8_inputs = (*(e4m3_query_rows(q.float()) for q in queries), *inputs[len(queries):])
+                ref, ref_lse = decode(*fp8_inputs, scale, backend="torch")
+            out, lse = decode(*inputs, scale, dot=dot, **({"block_n": FP8_DOT_MIN_BLOCK_N} if dot == "fp8" else {}))
             err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
             lse_err = {"lse_max_abs_err": float((lse - ref_lse).abs().max())} if kernel == "mla" else {}
             results.append({"kernel": kernel, "mode": mode, "shape": shape, "dot": dot, "rel_err": err, **lse_err,
@@ -203,11 +213,12 @@ def copy_bandwidth() -> float:
 
 
 def tune(run_with, grid, splits_candidates):
-    """Best (block_n, warps, stages, splits) by time; compile failures are recorded and skipped."""
+    """Best (block_h, block_n, warps, stages, splits) by time; compile failures are recorded and skipped."""
     tried, best = [], None
-    for block_n, warps, stages in grid:
+    for block_h, block_n, warps, stages in grid:
         for splits in splits_candidates:
-            cfg = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits}
+            cfg = {"block_h": block_h, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                   "num_splits": splits}
             try:
                 ms = time_ms(lambda: run_with(cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped, not fatal
@@ -219,13 +230,16 @@ def tune(run_with, grid, splits_candidates):
     return (best[0] if best else None), tried
 
 
-def measure_step(step, mode, cache, batch, context, peak, cfg, plain_ms) -> list[dict]:
+def measure_step(step, mode, dot, cache, batch, context, peak, cfg, plain_ms) -> list[dict]:
     """Rows for one (mode, context): the decode ``step(dot=...)`` timed from a CUDA graph and eagerly,
     the dequantize-first alternative (quantized modes, next to the plain time at this context), and
     the same step with fp16 dot operands (exact for quantized values). ``plain_ms`` collects the
-    plain mode's times; MODES lists "none" first so they exist when the quantized modes run."""
-    call = lambda: step(dot=None)  # noqa: E731
+    plain mode's times; MODES lists "none" first so they exist when the quantized modes run.
+    dot="fp8" (an fp8 cache's own variant, tuned apart): one row, impl "triton-fp8dot"."""
+    call = lambda: step(dot=dot)  # noqa: E731
     ms = time_ms(call)
+    if dot == "fp8":
+        return [result_row("triton-fp8dot", mode, cache, batch, context, ms, peak, cfg, eager=time_ms(call, graph=False))]
     rows = [result_row("triton", mode, cache, batch, context, ms, peak, cfg, eager=time_ms(call, graph=False))]
     if mode == "none":
         plain_ms[context] = ms
@@ -253,12 +267,14 @@ def bench_kernel(kernel: str, args, contexts, grid, peak):
         make_case = lambda mode, context: gqa_case(mode, args.batch, context, args.block_size)  # noqa: E731
         default_splits = None
     rows, tuning, plain_ms = [], {}, {}
-    for mode in modes:
+    # each mode with the default dots, then the fp8 cache with fp8 dots, tuned apart (its own tiles)
+    for mode, dot in [(mode, None) for mode in modes] + [("fp8", "fp8")]:
         cache, queries, tables, lens, scale = make_case(mode, args.tune_context)
         base = default_splits and default_splits(args.tune_context)
         splits = sorted({max(1, base // 2), base, base * 2, base * 4}) if base else [None]
-        best, tried = tune(lambda cfg: decode(*queries, cache, tables, lens, scale, **cfg), grid, splits)
-        tuning[mode] = {"best": best, "tried": tried}
+        mode_grid = [g for g in grid if g[1] >= FP8_DOT_MIN_BLOCK_N] if dot == "fp8" else grid
+        best, tried = tune(lambda cfg: decode(*queries, cache, tables, lens, scale, dot=dot, **cfg), mode_grid, splits)
+        tuning[f"{mode}, {dot} dot" if dot else mode] = {"best": best, "tried": tried}
         if best is None:
             continue
         for context in contexts:
@@ -266,8 +282,9 @@ def bench_kernel(kernel: str, args, contexts, grid, peak):
             cfg = {**best, "num_splits": max(1, round(default_splits(context) * best["num_splits"] / base))} \
                 if base else best
             step = lambda dot: decode(*queries, cache, tables, lens, scale, dot=dot, **cfg)  # noqa: E731
-            rows += measure_step(step, mode, cache, args.batch, context, peak, cfg, plain_ms)
-            rows += baselines(mode, cache, queries, tables, lens, scale, args.batch, context, peak)
+            rows += measure_step(step, mode, dot, cache, args.batch, context, peak, cfg, plain_ms)
+            if dot is None:
+                rows += baselines(mode, cache, queries, tables, lens, scale, args.batch, context, peak)
             torch.cuda.empty_cache()
     return rows, tuning
 
@@ -403,7 +420,7 @@ def main(argv=None) -> int:
     args.json, args.md = args.json or f"{stem}.json", args.md or f"{stem}.md"
 
     contexts = [1024, 8192] if args.quick else [int(c) for c in args.contexts.split(",")]
-    grid = QUICK_GRID[:1] if args.cpu_smoke else QUICK_GRID if args.quick else TUNE_GRID
+    grid = [(16, 32, 4, 2)] if args.cpu_smoke else QUICK_GRID if args.quick else TUNE_GRID
     name = "cpu (Triton interpreter smoke run)" if args.cpu_smoke else torch.cuda.get_device_name()
     peak = peak_bandwidth(name)
     started = time.time()

@@ -67,3 +67,13 @@ def assert_low_precision_close(result, reference) -> None:
     (out, lse), (ref_out, ref_lse) = result, reference
     assert float((out.double() - ref_out.double()).norm() / ref_out.double().norm()) < 1e-2
     assert_lse_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
+
+
+def assert_fp8_dot_close(result, reference_on_e4m3_queries) -> None:
+    """dot='fp8' against the float64 reference given the same e4m3-rounded queries: the scores are then
+    the reference's up to fp32 accumulation (LSE within 1e-4); the output also carries the e4m3
+    rounding of the probabilities (up to 2^-4 each, relative to the running max): ||out - ref|| /
+    ||ref|| < 3e-2."""
+    (out, lse), (ref_out, ref_lse) = result, reference_on_e4m3_queries
+    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert float((out.double() - ref_out.double()).norm() / ref_out.double().norm()) < 3e-2

@@ -14,7 +14,7 @@ from kvconvert.quant import formats as F
 from kernel_cases import DEVICE, triton  # first: skips without Triton
 
 from kvconvert.kernels._triton_compat import tl
-from kvconvert.kernels.dequant import e2m1_code_to_f16
+from kvconvert.kernels.dequant import e2m1_code_to_f16, quantize_rows_e4m3
 
 
 @triton.jit
@@ -41,3 +41,36 @@ def test_e2m1_decode_times_every_e4m3_scale_is_exact():
     _decode_products_kernel[(1,)](codes_in, scales_in, out, N=n)
     expected = F.e2m1_decode(grid_codes) * grid_scales
     assert torch.equal(out[: len(grid_codes)].cpu(), expected)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, ROWS: tl.constexpr, D: tl.constexpr):
+    """codes, scales = quantize_rows_e4m3(x) for x fp32 [ROWS, D], as the fp8-dot kernels quantize queries."""
+    offs = tl.arange(0, ROWS)[:, None] * D + tl.arange(0, D)[None, :]
+    codes, scales = quantize_rows_e4m3(tl.load(x_ptr + offs))
+    tl.store(codes_ptr + offs, codes)
+    tl.store(scales_ptr + tl.arange(0, ROWS), scales)
+
+
+def test_query_rows_e4m3_quantizer_is_bit_exact():
+    """The fp8-dot kernels' per-head query quantizer equals formats.fp8_tile_quantize with one tile per
+    row (scale amax / 448, RNE), code for code and scale for scale. The rows cover every binade of
+    e4m3 and its subnormals, values that round up into the next binade (the interpreter's own cast
+    gets 127.9 -> 64 wrong), ties, signed zeros and an all-zero row (scale 1 in the kernel, 0 in
+    formats)."""
+    torch.manual_seed(0)
+    rows, d = 16, 64
+    x = torch.randn(rows, d) * torch.logspace(-3, 3, rows)[:, None]
+    x[1] = torch.linspace(-448, 448, d)
+    x[2] = torch.linspace(-0.02, 0.02, d) * 448 / 0.02
+    x[2, 0] = 448.0
+    x[3, :8] = torch.tensor([127.9, -127.9, 31.99, 7.999, 0.0157, 0.0156, 0.00195, 448.0])
+    x[4] = 0.0
+    x[5, :5] = torch.tensor([448.0, 8.5, -2.125, 0.0029296875, -0.0])  # ties to even: 8, -2, 2^-8 (subnormal); -0
+    codes = torch.zeros(rows, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+    scales = torch.zeros(rows, device=DEVICE)
+    _quantize_rows_kernel[(1,)](x.to(DEVICE), codes, scales, ROWS=rows, D=d)
+    ref_codes, ref_scales = F.fp8_tile_quantize(x, tile=d)
+    assert torch.equal(codes.cpu().view(torch.uint8), ref_codes.view(torch.uint8))
+    nonzero = ref_scales[:, 0] > 0
+    assert torch.equal(scales.cpu()[nonzero], ref_scales[nonzero, 0]) and float(scales[4]) == 1.0

@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kernels._launch import e4m3_query_rows
 from kvconvert.kernels.attention import paged_gqa_decode
 from kvconvert.kernels.cache_layout import GQACacheLayer
 from kvconvert.kernels.gqa_decode import paged_gqa_decode_reference
 
-from kernel_cases import DEVICE, LOW_PRECISION_DOTS, assert_decode_close, assert_low_precision_close, make_paging
+from kernel_cases import (
+    DEVICE, LOW_PRECISION_DOTS, assert_decode_close, assert_fp8_dot_close, assert_low_precision_close, make_paging,
+)
 
 # (mode, per-head scales)
 MODES = [("none", False), ("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True)]
@@ -73,6 +76,16 @@ def test_gqa_low_precision_dot_operands_every_mode(mode, per_head, dot):
     """Both dots with rounded operands on a Llama-3-like head (D 128, group 4), every cache mode."""
     cache, q, *args = build_case(mode, per_head, 8, 2, 128, 16, [300, 0, 77], seed=4)
     assert_low_precision_close(paged_gqa_decode(q, cache, *args, dot=dot), paged_gqa_decode_reference(q, cache, *args))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("block_h,block_n", [(16, 32), (64, 64)])
+def test_gqa_fp8_dot_operands(per_head, block_h, block_n):
+    """dot='fp8' on Llama-3-8B's head shape (group 4, D 128): fp8 K and V bytes, e4m3 queries (one scale
+    per head) and e4m3 probabilities feed the dots; per-tensor and per-head cache scales."""
+    cache, q, *args = build_case("fp8", per_head, 8, 2, 128, 16, [300, 0, 77], seed=4)
+    out = paged_gqa_decode(q, cache, *args, dot="fp8", block_h=block_h, block_n=block_n)
+    assert_fp8_dot_close(out, paged_gqa_decode_reference(e4m3_query_rows(q), cache, *args))
 
 
 def test_gqa_reference_equals_dense_attention():

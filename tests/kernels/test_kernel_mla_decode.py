@@ -14,11 +14,14 @@ import pytest
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kernels._launch import e4m3_query_rows
 from kvconvert.kernels.attention import paged_mla_decode
 from kvconvert.kernels.cache_layout import MLACacheLayer, mla_fp8_tile
 from kvconvert.kernels.mla_decode import paged_mla_decode_reference
 
-from kernel_cases import DEVICE, LOW_PRECISION_DOTS, assert_decode_close, assert_low_precision_close, make_paging
+from kernel_cases import (
+    DEVICE, LOW_PRECISION_DOTS, assert_decode_close, assert_fp8_dot_close, assert_low_precision_close, make_paging,
+)
 
 MODES = ("none", "fp8", "fp8_tile", "nvfp4")
 # (heads, kv_lora_rank, rope_dim): SmolLM2 conversions (9 heads, rope 32) and one small DeepSeek case
@@ -88,6 +91,24 @@ def test_mla_low_precision_dot_operands_every_mode(mode, dot):
                                paged_mla_decode_reference(qn, qr, cache, *args))
 
 
+@pytest.mark.parametrize("block_h,block_n", [(16, 32), (64, 64)])
+def test_mla_fp8_dot_operands(block_h, block_n):
+    """dot='fp8' on the DeepSeek shape: the fp8 cache's bytes, e4m3 queries (one scale per head, for the
+    latent and the RoPE part each) and e4m3 probabilities feed the dots. block_h 64 is the tile that
+    lowers to Hopper's fp8 wgmma."""
+    cache, qn, qr, *args, _ = build_case("fp8", 16, 512, 64, 64, [300, 1, 129, 0], seed=3)
+    out = paged_mla_decode(qn, qr, cache, *args, dot="fp8", block_h=block_h, block_n=block_n)
+    assert_fp8_dot_close(out, paged_mla_decode_reference(e4m3_query_rows(qn), e4m3_query_rows(qr), cache, *args))
+    assert torch.equal(out[0][3], torch.zeros_like(out[0][3]))
+
+
+@pytest.mark.parametrize("mode", ["none", "fp8_tile", "nvfp4"])
+def test_mla_fp8_dot_needs_an_fp8_cache(mode):
+    cache, qn, qr, *args, _ = build_case(mode, 9, 64, 32, 16, [5])
+    with pytest.raises(KVConvertError, match="needs an fp8 cache"):
+        paged_mla_decode(qn, qr, cache, *args, dot="fp8", block_n=32)
+
+
 def test_mla_reference_equals_dense_attention_over_logical_tokens():
     """The paged reference equals plain attention over each sequence's tokens (paging is transparent)."""
     seq_lens = [23, 40]
@@ -132,6 +153,8 @@ def test_mla_launcher_rejects_bad_inputs(monkeypatch):
         paged_mla_decode(qn, qr, cache, tables, lens, scale, backend="cuda")
     with pytest.raises(KVConvertError, match="dot precision"):
         paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="tf64")
+    with pytest.raises(KVConvertError, match="block_n >= 32"):
+        paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="fp8")
     with pytest.raises(KVConvertError, match="softmax_scale"):
         paged_mla_decode(qn, qr, cache, tables, lens, float("nan"))
     if DEVICE.type == "cpu":

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 20 and 17 in one command, for a rarely lent GPU machine (one H100/H200,
+# no network, Python with torch + Triton + transformers but not kvconvert's other dependencies).
+#
+#   here:       bash scripts/gpu_session.sh prepare    # downloads the missing wheels into .whl/ (git-ignored)
+#   on the GPU: bash scripts/gpu_session.sh run        # with .whl carried; results under $OUT (or ./gpu-out)
+#
+# `run` installs the wheels and kvconvert into /tmp/site (no deps, nothing else touched; pytest runs
+# with -P so the checkout's kvconvert/, which lacks kernels/ and runtime/, does not shadow it), then, each
+# step logged to $OUT/<step>.log and a failing step not stopping the next:
+#   1. kernels  the kernel tests compiled on the GPU (TRITON_INTERPRET=0 KVCONVERT_TEST_DEVICE=cuda)
+#   2. bench    scripts/bench_kernels.py: every mode tuned (block_h 16 and 64, fp8 dots), FlashInfer /
+#               FlashMLA rows when importable; writes $OUT/bench_kernels.{json,md}
+#   3. device   the runtime's GPU tests (tests/runtime/test_device.py: logits against transformers)
+# About 5 minutes on an H100; `run kernels bench` picks steps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0
+        wonderwords==3.0.1)
+
+prepare() {
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl "${WHEELS[@]}"
+  ls -la .whl
+}
+
+run() {
+  local out="${OUT:-$PWD/gpu-out}" steps=("$@")
+  [ ${#steps[@]} -eq 0 ] && steps=(kernels bench device)
+  mkdir -p "$out"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . \
+    || { echo "install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/device.txt"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
+  for step in "${steps[@]}"; do
+    local started=$SECONDS
+    case "$step" in
+      kernels) KVCONVERT_TEST_DEVICE=cuda python3 -P -m pytest -q -p no:cacheprovider tests/kernels ;;
+      bench) python3 scripts/bench_kernels.py --json "$out/bench_kernels.json" --md "$out/bench_kernels.md" ;;
+      device) python3 -P -m pytest -q -p no:cacheprovider tests/runtime/test_device.py ;;
+      *) echo "unknown step $step: kernels, bench, device" ;;
+    esac > "$out/$step.log" 2>&1
+    echo "$step: exit $? in $((SECONDS - started)) s (log $out/$step.log)"
+    tail -3 "$out/$step.log"
+  done
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  run) shift; run "$@" ;;
+  *) echo "usage: $0 prepare | run [kernels] [bench] [device]"; exit 2 ;;
+esac
