@@ -29,9 +29,9 @@ from .cache_layout import GQACacheLayer
 from .dequant import MODE_IDS, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
-    from .dequant import P_SCALE_FP8, load_kv_tile, load_nvfp4_halves, probs_operand
+    from .dequant import load_kv_tile, load_nvfp4_halves, probs_operand
     from .split_softmax import (
-        dot_scores, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_head_rows,
+        dot_scores, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_partial_output,
         tile_slots,
     )
 
@@ -112,16 +112,11 @@ if HAS_TRITON:
 
         l_safe = finish_softmax(m_i, l_i, part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, h_mask)
         out_rows = part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
-        # the values' scale (raw fp8 / e2m1 * block-scale values), applied to the output
         if MODE == 3:
-            store_head_rows(out_rows, acc_even * v_scale / l_safe[:, None], h_mask, D // 2, 2, HALF)
-            store_head_rows(out_rows + 1, acc_odd * v_scale / l_safe[:, None], h_mask, D // 2, 2, HALF)
+            store_partial_output(out_rows, acc_even, l_safe, v_scale, h_mask, D // 2, 2, MODE, DOT_DTYPE, HALF)
+            store_partial_output(out_rows + 1, acc_odd, l_safe, v_scale, h_mask, D // 2, 2, MODE, DOT_DTYPE, HALF)
         else:
-            if MODE == 1:
-                acc = acc * v_scale
-            if DOT_DTYPE == tl.float8e4nv:
-                acc = acc / P_SCALE_FP8
-            store_head_rows(out_rows, acc / l_safe[:, None], h_mask, D, 1, BLOCK_D)
+            store_partial_output(out_rows, acc, l_safe, v_scale, h_mask, D, 1, MODE, DOT_DTYPE, BLOCK_D)
 
 
 def _check_decode_inputs(q, cache: GQACacheLayer, block_tables, seq_lens, softmax_scale) -> None:

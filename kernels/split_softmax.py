@@ -13,7 +13,7 @@ from __future__ import annotations
 from ._triton_compat import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
-    from .dequant import quantize_rows_e4m3
+    from .dequant import P_SCALE_FP8, quantize_rows_e4m3
 
     @triton.jit
     def split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: tl.constexpr):
@@ -66,6 +66,18 @@ if HAS_TRITON:
         """Inverse of :func:`load_head_rows`: x ``[BLOCK_H, BLOCK]`` to features ``0, STEP, ...`` (n of them)."""
         offs = tl.arange(0, BLOCK)
         tl.store(rows_ptr + STEP * offs[None, :], x, mask=h_mask[:, None] & (offs < n)[None, :])
+
+    @triton.jit
+    def store_partial_output(rows_ptr, acc, l_safe, value_scale, h_mask, n, STEP: tl.constexpr, MODE: tl.constexpr,
+                             DOT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+        """A range's normalized output ``acc / l`` to its head rows (:func:`store_head_rows`), after the
+        factors the kernels keep out of their inner loop: the values' scalar scale (MODE_FP8 raw fp8,
+        MODE_NVFP4 values without their global scale) and fp8 dots' probability scale."""
+        if MODE == 1 or MODE == 3:
+            acc = acc * value_scale
+        if DOT_DTYPE == tl.float8e4nv:
+            acc = acc / P_SCALE_FP8
+        store_head_rows(rows_ptr, acc / l_safe[:, None], h_mask, n, STEP, BLOCK)
 
     @triton.jit
     def online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2):
