@@ -94,18 +94,23 @@ def enumerate_candidates(config: dict) -> list[Candidate]:
     if shape.kind == MLA:
         raise KVConvertError("the source is already MLA: plan its KV format with `kvconvert calibrate`, or plan "
                              "from the GQA/MHA model it was converted from")
+    return [c for rank, rope in [(None, None), *mla_shapes(shape)] for c in shape_candidates(shape, rank, rope)]
+
+
+def shape_candidates(shape, rank: int | None, rope: int | None) -> list[Candidate]:
+    """Every KV format of one attention shape of a GQA/MHA source ``shape``: the source's own (rank None)
+    or MLA rank + rope, with bytes per token and engines."""
     baseline = kv_bytes_per_token(shape, "bf16")
+    cached = shape if rank is None else mla_whatif(shape, rank, rope)
+    # engines whose kernels take this attention shape (the source's own: all)
+    takes_shape = ENGINES if rank is None else [e for e in ENGINES if TARGETS[e].serves(rank, rope)]
     out = []
-    for rank, rope in [(None, None), *mla_shapes(shape)]:
-        cached = shape if rank is None else mla_whatif(shape, rank, rope)
-        # engines whose kernels take this attention shape (the source's own: all)
-        takes_shape = ENGINES if rank is None else [e for e in ENGINES if TARGETS[e].serves(rank, rope)]
-        for fmt in FORMATS:
-            group = kv_format(fmt).block  # NVFP4 quantizes whole groups of 16: rank (MLA) or head_dim
-            if group and (shape.head_dim if rank is None else rank) % group:
-                continue
-            engines = tuple(e for e in takes_shape if e in kv_format(fmt).served_by(mla=rank is not None))
-            out.append(Candidate(fmt, kv_bytes_per_token(cached, fmt), baseline, engines, rank, rope))
+    for fmt in FORMATS:
+        group = kv_format(fmt).block  # NVFP4 quantizes whole groups of 16: rank (MLA) or head_dim
+        if group and (shape.head_dim if rank is None else rank) % group:
+            continue
+        engines = tuple(e for e in takes_shape if e in kv_format(fmt).served_by(mla=rank is not None))
+        out.append(Candidate(fmt, kv_bytes_per_token(cached, fmt), baseline, engines, rank, rope))
     return out
 
 

@@ -30,13 +30,17 @@ from bench_mla import TRANSMLA
 SMOLLM2 = "smollm2-135m"
 
 
-def candidates() -> dict:
-    """plan's candidates for SmolLM2 by name (bytes, fraction, engines)."""
+def candidates(shapes: list[tuple[int, int]]) -> dict:
+    """plan's candidates for SmolLM2 by name (bytes, fraction, engines), and every format of the MLA
+    ``shapes`` measured here that plan does not enumerate (checked before any work starts)."""
     from kvconvert.checkpoint import read_config
-    from kvconvert.plan import enumerate_candidates
+    from kvconvert.kvmath import kv_shape
+    from kvconvert.plan import enumerate_candidates, shape_candidates
     from kvconvert.sources import resolve_source
 
-    return {c.name: c for c in enumerate_candidates(read_config(resolve_source(SMOLLM2)))}
+    config = read_config(resolve_source(SMOLLM2))
+    extra = [c for rank, rope in shapes for c in shape_candidates(kv_shape(config), rank, rope)]
+    return {c.name: c for c in [*enumerate_candidates(config), *extra]}
 
 
 def point(cands: dict, name: str, kl, ppl, source_ppl, stage: str, provenance: str, protocol: str) -> dict:
@@ -85,7 +89,7 @@ def earlier_points(cands: dict) -> list[dict]:
     return out
 
 
-def measure(cands: dict, args, work: Path, save) -> list[dict]:
+def measure(cands: dict, shapes: list[tuple[int, int]], args, work: Path, save) -> list[dict]:
     """Source bf16 cache, and one-shot MLA shapes in bf16 / fp8 / nvfp4, on args.windows x 1024;
     save(points so far) after each group, so an interrupted run keeps what it measured."""
     import torch
@@ -111,8 +115,8 @@ def measure(cands: dict, args, work: Path, save) -> list[dict]:
                  proto)]
     log(f"source bf16: {out[-1]['kl']:.5f}")
     save(out)
-    for setting in args.shapes.split(","):
-        rank, rope = map(int, setting.split(":"))
+    for rank, rope in shapes:
+        setting = f"{rank}:{rope}"
         mla = work / f"mla-{rank}-{rope}"
         convert_to_mla(src, mla, MLAOptions(rank=rank, rope_dim=rope, target="any", dtype="fp32",
                                             calib_tokens=args.convert_tokens), overwrite=True, progress=False)
@@ -164,13 +168,14 @@ def main():
 
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    cands = candidates()
+    shapes = [tuple(map(int, setting.split(":"))) for setting in args.shapes.split(",")]
+    cands = candidates(shapes)  # refuses a shape kvconvert cannot build before any work
     earlier = earlier_points(cands)
     if args.skip_measure:  # the points measured here, with the earlier ones read afresh from their files
         doc = json.loads((DOCS / "bench_frontier.json").read_text())
         return write({**doc, "points": [p for p in doc["points"] if p["provenance"] == "measured here"] + earlier})
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
-        measure(cands, args, Path(tmp), lambda measured: write(
+        measure(cands, shapes, args, Path(tmp), lambda measured: write(
             {"command": command(), "threads": args.threads, "seconds": time.time() - t0, "points": measured + earlier}))
 
 
