@@ -38,7 +38,12 @@ def candidates(shapes: list[tuple[int, int]]) -> dict:
     from kvconvert.plan import enumerate_candidates, shape_candidates
     from kvconvert.sources import resolve_source
 
+    from kvconvert.mla.convert import validate_plan
+    from kvconvert.mla.options import MLAOptions
+
     config = read_config(resolve_source(SMOLLM2))
+    for rank, rope in shapes:  # what `kvconvert mla` would refuse (e.g. a RoPE split off frequency groups)
+        validate_plan(config, MLAOptions(rank=rank, rope_dim=rope, target="any"))
     extra = [c for rank, rope in shapes for c in shape_candidates(kv_shape(config), rank, rope)]
     return {c.name: c for c in [*enumerate_candidates(config), *extra]}
 
