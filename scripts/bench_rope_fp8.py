@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Where the 25% budget goes in an MLA + NVFP4 cache: k_rope kept 16-bit (today's layout, FlashMLA's)
+against k_rope in FP8 (an emulated layout no engine or kvconvert runtime stores yet).
+
+For each one-shot MLA shape of SmolLM2-135M (8192 conversion tokens, fp32), on the essays (32 x 1024):
+the conversion alone (bf16 cache), the latent in NVFP4 with k_rope 16-bit (calibrate's NVFP4 defaults
+on --calib-tokens tokens), and the same latent with k_rope fake-quantized to FP8 e4m3 with the same
+exported kv scale (amax / 448 of the whole row, as vLLM's FP8 MLA cache scales its k_rope). KL to the
+source with an fp32 cache, transformers fp32, cache fake-quantized (kvconvert.quant.evaluate).
+
+    python scripts/bench_rope_fp8.py --shapes 224:64,272:32 --threads 2
+
+Writes docs/bench_rope_fp8.json and the table between the rope_fp8 markers in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_common import DOCS, calibrated_candidate, command, parser, quant_eval_inputs, write_block, write_json
+
+
+def rope_fp8_hook(checkpoint: Path, rope_dim: int):
+    """Cache hook of an MLA checkpoint calibrated for NVFP4: latent NVFP4, k_rope FP8, one kv scale."""
+    from kvconvert.quant.capture import cache_hook, check_finite
+    from kvconvert.quant.fake_quant import fake_quant
+    from kvconvert.quant.layout import checkpoint_kv_layout
+    from kvconvert.quant.scales import read_kv_scales
+
+    scales = read_kv_scales(checkpoint)
+
+    def row_hook(layer_idx, kind, x):
+        check_finite(layer_idx, kind, x)
+        scale = scales.scale(layer_idx, kind)
+        return torch.cat([fake_quant(x[..., :-rope_dim], "nvfp4", scale), fake_quant(x[..., -rope_dim:], "fp8", scale)], -1)
+
+    return cache_hook(checkpoint_kv_layout(checkpoint), row_hook)
+
+
+def cache_bytes(config: dict, rank: int, rope: int, cache: str) -> tuple[int, float]:
+    """(KV bytes per token, fraction of the source's bf16) of one MLA shape with one of this bench's caches."""
+    from kvconvert.kvmath import kv_bytes_per_token, kv_shape, mla_whatif
+
+    source = kv_shape(config)
+    mla = mla_whatif(source, rank, rope)
+    n = kv_bytes_per_token(mla, "bf16" if cache == "bf16" else "nvfp4")  # nvfp4: k_rope 16-bit
+    if cache.endswith("fp8"):
+        n -= mla.num_layers * rope  # k_rope at 1 byte per value instead of 2
+    return n, n / kv_bytes_per_token(source, "bf16")
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--shapes", default="224:64,272:32", help="one-shot MLA shapes rank:rope")
+    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from kvconvert.checkpoint import read_config
+    from kvconvert.mla.convert import convert_to_mla, validate_plan
+    from kvconvert.mla.options import MLAOptions
+    from kvconvert.quant.capture import load_hf_model
+    from kvconvert.quant.evaluate import evaluate_kv_quant, identity_hook
+    from kvconvert.quant.options import CalibrateOptions
+
+    shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")]
+    src, _, windows, reference = quant_eval_inputs("smollm2-135m", args.windows)
+    config = read_config(src)
+    conversions = {(rank, rope): MLAOptions(rank=rank, rope_dim=rope, target="any", dtype="fp32", calib_tokens=8192)
+                   for rank, rope in shapes}
+    for options in conversions.values():  # every shape refused now, not after the first one's 10 minutes
+        validate_plan(config, options)
+    t0, rows = time.time(), []
+    with tempfile.TemporaryDirectory(prefix="bench_rope_fp8_") as tmp:
+        for rank, rope in shapes:
+            mla, calibrated = Path(tmp) / f"mla-{rank}-{rope}", Path(tmp) / f"nvfp4-{rank}-{rope}"
+            convert_to_mla(src, mla, conversions[rank, rope], overwrite=True, progress=False)
+            _, (model, rope16_hook) = calibrated_candidate(
+                mla, CalibrateOptions(kv_dtype="nvfp4", calib_tokens=args.calib_tokens), calibrated)
+            models = {"bf16": (load_hf_model(mla), identity_hook), "nvfp4, k_rope 16-bit": (model, rope16_hook),
+                      "nvfp4, k_rope fp8": (model, rope_fp8_hook(calibrated, rope))}
+            res = evaluate_kv_quant(reference, models, windows)
+            for name in models:
+                b, frac = cache_bytes(config, rank, rope, name)
+                rows.append({"shape": f"{rank}+{rope}", "cache": name, "bytes_per_token": b, "fraction": frac,
+                             "kl": res[name].kl, "ppl": res[name].ppl, "source_ppl": res["reference"].ppl})
+                print(f"[{time.time() - t0:5.0f} s] MLA {rank}+{rope} {name}: {100 * frac:.1f}% KL {res[name].kl:.4f} "
+                      f"ppl {res[name].ppl:.2f}", flush=True)
+    doc = {"command": command(), "threads": args.threads, "seconds": time.time() - t0, "rows": rows}
+    write_json(DOCS / "bench_rope_fp8.json", doc, indent=1)
+    lines = [f"`{doc['command']}` ({doc['seconds']:.0f} s wall, {args.threads} threads). One-shot conversions, "
+             f"essays {args.windows} x 1024; source ppl {rows[0]['source_ppl']:.2f}.", "",
+             "| MLA shape | cache | KV bytes/token | of bf16 | KL | ppl |", "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['shape']} | {r['cache']} | {r['bytes_per_token']:.0f} | {100 * r['fraction']:.1f}% | {r['kl']:.4f} | "
+              f"{r['ppl']:.2f} |" for r in rows]
+    write_block("rope_fp8", "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
