@@ -18,6 +18,7 @@ from .dequant import DOT_PRECISIONS
 from .merge import merge_lse_triton
 
 LOG2E = 1.4426950408889634
+FP8_DOT_MIN_BLOCK_N = 32  # an fp8 dot's K is at least 32, and P@V's K is block_n
 BACKENDS = ("triton", "torch")
 
 
@@ -132,8 +133,9 @@ class DecodeOptions:
     def __post_init__(self):
         if self.block_h < 16 or self.block_n < 16:
             raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
-        if self.dot == "fp8" and self.block_n < 32:
-            raise KVConvertError("dot='fp8' needs block_n >= 32: an fp8 dot's K is at least 32, and P@V's K is block_n")
+        if self.dot == "fp8" and self.block_n < FP8_DOT_MIN_BLOCK_N:
+            raise KVConvertError(f"dot='fp8' needs block_n >= {FP8_DOT_MIN_BLOCK_N}: an fp8 dot's K is at least "
+                                 f"{FP8_DOT_MIN_BLOCK_N}, and P@V's K is block_n")
 
     @property
     def launch(self) -> dict[str, int]:

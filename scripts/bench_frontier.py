@@ -35,11 +35,10 @@ def candidates(shapes: list[tuple[int, int]]) -> dict:
     ``shapes`` measured here that plan does not enumerate (checked before any work starts)."""
     from kvconvert.checkpoint import read_config
     from kvconvert.kvmath import kv_shape
-    from kvconvert.plan import enumerate_candidates, shape_candidates
-    from kvconvert.sources import resolve_source
-
     from kvconvert.mla.convert import validate_plan
     from kvconvert.mla.options import MLAOptions
+    from kvconvert.plan import enumerate_candidates, shape_candidates
+    from kvconvert.sources import resolve_source
 
     config = read_config(resolve_source(SMOLLM2))
     for rank, rope in shapes:  # what `kvconvert mla` would refuse (e.g. a RoPE split off frequency groups)

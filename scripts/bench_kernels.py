@@ -29,7 +29,7 @@ import time
 import torch
 from bench_common import DOCS, parser, write_json, write_text
 
-from kvconvert.kernels._launch import e4m3_query_rows
+from kvconvert.kernels._launch import FP8_DOT_MIN_BLOCK_N, e4m3_query_rows
 from kvconvert.kernels.cache_layout import GQA_MODES, MLA_MODES, GQACacheLayer, MLACacheLayer
 
 DEVICE = "cuda"  # "cpu" only for --cpu-smoke (Triton interpreter)
@@ -57,7 +57,6 @@ PEAK_BANDWIDTH = [
 TUNE_GRID = [(16, 16, 4, 2), (16, 16, 4, 3), (16, 32, 4, 2), (16, 32, 8, 2), (16, 32, 8, 3), (16, 64, 8, 2),
              (16, 64, 8, 3), (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 3)]
 QUICK_GRID = [(16, 16, 4, 2), (16, 32, 8, 2), (16, 64, 8, 2), (64, 64, 8, 2)]
-FP8_DOT_MIN_BLOCK_N = 32  # an fp8 dot's K (P@V: block_n) is at least 32
 
 
 def parse_args(argv):

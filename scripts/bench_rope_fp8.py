@@ -42,13 +42,14 @@ def rope_fp8_hook(checkpoint: Path, rope_dim: int):
 
 def cache_bytes(config: dict, rank: int, rope: int, cache: str) -> tuple[int, float]:
     """(KV bytes per token, fraction of the source's bf16) of one MLA shape with one of this bench's caches."""
+    from kvconvert.kvformat import ROPE_BYTES
     from kvconvert.kvmath import kv_bytes_per_token, kv_shape, mla_whatif
 
     source = kv_shape(config)
     mla = mla_whatif(source, rank, rope)
     n = kv_bytes_per_token(mla, "bf16" if cache == "bf16" else "nvfp4")  # nvfp4: k_rope 16-bit
     if cache.endswith("fp8"):
-        n -= mla.num_layers * rope  # k_rope at 1 byte per value instead of 2
+        n -= mla.num_layers * rope * (ROPE_BYTES - 1)  # k_rope at 1 byte per value instead of ROPE_BYTES
     return n, n / kv_bytes_per_token(source, "bf16")
 
 
