@@ -16,7 +16,9 @@ mode                  ``data``                                     extra tensors
                                                                    ``rope`` 16/32-bit ``[nb, bs, P]``
 ``nvfp4``             uint8 ``[nb, bs, R // 2]``                   ``scales`` e4m3 ``[nb, bs, R // 16]``,
                                                                    ``tensor_scale`` fp32 ``[1]`` (global),
-                                                                   ``rope`` 16/32-bit ``[nb, bs, P]``
+                                                                   ``rope`` 16/32-bit ``[nb, bs, P]``,
+                                                                   or e4m3 ``[nb, bs, P]`` with
+                                                                   ``rope_scale`` fp32 ``[1]``
 ====================  ===========================================  ==============================
 
 * ``fp8`` applies one dequant scale to the whole 576-value row, as vLLM does with ``k_scale``.
@@ -27,6 +29,9 @@ mode                  ``data``                                     extra tensors
 * ``nvfp4`` quantizes only the latent (blocks of 16, e4m3 block scales, fp32 global scale); the
   RoPE key stays 16-bit like FlashMLA's: it is 11% of the row and carries the position signal
   that 4-bit codes would blur. The global scale is the exported kv scale / 6 (docs/formats.md).
+  With an e4m3 ``rope`` (kvformat ``nvfp4_fp8rope``: ``allocate(dtype=torch.float8_e4m3fn)``) k_rope is
+  stored as ``fp8(k_rope / kv_scale)`` and ``rope_scale`` holds the exported kv scale itself: one byte
+  per RoPE value, read back as ``float(code) * rope_scale``, the row's one scale as vLLM's fp8 MLA row.
 
 GQA (:class:`GQACacheLayer`), ``k`` and ``v`` alike, ``H = kv_heads``, ``D = head_dim``:
 
@@ -193,6 +198,7 @@ class MLACacheLayer(_PagedLayer):
     rope: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     tensor_scale: torch.Tensor | None = None
+    rope_scale: torch.Tensor | None = None  # an e4m3 rope's dequant scale: the exported kv scale (nvfp4)
 
     BLOCK_FIELDS = ("data", "rope", "scales")
 
@@ -204,10 +210,11 @@ class MLACacheLayer(_PagedLayer):
         nb_bs = (num_blocks, block_size)
         if mode in ("none", "fp8"):
             return {"data": ((*nb_bs, r + p), PLAIN_DTYPES if mode == "none" else FP8_DTYPES)}
-        rope = ((*nb_bs, p), PLAIN_DTYPES)
         if mode == "fp8_tile":
-            return {"data": ((*nb_bs, r), (FP8_DTYPE,)), "scales": ((*nb_bs, n_tiles), (torch.float32,)), "rope": rope}
-        return {"data": ((*nb_bs, r // 2), (torch.uint8,)), "scales": ((*nb_bs, r // 16), (FP8_DTYPE,)), "rope": rope}
+            return {"data": ((*nb_bs, r), (FP8_DTYPE,)), "scales": ((*nb_bs, n_tiles), (torch.float32,)),
+                    "rope": ((*nb_bs, p), PLAIN_DTYPES)}
+        return {"data": ((*nb_bs, r // 2), (torch.uint8,)), "scales": ((*nb_bs, r // 16), (FP8_DTYPE,)),
+                "rope": ((*nb_bs, p), (*PLAIN_DTYPES, FP8_DTYPE))}
 
     def __post_init__(self):
         r, p = self.kv_lora_rank, self.rope_dim
@@ -225,6 +232,13 @@ class MLACacheLayer(_PagedLayer):
         self._check_tensors(self.layout(self.mode, *self.data.shape[:2], r, p, n_tiles))
         if self.mode in ("fp8", "nvfp4"):
             _expect(self.tensor_scale, f"MLA {self.mode} tensor_scale", (1,), (torch.float32,))
+        if self.rope_fp8:
+            _expect(self.rope_scale, "MLA nvfp4 rope_scale (an e4m3 rope's)", (1,), (torch.float32,))
+
+    @property
+    def rope_fp8(self) -> bool:
+        """k_rope stored apart in e4m3 (nvfp4 mode), scaled by ``rope_scale``."""
+        return self.rope is not None and self.rope.dtype == FP8_DTYPE
 
     @property
     def fp8_tile(self) -> int:
@@ -234,7 +248,8 @@ class MLACacheLayer(_PagedLayer):
     def allocate(cls, mode: str, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, *,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                  kv_scale: float | torch.Tensor | None = None, fp8_tile: int | None = None) -> "MLACacheLayer":
-        """Zeroed cache. ``dtype``: the plain / RoPE dtype. ``kv_scale``: exported amax/448 (fp8, nvfp4)."""
+        """Zeroed cache. ``dtype``: the plain / RoPE dtype (nvfp4: float8_e4m3fn stores k_rope in e4m3 with the
+        kv scale). ``kv_scale``: exported amax/448 (fp8, nvfp4)."""
         r = kv_lora_rank
         tensor_scale, n_tiles = None, None
         if mode in ("fp8", "nvfp4"):
@@ -247,11 +262,15 @@ class MLACacheLayer(_PagedLayer):
                 raise KVConvertError(f"fp8 tile {tile} does not divide kv_lora_rank {r}")
             n_tiles = r // tile
         tensors = cls._zeros(cls.layout(mode, num_blocks, block_size, r, rope_dim, n_tiles), dtype, device)
-        return cls(mode, r, rope_dim, **tensors, tensor_scale=tensor_scale)
+        rope = tensors.get("rope")
+        rope_scale = _scale_tensor(kv_scale, 1, "MLA kv_scale", device) if rope is not None and rope.dtype == FP8_DTYPE else None
+        return cls(mode, r, rope_dim, **tensors, tensor_scale=tensor_scale, rope_scale=rope_scale)
 
     def set_kv_scales(self, kv_scale: float | torch.Tensor) -> None:
-        """Replace the fp8 / nvfp4 scale by one from an exported kv scale (amax / 448)."""
+        """Replace the fp8 / nvfp4 scale (and an e4m3 rope's) by one from an exported kv scale (amax / 448)."""
         self.tensor_scale = _stored_scale(self.mode, kv_scale, 1, "MLA kv_scale", self.device)
+        if self.rope_fp8:
+            self.rope_scale = _scale_tensor(kv_scale, 1, "MLA kv_scale", self.device)
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -277,7 +296,8 @@ class MLACacheLayer(_PagedLayer):
             latent_rows = F.fp8_tile_quantize(latent, self.fp8_tile)
         else:
             latent_rows = _quantize(self.mode, latent, self.data.dtype, self.tensor_scale)
-        return [*zip((self.data, self.scales), latent_rows), (self.rope, rope.to(self.rope.dtype))]
+        rope_rows = F.fp8_quantize(rope, self.rope_scale, FP8_DTYPE) if self.rope_fp8 else rope.to(self.rope.dtype)
+        return [*zip((self.data, self.scales), latent_rows), (self.rope, rope_rows)]
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache in fp32: latent ``[nb, bs, R]``, rope ``[nb, bs, P]`` (reference path)."""
@@ -286,7 +306,11 @@ class MLACacheLayer(_PagedLayer):
             return full[..., : self.kv_lora_rank], full[..., self.kv_lora_rank:]
         if self.mode == "fp8_tile":
             return F.fp8_tile_dequantize(self.data, self.scales), self.rope.float()
-        return dequantize_rows(self.mode, self.data, self.tensor_scale, self.scales), self.rope.float()
+        return dequantize_rows(self.mode, self.data, self.tensor_scale, self.scales), self.dequantize_rope(self.rope)
+
+    def dequantize_rope(self, rope: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Stored k_rope rows (this cache's ``rope`` or a gather of it) in out_dtype: e4m3 times rope_scale."""
+        return dequantize_rows("fp8", rope, self.rope_scale, out_dtype=out_dtype) if self.rope_fp8 else rope.to(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from ._launch import (
 )
 from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
 from .cache_layout import MLACacheLayer
-from .dequant import MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
+from .dequant import MODE_FP8, MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
     from .dequant import load_kv_tile, load_nvfp4_halves, probs_operand
@@ -41,7 +41,7 @@ if HAS_TRITON:
     @triton.jit
     def _mla_decode_split_kernel(
         q_nope_ptr, q_rope_ptr,
-        kv_ptr, rope_ptr, aux_ptr, scale_ptr,
+        kv_ptr, rope_ptr, aux_ptr, scale_ptr, rope_scale_ptr,
         block_tables_ptr, seq_lens_ptr,
         part_out_ptr, part_lse_ptr,
         qk_scale_log2,
@@ -56,7 +56,8 @@ if HAS_TRITON:
     ):
         """An MODE_NVFP4 latent is computed on even/odd feature halves (``load_nvfp4_halves``):
         q.c = q[0::2].c_even + q[1::2].c_odd and out[0::2] / out[1::2] accumulate separately, so the
-        packed nibbles never need re-interleaving. Its RoPE rows are plain (16/32-bit)."""
+        packed nibbles never need re-interleaving. Its RoPE rows are plain (16/32-bit) or, with ROPE_MODE
+        MODE_FP8, e4m3 codes whose scores take ``rope_scale`` (the kv scale) before they join the latent's."""
         b = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)
@@ -70,6 +71,7 @@ if HAS_TRITON:
         q_rope, qr_scale = load_query_rows(q_rope_ptr + b * stride_qr_b + offs_h[:, None] * stride_qr_h, h_mask,
                                            P, 1, DOT_DTYPE, BLOCK_P)
         scale = tl.load(scale_ptr)  # fp8 tensor scale or nvfp4 global scale (unused for plain and fp8_tile)
+        rope_scale = tl.load(rope_scale_ptr)  # an e4m3 RoPE part apart from an nvfp4 latent (else unused)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -103,7 +105,10 @@ if HAS_TRITON:
                 rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P, aux_ptr, aux_off,
                 ROPE_MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_P,
             )
-            qk += dot_scores(q_rope, qr_scale, rope, DOT_DTYPE, DOT_PRECISION)
+            rope_qk = dot_scores(q_rope, qr_scale, rope, DOT_DTYPE, DOT_PRECISION)
+            if MODE == 3 and ROPE_MODE == 1:  # e4m3 RoPE codes: their own scale on the fp32 dots
+                rope_qk = rope_qk * rope_scale
+            qk += rope_qk
             if MODE == 1:  # fp8 row (latent and RoPE): the tensor scale, applied to the scores
                 qk = qk * scale
             p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
@@ -149,10 +154,11 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
     if cache.mode in ("none", "fp8"):
         rope, rope_mode = data[..., r:], mode  # RoPE sits in the same row, same encoding
     else:
-        rope, rope_mode = cache.rope, MODE_PLAIN
+        rope, rope_mode = cache.rope, MODE_FP8 if cache.rope_fp8 else MODE_PLAIN
     aux = cache.scales if cache.scales is not None else data
     aux_group = {"fp8_tile": r // aux.shape[-1], "nvfp4": 16}.get(cache.mode, 16)
     scale = cache.tensor_scale if cache.tensor_scale is not None else torch.ones(1, device=data.device)
+    rope_scale = cache.rope_scale if cache.rope_fp8 else scale
 
     head_groups = triton.cdiv(heads, opts.block_h)
     part_out, part_lse = split_outputs(q_nope, r, head_groups, block_tables, cache.block_size, opts)
@@ -160,7 +166,7 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
     # NVFP4: even/odd halves of BLOCK_R // 2 features, block-scale groups of 8 bytes
     broadcast = aux_broadcastable(8, block_r // 2) if mode == MODE_NVFP4 else aux_broadcastable(aux_group, block_r)
     _mla_decode_split_kernel[(q_nope.shape[0], head_groups, splits)](
-        q_nope, q_rope, data, rope, aux, scale, block_tables, seq_lens, part_out, part_lse,
+        q_nope, q_rope, data, rope, aux, scale, rope_scale, block_tables, seq_lens, part_out, part_lse,
         check_softmax_scale(softmax_scale) * LOG2E,
         heads, r, p, cache.block_size, splits,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),

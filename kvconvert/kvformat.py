@@ -11,8 +11,10 @@ Conventions (docs/formats.md, "KV-cache number formats and scales"):
   Those scales are per tensor (or per KV head), fp32, a few bytes per layer: not counted in bytes.
 * NVFP4: E2M1 codes, one E4M3 scale per block of 16 values along head_dim (the latent for MLA),
   plus an fp32 global scale = kv_scale / 6.
-* Under a 4-bit format MLA keeps k_rope (the last qk_rope_head_dim values of its cached row) in
-  16 bits, as the runtime and kernels store it: it carries the position signal.
+* Under a 4-bit format MLA stores k_rope (the last qk_rope_head_dim values of its cached row) in the
+  format named by ``mla_rope``: 16 bits for ``nvfp4`` (FlashMLA's layout: it carries the position
+  signal), FP8 E4M3 with the row's own kv scale for ``nvfp4_fp8rope`` (as vLLM's FP8 MLA cache scales
+  its k_rope), which buys twice the RoPE dims for the same bytes (docs/BENCHMARKS.md, issue 18).
 * `engines` are kvconvert.targets names (which MLA shapes each engine serves is there).
 """
 
@@ -27,7 +29,6 @@ FP8_E4M3_MAX = 448.0
 FP8_E5M2_MAX = 57344.0
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
-ROPE_BYTES = 2  # a 16-bit value of MLA's k_rope kept out of a 4-bit format
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class KVFormat:
     block_scale: str | None = None  # number format of a block scale
     block_scale_bytes: int = 0  # bytes of one block scale
     amax_divisor: float | None = None  # exported kv scale = amax / amax_divisor
-    mla_rope_16bit: bool = False  # MLA: k_rope stays 16-bit, only the latent takes this format
+    mla_rope: str | None = None  # MLA: the format k_rope is stored in when not the latent's ("bf16", "fp8")
+    mla_only: bool = False  # an MLA cache layout (its k_rope is stored apart): refused for per-head K/V
     kernel_mode: str | None = None  # kvconvert.kernels cache mode; None: the Triton kernels cannot read it
     exports: tuple[str, ...] = ()  # checkpoint scale names it is written under (SCALE_SUFFIXES keys)
     compressed_tensors: bool = False  # config.json gets a compressed-tensors kv_cache_scheme (vLLM)
@@ -61,11 +63,23 @@ class KVFormat:
     def vector_bytes(self, num_values: int, rope_tail: int = 0) -> int:
         """Bytes to store one cached vector of `num_values` values: the codes, then one scale per
         block (a partial last block still needs its own). `rope_tail`: the vector is an MLA row whose
-        last `rope_tail` values are k_rope, kept 16-bit by a format with mla_rope_16bit."""
-        tail = rope_tail if self.mla_rope_16bit else 0
+        last `rope_tail` values are k_rope, stored in the `mla_rope` format by a format that has one."""
+        tail = rope_tail if self.mla_rope else 0
         n = num_values - tail
         blocks = math.ceil(n / self.block) if self.block else 0
-        return math.ceil(n * self.bits / 8) + blocks * self.block_scale_bytes + ROPE_BYTES * tail
+        rope_bytes = kv_format(self.mla_rope).vector_bytes(tail) if tail else 0
+        return math.ceil(n * self.bits / 8) + blocks * self.block_scale_bytes + rope_bytes
+
+    def rope_tail(self, is_mla: bool, rope_dim: int) -> int:
+        """Values at the end of a cached row stored apart in the `mla_rope` format (0: the whole row alike)."""
+        return rope_dim if is_mla and self.mla_rope else 0
+
+    def check_cache_kind(self, is_mla: bool) -> None:
+        """Refuse an MLA-only layout for a model that caches per-head K/V."""
+        if self.mla_only and not is_mla:
+            raise KVConvertError(
+                f"KV dtype {self.name} ({self.title}) stores MLA's k_rope apart from its latent; this model caches "
+                f"per-head K and V (no k_rope): use --kv-dtype nvfp4, or convert it to MLA first (kvconvert mla)")
 
     @property
     def scale_rule(self) -> str:
@@ -104,13 +118,18 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
              engines=("vllm", _RUNTIME), vllm_cache_dtype="fp8_e5m2"),
     # vLLM: GQA NVFP4 KV on SM100 only, refused for MLA; compressed-tensors has no static NVFP4 scheme
     KVFormat("nvfp4", "NVFP4", 4, block=NVFP4_BLOCK, block_scale="e4m3", block_scale_bytes=1,
-             mla_rope_16bit=True, kernel_mode="nvfp4", exports=("modelopt",), modelopt_algo="NVFP4",
+             mla_rope="bf16", kernel_mode="nvfp4", exports=("modelopt",), modelopt_algo="NVFP4",
              engines=("tensorrt-llm", _RUNTIME), mla_engines=(_RUNTIME,),  # TRT-LLM MLA + NVFP4: not verified
              **_E4M3_SCALED),
+    # MLA only: the latent as nvfp4, k_rope FP8 E4M3 scaled by the same kv scale (amax of the whole row /
+    # 448): the runtime and kernels store it; no engine's checkpoint format names it (no hf_quant_config)
+    KVFormat("nvfp4_fp8rope", "NVFP4 latent + FP8 k_rope", 4, block=NVFP4_BLOCK, block_scale="e4m3",
+             block_scale_bytes=1, mla_rope="fp8", mla_only=True, kernel_mode="nvfp4", exports=("modelopt",),
+             mla_engines=(_RUNTIME,), **_E4M3_SCALED),
     # planning only (`kvconvert budget`): int8 with per-tensor scales; our int4 convention, symmetric
     # 4-bit integers with one fp16 scale per 32 values (0.5625 bytes/value, as NVFP4)
     KVFormat("int8", "int8", 8, True),
-    KVFormat("int4", "int4", 4, True, block=32, block_scale="fp16", block_scale_bytes=2, mla_rope_16bit=True),
+    KVFormat("int4", "int4", 4, True, block=32, block_scale="fp16", block_scale_bytes=2, mla_rope="bf16"),
 )}
 ALIASES = {alias: f.name for f in KV_FORMATS.values() for alias in f.aliases}
 AUTO = "auto"  # a CLI's "the engine's own unquantized cache"
@@ -128,11 +147,12 @@ def kv_format(name: str) -> KVFormat:
 
 def kv_dtype_names(engine: str | None = None, quantized: bool | None = None, aliases: bool = False,
                    auto: bool = False) -> tuple[str, ...]:
-    """Format names in registry order: those `engine` serves (None: all), only the quantized or the
-    unquantized ones, each followed by its aliases, "auto" first."""
+    """Format names in registry order: those `engine` serves, for per-head K/V or for MLA (None: all), only
+    the quantized or the unquantized ones, each followed by its aliases, "auto" first."""
     names = [AUTO] if auto else []
     for f in KV_FORMATS.values():
-        if (engine is None or engine in f.engines) and (quantized is None or f.quantized == quantized):
+        served = (*f.engines, *f.served_by(mla=True))
+        if (engine is None or engine in served) and (quantized is None or f.quantized == quantized):
             names += [f.name, *(f.aliases if aliases else ())]
     return tuple(names)
 
@@ -176,8 +196,8 @@ def markdown_table() -> str:
     for f in KV_FORMATS.values():
         name = " / ".join(f"`{n}`" for n in (f.name, *f.aliases))
         blocks = f"{f.block_scale} per {f.block}" if f.block else "-"
-        rope = "16-bit" if f.mla_rope_16bit else "as the latent"
-        engines = ", ".join(f.engines) or "planning only"
+        rope = "as the latent" if f.mla_rope is None else "16-bit" if f.mla_rope == "bf16" else kv_format(f.mla_rope).title
+        engines = ", ".join(f.engines) or (f"{', '.join(f.mla_engines)} (MLA only)" if f.mla_engines else "planning only")
         cells = (name, f.bits, blocks, f.scale_rule, rope, f.kernel_mode, ", ".join(f.exports), f.modelopt_algo,
                  f.vllm_cache_dtype, engines)
         rows.append("| " + " | ".join(str(c or "-") for c in cells) + " |")

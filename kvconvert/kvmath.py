@@ -111,6 +111,7 @@ class KVShape:
     def layer_bytes(self, fmt: KVFormat | str) -> int:
         """Bytes one token caches in one layer (MLA: k_rope is the row's tail, see KVFormat.vector_bytes)."""
         fmt = kv_format(fmt) if isinstance(fmt, str) else fmt
+        fmt.check_cache_kind(self.kind == MLA)
         rope_tail = self.qk_rope_head_dim if self.kind == MLA else 0
         return sum(fmt.vector_bytes(n, rope_tail) for n in self.cached_vectors)
 

@@ -12,6 +12,7 @@ Storage formats (kv_dtype):
     global scale kv_scale / 6 (per tensor or per head). For MLA only the latent is NVFP4; the
     k_rope tail stays bf16 ([num_blocks, block_size, rope]) like FlashMLA's layout, since it is a
     small part of the row and carries the position signal.
+  * nvfp4_fp8rope (MLA only): the latent as nvfp4, the k_rope tail e4m3 with the row's kv scale.
 The storage is kvconvert.kernels.cache_layout's layer objects (one per layer), so the Triton
 kernels read the runtime's cache as is and the torch backend gathers from the same tensors.
 Formats, scale conventions and scale names are kvconvert.kvformat's: the checkpoint's kv_scale is
@@ -62,7 +63,8 @@ class CacheSpec:
     """What one token caches for one quantity of one layer.
 
     row_shape: e.g. (kv_heads, head_dim) for Llama k/v, (kv_lora_rank + rope,) for MLA.
-    rope_tail: the last rope_tail values of the row are a RoPE key kept in bf16 by nvfp4 (MLA).
+    rope_tail: the last rope_tail values of the row are MLA's RoPE key, which nvfp4 keeps apart (bf16, or
+    e4m3 for nvfp4_fp8rope).
     """
 
     row_shape: tuple[int, ...]
@@ -76,8 +78,10 @@ def make_layer(kv_dtype: str, num_blocks: int, block_size: int, specs: dict[str,
     if kv_dtype not in RUNTIME_KV_DTYPES:
         raise KVConvertError(f"kv_dtype {kv_dtype!r} is not supported; choose one of {', '.join(RUNTIME_KV_DTYPES)}")
     fmt = kv_format(kv_dtype)
+    fmt.check_cache_kind("kv" in specs)
     mode = "fp8" if fmt.quantized and fmt.torch_dtype else fmt.kernel_mode  # fp8 e4m3 or e5m2; none; nvfp4
-    dtype = getattr(torch, fmt.torch_dtype or "bfloat16")  # nvfp4: the bf16 RoPE tail
+    # nvfp4: the RoPE tail's dtype (bf16, or e4m3 for nvfp4_fp8rope)
+    dtype = getattr(torch, fmt.torch_dtype or kv_format(fmt.mla_rope or "bf16").torch_dtype)
     placeholder = 1.0 if fmt.quantized else None
     spec = next(iter(specs.values()))
     if "kv" in specs:
@@ -133,7 +137,8 @@ def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, work
     lead = out if rope is None else out[..., : -rope.shape[-1]]
     lead.copy_(dequantize_rows(layer.mode, raw, scale, block_scales, out.dtype))
     if rope is not None:
-        out[..., -rope.shape[-1]:].copy_(_gather_blocks(rope, block_tables, workspace, "raw_rope"))
+        out[..., -rope.shape[-1]:].copy_(layer.dequantize_rope(_gather_blocks(rope, block_tables, workspace, "raw_rope"),
+                                                               out.dtype))
     return out
 
 

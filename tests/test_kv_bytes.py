@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import ALIASES, KV_FORMATS, RUNTIME_KV_DTYPES
-from kvconvert.kvmath import kv_bytes_per_token, kv_shape
+from kvconvert.kvformat import ALIASES, KV_FORMATS, RUNTIME_KV_DTYPES, kv_format
+from kvconvert.kvmath import MLA, kv_bytes_per_token, kv_shape
 from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token
 from kvconvert.runtime.models import kv_layout
 
@@ -27,6 +27,12 @@ CONFIGS = pytest.mark.parametrize("config", [LLAMA_GQA, LLAMA_MHA, DEEPSEEK, SMO
 @CONFIGS
 @pytest.mark.parametrize("kv_dtype", [*KV_FORMATS, *ALIASES])
 def test_planner_bytes_equal_runtime_allocated_bytes(config, kv_dtype):
+    if kv_format(kv_dtype).mla_only and kv_shape(config).kind != MLA:  # nvfp4_fp8rope: both refuse it up front
+        for count in (lambda: kv_bytes_per_token(kv_shape(config), kv_dtype),
+                      lambda: PagedKVCache(kv_layout(config), 1, 1, kv_dtype, dynamic=True)):
+            with pytest.raises(KVConvertError, match="per-head K and V"):
+                count()
+        return
     planned = kv_bytes_per_token(kv_shape(config), kv_dtype)
     if kv_dtype not in RUNTIME_KV_DTYPES:  # planning-only formats (int8, int4): the runtime refuses them
         with pytest.raises(KVConvertError, match="not supported; choose one of"):

@@ -15,7 +15,7 @@ from kvconvert.targets import TARGETS
 
 def test_format_bytes_per_value():
     expected = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e5m2": 1, "int8": 1, "nvfp4": 0.5 + 1 / 16,
-                "int4": 0.5 + 2 / 32}
+                "nvfp4_fp8rope": 0.5 + 1 / 16, "int4": 0.5 + 2 / 32}
     assert {n: f.bytes_per_value for n, f in KV_FORMATS.items()} == expected
 
 
@@ -26,6 +26,8 @@ def test_format_bytes_per_value():
     ("int4", 64, 0, 32 + 2 * 2),
     # MLA's k_rope tail stays 16-bit only under the 4-bit formats
     ("nvfp4", 576, 64, 256 + 32 + 128),
+    ("nvfp4_fp8rope", 576, 64, 256 + 32 + 64),  # k_rope at one byte per value
+    ("nvfp4_fp8rope", 288, 64, 112 + 14 + 64),  # SmolLM2's 224 + 64 (x 30 layers: 5700 B, 24.7%)
     ("fp8", 576, 64, 576),
     ("fp32", 576, 64, 4 * 576),
 ])
@@ -47,7 +49,14 @@ def test_fp8_scale_divisor_is_the_torch_dtype_max(name):
 
 
 def test_engines_are_target_names():
-    assert {e for f in KV_FORMATS.values() for e in f.engines} <= set(TARGETS)
+    assert {e for f in KV_FORMATS.values() for e in (*f.engines, *(f.mla_engines or ()))} <= set(TARGETS)
+
+
+def test_rope_formats_name_registry_formats():
+    """A k_rope kept apart is stored in a registry format (its bytes and quantizer are that format's)."""
+    assert {f.mla_rope for f in KV_FORMATS.values() if f.mla_rope} <= set(KV_FORMATS)
+    assert kv_format("nvfp4_fp8rope").rope_tail(True, 64) == 64 == kv_format("nvfp4").rope_tail(True, 64)
+    assert kv_format("nvfp4_fp8rope").rope_tail(False, 64) == 0 == kv_format("fp8").rope_tail(True, 64)
 
 
 def test_docs_table_is_the_registry():

@@ -71,9 +71,10 @@ class CalibrationSettings(CalibrateOptions):
 
     @property
     def value_rotation_enabled(self) -> bool:
-        return self.kv_dtype == "nvfp4" if self.value_rotation is None else self.value_rotation
+        return kv_format(self.kv_dtype).bits == 4 if self.value_rotation is None else self.value_rotation
 
     def check_layout(self, layout: KVShape) -> None:
+        kv_format(self.kv_dtype).check_cache_kind(layout.is_mla)
         if layout.is_mla and self.granularity == "head":
             raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): "
                                  "use --granularity tensor")
@@ -84,7 +85,7 @@ class CalibrationSettings(CalibrateOptions):
 
     def key_phase_enabled(self, layout: KVShape) -> bool:
         """Phases only help where the (rope) keys are quantized: not the MLA k_rope under nvfp4 (bf16)."""
-        return self.key_phase and not (layout.is_mla and kv_format(self.kv_dtype).mla_rope_16bit)
+        return self.key_phase and not (layout.is_mla and kv_format(self.kv_dtype).mla_rope == "bf16")
 
 
 @dataclass

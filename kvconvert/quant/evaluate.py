@@ -19,24 +19,18 @@ from kvconvert.eval.metrics import TokenSums, window_sums
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import CacheHook, cache_hook, check_finite, forward_with_hook
-from kvconvert.quant.fake_quant import fake_quant
+from kvconvert.quant.fake_quant import fake_quant_row
 from kvconvert.quant.scales import KVScales
 
 
 def fake_quant_hook(layout: KVShape, scales: KVScales) -> CacheHook:
     """Cache hook that quantize-dequantizes every cached tensor with `scales`."""
-    rope_tail = layout.qk_rope_head_dim if layout.is_mla and kv_format(scales.kv_dtype).mla_rope_16bit else 0
+    # MLA + NVFP4 stores k_rope apart (16-bit or FP8), as kvconvert.runtime and kvconvert.kernels do
+    rope_tail = kv_format(scales.kv_dtype).rope_tail(layout.is_mla, layout.qk_rope_head_dim)
 
     def row_hook(layer_idx: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         check_finite(layer_idx, kind, x)
-        scale = scales.scale(layer_idx, kind)
-        if rope_tail:
-            # MLA + NVFP4 stores only the latent in NVFP4; k_rope stays bf16 (FlashMLA's layout, and
-            # what kvconvert.runtime and kvconvert.kernels store), so fake-quant the same way.
-            latent, rope = x[..., :-rope_tail], x[..., -rope_tail:]
-            return torch.cat([fake_quant(latent, scales.kv_dtype, scale),
-                              rope.to(torch.bfloat16).to(x.dtype)], dim=-1)
-        return fake_quant(x, scales.kv_dtype, scale)
+        return fake_quant_row(x, scales.kv_dtype, scales.scale(layer_idx, kind), rope_tail)
     return cache_hook(layout, row_hook)
 
 

@@ -208,7 +208,7 @@ def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVShape, scales: KVSc
         w.write_config(output_config(reader.config, scales, formats))
         tokenizer = w.copy_tokenizer(src_dir)
         _carry_other_files(Path(src_dir), w, skip=set(tokenizer))
-        if "modelopt" in formats:
+        if "modelopt" in formats and kv_format(scales.kv_dtype).modelopt_algo:  # nvfp4_fp8rope: no ModelOpt algo
             w.write_json("hf_quant_config.json", hf_quant_config(scales))
         w.write_json("calibration_report.json", report)
         with tempfile.TemporaryDirectory() as tmp:

@@ -61,6 +61,19 @@ def fake_quant(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | float) -> t
     return F.nvfp4_dequantize(packed, block_scales, g).to(x.dtype)
 
 
+def fake_quant_row(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | float, rope_tail: int = 0) -> torch.Tensor:
+    """Quantize-dequantize one cached tensor as the engine stores it (:func:`fake_quant`), where an MLA
+    row [latent | k_rope] (engine order) may keep its last `rope_tail` values (KVFormat.rope_tail) apart:
+    k_rope in the format's ``mla_rope`` ("bf16": rounded to bf16; "fp8": e4m3 with the same kv scale)."""
+    if not rope_tail:
+        return fake_quant(x, kv_dtype, scale)
+    rope_format = check_kv_dtype(kv_dtype).mla_rope
+    latent, rope = fake_quant(x[..., :-rope_tail], kv_dtype, scale), x[..., -rope_tail:]
+    if rope_format == "bf16":
+        return torch.cat([latent, rope.to(torch.bfloat16).to(x.dtype)], dim=-1)
+    return torch.cat([latent, fake_quant(rope, rope_format, scale)], dim=-1)
+
+
 def mla_row_to_engine(latent: torch.Tensor, k_rope: torch.Tensor, rope_interleave: bool) -> torch.Tensor:
     """HF cache tensors latent [b,1,T,R], k_rope [b,1,T,r] -> engine row [b,1,T,R+r]."""
     if rope_interleave:

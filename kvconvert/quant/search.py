@@ -25,15 +25,16 @@ import torch
 
 from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import AttentionRecorder, cache_hook
-from kvconvert.quant.fake_quant import fake_quant
+from kvconvert.kvformat import kv_format
+from kvconvert.quant.fake_quant import fake_quant_row
 
 COARSE_STEP = 4  # coarse grid 2^(j/4)
 FINE = tuple(2.0 ** (k / 16) for k in range(-3, 4))  # fine offsets around the coarse best
 
 
 def coarse_ratios(kv_dtype: str) -> torch.Tensor:
-    """Coarse grid (float64): 2^(j/4) from 1/4 (nvfp4) or 1/2 (fp8) up to 2."""
-    low = -8 if kv_dtype == "nvfp4" else -4
+    """Coarse grid (float64): 2^(j/4) from 1/4 (nvfp4, nvfp4_fp8rope) or 1/2 (fp8) up to 2."""
+    low = -8 if kv_format(kv_dtype).block else -4  # NVFP4's block scales absorb more clipping
     return torch.tensor([2.0 ** (j / COARSE_STEP) for j in range(low, COARSE_STEP + 1)], dtype=torch.float64)
 
 
@@ -74,9 +75,12 @@ class _Replay(ABC):
         """Attention output before o_proj, flattened to [tokens, heads * v_dim]."""
 
     def _quantized(self, rec: dict, scales: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        # the MLA k_rope as the engine stores it (16-bit or FP8 under NVFP4), as quant.evaluate judges it
+        rope_tail = kv_format(self.kv_dtype).rope_tail(self.layout.is_mla, self.layout.qk_rope_head_dim)
+
         def row_hook(layer_idx, kind, x):
             s = scales.get(kind)
-            return x if s is None else fake_quant(x, self.kv_dtype, s)
+            return x if s is None else fake_quant_row(x, self.kv_dtype, s, rope_tail)
         return cache_hook(self.layout, row_hook)(0, rec["k"], rec["v"])
 
     @torch.no_grad()

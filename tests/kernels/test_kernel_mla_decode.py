@@ -23,7 +23,9 @@ from kernel_cases import (
     DEVICE, LOW_PRECISION_DOTS, assert_decode_close, assert_fp8_dot_close, assert_low_precision_close, make_paging,
 )
 
-MODES = ("none", "fp8", "fp8_tile", "nvfp4")
+MODES = ("none", "fp8", "fp8_tile", "nvfp4", "nvfp4_fp8rope")
+# a test mode that is a layout mode with another RoPE dtype: nvfp4 latent + e4m3 k_rope (kvformat nvfp4_fp8rope)
+LAYOUT_MODES = {"nvfp4_fp8rope": ("nvfp4", torch.float8_e4m3fn)}
 # (heads, kv_lora_rank, rope_dim): SmolLM2 conversions (9 heads, rope 32) and one small DeepSeek case
 SHAPES = [(9, 64, 32), (9, 96, 32), (9, 160, 32), (16, 512, 64)]
 
@@ -34,8 +36,9 @@ def build_case(mode, heads, rank, rope_dim, block_size, seq_lens, seed=0, dtype=
     latent = torch.randn(len(slots), rank).to(DEVICE)
     rope = torch.randn(len(slots), rope_dim).to(DEVICE)
     amax = float(torch.cat([latent, rope], -1).abs().max())
+    layout_mode, cache_dtype = LAYOUT_MODES.get(mode, (mode, dtype))
     cache = MLACacheLayer.allocate(
-        mode, num_blocks, block_size, rank, rope_dim, dtype=dtype, device=DEVICE, kv_scale=amax / 448
+        layout_mode, num_blocks, block_size, rank, rope_dim, dtype=cache_dtype, device=DEVICE, kv_scale=amax / 448
     )
     cache.append(latent, rope, slots, backend="torch")
     q_nope = torch.randn(len(seq_lens), heads, rank).to(DEVICE, dtype)
@@ -102,7 +105,7 @@ def test_mla_fp8_dot_operands(block_h, block_n):
     assert torch.equal(out[0][3], torch.zeros_like(out[0][3]))
 
 
-@pytest.mark.parametrize("mode", ["none", "fp8_tile", "nvfp4"])
+@pytest.mark.parametrize("mode", ["none", "fp8_tile", "nvfp4", "nvfp4_fp8rope"])
 def test_mla_fp8_dot_needs_an_fp8_cache(mode):
     cache, qn, qr, *args, _ = build_case(mode, 9, 64, 32, 16, [5])
     with pytest.raises(KVConvertError, match="needs an fp8 cache"):
@@ -123,7 +126,7 @@ def test_mla_reference_equals_dense_attention_over_logical_tokens():
         start += n
 
 
-@pytest.mark.parametrize("mode,max_rel", [("fp8", 0.05), ("fp8_tile", 0.05), ("nvfp4", 0.2)])
+@pytest.mark.parametrize("mode,max_rel", [("fp8", 0.05), ("fp8_tile", 0.05), ("nvfp4", 0.2), ("nvfp4_fp8rope", 0.2)])
 def test_mla_quantized_output_close_to_unquantized(mode, max_rel):
     """The dequantization is applied (kernel output tracks the fp32 cache within the format's error)."""
     seq_lens = [64, 30]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvconvert.quant.calibrate import observe_kv
-from kvconvert.quant.capture import AttentionRecorder, cache_hook, load_hf_model
+from kvconvert.quant.capture import AttentionRecorder, load_hf_model
 from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook, identity_hook
-from kvconvert.quant.fake_quant import fake_quant, scale_from_amax
+from kvconvert.quant.fake_quant import scale_from_amax
 from kvconvert.quant.layout import checkpoint_kv_layout
 from kvconvert.quant.scales import KVScales
 from kvconvert.quant.search import LayerReplay, search_replay_scales
@@ -22,19 +22,20 @@ def setup(path, n=2, t=32, seed=0):
     return layout, model, ids, recorder, observers
 
 
-@pytest.mark.parametrize("kind", ["llama", "deepseek"])
-def test_fast_replay_matches_module_replay(kind, tiny_llama, tiny_deepseek):
+@pytest.mark.parametrize("kind,kv_dtype", [("llama", "nvfp4"), ("deepseek", "nvfp4"), ("deepseek", "nvfp4_fp8rope")])
+def test_fast_replay_matches_module_replay(kind, kv_dtype, tiny_llama, tiny_deepseek):
+    """The search's replay quantizes what the engine stores: under NVFP4 the MLA k_rope is kept apart
+    (16-bit, or FP8 for nvfp4_fp8rope), as fake_quant_hook and the runtime store it."""
     path = tiny_llama if kind == "llama" else tiny_deepseek
     layout, _, _, recorder, observers = setup(path)
     layer = 1
-    scales = {k: scale_from_amax(torch.tensor(o.amax_tensor), "nvfp4").float() * 0.7 for k, o in observers[layer].items()}
-    replay = LayerReplay(recorder, layout, layer, "nvfp4")
+    scales = {k: scale_from_amax(torch.tensor(o.amax_tensor), kv_dtype).float() * 0.7 for k, o in observers[layer].items()}
+    replay = LayerReplay(recorder, layout, layer, kv_dtype)
     assert replay.errors({k: None for k in scales}, full=True)[0] == 0.0
+    k, v = scales.get("kv", scales.get("k")), scales.get("kv", scales.get("v"))  # MLA: one row scale
+    kv_scales = KVScales(kv_dtype, "tensor", layout.kind, [k] * (layer + 1), [v] * (layer + 1))
 
-    def row_hook(i, k, x):
-        return fake_quant(x, "nvfp4", scales[k])
-
-    slow = recorder.replay(layer, cache_hook(layout, row_hook))
+    slow = recorder.replay(layer, fake_quant_hook(layout, kv_scales))
     ref = recorder.replay(layer, lambda i, k, v: (k, v))
     expected = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(slow, ref))
     assert replay.errors(scales, full=True)[0] == pytest.approx(expected, rel=1e-3)

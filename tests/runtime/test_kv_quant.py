@@ -85,6 +85,8 @@ CASES = [
     ("deepseek", "fp8", "vllm", False),
     ("deepseek", "fp8", "modelopt", False),
     ("deepseek", "nvfp4", "vllm", False),
+    ("deepseek", "nvfp4_fp8rope", "vllm", False),
+    ("deepseek", "nvfp4_fp8rope", "modelopt", False),
 ]
 
 
@@ -107,6 +109,11 @@ def test_quantized_cache_matches_fake_quant_reference(arch, kv_dtype, naming, pe
     torch.testing.assert_close(llm.score(prompt), ref_logits, atol=ATOL, rtol=0)
     out = llm.generate([prompt], greedy(24))[0]
     assert out.token_ids == ref_tokens
+
+
+def test_mla_only_format_is_refused_for_per_head_kv(llama_gqa):
+    with pytest.raises(KVConvertError, match="nvfp4_fp8rope .*per-head K and V.*--kv-dtype nvfp4"):
+        LLM(llama_gqa, kv_dtype="nvfp4_fp8rope", kv_scales="dynamic")
 
 
 def test_dynamic_scales_use_the_first_prefill_amax(llama_gqa):
