@@ -1,14 +1,16 @@
 """`kvconvert plan`: for a KV byte budget, the artifact with the least measured damage, and its recipe.
 
-    candidates (the source's own attention or an MLA shape, x a KV format bf16/fp8/nvfp4)
+    candidates (the source's own attention or an MLA shape, x a KV format bf16/fp8/nvfp4, and for MLA
+      nvfp4_fp8rope: its k_rope in 8 bits makes wide RoPE parts cheap, so shapes with up to 64 RoPE dims
+      are candidates in that format only)
       -> keep those that fit the budget and that the target engine serves
       -> prune the dominated (orderings that hold by construction, below)
       -> measure the survivors: KL to the source on held-out essay windows, in the bundled runtime
       -> choose the least KL; write plan.json, plan.png and the chosen recipe (kvconvert.recipe)
 
 Pruning (`dominated_by`), for two candidates that both fit and are both served:
-  * the same cached values in a finer number format lose less (bf16 < fp8 < nvfp4): the source in
-    fp8 beats the source in nvfp4, MLA 160+32 in bf16 beats it in fp8;
+  * the same cached values in a finer number format lose less (bf16 < fp8 < nvfp4 < nvfp4_fp8rope): the
+    source in fp8 beats the source in nvfp4, MLA 160+32 in bf16 beats it in fp8;
   * the source in a format at least as fine beats any MLA conversion in that format (MLA caches a
     projection of the same K/V: conversion error on top of the same rounding);
   * among MLA conversions in one format, a shape with at least the rank and at least the RoPE part of
@@ -32,7 +34,8 @@ from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
 from kvconvert.targets import DEFAULT_TARGET, TARGETS, get_target, rope_dims_for, servable_shapes
 
-FORMATS = ("bf16", "fp8", "nvfp4")  # finest first
+FORMATS = ("bf16", "fp8", "nvfp4", "nvfp4_fp8rope")  # finest first
+WIDE_ROPE = 64  # RoPE dims the research shapes may reach where k_rope is stored in 8 bits (else 32)
 ENGINES = ("vllm", "tensorrt-llm", "kvconvert")
 @dataclass(frozen=True)
 class Candidate:
@@ -74,15 +77,16 @@ def parse_budget(text: str) -> float:
     return value
 
 
-def mla_shapes(shape: KVShape) -> list[tuple[int, int]]:
+def mla_shapes(shape: KVShape, max_rope: int = 32) -> list[tuple[int, int]]:
     """(rank, rope_dim) to consider for a GQA/MHA source: every shape vLLM or TensorRT-LLM serves, and
     research shapes for the runtime: latents in steps of 16 below the source's K+V width, each with the
-    largest valid RoPE part up to min(32, latent / 3) (160+32, 96+32, 64+32, 32+16 on SmolLM2)."""
+    largest valid RoPE part up to min(max_rope, latent / 3) (160+32, 96+32, 64+32, 32+16 on SmolLM2;
+    with max_rope 64 also 224+64)."""
     kv_heads, d = shape.num_kv_heads, shape.head_dim
     width = 2 * kv_heads * d
     shapes = {s for t in ("vllm", "tensorrt-llm") for s in servable_shapes(TARGETS[t], kv_heads, d)}
     for latent in range(16, width, 16):
-        ropes = [r for r in rope_dims_for(d) if r <= min(32, latent // 3)]
+        ropes = [r for r in rope_dims_for(d) if r <= min(max_rope, latent // 3)]
         if ropes:
             shapes.add((latent - max(ropes), max(ropes)))
     return sorted((r, p) for r, p in shapes if r + p < width)  # a latent as wide as K+V saves nothing
@@ -94,7 +98,10 @@ def enumerate_candidates(config: dict) -> list[Candidate]:
     if shape.kind == MLA:
         raise KVConvertError("the source is already MLA: plan its KV format with `kvconvert calibrate`, or plan "
                              "from the GQA/MHA model it was converted from")
-    return [c for rank, rope in [(None, None), *mla_shapes(shape)] for c in shape_candidates(shape, rank, rope)]
+    out = [c for rank, rope in [(None, None), *mla_shapes(shape)] for c in shape_candidates(shape, rank, rope)]
+    wide = sorted(set(mla_shapes(shape, WIDE_ROPE)) - set(mla_shapes(shape)))
+    return out + [c for rank, rope in wide for c in shape_candidates(shape, rank, rope)
+                  if kv_format(c.kv_dtype).mla_rope == "fp8"]
 
 
 def shape_candidates(shape, rank: int | None, rope: int | None) -> list[Candidate]:
@@ -106,6 +113,8 @@ def shape_candidates(shape, rank: int | None, rope: int | None) -> list[Candidat
     takes_shape = ENGINES if rank is None else [e for e in ENGINES if TARGETS[e].serves(rank, rope)]
     out = []
     for fmt in FORMATS:
+        if kv_format(fmt).mla_only and rank is None:  # nvfp4_fp8rope: the source has no k_rope to keep apart
+            continue
         group = kv_format(fmt).block  # NVFP4 quantizes whole groups of 16: rank (MLA) or head_dim
         if group and (shape.head_dim if rank is None else rank) % group:
             continue

@@ -104,6 +104,7 @@ def measure(cands: dict, shapes: list[tuple[int, int]], args, work: Path, save) 
     from kvconvert.quant.evaluate import evaluate_kv_quant, identity_hook
     from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.options import CalibrateOptions
+    from kvconvert.plan import FORMATS
 
     src, _, windows, reference = quant_eval_inputs(SMOLLM2, args.windows)
     proto = f"essays {args.windows} x 1024"
@@ -126,7 +127,7 @@ def measure(cands: dict, shapes: list[tuple[int, int]], args, work: Path, save) 
                                             calib_tokens=args.convert_tokens), overwrite=True, progress=False)
         log(f"converted {setting}")
         models = {f"MLA {rank}+{rope} bf16": (load_hf_model(mla), identity_hook)}
-        for kv in ("fp8", "nvfp4"):
+        for kv in FORMATS[1:]:  # the quantized ones plan knows: fp8, nvfp4, nvfp4_fp8rope
             _, models[f"MLA {rank}+{rope} {kv}"] = calibrated_candidate(
                 mla, CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens), work / f"mla-{rank}-{rope}-{kv}")
             log(f"calibrated {setting} {kv}")
@@ -144,8 +145,10 @@ def measure(cands: dict, shapes: list[tuple[int, int]], args, work: Path, save) 
 def markdown(doc: dict) -> str:
     from kvconvert.plan import format_kl
 
+    runs = "".join(f" Rows marked *earlier run*: `{r['command']}` ({r['seconds']:.0f} s), same protocol."
+                   for r in doc.get("earlier_runs", []))
     lines = [f"`{doc['command']}` ({doc['seconds']:.0f} s wall, {doc['threads']} thread, on the shared 2-core "
-             "machine). KL to the source (fp32 cache), transformers fp32 with the cache fake-quantized; "
+             f"machine).{runs} KL to the source (fp32 cache), transformers fp32 with the cache fake-quantized; "
              "**frontier** = no other point has fewer or equal bytes and less damage (KL; TransMLA, which has no KL, "
              "by perplexity increase over the source on the same windows). "
              "Rows from earlier benchmarks keep their file and protocol.", "",
@@ -167,6 +170,9 @@ def main():
     ap.add_argument("--calib-tokens", type=int, default=4096, help="KV calibration tokens of the MLA points")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-measure", action="store_true", help="only re-render from docs/bench_frontier.json")
+    ap.add_argument("--add", action="store_true",
+                    help="measure the source and --shapes, and keep the other MLA shapes docs/bench_frontier.json "
+                         "measured (marked as an earlier run, its command kept)")
     args = ap.parse_args()
     import torch
 
@@ -178,9 +184,22 @@ def main():
     if args.skip_measure:  # the points measured here, with the earlier ones read afresh from their files
         doc = json.loads((DOCS / "bench_frontier.json").read_text())
         return write({**doc, "points": [p for p in doc["points"] if p["provenance"] == "measured here"] + earlier})
+    kept, earlier_runs = earlier_run_points(shapes) if args.add else ([], [])
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
         measure(cands, shapes, args, Path(tmp), lambda measured: write(
-            {"command": command(), "threads": args.threads, "seconds": time.time() - t0, "points": measured + earlier}))
+            {"command": command(), "threads": args.threads, "seconds": time.time() - t0, "earlier_runs": earlier_runs,
+             "points": measured + kept + earlier}))
+
+
+def earlier_run_points(shapes: list[tuple[int, int]]) -> tuple[list[dict], list[dict]]:
+    """(the MLA points the last run measured at shapes other than `shapes`, relabelled as an earlier run;
+    that run's commands), for --add."""
+    doc = json.loads((DOCS / "bench_frontier.json").read_text())
+    runs = [*doc.get("earlier_runs", []), {"command": doc["command"], "seconds": doc["seconds"]}]
+    kept = [{**p, "provenance": "earlier run"} for p in doc["points"]
+            if p["provenance"] in ("measured here", "earlier run") and p["rank"] is not None
+            and (p["rank"], p["rope_dim"]) not in shapes]
+    return kept, runs
 
 
 def write(doc: dict) -> None:

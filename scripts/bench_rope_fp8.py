@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Where the 25% budget goes in an MLA + NVFP4 cache: k_rope kept 16-bit (today's layout, FlashMLA's)
-against k_rope in FP8 (an emulated layout no engine or kvconvert runtime stores yet).
+"""Where the 25% budget goes in an MLA + NVFP4 cache: k_rope kept 16-bit (nvfp4, FlashMLA's layout)
+against k_rope in FP8 (nvfp4_fp8rope: emulated when this was first run in session 11, a kvconvert format
+since; the same scales read either way, so the numbers are unchanged).
 
 For each one-shot MLA shape of SmolLM2-135M (8192 conversion tokens, fp32), on the essays (32 x 1024):
 the conversion alone (bf16 cache), the latent in NVFP4 with k_rope 16-bit (calibrate's NVFP4 defaults
@@ -23,33 +24,28 @@ import torch
 from bench_common import DOCS, calibrated_candidate, command, parser, quant_eval_inputs, write_block, write_json
 
 
-def rope_fp8_hook(checkpoint: Path, rope_dim: int):
-    """Cache hook of an MLA checkpoint calibrated for NVFP4: latent NVFP4, k_rope FP8, one kv scale."""
-    from kvconvert.quant.capture import cache_hook, check_finite
-    from kvconvert.quant.fake_quant import fake_quant
+def rope_fp8_hook(checkpoint: Path):
+    """Cache hook of an MLA checkpoint calibrated for NVFP4, read as nvfp4_fp8rope: the same scales, the
+    latent NVFP4, k_rope FP8 with the row's kv scale (kvconvert's format since session 12)."""
+    import dataclasses
+
+    from kvconvert.quant.evaluate import fake_quant_hook
     from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.scales import read_kv_scales
 
-    scales = read_kv_scales(checkpoint)
+    return fake_quant_hook(checkpoint_kv_layout(checkpoint),
+                           dataclasses.replace(read_kv_scales(checkpoint), kv_dtype="nvfp4_fp8rope"))
 
-    def row_hook(layer_idx, kind, x):
-        check_finite(layer_idx, kind, x)
-        scale = scales.scale(layer_idx, kind)
-        return torch.cat([fake_quant(x[..., :-rope_dim], "nvfp4", scale), fake_quant(x[..., -rope_dim:], "fp8", scale)], -1)
 
-    return cache_hook(checkpoint_kv_layout(checkpoint), row_hook)
+CACHE_FORMATS = {"bf16": "bf16", "nvfp4, k_rope 16-bit": "nvfp4", "nvfp4, k_rope fp8": "nvfp4_fp8rope"}
 
 
 def cache_bytes(config: dict, rank: int, rope: int, cache: str) -> tuple[int, float]:
     """(KV bytes per token, fraction of the source's bf16) of one MLA shape with one of this bench's caches."""
-    from kvconvert.kvformat import ROPE_BYTES
     from kvconvert.kvmath import kv_bytes_per_token, kv_shape, mla_whatif
 
     source = kv_shape(config)
-    mla = mla_whatif(source, rank, rope)
-    n = kv_bytes_per_token(mla, "bf16" if cache == "bf16" else "nvfp4")  # nvfp4: k_rope 16-bit
-    if cache.endswith("fp8"):
-        n -= mla.num_layers * rope * (ROPE_BYTES - 1)  # k_rope at 1 byte per value instead of ROPE_BYTES
+    n = kv_bytes_per_token(mla_whatif(source, rank, rope), CACHE_FORMATS[cache])
     return n, n / kv_bytes_per_token(source, "bf16")
 
 
@@ -83,7 +79,7 @@ def main() -> None:
             _, (model, rope16_hook) = calibrated_candidate(
                 mla, CalibrateOptions(kv_dtype="nvfp4", calib_tokens=args.calib_tokens), calibrated)
             models = {"bf16": (load_hf_model(mla), identity_hook), "nvfp4, k_rope 16-bit": (model, rope16_hook),
-                      "nvfp4, k_rope fp8": (model, rope_fp8_hook(calibrated, rope))}
+                      "nvfp4, k_rope fp8": (model, rope_fp8_hook(calibrated))}
             res = evaluate_kv_quant(reference, models, windows)
             for name in models:
                 b, frac = cache_bytes(config, rank, rope, name)

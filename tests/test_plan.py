@@ -62,7 +62,13 @@ def test_pruning_keeps_only_what_no_candidate_beats_by_construction():
     survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.25, "any"))
     assert pruned["MLA 192+32 nvfp4"] == "MLA 224+32 nvfp4"  # a survivor, not the next shape up
     # no source format fits 25% (nvfp4 is 28.1%); per format the MLA shapes no larger shape contains
-    assert {c.name for c in survivors} == {"MLA 64+32 bf16", "MLA 160+32 fp8", "MLA 224+32 nvfp4"}
+    # nvfp4_fp8rope's 8-bit k_rope buys shapes with wide RoPE parts (224+64) at these bytes too
+    assert {c.name for c in survivors} == {"MLA 64+32 bf16", "MLA 160+32 fp8", "MLA 224+32 nvfp4",
+                                           "MLA 224+64 nvfp4_fp8rope", "MLA 272+32 nvfp4_fp8rope",
+                                           "MLA 304+16 nvfp4_fp8rope"}
+    names = {c.name for c in enumerate_candidates(SMOLLM2)}
+    assert "MLA 224+64 nvfp4_fp8rope" in names and "MLA 224+64 nvfp4" not in names  # wide RoPE: 8-bit k_rope only
+    assert not any(n.startswith("source nvfp4_fp8rope") for n in names)  # MLA-only
     survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.5, "any"))
     assert {c.name for c in survivors} == {"source fp8", "MLA 160+32 bf16"}
     assert pruned["source nvfp4"] == "source fp8"
