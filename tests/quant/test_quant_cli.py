@@ -131,6 +131,21 @@ def test_mla_row_scale_names(tiny_deepseek, calib_text, tmp_path, calibrate):
         assert entry["search"]["rel_error_search"] <= entry["search"]["rel_error_amax"]
 
 
+def test_mla_nvfp4_fp8rope_scales_load_in_the_runtime(tiny_deepseek, calib_text, tmp_path, calibrate):
+    """The MLA-only layout: NVFP4 scales under the ModelOpt row name, no hf_quant_config.json (no engine's
+    kv_cache_quant_algo names it), and the bundled runtime serves it from the checkpoint's scales."""
+    from kvconvert.runtime import LLM
+
+    out = calibrate(tiny_deepseek, tmp_path / "mla", "--kv-dtype", "nvfp4_fp8rope", "--calib-data", str(calib_text))
+    tensors = load_file(out / "model.safetensors")
+    assert all(f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.k_scale" in tensors for i in range(2))
+    assert not (out / "hf_quant_config.json").exists()
+    assert read_kv_scales(out).kv_dtype == "nvfp4_fp8rope"
+    llm = LLM(out, kv_dtype="nvfp4_fp8rope", block_size=4)
+    assert llm.kv_bytes_per_token == 2 * (32 // 2 + 32 // 16 + 16)  # tiny: rank 32 + rope 16, k_rope 1 B/value
+    assert torch.isfinite(llm.score(list(range(1, 20)))).all()
+
+
 def test_in_place_replaces_the_folder_and_keeps_its_other_files(tiny_llama, calib_text, tmp_path, calibrate):
     folder = tmp_path / "inplace"
     shutil.copytree(tiny_llama, folder)
@@ -170,10 +185,12 @@ def overflowing_keys(tiny_llama, folder):
     (None, ["--kv-dtype", "int4"], "Invalid value for '--kv-dtype': 'int4' is not one of 'fp8', 'fp8_e5m2', 'nvfp4'"),
     (None, ["--calib-data", "CALIB", "--calib-tokens", "100000", "--window-len", "64"], "data too short"),
     (None, ["--kv-dtype", "nvfp4", "--format", "vllm"], "no static NVFP4 KV-cache scheme"),
+    (None, ["--kv-dtype", "nvfp4_fp8rope", *TINY], "per-head K and V (no k_rope): use --kv-dtype nvfp4"),
     (None, ["--kv-dtype", "fp8_e5m2", "--format", "modelopt"], "no FP8 E5M2 KV cache"),
     (no_attention, [], "no attention layers"),
     (overflowing_keys, ["--observer", "amax", "--calib-data", "CALIB", *TINY], "layer 1: non-finite key activations"),
-], ids=["kv-dtype", "data-too-short", "nvfp4-vllm", "e5m2-modelopt", "no-attention", "non-finite-activations"])
+], ids=["kv-dtype", "data-too-short", "nvfp4-vllm", "mla-only-format", "e5m2-modelopt", "no-attention",
+        "non-finite-activations"])
 def test_bad_input_is_refused_before_writing(make_src, args, message, tiny_llama, calib_text, tmp_path, run_main):
     src, out = make_src(tiny_llama, tmp_path / "src") if make_src else tiny_llama, tmp_path / "o"
     args = [str(calib_text) if a == "CALIB" else a for a in args]
