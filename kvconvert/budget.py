@@ -31,7 +31,9 @@ def budget_report(info: ModelInfo, context: int | None, batch: int, kv_dtype: st
               "bytes_per_value": fmt.bytes_per_value, "context": context, "batch": batch}
     windows = kvmath.layer_windows(config)
     if mla_rank is not None:
-        report["original_bytes_per_token"] = kvmath.kv_bytes_per_token(shape, fmt)
+        original = kv_format("bf16") if fmt.mla_only else fmt  # an MLA-only format: against today's bf16 cache
+        report["original_kv_dtype"] = original.name
+        report["original_bytes_per_token"] = kvmath.kv_bytes_per_token(shape, original)
         shape, windows = kvmath.mla_whatif(shape, mla_rank, rope_dim), [None] * shape.num_layers
         report["mla_whatif"] = {"kv_lora_rank": mla_rank, "qk_rope_head_dim": rope_dim}
     report["values_per_token_per_layer"] = shape.values_per_token_per_layer
@@ -76,7 +78,7 @@ def _human_budget(r: dict) -> str:
     if "mla_whatif" in r:
         w = r["mla_whatif"]
         lines.append(f"MLA what-if  kv_lora_rank {w['kv_lora_rank']} + rope {w['qk_rope_head_dim']}: "
-                     f"{r['original_bytes_per_token']:,} -> {r['bytes_per_token']:,} bytes/token "
+                     f"{r['original_bytes_per_token']:,} ({r['original_kv_dtype']}) -> {r['bytes_per_token']:,} bytes/token "
                      f"({r['original_bytes_per_token'] / r['bytes_per_token']:.2f}x smaller)")
     lines += [f"per token    {r['bytes_per_token']:,} bytes ({f(r['bytes_per_token'])})",
               f"per request  {r['context']:,} tokens: {r['bytes_per_request']:,} bytes ({f(r['bytes_per_request'])})",

@@ -203,6 +203,9 @@ LLAMA_70B_128K = ["--model", "llama-3.1-70b", "--context", "131072"]
     (["--model", "llama-3.1-70b", "--context", "1000", "--mla-rank", "512", "--rope-dim", "64"],
      {"original_bytes_per_token": 327680, "bytes_per_token": 80 * 576 * 2, "bytes_per_request": 80 * 576 * 2 * 1000}),
     (["--model", "llama-3.1-70b", "--context", "1000", "--mla-rank", "256"], {"bytes_per_token": 80 * (256 + 64) * 2}),
+    # the MLA-only nvfp4_fp8rope, against today's bf16: 80 x (256 + 32 code bytes + 32 block scales + 64 rope bytes)
+    (["--model", "llama-3.1-70b", "--context", "1000", "--mla-rank", "512", "--kv-dtype", "nvfp4_fp8rope"],
+     {"original_kv_dtype": "bf16", "original_bytes_per_token": 327680, "bytes_per_token": 80 * (256 + 32 + 64)}),
     (["--model", "deepseek-v3", "--context", "131072", "--kv-dtype", "fp8"],
      {"attention_kind": "MLA", "bytes_per_request": 61 * 576 * 131072}),
     # weights 2 x 8,030,261,248 bytes; a request of 8192 tokens is 32 x 2 x 8 x 128 x 2 x 8192 = 1 GiB
