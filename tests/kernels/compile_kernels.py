@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # (name, architecture, mode, launcher options); mla_* on the DeepSeek-V3 TP-8 shard (16 heads,
 # 512 + 64), gqa_* on Llama-3-8B's (32 q / 8 kv heads, D 128). Default options = the GPU defaults.
 CASES = [
-    *((f"mla_{mode}_bf16", "mla", mode, {"dot": "bf16"}) for mode in ("none", "fp8", "fp8_tile", "nvfp4")),
+    *((f"mla_{mode}_bf16", "mla", mode, {"dot": "bf16"}) for mode in ("none", "fp8", "fp8_tile", "nvfp4", "nvfp4_fp8rope")),
     *((f"gqa_{mode}_bf16", "gqa", mode, {"dot": "bf16"}) for mode in ("none", "fp8", "nvfp4")),
     ("mla_fp8_fp8dot_h16", "mla", "fp8", {"dot": "fp8", "block_n": 32}),
     ("mla_fp8_fp8dot_h64", "mla", "fp8", {"dot": "fp8", "block_h": 64, "block_n": 64, "num_warps": 8}),

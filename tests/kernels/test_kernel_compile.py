@@ -57,10 +57,10 @@ def test_hopper_matrix_instructions(hopper):
 
 def test_default_launches_do_not_spill(hopper):
     """Registers at the defaults (block_h 16, block_n 16, 4 warps): no local-memory spills, except the
-    MLA NVFP4 kernel, which spills a few bytes at these defaults (4 warps hold 255 registers each; 8
-    warps do not spill). A kernel change that starts spilling shows here before any GPU run."""
+    MLA NVFP4 kernel, which spills a few bytes at these defaults with a 16-bit or an FP8 k_rope (4 warps
+    hold 255 registers each; 8 warps do not spill). A kernel change that starts spilling shows here before any GPU run."""
     for name, row in hopper.items():
-        if name.endswith("_bf16") and name != "mla_nvfp4_bf16":
+        if name.endswith("_bf16") and not name.startswith("mla_nvfp4"):
             assert row["stack"] == 0 and row["reg"] <= 255, (name, row)
 
 
