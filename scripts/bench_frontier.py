@@ -93,18 +93,17 @@ def earlier_points(cands: dict) -> list[dict]:
     return out
 
 
-def measure(cands: dict, shapes: list[tuple[int, int]], args, work: Path, save) -> list[dict]:
-    """Source bf16 cache, and one-shot MLA shapes in bf16 / fp8 / nvfp4, on args.windows x 1024;
-    save(points so far) after each group, so an interrupted run keeps what it measured."""
+def measure(cands: dict, shapes: list[tuple[int, int]], healed: dict[str, Path], args, work: Path, save) -> list[dict]:
+    """Source bf16 cache, one-shot MLA shapes and healed MLA checkpoints, each in bf16 and in every quantized
+    format plan knows, on args.windows x 1024; save(points so far) after each group, so an interrupted run
+    keeps what it measured."""
     import torch
 
     from kvconvert.mla.convert import convert_to_mla
     from kvconvert.mla.options import MLAOptions
-    from kvconvert.quant.capture import cache_hook, load_hf_model
-    from kvconvert.quant.evaluate import evaluate_kv_quant, identity_hook
+    from kvconvert.quant.capture import cache_hook
+    from kvconvert.quant.evaluate import evaluate_kv_quant
     from kvconvert.quant.layout import checkpoint_kv_layout
-    from kvconvert.quant.options import CalibrateOptions
-    from kvconvert.plan import FORMATS
 
     src, _, windows, reference = quant_eval_inputs(SMOLLM2, args.windows)
     proto = f"essays {args.windows} x 1024"
@@ -121,24 +120,44 @@ def measure(cands: dict, shapes: list[tuple[int, int]], args, work: Path, save) 
     log(f"source bf16: {out[-1]['kl']:.5f}")
     save(out)
     for rank, rope in shapes:
-        setting = f"{rank}:{rope}"
         mla = work / f"mla-{rank}-{rope}"
         convert_to_mla(src, mla, MLAOptions(rank=rank, rope_dim=rope, target="any", dtype="fp32",
                                             calib_tokens=args.convert_tokens), overwrite=True, progress=False)
-        log(f"converted {setting}")
-        models = {f"MLA {rank}+{rope} bf16": (load_hf_model(mla), identity_hook)}
-        for kv in FORMATS[1:]:  # the quantized ones plan knows: fp8, nvfp4, nvfp4_fp8rope
-            _, models[f"MLA {rank}+{rope} {kv}"] = calibrated_candidate(
-                mla, CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens), work / f"mla-{rank}-{rope}-{kv}")
-            log(f"calibrated {setting} {kv}")
-        res = evaluate_kv_quant(reference, models, windows)
-        for name in models:
-            out.append(point(cands, name, res[name].kl, res[name].ppl, source_ppl, "one-shot", "measured here",
-                             f"{proto}; conversion {args.convert_tokens} tokens" + ("" if name.endswith("bf16") else
-                                                                   f", calibrate defaults on {args.calib_tokens} tokens")))
-            log(f"{name}: KL {res[name].kl:.4f} ppl {res[name].ppl:.2f}")
-        del models
+        log(f"converted {rank}:{rope}")
+        out += measure_checkpoint(cands, mla, "one-shot", f"conversion {args.convert_tokens} tokens", reference,
+                                  windows, source_ppl, proto, args, work, log)
         save(out)
+    for name, folder in healed.items():
+        out += measure_checkpoint(cands, folder, "healed CPU", f"healed by {name}", reference, windows, source_ppl,
+                                  proto, args, work, log)
+        save(out)
+    return out
+
+
+def measure_checkpoint(cands: dict, mla: Path, stage: str, note: str, reference, windows, source_ppl: float,
+                       proto: str, args, work: Path, log) -> list[dict]:
+    """One MLA checkpoint in bf16 and calibrated (calibrate's defaults on args.calib_tokens) to every quantized
+    format plan knows (fp8, nvfp4, nvfp4_fp8rope), evaluated side by side."""
+    from kvconvert.checkpoint import read_config
+    from kvconvert.plan import FORMATS
+    from kvconvert.quant.capture import load_hf_model
+    from kvconvert.quant.evaluate import evaluate_kv_quant, identity_hook
+    from kvconvert.quant.options import CalibrateOptions
+
+    config = read_config(mla)
+    shape = f"MLA {config['kv_lora_rank']}+{config['qk_rope_head_dim']}"
+    models = {f"{shape} bf16": (load_hf_model(mla), identity_hook)}
+    for kv in FORMATS[1:]:
+        _, models[f"{shape} {kv}"] = calibrated_candidate(
+            mla, CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens), work / f"{mla.name}-{stage}-{kv}")
+        log(f"calibrated {shape} {stage} {kv}")
+    res = evaluate_kv_quant(reference, models, windows)
+    out = []
+    for name in models:
+        calib = "" if name.endswith("bf16") else f", calibrate defaults on {args.calib_tokens} tokens"
+        out.append(point(cands, name, res[name].kl, res[name].ppl, source_ppl, stage, "measured here",
+                         f"{proto}; {note}{calib}"))
+        log(f"{name} {stage}: KL {res[name].kl:.4f} ppl {res[name].ppl:.2f}")
     return out
 
 
@@ -165,7 +184,10 @@ def markdown(doc: dict) -> str:
 def main():
     ap = parser(__doc__)
     ap.add_argument("--windows", type=int, default=32, help="essay windows of 1024 tokens for the points measured here")
-    ap.add_argument("--shapes", default="256:64,160:32,64:32", help="one-shot MLA shapes measured here")
+    ap.add_argument("--shapes", default="256:64,160:32,64:32", help="one-shot MLA shapes measured here ('' for none)")
+    ap.add_argument("--healed", action="append", default=[], metavar="NAME=DIR",
+                    help="a healed MLA checkpoint (bench_heal.py's WORK/NAME/healed) measured in every format, as "
+                         "'healed CPU' (repeatable)")
     ap.add_argument("--convert-tokens", type=int, default=8192, help="calibration tokens of the MLA conversions")
     ap.add_argument("--calib-tokens", type=int, default=4096, help="KV calibration tokens of the MLA points")
     ap.add_argument("--threads", type=int, default=1)
@@ -178,15 +200,23 @@ def main():
 
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    shapes = [tuple(map(int, setting.split(":"))) for setting in args.shapes.split(",")]
-    cands = candidates(shapes)  # refuses a shape kvconvert cannot build before any work
+    shapes = [tuple(map(int, setting.split(":"))) for setting in args.shapes.split(",") if setting]
+    healed = dict(item.split("=", 1) for item in args.healed)
+    healed = {name: Path(folder) for name, folder in healed.items()}
+    for name, folder in healed.items():
+        if not (folder / "config.json").is_file():
+            ap.error(f"--healed {name}={folder}: no config.json there")
+    from kvconvert.checkpoint import read_config
+    healed_shapes = [(c["kv_lora_rank"], c["qk_rope_head_dim"]) for c in map(read_config, healed.values())]
+    cands = candidates([*shapes, *healed_shapes])  # refuses a shape kvconvert cannot build before any work
     earlier = earlier_points(cands)
     if args.skip_measure:  # the points measured here, with the earlier ones read afresh from their files
         doc = json.loads((DOCS / "bench_frontier.json").read_text())
-        return write({**doc, "points": [p for p in doc["points"] if p["provenance"] == "measured here"] + earlier})
+        return write({**doc, "points": [p for p in doc["points"]
+                                        if p["provenance"] in ("measured here", "earlier run")] + earlier})
     kept, earlier_runs = earlier_run_points(shapes) if args.add else ([], [])
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
-        measure(cands, shapes, args, Path(tmp), lambda measured: write(
+        measure(cands, shapes, healed, args, Path(tmp), lambda measured: write(
             {"command": command(), "threads": args.threads, "seconds": time.time() - t0, "earlier_runs": earlier_runs,
              "points": measured + kept + earlier}))
 
