@@ -240,10 +240,14 @@ def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int) -> dic
     return data
 
 
+LABEL_ALL_UP_TO = 12  # points per panel that all get their names
+
+
 def plot_frontier(points: list[dict], path: Path, title: str, budget: float | None = None,
                   metrics: tuple[str, ...] = ("kl",)) -> None:
     """One panel per metric ("kl", "ppl_increase_pct"): KV bytes (share of bf16) against damage, the Pareto front
-    joined, each point labelled with its name and engines. points: dicts with name, fraction, engines,
+    joined, each point labelled with its name and engines (beyond LABEL_ALL_UP_TO points only the front's and the
+    chosen one: the rest are grey dots, named in the table beside the picture). points: dicts with name, fraction, engines,
     the metrics (None: not measured, left out) and optionally chosen."""
     import matplotlib
 
@@ -264,8 +268,9 @@ def plot_frontier(points: list[dict], path: Path, title: str, budget: float | No
             color = "tab:red" if p.get("chosen") else ("tab:green" if i in front else "tab:gray")
             ax.scatter(x, y, s=80 if p.get("chosen") else 28, marker="*" if p.get("chosen") else "o", color=color,
                        zorder=2)
-            ax.annotate(f"{p['name']} [{', '.join(p['engines']) or 'none'}]", (x, y), fontsize=6, xytext=(4, 3),
-                        textcoords="offset points")
+            if len(shown) <= LABEL_ALL_UP_TO or i in front or p.get("chosen"):  # crowded: the frontier's names only
+                ax.annotate(f"{p['name']} [{', '.join(p['engines']) or 'none'}]", (x, y), fontsize=6, xytext=(4, 3),
+                            textcoords="offset points")
         if budget is not None:
             ax.axvline(budget * 100, color="tab:blue", ls="--", lw=1, label=f"budget {budget:.0%}")
         ax.set_xlim(0, 1.1 * max([x for x, _ in xy] + [100 * (budget or 0)]))
