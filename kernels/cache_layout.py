@@ -262,9 +262,11 @@ class MLACacheLayer(_PagedLayer):
                 raise KVConvertError(f"fp8 tile {tile} does not divide kv_lora_rank {r}")
             n_tiles = r // tile
         tensors = cls._zeros(cls.layout(mode, num_blocks, block_size, r, rope_dim, n_tiles), dtype, device)
-        rope = tensors.get("rope")
-        rope_scale = _scale_tensor(kv_scale, 1, "MLA kv_scale", device) if rope is not None and rope.dtype == FP8_DTYPE else None
-        return cls(mode, r, rope_dim, **tensors, tensor_scale=tensor_scale, rope_scale=rope_scale)
+        layer = cls(mode, r, rope_dim, **tensors, tensor_scale=tensor_scale,
+                    rope_scale=torch.ones(1, device=device) if dtype == FP8_DTYPE and mode == "nvfp4" else None)
+        if layer.rope_fp8:
+            layer.set_kv_scales(kv_scale)  # the e4m3 rope's scale, from the same exported kv scale
+        return layer
 
     def set_kv_scales(self, kv_scale: float | torch.Tensor) -> None:
         """Replace the fp8 / nvfp4 scale (and an e4m3 rope's) by one from an exported kv scale (amax / 448)."""
@@ -310,7 +312,9 @@ class MLACacheLayer(_PagedLayer):
 
     def dequantize_rope(self, rope: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Stored k_rope rows (this cache's ``rope`` or a gather of it) in out_dtype: e4m3 times rope_scale."""
-        return dequantize_rows("fp8", rope, self.rope_scale, out_dtype=out_dtype) if self.rope_fp8 else rope.to(out_dtype)
+        if self.rope_fp8:
+            return dequantize_rows("fp8", rope, self.rope_scale, out_dtype=out_dtype)
+        return rope.to(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

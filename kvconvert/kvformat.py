@@ -196,8 +196,9 @@ def markdown_table() -> str:
     for f in KV_FORMATS.values():
         name = " / ".join(f"`{n}`" for n in (f.name, *f.aliases))
         blocks = f"{f.block_scale} per {f.block}" if f.block else "-"
-        rope = "as the latent" if f.mla_rope is None else "16-bit" if f.mla_rope == "bf16" else kv_format(f.mla_rope).title
-        engines = ", ".join(f.engines) or (f"{', '.join(f.mla_engines)} (MLA only)" if f.mla_engines else "planning only")
+        rope = {None: "as the latent", "bf16": "16-bit"}.get(f.mla_rope) or kv_format(f.mla_rope).title
+        mla_only = f"{', '.join(f.mla_engines or ())} (MLA only)" if f.mla_engines else "planning only"
+        engines = ", ".join(f.engines) or mla_only
         cells = (name, f.bits, blocks, f.scale_rule, rope, f.kernel_mode, ", ".join(f.exports), f.modelopt_algo,
                  f.vllm_cache_dtype, engines)
         rows.append("| " + " | ".join(str(c or "-") for c in cells) + " |")
