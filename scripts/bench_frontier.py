@@ -28,6 +28,7 @@ from bench_common import DOCS, calibrated_candidate, command, parser, quant_eval
 from bench_mla import TRANSMLA
 
 SMOLLM2 = "smollm2-135m"
+HEALED = "healed CPU"  # the stage of --healed checkpoints (the recipes --healed takes heal on the CPU)
 
 
 def candidates(shapes: list[tuple[int, int]]) -> dict:
@@ -128,7 +129,7 @@ def measure(cands: dict, shapes: list[tuple[int, int]], healed: dict[str, Path],
                                   windows, source_ppl, proto, args, work, log)
         save(out)
     for name, folder in healed.items():
-        out += measure_checkpoint(cands, folder, "healed CPU", f"healed by {name}", reference, windows, source_ppl,
+        out += measure_checkpoint(cands, folder, HEALED, f"healed by {name}", reference, windows, source_ppl,
                                   proto, args, work, log)
         save(out)
     return out
@@ -149,7 +150,8 @@ def measure_checkpoint(cands: dict, mla: Path, stage: str, note: str, reference,
     models = {f"{shape} bf16": (load_hf_model(mla), identity_hook)}
     for kv in FORMATS[1:]:
         _, models[f"{shape} {kv}"] = calibrated_candidate(
-            mla, CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens), work / f"{mla.name}-{stage}-{kv}")
+            mla, CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens),
+            work / f"{mla.name}-{stage.replace(' ', '-')}-{kv}")
         log(f"calibrated {shape} {stage} {kv}")
     res = evaluate_kv_quant(reference, models, windows)
     out = []
@@ -187,7 +189,7 @@ def main():
     ap.add_argument("--shapes", default="256:64,160:32,64:32", help="one-shot MLA shapes measured here ('' for none)")
     ap.add_argument("--healed", action="append", default=[], metavar="NAME=DIR",
                     help="a healed MLA checkpoint (bench_heal.py's WORK/NAME/healed) measured in every format, as "
-                         "'healed CPU' (repeatable)")
+                         f"'{HEALED}' (repeatable)")
     ap.add_argument("--convert-tokens", type=int, default=8192, help="calibration tokens of the MLA conversions")
     ap.add_argument("--calib-tokens", type=int, default=4096, help="KV calibration tokens of the MLA points")
     ap.add_argument("--threads", type=int, default=1)
@@ -201,11 +203,12 @@ def main():
     torch.set_num_threads(args.threads)
     t0 = time.time()
     shapes = [tuple(map(int, setting.split(":"))) for setting in args.shapes.split(",") if setting]
-    healed = dict(item.split("=", 1) for item in args.healed)
-    healed = {name: Path(folder) for name, folder in healed.items()}
-    for name, folder in healed.items():
-        if not (folder / "config.json").is_file():
-            ap.error(f"--healed {name}={folder}: no config.json there")
+    healed = {}
+    for item in args.healed:
+        name, _, folder = item.partition("=")
+        if not (Path(folder) / "config.json").is_file():
+            ap.error(f"--healed {item}: give NAME=DIR, DIR a healed MLA checkpoint (no config.json there)")
+        healed[name] = Path(folder)
     from kvconvert.checkpoint import read_config
     healed_shapes = [(c["kv_lora_rank"], c["qk_rope_head_dim"]) for c in map(read_config, healed.values())]
     cands = candidates([*shapes, *healed_shapes])  # refuses a shape kvconvert cannot build before any work
@@ -214,21 +217,22 @@ def main():
         doc = json.loads((DOCS / "bench_frontier.json").read_text())
         return write({**doc, "points": [p for p in doc["points"]
                                         if p["provenance"] in ("measured here", "earlier run")] + earlier})
-    kept, earlier_runs = earlier_run_points(shapes) if args.add else ([], [])
+    remeasured = {(*shape, "one-shot") for shape in shapes} | {(*shape, HEALED) for shape in healed_shapes}
+    kept, earlier_runs = earlier_run_points(remeasured) if args.add else ([], [])
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
         measure(cands, shapes, healed, args, Path(tmp), lambda measured: write(
             {"command": command(), "threads": args.threads, "seconds": time.time() - t0, "earlier_runs": earlier_runs,
              "points": measured + kept + earlier}))
 
 
-def earlier_run_points(shapes: list[tuple[int, int]]) -> tuple[list[dict], list[dict]]:
-    """(the MLA points the last run measured at shapes other than `shapes`, relabelled as an earlier run;
-    that run's commands), for --add."""
+def earlier_run_points(remeasured: set[tuple[int, int, str]]) -> tuple[list[dict], list[dict]]:
+    """(the MLA points the last run measured, except the (rank, rope, stage) groups this run measures again,
+    relabelled as an earlier run; that run's commands), for --add."""
     doc = json.loads((DOCS / "bench_frontier.json").read_text())
     runs = [*doc.get("earlier_runs", []), {"command": doc["command"], "seconds": doc["seconds"]}]
     kept = [{**p, "provenance": "earlier run"} for p in doc["points"]
             if p["provenance"] in ("measured here", "earlier run") and p["rank"] is not None
-            and (p["rank"], p["rope_dim"]) not in shapes]
+            and (p["rank"], p["rope_dim"], p["stage"]) not in remeasured]
     return kept, runs
 
 

@@ -34,7 +34,7 @@ FINE = tuple(2.0 ** (k / 16) for k in range(-3, 4))  # fine offsets around the c
 
 def coarse_ratios(kv_dtype: str) -> torch.Tensor:
     """Coarse grid (float64): 2^(j/4) from 1/4 (nvfp4, nvfp4_fp8rope) or 1/2 (fp8) up to 2."""
-    low = -8 if kv_format(kv_dtype).block else -4  # NVFP4's block scales absorb more clipping
+    low = -8 if kv_format(kv_dtype).bits == 4 else -4  # NVFP4's block scales absorb more clipping
     return torch.tensor([2.0 ** (j / COARSE_STEP) for j in range(low, COARSE_STEP + 1)], dtype=torch.float64)
 
 
