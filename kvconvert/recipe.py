@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.options import ValidateOptions
@@ -68,6 +68,16 @@ class Recipe(BaseModel):
     heal_distill: DistillStage | None = None
     calibrate: CalibrateStage | None = None
     validate_: ValidateStage | None = Field(None, alias="validate")
+
+    @model_validator(mode="after")
+    def _one_cache_format(self):
+        """A quantization-aware heal teaches the student one format's rounding: calibrate must store that one."""
+        distill, calibrate = self.distill, self.stage("calibrate")
+        if distill and distill.kv_dtype and calibrate and calibrate.kv_dtype != distill.kv_dtype:
+            raise ValueError(f"heal_distill.kv_dtype is {distill.kv_dtype} but calibrate.kv_dtype is "
+                             f"{calibrate.kv_dtype}: the student would be healed for another cache format than "
+                             f"the one calibrated; give both the same kv_dtype")
+        return self
 
     def stage(self, name: str):
         """The options of block `name` (convert, heal_layerwise, heal_distill, calibrate, validate),

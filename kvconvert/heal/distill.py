@@ -166,6 +166,11 @@ class Distiller:
         check_distill_memory(read_config(student_dir), read_config(teacher_dir), stage, self.accelerator.device)
         self.student, self.teacher = self._load_models(student_dir, teacher_dir)
         self.names = attach_trainable(self.student, stage)
+        if stage.kv_dtype is not None:  # before accelerate wraps the model (the hooks need its layers)
+            from kvconvert.heal.quant_aware import attach_cache_rounding
+            from kvconvert.kvmath import kv_shape
+
+            attach_cache_rounding(self.student, kv_shape(read_config(student_dir)), stage.kv_dtype)
         params = [p for p in self.student.parameters() if p.requires_grad]
         if not params:
             raise KVConvertError("heal_distill.targets selects no weights to train")

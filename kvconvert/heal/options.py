@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
+from kvconvert.kvformat import CALIBRATE_KV_DTYPES
 from kvconvert.stage_options import StageOptions
 
 # Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
@@ -63,6 +64,9 @@ class DistillOptions(StageOptions):
     lm_weight: float = Field(0.0, ge=0, description="Weight of the next-token cross-entropy.")
     hidden_weight: float = Field(0.0, ge=0, description="Weight of the relative residual-stream error.")
     temperature: float = Field(1.0, gt=0, description="Softmax temperature of the KL.")
+    kv_dtype: Literal[CALIBRATE_KV_DTYPES] | None = Field(
+        None, description="Quantization-aware: the student reads its KV cache rounded in this format, as calibrate "
+                          "will store it (straight-through gradient); calibrate with the same format afterwards.")
     train: Literal["full", "lora"] = Field("full", description="Train the attention weights themselves, or "
                                                                "low-rank deltas merged at the end.")
     lora_rank: int = Field(16, gt=0, description="Rank of the LoRA deltas (--distill-train lora).")

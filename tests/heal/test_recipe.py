@@ -45,7 +45,10 @@ def _write(tmp_path, text: str) -> Path:
     ("convert: [rank: 3\n", "not valid YAML"),
     ("[1, 2]\n", "a recipe must be a mapping"),
     (None, "recipe file not found"),
-], ids=["stage-key", "top-level-key", "bad-value", "bad-choice", "no-loss", "yaml", "not-a-mapping", "missing"])
+    ("heal_distill:\n  kv_dtype: nvfp4\ncalibrate:\n  kv_dtype: fp8\n", "healed for another cache format"),
+    ("heal_distill:\n  kv_dtype: int4\n", r"heal_distill\.kv_dtype"),
+], ids=["stage-key", "top-level-key", "bad-value", "bad-choice", "no-loss", "yaml", "not-a-mapping", "missing",
+        "heal-and-calibrate-formats-differ", "unknown-heal-format"])
 def test_bad_recipe_names_the_file_and_the_key(tmp_path, text, match):
     path = tmp_path / "recipe.yaml" if text is None else _write(tmp_path, text)
     with pytest.raises(KVConvertError, match=match) as info:
