@@ -31,6 +31,14 @@ SMOLLM2 = "smollm2-135m"
 HEALED = "healed CPU"  # the stage of --healed checkpoints (the recipes --healed takes heal on the CPU)
 
 
+def healed_stage(folder: Path) -> str:
+    """HEALED, or HEALED + ' QAT <format>' when the checkpoint's heal recipe (its manifest) distilled through a
+    rounded cache (heal_distill.kv_dtype): another stage, so --add keeps the plain healed points beside it."""
+    manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").is_file() else {}
+    distill = manifest.get("kvconvert_heal", {}).get("recipe", {}).get("heal_distill") or {}
+    return f"{HEALED} QAT {distill['kv_dtype']}" if distill.get("kv_dtype") else HEALED
+
+
 def candidates(shapes: list[tuple[int, int]]) -> dict:
     """plan's candidates for SmolLM2 by name (bytes, fraction, engines), and every format of the MLA
     ``shapes`` measured here that plan does not enumerate (checked before any work starts)."""
@@ -129,8 +137,8 @@ def measure(cands: dict, shapes: list[tuple[int, int]], healed: dict[str, Path],
                                   windows, source_ppl, proto, args, work, log)
         save(out)
     for name, folder in healed.items():
-        out += measure_checkpoint(cands, folder, HEALED, f"healed by {name}", reference, windows, source_ppl,
-                                  proto, args, work, log)
+        out += measure_checkpoint(cands, folder, healed_stage(folder), f"healed by {name}", reference, windows,
+                                  source_ppl, proto, args, work, log)
         save(out)
     return out
 
@@ -189,7 +197,8 @@ def main():
     ap.add_argument("--shapes", default="256:64,160:32,64:32", help="one-shot MLA shapes measured here ('' for none)")
     ap.add_argument("--healed", action="append", default=[], metavar="NAME=DIR",
                     help="a healed MLA checkpoint (bench_heal.py's WORK/NAME/healed) measured in every format, as "
-                         f"'{HEALED}' (repeatable)")
+                         f"'{HEALED}' ('{HEALED} QAT <format>' when its distillation was quantization-aware; "
+                         "repeatable)")
     ap.add_argument("--convert-tokens", type=int, default=8192, help="calibration tokens of the MLA conversions")
     ap.add_argument("--calib-tokens", type=int, default=4096, help="KV calibration tokens of the MLA points")
     ap.add_argument("--threads", type=int, default=1)
@@ -210,14 +219,15 @@ def main():
             ap.error(f"--healed {item}: give NAME=DIR, DIR a healed MLA checkpoint (no config.json there)")
         healed[name] = Path(folder)
     from kvconvert.checkpoint import read_config
-    healed_shapes = [(c["kv_lora_rank"], c["qk_rope_head_dim"]) for c in map(read_config, healed.values())]
-    cands = candidates([*shapes, *healed_shapes])  # refuses a shape kvconvert cannot build before any work
+    healed_groups = [(c["kv_lora_rank"], c["qk_rope_head_dim"], healed_stage(folder))
+                     for folder, c in zip(healed.values(), map(read_config, healed.values()))]
+    cands = candidates([*shapes, *(g[:2] for g in healed_groups)])  # refuses what kvconvert cannot build, up front
     earlier = earlier_points(cands)
     if args.skip_measure:  # the points measured here, with the earlier ones read afresh from their files
         doc = json.loads((DOCS / "bench_frontier.json").read_text())
         return write({**doc, "points": [p for p in doc["points"]
                                         if p["provenance"] in ("measured here", "earlier run")] + earlier})
-    remeasured = {(*shape, "one-shot") for shape in shapes} | {(*shape, HEALED) for shape in healed_shapes}
+    remeasured = {(*shape, "one-shot") for shape in shapes} | set(healed_groups)
     kept, earlier_runs = earlier_run_points(remeasured) if args.add else ([], [])
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
         measure(cands, shapes, healed, args, Path(tmp), lambda measured: write(
