@@ -241,6 +241,25 @@ def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int) -> dic
 
 
 LABEL_ALL_UP_TO = 12  # points per panel that all get their names
+LABEL_LINE = 8  # points between two stacked labels (6-point text)
+
+
+def label_drops(xy: list[tuple[float, float]], near_x: float = 12.0, line_decades: float = 0.12) -> list[int]:
+    """Lines each label moves down so that labels of nearby points do not print over each other.
+
+    xy: the labelled points (x in % of bytes, y > 0 on a log axis). A label runs right of its point, one line
+    (LABEL_LINE points, about line_decades on the panels drawn here) high; it drops line by line while it
+    would overlap an earlier (by x) label within near_x of its x."""
+    import math
+
+    placed: list[tuple[float, float]] = []  # x, log10 of the label's line
+    drops = [0] * len(xy)
+    for i in sorted(range(len(xy)), key=lambda i: (xy[i][0], -xy[i][1])):
+        x, ly = xy[i][0], math.log10(xy[i][1])
+        while any(abs(x - px) < near_x and abs(ly - line_decades * drops[i] - py) < line_decades for px, py in placed):
+            drops[i] += 1
+        placed.append((x, ly - line_decades * drops[i]))
+    return drops
 
 
 def plot_frontier(points: list[dict], path: Path, title: str, budget: float | None = None,
@@ -264,13 +283,18 @@ def plot_frontier(points: list[dict], path: Path, title: str, budget: float | No
         front = sorted(pareto_front(xy), key=lambda i: xy[i][0])
         ax.step([xy[i][0] for i in front], [xy[i][1] for i in front], where="post", color="tab:green", alpha=0.6,
                 label="Pareto frontier (less damage for no more bytes)", zorder=1)
+        named = [i for i, p in enumerate(shown)  # crowded: the frontier's names only
+                 if len(shown) <= LABEL_ALL_UP_TO or i in front or p.get("chosen")]
+        drops = label_drops([xy[i] for i in named])
         for i, (p, (x, y)) in enumerate(zip(shown, xy)):
             color = "tab:red" if p.get("chosen") else ("tab:green" if i in front else "tab:gray")
             ax.scatter(x, y, s=80 if p.get("chosen") else 28, marker="*" if p.get("chosen") else "o", color=color,
                        zorder=2)
-            if len(shown) <= LABEL_ALL_UP_TO or i in front or p.get("chosen"):  # crowded: the frontier's names only
-                ax.annotate(f"{p['name']} [{', '.join(p['engines']) or 'none'}]", (x, y), fontsize=6, xytext=(4, 3),
-                            textcoords="offset points")
+        for i, drop in zip(named, drops):
+            p, (x, y) = shown[i], xy[i]
+            ax.annotate(f"{p['name']} [{', '.join(p['engines']) or 'none'}]", (x, y), fontsize=6,
+                        xytext=(4, 3 - LABEL_LINE * drop), textcoords="offset points",
+                        arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.6"} if drop else None)
         if budget is not None:
             ax.axvline(budget * 100, color="tab:blue", ls="--", lw=1, label=f"budget {budget:.0%}")
         ax.set_xlim(0, 1.1 * max([x for x, _ in xy] + [100 * (budget or 0)]))

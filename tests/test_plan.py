@@ -79,6 +79,15 @@ def test_pareto_front():
     assert pareto_front([(1, 1), (1, 1)]) == [0]
 
 
+def test_label_drops_stack_only_labels_that_would_overlap():
+    from kvconvert.plan import label_drops
+
+    # 12.4% and 16.5% at nearly the same KL collide (the second drops a line, the third two); a point a decade
+    # lower, or one 40% of the bytes away, keeps its label in place
+    assert label_drops([(12.4, 0.75), (16.5, 0.73), (18.8, 0.69), (20.1, 0.075), (60.0, 0.7)]) == [0, 1, 2, 0, 0]
+    assert label_drops([]) == []
+
+
 @pytest.mark.parametrize("text, value", [("25%", 0.25), ("0.5", 0.5), (" 100% ", 1.0)])
 def test_parse_budget(text, value):
     assert parse_budget(text) == value
