@@ -244,7 +244,7 @@ LABEL_ALL_UP_TO = 12  # points per panel that all get their names
 LABEL_LINE = 8  # points between two stacked labels (6-point text)
 
 
-def label_drops(xy: list[tuple[float, float]], near_x: float = 12.0, line_decades: float = 0.12) -> list[int]:
+def label_drops(xy: list[tuple[float, float]], near_x: float = 25.0, line_decades: float = 0.12) -> list[int]:
     """Lines each label moves down so that labels of nearby points do not print over each other.
 
     xy: the labelled points (x in % of bytes, y > 0 on a log axis). A label runs right of its point, one line
