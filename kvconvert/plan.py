@@ -23,6 +23,7 @@ Nothing else is predicted: what survives is measured. Bytes per token come from 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -250,8 +251,6 @@ def label_drops(xy: list[tuple[float, float]], near_x: float = 25.0, line_decade
     xy: the labelled points (x in % of bytes, y > 0 on a log axis). A label runs right of its point, one line
     (LABEL_LINE points, about line_decades on the panels drawn here) high; it drops line by line while it
     would overlap an earlier (by x) label within near_x of its x."""
-    import math
-
     placed: list[tuple[float, float]] = []  # x, log10 of the label's line
     drops = [0] * len(xy)
     for i in sorted(range(len(xy)), key=lambda i: (xy[i][0], -xy[i][1])):

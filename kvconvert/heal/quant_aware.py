@@ -71,11 +71,9 @@ def engine_rounding(row: torch.Tensor, norm_weight: torch.Tensor, rotation: torc
 def quant_aware_hook(model, layout: KVShape, kv_dtype: str):
     """CacheHook (transformers' update(latent, k_rope) arguments) that rounds each MLA row as the engine
     stores it in kv_dtype, with a straight-through gradient."""
-    fmt = kv_format(kv_dtype)
     if not layout.is_mla:
         raise KVConvertError("quantization-aware distillation emulates an MLA cache; the student is not MLA")
-    fmt.check_cache_kind(layout.is_mla)
-    rope_tail = fmt.rope_tail(layout.is_mla, layout.qk_rope_head_dim)
+    rope_tail = kv_format(kv_dtype).rope_tail(layout.is_mla, layout.qk_rope_head_dim)
     weights = [layer.self_attn.kv_a_layernorm.weight for layer in decoder_layers(model)]
     rotation = latent_rotation(layout, kv_dtype)
 
