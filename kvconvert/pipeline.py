@@ -144,6 +144,11 @@ def build_stages(src: str, convert: MLAOptions | None, heal, heal_shown: str, ca
     model against the source into out_dir/report, gate the report."""
     if convert is None and calibrate is None:
         raise KVConvertError("nothing to build: no MLA conversion and no KV calibration (give one of them)")
+    from kvconvert.recipe import heal_cache_mismatch
+
+    problem = heal_cache_mismatch(heal.distill if heal is not None else None, calibrate)
+    if problem:  # a recipe checks itself; --heal RECIPE with --kv-dtype composes two sources
+        raise KVConvertError(f"{heal_shown}: {problem}")
     stages, model, name = [], src, "source"
     if convert is not None:
         model, name = str(out_dir / "mla"), "mla"

@@ -57,6 +57,23 @@ def stage_options(block: StageOptions | None) -> StageOptions | None:
     return model(**{k: v for k, v in block.model_dump(exclude_unset=True).items() if k in model.model_fields})
 
 
+def heal_cache_mismatch(distill: DistillOptions | None, calibrate: CalibrateOptions | None) -> str | None:
+    """Why a quantization-aware heal (distill.kv_dtype) does not match the cache that `calibrate` stores, or None.
+
+    The heal teaches the student one format's rounding in calibrate's default basis (kvconvert.heal.quant_aware:
+    the default latent Hadamard), so calibrate must store that format with its default rotation."""
+    if distill is None or distill.kv_dtype is None or calibrate is None:
+        return None
+    if calibrate.kv_dtype != distill.kv_dtype:
+        return (f"heal_distill.kv_dtype is {distill.kv_dtype} but calibrate.kv_dtype is {calibrate.kv_dtype}: the "
+                f"student would be healed for another cache format than the one calibrated; give both the same kv_dtype")
+    if calibrate.latent_rotation != CalibrateOptions(kv_dtype=calibrate.kv_dtype).latent_rotation:
+        return ("calibrate's rotate / value_rotation / rotation_block change how the latent is stored, but "
+                "heal_distill.kv_dtype rounds the cache in calibrate's default rotation; leave them at their "
+                "defaults, or drop heal_distill.kv_dtype")
+    return None
+
+
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -71,12 +88,9 @@ class Recipe(BaseModel):
 
     @model_validator(mode="after")
     def _one_cache_format(self):
-        """A quantization-aware heal teaches the student one format's rounding: calibrate must store that one."""
-        distill, calibrate = self.distill, self.stage("calibrate")
-        if distill and distill.kv_dtype and calibrate and calibrate.kv_dtype != distill.kv_dtype:
-            raise ValueError(f"heal_distill.kv_dtype is {distill.kv_dtype} but calibrate.kv_dtype is "
-                             f"{calibrate.kv_dtype}: the student would be healed for another cache format than "
-                             f"the one calibrated; give both the same kv_dtype")
+        problem = heal_cache_mismatch(self.distill, self.stage("calibrate"))
+        if problem:
+            raise ValueError(problem)
         return self
 
     def stage(self, name: str):

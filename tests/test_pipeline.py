@@ -134,6 +134,16 @@ def test_flag_pipeline_builds_the_same_stages_as_a_recipe(tmp_path):
         _from_flags("x", 64, 32, "any", "none", None, "bf16", "quik", "default", tmp_path)
 
 
+def test_flag_pipeline_refuses_a_heal_for_another_cache_format(tmp_path):
+    """--heal RECIPE (quantization-aware for nvfp4) with --kv-dtype fp8: two sources the Recipe cannot check."""
+    heal = tmp_path / "qat.yaml"
+    heal.write_text("heal_distill:\n  kv_dtype: nvfp4\n")
+    with pytest.raises(KVConvertError, match="qat.yaml: heal_distill.kv_dtype is nvfp4 but calibrate.kv_dtype is fp8"):
+        _from_flags("smollm2-135m", 160, 32, "any", str(heal), None, "fp8", "quick", "default", tmp_path)
+    assert [s.name for s in _from_flags("smollm2-135m", 160, 32, "any", str(heal), None, "nvfp4", "quick",
+                                        "default", tmp_path)] == ["convert", "calibrate", "validate", "gate"]
+
+
 def test_device_reaches_every_stage_and_its_printed_command(tmp_path):
     blocks = {"convert": {"rank": 64, "rope_dim": 32, "target": "any", "device": "cpu"},
               "calibrate": {"kv_dtype": "fp8"}}

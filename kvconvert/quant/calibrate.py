@@ -64,15 +64,6 @@ class CalibrationSettings(CalibrateOptions):
     def __init__(self, kv_dtype: str | None = None, /, **fields):
         super().__init__(**(fields if kv_dtype is None else {**fields, "kv_dtype": kv_dtype}))
 
-    @property
-    def rotation_enabled(self) -> bool:
-        return self.rotate is not False and (self.key_phase or self.value_rotation_enabled
-                                             or self.key_strength > 0)
-
-    @property
-    def value_rotation_enabled(self) -> bool:
-        return kv_format(self.kv_dtype).bits == 4 if self.value_rotation is None else self.value_rotation
-
     def check_layout(self, layout: KVShape) -> None:
         kv_format(self.kv_dtype).check_cache_kind(layout.is_mla)
         if layout.is_mla and self.granularity == "head":

@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kvconvert.device import DEVICE_FIELD
-from kvconvert.kvformat import CALIBRATE_KV_DTYPES as KV_DTYPES
+from kvconvert.kvformat import CALIBRATE_KV_DTYPES as KV_DTYPES, kv_format
 from kvconvert.stage_options import StageOptions
 
 OBSERVERS = ("amax", "percentile", "mse")
@@ -43,6 +43,21 @@ class CalibrateOptions(StageOptions):
     search_tokens: int = Field(1024, ge=0, description="Calibration tokens replayed by the mse scale search.")
     batch_size: int = Field(4, ge=1, description="Windows per forward pass.")
     device: str = DEVICE_FIELD
+
+    @property
+    def rotation_enabled(self) -> bool:
+        return self.rotate is not False and (self.key_phase or self.value_rotation_enabled
+                                             or self.key_strength > 0)
+
+    @property
+    def value_rotation_enabled(self) -> bool:
+        return kv_format(self.kv_dtype).bits == 4 if self.value_rotation is None else self.value_rotation
+
+    @property
+    def latent_rotation(self) -> tuple[bool, int]:
+        """(whether V / the MLA latent is turned by a Hadamard, its block option): what the cache stores."""
+        rotated = self.rotation_enabled and self.value_rotation_enabled
+        return rotated, self.rotation_block if rotated else 0
 
     @model_validator(mode="after")
     def _enough_tokens(self):

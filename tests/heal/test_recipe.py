@@ -47,8 +47,10 @@ def _write(tmp_path, text: str) -> Path:
     (None, "recipe file not found"),
     ("heal_distill:\n  kv_dtype: nvfp4\ncalibrate:\n  kv_dtype: fp8\n", "healed for another cache format"),
     ("heal_distill:\n  kv_dtype: int4\n", r"heal_distill\.kv_dtype"),
+    ("heal_distill:\n  kv_dtype: nvfp4\ncalibrate:\n  kv_dtype: nvfp4\n  value_rotation: false\n",
+     "calibrate's default rotation"),
 ], ids=["stage-key", "top-level-key", "bad-value", "bad-choice", "no-loss", "yaml", "not-a-mapping", "missing",
-        "heal-and-calibrate-formats-differ", "unknown-heal-format"])
+        "heal-and-calibrate-formats-differ", "unknown-heal-format", "heal-and-calibrate-rotations-differ"])
 def test_bad_recipe_names_the_file_and_the_key(tmp_path, text, match):
     path = tmp_path / "recipe.yaml" if text is None else _write(tmp_path, text)
     with pytest.raises(KVConvertError, match=match) as info:
@@ -96,3 +98,13 @@ def test_heal_flags_replace_single_keys_of_the_recipe(tmp_path):
         recipe_with_flags("layerwise", _heal_flags("--layerwise-train", "q_proj,x_proj"))
     with pytest.raises(KVConvertError, match=r"tokens \(100\) is less than one window \(512\)"):
         recipe_with_flags("layerwise", _heal_flags("--layerwise-tokens", "100"))
+
+
+def test_quant_aware_heal_accepts_calibrates_default_rotation_however_spelled():
+    for calibrate in ({}, {"rotate": True}, {"value_rotation": True}, {"key_phase": False}):
+        recipe = parse_recipe({"heal_distill": {"kv_dtype": "nvfp4"}, "calibrate": {"kv_dtype": "nvfp4", **calibrate}})
+        assert recipe.distill.kv_dtype == "nvfp4"
+    # fp8 stores the latent unrotated: no rotation matches, a forced one does not
+    parse_recipe({"heal_distill": {"kv_dtype": "fp8"}, "calibrate": {"kv_dtype": "fp8", "rotate": False}})
+    with pytest.raises(KVConvertError, match="default rotation"):
+        parse_recipe({"heal_distill": {"kv_dtype": "fp8"}, "calibrate": {"kv_dtype": "fp8", "value_rotation": True}})
