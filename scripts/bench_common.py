@@ -25,6 +25,15 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def parse_corpora(specs: list[str] | None, windows: int) -> dict[str, int]:
+    """--corpus values -> {corpus: windows}: "essays" or "FILE:16" (window count after the last colon)."""
+    corpora = {}
+    for spec in specs or ["essays"]:
+        name, _, n = spec.rpartition(":")
+        corpora.update({name: int(n)} if n.isdigit() else {spec: windows})
+    return corpora
+
+
 def command() -> str:
     """This run's command line as the docs show it: `python scripts/NAME.py ARGS`."""
     return " ".join([f"python scripts/{Path(sys.argv[0]).name}", *sys.argv[1:]])

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_common import DOCS, ROOT, parser, stopwatch, write_json
+from bench_common import DOCS, ROOT, parse_corpora, parser, stopwatch, write_json
 
 DEFAULT_RECIPES = [f"recipes/smollm2-135m-{p}pct.yaml" for p in (25, 50, 33, 12)]
 TARGETS = {"ppl_increase_pct": 5.0, "kl_mean": 0.05, "passkey_drop": 0.1}
@@ -34,6 +34,9 @@ def parse_args(argv=None):
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "kvconvert-bench-heal")
     ap.add_argument("--windows", type=int, default=32, help="held-out essay windows (protocol: 32)")
     ap.add_argument("--window-len", type=int, default=1024)
+    ap.add_argument("--corpus", action="append", default=[],
+                    help="a second held-out corpus, FILE:WINDOWS (any source kvconvert.data.load_text reads); "
+                         "repeatable; measured beside the essays, reported under metrics.corpora")
     ap.add_argument("--passkey", type=int, default=10, help="passkey prompts per length (0 = skip)")
     ap.add_argument("--passkey-lengths", default="1024,2048")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a shared CPU)")
@@ -87,6 +90,9 @@ def evaluate(source: Path, models: dict[str, Path], args, tokenizer, cache: dict
     src_model = load_hf_model(source).to(args.device)
     cands = {name: load_hf_model(path).to(args.device) for name, path in models.items()}
     res = window_metrics(src_model, cands, ids, progress=True)
+    extra = parse_corpora(args.corpus, args.windows) if args.corpus else {}
+    res["corpora"] = {corpus: window_metrics(src_model, cands, eval_windows(tokenizer, n, args.window_len, corpus))
+                      for corpus, n in extra.items()}
     if args.passkey:
         lengths = tuple(int(x) for x in args.passkey_lengths.split(","))
         samples = passkey_samples(tokenizer, lengths, args.passkey)
@@ -132,7 +138,21 @@ def markdown(results: dict) -> str:
     if src:
         pk = " / ".join(f"{v * 100:.0f}%" for v in src.get("passkey", {}).values()) or "-"
         rows.append(f"| 100% | source | source | {src['ppl']:.2f} | 0 | {pk} | - | - | - |")
-    return "\n".join(rows)
+    return "\n".join(rows + corpora_markdown(results))
+
+
+def corpora_markdown(results: dict) -> list[str]:
+    """The second held-out corpora (--corpus), one row per recipe, corpus and model."""
+    rows = [(name, corpus, m) for name, r in results["recipes"].items()
+            for corpus, m in r.get("metrics", {}).get("corpora", {}).items()]
+    if not rows:
+        return []
+    out = ["", "| recipe | held-out corpus | source ppl | one-shot ppl / KL | healed ppl / KL |", "|---|---|---|---|---|"]
+    for name, corpus, m in rows:
+        one, healed = m["one-shot"], m["healed"]
+        out.append(f"| {name} | {Path(corpus).name} | {m['source']['ppl']:.2f} | {one['ppl']:.2f} / {one['kl_mean']:.4f} "
+                   f"| {healed['ppl']:.2f} / {healed['kl_mean']:.4f} |")
+    return out
 
 
 def main(argv=None) -> int:

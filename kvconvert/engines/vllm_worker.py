@@ -36,6 +36,11 @@ Settings that make stock vLLM 0.32's CPU build compute the right numbers:
   costs about 2 minutes per start on 2 cores and gives the same numbers within fp32 rounding.
 - no prefix caching and no chunked prefill: each prompt runs as one prefill, so the logits of a
   scored prompt come out of the logits processor as one [T-1, vocab] block.
+- an MLA model in float32 on the CPU runs on the CPU_MLA backend: on a host with AMX tiles vLLM
+  picks AMX_MLA by itself, which takes only 16-bit weights and refuses to load an fp32 model
+  ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8", seen on a Sapphire Rapids
+  class Xeon). CPU_MLA is vLLM's reference MLA path on every x86 host; 16-bit dtypes and GPU
+  builds keep vLLM's own choice.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ def make_llm(config: dict):
     from vllm import LLM
 
     max_len = int(config.get("max_model_len") or 2048)
+    backend = {"attention_backend": "CPU_MLA"} if needs_cpu_mla(config) else {}
     return LLM(
         model=config["model"],
         tokenizer=config["model"],
@@ -91,7 +97,17 @@ def make_llm(config: dict):
         seed=0,
         enforce_eager=not config.get("compile", False),
         compilation_config={"custom_ops": ["-rotary_embedding"]},
+        **backend,
     )
+
+
+def needs_cpu_mla(config: dict) -> bool:
+    """True for an MLA checkpoint served in float32 by vLLM's CPU platform (see the module docstring)."""
+    from vllm.platforms import current_platform
+
+    with open(os.path.join(config["model"], "config.json"), encoding="utf-8") as f:
+        is_mla = json.load(f).get("kv_lora_rank") is not None
+    return is_mla and current_platform.is_cpu() and config.get("dtype", "float32") in ("float32", "float")
 
 
 # --------------------------------------------------------------------------- requests

@@ -15,7 +15,7 @@ from kvconvert.stage_options import StageOptions
 # low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
 AttentionName = Literal["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 TRAINABLE_ATTENTION = get_args(AttentionName)
-DATA_HELP = "builtin (pydoc), teacher (text sampled from the teacher), a .txt/.jsonl/.parquet file or a datasets id."
+DATA_HELP = "builtin (pydoc), wiki (SQuAD's Wikipedia paragraphs), teacher (text sampled from the teacher), a .txt/.jsonl/.parquet file or a datasets id."
 
 
 class LayerwiseOptions(StageOptions):

@@ -24,7 +24,8 @@ class MLAOptions(StageOptions):
         DEFAULT_TARGET, description="Engine the checkpoint is for: only MLA shapes it serves are written (vllm: "
                                     "latent 576 or 320; tensorrt-llm: 512 + 64); kvconvert (the bundled runtime) "
                                     "and any allow every shape.")
-    calib_data: str = Field("builtin", description="builtin (Python's pydoc text), a .txt/.jsonl/.parquet file, "
+    calib_data: str = Field("builtin", description="builtin (Python's pydoc text), wiki (SQuAD's Wikipedia paragraphs), "
+                                                   "a .txt/.jsonl/.parquet file, "
                                                    "or a datasets id.")
     calib_tokens: int = Field(8192, gt=0, description="Calibration tokens.")
     calib_window: int = Field(512, gt=0, description="Tokens per calibration window.")

@@ -24,7 +24,8 @@ class CalibrateOptions(StageOptions):
     observer: Literal[OBSERVERS] = Field("mse", description="Scale statistic (mse = attention-output error search).")
     granularity: Literal[GRANULARITIES] = Field("tensor", description="One scale per tensor or per KV head.")
     percentile: float = Field(99.99, gt=0, le=100, description="Percentile for --observer percentile.")
-    calib_data: str = Field("builtin", description="builtin (pydoc), essays, a .txt/.jsonl/.parquet file, or a "
+    calib_data: str = Field("builtin", description="builtin (pydoc), wiki (SQuAD's Wikipedia paragraphs), essays, a "
+                                                   ".txt/.jsonl/.parquet file, or a "
                                                    "datasets id.")
     calib_tokens: int = Field(16384, gt=0, description="Calibration tokens (windows of --window-len).")
     window_len: int = Field(512, gt=1, description="Tokens per calibration window.")
