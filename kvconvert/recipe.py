@@ -68,7 +68,7 @@ def heal_cache_mismatch(distill: DistillOptions | None, calibrate: CalibrateOpti
         return (f"heal_distill.kv_dtype is {distill.kv_dtype} but calibrate.kv_dtype is {calibrate.kv_dtype}: the "
                 f"student would be healed for another cache format than the one calibrated; give both the same kv_dtype")
     if calibrate.latent_rotation != CalibrateOptions(kv_dtype=calibrate.kv_dtype).latent_rotation:
-        return ("calibrate's rotate / value_rotation / rotation_block change how the latent is stored, but "
+        return ("calibrate's rotate / value_rotation / rotation_block / latent_shaping change how the latent is stored, but "
                 "heal_distill.kv_dtype rounds the cache in calibrate's default rotation; leave them at their "
                 "defaults, or drop heal_distill.kv_dtype")
     return None

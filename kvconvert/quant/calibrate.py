@@ -26,8 +26,11 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import KVShape
-from kvconvert.quant.capture import AttentionRecorder, CacheHook, cache_hook, check_finite, run_with_hook
+from kvconvert.quant.capture import (
+    AttentionRecorder, CacheHook, cache_hook, check_finite, decoder_layers, run_with_hook,
+)
 from kvconvert.quant.fake_quant import scale_from_amax
+from kvconvert.quant.latent_shape import LatentMoments, check_linear_norm, predicted_noise_ratio, shaping_transform
 from kvconvert.quant.observers import KVObserver
 from kvconvert.quant.options import CalibrateOptions
 from kvconvert.quant.pair_stats import PairMomentObserver, PairMoments
@@ -66,6 +69,9 @@ class CalibrationSettings(CalibrateOptions):
 
     def check_layout(self, layout: KVShape) -> None:
         kv_format(self.kv_dtype).check_cache_kind(layout.is_mla)
+        if self.latent_shaping > 0 and not layout.is_mla:
+            raise KVConvertError("--latent-shaping transforms an MLA latent; this checkpoint caches per-head K/V "
+                                 "(use the Hadamard of --value-rotation there)")
         if layout.is_mla and self.granularity == "head":
             raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): "
                                  "use --granularity tensor")
@@ -135,6 +141,10 @@ def plan_rotation(model, layout: KVShape, settings: CalibrationSettings, windows
     stat_windows = windows[:STAT_WINDOWS]
     desc: dict = {}
     rot = value_rotation(layout, settings, desc)
+    transforms = None
+    if shaping_enabled(layout, settings):
+        moments = observe_latent_moments(model, layout, stat_windows, settings.batch_size)
+        transforms = [layer_shaping(i, m, settings, desc) for i, m in enumerate(moments)]
     phase, strength = settings.key_phase_enabled(layout), settings.key_strength
     moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size) if phase else []
     key_obs = observe_kv(model, layout, stat_windows, settings.batch_size) if strength > 0 else []
@@ -142,7 +152,43 @@ def plan_rotation(model, layout: KVShape, settings: CalibrationSettings, windows
     if phase or strength > 0:
         factors = [_key_factor(layout, m, obs, strength) for m, obs in itertools.zip_longest(moments, key_obs)]
     _describe_key_factors(desc, moments, strength, stat_windows)
-    return RotationPlan(layout, rot, factors, desc)
+    return RotationPlan(layout, rot, factors, desc, transforms)
+
+
+def shaping_enabled(layout: KVShape, settings: CalibrationSettings) -> bool:
+    return layout.is_mla and settings.rotate is not False and settings.latent_shaping > 0
+
+
+def layer_shaping(layer: int, moments: LatentMoments, settings: CalibrationSettings, desc: dict) -> torch.Tensor:
+    """One layer's latent transform (kvconvert.quant.latent_shape), after checking the norm is linear;
+    its predicted noise ratio and norm range go into desc["latent_shaping"]."""
+    check_linear_norm(moments, layer)
+    transform = shaping_transform(moments.covariance, settings.latent_shaping, seed=layer)
+    info = desc.setdefault("latent_shaping", {"power": settings.latent_shaping, "source_tokens": moments.tokens,
+                                              "predicted_noise_ratio_per_layer": [], "max_norm_ratio": 0.0})
+    info["predicted_noise_ratio_per_layer"].append(round(predicted_noise_ratio(moments.covariance, transform), 4))
+    info["max_norm_ratio"] = max(info["max_norm_ratio"], moments.max_norm_ratio)
+    ratios = info["predicted_noise_ratio_per_layer"]
+    info["predicted_noise_ratio_mean"] = round(sum(ratios) / len(ratios), 4)
+    return transform
+
+
+def observe_latent_moments(model, layout: KVShape, windows: torch.Tensor, batch_size: int) -> list[LatentMoments]:
+    """Pre-norm latent moments per layer (outputs of kv_a_proj_with_mqa) over all `windows` ([N, T])."""
+    rank = layout.kv_lora_rank
+    layers = decoder_layers(model)
+    moments = [LatentMoments.empty(rank) for _ in layers]
+
+    def hook(i, eps):
+        return lambda module, args, out: moments[i].add(out[..., :rank], eps)
+    handles = [layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(
+        hook(i, layer.self_attn.kv_a_layernorm.variance_epsilon)) for i, layer in enumerate(layers)]
+    try:
+        run_with_hook(model, windows, lambda layer, key, value: (key, value), batch_size=batch_size)
+    finally:
+        for h in handles:
+            h.remove()
+    return moments
 
 
 def _key_factor(layout: KVShape, moments: PairMoments | None, key_obs: dict[str, KVObserver] | None,
@@ -165,7 +211,7 @@ def _describe_key_factors(desc: dict, moments: list[PairMoments], strength: floa
 
 def value_rotation(layout: KVShape, settings: CalibrationSettings, desc: dict) -> torch.Tensor | None:
     """The Hadamard for V / the MLA latent (None when off); describes it in desc."""
-    if not settings.value_rotation_enabled:
+    if not settings.value_rotation_enabled or shaping_enabled(layout, settings):  # shaping replaces it
         return None
     dim = layout.kv_lora_rank if layout.is_mla else layout.head_dim
     block = settings.rotation_block or min(dim & -dim, 128)
@@ -296,6 +342,7 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
     phase = settings.rotation_enabled and settings.key_phase_enabled(layout)
     strength = settings.key_strength if settings.rotation_enabled else 0.0
     factors, moments = ([] if phase or strength > 0 else None), []
+    transforms = [] if settings.rotation_enabled and shaping_enabled(layout, settings) else None
     record = settings.search_windows(windows.shape[1])
     observers, per_layer = [], []
     clock.lap("load")
@@ -306,7 +353,9 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
             m, key_obs = stream.statistics(i, attn, rest, phase, strength > 0)
             factors.append(_key_factor(layout, m, key_obs, strength))
             moments += [m] if phase else []
-        layer_plan = RotationPlan(layout, rot, factors)
+        if transforms is not None:
+            transforms.append(layer_shaping(i, stream.latent_moments(i, attn, rest), settings, desc))
+        layer_plan = RotationPlan(layout, rot, factors, latent_transform=transforms)
         if not layer_plan.is_identity:
             attn = apply_rotation(layer_plan, i, attn, layout.num_heads)
         clock.lap("rotation")
@@ -322,4 +371,5 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
         if progress is not None:
             progress(i + 1, layout.num_layers)
     _describe_key_factors(desc, moments, strength, windows[:STAT_WINDOWS])
-    return _result(layout, settings, per_layer, RotationPlan(layout, rot, factors, desc), observers, clock, record)
+    return _result(layout, settings, per_layer, RotationPlan(layout, rot, factors, desc, transforms), observers, clock,
+                   record)

@@ -41,6 +41,9 @@ class CalibrateOptions(StageOptions):
                                                      "two dividing the dim, capped at 128).")
     # measured worse for nvfp4, hence off by default
     key_strength: float = Field(0.0, ge=0, le=1, description="RoPE-pair amax equalization of the keys, 0..1.")
+    latent_shaping: float = Field(0.0, ge=0, le=0.5, description="MLA: fold T = Q Sigma^-p into the latent (p = "
+                                  "this, 0 = off; replaces the latent Hadamard): less rounding noise where the latent's "
+                                  "spectrum is steep. Needs the latent norm in its linear range (kvconvert mla writes that).")
     search_tokens: int = Field(1024, ge=0, description="Calibration tokens replayed by the mse scale search.")
     batch_size: int = Field(4, ge=1, description="Windows per forward pass.")
     device: str = DEVICE_FIELD
@@ -48,17 +51,19 @@ class CalibrateOptions(StageOptions):
     @property
     def rotation_enabled(self) -> bool:
         return self.rotate is not False and (self.key_phase or self.value_rotation_enabled
-                                             or self.key_strength > 0)
+                                             or self.key_strength > 0 or self.latent_shaping > 0)
 
     @property
     def value_rotation_enabled(self) -> bool:
         return kv_format(self.kv_dtype).bits == 4 if self.value_rotation is None else self.value_rotation
 
     @property
-    def latent_rotation(self) -> tuple[bool, int]:
-        """(whether V / the MLA latent is turned by a Hadamard, its block option): what the cache stores."""
-        rotated = self.rotation_enabled and self.value_rotation_enabled
-        return rotated, self.rotation_block if rotated else 0
+    def latent_rotation(self) -> tuple[bool, int, float]:
+        """(whether V / the MLA latent is turned by a Hadamard, its block option, the latent shaping power):
+        what the cache stores."""
+        shaping = self.latent_shaping if self.rotate is not False else 0.0
+        rotated = self.rotation_enabled and self.value_rotation_enabled and not shaping
+        return rotated, self.rotation_block if rotated else 0, shaping
 
     @model_validator(mode="after")
     def _enough_tokens(self):

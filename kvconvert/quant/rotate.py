@@ -19,6 +19,8 @@ DeepSeek-V3 MLA:
   (w * Rc != R (w * c) unless w is uniform), so w is first folded into ``kv_b_proj`` columns
   (``kv_b <- kv_b diag(w)``, ``w <- 1``); then ``kv_a[:rank] <- R kv_a[:rank]`` and
   ``kv_b <- kv_b R^T``.
+* Latent shaping (kvconvert.quant.latent_shape): a per-layer invertible T instead of R, folded the
+  same way with T^-1 in place of R^T; exact only while the latent norm is in its linear range.
 * k_rope pair factors: like the key pair factors above, on the shared rope key (rows after the
   latent in ``kv_a_proj_with_mqa``) and the rope rows of every query head (``q_proj`` or
   ``q_b_proj``). Pairs are (2i, 2i+1) when ``rope_interleave`` is set, else (i, i + r/2).
@@ -81,10 +83,15 @@ class RotationPlan:
     value_rotation: torch.Tensor | None = None
     key_pair_factor: list[torch.Tensor] | None = None
     description: dict = field(default_factory=dict)
+    latent_transform: list[torch.Tensor] | None = None  # mla: per layer [rank, rank] float64, instead of R
+
+    def __post_init__(self):
+        if self.latent_transform is not None and (self.value_rotation is not None or not self.layout.is_mla):
+            raise ValueError("a latent transform replaces the value rotation, and exists for MLA only")
 
     @property
     def is_identity(self) -> bool:
-        return self.value_rotation is None and self.key_pair_factor is None
+        return self.value_rotation is None and self.key_pair_factor is None and self.latent_transform is None
 
     def apply(self, layer: int, w: dict[str, torch.Tensor], num_q_heads: int) -> dict[str, torch.Tensor]:
         """Rewrite one layer's attention tensors.
@@ -96,7 +103,12 @@ class RotationPlan:
         w64 = {k: t.double() for k, t in w.items()}
         pair = None if self.key_pair_factor is None else self.key_pair_factor[layer].to(torch.complex128)
         if self.layout.is_mla:
-            changed = _apply_mla(self.layout, w64, self.value_rotation, pair, num_q_heads)
+            latent = self.value_rotation
+            inverse = None if latent is None else latent.T  # orthogonal: R^-1 = R^T
+            if self.latent_transform is not None:
+                latent = self.latent_transform[layer].double()
+                inverse = torch.linalg.inv(latent)
+            changed = _apply_mla(self.layout, w64, latent, inverse, pair, num_q_heads)
         else:
             changed = _apply_gqa(self.layout, w64, self.value_rotation, pair, num_q_heads)
         return {k: v.to(orig[k]).contiguous() for k, v in changed.items()}
@@ -135,7 +147,7 @@ def _apply_gqa(layout: KVShape, w, rot, pair, n_q: int) -> dict:
     return out
 
 
-def _apply_mla(layout: KVShape, w, rot, pair, n_q: int) -> dict:
+def _apply_mla(layout: KVShape, w, rot, rot_inverse, pair, n_q: int) -> dict:
     rank, rope = layout.kv_lora_rank, layout.qk_rope_head_dim
     _require(w, ["kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "kv_a_layernorm.weight"])
     out = {}
@@ -146,7 +158,7 @@ def _apply_mla(layout: KVShape, w, rot, pair, n_q: int) -> dict:
         norm_w = w["kv_a_layernorm.weight"]
         kv_b = w["kv_b_proj.weight"] * norm_w[None, :]  # fold the norm weight: kv_b diag(w)
         out["kv_a_layernorm.weight"] = torch.ones_like(norm_w)
-        out["kv_b_proj.weight"] = kv_b @ rot.T
+        out["kv_b_proj.weight"] = kv_b @ rot_inverse
         kv_a[:rank] = rot @ kv_a[:rank]
         if kv_a_bias is not None:
             kv_a_bias[:rank] = rot @ kv_a_bias[:rank]

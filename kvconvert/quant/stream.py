@@ -38,6 +38,7 @@ from kvconvert.quant.calibrate import STAT_WINDOWS, layer_observers, observing_h
 from kvconvert.models import deepseek_v3 as ds, llama
 from kvconvert.models.common import MLP, rms_norm, short_names, take
 from kvconvert.quant.fake_quant import mla_row_from_engine, mla_row_to_engine
+from kvconvert.quant.latent_shape import LatentMoments
 from kvconvert.quant.observers import KVObserver
 from kvconvert.quant.pair_stats import PairMoments, PairMomentSums, complex_pairs
 from kvconvert.quant.rotate import RotationPlan
@@ -163,6 +164,18 @@ class LayerStream:
         if moments is not None:
             moments = PairMoments(**{f.name: getattr(moments, f.name).cpu() for f in fields(moments)})
         return moments, obs
+
+    @torch.no_grad()
+    def latent_moments(self, i: int, attn: dict, rest: dict) -> LatentMoments:
+        """MLA: pre-norm latent moments (kv_a_proj_with_mqa's first rank outputs) of the first STAT_WINDOWS
+        windows at layer i, unrotated (kvconvert.quant.latent_shape)."""
+        rank = self.layout.kv_lora_rank
+        kv_a, bias = attn["kv_a_proj_with_mqa.weight"][:rank], attn.get("kv_a_proj_with_mqa.bias")
+        moments = LatentMoments.empty(rank)
+        for a, b in self.batches(STAT_WINDOWS):
+            c = rms_norm(self.hidden[a:b], rest["input_layernorm"], self.family.rms_eps) @ kv_a.T
+            moments.add(c if bias is None else c + bias[:rank], self.family.shape.latent_eps)
+        return moments
 
     @torch.no_grad()
     def advance(self, i: int, attn: dict, rest: dict, record_windows: int) -> tuple[dict[str, KVObserver], list[dict]]:
