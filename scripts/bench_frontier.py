@@ -29,6 +29,7 @@ from bench_mla import TRANSMLA
 
 SMOLLM2 = "smollm2-135m"
 HEALED = "healed CPU"  # the stage of --healed checkpoints (the recipes --healed takes heal on the CPU)
+SHAPED = "shaped"  # added to the stage of points calibrated with --latent-shaping
 
 
 def healed_stage(folder: Path) -> str:
@@ -155,19 +156,22 @@ def measure_checkpoint(cands: dict, mla: Path, stage: str, note: str, reference,
 
     config = read_config(mla)
     shape = f"MLA {config['kv_lora_rank']}+{config['qk_rope_head_dim']}"
-    models = {f"{shape} bf16": (load_hf_model(mla), identity_hook)}
-    for kv in FORMATS[1:]:
-        _, models[f"{shape} {kv}"] = calibrated_candidate(
-            mla, CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens),
-            work / f"{mla.name}-{stage.replace(' ', '-')}-{kv}")
-        log(f"calibrated {shape} {stage} {kv}")
+    models = {(f"{shape} bf16", stage): (load_hf_model(mla), identity_hook)}
+    for shaping in [0.0, *([args.latent_shaping] if args.latent_shaping else [])]:
+        label = f"{stage} {SHAPED}" if shaping else stage
+        for kv in FORMATS[1:]:
+            _, models[(f"{shape} {kv}", label)] = calibrated_candidate(
+                mla, CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens, latent_shaping=shaping),
+                work / f"{mla.name}-{label.replace(' ', '-')}-{kv}")
+            log(f"calibrated {shape} {label} {kv}")
     res = evaluate_kv_quant(reference, models, windows)
     out = []
-    for name in models:
+    for (name, label), r in ((key, res[key]) for key in models):
         calib = "" if name.endswith("bf16") else f", calibrate defaults on {args.calib_tokens} tokens"
-        out.append(point(cands, name, res[name].kl, res[name].ppl, source_ppl, stage, "measured here",
-                         f"{proto}; {note}{calib}"))
-        log(f"{name} {stage}: KL {res[name].kl:.4f} ppl {res[name].ppl:.2f}")
+        if label != stage:
+            calib += f" with --latent-shaping {args.latent_shaping}"
+        out.append(point(cands, name, r.kl, r.ppl, source_ppl, label, "measured here", f"{proto}; {note}{calib}"))
+        log(f"{name} {label}: KL {r.kl:.4f} ppl {r.ppl:.2f}")
     return out
 
 
@@ -201,6 +205,9 @@ def main():
                          "repeatable)")
     ap.add_argument("--convert-tokens", type=int, default=8192, help="calibration tokens of the MLA conversions")
     ap.add_argument("--calib-tokens", type=int, default=4096, help="KV calibration tokens of the MLA points")
+    ap.add_argument("--latent-shaping", type=float, default=0.0,
+                    help="also calibrate every MLA point's quantized formats with calibrate --latent-shaping P "
+                         f"(stage '... {SHAPED}'), beside the default calibration")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-measure", action="store_true", help="only re-render from docs/bench_frontier.json")
     ap.add_argument("--add", action="store_true",
@@ -228,6 +235,8 @@ def main():
         return write({**doc, "points": [p for p in doc["points"]
                                         if p["provenance"] in ("measured here", "earlier run")] + earlier})
     remeasured = {(*shape, "one-shot") for shape in shapes} | set(healed_groups)
+    if args.latent_shaping:
+        remeasured |= {(*g[:2], f"{g[2]} {SHAPED}") for g in [*((*s, "one-shot") for s in shapes), *healed_groups]}
     kept, earlier_runs = earlier_run_points(remeasured) if args.add else ([], [])
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
         measure(cands, shapes, healed, args, Path(tmp), lambda measured: write(
