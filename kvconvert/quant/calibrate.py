@@ -143,8 +143,8 @@ def plan_rotation(model, layout: KVShape, settings: CalibrationSettings, windows
     rot = value_rotation(layout, settings, desc)
     transforms = None
     if shaping_enabled(layout, settings):
-        moments = observe_latent_moments(model, layout, stat_windows, settings.batch_size)
-        transforms = [layer_shaping(i, m, settings, desc) for i, m in enumerate(moments)]
+        latent_moments = observe_latent_moments(model, layout, stat_windows, settings.batch_size)
+        transforms = [layer_shaping(i, m, settings, desc) for i, m in enumerate(latent_moments)]
     phase, strength = settings.key_phase_enabled(layout), settings.key_strength
     moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size) if phase else []
     key_obs = observe_kv(model, layout, stat_windows, settings.batch_size) if strength > 0 else []
@@ -156,7 +156,7 @@ def plan_rotation(model, layout: KVShape, settings: CalibrationSettings, windows
 
 
 def shaping_enabled(layout: KVShape, settings: CalibrationSettings) -> bool:
-    return layout.is_mla and settings.rotate is not False and settings.latent_shaping > 0
+    return layout.is_mla and settings.shaping_power > 0
 
 
 def layer_shaping(layer: int, moments: LatentMoments, settings: CalibrationSettings, desc: dict) -> torch.Tensor:
@@ -342,7 +342,7 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
     phase = settings.rotation_enabled and settings.key_phase_enabled(layout)
     strength = settings.key_strength if settings.rotation_enabled else 0.0
     factors, moments = ([] if phase or strength > 0 else None), []
-    transforms = [] if settings.rotation_enabled and shaping_enabled(layout, settings) else None
+    transforms = [] if shaping_enabled(layout, settings) else None
     record = settings.search_windows(windows.shape[1])
     observers, per_layer = [], []
     clock.lap("load")

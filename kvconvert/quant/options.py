@@ -58,10 +58,15 @@ class CalibrateOptions(StageOptions):
         return kv_format(self.kv_dtype).bits == 4 if self.value_rotation is None else self.value_rotation
 
     @property
+    def shaping_power(self) -> float:
+        """The latent shaping power in effect (0 when off, or when --no-rotate folds nothing)."""
+        return self.latent_shaping if self.rotate is not False else 0.0
+
+    @property
     def latent_rotation(self) -> tuple[bool, int, float]:
         """(whether V / the MLA latent is turned by a Hadamard, its block option, the latent shaping power):
         what the cache stores."""
-        shaping = self.latent_shaping if self.rotate is not False else 0.0
+        shaping = self.shaping_power
         rotated = self.rotation_enabled and self.value_rotation_enabled and not shaping
         return rotated, self.rotation_block if rotated else 0, shaping
 
