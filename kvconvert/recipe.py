@@ -60,16 +60,20 @@ def stage_options(block: StageOptions | None) -> StageOptions | None:
 def heal_cache_mismatch(distill: DistillOptions | None, calibrate: CalibrateOptions | None) -> str | None:
     """Why a quantization-aware heal (distill.kv_dtype) does not match the cache that `calibrate` stores, or None.
 
-    The heal teaches the student one format's rounding in calibrate's default basis (kvconvert.heal.quant_aware:
-    the default latent Hadamard), so calibrate must store that format with its default rotation."""
+    The heal teaches the student one format's rounding in the default Hadamard basis (kvconvert.heal.quant_aware),
+    so calibrate must store that format with its default rotation and no latent shaping given (calibrate's
+    default shaping stays off on a checkpoint healed this way: kvconvert.quant.run.keep_heal_basis)."""
     if distill is None or distill.kv_dtype is None or calibrate is None:
         return None
     if calibrate.kv_dtype != distill.kv_dtype:
         return (f"heal_distill.kv_dtype is {distill.kv_dtype} but calibrate.kv_dtype is {calibrate.kv_dtype}: the "
                 f"student would be healed for another cache format than the one calibrated; give both the same kv_dtype")
-    if calibrate.latent_rotation != CalibrateOptions(kv_dtype=calibrate.kv_dtype).latent_rotation:
+    unshaped = {"latent_shaping": 0.0}
+    if (calibrate.model_copy(update=unshaped).latent_rotation
+            != CalibrateOptions(kv_dtype=calibrate.kv_dtype, **unshaped).latent_rotation
+            or (calibrate.latent_shaping or 0.0) > 0):
         return ("calibrate's rotate / value_rotation / rotation_block / latent_shaping change how the latent is stored, but "
-                "heal_distill.kv_dtype rounds the cache in calibrate's default rotation; leave them at their "
+                "heal_distill.kv_dtype rounds the cache in calibrate's default Hadamard; leave them at their "
                 "defaults, or drop heal_distill.kv_dtype")
     return None
 

@@ -29,15 +29,22 @@ from bench_mla import TRANSMLA
 
 SMOLLM2 = "smollm2-135m"
 HEALED = "healed CPU"  # the stage of --healed checkpoints (the recipes --healed takes heal on the CPU)
-SHAPED = "shaped"  # added to the stage of points calibrated with --latent-shaping
+SHAPED, UNSHAPED = "shaped", "unshaped"  # added to the stage of points calibrated with --latent-shaping P > 0 / 0
+CPU_HEAL_TOKENS = 82432  # the CPU recipes' heal (32768 + 512 layer-wise, 49152 distillation tokens): plain HEALED
 
 
 def healed_stage(folder: Path) -> str:
-    """HEALED, or HEALED + ' QAT <format>' when the checkpoint's heal recipe (its manifest) distilled through a
-    rounded cache (heal_distill.kv_dtype): another stage, so --add keeps the plain healed points beside it."""
-    manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").is_file() else {}
-    distill = manifest.get("kvconvert_heal", {}).get("recipe", {}).get("heal_distill") or {}
-    return f"{HEALED} QAT {distill['kv_dtype']}" if distill.get("kv_dtype") else HEALED
+    """HEALED, + ' <N>K' when its heal read more tokens than the CPU recipes, + ' QAT <format>' when its
+    distillation went through a rounded cache (heal_distill.kv_dtype), all from the checkpoint's manifest:
+    another stage, so --add keeps the other healed points of the shape beside it."""
+    from kvconvert.checkpoint import read_manifest
+    from kvconvert.heal.quant_aware import healed_cache_format
+
+    data = read_manifest(folder).get("kvconvert_heal", {}).get("data", {})
+    tokens = data.get("layerwise", {}).get("tokens", 0) + data.get("distill", {}).get("tokens_requested", 0)
+    stage = HEALED if tokens <= CPU_HEAL_TOKENS else f"{HEALED} {round(tokens / 1000)}K"
+    kv_dtype = healed_cache_format(folder)
+    return f"{stage} QAT {kv_dtype}" if kv_dtype else stage
 
 
 def candidates(shapes: list[tuple[int, int]]) -> dict:
@@ -157,8 +164,8 @@ def measure_checkpoint(cands: dict, mla: Path, stage: str, note: str, reference,
     config = read_config(mla)
     shape = f"MLA {config['kv_lora_rank']}+{config['qk_rope_head_dim']}"
     models = {(f"{shape} bf16", stage): (load_hf_model(mla), identity_hook)}
-    for shaping in [0.0, *([args.latent_shaping] if args.latent_shaping else [])]:
-        label = f"{stage} {SHAPED}" if shaping else stage
+    for shaping in [None, *([] if args.latent_shaping is None else [args.latent_shaping])]:
+        label = stage if shaping is None else f"{stage} {shaping_label(shaping)}"
         for kv in FORMATS[1:]:
             _, models[(f"{shape} {kv}", label)] = calibrated_candidate(
                 mla, CalibrateOptions(kv_dtype=kv, calib_tokens=args.calib_tokens, latent_shaping=shaping),
@@ -170,9 +177,15 @@ def measure_checkpoint(cands: dict, mla: Path, stage: str, note: str, reference,
         calib = "" if name.endswith("bf16") else f", calibrate defaults on {args.calib_tokens} tokens"
         if label != stage:
             calib += f" with --latent-shaping {args.latent_shaping}"
+        elif calib:
+            calib += " (latent shaping: the default)"
         out.append(point(cands, name, r.kl, r.ppl, source_ppl, label, "measured here", f"{proto}; {note}{calib}"))
         log(f"{name} {label}: KL {r.kl:.4f} ppl {r.ppl:.2f}")
     return out
+
+
+def shaping_label(power: float) -> str:
+    return SHAPED if power > 0 else UNSHAPED
 
 
 def markdown(doc: dict) -> str:
@@ -205,9 +218,9 @@ def main():
                          "repeatable)")
     ap.add_argument("--convert-tokens", type=int, default=8192, help="calibration tokens of the MLA conversions")
     ap.add_argument("--calib-tokens", type=int, default=4096, help="KV calibration tokens of the MLA points")
-    ap.add_argument("--latent-shaping", type=float, default=0.0,
+    ap.add_argument("--latent-shaping", type=float, default=None,
                     help="also calibrate every MLA point's quantized formats with calibrate --latent-shaping P "
-                         f"(stage '... {SHAPED}'), beside the default calibration")
+                         f"(stage '... {SHAPED}', or '... {UNSHAPED}' for 0), beside the default calibration")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-measure", action="store_true", help="only re-render from docs/bench_frontier.json")
     ap.add_argument("--add", action="store_true",
@@ -235,8 +248,9 @@ def main():
         return write({**doc, "points": [p for p in doc["points"]
                                         if p["provenance"] in ("measured here", "earlier run")] + earlier})
     remeasured = {(*shape, "one-shot") for shape in shapes} | set(healed_groups)
-    if args.latent_shaping:
-        remeasured |= {(*g[:2], f"{g[2]} {SHAPED}") for g in [*((*s, "one-shot") for s in shapes), *healed_groups]}
+    if args.latent_shaping is not None:
+        label = shaping_label(args.latent_shaping)
+        remeasured |= {(*g[:2], f"{g[2]} {label}") for g in [*((*s, "one-shot") for s in shapes), *healed_groups]}
     kept, earlier_runs = earlier_run_points(remeasured) if args.add else ([], [])
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
         measure(cands, shapes, healed, args, Path(tmp), lambda measured: write(

@@ -27,6 +27,8 @@ the model-level cache.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kvconvert.errors import KVConvertError
@@ -41,12 +43,22 @@ def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     return x + (rounded - x).detach()
 
 
+def healed_cache_format(folder: Path) -> str | None:
+    """The cache format the checkpoint in `folder` was healed through (its manifest's heal recipe,
+    heal_distill.kv_dtype), or None when its heal, if any, was not quantization-aware."""
+    from kvconvert.checkpoint import read_manifest
+
+    distill = read_manifest(folder).get("kvconvert_heal", {}).get("recipe", {}).get("heal_distill") or {}
+    return distill.get("kv_dtype")
+
+
 def latent_rotation(layout: KVShape, kv_dtype: str) -> torch.Tensor | None:
     """The Hadamard `kvconvert calibrate` folds into the MLA latent for kv_dtype with its default
-    settings ([rank, rank] float64), or None where it folds none."""
-    from kvconvert.quant.calibrate import CalibrationSettings, value_rotation
+    settings on a checkpoint healed this way (no latent shaping: kvconvert.quant.run.keep_heal_basis),
+    [rank, rank] float64, or None where it folds none."""
+    from kvconvert.quant.calibrate import CalibrationSettings, hadamard
 
-    return value_rotation(layout, CalibrationSettings(kv_dtype), {})
+    return hadamard(layout, CalibrationSettings(kv_dtype), {})
 
 
 @torch.no_grad()

@@ -30,7 +30,9 @@ from kvconvert.quant.capture import (
     AttentionRecorder, CacheHook, cache_hook, check_finite, decoder_layers, run_with_hook,
 )
 from kvconvert.quant.fake_quant import scale_from_amax
-from kvconvert.quant.latent_shape import LatentMoments, check_linear_norm, predicted_noise_ratio, shaping_transform
+from kvconvert.quant.latent_shape import (
+    LatentMoments, check_linear_norm, norm_is_linear, predicted_noise_ratio, shaping_transform,
+)
 from kvconvert.quant.observers import KVObserver
 from kvconvert.quant.options import CalibrateOptions
 from kvconvert.quant.pair_stats import PairMomentObserver, PairMoments
@@ -69,7 +71,7 @@ class CalibrationSettings(CalibrateOptions):
 
     def check_layout(self, layout: KVShape) -> None:
         kv_format(self.kv_dtype).check_cache_kind(layout.is_mla)
-        if self.latent_shaping > 0 and not layout.is_mla:
+        if not self.shaping_auto and self.latent_shaping > 0 and not layout.is_mla:
             raise KVConvertError("--latent-shaping transforms an MLA latent; this checkpoint caches per-head K/V "
                                  "(use the Hadamard of --value-rotation there)")
         if layout.is_mla and self.granularity == "head":
@@ -144,7 +146,7 @@ def plan_rotation(model, layout: KVShape, settings: CalibrationSettings, windows
     transforms = None
     if shaping_enabled(layout, settings):
         latent_moments = observe_latent_moments(model, layout, stat_windows, settings.batch_size)
-        transforms = [layer_shaping(i, m, settings, desc) for i, m in enumerate(latent_moments)]
+        transforms = [layer_shaping(i, m, layout, settings, desc) for i, m in enumerate(latent_moments)]
     phase, strength = settings.key_phase_enabled(layout), settings.key_strength
     moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size) if phase else []
     key_obs = observe_kv(model, layout, stat_windows, settings.batch_size) if strength > 0 else []
@@ -159,16 +161,25 @@ def shaping_enabled(layout: KVShape, settings: CalibrationSettings) -> bool:
     return layout.is_mla and settings.shaping_power > 0
 
 
-def layer_shaping(layer: int, moments: LatentMoments, settings: CalibrationSettings, desc: dict) -> torch.Tensor:
-    """One layer's latent transform (kvconvert.quant.latent_shape), after checking the norm is linear;
-    its predicted noise ratio and norm range go into desc["latent_shaping"]."""
-    check_linear_norm(moments, layer)
-    transform = shaping_transform(moments.covariance, settings.latent_shaping, seed=layer)
-    info = desc.setdefault("latent_shaping", {"power": settings.latent_shaping, "source_tokens": moments.tokens,
-                                              "predicted_noise_ratio_per_layer": [], "max_norm_ratio": 0.0})
-    info["predicted_noise_ratio_per_layer"].append(round(predicted_noise_ratio(moments.covariance, transform), 4))
+def layer_shaping(layer: int, moments: LatentMoments, layout: KVShape, settings: CalibrationSettings,
+                  desc: dict) -> torch.Tensor | None:
+    """One layer's latent transform (kvconvert.quant.latent_shape); its predicted noise ratio and norm range
+    go into desc["latent_shaping"]. Where the layer's norm is not linear the fold would not be exact: a
+    --latent-shaping given is refused; the default keeps the latent Hadamard there (None where the format
+    folds none), and names the layer."""
+    info = desc.setdefault("latent_shaping", {"power": settings.shaping_power, "auto": settings.shaping_auto,
+                                              "source_tokens": moments.tokens, "predicted_noise_ratio_per_layer": [],
+                                              "max_norm_ratio": 0.0})
     info["max_norm_ratio"] = max(info["max_norm_ratio"], moments.max_norm_ratio)
     ratios = info["predicted_noise_ratio_per_layer"]
+    if settings.shaping_auto and not norm_is_linear(moments):
+        info.setdefault("unshaped_layers", []).append(layer)
+        transform, ratio = hadamard(layout, settings, desc), 1.0
+    else:
+        check_linear_norm(moments, layer)
+        transform = shaping_transform(moments.covariance, settings.shaping_power, seed=layer)
+        ratio = round(predicted_noise_ratio(moments.covariance, transform), 4)
+    ratios.append(ratio)
     info["predicted_noise_ratio_mean"] = round(sum(ratios) / len(ratios), 4)
     return transform
 
@@ -210,8 +221,13 @@ def _describe_key_factors(desc: dict, moments: list[PairMoments], strength: floa
 
 
 def value_rotation(layout: KVShape, settings: CalibrationSettings, desc: dict) -> torch.Tensor | None:
-    """The Hadamard for V / the MLA latent (None when off); describes it in desc."""
-    if not settings.value_rotation_enabled or shaping_enabled(layout, settings):  # shaping replaces it
+    """The Hadamard for V / the MLA latent of every layer (None when off, or when shaping replaces it)."""
+    return None if shaping_enabled(layout, settings) else hadamard(layout, settings, desc)
+
+
+def hadamard(layout: KVShape, settings: CalibrationSettings, desc: dict) -> torch.Tensor | None:
+    """The value Hadamard ([dim, dim] float64) where the format takes one, else None; describes it in desc."""
+    if not settings.value_rotation_enabled:
         return None
     dim = layout.kv_lora_rank if layout.is_mla else layout.head_dim
     block = settings.rotation_block or min(dim & -dim, 128)
@@ -354,7 +370,7 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
             factors.append(_key_factor(layout, m, key_obs, strength))
             moments += [m] if phase else []
         if transforms is not None:
-            transforms.append(layer_shaping(i, stream.latent_moments(i, attn, rest), settings, desc))
+            transforms.append(layer_shaping(i, stream.latent_moments(i, attn, rest), layout, settings, desc))
         layer_plan = RotationPlan(layout, rot, factors, latent_transform=transforms)
         if not layer_plan.is_identity:
             attn = apply_rotation(layer_plan, i, attn, layout.num_heads)

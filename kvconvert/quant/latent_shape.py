@@ -59,9 +59,13 @@ class LatentMoments:
         return self.gram / max(self.tokens, 1)
 
 
+def norm_is_linear(moments: LatentMoments) -> bool:
+    return moments.max_norm_ratio <= LINEAR_NORM_LIMIT
+
+
 def check_linear_norm(moments: LatentMoments, layer: int) -> None:
     """Refuse shaping when the layer's latent norm leaves its linear range (the fold would not be exact)."""
-    if moments.max_norm_ratio > LINEAR_NORM_LIMIT:
+    if not norm_is_linear(moments):
         raise KVConvertError(
             f"--latent-shaping needs kv_a_layernorm in its linear range (mean(c^2)/eps <= {LINEAR_NORM_LIMIT} on "
             f"every calibration token), but layer {layer} reaches {moments.max_norm_ratio:.3g}: the fold would "

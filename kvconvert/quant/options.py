@@ -11,6 +11,9 @@ from kvconvert.stage_options import StageOptions
 OBSERVERS = ("amax", "percentile", "mse")
 GRANULARITIES = ("tensor", "head")
 FORMATS = ("auto", "vllm", "modelopt", "both")
+# the optimum of latent_shape.py's noise model; measured on SmolLM2 224 + 64 (docs/BENCHMARKS.md, "Latent
+# shaping"): the cache's own KL cost -24% (fp8) to -48% (nvfp4) against the Hadamard
+DEFAULT_SHAPING_POWER = 0.25
 
 
 # ------------------------------------------------------------------------------------------------
@@ -41,9 +44,11 @@ class CalibrateOptions(StageOptions):
                                                      "two dividing the dim, capped at 128).")
     # measured worse for nvfp4, hence off by default
     key_strength: float = Field(0.0, ge=0, le=1, description="RoPE-pair amax equalization of the keys, 0..1.")
-    latent_shaping: float = Field(0.0, ge=0, le=0.5, description="MLA: fold T = Q Sigma^-p into the latent (p = "
-                                  "this, 0 = off; replaces the latent Hadamard): less rounding noise where the latent's "
-                                  "spectrum is steep. Needs the latent norm in its linear range (kvconvert mla writes that).")
+    latent_shaping: float | None = Field(None, ge=0, le=0.5, description="MLA: fold T = Q Sigma^-p into the latent "
+                                         "instead of the Hadamard (p = this, 0 = off): less rounding noise where the "
+                                         "latent's spectrum is steep. Default: 0.25 on the layers whose latent norm is "
+                                         "linear (every `kvconvert mla` output; the others keep the Hadamard), off after "
+                                         "a quantization-aware heal. A value given is refused where the norm is not linear.")
     search_tokens: int = Field(1024, ge=0, description="Calibration tokens replayed by the mse scale search.")
     batch_size: int = Field(4, ge=1, description="Windows per forward pass.")
     device: str = DEVICE_FIELD
@@ -51,16 +56,24 @@ class CalibrateOptions(StageOptions):
     @property
     def rotation_enabled(self) -> bool:
         return self.rotate is not False and (self.key_phase or self.value_rotation_enabled
-                                             or self.key_strength > 0 or self.latent_shaping > 0)
+                                             or self.key_strength > 0 or self.shaping_power > 0)
 
     @property
     def value_rotation_enabled(self) -> bool:
         return kv_format(self.kv_dtype).bits == 4 if self.value_rotation is None else self.value_rotation
 
     @property
+    def shaping_auto(self) -> bool:
+        """--latent-shaping not given: shape the layers where the fold is exact, keep the Hadamard elsewhere."""
+        return self.latent_shaping is None
+
+    @property
     def shaping_power(self) -> float:
-        """The latent shaping power in effect (0 when off, or when --no-rotate folds nothing)."""
-        return self.latent_shaping if self.rotate is not False else 0.0
+        """The latent shaping power in effect on an MLA latent whose norm is linear (0 when off, or when
+        --no-rotate folds nothing)."""
+        if self.rotate is False:
+            return 0.0
+        return DEFAULT_SHAPING_POWER if self.shaping_auto else self.latent_shaping
 
     @property
     def latent_rotation(self) -> tuple[bool, int, float]:

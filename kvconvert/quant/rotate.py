@@ -83,7 +83,8 @@ class RotationPlan:
     value_rotation: torch.Tensor | None = None
     key_pair_factor: list[torch.Tensor] | None = None
     description: dict = field(default_factory=dict)
-    latent_transform: list[torch.Tensor] | None = None  # mla: per layer [rank, rank] float64, instead of R
+    latent_transform: list[torch.Tensor | None] | None = None  # mla: per layer [rank, rank] float64 (None:
+    # nothing folded into that layer), instead of R
 
     def __post_init__(self):
         if self.latent_transform is not None and (self.value_rotation is not None or not self.layout.is_mla):
@@ -105,7 +106,7 @@ class RotationPlan:
         if self.layout.is_mla:
             latent = self.value_rotation
             inverse = None if latent is None else latent.T  # orthogonal: R^-1 = R^T
-            if self.latent_transform is not None:
+            if self.latent_transform is not None and self.latent_transform[layer] is not None:
                 latent = self.latent_transform[layer].double()
                 inverse = torch.linalg.inv(latent)
             changed = _apply_mla(self.layout, w64, latent, inverse, pair, num_q_heads)

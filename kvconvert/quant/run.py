@@ -75,6 +75,9 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
         check_output_path(out, job.overwrite, needed_bytes=estimate_checkpoint_bytes(src))
     elif not os.access(out, os.W_OK):
         raise CheckpointError(f"{out}: not writable; use --out DIR instead of --in-place")
+    unshaped = keep_heal_basis(job, src)
+    if unshaped:
+        echo(f"  {unshaped}")
     reader = CheckpointReader(src)
     check_checkpoint(reader)  # config features, missing tensors (e.g. declared biases), NaN/inf
     layout = detect_kv_layout(reader.config, reader.keys())
@@ -92,6 +95,8 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
         echo(f"  {whole_model}: not in the layer-streamed blocks; loading the whole model in fp32 on the CPU")
         result = calibrate_model(load_hf_model(src), layout, windows, job.settings,
                                  progress=lambda done, n: echo(f"  observed {done}/{n} windows"))
+    if unshaped:
+        result.plan.description["latent_shaping"] = {"auto": unshaped}
     result.stats["path"] = "whole-model (fp32)" if whole_model else "layer-streamed"
     result.stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     elapsed = time.perf_counter() - t_start
@@ -103,6 +108,20 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     write_checkpoint(source, out, layout, result.scales, result.plan, job.formats, written,
                      job.overwrite or job.in_place)
     return {"path": out, "formats": job.formats, "tokens": int(windows.numel()), "time_s": elapsed, "report": report}
+
+
+def keep_heal_basis(job: CalibrateJob, src: Path) -> str | None:
+    """Turn the default latent shaping off for a checkpoint healed through a rounded cache: that heal
+    learned the rounding in the Hadamard basis (kvconvert.heal.quant_aware), which shaping would replace.
+    Returns why (None when nothing changed)."""
+    from kvconvert.heal.quant_aware import healed_cache_format
+
+    healed = healed_cache_format(src)
+    if not (job.settings.shaping_auto and healed):
+        return None
+    job.settings = job.settings.model_copy(update={"latent_shaping": 0.0})
+    return (f"latent shaping off: the source was healed through a rounded {healed} cache in the Hadamard basis "
+            "(heal_distill.kv_dtype), which calibrate keeps")
 
 
 def check_memory(job: CalibrateJob, reader, layout: KVShape, whole_model: str | None) -> None:

@@ -68,14 +68,24 @@ def test_missing_vllm_python_is_a_clear_error(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- stock vLLM
 
-@vllm
-def test_smollm2_at_latent_320_scores_like_transformers(tmp_path, vllm_python, smollm2_path):
-    """SmolLM2 converted at 256 + 64 (latent 320, one of the two sizes vLLM's MLA accepts):
-    vLLM's prompt logprobs equal transformers' (fp32): mean NLL within 1e-4 relative, every token
-    within 2e-3 nats; the full logits captured from vLLM's logits processor (what
-    `validate --engine vllm` uses for KL) within 1e-4 relative norm of transformers' logits."""
-    out = tmp_path / "mla"
+@pytest.fixture(scope="module")
+def smollm2_320(tmp_path_factory, smollm2_path):
+    """SmolLM2 converted at 256 + 64 (latent 320, one of the two sizes vLLM's MLA accepts)."""
+    out = tmp_path_factory.mktemp("mla320") / "mla"
     run_cli("mla", "--src", str(smollm2_path), "--rank", "256", "--rope-dim", "64", *FAST_CONVERT, "--out", str(out))
+    return out
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.double() - expected).norm() / expected.norm())
+
+
+@vllm
+def test_smollm2_at_latent_320_scores_like_transformers(vllm_python, smollm2_path, smollm2_320):
+    """SmolLM2 at 256 + 64: vLLM's prompt logprobs equal transformers' (fp32): mean NLL within 1e-4
+    relative, every token within 2e-3 nats; the full logits captured from vLLM's logits processor (what
+    `validate --engine vllm` uses for KL) within 1e-4 relative norm of transformers' logits."""
+    out = smollm2_320
     ids = essay_ids(smollm2_path, 256)
     with closing(TransformersRunner(out)) as runner:
         reference = runner.logits(ids)[:-1].double()
@@ -87,7 +97,29 @@ def test_smollm2_at_latent_320_scores_like_transformers(tmp_path, vllm_python, s
     rel_nll = abs(logprobs.mean() / ref_logprobs.mean() - 1)
     assert rel_nll < 1e-4, f"mean NLL vLLM {-logprobs.mean():.6f} vs transformers {-ref_logprobs.mean():.6f}"
     assert (logprobs - ref_logprobs).abs().max() < 2e-3
-    assert float((logits.double() - reference).norm() / reference.norm()) < 1e-4
+    assert relative_error(logits, reference) < 1e-4
+
+
+@vllm
+def test_shaped_fp8_calibration_loads_and_scores_like_transformers(tmp_path, vllm_python, smollm2_path, smollm2_320):
+    """`kvconvert calibrate --kv-dtype fp8` shapes an MLA latent by default: a dense non-orthogonal T folded
+    into kv_a_proj_with_mqa / kv_b_proj (the norm weight into kv_b_proj) and the FP8 scale folded by a power
+    of two. vLLM loads the rewritten weights, and its logits equal transformers' on them within 1e-4
+    relative norm (as above), which equal the unshaped model's within the norm's linearization (1e-3).
+    The cache is fp32: vLLM's CPU_MLA cannot decode an FP8 MLA cache (docs/engines.md)."""
+    out = tmp_path / "fp8"
+    run_cli("calibrate", "--src", str(smollm2_320), "--kv-dtype", "fp8", "--calib-tokens", "512", "--window-len", "256",
+            "--search-tokens", "0", "--out", str(out), "--quiet")
+    shaping = json.loads((out / "calibration_report.json").read_text())["rotation"]["latent_shaping"]
+    assert shaping["auto"] and shaping["power"] == 0.25 and not shaping.get("unshaped_layers"), shaping
+    ids = essay_ids(smollm2_path, 256)
+    with closing(TransformersRunner(out)) as runner:
+        shaped = runner.logits(ids)[:-1].double()
+    with closing(TransformersRunner(smollm2_320)) as runner:
+        assert relative_error(shaped, runner.logits(ids)[:-1].double()) < 1e-3
+    with VLLMWorker(out, dtype="float32", max_model_len=512) as llm:
+        _, logits = llm.score(ids, logits=True)
+    assert relative_error(logits, shaped) < 1e-4
 
 
 @vllm

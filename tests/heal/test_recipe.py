@@ -48,7 +48,7 @@ def _write(tmp_path, text: str) -> Path:
     ("heal_distill:\n  kv_dtype: nvfp4\ncalibrate:\n  kv_dtype: fp8\n", "healed for another cache format"),
     ("heal_distill:\n  kv_dtype: int4\n", r"heal_distill\.kv_dtype"),
     ("heal_distill:\n  kv_dtype: nvfp4\ncalibrate:\n  kv_dtype: nvfp4\n  value_rotation: false\n",
-     "calibrate's default rotation"),
+     "calibrate's default Hadamard"),
 ], ids=["stage-key", "top-level-key", "bad-value", "bad-choice", "no-loss", "yaml", "not-a-mapping", "missing",
         "heal-and-calibrate-formats-differ", "unknown-heal-format", "heal-and-calibrate-rotations-differ"])
 def test_bad_recipe_names_the_file_and_the_key(tmp_path, text, match):
@@ -106,5 +106,5 @@ def test_quant_aware_heal_accepts_calibrates_default_rotation_however_spelled():
         assert recipe.distill.kv_dtype == "nvfp4"
     # fp8 stores the latent unrotated: no rotation matches, a forced one does not
     parse_recipe({"heal_distill": {"kv_dtype": "fp8"}, "calibrate": {"kv_dtype": "fp8", "rotate": False}})
-    with pytest.raises(KVConvertError, match="default rotation"):
+    with pytest.raises(KVConvertError, match="default Hadamard"):
         parse_recipe({"heal_distill": {"kv_dtype": "fp8"}, "calibrate": {"kv_dtype": "fp8", "value_rotation": True}})

@@ -128,7 +128,59 @@ def test_shaping_refused_for_per_head_kv(tiny_llama):
 
 
 def test_quantization_aware_heal_refuses_a_shaped_cache():
-    """The QAT heal rounds the latent in calibrate's default basis (the Hadamard), not a shaped one."""
+    """The QAT heal rounds the latent in the Hadamard basis, not a shaped one: a shaping given is refused, the
+    default (which calibrate turns off on such a checkpoint) and an explicit 0 are not."""
     distill = DistillOptions(kv_dtype="nvfp4")
     assert heal_cache_mismatch(distill, CalibrateOptions(kv_dtype="nvfp4")) is None
+    assert heal_cache_mismatch(distill, CalibrateOptions(kv_dtype="nvfp4", latent_shaping=0)) is None
     assert "latent_shaping" in heal_cache_mismatch(distill, CalibrateOptions(kv_dtype="nvfp4", latent_shaping=0.25))
+    assert "latent_shaping" in heal_cache_mismatch(distill, CalibrateOptions(kv_dtype="nvfp4", value_rotation=False))
+
+
+def test_default_shapes_a_linear_norm_latent_as_the_explicit_power(tmp_path):
+    path = linear_norm_deepseek(tmp_path)
+    reader = CheckpointReader(path)
+    layout = detect_kv_layout(reader.config, reader.keys())
+    ids = windows(path)
+    auto = calibrate_streamed(reader, layout, ids, CalibrationSettings("nvfp4_fp8rope"))
+    given = calibrate_streamed(reader, layout, ids, CalibrationSettings("nvfp4_fp8rope", latent_shaping=0.25))
+    info = auto.plan.description["latent_shaping"]
+    assert info["auto"] and info["power"] == 0.25 and "unshaped_layers" not in info
+    assert "value_rotation" not in auto.plan.description
+    for a, b in zip(auto.plan.latent_transform, given.plan.latent_transform):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
+def test_default_keeps_the_unshaped_calibration_where_the_norm_is_not_linear(tiny_deepseek, kv_dtype):
+    """tiny_deepseek's latent norm is far from linear: the default shapes no layer, names them all, and
+    gives the scales and weights of --latent-shaping 0 (the Hadamard for nvfp4, nothing for fp8)."""
+    reader = CheckpointReader(tiny_deepseek)
+    layout = detect_kv_layout(reader.config, reader.keys())
+    ids = windows(tiny_deepseek)
+    auto = calibrate_streamed(reader, layout, ids, CalibrationSettings(kv_dtype))
+    off = calibrate_streamed(reader, layout, ids, CalibrationSettings(kv_dtype, latent_shaping=0))
+    assert auto.plan.description["latent_shaping"]["unshaped_layers"] == list(range(layout.num_layers))
+    for i, transform in enumerate(auto.plan.latent_transform):
+        if kv_dtype == "fp8":
+            assert transform is None
+        else:
+            torch.testing.assert_close(transform, off.plan.value_rotation, rtol=0, atol=0)
+    for a, b in zip(auto.scales.k, off.scales.k):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0.0)
+
+
+def test_default_is_off_after_a_quantization_aware_heal(tmp_path):
+    """A checkpoint whose manifest says it was healed through a rounded nvfp4 cache keeps the Hadamard the
+    heal learned (kvconvert.quant.run.keep_heal_basis), and the report says why."""
+    import json
+
+    from kvconvert.quant.run import CalibrateJob, run_calibrate
+
+    path = linear_norm_deepseek(tmp_path)
+    (path / "manifest.json").write_text(json.dumps({"kvconvert_heal": {"recipe": {"heal_distill": {"kv_dtype": "nvfp4"}}}}))
+    opts = CalibrateOptions(kv_dtype="nvfp4", calib_tokens=512, window_len=64, search_tokens=0)
+    report = run_calibrate(CalibrateJob(src=str(path), options=opts, out=tmp_path / "out"), echo=lambda m: None)["report"]
+    rotation = report["rotation"]
+    assert "healed through a rounded nvfp4 cache" in rotation["latent_shaping"]["auto"]
+    assert rotation["value_rotation"].startswith("hadamard")
