@@ -28,7 +28,8 @@ TARGETS = {"fp8": 0.5, "nvfp4": 3.0}
 
 # name -> CalibrateOptions overrides. "naive" = per-tensor amax/448, no rotation (the brief's baseline).
 # "key phase" = per-RoPE-pair q/k phases folded into the weights (on by default when rotating);
-# "V rotation" = Hadamard on V (nvfp4 default).
+# "V rotation" = Hadamard on V (nvfp4 default; on an MLA --mla-path, on the latent: pinned with latent_shaping 0).
+# "(default)" = calibrate's defaults, which on an MLA checkpoint shape the latent instead (docs/calibrate.md).
 CONFIGS = {
     "fp8 naive (amax, tensor)": {"kv_dtype": "fp8", "observer": "amax", "rotate": False},
     "fp8 amax + key phase": {"kv_dtype": "fp8", "observer": "amax"},
@@ -36,7 +37,7 @@ CONFIGS = {
     "fp8 amax, head + key phase": {"kv_dtype": "fp8", "observer": "amax", "granularity": "head", "format": "vllm"},
     "fp8 mse, head + key phase": {"kv_dtype": "fp8", "observer": "mse", "granularity": "head", "format": "vllm"},
     "nvfp4 naive (amax, tensor)": {"kv_dtype": "nvfp4", "observer": "amax", "rotate": False},
-    "nvfp4 V rotation + mse": {"kv_dtype": "nvfp4", "observer": "mse", "key_phase": False},
+    "nvfp4 V rotation + mse": {"kv_dtype": "nvfp4", "observer": "mse", "key_phase": False, "latent_shaping": 0},
     "nvfp4 V rotation + key phase + mse (default)": {"kv_dtype": "nvfp4", "observer": "mse"},
 }
 

@@ -9,13 +9,13 @@ from typing import Literal, get_args
 from pydantic import Field, model_validator
 
 from kvconvert.kvformat import CALIBRATE_KV_DTYPES
-from kvconvert.stage_options import StageOptions
+from kvconvert.stage_options import StageOptions, text_source_help
 
 # Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
 # low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
 AttentionName = Literal["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 TRAINABLE_ATTENTION = get_args(AttentionName)
-DATA_HELP = "builtin (pydoc), wiki (SQuAD's Wikipedia paragraphs), teacher (text sampled from the teacher), a .txt/.jsonl/.parquet file or a datasets id."
+DATA_HELP = text_source_help("teacher (text sampled from the teacher)")
 
 
 class LayerwiseOptions(StageOptions):

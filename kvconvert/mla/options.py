@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kvconvert.device import DEVICE_FIELD
-from kvconvert.stage_options import StageOptions
+from kvconvert.stage_options import StageOptions, text_source_help
 from kvconvert.targets import DEFAULT_TARGET, TARGETS
 
 # The latent RMSNorm stays linear while mean(c^2) <= rho * eps on every calibration token: 3e-4
@@ -24,9 +24,7 @@ class MLAOptions(StageOptions):
         DEFAULT_TARGET, description="Engine the checkpoint is for: only MLA shapes it serves are written (vllm: "
                                     "latent 576 or 320; tensorrt-llm: 512 + 64); kvconvert (the bundled runtime) "
                                     "and any allow every shape.")
-    calib_data: str = Field("builtin", description="builtin (Python's pydoc text), wiki (SQuAD's Wikipedia paragraphs), "
-                                                   "a .txt/.jsonl/.parquet file, "
-                                                   "or a datasets id.")
+    calib_data: str = Field("builtin", description=text_source_help())
     calib_tokens: int = Field(8192, gt=0, description="Calibration tokens.")
     calib_window: int = Field(512, gt=0, description="Tokens per calibration window.")
     # measured on SmolLM2: 0.3 beats 1.0 (ppl 128 vs 141 at rank 64 + rope 32)

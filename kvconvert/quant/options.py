@@ -6,7 +6,7 @@ from pydantic import Field, model_validator
 
 from kvconvert.device import DEVICE_FIELD
 from kvconvert.kvformat import CALIBRATE_KV_DTYPES as KV_DTYPES, kv_format
-from kvconvert.stage_options import StageOptions
+from kvconvert.stage_options import StageOptions, text_source_help
 
 OBSERVERS = ("amax", "percentile", "mse")
 GRANULARITIES = ("tensor", "head")
@@ -27,9 +27,7 @@ class CalibrateOptions(StageOptions):
     observer: Literal[OBSERVERS] = Field("mse", description="Scale statistic (mse = attention-output error search).")
     granularity: Literal[GRANULARITIES] = Field("tensor", description="One scale per tensor or per KV head.")
     percentile: float = Field(99.99, gt=0, le=100, description="Percentile for --observer percentile.")
-    calib_data: str = Field("builtin", description="builtin (pydoc), wiki (SQuAD's Wikipedia paragraphs), essays, a "
-                                                   ".txt/.jsonl/.parquet file, or a "
-                                                   "datasets id.")
+    calib_data: str = Field("builtin", description=text_source_help("essays"))
     calib_tokens: int = Field(16384, gt=0, description="Calibration tokens (windows of --window-len).")
     window_len: int = Field(512, gt=1, description="Tokens per calibration window.")
     format: Literal[FORMATS] = Field("auto", description="Export names (auto: fp8 -> both, nvfp4 -> modelopt, "
