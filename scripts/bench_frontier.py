@@ -34,17 +34,30 @@ CPU_HEAL_TOKENS = 82432  # the CPU recipes' heal (32768 + 512 layer-wise, 49152 
 
 
 def healed_stage(folder: Path) -> str:
-    """HEALED, + ' <N>K' when its heal read more tokens than the CPU recipes, + ' QAT <format>' when its
+    """HEALED, + ' <N>K' when its heals read more tokens than the CPU recipes, + ' QAT <format>' when its
     distillation went through a rounded cache (heal_distill.kv_dtype), all from the checkpoint's manifest:
     another stage, so --add keeps the other healed points of the shape beside it."""
     from kvconvert.checkpoint import read_manifest
     from kvconvert.heal.quant_aware import healed_cache_format
 
-    data = read_manifest(folder).get("kvconvert_heal", {}).get("data", {})
-    tokens = data.get("layerwise", {}).get("tokens", 0) + data.get("distill", {}).get("tokens_requested", 0)
+    tokens = heal_tokens(folder)
     stage = HEALED if tokens <= CPU_HEAL_TOKENS else f"{HEALED} {round(tokens / 1000)}K"
     kv_dtype = healed_cache_format(folder)
     return f"{stage} QAT {kv_dtype}" if kv_dtype else stage
+
+
+def heal_tokens(folder: Path, depth: int = 0) -> int:
+    """Tokens the heals of the checkpoint in `folder` read, its student's heals included (a heal that
+    continued a healed checkpoint), from the manifests."""
+    from kvconvert.checkpoint import read_manifest
+
+    heal = read_manifest(folder).get("kvconvert_heal", {})
+    data = heal.get("data", {})
+    tokens = data.get("layerwise", {}).get("tokens", 0) + data.get("distill", {}).get("tokens_requested", 0)
+    student = Path(heal.get("student") or "")
+    if depth < 8 and heal.get("student") and (student / "manifest.json").is_file():
+        tokens += heal_tokens(student, depth + 1)
+    return tokens
 
 
 def candidates(shapes: list[tuple[int, int]]) -> dict:
