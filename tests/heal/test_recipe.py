@@ -30,6 +30,16 @@ def test_shipped_recipe_converts_its_source(path):
     validate_plan(get_preset(preset)["config"], recipe.stage("convert"))
 
 
+HEAL_ONLY = sorted((Path(__file__).parents[2] / "recipes" / "heal").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", HEAL_ONLY, ids=lambda p: p.name)
+def test_shipped_heal_only_recipe_heals_and_converts_nothing(path):
+    """recipes/heal/: `kvconvert heal --recipe` on an already converted checkpoint (a second pass)."""
+    recipe = load_recipe(path)
+    assert recipe.heals() and recipe.stage("convert") is None
+
+
 def _write(tmp_path, text: str) -> Path:
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
