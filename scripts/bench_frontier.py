@@ -37,7 +37,6 @@ def healed_stage(folder: Path) -> str:
     """HEALED, + ' <N>K' when its heals read more tokens than the CPU recipes, + ' QAT <format>' when its
     distillation went through a rounded cache (heal_distill.kv_dtype), all from the checkpoint's manifest:
     another stage, so --add keeps the other healed points of the shape beside it."""
-    from kvconvert.checkpoint import read_manifest
     from kvconvert.heal.quant_aware import healed_cache_format
 
     tokens = heal_tokens(folder)
