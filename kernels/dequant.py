@@ -162,9 +162,11 @@ if HAS_TRITON:
         finite value; an all-zero row gets scale 1. The rounding is e4m3's, to nearest even (3 mantissa
         bits: a relative error up to 2^-4 per element).
         """
+        # div_rn: compiled Triton lowers fp32 `/` to an approximate division (within 2 ulp), which
+        # broke bit-exactness against formats.fp8_tile_quantize on an H100; IEEE division matches it
         amax = tl.max(tl.abs(x), 1)
-        scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        return round_to_e4m3(x / scale[:, None]).to(tl.float8e4nv), scale
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+        return round_to_e4m3(tl.math.div_rn(x, scale[:, None])).to(tl.float8e4nv), scale
 
     @triton.jit
     def probs_operand(p, DOT_DTYPE: tl.constexpr):

@@ -6,13 +6,16 @@
 #   on the GPU: bash scripts/gpu_session.sh run        # with .whl carried; results under $OUT (or ./gpu-out)
 #
 # `run` installs the wheels and kvconvert into /tmp/site (no deps, nothing else touched; pytest runs
-# with -P so the checkout's kvconvert/, which lacks kernels/ and runtime/, does not shadow it), then, each
+# with PYTHONSAFEPATH=1, inherited by the tests' subprocesses, so the checkout's kvconvert/, which lacks
+# kernels/ and runtime/, does not shadow it), then, each
 # step logged to $OUT/<step>.log and a failing step not stopping the next:
 #   1. kernels  the kernel tests compiled on the GPU (TRITON_INTERPRET=0 KVCONVERT_TEST_DEVICE=cuda)
 #   2. bench    scripts/bench_kernels.py: every mode tuned (block_h 16 and 64, fp8 dots), FlashInfer /
 #               FlashMLA rows when importable; writes $OUT/bench_kernels.{json,md}
 #   3. device   the runtime's GPU tests (tests/runtime/test_device.py: logits against transformers)
-# About 5 minutes on an H100; `run kernels bench` picks steps.
+# `run kernels bench` picks steps. Each step runs under `timeout` (STEP_TIMEOUT_<step>, seconds) so one slow
+# step cannot eat a short lease; BENCH_ARGS passes options to bench_kernels.py (e.g. "--quick --contexts
+# 2048,32768": 4 tuning configs instead of 11); the compiled kernel tests run on 8 pytest-xdist workers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0
@@ -31,17 +34,23 @@ run() {
   [ ${#steps[@]} -eq 0 ] && steps=(kernels bench device)
   mkdir -p "$out"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . \
-    || { echo "install failed"; exit 1; }
+    || { echo "wheel install failed"; exit 1; }
+  # kvconvert itself; where the image's setuptools is too old for pyproject.toml, the same layout by
+  # hand (pyproject's package-dir: runtime/ and kernels/ install as kvconvert.runtime / .kernels)
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>"$out/install.log" \
+    || { cp -r kvconvert /tmp/site/ && cp -r runtime /tmp/site/kvconvert/runtime \
+         && cp -r kernels /tmp/site/kvconvert/kernels && echo "kvconvert copied (pip: $out/install.log)"; }
   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/device.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
   for step in "${steps[@]}"; do
     local started=$SECONDS
     case "$step" in
-      kernels) KVCONVERT_TEST_DEVICE=cuda python3 -P -m pytest -q -p no:cacheprovider tests/kernels ;;
-      bench) python3 scripts/bench_kernels.py --json "$out/bench_kernels.json" --md "$out/bench_kernels.md" ;;
-      device) python3 -P -m pytest -q -p no:cacheprovider tests/runtime/test_device.py ;;
+      kernels) KVCONVERT_TEST_DEVICE=cuda PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_kernels:-240}" \
+                 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels ;;
+      bench) timeout "${STEP_TIMEOUT_bench:-600}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} \
+               --json "$out/bench_kernels.json" --md "$out/bench_kernels.md" ;;
+      device) PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_device:-120}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_device.py ;;
       *) echo "unknown step $step: kernels, bench, device" ;;
     esac > "$out/$step.log" 2>&1
     echo "$step: exit $? in $((SECONDS - started)) s (log $out/$step.log)"

@@ -69,11 +69,17 @@ def assert_low_precision_close(result, reference) -> None:
     assert_lse_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
 
 
-def assert_fp8_dot_close(result, reference_on_e4m3_queries) -> None:
+# Hopper's fp8 wgmma (block_h 64 on a GPU) accumulates in fewer bits than fp32 (about 14 significant
+# bits, DeepSeek-V3 report 3.3.2): on an H100 the MLA test's LSE was off by up to 2.0e-3 (1e-4 with
+# block_h 16, and in the interpreter). Its tolerance is 1.5x that measurement.
+FP8_WGMMA_LSE_ATOL = 3e-3
+
+
+def assert_fp8_dot_close(result, reference_on_e4m3_queries, lse_atol: float = 1e-4) -> None:
     """dot='fp8' against the float64 reference given the same e4m3-rounded queries: the scores are then
-    the reference's up to fp32 accumulation (LSE within 1e-4); the output also carries the e4m3
-    rounding of the probabilities (up to 2^-4 each, relative to the running max): ||out - ref|| /
-    ||ref|| < 3e-2."""
+    the reference's up to fp32 accumulation (LSE within 1e-4; ``FP8_WGMMA_LSE_ATOL`` where the dot is
+    Hopper's fp8 wgmma); the output also carries the e4m3 rounding of the probabilities (up to 2^-4
+    each, relative to the running max): ||out - ref|| / ||ref|| < 3e-2."""
     (out, lse), (ref_out, ref_lse) = result, reference_on_e4m3_queries
-    assert_lse_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert_lse_close(lse, ref_lse, atol=lse_atol, rtol=1e-4 if lse_atol <= 1e-4 else 0.0)
     assert float((out.double() - ref_out.double()).norm() / ref_out.double().norm()) < 3e-2

@@ -20,7 +20,8 @@ from kvconvert.kernels.cache_layout import MLACacheLayer, mla_fp8_tile
 from kvconvert.kernels.mla_decode import paged_mla_decode_reference
 
 from kernel_cases import (
-    DEVICE, LOW_PRECISION_DOTS, assert_decode_close, assert_fp8_dot_close, assert_low_precision_close, make_paging,
+    DEVICE, FP8_WGMMA_LSE_ATOL, LOW_PRECISION_DOTS, assert_decode_close, assert_fp8_dot_close,
+    assert_low_precision_close, make_paging,
 )
 
 MODES = ("none", "fp8", "fp8_tile", "nvfp4", "nvfp4_fp8rope")
@@ -101,7 +102,9 @@ def test_mla_fp8_dot_operands(block_h, block_n):
     lowers to Hopper's fp8 wgmma."""
     cache, qn, qr, *args, _ = build_case("fp8", 16, 512, 64, 64, [300, 1, 129, 0], seed=3)
     out = paged_mla_decode(qn, qr, cache, *args, dot="fp8", block_h=block_h, block_n=block_n)
-    assert_fp8_dot_close(out, paged_mla_decode_reference(e4m3_query_rows(qn), e4m3_query_rows(qr), cache, *args))
+    wgmma = DEVICE.type == "cuda" and block_h == 64
+    assert_fp8_dot_close(out, paged_mla_decode_reference(e4m3_query_rows(qn), e4m3_query_rows(qr), cache, *args),
+                         lse_atol=FP8_WGMMA_LSE_ATOL if wgmma else 1e-4)
     assert torch.equal(out[0][3], torch.zeros_like(out[0][3]))
 
 
