@@ -401,10 +401,14 @@ def main(argv=None) -> int:
     global DEVICE
     args = parse_args(argv)
     if args.cpu_smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            # the kernels were decorated for compiling when this module imported kvconvert.kernels;
+            # the interpreter has to be chosen before that import, so start again with it set
+            argv = sys.argv[1:] if argv is None else argv
+            os.execve(sys.executable, [sys.executable, __file__, *argv], {**os.environ, "TRITON_INTERPRET": "1"})
         DEVICE = "cpu"
-        os.environ["TRITON_INTERPRET"] = "1"
         args.batch, args.mla_heads, args.block_size, args.tune_context = 2, 16, 16, 64
-        args.contexts = "48,100"
+        args.contexts = "48"
     elif not torch.cuda.is_available():
         print("bench_kernels: no CUDA GPU visible, benchmark not run (on CPU the kernels are verified by "
               "tests/kernels in the Triton interpreter)")
