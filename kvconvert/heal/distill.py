@@ -220,7 +220,7 @@ class Distiller:
         """Load a saved state with the same fingerprint; True when resumed."""
         if not self.state_path.is_file():
             return False
-        state = torch.load(self.state_path, map_location="cpu", weights_only=False)
+        state = torch.load(self.state_path, map_location="cpu", weights_only=True)  # tensors, numbers, strings: nothing unpickled
         if state.get("fingerprint") != self.fingerprint:
             return False
         model = self.accelerator.unwrap_model(self.student)
