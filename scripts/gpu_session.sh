@@ -8,11 +8,13 @@
 # `run` installs the wheels and kvconvert into /tmp/site (no deps, nothing else touched; pytest runs
 # with PYTHONSAFEPATH=1, inherited by the tests' subprocesses, so the checkout's kvconvert/, which lacks
 # kernels/ and runtime/, does not shadow it), then, each
-# step logged to $OUT/<step>.log and a failing step not stopping the next:
+# step logged under $OUT and a failing step not stopping the next:
 #   1. kernels  the kernel tests compiled on the GPU (TRITON_INTERPRET=0 KVCONVERT_TEST_DEVICE=cuda)
 #   2. bench    scripts/bench_kernels.py: every mode tuned (block_h 16 and 64, fp8 dots), FlashInfer /
 #               FlashMLA rows when importable; writes $OUT/bench_kernels.{json,md}
 #   3. device   the runtime's GPU tests (tests/runtime/test_device.py: logits against transformers)
+#   4. distill  scripts/bench_distill.py: heal's distillation tokens/s per micro-batch, eager and
+#               torch.compile (issue 17's 4x target over 57K tokens/s); writes $OUT/bench_distill.{json,md}
 # `run kernels bench` picks steps. Each step runs under `timeout` (STEP_TIMEOUT_<step>, seconds) so one slow
 # step cannot eat a short lease; BENCH_ARGS passes options to bench_kernels.py (e.g. "--quick --contexts
 # 2048,32768": 4 tuning configs instead of 11); the compiled kernel tests run on 8 pytest-xdist workers.
@@ -31,35 +33,40 @@ prepare() {
 
 run() {
   local out="${OUT:-$PWD/gpu-out}" steps=("$@")
-  [ ${#steps[@]} -eq 0 ] && steps=(kernels bench device)
+  [ ${#steps[@]} -eq 0 ] && steps=(kernels bench device distill)
   mkdir -p "$out"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
   # kvconvert itself; where the image's setuptools is too old for pyproject.toml, the same layout by
   # hand (pyproject's package-dir: runtime/ and kernels/ install as kvconvert.runtime / .kernels)
-  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>"$out/install.log" \
-    || { cp -r kvconvert /tmp/site/ && cp -r runtime /tmp/site/kvconvert/runtime \
-         && cp -r kernels /tmp/site/kvconvert/kernels && echo "kvconvert copied (pip: $out/install.log)"; }
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>>"$out/setup.log" \
+    || { mkdir -p /tmp/site && cp -r kvconvert /tmp/site/ && cp -r runtime /tmp/site/kvconvert/runtime \
+         && cp -r kernels /tmp/site/kvconvert/kernels && echo "kvconvert copied (pip: $out/setup.log)"; }
   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/device.txt"
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee -a "$out/setup.log"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/setup.log"
+  # a device call brings back at most 8 files: setup.log, tests.log (both pytest steps), bench.log,
+  # distill.log and the benchmarks' JSON + markdown
   for step in "${steps[@]}"; do
-    local started=$SECONDS
+    local started=$SECONDS log="$out/$step.log"
+    case "$step" in kernels|device) log="$out/tests.log" ;; esac
     case "$step" in
       kernels) KVCONVERT_TEST_DEVICE=cuda PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_kernels:-240}" \
                  python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels ;;
       bench) timeout "${STEP_TIMEOUT_bench:-600}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} \
                --json "$out/bench_kernels.json" --md "$out/bench_kernels.md" ;;
       device) PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_device:-120}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_device.py ;;
-      *) echo "unknown step $step: kernels, bench, device" ;;
-    esac > "$out/$step.log" 2>&1
-    echo "$step: exit $? in $((SECONDS - started)) s (log $out/$step.log)"
-    tail -3 "$out/$step.log"
+      distill) timeout "${STEP_TIMEOUT_distill:-300}" python3 scripts/bench_distill.py ${DISTILL_ARGS:-} \
+                 --json "$out/bench_distill.json" --md "$out/bench_distill.md" ;;
+      *) echo "unknown step $step: kernels, bench, device, distill" ;;
+    esac >> "$log" 2>&1
+    echo "$step: exit $? in $((SECONDS - started)) s (log $log)"
+    tail -3 "$log"
   done
 }
 
 case "${1:-}" in
   prepare) prepare ;;
   run) shift; run "$@" ;;
-  *) echo "usage: $0 prepare | run [kernels] [bench] [device]"; exit 2 ;;
+  *) echo "usage: $0 prepare | run [kernels] [bench] [device] [distill]"; exit 2 ;;
 esac
