@@ -17,7 +17,7 @@
 #               torch.compile (issue 17's 4x target over 57K tokens/s); writes $OUT/bench_distill.{json,md}
 # `run kernels bench` picks steps. Each step runs under `timeout` (STEP_TIMEOUT_<step>, seconds) so one slow
 # step cannot eat a short lease; BENCH_ARGS passes options to bench_kernels.py (e.g. "--quick --contexts
-# 2048,32768": 4 tuning configs instead of 11); the compiled kernel tests run on 8 pytest-xdist workers.
+# 2048,32768": 5 tuning configs instead of 11); the compiled kernel tests run on 8 pytest-xdist workers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0

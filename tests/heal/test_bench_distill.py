@@ -29,5 +29,6 @@ def test_bench_distill_smoke(tmp_path):
 
 
 def test_bench_distill_rejects_a_malformed_variant():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--variants", "8x2048"], capture_output=True, text=True)
-    assert result.returncode != 0
+    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--variants", "8x2048"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0 and "bad variant '8x2048'" in result.stderr
