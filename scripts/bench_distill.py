@@ -52,11 +52,12 @@ def parse_variant(text: str) -> dict:
     return {"batch": int(m[1]), "seq_len": int(m[2]), "compile": bool(m[3])}
 
 
-def build_models(preset: str, rank: int, rope_dim: int, layers: int | None, work: Path) -> tuple[Path, Path]:
+def build_models(preset: str, rank: int, rope_dim: int, layers: int | None, work: Path) -> tuple[Path, Path, int]:
     """Random teacher (the preset's config) and random MLA student (the config `kvconvert mla` writes for
-    it), saved as safetensors folders under `work`."""
+    it), saved as safetensors folders under `work`; -> (student dir, teacher dir, vocab size)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from kvconvert import kvmath
     from kvconvert.mla.convert_layer import LayerPlan
     from kvconvert.mla.deepseek_format import deepseek_config
     from kvconvert.presets import get_preset
@@ -65,11 +66,9 @@ def build_models(preset: str, rank: int, rope_dim: int, layers: int | None, work
     if layers:
         src["num_hidden_layers"] = layers
     teacher_cfg = AutoConfig.for_model(**src)
-    head_dim = getattr(teacher_cfg, "head_dim", None) or src["hidden_size"] // src["num_attention_heads"]
-    plan = LayerPlan.for_source(head_dim, rank, rope_dim)
-    student_src = {**teacher_cfg.to_dict(), "head_dim": head_dim}
-    student_cfg = AutoConfig.for_model(**deepseek_config(student_src, rank, rope_dim, plan.nope_dim, plan.v_dim,
-                                                         None, "float32"))
+    plan = LayerPlan.for_source(kvmath.head_dim(src), rank, rope_dim)
+    student_cfg = AutoConfig.for_model(**deepseek_config(teacher_cfg.to_dict(), rank, rope_dim, plan.nope_dim,
+                                                         plan.v_dim, None, "float32"))
     dirs = []
     for name, cfg in (("teacher", teacher_cfg), ("student", student_cfg)):
         torch.manual_seed(0)
@@ -77,7 +76,7 @@ def build_models(preset: str, rank: int, rope_dim: int, layers: int | None, work
         model.save_pretrained(work / name, safe_serialization=True)
         dirs.append(work / name)
         del model
-    return dirs[1], dirs[0]
+    return dirs[1], dirs[0], src["vocab_size"]
 
 
 def sync(device: torch.device) -> None:
@@ -149,10 +148,7 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "rows": []}
     with tempfile.TemporaryDirectory(prefix="bench_distill_") as tmp:
         work = Path(tmp)
-        student, teacher = build_models(args.preset, args.rank, args.rope_dim, args.layers, work)
-        from kvconvert.presets import get_preset
-
-        vocab = get_preset(args.preset)["config"]["vocab_size"]
+        student, teacher, vocab = build_models(args.preset, args.rank, args.rope_dim, args.layers, work)
         for variant in variants:
             try:
                 row = measure(student, teacher, vocab, variant, args, work)

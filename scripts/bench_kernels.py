@@ -56,6 +56,7 @@ PEAK_BANDWIDTH = [
 # of 4 pad the rest), the only one where fp8 dots run on fp8 matrix units (tests/kernels/compile_kernels.py)
 TUNE_GRID = [(16, 16, 4, 2), (16, 16, 4, 3), (16, 32, 4, 2), (16, 32, 8, 2), (16, 32, 8, 3), (16, 64, 8, 2),
              (16, 64, 8, 3), (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 3)]
+FULL_CONTEXTS, QUICK_CONTEXTS = "1024,2048,4096,8192,16384,32768", "1024,8192"
 QUICK_GRID = [(16, 32, 8, 2), (16, 64, 8, 2), (16, 64, 8, 3), (64, 64, 8, 2), (64, 64, 4, 3)]
 
 
@@ -423,7 +424,7 @@ def main(argv=None) -> int:
     stem = "/tmp/bench_kernels_smoke" if args.cpu_smoke else str(DOCS / "bench_kernels")
     args.json, args.md = args.json or f"{stem}.json", args.md or f"{stem}.md"
 
-    contexts = [int(c) for c in (args.contexts or ("1024,8192" if args.quick else "1024,2048,4096,8192,16384,32768")).split(",")]
+    contexts = [int(c) for c in (args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS)).split(",")]
     grid = [(16, 32, 4, 2)] if args.cpu_smoke else QUICK_GRID if args.quick else TUNE_GRID
     name = "cpu (Triton interpreter smoke run)" if args.cpu_smoke else torch.cuda.get_device_name()
     peak = peak_bandwidth(name)
