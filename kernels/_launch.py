@@ -121,7 +121,10 @@ class DecodeOptions:
     """The decode launchers' keyword options (defaults as tuned on an H100). num_splits: KV ranges
     per sequence (None: default_num_splits); dot: operand precision (None: resolve_dot's default);
     block_h: query heads per program (64 and num_warps 4 or 8 let Hopper's wgmma take the dots; below
-    64 they run on mma.sync); block_n: tokens per KV tile; num_warps, num_stages: Triton's."""
+    64 they run on mma.sync); block_n: tokens per KV tile; num_warps, num_stages: Triton's;
+    latent_loads (MLA, plain and fp8 caches): 1 reads each latent tile once for both dots, 2 reads it
+    a second time in the transposed layout for QK^T (twice the loads, the second mostly from L2, so
+    that neither dot's operand goes through a register transpose)."""
 
     num_splits: int | None = None
     dot: str | None = None
@@ -129,10 +132,13 @@ class DecodeOptions:
     block_n: int = 16
     num_warps: int = 4
     num_stages: int = 2
+    latent_loads: int = 1
 
     def __post_init__(self):
         if self.block_h < 16 or self.block_n < 16:
             raise KVConvertError("block_h and block_n must be >= 16 (tl.dot tile shapes)")
+        if self.latent_loads not in (1, 2):
+            raise KVConvertError(f"latent_loads must be 1 or 2, not {self.latent_loads!r}")
         if self.dot == "fp8" and self.block_n < FP8_DOT_MIN_BLOCK_N:
             raise KVConvertError(f"dot='fp8' needs block_n >= {FP8_DOT_MIN_BLOCK_N}: an fp8 dot's K is at least "
                                  f"{FP8_DOT_MIN_BLOCK_N}, and P@V's K is block_n")

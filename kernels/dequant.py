@@ -112,6 +112,22 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def load_kv_tile_t(data_ptr, row_off, row_mask, D, MODE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The transpose of :func:`load_kv_tile`'s tile, ``[BLOCK_D, BLOCK_N]`` (features down, tokens
+        across), read from memory in that layout rather than transposed in registers; MODE_PLAIN and
+        MODE_FP8 rows only (no per-group scales). A kernel that also loads the same rows with
+        load_kv_tile gets each dot its own operand layout from global memory: for an fp8 tile on
+        Hopper both loads then compile to cp.async (docs/BENCHMARKS.md, "Kernels, measured on an H100")."""
+        tl.static_assert(MODE == 0 or MODE == 1, "transposed tiles: plain or fp8 rows only")
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_d < D)[:, None] & row_mask[None, :]
+        x = tl.load(data_ptr + row_off[None, :] + offs_d[:, None], mask=mask, other=0.0)
+        if OUT_DTYPE != tl.float8e4nv:  # fp8 dots take the e4m3 bytes as they are (see load_kv_tile)
+            x = x.to(tl.float32).to(OUT_DTYPE)
+        return x
+
+    @triton.jit
     def load_nvfp4_halves(
         data_ptr, row_off, row_mask, D, aux_ptr, aux_row_off,
         AUX_BROADCAST: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -138,6 +138,8 @@ def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables:
     require_triton()
     _check_decode_inputs(q, cache, block_tables, seq_lens, softmax_scale)
     opts = DecodeOptions(**options)
+    if opts.latent_loads != 1:
+        raise KVConvertError("latent_loads is an MLA option: a GQA step reads K and V as separate tiles")
     check_kernel_device(q, cache.k, cache.v, block_tables, seq_lens)
     q_heads, d = q.shape[1:]
     group = q_heads // cache.kv_heads

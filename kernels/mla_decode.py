@@ -32,9 +32,9 @@ from .cache_layout import MLACacheLayer
 from .dequant import MODE_FP8, MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
-    from .dequant import load_kv_tile, load_nvfp4_halves, probs_operand
+    from .dequant import load_kv_tile, load_kv_tile_t, load_nvfp4_halves, probs_operand
     from .split_softmax import (
-        dot_scores, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_partial_output,
+        dot_scores, dot_scores_t, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_partial_output,
         tile_slots,
     )
 
@@ -53,11 +53,14 @@ if HAS_TRITON:
         MODE: tl.constexpr, ROPE_MODE: tl.constexpr,
         AUX_GROUP: tl.constexpr, AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+        LATENT_LOADS: tl.constexpr,
     ):
         """An MODE_NVFP4 latent is computed on even/odd feature halves (``load_nvfp4_halves``):
         q.c = q[0::2].c_even + q[1::2].c_odd and out[0::2] / out[1::2] accumulate separately, so the
         packed nibbles never need re-interleaving. Its RoPE rows are plain (16/32-bit) or, with ROPE_MODE
-        MODE_FP8, e4m3 codes whose scores take ``rope_scale`` (the kv scale) before they join the latent's."""
+        MODE_FP8, e4m3 codes whose scores take ``rope_scale`` (the kv scale) before they join the latent's.
+        LATENT_LOADS 2 (plain / fp8 latent): QK^T takes a second load of the tile, transposed ``[BLOCK_R,
+        BLOCK_N]``; P@V the first, ``[BLOCK_N, BLOCK_R]``."""
         b = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)
@@ -100,7 +103,11 @@ if HAS_TRITON:
                     kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off,
                     MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R,
                 )
-                qk = dot_scores(q_nope, qn_scale, latent, DOT_DTYPE, DOT_PRECISION)
+                if LATENT_LOADS == 2:
+                    latent_t = load_kv_tile_t(kv_ptr, kv_off, n_mask, R, MODE, DOT_DTYPE, BLOCK_N, BLOCK_R)
+                    qk = dot_scores_t(q_nope, qn_scale, latent_t, DOT_DTYPE, DOT_PRECISION)
+                else:
+                    qk = dot_scores(q_nope, qn_scale, latent, DOT_DTYPE, DOT_PRECISION)
             rope = load_kv_tile(
                 rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P, aux_ptr, aux_off,
                 ROPE_MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_P,
@@ -145,6 +152,9 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
     require_triton()
     _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale)
     opts = DecodeOptions(**options)
+    if opts.latent_loads == 2 and cache.mode not in ("none", "fp8"):
+        raise KVConvertError(f"latent_loads=2 takes a plain or fp8 MLA cache, not {cache.mode!r} "
+                             "(its per-group scales are laid out per token row)")
     data = cache.data
     check_kernel_device(q_nope, q_rope, data, block_tables, seq_lens)
     heads, r = q_nope.shape[1:]
@@ -174,7 +184,8 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
         block_tables.stride(0),
         *partial_strides(part_out, part_lse),
         MODE=mode, ROPE_MODE=rope_mode, AUX_GROUP=aux_group, AUX_BROADCAST=broadcast,
-        **dot_constexprs(resolve_dot(opts.dot, q_nope, cache)), BLOCK_R=block_r, BLOCK_P=block_p, **opts.launch,
+        **dot_constexprs(resolve_dot(opts.dot, q_nope, cache)), BLOCK_R=block_r, BLOCK_P=block_p,
+        LATENT_LOADS=opts.latent_loads, **opts.launch,
     )
     return merge_splits(part_out, part_lse, q_nope.dtype)
 

@@ -56,7 +56,12 @@ if HAS_TRITON:
     def dot_scores(q, q_scale, tile, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """q ``[BLOCK_H, D]`` . tile ``[BLOCK_N, D]`` -> fp32 ``[BLOCK_H, BLOCK_N]``, times the query rows'
         scale when they were quantized (fp8 dots; :func:`load_query_rows`)."""
-        s = tl.dot(q, tl.trans(tile), input_precision=DOT_PRECISION)
+        return dot_scores_t(q, q_scale, tl.trans(tile), DOT_DTYPE, DOT_PRECISION)
+
+    @triton.jit
+    def dot_scores_t(q, q_scale, tile_t, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """:func:`dot_scores` on a tile already transposed, ``[D, BLOCK_N]`` (e.g. loaded in that layout)."""
+        s = tl.dot(q, tile_t, input_precision=DOT_PRECISION)
         if DOT_DTYPE == tl.float8e4nv:
             s = s * q_scale[:, None]
         return s

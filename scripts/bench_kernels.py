@@ -21,6 +21,7 @@ on CPU is covered by tests/kernels in the Triton interpreter.
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 import os
 import sys
@@ -213,13 +214,14 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) / (ms * 1e-3)
 
 
-def tune(run_with, grid, splits_candidates):
-    """Best (block_h, block_n, warps, stages, splits) by time; compile failures are recorded and skipped."""
+def tune(run_with, grid, splits_candidates, variants=({},)):
+    """Best (block_h, block_n, warps, stages, splits, variant options) by time; compile failures are
+    recorded and skipped. variants: extra launcher options tried on every grid point (e.g. latent_loads)."""
     tried, best = [], None
-    for block_h, block_n, warps, stages in grid:
+    for variant, (block_h, block_n, warps, stages) in itertools.product(variants, grid):
         for splits in splits_candidates:
             cfg = {"block_h": block_h, "block_n": block_n, "num_warps": warps, "num_stages": stages,
-                   "num_splits": splits}
+                   "num_splits": splits, **variant}
             try:
                 ms = time_ms(lambda: run_with(cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped, not fatal
@@ -274,7 +276,10 @@ def bench_kernel(kernel: str, args, contexts, grid, peak):
         base = default_splits and default_splits(args.tune_context)
         splits = sorted({max(1, base // 2), base, base * 2, base * 4}) if base else [None]
         mode_grid = [g for g in grid if g[1] >= FP8_DOT_MIN_BLOCK_N] if dot == "fp8" else grid
-        best, tried = tune(lambda cfg: decode(*queries, cache, tables, lens, scale, dot=dot, **cfg), mode_grid, splits)
+        # an fp8 latent also tried with a second, transposed load for QK^T (both loads then pipeline)
+        variants = ({}, {"latent_loads": 2}) if kernel == "mla" and mode == "fp8" else ({},)
+        best, tried = tune(lambda cfg: decode(*queries, cache, tables, lens, scale, dot=dot, **cfg), mode_grid, splits,
+                           variants)
         tuning[f"{mode}, {dot} dot" if dot else mode] = {"best": best, "tried": tried}
         if best is None:
             continue

@@ -37,6 +37,10 @@ CASES = [
     ("mla_fp8_fp8dot_h64", "mla", "fp8", {"dot": "fp8", "block_h": 64, "block_n": 64, "num_warps": 8}),
     ("mla_none_bf16_h64", "mla", "none", {"dot": "bf16", "block_h": 64, "block_n": 32, "num_warps": 8}),
     ("gqa_fp8_fp8dot_h64", "gqa", "fp8", {"dot": "fp8", "block_h": 64, "block_n": 64, "num_warps": 4}),
+    # the fp8 latent read once for both dots, and twice (a transposed second load for QK^T), at the
+    # config where session 18's compile analysis found the second load pipelined and spill-free
+    *((f"mla_fp8_bf16_n64_{n}load", "mla", "fp8", {"dot": "bf16", "latent_loads": n, "block_n": 64,
+                                                   "num_warps": 8, "num_stages": 3}) for n in (1, 2)),
 ]
 
 
@@ -110,7 +114,12 @@ def summary(name: str, architecture: str, mode: str, options: dict, arch: int) -
     # an instruction is its first token after an optional predicate ("@%p3 tcgen05.mma...")
     ops = {re.sub(r"^@!?%\w+\s+", "", line.strip()).split(" ")[0] for line in kernel.asm["ptx"].splitlines()}
     matrix_ops = sorted(op for op in ops if op.startswith(("mma.", "wgmma.mma_async", "tcgen05.mma")))
-    return {"name": name, "arch": arch, "matrix_ops": matrix_ops, **resource_usage(kernel.asm["cubin"])}
+    # global loads: asynchronous copies to shared memory (cp.async.ca/.cg, what software pipelining
+    # overlaps with the dots) and synchronous loads to registers (ld.global*)
+    lines = [re.sub(r"^@!?%\w+\s+", "", line.strip()) for line in kernel.asm["ptx"].splitlines()]
+    loads = {"cp_async": sum(line.startswith(("cp.async.ca.", "cp.async.cg.")) for line in lines),
+             "ld_global": sum(line.startswith("ld.global") for line in lines)}
+    return {"name": name, "arch": arch, "matrix_ops": matrix_ops, **loads, **resource_usage(kernel.asm["cubin"])}
 
 
 def main(argv=None) -> int:

@@ -64,6 +64,17 @@ def test_default_launches_do_not_spill(hopper):
             assert row["stack"] == 0 and row["reg"] <= 255, (name, row)
 
 
+def test_second_transposed_fp8_latent_load_is_pipelined(hopper):
+    """latent_loads=2 on an fp8 MLA cache (block_n 64, 8 warps, 3 stages): the tile read once for both dots
+    loads mostly synchronously (a handful of cp.async) because one layout must be made from the other in
+    registers; read a second time in QK^T's transposed layout, both loads become cp.async (about 10x more)
+    with fewer synchronous loads, and the kernel still does not spill."""
+    one, two = hopper["mla_fp8_bf16_n64_1load"], hopper["mla_fp8_bf16_n64_2load"]
+    assert two["cp_async"] >= 5 * max(1, one["cp_async"]), (one, two)
+    assert two["ld_global"] < one["ld_global"], (one, two)
+    assert two["stack"] == 0 and two["reg"] <= 255, two
+
+
 def test_blackwell_fp8_dots_use_tcgen05():
     """On sm_100 the 64-row fp8-dot tile lowers to tcgen05 MMA of kind f8f6f4, the default tile still compiles."""
     report = compile_report(100, ["mla_fp8_fp8dot_h64", "gqa_nvfp4_bf16"])

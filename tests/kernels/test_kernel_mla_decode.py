@@ -75,6 +75,10 @@ OPTION_CASES = [
     *(((mode, 9, 96, 32, 16, [40, 17], 0, torch.float16), {"dot": "fp16"}, 5e-3) for mode in ("none", "nvfp4")),
     *((("nvfp4", 9, 160, 32, 16, [70, 5]), {"dot": "fp32", "block_n": n, "block_h": h}, 1e-4)
       for n, h in ((32, 16), (64, 32))),
+    # the second, transposed latent load for QK^T (plain and fp8 caches), ragged tiles and a padded rank
+    *(((mode, 9, rank, 32, 16, [70, 1, 0, 33]), {"dot": "fp32", "latent_loads": 2, "block_n": n}, 1e-4)
+      for mode in ("none", "fp8") for rank, n in ((64, 16), (96, 64))),
+    ((("fp8", 16, 512, 64, 64, [300, 9]), {"dot": "fp32", "latent_loads": 2, "block_n": 32, "num_splits": 3}, 1e-4)),
 ]
 
 
@@ -95,13 +99,14 @@ def test_mla_low_precision_dot_operands_every_mode(mode, dot):
                                paged_mla_decode_reference(qn, qr, cache, *args))
 
 
+@pytest.mark.parametrize("latent_loads", [1, 2])
 @pytest.mark.parametrize("block_h,block_n", [(16, 32), (64, 64)])
-def test_mla_fp8_dot_operands(block_h, block_n):
+def test_mla_fp8_dot_operands(block_h, block_n, latent_loads):
     """dot='fp8' on the DeepSeek shape: the fp8 cache's bytes, e4m3 queries (one scale per head, for the
     latent and the RoPE part each) and e4m3 probabilities feed the dots. block_h 64 is the tile that
     lowers to Hopper's fp8 wgmma."""
     cache, qn, qr, *args, _ = build_case("fp8", 16, 512, 64, 64, [300, 1, 129, 0], seed=3)
-    out = paged_mla_decode(qn, qr, cache, *args, dot="fp8", block_h=block_h, block_n=block_n)
+    out = paged_mla_decode(qn, qr, cache, *args, dot="fp8", block_h=block_h, block_n=block_n, latent_loads=latent_loads)
     wgmma = DEVICE.type == "cuda" and block_h == 64
     assert_fp8_dot_close(out, paged_mla_decode_reference(e4m3_query_rows(qn), e4m3_query_rows(qr), cache, *args),
                          lse_atol=FP8_WGMMA_LSE_ATOL if wgmma else 1e-4)
@@ -163,6 +168,11 @@ def test_mla_launcher_rejects_bad_inputs(monkeypatch):
         paged_mla_decode(qn, qr, cache, tables, lens, scale, dot="fp8")
     with pytest.raises(KVConvertError, match="softmax_scale"):
         paged_mla_decode(qn, qr, cache, tables, lens, float("nan"))
+    with pytest.raises(KVConvertError, match="latent_loads must be 1 or 2"):
+        paged_mla_decode(qn, qr, cache, tables, lens, scale, latent_loads=3)
+    nvfp4, *_ = build_case("nvfp4", 9, 64, 32, 16, [5])
+    with pytest.raises(KVConvertError, match="latent_loads=2 takes a plain or fp8 MLA cache, not 'nvfp4'"):
+        paged_mla_decode(qn, qr, nvfp4, tables, lens, scale, latent_loads=2)
     if DEVICE.type == "cpu":
         with pytest.raises(KVConvertError, match="seq_lens must lie"):
             paged_mla_decode(qn, qr, cache, tables, lens + tables.shape[1] * 16, scale)
