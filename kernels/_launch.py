@@ -122,9 +122,9 @@ class DecodeOptions:
     per sequence (None: default_num_splits); dot: operand precision (None: resolve_dot's default);
     block_h: query heads per program (64 and num_warps 4 or 8 let Hopper's wgmma take the dots; below
     64 they run on mma.sync); block_n: tokens per KV tile; num_warps, num_stages: Triton's;
-    latent_loads (MLA, plain and fp8 caches): 1 reads each latent tile once for both dots, 2 reads it
-    a second time in the transposed layout for QK^T (twice the loads, the second mostly from L2, so
-    that neither dot's operand goes through a register transpose)."""
+    latent_loads (MLA): 1 reads each latent tile once for both dots, 2 reads it a second time in the
+    transposed layout for QK^T (twice the loads, the second mostly from L2, so that neither dot's
+    operand goes through a register transpose; the RoPE tile is then also read transposed)."""
 
     num_splits: int | None = None
     dot: str | None = None

@@ -59,36 +59,57 @@ if HAS_TRITON:
         return (bits.to(tl.uint16).to(tl.float16, bitcast=True) * 16384.0).to(tl.float16)
 
     @triton.jit
+    def tile_index(row_idx, col_idx, TRANSPOSED: tl.constexpr):
+        """Row ``[BLOCK_N]`` and feature ``[BLOCK_D]`` vectors (offsets or masks) combined into the tile's
+        ``[BLOCK_N, BLOCK_D]`` grid, or its transpose ``[BLOCK_D, BLOCK_N]`` when TRANSPOSED."""
+        if TRANSPOSED:
+            return row_idx[None, :], col_idx[:, None]
+        else:
+            return row_idx[:, None], col_idx[None, :]
+
+    @triton.jit
     def load_group_scales(
         aux_ptr, aux_row_off, offs_d, row_mask, D,
         AUX_GROUP: tl.constexpr, AUX_BROADCAST: tl.constexpr, S_DTYPE: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr,
     ):
-        """``[BLOCK_N, BLOCK_D]`` in S_DTYPE: the scale of each feature's group, from aux rows at aux_row_off."""
+        """``[BLOCK_N, BLOCK_D]`` (TRANSPOSED: ``[BLOCK_D, BLOCK_N]``) in S_DTYPE: the scale of each
+        feature's group, from aux rows at aux_row_off."""
         n_groups = D // AUX_GROUP
         if AUX_BROADCAST:
             N_AUX: tl.constexpr = BLOCK_D // AUX_GROUP
             offs_a = tl.arange(0, N_AUX)
-            a_mask = row_mask[:, None] & (offs_a < n_groups)[None, :]
-            s = tl.load(aux_ptr + aux_row_off[:, None] + offs_a[None, :], mask=a_mask, other=0.0)
+            row_m, col_m = tile_index(row_mask, offs_a < n_groups, TRANSPOSED)
+            row_o, col_o = tile_index(aux_row_off, offs_a, TRANSPOSED)
+            s = tl.load(aux_ptr + row_o + col_o, mask=row_m & col_m, other=0.0)
             s = s.to(tl.float32).to(S_DTYPE)  # convert the small [BLOCK_N, N_AUX] tile, then expand
-            s = tl.broadcast_to(s[:, :, None], (BLOCK_N, N_AUX, AUX_GROUP))
-            return tl.reshape(s, (BLOCK_N, BLOCK_D))
+            if TRANSPOSED:
+                s = tl.broadcast_to(s[:, None, :], (N_AUX, AUX_GROUP, BLOCK_N))
+                return tl.reshape(s, (BLOCK_D, BLOCK_N))
+            else:
+                s = tl.broadcast_to(s[:, :, None], (BLOCK_N, N_AUX, AUX_GROUP))
+                return tl.reshape(s, (BLOCK_N, BLOCK_D))
         else:
-            g_mask = row_mask[:, None] & (offs_d < D)[None, :]
-            s = tl.load(aux_ptr + aux_row_off[:, None] + (offs_d // AUX_GROUP)[None, :], mask=g_mask, other=0.0)
+            row_m, col_m = tile_index(row_mask, offs_d < D, TRANSPOSED)
+            row_o, col_o = tile_index(aux_row_off, offs_d // AUX_GROUP, TRANSPOSED)
+            s = tl.load(aux_ptr + row_o + col_o, mask=row_m & col_m, other=0.0)
             return s.to(tl.float32).to(S_DTYPE)
 
     @triton.jit
     def load_kv_tile(
         data_ptr, row_off, row_mask, D, aux_ptr, aux_row_off,
         MODE: tl.constexpr, AUX_GROUP: tl.constexpr, AUX_BROADCAST: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr,
     ):
         """Tile ``[BLOCK_N, BLOCK_D]`` in OUT_DTYPE (the dot operand dtype) of rows at ``data_ptr + row_off``.
 
         row_off / aux_row_off: int64 ``[BLOCK_N]`` element offsets of each row in the data / aux
         tensor (features contiguous). Masked rows and features beyond D read as 0.
+
+        TRANSPOSED: the tile's transpose ``[BLOCK_D, BLOCK_N]``, read from memory in that layout (features
+        down, tokens across) rather than transposed in registers. A kernel that also loads the same rows
+        untransposed gives each of its two dots (QK^T, P@V) its own operand layout from global memory;
+        for fp8 and nvfp4 tiles on Hopper both loads then compile to cp.async (docs/BENCHMARKS.md).
 
         MODE_FP8 tiles are the raw float8 values, exact in bf16/fp16/fp32: the per-tensor or per-head
         scale is a scalar per program, so the kernel applies it to the fp32 dot results instead of
@@ -97,42 +118,30 @@ if HAS_TRITON:
         """
         tl.static_assert(MODE != 3, "NVFP4 rows load as even/odd halves: use load_nvfp4_halves")
         offs_d = tl.arange(0, BLOCK_D)
-        mask = row_mask[:, None] & (offs_d < D)[None, :]
+        row_m, col_m = tile_index(row_mask, offs_d < D, TRANSPOSED)
+        row_o, col_o = tile_index(row_off, offs_d, TRANSPOSED)
         # through fp32 even for float8 -> bf16: a direct conversion measured the same on an H100
-        x = tl.load(data_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        x = tl.load(data_ptr + row_o + col_o, mask=row_m & col_m, other=0.0)
         if OUT_DTYPE == tl.float8e4nv:  # fp8 dots: the cached e4m3 bytes are the operand, unconverted
             tl.static_assert(MODE == 1, "fp8 dot operands need an fp8 (per-tensor / per-head scale) cache")
         else:
             x = x.to(tl.float32)
             if MODE == 2:
                 x = x * load_group_scales(
-                    aux_ptr, aux_row_off, offs_d, row_mask, D, AUX_GROUP, AUX_BROADCAST, tl.float32, BLOCK_N, BLOCK_D
+                    aux_ptr, aux_row_off, offs_d, row_mask, D, AUX_GROUP, AUX_BROADCAST, tl.float32, BLOCK_N, BLOCK_D,
+                    TRANSPOSED,
                 )
             x = x.to(OUT_DTYPE)
-        return x
-
-    @triton.jit
-    def load_kv_tile_t(data_ptr, row_off, row_mask, D, MODE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        """The transpose of :func:`load_kv_tile`'s tile, ``[BLOCK_D, BLOCK_N]`` (features down, tokens
-        across), read from memory in that layout rather than transposed in registers; MODE_PLAIN and
-        MODE_FP8 rows only (no per-group scales). A kernel that also loads the same rows with
-        load_kv_tile gets each dot its own operand layout from global memory: for an fp8 tile on
-        Hopper both loads then compile to cp.async (docs/BENCHMARKS.md, "Kernels, measured on an H100")."""
-        tl.static_assert(MODE == 0 or MODE == 1, "transposed tiles: plain or fp8 rows only")
-        offs_d = tl.arange(0, BLOCK_D)
-        mask = (offs_d < D)[:, None] & row_mask[None, :]
-        x = tl.load(data_ptr + row_off[None, :] + offs_d[:, None], mask=mask, other=0.0)
-        if OUT_DTYPE != tl.float8e4nv:  # fp8 dots take the e4m3 bytes as they are (see load_kv_tile)
-            x = x.to(tl.float32).to(OUT_DTYPE)
         return x
 
     @triton.jit
     def load_nvfp4_halves(
         data_ptr, row_off, row_mask, D, aux_ptr, aux_row_off,
         AUX_BROADCAST: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        TRANSPOSED: tl.constexpr,
     ):
         """NVFP4 rows as two tiles ``[BLOCK_N, BLOCK_D // 2]`` in OUT_DTYPE: features 0, 2, 4, ... and 1, 3, 5, ...
+        (TRANSPOSED: ``[BLOCK_D // 2, BLOCK_N]`` each, as in :func:`load_kv_tile`).
 
         Values are ``e2m1 * block_scale`` without the fp32 global scale (a scalar per program that
         the kernel applies to the dot results). That product is exact in fp16 and so in every dot
@@ -145,9 +154,11 @@ if HAS_TRITON:
         """
         HALF: tl.constexpr = BLOCK_D // 2
         offs_j = tl.arange(0, HALF)
-        mask = row_mask[:, None] & (offs_j < D // 2)[None, :]
-        packed = tl.load(data_ptr + row_off[:, None] + offs_j[None, :], mask=mask, other=0).to(tl.int32)
-        s = load_group_scales(aux_ptr, aux_row_off, offs_j, row_mask, D // 2, 8, AUX_BROADCAST, tl.float16, BLOCK_N, HALF)
+        row_m, col_m = tile_index(row_mask, offs_j < D // 2, TRANSPOSED)
+        row_o, col_o = tile_index(row_off, offs_j, TRANSPOSED)
+        packed = tl.load(data_ptr + row_o + col_o, mask=row_m & col_m, other=0).to(tl.int32)
+        s = load_group_scales(aux_ptr, aux_row_off, offs_j, row_mask, D // 2, 8, AUX_BROADCAST, tl.float16, BLOCK_N, HALF,
+                              TRANSPOSED)
         even = (e2m1_code_to_f16(packed & 15) * s).to(OUT_DTYPE)
         odd = (e2m1_code_to_f16(packed >> 4) * s).to(OUT_DTYPE)
         return even, odd

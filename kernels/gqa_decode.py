@@ -85,19 +85,19 @@ if HAS_TRITON:
             v_aux_off = phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head
             if MODE == 3:
                 k_even, k_odd = load_nvfp4_halves(
-                    k_ptr, k_off, n_mask, D, k_aux_ptr, k_aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
+                    k_ptr, k_off, n_mask, D, k_aux_ptr, k_aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D, False
                 )
                 v_even, v_odd = load_nvfp4_halves(
-                    v_ptr, v_off, n_mask, D, v_aux_ptr, v_aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
+                    v_ptr, v_off, n_mask, D, v_aux_ptr, v_aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D, False
                 )
                 qk = dot_scores(q_even, q_scale, k_even, DOT_DTYPE, DOT_PRECISION)
                 qk += dot_scores(q_odd, q_scale, k_odd, DOT_DTYPE, DOT_PRECISION)
             else:
                 k = load_kv_tile(
-                    k_ptr, k_off, n_mask, D, k_aux_ptr, k_aux_off, MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
+                    k_ptr, k_off, n_mask, D, k_aux_ptr, k_aux_off, MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D, False
                 )
                 v = load_kv_tile(
-                    v_ptr, v_off, n_mask, D, v_aux_ptr, v_aux_off, MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D
+                    v_ptr, v_off, n_mask, D, v_aux_ptr, v_aux_off, MODE, 16, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D, False
                 )
                 qk = dot_scores(q, q_scale, k, DOT_DTYPE, DOT_PRECISION)
             if MODE == 1 or MODE == 3:  # raw fp8 / e2m1 * block-scale keys: the head's scale, on the scores

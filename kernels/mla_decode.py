@@ -32,7 +32,7 @@ from .cache_layout import MLACacheLayer
 from .dequant import MODE_FP8, MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
-    from .dequant import load_kv_tile, load_kv_tile_t, load_nvfp4_halves, probs_operand
+    from .dequant import load_kv_tile, load_nvfp4_halves, probs_operand
     from .split_softmax import (
         dot_scores, dot_scores_t, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_partial_output,
         tile_slots,
@@ -59,13 +59,16 @@ if HAS_TRITON:
         q.c = q[0::2].c_even + q[1::2].c_odd and out[0::2] / out[1::2] accumulate separately, so the
         packed nibbles never need re-interleaving. Its RoPE rows are plain (16/32-bit) or, with ROPE_MODE
         MODE_FP8, e4m3 codes whose scores take ``rope_scale`` (the kv scale) before they join the latent's.
-        LATENT_LOADS 2 (plain / fp8 latent): QK^T takes a second load of the tile, transposed ``[BLOCK_R,
-        BLOCK_N]``; P@V the first, ``[BLOCK_N, BLOCK_R]``."""
+        LATENT_LOADS 2: QK^T takes a second load of the latent tile, transposed (``[BLOCK_R, BLOCK_N]``, or
+        two ``[BLOCK_R // 2, BLOCK_N]`` halves), and its RoPE tile in that layout; P@V takes the first."""
         b = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)
         h_mask = offs_h < H
         HALF: tl.constexpr = BLOCK_R // 2
+        # QK^T's operands: LATENT_LOADS 2 reads them in its transposed layout ([features, tokens]),
+        # the latent a second time; P@V takes the latent as [tokens, features]
+        QK_T: tl.constexpr = LATENT_LOADS == 2
 
         start, end = split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
@@ -92,27 +95,40 @@ if HAS_TRITON:
             aux_off = phys * stride_aux_blk + slot * stride_aux_tok
             if MODE == 3:
                 c_even, c_odd = load_nvfp4_halves(
-                    kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R
+                    kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R, False
                 )
+                if QK_T:
+                    k_even, k_odd = load_nvfp4_halves(
+                        kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R, True
+                    )
+                    qk = dot_scores_t(q_even, qn_scale, k_even, DOT_DTYPE, DOT_PRECISION)
+                    qk += dot_scores_t(q_odd, qn_scale, k_odd, DOT_DTYPE, DOT_PRECISION)
+                else:
+                    qk = dot_scores(q_even, qn_scale, c_even, DOT_DTYPE, DOT_PRECISION)
+                    qk += dot_scores(q_odd, qn_scale, c_odd, DOT_DTYPE, DOT_PRECISION)
                 # the global scale multiplies the latent's scores (not RoPE's) and, below, its output
-                qk = dot_scores(q_even, qn_scale, c_even, DOT_DTYPE, DOT_PRECISION)
-                qk += dot_scores(q_odd, qn_scale, c_odd, DOT_DTYPE, DOT_PRECISION)
                 qk = qk * scale
             else:
                 latent = load_kv_tile(
                     kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off,
-                    MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R,
+                    MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R, False,
                 )
-                if LATENT_LOADS == 2:
-                    latent_t = load_kv_tile_t(kv_ptr, kv_off, n_mask, R, MODE, DOT_DTYPE, BLOCK_N, BLOCK_R)
+                if QK_T:
+                    latent_t = load_kv_tile(
+                        kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off,
+                        MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R, True,
+                    )
                     qk = dot_scores_t(q_nope, qn_scale, latent_t, DOT_DTYPE, DOT_PRECISION)
                 else:
                     qk = dot_scores(q_nope, qn_scale, latent, DOT_DTYPE, DOT_PRECISION)
             rope = load_kv_tile(
                 rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P, aux_ptr, aux_off,
-                ROPE_MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_P,
+                ROPE_MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_P, QK_T,
             )
-            rope_qk = dot_scores(q_rope, qr_scale, rope, DOT_DTYPE, DOT_PRECISION)
+            if QK_T:
+                rope_qk = dot_scores_t(q_rope, qr_scale, rope, DOT_DTYPE, DOT_PRECISION)
+            else:
+                rope_qk = dot_scores(q_rope, qr_scale, rope, DOT_DTYPE, DOT_PRECISION)
             if MODE == 3 and ROPE_MODE == 1:  # e4m3 RoPE codes: their own scale on the fp32 dots
                 rope_qk = rope_qk * rope_scale
             qk += rope_qk
@@ -152,9 +168,6 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
     require_triton()
     _check_decode_inputs(q_nope, q_rope, cache, block_tables, seq_lens, softmax_scale)
     opts = DecodeOptions(**options)
-    if opts.latent_loads == 2 and cache.mode not in ("none", "fp8"):
-        raise KVConvertError(f"latent_loads=2 takes a plain or fp8 MLA cache, not {cache.mode!r} "
-                             "(its per-group scales are laid out per token row)")
     data = cache.data
     check_kernel_device(q_nope, q_rope, data, block_tables, seq_lens)
     heads, r = q_nope.shape[1:]
