@@ -34,7 +34,7 @@ from .dequant import MODE_FP8, MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastab
 if HAS_TRITON:
     from .dequant import load_kv_tile, load_nvfp4_halves, probs_operand
     from .split_softmax import (
-        dot_scores, dot_scores_t, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_partial_output,
+        dot_scores_t, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_partial_output,
         tile_slots,
     )
 
@@ -98,14 +98,13 @@ if HAS_TRITON:
                     kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R, False
                 )
                 if QK_T:
-                    k_even, k_odd = load_nvfp4_halves(
+                    ct_even, ct_odd = load_nvfp4_halves(
                         kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R, True
                     )
-                    qk = dot_scores_t(q_even, qn_scale, k_even, DOT_DTYPE, DOT_PRECISION)
-                    qk += dot_scores_t(q_odd, qn_scale, k_odd, DOT_DTYPE, DOT_PRECISION)
                 else:
-                    qk = dot_scores(q_even, qn_scale, c_even, DOT_DTYPE, DOT_PRECISION)
-                    qk += dot_scores(q_odd, qn_scale, c_odd, DOT_DTYPE, DOT_PRECISION)
+                    ct_even, ct_odd = tl.trans(c_even), tl.trans(c_odd)
+                qk = dot_scores_t(q_even, qn_scale, ct_even, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores_t(q_odd, qn_scale, ct_odd, DOT_DTYPE, DOT_PRECISION)
                 # the global scale multiplies the latent's scores (not RoPE's) and, below, its output
                 qk = qk * scale
             else:
@@ -118,17 +117,17 @@ if HAS_TRITON:
                         kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off,
                         MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R, True,
                     )
-                    qk = dot_scores_t(q_nope, qn_scale, latent_t, DOT_DTYPE, DOT_PRECISION)
                 else:
-                    qk = dot_scores(q_nope, qn_scale, latent, DOT_DTYPE, DOT_PRECISION)
-            rope = load_kv_tile(
+                    latent_t = tl.trans(latent)
+                qk = dot_scores_t(q_nope, qn_scale, latent_t, DOT_DTYPE, DOT_PRECISION)
+            # only QK^T reads the RoPE tile: with QK_T it is loaded in that layout, no second load
+            rope_t = load_kv_tile(
                 rope_ptr, phys * stride_rope_blk + slot * stride_rope_tok, n_mask, P, aux_ptr, aux_off,
                 ROPE_MODE, AUX_GROUP, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_P, QK_T,
             )
-            if QK_T:
-                rope_qk = dot_scores_t(q_rope, qr_scale, rope, DOT_DTYPE, DOT_PRECISION)
-            else:
-                rope_qk = dot_scores(q_rope, qr_scale, rope, DOT_DTYPE, DOT_PRECISION)
+            if not QK_T:
+                rope_t = tl.trans(rope_t)
+            rope_qk = dot_scores_t(q_rope, qr_scale, rope_t, DOT_DTYPE, DOT_PRECISION)
             if MODE == 3 and ROPE_MODE == 1:  # e4m3 RoPE codes: their own scale on the fp32 dots
                 rope_qk = rope_qk * rope_scale
             qk += rope_qk
