@@ -19,6 +19,7 @@ docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 import time
@@ -259,10 +260,13 @@ def main():
         doc = json.loads((DOCS / "bench_frontier.json").read_text())
         return write({**doc, "points": [p for p in doc["points"]
                                         if p["provenance"] in ("measured here", "earlier run")] + earlier})
-    remeasured = {(*shape, "one-shot") for shape in shapes} | set(healed_groups)
+    # (rank, rope, stage, healed NAME or None): a healed checkpoint replaces only its own earlier points, so
+    # another checkpoint of the same stage (e.g. a second heal seed) is measured beside the first
+    groups = [(*shape, "one-shot", None) for shape in shapes] + [(*g, name) for g, name in zip(healed_groups, healed)]
+    remeasured = set(groups)
     if args.latent_shaping is not None:
         label = shaping_label(args.latent_shaping)
-        remeasured |= {(*g[:2], f"{g[2]} {label}") for g in [*((*s, "one-shot") for s in shapes), *healed_groups]}
+        remeasured |= {(*g[:2], f"{g[2]} {label}", g[3]) for g in groups}
     kept, earlier_runs = earlier_run_points(remeasured) if args.add else ([], [])
     with tempfile.TemporaryDirectory(prefix="bench_frontier_") as tmp:
         measure(cands, shapes, healed, args, Path(tmp), lambda measured: write(
@@ -270,15 +274,22 @@ def main():
              "points": measured + kept + earlier}))
 
 
-def earlier_run_points(remeasured: set[tuple[int, int, str]]) -> tuple[list[dict], list[dict]]:
-    """(the MLA points the last run measured, except the (rank, rope, stage) groups this run measures again,
-    relabelled as an earlier run; that run's commands), for --add."""
+def earlier_run_points(remeasured: set[tuple[int, int, str, str | None]]) -> tuple[list[dict], list[dict]]:
+    """(the MLA points the last run measured, except the groups this run measures again, relabelled as an
+    earlier run; that run's commands), for --add. A group is (rank, rope, stage, healed NAME or None);
+    a healed group matches only the points whose protocol says "healed by NAME"."""
     doc = json.loads((DOCS / "bench_frontier.json").read_text())
     runs = [*doc.get("earlier_runs", []), {"command": doc["command"], "seconds": doc["seconds"]}]
     kept = [{**p, "provenance": "earlier run"} for p in doc["points"]
             if p["provenance"] in ("measured here", "earlier run") and p["rank"] is not None
-            and (p["rank"], p["rope_dim"], p["stage"]) not in remeasured]
+            and not any(remeasured_by(p, group) for group in remeasured)]
     return kept, runs
+
+
+def remeasured_by(p: dict, group: tuple[int, int, str, str | None]) -> bool:
+    rank, rope, stage, healed_name = group
+    return ((p["rank"], p["rope_dim"], p["stage"]) == (rank, rope, stage)
+            and (healed_name is None or re.search(rf"healed by {re.escape(healed_name)}(,|$)", p["protocol"]) is not None))
 
 
 def write(doc: dict) -> None:
