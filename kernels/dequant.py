@@ -59,13 +59,16 @@ if HAS_TRITON:
         return (bits.to(tl.uint16).to(tl.float16, bitcast=True) * 16384.0).to(tl.float16)
 
     @triton.jit
-    def tile_index(row_idx, col_idx, TRANSPOSED: tl.constexpr):
-        """Row ``[BLOCK_N]`` and feature ``[BLOCK_D]`` vectors (offsets or masks) combined into the tile's
-        ``[BLOCK_N, BLOCK_D]`` grid, or its transpose ``[BLOCK_D, BLOCK_N]`` when TRANSPOSED."""
+    def load_grid(ptr, row_off, col_off, row_mask, col_mask, other, TRANSPOSED: tl.constexpr):
+        """The tile ``ptr[row_off[i] + col_off[j]]`` for rows ``[BLOCK_N]`` x features ``[BLOCK_D]``, laid out
+        ``[BLOCK_N, BLOCK_D]``, or its transpose ``[BLOCK_D, BLOCK_N]`` when TRANSPOSED; masked elements read
+        ``other`` (0.0 for float data, 0 for packed bytes)."""
         if TRANSPOSED:
-            return row_idx[None, :], col_idx[:, None]
+            return tl.load(ptr + row_off[None, :] + col_off[:, None], mask=row_mask[None, :] & col_mask[:, None],
+                           other=other)
         else:
-            return row_idx[:, None], col_idx[None, :]
+            return tl.load(ptr + row_off[:, None] + col_off[None, :], mask=row_mask[:, None] & col_mask[None, :],
+                           other=other)
 
     @triton.jit
     def load_group_scales(
@@ -79,9 +82,7 @@ if HAS_TRITON:
         if AUX_BROADCAST:
             N_AUX: tl.constexpr = BLOCK_D // AUX_GROUP
             offs_a = tl.arange(0, N_AUX)
-            row_m, col_m = tile_index(row_mask, offs_a < n_groups, TRANSPOSED)
-            row_o, col_o = tile_index(aux_row_off, offs_a, TRANSPOSED)
-            s = tl.load(aux_ptr + row_o + col_o, mask=row_m & col_m, other=0.0)
+            s = load_grid(aux_ptr, aux_row_off, offs_a, row_mask, offs_a < n_groups, 0.0, TRANSPOSED)
             s = s.to(tl.float32).to(S_DTYPE)  # convert the small [BLOCK_N, N_AUX] tile, then expand
             if TRANSPOSED:
                 s = tl.broadcast_to(s[:, None, :], (N_AUX, AUX_GROUP, BLOCK_N))
@@ -90,9 +91,7 @@ if HAS_TRITON:
                 s = tl.broadcast_to(s[:, :, None], (BLOCK_N, N_AUX, AUX_GROUP))
                 return tl.reshape(s, (BLOCK_N, BLOCK_D))
         else:
-            row_m, col_m = tile_index(row_mask, offs_d < D, TRANSPOSED)
-            row_o, col_o = tile_index(aux_row_off, offs_d // AUX_GROUP, TRANSPOSED)
-            s = tl.load(aux_ptr + row_o + col_o, mask=row_m & col_m, other=0.0)
+            s = load_grid(aux_ptr, aux_row_off, offs_d // AUX_GROUP, row_mask, offs_d < D, 0.0, TRANSPOSED)
             return s.to(tl.float32).to(S_DTYPE)
 
     @triton.jit
@@ -118,10 +117,8 @@ if HAS_TRITON:
         """
         tl.static_assert(MODE != 3, "NVFP4 rows load as even/odd halves: use load_nvfp4_halves")
         offs_d = tl.arange(0, BLOCK_D)
-        row_m, col_m = tile_index(row_mask, offs_d < D, TRANSPOSED)
-        row_o, col_o = tile_index(row_off, offs_d, TRANSPOSED)
         # through fp32 even for float8 -> bf16: a direct conversion measured the same on an H100
-        x = tl.load(data_ptr + row_o + col_o, mask=row_m & col_m, other=0.0)
+        x = load_grid(data_ptr, row_off, offs_d, row_mask, offs_d < D, 0.0, TRANSPOSED)
         if OUT_DTYPE == tl.float8e4nv:  # fp8 dots: the cached e4m3 bytes are the operand, unconverted
             tl.static_assert(MODE == 1, "fp8 dot operands need an fp8 (per-tensor / per-head scale) cache")
         else:
@@ -154,9 +151,7 @@ if HAS_TRITON:
         """
         HALF: tl.constexpr = BLOCK_D // 2
         offs_j = tl.arange(0, HALF)
-        row_m, col_m = tile_index(row_mask, offs_j < D // 2, TRANSPOSED)
-        row_o, col_o = tile_index(row_off, offs_j, TRANSPOSED)
-        packed = tl.load(data_ptr + row_o + col_o, mask=row_m & col_m, other=0).to(tl.int32)
+        packed = load_grid(data_ptr, row_off, offs_j, row_mask, offs_j < D // 2, 0, TRANSPOSED).to(tl.int32)
         s = load_group_scales(aux_ptr, aux_row_off, offs_j, row_mask, D // 2, 8, AUX_BROADCAST, tl.float16, BLOCK_N, HALF,
                               TRANSPOSED)
         even = (e2m1_code_to_f16(packed & 15) * s).to(OUT_DTYPE)
