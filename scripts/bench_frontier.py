@@ -158,7 +158,7 @@ def measure(cands: dict, shapes: list[tuple[int, int]], healed: dict[str, Path],
                                   windows, source_ppl, proto, args, work, log)
         save(out)
     for name, folder in healed.items():
-        out += measure_checkpoint(cands, folder, healed_stage(folder), f"healed by {name}", reference, windows,
+        out += measure_checkpoint(cands, folder, healed_stage(folder), healed_note(name), reference, windows,
                                   source_ppl, proto, args, work, log)
         save(out)
     return out
@@ -286,10 +286,15 @@ def earlier_run_points(remeasured: set[tuple[int, int, str, str | None]]) -> tup
     return kept, runs
 
 
+def healed_note(name: str) -> str:
+    """A healed point's note in its protocol (followed by ", calibrate ..." or nothing), read back by remeasured_by."""
+    return f"healed by {name}"
+
+
 def remeasured_by(p: dict, group: tuple[int, int, str, str | None]) -> bool:
     rank, rope, stage, healed_name = group
     return ((p["rank"], p["rope_dim"], p["stage"]) == (rank, rope, stage)
-            and (healed_name is None or re.search(rf"healed by {re.escape(healed_name)}(,|$)", p["protocol"]) is not None))
+            and (healed_name is None or re.search(rf"{re.escape(healed_note(healed_name))}(,|$)", p["protocol"]) is not None))
 
 
 def write(doc: dict) -> None:

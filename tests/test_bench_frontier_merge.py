@@ -20,8 +20,9 @@ def load_bench_frontier():
 
 
 def healed_point(name: str, calib: str = ", calibrate defaults on 16384 tokens") -> dict:
-    return {"rank": 224, "rope_dim": 64, "stage": "healed CPU 365K",
-            "protocol": f"essays 32 x 1024; healed by {name}{calib}"}
+    """A point as measure_checkpoint writes it: the protocol, then the healed note, then the calibration."""
+    note = load_bench_frontier().healed_note(name)
+    return {"rank": 224, "rope_dim": 64, "stage": "healed CPU 365K", "protocol": f"essays 32 x 1024; {note}{calib}"}
 
 
 def test_a_healed_group_replaces_only_its_own_points():

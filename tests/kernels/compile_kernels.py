@@ -111,12 +111,12 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 def summary(name: str, architecture: str, mode: str, options: dict, arch: int) -> dict:
     kernel = compile_case(architecture, mode, options, arch)
-    # an instruction is its first token after an optional predicate ("@%p3 tcgen05.mma...")
-    ops = {re.sub(r"^@!?%\w+\s+", "", line.strip()).split(" ")[0] for line in kernel.asm["ptx"].splitlines()}
+    # PTX lines without their optional predicate ("@%p3 tcgen05.mma..."); an instruction is the first token
+    lines = [re.sub(r"^@!?%\w+\s+", "", line.strip()) for line in kernel.asm["ptx"].splitlines()]
+    ops = {line.split(" ")[0] for line in lines}
     matrix_ops = sorted(op for op in ops if op.startswith(("mma.", "wgmma.mma_async", "tcgen05.mma")))
     # global loads: asynchronous copies to shared memory (cp.async.ca/.cg, what software pipelining
     # overlaps with the dots) and synchronous loads to registers (ld.global*)
-    lines = [re.sub(r"^@!?%\w+\s+", "", line.strip()) for line in kernel.asm["ptx"].splitlines()]
     loads = {"cp_async": sum(line.startswith(("cp.async.ca.", "cp.async.cg.")) for line in lines),
              "ld_global": sum(line.startswith("ld.global") for line in lines)}
     return {"name": name, "arch": arch, "matrix_ops": matrix_ops, **loads, **resource_usage(kernel.asm["cubin"])}
