@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from kvconvert.errors import KVConvertError, raise_on_sigterm
+from kvconvert.errors import KVConvertError, interrupted_by_signal, raise_on_sigterm, record_sigint
 
 # command name -> ("module:attribute", one-line help). Modules own their click commands.
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
@@ -63,19 +63,28 @@ def cli(ctx, debug):
 def main(argv=None):
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     raise_on_sigterm()  # SIGTERM unwinds like Ctrl-C: atomic cleanup and the message below
+    record_sigint()
     try:
         cli.main(args=argv, standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        click.echo("Interrupted: nothing was left half-written at the output path.", err=True)
-        sys.exit(130)
+        _exit_interrupted()
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except KVConvertError as exc:
-        if debug:
+    except Exception as exc:
+        # The `with` blocks have already unwound (temp folders removed) whatever the exception was;
+        # an interrupt that C code turned into another error is still reported as the interrupt.
+        if interrupted_by_signal() and not debug:
+            _exit_interrupted()
+        if debug or not isinstance(exc, KVConvertError):
             raise
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+
+
+def _exit_interrupted():
+    click.echo("Interrupted: nothing was left half-written at the output path.", err=True)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,31 @@ class Terminated(KeyboardInterrupt):
     and the CLI prints its one-line "Interrupted" message instead of dying mid-write."""
 
 
+_interrupted = threading.Event()
+
+
 def _on_sigterm(signum, frame):
+    _interrupted.set()
     raise Terminated("terminated (SIGTERM)")
+
+
+def _on_sigint(signum, frame):
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def interrupted_by_signal() -> bool:
+    """True once SIGTERM or SIGINT reached a handler above. A signal that lands inside C code (torch
+    building a tensor for safetensors, say) can have its exception replaced by an ordinary error
+    (ValueError, then our CheckpointError); the CLI asks this to still report it as an interrupt."""
+    return _interrupted.is_set()
+
+
+def record_sigint() -> None:
+    """Ctrl-C raises KeyboardInterrupt as before, and is also remembered for interrupted_by_signal."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
 
 
 def raise_on_sigterm():

@@ -38,6 +38,48 @@ def test_debug_shows_the_traceback(tmp_path):
     assert "Traceback" in result.stderr and "CheckpointError" in result.stderr
 
 
+# A signal that lands inside C code (torch building a tensor for safetensors) can come out as an
+# ordinary error: CI saw SIGTERM become "cannot read tensor ... (could not determine the shape of
+# object type 'torch.storage.UntypedStorage')", exit 2. The stand-in below swallows the signal's
+# exception the same way and raises the error that C code left behind.
+_SWALLOWING_COMMAND = """
+import os, signal, sys, time
+import kvconvert.cli as entry
+from kvconvert.errors import CheckpointError
+
+def run_and_lose_the_interrupt(*args, **kwargs):
+    try:
+        os.kill(os.getpid(), signal.SIG{sig})
+        time.sleep(5)
+    except BaseException:
+        pass
+    raise {error}("model.safetensors: cannot read tensor 'w' (could not determine the shape)")
+
+entry.cli.main = run_and_lose_the_interrupt
+entry.main([])
+"""
+
+
+@pytest.mark.parametrize("sig", ["TERM", "INT"])
+@pytest.mark.parametrize("error", ["CheckpointError", "ValueError"])
+def test_signal_turned_into_another_error_still_reports_the_interrupt(sig, error):
+    code = _SWALLOWING_COMMAND.format(sig=sig, error=error)
+    result = _run_code(code)
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == "Interrupted: nothing was left half-written at the output path.\n"
+
+
+def test_the_same_error_without_a_signal_is_still_the_error():
+    code = _SWALLOWING_COMMAND.format(sig="TERM", error="CheckpointError").replace(
+        "os.kill(os.getpid(), signal.SIGTERM)", "pass")
+    result = _run_code(code)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "cannot read tensor 'w'" in result.stderr
+
+
+def _run_code(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["budget"], "--model"),  # click's usage error (--model missing) keeps click's exit code
     (["fetch", "gpt-5"], "smollm2-135m"),  # an unknown name lists the built-in models

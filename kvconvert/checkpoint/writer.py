@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 from kvconvert import __version__
-from kvconvert.errors import CheckpointError, OutputExistsError, raise_on_sigterm, restore_sigterm
+from kvconvert.errors import (CheckpointError, OutputExistsError, Terminated, interrupted_by_signal, raise_on_sigterm,
+                              restore_sigterm)
 from kvconvert.st_header import safetensors_header, weight_files
 
 TOKENIZER_FILES = (
@@ -259,6 +260,8 @@ class CheckpointWriter:
 
     def __exit__(self, exc_type, exc, tb):
         try:
+            if exc_type is None and interrupted_by_signal():  # C code swallowed the interrupt: do not commit
+                raise Terminated("interrupted: the signal's exception was lost inside C code")
             if exc_type is None:
                 self._finish()
         except BaseException as error:

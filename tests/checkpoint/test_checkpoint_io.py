@@ -53,6 +53,27 @@ def test_failure_inside_with_leaves_nothing(tmp_path, body, error, match):
     assert list(tmp_path.iterdir()) == []  # neither the output nor a temp folder
 
 
+def test_interrupt_lost_inside_c_code_does_not_commit(tmp_path):
+    """A SIGTERM whose exception C code swallowed leaves the body running to its end: the writer
+    still must not rename a checkpoint the user asked to stop."""
+    import signal
+
+    from kvconvert import errors
+    out = tmp_path / "out"
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with CheckpointWriter(out) as w:
+                w.add("a", torch.ones(2))
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                except KeyboardInterrupt:
+                    pass  # what the C code did
+        assert not out.exists() and not list(tmp_path.iterdir())
+    finally:
+        errors._interrupted.clear()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored by the writer
+
+
 def test_existing_output_refused_and_untouched(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
