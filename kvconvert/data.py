@@ -128,8 +128,25 @@ def token_windows(tokenizer, text: str, num_windows: int, window_len: int, strid
 
 
 def calibration_windows(tokenizer, source: str = "builtin", num_tokens: int = 32768, window_len: int = 512) -> torch.Tensor:
+    """[num_tokens // window_len, window_len] token ids of `source`. A mix `A+B[+...]` (e.g. pydoc+wiki)
+    takes equal shares of windows from each text (the first ones get the remainder), interleaved
+    A, B, A, B... so that a stage reading only the first windows still sees every text."""
     n = max(1, num_tokens // window_len)
-    return token_windows(tokenizer, load_text(source), n, window_len)
+    parts = mixed_sources(source)
+    shares = [token_windows(tokenizer, load_text(part), n // len(parts) + (i < n % len(parts)), window_len)
+              for i, part in enumerate(parts) if n // len(parts) + (i < n % len(parts))]
+    order = sorted(((j, i) for i, share in enumerate(shares) for j in range(share.shape[0])))
+    return torch.stack([shares[i][j] for j, i in order])
+
+
+def mixed_sources(source: str) -> list[str]:
+    """The texts of a calibration source: `A+B` names a mix (unless a file of that name exists)."""
+    if "+" not in source or Path(source).expanduser().exists():
+        return [source]
+    parts = [p.strip() for p in source.split("+")]
+    if not all(parts):
+        raise KVConvertError(f"{source!r}: a mix names its texts joined by '+', e.g. pydoc+wiki")
+    return parts
 
 
 def eval_windows(tokenizer, num_windows: int = 32, window_len: int = 1024, source: str = "essays") -> torch.Tensor:

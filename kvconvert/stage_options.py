@@ -34,7 +34,7 @@ def text_source_help(*extra: str) -> str:
     """The help of a stage's text-source option (kvconvert.data.load_text reads them all): the built-in
     sources, `extra` ones the stage adds, then files and datasets ids."""
     return ", ".join(["builtin (pydoc)", "wiki (SQuAD's Wikipedia paragraphs)", *extra,
-                      "a .txt/.jsonl/.parquet file or a datasets id."])
+                      "a .txt/.jsonl/.parquet file or a datasets id; A+B mixes equal shares (pydoc+wiki)."])
 
 
 def _flag(name: str, prefix: str = "") -> str:

@@ -52,6 +52,31 @@ def test_calibration_windows_count(word_tokenizer, tmp_path):
     assert windows.shape == (4, 128)
 
 
+def test_a_mix_interleaves_equal_shares_of_each_text(word_tokenizer, tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(_text(1000))
+    b.write_text(" ".join(f"w{50 + i % 50}" for i in range(1000)))  # starts at id 51
+    one_a = data.calibration_windows(word_tokenizer, str(a), num_tokens=384, window_len=128)
+    one_b = data.calibration_windows(word_tokenizer, str(b), num_tokens=256, window_len=128)
+    mix = data.calibration_windows(word_tokenizer, f"{a}+{b}", num_tokens=640, window_len=128)
+    assert mix.shape == (5, 128)  # 5 windows: 3 of a (the remainder goes first), 2 of b
+    assert [int(w[0]) for w in mix] == [1, 51, 29, 79, 57]
+    for got, want in zip(mix, [one_a[0], one_b[0], one_a[1], one_b[1], one_a[2]]):
+        assert torch.equal(got, want)
+
+
+def test_a_file_whose_name_has_a_plus_is_a_file_not_a_mix(word_tokenizer, tmp_path):
+    path = tmp_path / "c++.txt"
+    path.write_text(_text(300))
+    assert data.mixed_sources(str(path)) == [str(path)]
+    assert data.calibration_windows(word_tokenizer, str(path), num_tokens=256, window_len=128).shape == (2, 128)
+
+
+def test_an_empty_part_of_a_mix_is_refused():
+    with pytest.raises(KVConvertError, match=r"a mix names its texts joined by '\+', e\.g\. pydoc\+wiki"):
+        data.mixed_sources("pydoc+")
+
+
 def test_data_hash(word_tokenizer):
     a = data.token_windows(word_tokenizer, _text(200), 2, 50)
     assert data.data_hash(a) == data.data_hash(a.clone())
