@@ -11,9 +11,12 @@ Each stage is the real command run in its own child process; its peak RSS is tha
 ru_maxrss (os.wait4), not the bench's. Linux carries the parent's RSS high-water mark into a
 child across fork + exec, so this process imports no torch (it stays ~15 MB, the floor of every
 figure) and writes the random checkpoints in a child too. Stages:
-  mla        kvconvert mla --rank 256 --rope-dim 64 (TinyLlama only by default: the 7B-shaped
-             conversion takes over an hour here; docs/BENCHMARKS.md has its 3.57 GB / 84.5 min run)
+  mla        kvconvert mla, 256 + 64 for TinyLlama, 512 + 64 for the 7B (TinyLlama only by default: the
+             7B-shaped conversion takes over an hour here; docs/BENCHMARKS.md has its 3.57 GB / 84.5 min
+             run; --layers N cuts the depth, which a streaming stage's peak must not depend on)
   calibrate  kvconvert calibrate --kv-dtype fp8 (--calib-tokens, default 2048)
+  calibrate-mla  kvconvert calibrate --kv-dtype nvfp4 of the mla stage's output: the latent shaping
+             path (its extra statistics pass and weight fold); the row records how many layers it shaped
   generate   kvconvert generate, 8 new tokens, greedy, --dtype auto (bf16 as stored); generate-fp32
              the same with --dtype fp32 (TinyLlama only by default, for comparison)
   validate   kvconvert validate's run_validate, smoke-sized: 2 perplexity/KL windows of 512 tokens
@@ -41,8 +44,9 @@ from bench_mla import LLAMA_SHAPES  # one source of truth for random checkpoints
 JSON_OUT = DOCS / "bench_memory.json"
 DEFAULT_STAGES = {"tinyllama-1.1b": ["mla", "calibrate", "generate", "generate-fp32", "validate"],
                   "llama-2-7b": ["generate", "validate"]}
+MLA_SHAPE = {"tinyllama-1.1b": ("256", "64"), "llama-2-7b": ("512", "64")}  # rank, rope-dim
 TARGETS_GB = {("tinyllama-1.1b", "generate"): 3.5, ("llama-2-7b", "generate"): 16.0,
-              ("tinyllama-1.1b", "calibrate"): 1.5, ("llama-2-7b", "calibrate"): 4.0}
+              ("tinyllama-1.1b", "calibrate"): 1.5, ("llama-2-7b", "calibrate"): 4.0, ("llama-2-7b", "calibrate-mla"): 4.0}
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 KVCONVERT = [sys.executable, "-m", "kvconvert.cli"]
 
@@ -50,10 +54,14 @@ KVCONVERT = [sys.executable, "-m", "kvconvert.cli"]
 def stage_command(stage: str, src: Path, work: Path, args, ran: set[str]) -> list[str]:
     threads = ["--threads", str(args.threads)] if args.threads else []
     if stage == "mla":
-        return [*KVCONVERT, "mla", "--src", str(src), "--rank", "256", "--rope-dim", "64", "--out", str(work / "mla"),
+        rank, rope = MLA_SHAPE[args.current_shape]
+        return [*KVCONVERT, "mla", "--src", str(src), "--rank", rank, "--rope-dim", rope, "--out", str(work / "mla"),
                 "--overwrite", "--heal", "none", "--calib-tokens", "512", "--calib-window", "256", "--dtype", "bf16"]
     if stage == "calibrate":
         return [*KVCONVERT, "calibrate", "--src", str(src), "--kv-dtype", "fp8", "--out", str(work / "fp8"),
+                "--overwrite", "--calib-tokens", str(args.calib_tokens), "--window-len", "512", "--quiet", *threads]
+    if stage == "calibrate-mla":
+        return [*KVCONVERT, "calibrate", "--src", str(work / "mla"), "--kv-dtype", "nvfp4", "--out", str(work / "nvfp4"),
                 "--overwrite", "--calib-tokens", str(args.calib_tokens), "--window-len", "512", "--quiet", *threads]
     if stage.startswith("generate"):
         dtype = "fp32" if stage == "generate-fp32" else "auto"
@@ -68,21 +76,33 @@ def stage_command(stage: str, src: Path, work: Path, args, ran: set[str]) -> lis
     raise SystemExit(f"unknown stage {stage}")
 
 
-def write_source(src: Path, shape: str) -> None:
+def write_source(src: Path, shape: str, layers: int | None) -> None:
     """The random checkpoint, written by a child process (see the module docstring)."""
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; "
             "from bench_mla import write_random_llama; from kvconvert.sources import resolve_source; "
-            f"write_random_llama(Path({str(src)!r}), resolve_source('smollm2-135m'), {shape!r})")
+            f"write_random_llama(Path({str(src)!r}), resolve_source('smollm2-135m'), {shape!r}, {layers!r})")
     t0 = time.time()
     subprocess.run([sys.executable, "-c", code], check=True)
     print(f"wrote {src} in {time.time() - t0:.0f} s", flush=True)
 
 
+def shaped_layers(report: Path) -> str:
+    """'S of L layers shaped' from a calibration_report.json (calibrate's rotation description)."""
+    shaping = (json.loads(report.read_text()).get("rotation") or {}).get("latent_shaping") or {}
+    total = len(shaping.get("predicted_noise_ratio_per_layer", []))
+    return f"{total - len(shaping.get('unshaped_layers', []))} of {total} layers shaped"
+
+
+def shape_key(shape: str, layers: int | None) -> str:
+    return shape if layers is None else f"{shape}/{layers}L"
+
+
 def bench_shape(shape: str, stages: list[str], args) -> dict:
-    work = Path(args.workdir) / shape
+    args.current_shape = shape
+    work = Path(args.workdir) / shape_key(shape, args.layers).replace("/", "-")
     src = work / "source"
     if not (src / "config.json").is_file():
-        write_source(src, shape)
+        write_source(src, shape, args.layers)
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     rows, ran = {}, set()
     for stage in stages:
@@ -91,14 +111,18 @@ def bench_shape(shape: str, stages: list[str], args) -> dict:
         target = TARGETS_GB.get((shape, stage))
         if target:
             row["target_gb"] = target
+        if stage == "calibrate-mla" and row["rc"] == 0:
+            row["note"] = shaped_layers(work / "nvfp4" / "calibration_report.json")
         rows[stage] = row
         ran.add(stage) if row["rc"] == 0 else None
         print(json.dumps({"shape": shape, "stage": stage, **row}), flush=True)
-    for name in ("mla", "fp8", "report"):
+    for name in ("mla", "fp8", "nvfp4", "report"):
         shutil.rmtree(work / name, ignore_errors=True)
     if not args.keep:
         shutil.rmtree(src, ignore_errors=True)
-    return {"shape": shape, "weights_gb": round(size / 1e9, 2), "config": LLAMA_SHAPES[shape], "stages": rows}
+    config = {**LLAMA_SHAPES[shape], **({"num_hidden_layers": args.layers} if args.layers else {})}
+    return {"shape": shape_key(shape, args.layers), "weights_gb": round(size / 1e9, 2), "config": config,
+            "stages": rows}
 
 
 def markdown(results: dict) -> str:
@@ -109,7 +133,8 @@ def markdown(results: dict) -> str:
         for stage, row in r["stages"].items():
             target = f"< {row['target_gb']} GB" if row.get("target_gb") else "-"
             rss = f"{row['peak_rss_gb']:.2f} GB" if row["rc"] == 0 else f"failed (rc {row['rc']})"
-            lines.append(f"| {shape} ({r['weights_gb']} GB) | {stage} | {rss} | {target} | {row['seconds']} s |")
+            note = f" ({row['note']})" if row.get("note") else ""
+            lines.append(f"| {shape} ({r['weights_gb']} GB) | {stage}{note} | {rss} | {target} | {row['seconds']} s |")
     return "\n".join(lines)
 
 
@@ -141,6 +166,8 @@ def main():
     ap.add_argument("--shapes", default="tinyllama-1.1b")
     ap.add_argument("--stages", default=None, help="comma list (default per shape: see DEFAULT_STAGES)")
     ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of the random checkpoints "
+                    "(default: the real model's); the rows are keyed SHAPE/NL")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS (and --threads) of every stage")
     ap.add_argument("--workdir", default=os.environ.get("TMPDIR", "/tmp") + "/kvc-bench-memory")
     ap.add_argument("--keep", action="store_true", help="keep the random checkpoints for reruns")
@@ -152,10 +179,10 @@ def main():
             raise SystemExit(f"unknown shape {shape}; choose from {', '.join(LLAMA_SHAPES)}")
         stages = args.stages.split(",") if args.stages else DEFAULT_STAGES[shape]
         fresh = bench_shape(shape, stages, args)
-        old = results.get(shape, {})  # a run of some stages updates those rows only
+        old = results.get(fresh["shape"], {})  # a run of some stages updates those rows only
         fresh["stages"] = {**old.get("stages", {}), **fresh["stages"]}
         fresh["commands"] = list(dict.fromkeys(old.get("commands", []) + [command()]))
-        results[shape] = fresh
+        results[fresh["shape"]] = fresh
     results["command"] = "; ".join(dict.fromkeys(c for r in results.values() if isinstance(r, dict)
                                                  for c in r.get("commands", [])))
     write_json(JSON_OUT, results)
