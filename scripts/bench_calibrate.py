@@ -11,6 +11,8 @@ Writes docs/bench_calibrate.json and prints a markdown table.
     python scripts/bench_calibrate.py --windows 8            # quick
     python scripts/bench_calibrate.py                        # full protocol (32 x 1024)
     python scripts/bench_calibrate.py --mla-path DIR         # also a DeepSeek-V3 (MLA) conversion
+    python scripts/bench_calibrate.py --mla-path DIR --shaping-powers 0,0.125,0.25,0.375,0.5
+        # only DIR, the latent shaping power swept; KL against DIR's own fp32 cache (the cache's own cost)
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ CONFIGS = {
 }
 
 
+def shaping_sweep(args) -> dict:
+    """One config per (format, power): calibrate's defaults with --latent-shaping P (0: no shaping,
+    the latent Hadamard where the format folds one)."""
+    if not args.mla_path:
+        raise SystemExit("--shaping-powers needs --mla-path (latent shaping exists for MLA caches only)")
+    return {f"{fmt} shaping P={float(p):g}": {"kv_dtype": fmt, "observer": "mse", "latent_shaping": float(p)}
+            for fmt in args.shaping_formats.split(",") for p in args.shaping_powers.split(",")}
+
+
 def parse_args():
     ap = parser(__doc__)
     ap.add_argument("--src", default="smollm2-135m")
@@ -51,6 +62,9 @@ def parse_args():
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--search-tokens", type=int, default=1024, help="tokens replayed by the mse search")
     ap.add_argument("--configs", default=None, help="comma-separated substrings selecting configs")
+    ap.add_argument("--shaping-powers", default=None, help="comma list of --latent-shaping powers: bench only "
+                    "--mla-path, one config per power and --shaping-formats (replaces the config table)")
+    ap.add_argument("--shaping-formats", default="nvfp4_fp8rope", help="KV formats of the shaping sweep")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(DOCS / "bench_calibrate.json"))
     return ap.parse_args()
@@ -112,13 +126,14 @@ def markdown(rows: list[dict], args) -> str:
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
-    configs = CONFIGS
+    configs = CONFIGS if not args.shaping_powers else shaping_sweep(args)
     if args.configs:
         keys = [k.strip() for k in args.configs.split(",")]
         configs = {n: c for n, c in CONFIGS.items() if any(k in n for k in keys)}
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_calibrate_") as tmp:
-        rows += bench_model(args.src, args.src, args, configs, Path(tmp))
+        if not args.shaping_powers:
+            rows += bench_model(args.src, args.src, args, configs, Path(tmp))
         if args.mla_path:
             rows += bench_model(args.mla_path, "MLA: " + Path(args.mla_path).name, args, configs, Path(tmp))
     table = markdown(rows, args)
