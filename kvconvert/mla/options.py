@@ -16,6 +16,12 @@ from kvconvert.targets import DEFAULT_TARGET, TARGETS
 LATENT_LINEAR_RHO = 3e-4
 
 
+# The conversion's calibration text (kvconvert.data.calibration_windows): half pydoc, half Wikipedia beat
+# either text alone at every KV budget on two held-out corpora (SmolLM2, 8192 tokens; docs/BENCHMARKS.md,
+# "Calibration text and tokens of the one-shot fit").
+DEFAULT_CONVERT_TEXT = "pydoc+wiki"
+
+
 class MLAOptions(StageOptions):
     rank: int = Field(gt=0, description="kv_lora_rank: size of the cached latent per token and layer.")
     rope_dim: int | None = Field(None, gt=0, description="qk_rope_head_dim (default min(64, head_dim)).")
@@ -24,7 +30,7 @@ class MLAOptions(StageOptions):
         DEFAULT_TARGET, description="Engine the checkpoint is for: only MLA shapes it serves are written (vllm: "
                                     "latent 576 or 320; tensorrt-llm: 512 + 64); kvconvert (the bundled runtime) "
                                     "and any allow every shape.")
-    calib_data: str = Field("builtin", description=text_source_help())
+    calib_data: str = Field(DEFAULT_CONVERT_TEXT, description=text_source_help())
     calib_tokens: int = Field(8192, gt=0, description="Calibration tokens.")
     calib_window: int = Field(512, gt=0, description="Tokens per calibration window.")
     # measured on SmolLM2: 0.3 beats 1.0 (ppl 128 vs 141 at rank 64 + rope 32)
