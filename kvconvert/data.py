@@ -132,11 +132,11 @@ def calibration_windows(tokenizer, source: str = "builtin", num_tokens: int = 32
     """[num_tokens // window_len, window_len] token ids of `source`. A mix `A+B[+...]` (e.g. pydoc+wiki)
     takes equal shares of windows from each text (the first ones get the remainder), interleaved
     A, B, A, B... so that a stage reading only the first windows still sees every text."""
-    n = max(1, num_tokens // window_len)
-    parts = mixed_sources(source)
-    shares = [token_windows(tokenizer, load_text(part), n // len(parts) + (i < n % len(parts)), window_len)
-              for i, part in enumerate(parts) if n // len(parts) + (i < n % len(parts))]
-    order = sorted(((j, i) for i, share in enumerate(shares) for j in range(share.shape[0])))
+    n, parts = max(1, num_tokens // window_len), mixed_sources(source)
+    counts = [n // len(parts) + (i < n % len(parts)) for i in range(len(parts))]
+    shares = [token_windows(tokenizer, load_text(part), count, window_len)
+              for part, count in zip(parts, counts) if count]
+    order = sorted((j, i) for i, share in enumerate(shares) for j in range(share.shape[0]))  # A0, B0, A1, B1, ...
     return torch.stack([shares[i][j] for j, i in order])
 
 

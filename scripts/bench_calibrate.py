@@ -129,7 +129,7 @@ def main():
     configs = CONFIGS if not args.shaping_powers else shaping_sweep(args)
     if args.configs:
         keys = [k.strip() for k in args.configs.split(",")]
-        configs = {n: c for n, c in CONFIGS.items() if any(k in n for k in keys)}
+        configs = {n: c for n, c in configs.items() if any(k in n for k in keys)}
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_calibrate_") as tmp:
         if not args.shaping_powers:

@@ -46,22 +46,24 @@ DEFAULT_STAGES = {"tinyllama-1.1b": ["mla", "calibrate", "generate", "generate-f
                   "llama-2-7b": ["generate", "validate"]}
 MLA_SHAPE = {"tinyllama-1.1b": ("256", "64"), "llama-2-7b": ("512", "64")}  # rank, rope-dim
 TARGETS_GB = {("tinyllama-1.1b", "generate"): 3.5, ("llama-2-7b", "generate"): 16.0,
-              ("tinyllama-1.1b", "calibrate"): 1.5, ("llama-2-7b", "calibrate"): 4.0, ("llama-2-7b", "calibrate-mla"): 4.0}
+              ("tinyllama-1.1b", "calibrate"): 1.5, ("llama-2-7b", "calibrate"): 4.0,
+              ("llama-2-7b", "calibrate-mla"): 4.0}
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 KVCONVERT = [sys.executable, "-m", "kvconvert.cli"]
 
 
-def stage_command(stage: str, src: Path, work: Path, args, ran: set[str]) -> list[str]:
+def stage_command(stage: str, shape: str, src: Path, work: Path, args, ran: set[str]) -> list[str]:
     threads = ["--threads", str(args.threads)] if args.threads else []
     if stage == "mla":
-        rank, rope = MLA_SHAPE[args.current_shape]
+        rank, rope = MLA_SHAPE[shape]
         return [*KVCONVERT, "mla", "--src", str(src), "--rank", rank, "--rope-dim", rope, "--out", str(work / "mla"),
                 "--overwrite", "--heal", "none", "--calib-tokens", "512", "--calib-window", "256", "--dtype", "bf16"]
     if stage == "calibrate":
         return [*KVCONVERT, "calibrate", "--src", str(src), "--kv-dtype", "fp8", "--out", str(work / "fp8"),
                 "--overwrite", "--calib-tokens", str(args.calib_tokens), "--window-len", "512", "--quiet", *threads]
     if stage == "calibrate-mla":
-        return [*KVCONVERT, "calibrate", "--src", str(work / "mla"), "--kv-dtype", "nvfp4", "--out", str(work / "nvfp4"),
+        return [*KVCONVERT, "calibrate", "--src", str(work / "mla"), "--kv-dtype", "nvfp4",
+                "--out", str(work / "nvfp4"),
                 "--overwrite", "--calib-tokens", str(args.calib_tokens), "--window-len", "512", "--quiet", *threads]
     if stage.startswith("generate"):
         dtype = "fp32" if stage == "generate-fp32" else "auto"
@@ -98,7 +100,6 @@ def shape_key(shape: str, layers: int | None) -> str:
 
 
 def bench_shape(shape: str, stages: list[str], args) -> dict:
-    args.current_shape = shape
     work = Path(args.workdir) / shape_key(shape, args.layers).replace("/", "-")
     src = work / "source"
     if not (src / "config.json").is_file():
@@ -107,7 +108,7 @@ def bench_shape(shape: str, stages: list[str], args) -> dict:
     rows, ran = {}, set()
     for stage in stages:
         shutil.rmtree(work / "report", ignore_errors=True)  # validate must compute, not reuse a cache
-        row = run_child(stage_command(stage, src, work, args, ran), work / f"{stage}.log", args.threads)
+        row = run_child(stage_command(stage, shape, src, work, args, ran), work / f"{stage}.log", args.threads)
         target = TARGETS_GB.get((shape, stage))
         if target:
             row["target_gb"] = target
