@@ -56,6 +56,8 @@ def run_and_lose_the_interrupt(*args, **kwargs):
     raise {error}("model.safetensors: cannot read tensor 'w' (could not determine the shape)")
 
 entry.cli.main = run_and_lose_the_interrupt
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal: a background job inherits SIG_IGN
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 entry.main([])
 """
 
