@@ -13,7 +13,11 @@ from kvconvert.cli import cli
 
 def _kvconvert(*args, timeout=120):
     """Run the real console entry point in a fresh process."""
-    code = "import sys; from kvconvert.cli import main; main(sys.argv[1:])"
+    return _run_code("import sys; from kvconvert.cli import main; main(sys.argv[1:])", *args, timeout=timeout)
+
+
+def _run_code(code, *args, timeout=60):
+    """`python -c code args...` in a fresh process, output captured."""
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -76,10 +80,6 @@ def test_the_same_error_without_a_signal_is_still_the_error():
         "os.kill(os.getpid(), signal.SIGTERM)", "pass")
     result = _run_code(code)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "cannot read tensor 'w'" in result.stderr
-
-
-def _run_code(code):
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("argv, message", [
