@@ -343,20 +343,19 @@ def _from_recipe(recipe_file: Path, src: str, out_dir: Path, device: str | None 
 
 def _from_plan(src: str, kv_budget: str, target: str, device: str | None, out_dir: Path,
                overwrite: bool) -> tuple[str, list[Stage]]:
-    """`kvconvert plan` into out_dir/plan (reused when its plan.json has the same budget and target,
-    unless `overwrite`), then the stages of the recipe it chose."""
-    from kvconvert.plan import parse_budget, run_plan
+    """`kvconvert plan` (its defaults, with --target and --device) into out_dir/plan, reused when a finished
+    plan there has the same budget and options, unless `overwrite`; then the stages of the recipe it chose."""
+    from kvconvert.plan import PlanOptions, finished_plan, parse_budget, run_plan
     from kvconvert.recipe import load_recipe
 
     _refuse_given(("recipe_file", "convert", "rank", "rope_dim", "kv_dtype", "heal"),
                   "--kv-budget lets `kvconvert plan` choose these; drop them or --kv-budget")
     budget, plan_dir = parse_budget(kv_budget), out_dir / "plan"
-    done = plan_dir / "plan.json"
-    measured = json.loads(done.read_text()) if done.is_file() and not overwrite else {}
-    if (measured.get("budget"), measured.get("target")) != (budget, target):
-        click.secho(f"\n== plan: kvconvert plan --src {src} --kv-budget {kv_budget} --target {target} "
-                    f"--out {plan_dir}", fg="cyan", err=True)
-        run_plan(src, budget, target, plan_dir, eval_tokens=2048, window_len=512, calib_tokens=2048,
-                 measure_dominated=False, echo=lambda msg: click.echo(msg, err=True))
+    opts = build_options(PlanOptions, {"target": target, "device": device})
+    if overwrite or not finished_plan(plan_dir, budget, opts):
+        flags = " ".join(options_as_flags(opts, keep=("target",)))
+        click.secho(f"\n== plan: kvconvert plan --src {src} --kv-budget {kv_budget} {flags} --out {plan_dir}",
+                    fg="cyan", err=True)
+        run_plan(src, budget, opts, plan_dir, echo=lambda msg: click.echo(msg, err=True))
     recipe_file = plan_dir / "recipe.yaml"
     return src, recipe_stages(load_recipe(recipe_file), recipe_file, src, out_dir, device)

@@ -27,17 +27,52 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import click
+from pydantic import Field
 
+from kvconvert.device import DEVICE_FIELD
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
+from kvconvert.stage_options import StageOptions, build_options, click_options
 from kvconvert.targets import DEFAULT_TARGET, TARGETS, get_target, rope_dims_for, servable_shapes
 
 FORMATS = ("bf16", "fp8", "nvfp4", "nvfp4_fp8rope")  # finest first
 WIDE_ROPE = 64  # RoPE dims the research shapes may reach where k_rope is stored in 8 bits (else 32)
 ENGINES = ("vllm", "tensorrt-llm", "kvconvert")
+
+
+class PlanOptions(StageOptions):
+    """How `kvconvert plan` measures (the budget aside): its flags, and what `pipeline --kv-budget` plans with."""
+
+    target: Literal[tuple(TARGETS)] = Field(DEFAULT_TARGET, description="Engine that must serve the artifact "
+                                                                        "(any: every candidate).")
+    quality_eval_tokens: int = Field(2048, ge=64, description="Held-out essay tokens each survivor is scored on "
+                                                              "(windows of --window-len).")
+    window_len: int = Field(512, ge=64, description="Tokens per scoring window.")
+    calib_tokens: int = Field(2048, ge=512, description="Calibration tokens of each quick conversion and KV "
+                                                        "calibration.")
+    measure_dominated: bool = Field(False, description="Also measure the candidates the pruning rules drop.")
+    device: str = DEVICE_FIELD
+
+
+def finished_plan(out: Path, budget: float, opts: PlanOptions) -> bool:
+    """Whether `out` holds a finished plan (plan.json and its recipe.yaml) for `budget` made with the same
+    options, the device aside (it moves the work, not what is measured)."""
+    done = out / "plan.json"
+    if not (done.is_file() and (out / "recipe.yaml").is_file()):
+        return False
+    try:
+        measured = json.loads(done.read_text())
+        made_with = PlanOptions(**measured["options"])
+    except (ValueError, TypeError, KeyError):  # unreadable, or from another version (ValidationError: a ValueError)
+        return False
+    return measured.get("budget") == budget and made_with.model_dump(exclude={"device"}) == opts.model_dump(
+        exclude={"device"})
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One artifact: the source's attention (rank None) or an MLA shape, with its KV format."""
@@ -165,9 +200,9 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 # ------------------------------------------------------------------------------ measurement
 
-def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, echo) -> Path:
+def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, device: str, echo) -> Path:
     """The candidate's checkpoint under `work` (reused when already there): MLA conversion one-shot,
-    then KV scales by a quick calibration (per-tensor amax, no rotation) for fp8/nvfp4."""
+    then KV scales by a quick calibration (per-tensor amax, no rotation) for fp8/nvfp4, both on `device`."""
     from kvconvert.mla.convert import convert_to_mla
     from kvconvert.mla.options import MLAOptions
     from kvconvert.quant.options import CalibrateOptions
@@ -179,29 +214,31 @@ def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, echo)
         if not (model / "manifest.json").is_file():
             echo(f"  converting: MLA {c.rank}+{c.rope_dim}, {calib_tokens} calibration tokens")
             convert_to_mla(src, model, MLAOptions(rank=c.rank, rope_dim=c.rope_dim, target="any", dtype="fp32",
-                                                  calib_tokens=calib_tokens), overwrite=True, progress=False)
+                                                  calib_tokens=calib_tokens, device=device),
+                           overwrite=True, progress=False)
     if c.kv_dtype == "bf16":
         return model
     out = work / f"{'source' if c.rank is None else model.name}-{c.kv_dtype}"
     if not (out / "manifest.json").is_file():
         echo(f"  calibrating: {c.kv_dtype} scales of {model.name} (amax, {calib_tokens} tokens)")
         opts = CalibrateOptions(kv_dtype=c.kv_dtype, observer="amax", rotate=False, calib_tokens=calib_tokens,
-                                window_len=min(512, calib_tokens))
+                                window_len=min(512, calib_tokens), device=device)
         run_calibrate(CalibrateJob(src=str(model), options=opts, out=out, overwrite=True), echo=lambda m: None)
     return out
 
 
 class Scorer:
     """Source logits on `windows` essay windows of `window_len` tokens (the runtime, fp32 weights, bf16
-    cache: today's serving), and KL/perplexity of candidates against them."""
+    cache: today's serving), and KL/perplexity of candidates against them, all in the runtime on `device`."""
 
-    def __init__(self, src: Path, windows: int, window_len: int):
+    def __init__(self, src: Path, windows: int, window_len: int, device: str):
         from kvconvert.data import eval_windows
         from kvconvert.checkpoint import load_tokenizer
         from kvconvert.eval.runner import RuntimeRunner
 
         self.ids = eval_windows(load_tokenizer(src), windows, window_len)
-        source = RuntimeRunner(src, "bf16", dtype="fp32", max_len=window_len)
+        self.device = device
+        source = RuntimeRunner(src, "bf16", dtype="fp32", max_len=window_len, device=device)
         self.reference = [source.logits(w) for w in self.ids]
         source.close()
 
@@ -211,7 +248,7 @@ class Scorer:
         from kvconvert.eval.runner import RuntimeRunner
         from kvconvert.eval.validate import window_stats
 
-        runner = RuntimeRunner(path, kv_dtype, dtype="fp32", max_len=self.ids.shape[1])
+        runner = RuntimeRunner(path, kv_dtype, dtype="fp32", max_len=self.ids.shape[1], device=self.device)
         stats = [window_stats(ref, runner.logits(w), w) for ref, w in zip(self.reference, self.ids)]
         runner.close()
         pooled = perplexity_summary(stats)
@@ -321,16 +358,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, window_len: int,
-             calib_tokens: int, measure_dominated: bool, echo=click.echo) -> dict:
-    """Enumerate, filter, prune, measure, choose; writes plan.json, plan.png, plan.md and recipe.yaml to `out`."""
+def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.echo) -> dict:
+    """Enumerate, filter, prune, measure, choose; writes plan.json (with `opts`), plan.png, plan.md and
+    recipe.yaml to `out`."""
     import yaml
 
     from kvconvert.checkpoint import atomic_write_text, check_writable, read_config
+    from kvconvert.device import resolve_device
     from kvconvert.sources import resolve_source
 
     t0 = time.time()
-    windows, window_len = max(1, eval_tokens // window_len), min(window_len, eval_tokens)
+    target, calib_tokens, device = opts.target, opts.calib_tokens, str(resolve_device(opts.device))  # no GPU: now
+    windows = max(1, opts.quality_eval_tokens // opts.window_len)
+    window_len = min(opts.window_len, opts.quality_eval_tokens)
     src_path = Path(resolve_source(src))
     everything = enumerate_candidates(read_config(src_path))
     fitting = fits(everything, budget, target)
@@ -339,18 +379,19 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
         raise KVConvertError(f"nothing {target} serves fits {budget:.1%} of the bf16 KV bytes: the smallest is "
                              f"{smallest.name} at {smallest.fraction:.1%}; raise --kv-budget or use --target any")
     survivors, pruned = prune(fitting)
-    to_measure = fitting if measure_dominated else survivors
+    to_measure = fitting if opts.measure_dominated else survivors
     echo(f"{len(everything)} candidates, {len(fitting)} fit {budget:.0%} and are served by {target}, "
          f"{len(survivors)} not dominated: " + ", ".join(c.name for c in survivors))
     check_writable(out)
     out.mkdir(parents=True, exist_ok=True)
     work = out / "artifacts"
-    echo(f"measuring {len(to_measure)} on {windows} x {window_len} essay tokens (KL to the source, bundled runtime)")
-    scorer = Scorer(src_path, windows, window_len)
+    echo(f"measuring {len(to_measure)} on {windows} x {window_len} essay tokens (KL to the source, bundled runtime "
+         f"on {device})")
+    scorer = Scorer(src_path, windows, window_len, device)
     results = {}
     for c in sorted(to_measure, key=lambda c: (c.kind != "source", c.latent, c.kv_dtype)):
         started = time.time()  # the seconds building and scoring the candidate took
-        path = build_artifact(c, src_path, work, calib_tokens, echo)
+        path = build_artifact(c, src_path, work, calib_tokens, device, echo)
         m = results[c.name] = {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - started, 1)}
         echo(f"  {c.name}: KL {m['kl']:.4f}, ppl {m['ppl']:.2f} ({m['seconds']} s)")
     best = min(to_measure, key=lambda c: results[c.name]["kl"])
@@ -364,7 +405,8 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
                      "chosen": c is best})
     verdict = (f"don't convert, just quantize: the source with its KV cache in {best.kv_dtype}" if best.rank is None
                else f"convert to MLA {best.rank}+{best.rope_dim} with its KV cache in {best.kv_dtype}")
-    plan = {"source": src, "budget": budget, "target": target, "chosen": best.name, "verdict": verdict,
+    plan = {"source": src, "budget": budget, "target": target, "options": opts.model_dump(), "device": device,
+            "chosen": best.name, "verdict": verdict,
             "protocol": {"eval": f"essays, {windows} x {window_len} tokens", "engine": "kvconvert runtime, fp32 weights",
                          "reference": "the source with a bf16 KV cache", "conversion": f"one-shot, {calib_tokens} "
                          "calibration tokens", "kv_scales": "per-tensor amax of the calibration tokens, no rotation"},
@@ -385,15 +427,8 @@ def run_plan(src: str, budget: float, target: str, out: Path, eval_tokens: int, 
 @click.option("--src", default="smollm2-135m", show_default=True, help="Source model (folder or built-in name).")
 @click.option("--kv-budget", "budget", required=True, help="KV bytes per token allowed, as a share of the source's "
                                                            "bf16 cache: 25% or 0.25.")
-@click.option("--target", type=click.Choice(list(TARGETS)), default=DEFAULT_TARGET, show_default=True,
-              help="Engine that must serve the artifact (any: every candidate).")
-@click.option("--quality-eval-tokens", "eval_tokens", type=click.IntRange(min=64), default=2048, show_default=True,
-              help="Held-out essay tokens each survivor is scored on (windows of --window-len).")
-@click.option("--window-len", type=click.IntRange(min=64), default=512, show_default=True)
-@click.option("--calib-tokens", type=click.IntRange(min=512), default=2048, show_default=True,
-              help="Calibration tokens of each quick conversion and KV calibration.")
-@click.option("--measure-dominated", is_flag=True, help="Also measure the candidates the pruning rules drop.")
+@click_options(PlanOptions)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("out/plan"), show_default=True)
-def plan_cmd(src, budget, target, eval_tokens, window_len, calib_tokens, measure_dominated, out_dir):
+def plan_cmd(src, budget, out_dir, **params):
     """Pick the least-damage KV artifact that fits a byte budget: measured, with the recipe that builds it."""
-    run_plan(src, parse_budget(budget), target, out_dir, eval_tokens, window_len, calib_tokens, measure_dominated)
+    run_plan(src, parse_budget(budget), build_options(PlanOptions, params), out_dir)

@@ -159,18 +159,26 @@ def test_device_reaches_every_stage_and_its_printed_command(tmp_path):
 
 
 def test_kv_budget_runs_the_recipe_of_an_existing_plan(tmp_path, monkeypatch):
-    """A plan already measured for this budget and target (plan.json) is reused: its recipe's stages run."""
+    """A plan already measured for this budget with plan's defaults (plan.json) is reused, whatever device it
+    ran on: its recipe's stages run. Another target is planned anew, with the pipeline's --device."""
     import kvconvert.plan as plan
 
     out = tmp_path / "o"
     (out / "plan").mkdir(parents=True)
     (out / "plan" / "recipe.yaml").write_text(yaml.safe_dump({"source": "smollm2-135m", "calibrate": {"kv_dtype": "fp8"}}))
-    (out / "plan" / "plan.json").write_text(json.dumps({"budget": 0.5, "target": "vllm"}))
-    monkeypatch.setattr(plan, "run_plan", lambda *a, **k: pytest.fail("the measured plan should be reused"))
+    made_on_a_gpu = plan.PlanOptions(target="vllm", device="cuda")
+    (out / "plan" / "plan.json").write_text(json.dumps({"budget": 0.5, "options": made_on_a_gpu.model_dump()}))
+    planned = []
+    monkeypatch.setattr(plan, "run_plan", lambda src, budget, opts, out, echo: planned.append(opts))
     with pipeline_cmd.make_context("pipeline", ["--kv-budget", "50%", "--out", str(out)]).scope():
         src, stages = _from_plan("smollm2-135m", "50%", "vllm", None, out, overwrite=False)
-    assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
-    assert stages[0].options.kv_dtype == "fp8" and stages[0].out == out / "source-fp8"
+        assert not planned
+        assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
+        assert stages[0].options.kv_dtype == "fp8" and stages[0].out == out / "source-fp8"
+        _from_plan("smollm2-135m", "50%", "any", "cpu", out, overwrite=False)
+        assert planned == [plan.PlanOptions(target="any", device="cpu")]
+        with pytest.raises(KVConvertError, match="--device"):
+            _from_plan("smollm2-135m", "50%", "vllm", "gpu0", out, overwrite=False)
 
 
 # ------------------------------------------------------------------ a real run, interrupted and resumed

@@ -9,8 +9,8 @@ import yaml
 
 from kvconvert.errors import KVConvertError
 from kvconvert.pipeline import recipe_stages
-from kvconvert.plan import (chosen_recipe, enumerate_candidates, fits, mla_shapes, pareto_front, parse_budget,
-                            prune, run_plan)
+from kvconvert.plan import (PlanOptions, chosen_recipe, enumerate_candidates, finished_plan, fits, mla_shapes,
+                            pareto_front, parse_budget, prune, run_plan)
 from kvconvert.kvmath import kv_shape
 from kvconvert.recipe import load_recipe
 
@@ -120,17 +120,60 @@ def test_already_mla_source_is_refused():
         enumerate_candidates(mla)
 
 
+QUICK = PlanOptions(target="any", quality_eval_tokens=256, window_len=128, calib_tokens=512)
+
+
+def test_plan_options_are_the_commands_flags():
+    from click.testing import CliRunner
+
+    from kvconvert.plan import plan_cmd
+
+    help_text = CliRunner().invoke(plan_cmd, ["--help"]).output
+    for flag in ("--target", "--quality-eval-tokens", "--window-len", "--calib-tokens", "--measure-dominated",
+                 "--device"):
+        assert flag in help_text
+    result = CliRunner().invoke(plan_cmd, ["--kv-budget", "50%", "--calib-tokens", "100"])
+    assert isinstance(result.exception, KVConvertError) and "--calib-tokens" in str(result.exception)
+
+
+def test_finished_plan_needs_its_recipe_and_readable_options(tmp_path):
+    (tmp_path / "plan.json").write_text(json.dumps({"budget": 0.5, "options": PlanOptions().model_dump()}))
+    assert not finished_plan(tmp_path, 0.5, PlanOptions())  # no recipe.yaml: the run stopped before it
+    (tmp_path / "recipe.yaml").write_text("calibrate: {kv_dtype: fp8}\n")
+    assert finished_plan(tmp_path, 0.5, PlanOptions())
+    (tmp_path / "plan.json").write_text(json.dumps({"budget": 0.5, "target": "vllm"}))  # before plan kept its options
+    assert not finished_plan(tmp_path, 0.5, PlanOptions())
+    (tmp_path / "plan.json").write_text(json.dumps({"budget": 0.5, "options": {"windows": 4}}))  # another version's
+    assert not finished_plan(tmp_path, 0.5, PlanOptions())
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_missing_gpu_is_refused_before_any_work(tmp_path):
+    from click.testing import CliRunner
+
+    from kvconvert.plan import plan_cmd
+
+    result = CliRunner().invoke(plan_cmd, ["--kv-budget", "50%", "--device", "cuda", "--out", str(tmp_path / "p")])
+    assert isinstance(result.exception, KVConvertError) and "torch sees none" in str(result.exception)
+    assert not (tmp_path / "p").exists()
+
+
 @pytest.mark.slow
 def test_nothing_fits_says_the_smallest(tmp_path):
     with pytest.raises(KVConvertError, match=r"smallest is MLA 256\+64 fp8 at 41\.7%"):
-        run_plan("smollm2-135m", 0.3, "vllm", tmp_path, 256, 128, 512, False, echo=lambda m: None)
+        run_plan("smollm2-135m", 0.3, QUICK.model_copy(update={"target": "vllm"}), tmp_path, echo=lambda m: None)
     assert not (tmp_path / "plan.json").exists()
 
 
 @pytest.mark.slow
 def test_plan_end_to_end_on_smollm2(tmp_path):
-    run_plan("smollm2-135m", 0.5, "any", tmp_path, 256, 128, 512, False, echo=lambda m: None)
+    opts = QUICK.model_copy(update={"device": "cpu"})
+    run_plan("smollm2-135m", 0.5, opts, tmp_path, echo=lambda m: None)
     plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["device"] == "cpu" and PlanOptions(**plan["options"]) == opts
+    assert finished_plan(tmp_path, 0.5, opts.model_copy(update={"device": "auto"}))  # where it ran is not what it measured
+    assert not finished_plan(tmp_path, 0.25, opts)
+    assert not finished_plan(tmp_path, 0.5, opts.model_copy(update={"calib_tokens": 1024}))
     rows = {r["name"]: r for r in plan["rows"]}
     measured = {name for name, r in rows.items() if r.get("kl") is not None}
     assert measured == {"source fp8", "MLA 160+32 bf16"}  # the survivors only
