@@ -55,6 +55,9 @@ class PlanOptions(StageOptions):
     calib_tokens: int = Field(2048, ge=512, description="Calibration tokens of each quick conversion and KV "
                                                         "calibration.")
     measure_dominated: bool = Field(False, description="Also measure the candidates the pruning rules drop.")
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Weights of the quick conversions, of scoring and of the recipe's conversion: auto = as "
+                            "the source stores them (a bf16 checkpoint stays bf16; the built-in SmolLM2 is fp32).")
     device: str = DEVICE_FIELD
 
 
@@ -200,9 +203,21 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 # ------------------------------------------------------------------------------ measurement
 
-def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, device: str, echo) -> Path:
-    """The candidate's checkpoint under `work` (reused when already there): MLA conversion one-shot,
-    then KV scales by a quick calibration (per-tensor amax, no rotation) for fp8/nvfp4, both on `device`."""
+def weights_dtype(src: Path, choice: str) -> str:
+    """PlanOptions.dtype -> "bf16" / "fp16" / "fp32", the weights plan converts to and scores in; auto: as the
+    source stores them (kvconvert.runtime.memory.resolve_dtype), so a bf16 7B is never copied to 28 GB of fp32."""
+    from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.runtime.memory import DTYPES, resolve_dtype
+    from kvconvert.runtime.models import stored_dtype
+
+    with CheckpointReader(src, verify=False) as reader:
+        dtype = resolve_dtype(choice, stored_dtype(reader))
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, dtype: str, device: str, echo) -> Path:
+    """The candidate's checkpoint under `work` (reused when already there): MLA conversion one-shot (weights in
+    `dtype`), then KV scales by a quick calibration (per-tensor amax, no rotation) for fp8/nvfp4, both on `device`."""
     from kvconvert.mla.convert import convert_to_mla
     from kvconvert.mla.options import MLAOptions
     from kvconvert.quant.options import CalibrateOptions
@@ -213,7 +228,7 @@ def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, devic
         model = work / f"mla-{c.rank}-{c.rope_dim}"
         if not (model / "manifest.json").is_file():
             echo(f"  converting: MLA {c.rank}+{c.rope_dim}, {calib_tokens} calibration tokens")
-            convert_to_mla(src, model, MLAOptions(rank=c.rank, rope_dim=c.rope_dim, target="any", dtype="fp32",
+            convert_to_mla(src, model, MLAOptions(rank=c.rank, rope_dim=c.rope_dim, target="any", dtype=dtype,
                                                   calib_tokens=calib_tokens, device=device),
                            overwrite=True, progress=False)
     if c.kv_dtype == "bf16":
@@ -228,17 +243,17 @@ def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, devic
 
 
 class Scorer:
-    """Source logits on `windows` essay windows of `window_len` tokens (the runtime, fp32 weights, bf16
-    cache: today's serving), and KL/perplexity of candidates against them, all in the runtime on `device`."""
+    """Source logits on `windows` essay windows of `window_len` tokens (the runtime, bf16 cache: today's
+    serving), and KL/perplexity of candidates against them, all in the runtime with `dtype` weights on `device`."""
 
-    def __init__(self, src: Path, windows: int, window_len: int, device: str):
+    def __init__(self, src: Path, windows: int, window_len: int, dtype: str, device: str):
         from kvconvert.data import eval_windows
         from kvconvert.checkpoint import load_tokenizer
         from kvconvert.eval.runner import RuntimeRunner
 
         self.ids = eval_windows(load_tokenizer(src), windows, window_len)
-        self.device = device
-        source = RuntimeRunner(src, "bf16", dtype="fp32", max_len=window_len, device=device)
+        self.dtype, self.device = dtype, device
+        source = RuntimeRunner(src, "bf16", dtype=dtype, max_len=window_len, device=device)
         self.reference = [source.logits(w) for w in self.ids]
         source.close()
 
@@ -248,7 +263,7 @@ class Scorer:
         from kvconvert.eval.runner import RuntimeRunner
         from kvconvert.eval.validate import window_stats
 
-        runner = RuntimeRunner(path, kv_dtype, dtype="fp32", max_len=self.ids.shape[1], device=self.device)
+        runner = RuntimeRunner(path, kv_dtype, dtype=self.dtype, max_len=self.ids.shape[1], device=self.device)
         stats = [window_stats(ref, runner.logits(w), w) for ref, w in zip(self.reference, self.ids)]
         runner.close()
         pooled = perplexity_summary(stats)
@@ -258,9 +273,9 @@ class Scorer:
 
 # ------------------------------------------------------------------------------ outputs
 
-def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int) -> dict:
+def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int, dtype: str) -> dict:
     """The recipe that builds `c` (validated by kvconvert.recipe): the conversion as measured (one-shot,
-    `calib_tokens`), the KV scales with calibrate's defaults (measured at least as good as the quick
+    `calib_tokens`, weights in `dtype`), the KV scales with calibrate's defaults (measured at least as good as the quick
     amax scales the plan used: docs/BENCHMARKS.md), validated with the quick suite and default gate."""
     from kvconvert.recipe import parse_recipe
 
@@ -270,7 +285,7 @@ def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int) -> dic
                            f"served by {', '.join(c.engines)}"}
     if c.rank is not None:
         data["convert"] = {"rank": c.rank, "rope_dim": c.rope_dim, "target": target if target in c.engines else "any",
-                           "calib_tokens": calib_tokens, "dtype": "fp32"}
+                           "calib_tokens": calib_tokens, "dtype": dtype}
     if c.kv_dtype != "bf16":
         data["calibrate"] = {"kv_dtype": c.kv_dtype}
     data["validate"] = {"suite": "quick"}
@@ -372,6 +387,7 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     windows = max(1, opts.quality_eval_tokens // opts.window_len)
     window_len = min(opts.window_len, opts.quality_eval_tokens)
     src_path = Path(resolve_source(src))
+    dtype = weights_dtype(src_path, opts.dtype)
     everything = enumerate_candidates(read_config(src_path))
     fitting = fits(everything, budget, target)
     if not fitting:
@@ -386,12 +402,12 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     out.mkdir(parents=True, exist_ok=True)
     work = out / "artifacts"
     echo(f"measuring {len(to_measure)} on {windows} x {window_len} essay tokens (KL to the source, bundled runtime "
-         f"on {device})")
-    scorer = Scorer(src_path, windows, window_len, device)
+         f"with {dtype} weights on {device})")
+    scorer = Scorer(src_path, windows, window_len, dtype, device)
     results = {}
     for c in sorted(to_measure, key=lambda c: (c.kind != "source", c.latent, c.kv_dtype)):
         started = time.time()  # the seconds building and scoring the candidate took
-        path = build_artifact(c, src_path, work, calib_tokens, device, echo)
+        path = build_artifact(c, src_path, work, calib_tokens, dtype, device, echo)
         m = results[c.name] = {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - started, 1)}
         echo(f"  {c.name}: KL {m['kl']:.4f}, ppl {m['ppl']:.2f} ({m['seconds']} s)")
     best = min(to_measure, key=lambda c: results[c.name]["kl"])
@@ -407,11 +423,11 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
                else f"convert to MLA {best.rank}+{best.rope_dim} with its KV cache in {best.kv_dtype}")
     plan = {"source": src, "budget": budget, "target": target, "options": opts.model_dump(), "device": device,
             "chosen": best.name, "verdict": verdict,
-            "protocol": {"eval": f"essays, {windows} x {window_len} tokens", "engine": "kvconvert runtime, fp32 weights",
+            "protocol": {"eval": f"essays, {windows} x {window_len} tokens", "engine": f"kvconvert runtime, {dtype} weights",
                          "reference": "the source with a bf16 KV cache", "conversion": f"one-shot, {calib_tokens} "
                          "calibration tokens", "kv_scales": "per-tensor amax of the calibration tokens, no rotation"},
             "pruning_contradicted": contradicted, "seconds": round(time.time() - t0, 1), "rows": rows}
-    recipe = chosen_recipe(best, src, target, calib_tokens)
+    recipe = chosen_recipe(best, src, target, calib_tokens, dtype)
     atomic_write_text(out / "recipe.yaml", yaml.safe_dump(recipe, sort_keys=False))
     plot_frontier([r for r in rows if r.get("kl") is not None], out / "plan.png",
                   f"kvconvert plan: {src}, budget {budget:.0%}, target {target}", budget)

@@ -104,7 +104,7 @@ def test_recipes_written_run_in_the_pipeline(tmp_path):
     for name, stages_expected in (("source fp8", ["calibrate"]), ("MLA 256+64 fp8", ["convert", "calibrate"]),
                                   ("MLA 160+32 bf16", ["convert"])):
         path = tmp_path / "recipe.yaml"
-        path.write_text(yaml.safe_dump(chosen_recipe(c[name], "smollm2-135m", "vllm", 2048)))
+        path.write_text(yaml.safe_dump(chosen_recipe(c[name], "smollm2-135m", "vllm", 2048, "fp32")))
         recipe = load_recipe(path)
         stages = recipe_stages(recipe, path, "smollm2-135m", tmp_path / "out")
         assert [s.name for s in stages] == [*stages_expected, "validate", "gate"]
@@ -145,6 +145,24 @@ def test_finished_plan_needs_its_recipe_and_readable_options(tmp_path):
     assert not finished_plan(tmp_path, 0.5, PlanOptions())
     (tmp_path / "plan.json").write_text(json.dumps({"budget": 0.5, "options": {"windows": 4}}))  # another version's
     assert not finished_plan(tmp_path, 0.5, PlanOptions())
+
+
+def test_weights_keep_the_sources_dtype(tmp_path, smollm2_path):
+    """auto: a bf16 checkpoint is converted and scored in bf16 (a 7B in fp32 would not fit a 24 GB machine),
+    the built-in SmolLM2 (stored in fp32) in fp32; an explicit choice wins."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvconvert.plan import weights_dtype
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert weights_dtype(tmp_path / "bf16", "auto") == "bf16"
+    assert weights_dtype(tmp_path / "bf16", "fp32") == "fp32"
+    assert weights_dtype(smollm2_path, "auto") == "fp32"
+    recipe = chosen_recipe(by_name(enumerate_candidates(SMOLLM2))["MLA 160+32 bf16"], "m", "any", 2048, "bf16")
+    assert recipe["convert"]["dtype"] == "bf16"
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
