@@ -215,6 +215,27 @@ def weights_dtype(src: Path, choice: str) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
+def artifact_folders(c: Candidate, src: Path, work: Path) -> tuple[Path, Path]:
+    """(the model under the candidate's cache: `src` or its MLA conversion in `work`, the checkpoint scored:
+    that model for bf16, its calibrated copy in `work` for fp8/nvfp4)."""
+    model = src if c.rank is None else work / f"mla-{c.rank}-{c.rope_dim}"
+    scored = model if c.kv_dtype == "bf16" else work / f"{'source' if c.rank is None else model.name}-{c.kv_dtype}"
+    return model, scored
+
+
+def disk_needed(candidates: list[Candidate], src: Path, work: Path, dtype: str) -> int:
+    """Bytes the candidates' checkpoints not yet in `work` will take, at most: each a copy of the source in the
+    larger of `dtype` and its stored dtype (calibrate copies as stored; an MLA conversion is smaller)."""
+    from kvconvert.checkpoint import estimate_checkpoint_bytes
+    from kvconvert.runtime.memory import DTYPES
+
+    missing = {folder for c in candidates for folder in artifact_folders(c, src, work)
+               if folder != src and not (folder / "manifest.json").is_file()}
+    copy = max(estimate_checkpoint_bytes(src, DTYPES[dtype].itemsize, untie=True),
+               estimate_checkpoint_bytes(src, untie=True))
+    return len(missing) * copy
+
+
 def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, dtype: str, device: str, echo) -> Path:
     """The candidate's checkpoint under `work` (reused when already there): MLA conversion one-shot (weights in
     `dtype`), then KV scales by a quick calibration (per-tensor amax, no rotation) for fp8/nvfp4, both on `device`."""
@@ -223,9 +244,8 @@ def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, dtype
     from kvconvert.quant.options import CalibrateOptions
     from kvconvert.quant.run import CalibrateJob, run_calibrate
 
-    model = src
+    model, out = artifact_folders(c, src, work)
     if c.rank is not None:
-        model = work / f"mla-{c.rank}-{c.rope_dim}"
         if not (model / "manifest.json").is_file():
             echo(f"  converting: MLA {c.rank}+{c.rope_dim}, {calib_tokens} calibration tokens")
             convert_to_mla(src, model, MLAOptions(rank=c.rank, rope_dim=c.rope_dim, target="any", dtype=dtype,
@@ -233,7 +253,6 @@ def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, dtype
                            overwrite=True, progress=False)
     if c.kv_dtype == "bf16":
         return model
-    out = work / f"{'source' if c.rank is None else model.name}-{c.kv_dtype}"
     if not (out / "manifest.json").is_file():
         echo(f"  calibrating: {c.kv_dtype} scales of {model.name} (amax, {calib_tokens} tokens)")
         opts = CalibrateOptions(kv_dtype=c.kv_dtype, observer="amax", rotate=False, calib_tokens=calib_tokens,
@@ -378,7 +397,7 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     recipe.yaml to `out`."""
     import yaml
 
-    from kvconvert.checkpoint import atomic_write_text, check_writable, read_config
+    from kvconvert.checkpoint import atomic_write_text, check_writable, ensure_free_space, read_config
     from kvconvert.device import resolve_device
     from kvconvert.sources import resolve_source
 
@@ -398,9 +417,10 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     to_measure = fitting if opts.measure_dominated else survivors
     echo(f"{len(everything)} candidates, {len(fitting)} fit {budget:.0%} and are served by {target}, "
          f"{len(survivors)} not dominated: " + ", ".join(c.name for c in survivors))
-    check_writable(out)
-    out.mkdir(parents=True, exist_ok=True)
     work = out / "artifacts"
+    check_writable(out)
+    ensure_free_space(out, disk_needed(to_measure, src_path, work, dtype))  # before any work, not when a candidate is written
+    out.mkdir(parents=True, exist_ok=True)
     echo(f"measuring {len(to_measure)} on {windows} x {window_len} essay tokens (KL to the source, bundled runtime "
          f"with {dtype} weights on {device})")
     scorer = Scorer(src_path, windows, window_len, dtype, device)

@@ -165,6 +165,21 @@ def test_weights_keep_the_sources_dtype(tmp_path, smollm2_path):
     assert recipe["convert"]["dtype"] == "bf16"
 
 
+def test_disk_needed_counts_each_missing_checkpoint_once(tmp_path, smollm2_path):
+    from kvconvert.checkpoint import estimate_checkpoint_bytes
+    from kvconvert.plan import artifact_folders, disk_needed
+
+    c = by_name(enumerate_candidates(SMOLLM2))
+    chosen = [c["source fp8"], c["MLA 160+32 bf16"], c["MLA 160+32 fp8"], c["source bf16"]]
+    copy = estimate_checkpoint_bytes(smollm2_path, untie=True)  # SmolLM2 is stored in fp32: bf16 copies are smaller
+    assert disk_needed(chosen, smollm2_path, tmp_path, "bf16") == 3 * copy  # source-fp8, mla-160-32, mla-160-32-fp8
+    assert disk_needed([c["source bf16"]], smollm2_path, tmp_path, "fp32") == 0  # scored as it is
+    model, _ = artifact_folders(c["MLA 160+32 fp8"], smollm2_path, tmp_path)
+    model.mkdir()
+    (model / "manifest.json").write_text("{}")  # built by an earlier run: reused, not written again
+    assert disk_needed(chosen, smollm2_path, tmp_path, "fp32") == 2 * copy
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
 def test_a_missing_gpu_is_refused_before_any_work(tmp_path):
     from click.testing import CliRunner

@@ -112,6 +112,19 @@ def test_read_only_output_refused_at_start(faults, tmp_path, mounts, command):
     assert time.time() - t0 < 60  # refused at start: calibrate used to fail only after calibrating
 
 
+def test_plan_refuses_at_start_what_its_candidates_would_not_fit(faults, tmp_path, mounts):
+    """plan writes a checkpoint per measured candidate (here the source in fp8 and an MLA conversion, ~9.7 MB
+    each): on a disk that holds one, it refuses before any work instead of failing at the second."""
+    from kvconvert.checkpoint import estimate_checkpoint_bytes
+
+    one_copy = estimate_checkpoint_bytes(faults["tied"], untie=True)
+    disk = mounts(tmp_path / "small", f"size={int(one_copy * 1.5) // 4096 * 4096}")
+    out = disk / "plan"
+    done = kvconvert("plan", "--src", faults["tied"], "--kv-budget", "50%", "--target", "any", "--out", out)
+    refused(done, out, f"{out}: not enough disk space")
+    assert "source fp8, MLA 24+8 bf16" in done.stdout  # the two survivors it would have built
+
+
 @pytest.mark.parametrize("out, problem", [("afile", "exists and is a file, not a folder"),
                                           ("afile/out", "{tmp}/afile is a file, not a folder")])
 def test_output_that_is_or_is_below_a_file_refused(tmp_path, out, problem):
