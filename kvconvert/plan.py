@@ -36,6 +36,7 @@ from kvconvert.device import DEVICE_FIELD
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
+from kvconvert.mla.options import DEFAULT_CONVERT_TEXT
 from kvconvert.stage_options import StageOptions, build_options, click_options
 from kvconvert.targets import DEFAULT_TARGET, TARGETS, get_target, rope_dims_for, servable_shapes
 
@@ -294,8 +295,8 @@ class Scorer:
 
 def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int, dtype: str) -> dict:
     """The recipe that builds `c` (validated by kvconvert.recipe): the conversion as measured (one-shot,
-    `calib_tokens`, weights in `dtype`), the KV scales with calibrate's defaults (measured at least as good as the quick
-    amax scales the plan used: docs/BENCHMARKS.md), validated with the quick suite and default gate."""
+    `calib_tokens`, weights in `dtype`), the KV scales with calibrate's defaults (measured at least as good
+    as the quick amax scales the plan used: docs/BENCHMARKS.md), validated with the quick suite and default gate."""
     from kvconvert.recipe import parse_recipe
 
     pct = round(100 * c.fraction)
@@ -417,9 +418,9 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     to_measure = fitting if opts.measure_dominated else survivors
     echo(f"{len(everything)} candidates, {len(fitting)} fit {budget:.0%} and are served by {target}, "
          f"{len(survivors)} not dominated: " + ", ".join(c.name for c in survivors))
-    work = out / "artifacts"
+    work = out / "artifacts" / f"{dtype}-{calib_tokens}"  # a rerun reuses only what was built the same way
     check_writable(out)
-    ensure_free_space(out, disk_needed(to_measure, src_path, work, dtype))  # before any work, not when a candidate is written
+    ensure_free_space(out, disk_needed(to_measure, src_path, work, dtype))  # up front, not at the second candidate
     out.mkdir(parents=True, exist_ok=True)
     echo(f"measuring {len(to_measure)} on {windows} x {window_len} essay tokens (KL to the source, bundled runtime "
          f"with {dtype} weights on {device})")
@@ -441,12 +442,13 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
                      "chosen": c is best})
     verdict = (f"don't convert, just quantize: the source with its KV cache in {best.kv_dtype}" if best.rank is None
                else f"convert to MLA {best.rank}+{best.rope_dim} with its KV cache in {best.kv_dtype}")
+    protocol = {"eval": f"essays, {windows} x {window_len} tokens", "engine": f"kvconvert runtime, {dtype} weights",
+                "reference": "the source with a bf16 KV cache",
+                "conversion": f"one-shot, {calib_tokens} calibration tokens of {DEFAULT_CONVERT_TEXT}",
+                "kv_scales": "per-tensor amax of the calibration tokens, no rotation"}
     plan = {"source": src, "budget": budget, "target": target, "options": opts.model_dump(), "device": device,
-            "chosen": best.name, "verdict": verdict,
-            "protocol": {"eval": f"essays, {windows} x {window_len} tokens", "engine": f"kvconvert runtime, {dtype} weights",
-                         "reference": "the source with a bf16 KV cache", "conversion": f"one-shot, {calib_tokens} "
-                         "calibration tokens", "kv_scales": "per-tensor amax of the calibration tokens, no rotation"},
-            "pruning_contradicted": contradicted, "seconds": round(time.time() - t0, 1), "rows": rows}
+            "chosen": best.name, "verdict": verdict, "protocol": protocol, "pruning_contradicted": contradicted,
+            "seconds": round(time.time() - t0, 1), "rows": rows}
     recipe = chosen_recipe(best, src, target, calib_tokens, dtype)
     atomic_write_text(out / "recipe.yaml", yaml.safe_dump(recipe, sort_keys=False))
     plot_frontier([r for r in rows if r.get("kl") is not None], out / "plan.png",

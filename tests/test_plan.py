@@ -204,8 +204,9 @@ def test_plan_end_to_end_on_smollm2(tmp_path):
     run_plan("smollm2-135m", 0.5, opts, tmp_path, echo=lambda m: None)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["device"] == "cpu" and PlanOptions(**plan["options"]) == opts
-    assert finished_plan(tmp_path, 0.5, opts.model_copy(update={"device": "auto"}))  # where it ran is not what it measured
+    assert finished_plan(tmp_path, 0.5, opts.model_copy(update={"device": "auto"}))  # where, not what it measured
     assert not finished_plan(tmp_path, 0.25, opts)
+    assert (tmp_path / "artifacts" / "fp32-512" / "source-fp8" / "manifest.json").is_file()  # SmolLM2 stores fp32
     assert not finished_plan(tmp_path, 0.5, opts.model_copy(update={"calib_tokens": 1024}))
     rows = {r["name"]: r for r in plan["rows"]}
     measured = {name for name, r in rows.items() if r.get("kl") is not None}
