@@ -13,6 +13,8 @@ Writes docs/bench_calibrate.json and prints a markdown table.
     python scripts/bench_calibrate.py --mla-path DIR         # also a DeepSeek-V3 (MLA) conversion
     python scripts/bench_calibrate.py --mla-path DIR --shaping-powers 0,0.125,0.25,0.375,0.5
         # only DIR, the latent shaping power swept; KL against DIR's own fp32 cache (the cache's own cost)
+    python scripts/bench_calibrate.py --configs "(default)" --calib-data builtin,pydoc+wiki
+        # every config calibrated on each text, side by side ("[text]" added to its name)
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ def shaping_sweep(args) -> dict:
             for fmt in args.shaping_formats.split(",") for p in args.shaping_powers.split(",")}
 
 
+def per_text(configs: dict, texts: list[str]) -> dict:
+    """Each config on each calibration text; names gain " [text]" when there is more than one."""
+    if len(texts) == 1:
+        return {name: {**c, "calib_data": texts[0]} for name, c in configs.items()}
+    return {f"{name} [{text}]": {**c, "calib_data": text} for name, c in configs.items() for text in texts}
+
+
 def parse_args():
     ap = parser(__doc__)
     ap.add_argument("--src", default="smollm2-135m")
@@ -60,6 +69,9 @@ def parse_args():
     ap.add_argument("--windows", type=int, default=32, help="eval windows (protocol: 32)")
     ap.add_argument("--window-len", type=int, default=1024, help="tokens per eval window (protocol: 1024)")
     ap.add_argument("--calib-tokens", type=int, default=16384)
+    ap.add_argument("--calib-data", default="builtin",
+                    help="comma list of calibration texts (calibrate --calib-data); with more than one, every "
+                         "config runs on each")
     ap.add_argument("--search-tokens", type=int, default=1024, help="tokens replayed by the mse search")
     ap.add_argument("--configs", default=None, help="comma-separated substrings selecting configs")
     ap.add_argument("--shaping-powers", default=None, help="comma list of --latent-shaping powers: bench only "
@@ -101,7 +113,8 @@ def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> lis
             continue
         kv_dtype = configs[name]["kv_dtype"]
         delta = (res.ppl / ref.ppl - 1) * 100
-        rows.append({"model": label, "config": name, "kv_dtype": kv_dtype, "ppl": res.ppl, "delta_pct": delta,
+        rows.append({"model": label, "config": name, "kv_dtype": kv_dtype, "calib_data": configs[name]["calib_data"],
+                     "ppl": res.ppl, "delta_pct": delta,
                      "kl": res.kl, "target_pct": TARGETS.get(kv_dtype),
                      "meets_target": delta <= TARGETS[kv_dtype] if kv_dtype in TARGETS else None,
                      "calibration": calib[name]})
@@ -110,7 +123,7 @@ def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> lis
 
 def markdown(rows: list[dict], args) -> str:
     header = (f"Held-out essays, {args.windows} x {args.window_len} tokens, KV cache fake-quantized "
-              f"(calibration: {args.calib_tokens} tokens of pydoc text).")
+              f"(calibration: {args.calib_tokens} tokens of {args.calib_data.replace(',', ' / ')}).")
     lines = [header, "",
              "| model | config | ppl | vs fp32 | token KL | target | calibration time (wall s) |",
              "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
@@ -130,6 +143,7 @@ def main():
     if args.configs:
         keys = [k.strip() for k in args.configs.split(",")]
         configs = {n: c for n, c in configs.items() if any(k in n for k in keys)}
+    configs = per_text(configs, [t.strip() for t in args.calib_data.split(",") if t.strip()])
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_calibrate_") as tmp:
         if not args.shaping_powers:
@@ -138,7 +152,7 @@ def main():
             rows += bench_model(args.mla_path, "MLA: " + Path(args.mla_path).name, args, configs, Path(tmp))
     table = markdown(rows, args)
     payload = {"protocol": {"eval": "Paul Graham essays (kvconvert.data.eval_windows)", "windows": args.windows,
-                            "window_len": args.window_len, "calib_data": "builtin", "calib_tokens": args.calib_tokens},
+                            "window_len": args.window_len, "calib_data": args.calib_data, "calib_tokens": args.calib_tokens},
                "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
                "rows": rows, "markdown": table}
     write_json(args.out, payload)

@@ -151,10 +151,11 @@ def measure(cands: dict, shapes: list[tuple[int, int]], healed: dict[str, Path],
     save(out)
     for rank, rope in shapes:
         mla = work / f"mla-{rank}-{rope}"
-        convert_to_mla(src, mla, MLAOptions(rank=rank, rope_dim=rope, target="any", dtype="fp32",
-                                            calib_tokens=args.convert_tokens), overwrite=True, progress=False)
+        options = MLAOptions(rank=rank, rope_dim=rope, target="any", dtype="fp32", calib_tokens=args.convert_tokens)
+        convert_to_mla(src, mla, options, overwrite=True, progress=False)
         log(f"converted {rank}:{rope}")
-        out += measure_checkpoint(cands, mla, "one-shot", f"conversion {args.convert_tokens} tokens", reference,
+        note = f"conversion {args.convert_tokens} tokens of {options.calib_data}"
+        out += measure_checkpoint(cands, mla, "one-shot", note, reference,
                                   windows, source_ppl, proto, args, work, log)
         save(out)
     for name, folder in healed.items():
