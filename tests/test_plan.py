@@ -130,7 +130,7 @@ def test_plan_options_are_the_commands_flags():
 
     help_text = CliRunner().invoke(plan_cmd, ["--help"]).output
     for flag in ("--target", "--quality-eval-tokens", "--window-len", "--calib-tokens", "--measure-dominated",
-                 "--device"):
+                 "--dtype", "--device"):
         assert flag in help_text
     result = CliRunner().invoke(plan_cmd, ["--kv-budget", "50%", "--calib-tokens", "100"])
     assert isinstance(result.exception, KVConvertError) and "--calib-tokens" in str(result.exception)
