@@ -187,8 +187,9 @@ class LayerStream:
             h = self.hidden[a:b]
             q, k, v = self.family.cache(rms_norm(h, rest["input_layernorm"], eps), attn)
             observing_hook(self.layout, lambda _: obs)(i, k, v)
-            if a < record_windows:
-                records.append({"q": q.cpu(), "k": k.cpu(), "v": v.cpu()})  # the search runs on the host
+            if a < record_windows:  # a batch can run past the kept windows: keep only those (batch first)
+                keep = min(b, record_windows) - a
+                records.append({"q": q[:keep].cpu(), "k": k[:keep].cpu(), "v": v[:keep].cpu()})  # search on the host
             h = h + self.family.attend(q, k, v, attn) @ o_proj.T
             del q, k, v
             h = h + take(MLP, rest)(rms_norm(h, rest["post_attention_layernorm"], eps))

@@ -67,6 +67,19 @@ def test_streamed_equals_whole_model_llama(tiny_llama, settings):
         assert [i["k"] for i in whole.stats["search"]] == [i["k"] for i in streamed.stats["search"]]
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
+def test_search_replays_the_search_tokens_not_whole_batches(tiny_llama, kv_dtype):
+    """--search-tokens 128 at 64-token windows = 2 windows, inside a first batch of 4: the streamed
+    search replayed the whole batch (2x the tokens asked for) until session 22. Same errors as the
+    whole-model path, which records exactly 2 windows."""
+    settings = CalibrationSettings(kv_dtype, search_tokens=128, batch_size=4)
+    whole, streamed = both_paths(tiny_llama, settings, 512, 64)
+    assert whole.stats["search_windows"] == streamed.stats["search_windows"] == 2
+    for layer, (a, b) in enumerate(zip(whole.stats["search"], streamed.stats["search"])):
+        for key in ("rel_error_amax", "rel_error_search"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), f"layer {layer} {key}"
+
+
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
 def test_streamed_equals_whole_model_mla(tmp_path, interleave, kv_dtype):
