@@ -95,7 +95,7 @@ def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> lis
             continue
         options = CalibrateOptions(calib_tokens=args.calib_tokens, search_tokens=args.search_tokens, **overrides)
         print(f"[{label}] calibrating: {name}", file=sys.stderr, flush=True)
-        report, candidates[name] = calibrated_candidate(path, options, workdir / f"{label}-{len(calib)}", reference)
+        report, candidates[name] = calibrated_candidate(path, options, workdir / f"{label}-{len(calib)}")
         calib[name] = {"time_s": report["time_s"], "cpu_s": report.get("cpu_s"),
                        "seconds_per_million_tokens": report["seconds_per_million_tokens"],
                        "cpu_seconds_per_million_tokens": report.get("cpu_seconds_per_million_tokens"),

@@ -103,10 +103,12 @@ def quant_eval_inputs(src: str, windows: int, window_len: int = 1024):
     return path, tokenizer, eval_windows(tokenizer, windows, window_len), load_hf_model(path)
 
 
-def calibrated_candidate(src: str | Path, options, out: Path, source_model=None) -> tuple[dict, tuple]:
+def calibrated_candidate(src: str | Path, options, out: Path) -> tuple[dict, tuple]:
     """The real `kvconvert calibrate` path (kvconvert.quant.run) from src into out, with `options`
     (CalibrateOptions): (its report, (model, fake-quant cache hook), a kvconvert.quant.evaluate
-    candidate). source_model: src loaded, reused when the calibration rotated nothing."""
+    candidate). The model is always out's: calibrate folds its scales into the weights by powers of
+    two (kvconvert.quant.fold) even when it rotates nothing, so src's weights with out's scales
+    would quantize at the wrong scale."""
     from kvconvert.quant.capture import load_hf_model
     from kvconvert.quant.evaluate import fake_quant_hook
     from kvconvert.quant.layout import checkpoint_kv_layout
@@ -115,5 +117,4 @@ def calibrated_candidate(src: str | Path, options, out: Path, source_model=None)
 
     report = run_calibrate(CalibrateJob(src=str(src), options=options, out=out, overwrite=True),
                            echo=lambda msg: None)["report"]
-    model = source_model if source_model is not None and report["rotation"] is None else load_hf_model(out)
-    return report, (model, fake_quant_hook(checkpoint_kv_layout(out), read_kv_scales(out)))
+    return report, (load_hf_model(out), fake_quant_hook(checkpoint_kv_layout(out), read_kv_scales(out)))
