@@ -1,6 +1,7 @@
 """Checks every command runs on a model folder before any expensive work (one source of truth).
 
-    check_checkpoint(path)   config features + expected tensors + finite weights, in that order
+    check_checkpoint(path)   files + index, config features, expected tensors, tokenizer files,
+                             finite weights, in that order
 
 - Config: `deepseek_format.check_supported_features` (sliding windows, soft-capping, qk-norm...):
   refused on every path, so nothing converts or runs silently as something else.
@@ -8,6 +9,8 @@
   attention_bias / mlp_bias say so, lm_head unless tied) against the safetensors index or header.
   A missing tensor is named with the file where it should be; transformers would otherwise fill it
   with random values and the runtime would fail later with a bare KeyError.
+- Tokenizer: a vocabulary file (kvconvert.checkpoint.reader.TOKENIZER_VOCAB_FILES) by name, so a
+  folder without one is refused before work, not by transformers after the conversion started.
 - Weights: every floating tensor is read once and its min/max taken (see `_all_finite`), so a NaN
   or inf is found before hours of conversion, not when the conversion reaches its layer.
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvconvert.checkpoint.reader import INDEX_NAME, SINGLE_NAME, CheckpointReader
+from kvconvert.checkpoint.reader import INDEX_NAME, SINGLE_NAME, CheckpointReader, check_tokenizer_files
 from kvconvert.checkpoint.writer import _all_finite
 from kvconvert.errors import CheckpointError
 from kvconvert.mla import deepseek_format as fmt
@@ -122,10 +125,13 @@ def check_finite_weights(reader: CheckpointReader, names: list[str] | None = Non
     return time.perf_counter() - t0
 
 
-def check_checkpoint(src: str | Path | CheckpointReader, finite: bool = True) -> None:
-    """All up-front checks on a model folder: config features, expected tensors, finite weights."""
+def check_checkpoint(src: str | Path | CheckpointReader, finite: bool = True, tokenizer: bool = True) -> None:
+    """All up-front checks on a model folder: files intact and the index agreeing with the shards
+    (CheckpointReader), config features, expected tensors, tokenizer files, finite weights."""
     reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src)
     fmt.check_supported_features(reader.config, str(reader.path / "config.json"))
     check_tensors_present(reader)
+    if tokenizer:
+        check_tokenizer_files(reader.path)
     if finite:
         check_finite_weights(reader)

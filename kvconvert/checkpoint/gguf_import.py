@@ -25,7 +25,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
 
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    check_output_path(out_dir.absolute(), overwrite)  # refuse before the slow load
+    check_output_path(out_dir.absolute(), overwrite, sources=(gguf_path,))  # refuse before the slow load
     if not gguf_path.is_file():
         raise CheckpointError(f"{gguf_path}: GGUF file not found")
     if dtype not in _DTYPES:

@@ -45,14 +45,27 @@ def read_manifest(folder: Path) -> dict:
     return manifest if isinstance(manifest, dict) else {}
 
 
+# Files that hold a tokenizer's vocabulary; a folder needs at least one (tokenizer_config.json
+# alone only names a class, AutoTokenizer still fails without a vocabulary).
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_tokenizer_files(folder: Path) -> None:
+    """A one-line CheckpointError when the folder has no tokenizer vocabulary file (a check on file
+    names only: transformers is not imported)."""
+    folder = Path(folder)
+    if not any((folder / f).is_file() for f in TOKENIZER_VOCAB_FILES):
+        raise CheckpointError(
+            f"{folder}: no tokenizer files (none of {', '.join(TOKENIZER_VOCAB_FILES)}); copy them (and "
+            "tokenizer_config.json) from the model this folder came from")
+
+
 def load_tokenizer(folder: Path):
     """The folder's own tokenizer (AutoTokenizer, no remote code); clear error when absent."""
     from transformers import AutoTokenizer
 
     folder = Path(folder)
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise CheckpointError(
-            f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them from the source model")
+    check_tokenizer_files(folder)
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as exc:  # transformers raises many error types here
@@ -102,8 +115,25 @@ class CheckpointReader:
         self._handles: dict[str, object] = {}
         self._maps: dict[str, tuple[mmap.mmap, int, dict]] = {}
         if verify:
-            for name in sorted(set(self.weight_map.values())):  # header vs file size: catches truncation
-                safetensors_header(self.path / name)
+            self._verify_files()
+
+    def _verify_files(self) -> None:
+        """Each file's header against its size (catches truncation) and, for a sharded folder, the
+        index against the headers: a tensor the index puts in a shard that lacks it (a partial
+        download, a stale index) is named with that shard here, before any command does work.
+        Headers only: no tensor data is read."""
+        listed: dict[str, list[str]] = {}
+        for name, shard in self.weight_map.items():
+            listed.setdefault(shard, []).append(name)
+        for shard in sorted(listed):
+            header = safetensors_header(self.path / shard)
+            absent = [name for name in listed[shard] if name not in header]
+            if absent:
+                more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+                raise CheckpointError(
+                    f"{self.path / shard}: tensor {absent[0]!r}{more} is listed in {INDEX_NAME} but not in this "
+                    "file; the download is incomplete or the index is stale: re-download the checkpoint "
+                    "(or re-export it)")
 
     def _weight_map(self) -> dict[str, str]:
         weight_map = index_weight_map(self.path)
@@ -168,15 +198,14 @@ class CheckpointReader:
 
     def stored_dtype(self, name: str) -> torch.dtype:
         """The dtype `name` is stored in (from the safetensors header; no data is read)."""
-        return _ST_DTYPES[self._map(self._file(name))[2][name]["dtype"]]
+        return _ST_DTYPES[self._entry(name)[2]["dtype"]]
 
     def mapped(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One tensor as a view of the file's pages (mmap, copy-on-write), not a copy: it costs no
         anonymous memory; the pages it touches are page cache the kernel can drop and re-read.
         Only when `dtype` differs from the stored dtype is a converted copy made. Do not write
         to the view (it would copy the touched pages privately)."""
-        mm, base, header = self._map(self._file(name))
-        entry = header[name]
+        mm, base, entry = self._entry(name)
         start, end = entry["data_offsets"]
         stored = _ST_DTYPES.get(entry["dtype"])
         if stored is None:
@@ -202,9 +231,19 @@ class CheckpointReader:
     def drop_pages(self, name: str) -> None:
         """Drop the pages of `name` that this process's mapping touched (re-read on the next access);
         views of it made earlier read the file again, they stay valid."""
-        mm, base, header = self._map(self._file(name))
-        start, end = header[name]["data_offsets"]
+        mm, base, entry = self._entry(name)
+        start, end = entry["data_offsets"]
         _drop_pages(mm, base + start, base + end)
+
+    def _entry(self, name: str) -> tuple[mmap.mmap, int, dict]:
+        """(mmap of the shard holding `name`, its data offset, the tensor's header entry); a name the
+        index lists but the shard lacks (reader made with verify=False) is a one-line CheckpointError."""
+        filename = self._file(name)
+        mm, base, header = self._map(filename)
+        if name not in header:
+            raise CheckpointError(f"{self.path / filename}: tensor {name!r} is listed in {INDEX_NAME} but not in "
+                                  "this file; re-download the checkpoint")
+        return mm, base, header[name]
 
     def _map(self, filename: str) -> tuple[mmap.mmap, int, dict]:
         """(mmap of the whole shard, offset of its data buffer, header) opened once per shard."""

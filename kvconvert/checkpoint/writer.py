@@ -91,12 +91,35 @@ def _refuse_existing(out_dir: Path, overwrite: bool) -> None:
         raise OutputExistsError(f"{out_dir}: output exists; choose another --out or pass --overwrite")
 
 
-def check_output_path(out_dir: Path, overwrite: bool, needed_bytes: int | None = None) -> None:
-    """Every check on an output path that can run before any work, in one place: refuse an
-    existing output, clean temp folders that dead runs left beside it, prove the folder can be
+def check_not_source(out_dir: Path, sources: tuple = (), flag: str = "--out", hint: str = "") -> None:
+    """Refuse an output folder that is, contains or lies inside one of the `sources` (folders the
+    command reads), whatever --overwrite says: writing it would replace or bury the model being
+    read. Paths are compared resolved (symlinks and `..` followed)."""
+    out = Path(out_dir).resolve()
+    for src in sources:
+        if src is None:
+            continue
+        source = Path(src).resolve()
+        if out == source:
+            where = "is the source"
+        elif source in out.parents:
+            where = "lies inside the source"
+        elif out in source.parents:
+            where = "contains the source"
+        else:
+            continue
+        raise CheckpointError(f"{out_dir}: {flag} {where} {source}; writing it would replace the model being read "
+                              f"(--overwrite does not change that); choose an {flag} outside {source}{hint}")
+
+
+def check_output_path(out_dir: Path, overwrite: bool, needed_bytes: int | None = None, sources: tuple = ()) -> None:
+    """Every check on an output path that can run before any work, in one place: refuse an output
+    that is, holds or lies in one of `sources` (the folders the command reads), refuse an existing
+    output, clean temp folders that dead runs left beside it, prove the folder can be
     written (a real probe: root ignores permission bits, a read-only mount does not), and with
     `needed_bytes` check the free space. Writing commands call it first thing."""
     out_dir = Path(out_dir).absolute()
+    check_not_source(out_dir, sources)
     _refuse_existing(out_dir, overwrite)
     clean_stale_temps(out_dir)
     check_writable(out_dir)
@@ -355,7 +378,9 @@ class CheckpointWriter:
                         {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
 
     def _write_manifest(self) -> None:
-        files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        # mtime_ns lets checkpoint_fingerprint trust a hash only while the file is unwritten since
+        # (chmod, fsync and the folder's rename below leave it unchanged)
+        files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
                  for p in sorted(self.tmp_dir.iterdir()) if p.is_file()}
         manifest = {
             "producer": f"kvconvert {__version__}",

@@ -17,16 +17,15 @@ one loads; `check_memory()` refuses up front when one model cannot fit (kvconver
   paged path (`LLM.score`) and KV is stored like an engine stores it (bf16, fp8 with scales,
   nvfp4), so this is the engine that measures a quantized-KV candidate.
 
-Every runner has a `fingerprint`: a hash of the checkpoint's content (manifest.json file hashes,
-or config + weight file names/sizes/mtimes when there is no manifest) plus the engine and KV
-format. Cached per-sample results are keyed by it.
+Every runner has a `fingerprint`: a hash of the checkpoint's content (per-file sha256s, see
+kvconvert.checkpoint.fingerprint: an in-place edit changes it) plus the engine and KV format.
+Cached per-sample results are keyed by it.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -34,8 +33,9 @@ from pathlib import Path
 import torch
 
 from kvconvert.device import resolve_device
-from kvconvert.checkpoint import CheckpointReader, read_config, read_manifest
-from kvconvert.errors import CheckpointError, KVConvertError
+from kvconvert.checkpoint import CheckpointReader, read_config
+from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint  # noqa: F401 (the runners' key; re-exported)
+from kvconvert.errors import KVConvertError
 from kvconvert.eval.options import KV_DTYPE_CHOICES  # "auto": the engine's own cache
 from kvconvert.kvformat import AUTO, kv_format
 
@@ -48,43 +48,6 @@ def _quantized(kv_dtype: str) -> bool:
 
 
 # --------------------------------------------------------------------------- fingerprints
-
-def checkpoint_fingerprint(folder: Path) -> str:
-    """Content hash of a checkpoint folder, 16 hex chars.
-
-    With a manifest.json (kvconvert's CheckpointWriter) that still describes the folder (every
-    weight file and config.json listed with its current size): sha256 of its per-file sha256
-    list, so a byte-identical copy or re-export gets the same fingerprint. Otherwise (no
-    manifest, or one that a later edit left stale): config.json's bytes plus each weight
-    file's name, size and mtime, so a rewritten file never reuses old cached results.
-    """
-    folder = Path(folder)
-    config = folder / "config.json"
-    if not config.is_file():
-        raise CheckpointError(f"{folder}: config.json not found; expected a Hugging Face model folder")
-    files = _manifest_files(folder)
-    digest = hashlib.sha256()
-    if files is not None:
-        digest.update(json.dumps({k: v["sha256"] for k, v in sorted(files.items())}).encode())
-        return digest.hexdigest()[:16]
-    digest.update(config.read_bytes())
-    for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.json")):
-        stat = path.stat()
-        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()[:16]
-
-
-def _manifest_files(folder: Path) -> dict | None:
-    """manifest.json's file table when it matches the folder's weight files and config by size."""
-    files = read_manifest(folder).get("files")
-    try:
-        for path in [folder / "config.json", *folder.glob("*.safetensors")]:
-            if files[path.name]["bytes"] != path.stat().st_size:
-                return None
-        return files if all("sha256" in v for v in files.values()) else None
-    except (OSError, KeyError, TypeError, AttributeError):
-        return None
-
 
 def check_same_tokenizer(source_tok, candidate_tok, source: Path, candidate: Path) -> None:
     """Source and candidate must tokenize identically, or no comparison is meaningful."""

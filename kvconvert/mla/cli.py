@@ -31,9 +31,9 @@ def mla_cmd(src, kv_budget, heal, out_dir, overwrite, as_json, **params):
     from kvconvert.pipeline import convert_stage, heal_recipe  # the heal chain lives at the pipeline level
     from kvconvert.sources import resolve_source
 
-    check_output_path(out_dir, overwrite)
-    recipe = heal_recipe(heal)
     src_path = resolve_source(src)
+    check_output_path(out_dir, overwrite, sources=(src_path,))  # never the source, even with --overwrite
+    recipe = heal_recipe(heal)
     check_checkpoint(src_path)  # config features, missing tensors, NaN/inf: before any conversion work
     if (params["rank"] is None) == (kv_budget is None):
         raise KVConvertError("give exactly one of --rank or --kv-budget")

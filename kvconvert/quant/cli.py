@@ -19,8 +19,12 @@ from kvconvert.stage_options import build_options, click_options, out_option, ov
 def calibrate_cmd(src, out, in_place, overwrite, threads, quiet, **params):
     """Calibrate static FP8 / NVFP4 KV-cache scales, fold them into the weights and write them in vLLM
     and/or ModelOpt names."""
+    from kvconvert.checkpoint import check_not_source
     from kvconvert.quant.run import CalibrateJob, run_calibrate
+    from kvconvert.sources import resolve_source
 
+    if out is not None:  # before any work, --overwrite or not (--in-place is the way to rewrite the source)
+        check_not_source(out, (resolve_source(src),), hint=", or pass --in-place to rewrite the source on purpose")
     job = CalibrateJob(src=src, options=build_options(CalibrateOptions, params), out=out, in_place=in_place,
                        overwrite=overwrite, threads=threads)
     echo = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
