@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from kvconvert.checkpoint import (
-    CheckpointReader, CheckpointWriter, check_output_path, estimate_checkpoint_bytes, load_tokenizer, read_manifest,
+    CheckpointReader, CheckpointWriter, check_checkpoint, check_output_path, estimate_checkpoint_bytes, load_tokenizer,
+    read_manifest,
 )
 from kvconvert.data import data_hash, load_text, token_windows
 from kvconvert.device import resolve_device
@@ -147,8 +148,10 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     if not recipe.heals():
         raise KVConvertError("the recipe has no enabled heal_layerwise or heal_distill stage: nothing to heal")
     student, teacher, out = Path(student), resolve_source(teacher), Path(out)
-    check_output_path(out, overwrite, needed_bytes=estimate_checkpoint_bytes(student))
+    check_output_path(out, overwrite, needed_bytes=estimate_checkpoint_bytes(student), sources=(student, teacher))
     s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
+    for reader in (s_reader, t_reader):
+        check_checkpoint(reader)  # config, missing tensors, tokenizer files, NaN/inf: before any work
     notes = compat.check_pair(s_reader, t_reader)
     tokenizer = load_tokenizer(teacher)
     device = str(resolve_device(device))  # a GPU asked for and missing: a clear error before any work
