@@ -36,8 +36,6 @@ from kvconvert.quant.options import CalibrateOptions
 from kvconvert.stage_options import StageOptions, build_options, options_as_flags
 from kvconvert.targets import DEFAULT_TARGET, TARGETS
 
-REPO_GATES = Path(__file__).resolve().parents[1] / "recipes" / "gates"
-
 
 # ------------------------------------------------------------------ convert (+ heal): also `kvconvert mla`
 
@@ -161,11 +159,9 @@ def build_stages(src: str, convert: MLAOptions | None, heal, heal_shown: str, ca
 
 def _policy_path(policy: str, base: Path | None = None) -> str:
     """A policy file (as given, or relative to `base`, the recipe's folder) or a built-in name."""
-    beside_recipe = (base / policy,) if base is not None else ()
-    for path in (Path(policy), *beside_recipe, REPO_GATES / f"{policy}.yaml", REPO_GATES / Path(policy).name):
-        if path.is_file():
-            return str(path)
-    raise KVConvertError(f"--policy {policy}: not a file and not a built-in policy in {REPO_GATES}")
+    from kvconvert.resources import find_policy
+
+    return str(find_policy(policy, base))
 
 
 def with_device(opts: StageOptions | None, device: str | None) -> StageOptions | None:

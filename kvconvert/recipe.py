@@ -10,6 +10,9 @@
 Every block is optional; a block that is present runs (set `enabled: false` to keep it written
 down but skip it). Unknown keys are errors that name the key and the file (pydantic extra=forbid),
 so a typo never silently falls back to a default.
+
+The built-in recipes (the checkout's recipes/, installed as kvconvert.recipes) are found by name
+wherever kvconvert is installed: `--recipe smollm2-135m-25pct`, `--recipe heal/NAME` (kvconvert.resources).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvconvert.eval.options import ValidateOptions
 from kvconvert.heal.options import DistillOptions, LayerwiseOptions
 from kvconvert.mla.options import MLAOptions
 from kvconvert.quant.options import CalibrateOptions
+from kvconvert.resources import builtin_recipe_names, find_recipe
 from kvconvert.stage_options import StageOptions, read_yaml, validation_problems
 
 # Built-in heal recipes (`kvconvert heal --recipe NAME`, `kvconvert mla --heal NAME`).
@@ -44,7 +48,7 @@ ConvertStage = _block("ConvertStage", MLAOptions)
 LayerwiseStage = _block("LayerwiseStage", LayerwiseOptions)
 DistillStage = _block("DistillStage", DistillOptions)
 CalibrateStage = _block("CalibrateStage", CalibrateOptions)
-# gate: the pipeline's gate policy, a YAML path or a built-in name (recipes/gates/)
+# gate: the pipeline's gate policy, a YAML path or a built-in name (recipes/gates/, kvconvert.resources.find_policy)
 ValidateStage = _block("ValidateStage", ValidateOptions, gate=(str | None, None))
 
 
@@ -130,7 +134,8 @@ def parse_recipe(data: object, origin: str = "<recipe>") -> Recipe:
 
 
 def resolve_recipe(recipe: Recipe | dict | str | Path) -> Recipe:
-    """A Recipe from a Recipe, a dict, a preset name (layerwise, layerwise+distill) or a YAML path."""
+    """A Recipe from a Recipe, a dict, a preset name (layerwise, layerwise+distill), a YAML path or
+    a built-in recipe's name (kvconvert.resources.find_recipe)."""
     if isinstance(recipe, Recipe):
         return recipe
     if isinstance(recipe, dict):
@@ -138,11 +143,16 @@ def resolve_recipe(recipe: Recipe | dict | str | Path) -> Recipe:
     if str(recipe) in HEAL_PRESETS:
         return parse_recipe(HEAL_PRESETS[str(recipe)], f"preset {recipe}")
     path = Path(recipe)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.suffix in (".yaml", ".yml") or path.exists() or find_recipe(path) is not None:
         return load_recipe(path)
-    raise KVConvertError(f"{recipe}: not a recipe file or preset (presets: {', '.join(HEAL_PRESETS)})")
+    raise KVConvertError(f"{recipe}: not a recipe file or preset (presets: {', '.join(HEAL_PRESETS)}; built-in "
+                         f"recipes: {', '.join(builtin_recipe_names())})")
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe YAML file."""
-    return parse_recipe(read_yaml(path, "recipe file not found"), str(path))
+    """Read and validate a recipe YAML file, or the built-in recipe of that name when no such file exists."""
+    found = find_recipe(path)
+    if found is None and not Path(path).is_file():
+        raise KVConvertError(f"{path}: recipe file not found and not a built-in recipe "
+                             f"({', '.join(builtin_recipe_names())})")
+    return parse_recipe(read_yaml(found or path, "recipe file not found"), str(found or path))

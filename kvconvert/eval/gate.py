@@ -19,7 +19,9 @@ paired-bootstrap interval of the degradation, so a metric fails only when the ca
 worse than allowed with the stated confidence (noise on a handful of samples cannot fail it).
 point: the plain estimate. ci_high: the upper bound (pass only when the candidate is shown to be
 within the threshold). A metric the report does not measure (e.g. RULER in the quick suite) is
-shown as "n/a" and passes unless it is listed under `require`. A metric measured on too few
+shown as "n/a" and passes unless it is listed under `require`; one the report's suite is defined
+to run but skipped (LongBench data missing, windows longer than the context) fails: a skipped
+measurement is no evidence. A metric measured on too few
 samples for an interval (one LongBench sample per task) is "undecided" under ci_low / ci_high:
 the gate claims no confidence it does not have; it passes unless listed under `require` (then it
 fails), and `decide_on: point` (a declared non-statistical rule) decides it on the estimate.
@@ -63,8 +65,12 @@ class Policy(BaseModel):
 
 
 def load_policy(path: Path) -> Policy:
-    """Parse and validate a policy file; errors name the file and the offending key."""
-    data = read_yaml(path, "policy file not found (see recipes/gates/default.yaml)")
+    """Parse and validate a policy file, or the built-in policy of that name (default, smoke, strict:
+    kvconvert.resources.find_policy); errors name the file and the offending key."""
+    from kvconvert.resources import find_policy
+
+    path = find_policy(path)
+    data = read_yaml(path, "policy file not found")
     if not isinstance(data, dict):
         raise KVConvertError(f"{path}: a policy must be a mapping with a 'thresholds' section")
     try:
@@ -103,6 +109,16 @@ def load_report(path: Path) -> dict:
     return report
 
 
+# The SuiteSpec field (report["suite"]["spec"]) that says whether a suite measures each task family.
+SUITE_FAMILY_FIELDS = {"perplexity": "ppl_windows", "passkey": "passkey_lengths", "niah": "niah_lengths",
+                       "ruler": "ruler_tasks", "longbench": "longbench"}
+
+
+def suite_runs(suite: dict, family: str) -> bool:
+    """Whether the report's suite is defined to measure `family` (False when the report does not say)."""
+    return bool(suite.get("spec", {}).get(SUITE_FAMILY_FIELDS.get(family, ""), False))
+
+
 def evaluate(report: dict, policy: Policy) -> list[dict]:
     """One row per gated metric: source, candidate, estimate, CI, threshold, decided value, status."""
     rows = []
@@ -112,8 +128,12 @@ def evaluate(report: dict, policy: Policy) -> list[dict]:
             continue
         found = estimate(report["samples"], name, settings.samples, settings.confidence, settings.seed)
         if found is None:
-            why = report.get("skipped", {}).get(GATE_METRICS[name].family, "not measured by this suite")
-            status = "fail" if name in policy.require else "n/a"
+            family = GATE_METRICS[name].family
+            why = report.get("skipped", {}).get(family, "not measured by this suite")
+            skipped = family in report.get("skipped", {}) and suite_runs(report["suite"], family)
+            if skipped:
+                why = f"the {report['suite'].get('name')} suite runs {family}, this report skipped it: {why}"
+            status = "fail" if name in policy.require or skipped else "n/a"
             rows.append({"metric": name, "unit": GATE_METRICS[name].unit, "threshold": threshold, "status": status,
                          "reason": why})
             continue

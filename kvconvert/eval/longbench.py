@@ -1,6 +1,10 @@
-"""LongBench-mini: 188 real LongBench v1 samples (16 English/code tasks) from the shared data.
+"""LongBench-mini: 187 real LongBench v1 samples (16 English/code tasks), shipped in the package.
 
-Files: <dir>/<task>.jsonl with fields task, id, prompt (LongBench's dataset2prompt template
+The default copy is kvconvert/data/longbench-mini (MIT-licensed LongBench via MiniLongBench; its
+README states source and license), found with importlib.resources (kvconvert.resources), so every
+user's validation runs LongBench; --longbench-dir / $KVCONVERT_LONGBENCH_DIR name another copy.
+
+Files: <dir>/<task>.jsonl or <task>.jsonl.gz with fields task, id, prompt (LongBench's dataset2prompt template
 already applied, not truncated), answers (list), all_classes (trec only). Prompts are truncated
 in the middle to fit the context, as LongBench's pred.py does; here the cut is made on the token
 ids (first half + last half) instead of decoding both halves and re-tokenizing, so source and
@@ -11,6 +15,7 @@ prompt; the gate compares deltas, never absolute scores).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from pathlib import Path
@@ -43,10 +48,34 @@ TEMPLATE_OPENINGS = (
 
 
 def default_longbench_dir() -> Path:
-    """$KVCONVERT_LONGBENCH_DIR, else shared/data/longbench-mini beside the repository."""
+    """$KVCONVERT_LONGBENCH_DIR, else the copy shipped in the package. A package without its copy
+    (a broken install) is an error here, never a skipped LongBench."""
+    from kvconvert.resources import longbench_mini_dir
+
     if os.environ.get(ENV_VAR):
         return Path(os.environ[ENV_VAR]).expanduser()
-    return (Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "longbench-mini").resolve()
+    folder = longbench_mini_dir()
+    if not folder.is_dir():
+        raise KVConvertError(f"this kvconvert install lacks its LongBench-mini data ({folder}); reinstall kvconvert, "
+                             f"or pass --longbench-dir DIR / set {ENV_VAR}")
+    return folder
+
+
+def task_file(folder: Path, task: str) -> Path | None:
+    """<task>.jsonl, else <task>.jsonl.gz (the packaged copy's form), else None."""
+    for name in (f"{task}.jsonl", f"{task}.jsonl.gz"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def _read_lines(path: Path) -> list[str]:
+    if path.suffix == ".gz":
+        try:
+            return gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()
+        except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError; EOFError: a truncated file
+            raise KVConvertError(f"{path}: not a readable gzip file ({exc}); restore the data folder") from None
+    return path.read_text(encoding="utf-8").splitlines()
 
 
 def load_longbench(folder: Path, tasks: tuple[str, ...] | None = None) -> dict[str, list[dict]]:
@@ -59,11 +88,11 @@ def load_longbench(folder: Path, tasks: tuple[str, ...] | None = None) -> dict[s
     for task in tasks or tuple(LONGBENCH_TASKS):
         if task not in LONGBENCH_TASKS:
             raise KVConvertError(f"unknown LongBench task {task!r}; known: {', '.join(LONGBENCH_TASKS)}")
-        path = folder / f"{task}.jsonl"
-        if not path.is_file():
-            raise KVConvertError(f"{path}: LongBench-mini task file missing; restore the data folder {folder}")
-        out[task] = [_check_row(path, i, line) for i, line in enumerate(path.read_text(encoding="utf-8").splitlines())
-                     if line.strip()]
+        path = task_file(folder, task)
+        if path is None:
+            raise KVConvertError(f"{folder / task}.jsonl(.gz): LongBench-mini task file missing; restore the data "
+                                 f"folder {folder}")
+        out[task] = [_check_row(path, i, line) for i, line in enumerate(_read_lines(path)) if line.strip()]
         if not out[task]:
             raise KVConvertError(f"{path}: no samples")
     return out

@@ -32,5 +32,6 @@ class ValidateOptions(StageOptions):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="Both models' weights/activations: auto = as stored (bf16 checkpoints run in bf16).")
     device: str = DEVICE_FIELD
-    longbench_dir: Path | None = Field(None, description="LongBench-mini folder (default: $KVCONVERT_LONGBENCH_DIR or "
-                                                        "shared/data/longbench-mini).")
+    longbench_dir: Path | None = Field(None, description="LongBench folder of <task>.jsonl(.gz) files (default: "
+                                                        "$KVCONVERT_LONGBENCH_DIR, else the LongBench-mini subset "
+                                                        "shipped with kvconvert).")

@@ -1,0 +1,87 @@
+"""Files the CLI reads at run time, shipped inside the package and found with importlib.resources.
+
+    kvconvert.recipes  (the checkout's recipes/, mapped by pyproject's package-dir)
+        *.yaml            built-in recipes: `kvconvert pipeline --recipe NAME`, `kvconvert heal --recipe NAME`
+        heal/*.yaml       second-pass heal recipes: NAME = heal/<stem>
+        gates/*.yaml      gate policies: `--policy default|smoke|strict`
+        accelerate/*      `accelerate launch --config_file` configs
+    kvconvert/data/longbench-mini/   LongBench-mini, one <task>.jsonl.gz per task (its README: source, license)
+
+Nothing here looks beside the checkout: an installed wheel and an editable install find the same
+files (tests/test_wheel.py builds and installs the wheel to check). A name is looked up only
+when no file of that path exists, so a user's own file always wins over a built-in one.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from kvconvert.errors import KVConvertError
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def package_dir(package: str, *parts: str) -> Path:
+    """A folder shipped in `package`, as a file-system path (pip installs wheels unpacked; a zipped
+    import would need extracting, which nothing here does)."""
+    found = resources.files(package).joinpath(*parts)
+    if not isinstance(found, Path):
+        raise KVConvertError(f"{package} is not installed as files on disk ({found}); install kvconvert with pip")
+    return found
+
+
+def recipes_dir() -> Path:
+    return package_dir("kvconvert.recipes")
+
+
+def gates_dir() -> Path:
+    return recipes_dir() / "gates"
+
+
+def longbench_mini_dir() -> Path:
+    return package_dir("kvconvert", "data", "longbench-mini")
+
+
+def builtin_names(folder: Path) -> list[str]:
+    """The YAML stems in `folder` (a built-in name is the stem: gates/default.yaml -> default)."""
+    return sorted(p.stem for p in folder.iterdir() if p.suffix in YAML_SUFFIXES) if folder.is_dir() else []
+
+
+def builtin_recipe_names() -> list[str]:
+    return builtin_names(recipes_dir()) + [f"heal/{n}" for n in builtin_names(recipes_dir() / "heal")]
+
+
+def _builtin_file(folder: Path, name: str, prefix: str) -> Path | None:
+    """folder/<name>.yaml for a name like `default`, `default.yaml` or `<prefix>/default.yaml` (the path
+    the checkout's docs use), or None."""
+    name = name.removeprefix(prefix)
+    if Path(name).suffix in YAML_SUFFIXES:
+        name = str(Path(name).with_suffix(""))
+    for suffix in YAML_SUFFIXES:
+        path = folder / f"{name}{suffix}"
+        if name and not Path(name).is_absolute() and ".." not in Path(name).parts and path.is_file():
+            return path
+    return None
+
+
+def find_recipe(recipe: str | Path) -> Path | None:
+    """A recipe file: `recipe` itself when it is a file, else the built-in recipe of that name
+    (smollm2-135m-25pct, heal/smollm2-135m-25pct-fp8rope-long-2, or recipes/<name>.yaml), else None."""
+    if Path(recipe).is_file():
+        return Path(recipe)
+    return _builtin_file(recipes_dir(), Path(recipe).as_posix(), "recipes/")
+
+
+def find_policy(policy: str | Path, base: Path | None = None) -> Path:
+    """A gate policy file: `policy` as given, else beside `base` (a recipe's folder), else the built-in
+    policy of that name (default, smoke, strict; recipes/gates/<name>.yaml works too)."""
+    beside = [Path(base) / policy] if base is not None else []
+    for path in (Path(policy), *beside):
+        if path.is_file():
+            return path
+    found = _builtin_file(gates_dir(), Path(policy).as_posix(), "recipes/gates/")
+    if found is None:
+        raise KVConvertError(f"{policy}: policy file not found and not a built-in policy "
+                             f"({', '.join(builtin_names(gates_dir()))}); give a policy YAML file or one of those names")
+    return found
