@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvconvert import kvmath
 from kvconvert.errors import UnsupportedModelError
+from kvconvert.models.registry import SOURCE_MODEL_TYPES
 
 # source name -> target name, for tensors copied as they are ({i} = layer index)
 COPIED_LAYER_TENSORS = {
@@ -34,7 +35,7 @@ TARGET_ATTENTION = {
     "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
 }
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
+SUPPORTED_MODEL_TYPES = SOURCE_MODEL_TYPES  # what `kvconvert mla` converts: models/registry.py
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 

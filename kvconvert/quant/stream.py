@@ -33,7 +33,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvmath import KVShape
-from kvconvert.mla.deepseek_format import SUPPORTED_MODEL_TYPES as GQA_MODEL_TYPES
+from kvconvert.models.registry import SOURCE_MODEL_TYPES as GQA_MODEL_TYPES
 from kvconvert.quant.calibrate import STAT_WINDOWS, layer_observers, observing_hook
 from kvconvert.models import deepseek_v3 as ds, llama
 from kvconvert.models.common import MLP, rms_norm, short_names, take

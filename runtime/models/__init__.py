@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from kvconvert.errors import UnsupportedModelError
 from kvconvert.kvmath import MLA, kv_shape
+from kvconvert.models.registry import ARCHITECTURES, architecture
 from kvconvert.runtime.kv_cache import CacheSpec
 
-# config model_type -> (module, class). Imported lazily so one model's problem cannot break another.
-MODELS = {
-    "llama": ("kvconvert.runtime.models.llama", "LlamaForCausalLM"),
-    "deepseek_v3": ("kvconvert.runtime.models.deepseek_v3", "DeepseekV3ForCausalLM"),
-}
-ARCHITECTURES = {cls: kind for kind, (_, cls) in MODELS.items()}  # config.json architectures -> model_type
+# config model_type -> (module, class), derived from the one architecture registry. Imported lazily
+# so one model's problem cannot break another.
+MODELS = {kind: tuple(a.runtime_class.split(":")) for kind, a in ARCHITECTURES.items()}
 
 
 def model_type(config: dict) -> str:
-    kind = config.get("model_type")
-    if kind not in MODELS:
-        kind = next((ARCHITECTURES[a] for a in config.get("architectures") or [] if a in ARCHITECTURES), kind)
-    if kind not in MODELS:
-        arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
-        raise UnsupportedModelError(
-            f"model_type {config.get('model_type')!r} ({arch}) is not supported by the runtime; "
-            f"supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
-    return kind
+    """The registry's model_type for a config.json; an unknown one is refused naming the supported."""
+    return architecture(config, "the runtime").model_type
 
 
 def kv_layout(config: dict) -> list[dict[str, CacheSpec]]:
