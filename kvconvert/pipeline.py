@@ -69,7 +69,10 @@ def convert_stage(src_path: Path, opts: MLAOptions, out: Path, heal=None, *, sou
     oneshot = out.parent / f".{out.name}.oneshot"
     try:
         report = convert_to_mla(src_path, oneshot, opts, source_name=source_name, overwrite=True)
-        run_heal(oneshot, src_path, heal, out, overwrite=True)  # the caller applied its --overwrite to out
+        # a device given to the conversion (--device, the recipe's convert block) is the heal's too;
+        # otherwise each heal block keeps its own. The caller applied its --overwrite to out.
+        device = opts.device if "device" in opts.model_fields_set else None
+        run_heal(oneshot, src_path, heal, out, overwrite=True, device=device)
     finally:
         shutil.rmtree(oneshot, ignore_errors=True)
     return report
@@ -84,10 +87,18 @@ class Stage:
     out: Path | None  # output folder, reused when it holds a manifest; None: the stage always runs
     options: StageOptions | None  # what the stage runs with (argv is built from it)
     run: Callable[[], bool | None]  # runs the stage in this process; False: the gate failed
+    source: str | None = None  # the model it reads: its `out` is reused only when recorded as built from it
+    makes: dict | None = None  # more of what decides its output (the heal recipe), for the provenance record
 
     @property
     def command(self) -> str:
         return "kvconvert " + shlex.join(self.argv)
+
+    def provenance(self) -> dict:
+        """What decides the stage's output besides its source's weights (kvconvert.checkpoint.provenance);
+        the device is left out: it moves the work, not what is made."""
+        options = self.options.model_dump(mode="json", exclude={"device"}) if self.options is not None else None
+        return {"stage": self.name, "options": options, **(self.makes or {})}
 
 
 def _convert(src: str, opts: MLAOptions, heal, heal_shown: str, out: Path) -> Stage:
@@ -100,7 +111,8 @@ def _convert(src: str, opts: MLAOptions, heal, heal_shown: str, out: Path) -> St
         convert_stage(src_path, opts, out, heal, source_name=src, overwrite=True)
 
     argv = ["mla", "--src", src, *options_as_flags(opts), "--heal", heal_shown, "--out", str(out), "--overwrite"]
-    return Stage("convert", argv, out, opts, run)
+    return Stage("convert", argv, out, opts, run, source=src,
+                 makes={"heal": heal.to_dict() if heal is not None else None})
 
 
 def _calibrate(model: str, opts: CalibrateOptions, out: Path) -> Stage:
@@ -111,7 +123,7 @@ def _calibrate(model: str, opts: CalibrateOptions, out: Path) -> Stage:
                       echo=lambda msg: click.echo(msg, err=True))
 
     argv = ["calibrate", "--src", model, *options_as_flags(opts, keep=("kv_dtype",)), "--out", str(out), "--overwrite"]
-    return Stage("calibrate", argv, out, opts, run)
+    return Stage("calibrate", argv, out, opts, run, source=model)
 
 
 def _validate(src: str, candidate: str, opts: ValidateOptions, report_dir: Path) -> Stage:
@@ -192,12 +204,20 @@ def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path, device: st
 def run_stages(stages: list[Stage], overwrite: bool) -> list[dict]:
     """Run the stages in order (reusing a finished one's output unless `overwrite`); the log of
     each stage's command, seconds and exit code (the gate's: 1 when it failed)."""
+    from kvconvert.checkpoint.provenance import record_artifact, reuse_problem
+    from kvconvert.sources import resolve_source
+
     log = []
     for stage in stages:
         if not overwrite and stage.out is not None and (stage.out / "manifest.json").is_file():
-            click.secho(f"\n== {stage.name}: reusing {stage.out} (--overwrite recomputes it)", fg="cyan", err=True)
-            log.append({"stage": stage.name, "command": stage.command, "seconds": 0.0, "exit_code": 0, "reused": True})
-            continue
+            problem = reuse_problem(stage.out, resolve_source(stage.source), stage.provenance())
+            if problem is None:
+                click.secho(f"\n== {stage.name}: reusing {stage.out}, built from {stage.source} with these options "
+                            "(--overwrite recomputes it)", fg="cyan", err=True)
+                log.append({"stage": stage.name, "command": stage.command, "seconds": 0.0, "exit_code": 0,
+                            "reused": True})
+                continue
+            click.secho(f"\n== {stage.name}: not reusing {stage.out}: {problem}; rebuilding it", fg="yellow", err=True)
         click.secho(f"\n== {stage.name}: {stage.command}", fg="cyan", err=True)
         t0 = time.time()
         try:
@@ -206,6 +226,8 @@ def run_stages(stages: list[Stage], overwrite: bool) -> list[dict]:
             click.echo(f"pipeline stage {stage.name!r} failed; rerun it alone: {stage.command}", err=True)
             raise
         gc.collect()  # the stage's models and tensors go before the next stage loads its own
+        if stage.out is not None:  # what made it, so a rerun reuses it only for the same source and options
+            record_artifact(stage.out, resolve_source(stage.source), stage.provenance())
         log.append({"stage": stage.name, "command": stage.command, "seconds": round(time.time() - t0, 1),
                     "exit_code": 1 if passed is False else 0})
     return log
@@ -247,6 +269,8 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     from kvconvert.checkpoint import check_writable
 
+    if recipe_file is None:  # --out vs --src before any work (the plan of --kv-budget included)
+        _check_out(out_dir, src)
     if kv_budget is not None:
         src, stages = _from_plan(src, kv_budget, target, device, out_dir, overwrite)
     elif recipe_file is not None:
@@ -260,6 +284,8 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
             rank, rope_dim = _default_shape(src, target, rope_dim)
         stages = _from_flags(src, rank, rope_dim, target, heal if convert else "none", calib_tokens, kv_dtype,
                              suite, policy, out_dir, device)
+    if recipe_file is not None:  # the recipe's source is known now
+        _check_out(out_dir, src)
     check_writable(out_dir)  # before the first stage (kvconvert.checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -274,6 +300,14 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
                 fg="green" if gate_ok else "red")
     if not gate_ok and fail_on_gate:
         sys.exit(log[-1]["exit_code"])
+
+
+def _check_out(out_dir: Path, src: str) -> None:
+    """The pipeline's --out must not be, hold or lie inside the source, even with --overwrite."""
+    from kvconvert.checkpoint import check_not_source
+    from kvconvert.sources import resolve_source
+
+    check_not_source(out_dir, (resolve_source(src),))
 
 
 def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir: Path,

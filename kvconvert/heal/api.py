@@ -139,12 +139,11 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
 
     max_steps: stop the distillation after this many optimizer steps, keep the state and return
     {"finished": False} (rerun to resume). restart: discard any saved state first. device: where
-    the layer-wise stage and the teacher's data generation run (default: cuda when a GPU is
-    visible, else cpu). The distillation stage uses accelerate's device (a GPU when one is
-    visible). Returns the report.
+    both stages (and the teacher's data generation) run, replacing the recipe blocks' `device`
+    (None: each block's own, default auto = cuda when a GPU is visible, else cpu). Returns the report.
     """
     t0 = time.time()
-    recipe = resolve_recipe(recipe)
+    recipe = with_heal_device(resolve_recipe(recipe), device)
     if not recipe.heals():
         raise KVConvertError("the recipe has no enabled heal_layerwise or heal_distill stage: nothing to heal")
     student, teacher, out = Path(student), resolve_source(teacher), Path(out)
@@ -154,12 +153,16 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
         check_checkpoint(reader)  # config, missing tensors, tokenizer files, NaN/inf: before any work
     notes = compat.check_pair(s_reader, t_reader)
     tokenizer = load_tokenizer(teacher)
-    device = str(resolve_device(device))  # a GPU asked for and missing: a clear error before any work
-    data = prepare_data(tokenizer, recipe, teacher, progress, device)
+    # each stage's device resolved now: a GPU asked for and missing is a clear error before any work
+    devices = {name: str(resolve_device(opts.device)) for name, opts in
+               (("heal_layerwise", recipe.layerwise), ("heal_distill", recipe.distill)) if opts is not None}
+    data = prepare_data(tokenizer, recipe, teacher, progress, next(iter(devices.values())))
     state = state_dir_for(out)
     if restart and state.exists():
         shutil.rmtree(state)
-    fp = fingerprint(recipe.to_dict(), checkpoint_fingerprint(student), checkpoint_fingerprint(teacher), data.info)
+    # the device is left out: a run interrupted on one device resumes on another
+    fp = fingerprint(_without_device(recipe.to_dict()), checkpoint_fingerprint(student),
+                     checkpoint_fingerprint(teacher), data.info)
     report = {"student": str(student), "teacher": str(teacher), "recipe": recipe.to_dict(), "data": data.info,
               "notes": notes, "stages": {}}
     current = student
@@ -167,7 +170,7 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
         target = out if recipe.distill is None else state / "layerwise-checkpoint"
         report["stages"]["heal_layerwise"] = _layerwise_stage(
             s_reader, t_reader, data, recipe.layerwise, target, state, fp, report, progress,
-            device, final=recipe.distill is None, overwrite=overwrite)
+            devices["heal_layerwise"], final=recipe.distill is None, overwrite=overwrite)
         current = target
     if recipe.distill is not None:
         result = _distill_stage(current, teacher, data, recipe.distill, out, state, fp, report, progress,
@@ -180,6 +183,28 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     report["seconds"] = round(time.time() - t0, 1)
     shutil.rmtree(state, ignore_errors=True)
     return report
+
+
+HEAL_BLOCKS = ("heal_layerwise", "heal_distill")
+
+
+def with_heal_device(recipe: Recipe, device: str | None) -> Recipe:
+    """The recipe with every heal block's device set to `device` (checked by the options model), or
+    unchanged when device is None."""
+    if device is None:
+        return recipe
+    from kvconvert.recipe import parse_recipe
+
+    data = recipe.to_dict()
+    for block in HEAL_BLOCKS:
+        if block in data:
+            data[block] = {**data[block], "device": str(device)}
+    return parse_recipe(data, f"--device {device}")
+
+
+def _without_device(recipe: dict) -> dict:
+    return {k: ({kk: vv for kk, vv in v.items() if kk != "device"} if k in HEAL_BLOCKS else v)
+            for k, v in recipe.items()}
 
 
 @contextmanager

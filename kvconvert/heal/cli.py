@@ -31,7 +31,8 @@ HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill
 @click.option("--restart", is_flag=True, help="Discard saved progress instead of resuming it.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None,
               help="Stop distillation after this many steps and keep its state (rerun to resume).")
-@click.option("--device", default=None, help="Device for the layer-wise stage and teacher data (default: cuda if visible, else cpu).")
+@click.option("--device", default=None, help="Device of both stages and the teacher's data, replacing --layerwise-device / "
+                                            "--distill-device and the recipe's (default: each block's own, auto).")
 @threads_option
 @no_progress_option
 def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, device, threads, no_progress, **params):

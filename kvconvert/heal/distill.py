@@ -148,12 +148,32 @@ def check_distill_memory(student: dict, teacher: dict, stage: DistillOptions, de
         f"(docs/heal.md has the table per model size)")
 
 
+def make_accelerator(stage: DistillOptions):
+    """accelerate's Accelerator on the stage's device (kvconvert.device.resolve_device: auto = cuda when
+    visible; a GPU asked for and missing is an error). Under `accelerate launch` with several
+    processes, each process keeps the GPU accelerate gives it unless the stage says cpu."""
+    from accelerate import Accelerator
+
+    from kvconvert.device import resolve_device
+
+    from accelerate.state import AcceleratorState, PartialState
+
+    device = resolve_device(stage.device)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # accelerate keeps its first device for the whole process: an earlier run's on another device
+        # (a library caller, the tests) would silently win over this stage's
+        if PartialState._shared_state and PartialState().device.type != device.type:
+            AcceleratorState._reset_state(reset_partial_state=True)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # accelerate's single-process device is the current one
+    return Accelerator(mixed_precision=stage.mixed_precision, cpu=device.type == "cpu")
+
+
 class Distiller:
     """One distillation run. Call run(); `max_steps` stops early (state saved) for resumption."""
 
     def __init__(self, student_dir: Path, teacher_dir: Path, ids: torch.Tensor, stage: DistillOptions,
                  state_dir: Path, fingerprint: str, progress: bool = True):
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         self.stage = stage
@@ -161,7 +181,7 @@ class Distiller:
         self.state_path = Path(state_dir) / STATE_FILE
         self.fingerprint = fingerprint
         self.progress = progress
-        self.accelerator = Accelerator(mixed_precision=stage.mixed_precision, cpu=not torch.cuda.is_available())
+        self.accelerator = make_accelerator(stage)
         set_seed(stage.seed)
         check_distill_memory(read_config(student_dir), read_config(teacher_dir), stage, self.accelerator.device)
         self.student, self.teacher = self._load_models(student_dir, teacher_dir)
@@ -174,7 +194,8 @@ class Distiller:
         params = [p for p in self.student.parameters() if p.requires_grad]
         if not params:
             raise KVConvertError("heal_distill.targets selects no weights to train")
-        self.optimizer = torch.optim.Adam(params, lr=stage.lr, betas=(0.9, 0.99))
+        # fused: one kernel per step, no foreach temporaries the size of the trainable set (distill_memory)
+        self.optimizer = torch.optim.Adam(params, lr=stage.lr, betas=(0.9, 0.99), fused=stage.fused_optimizer or None)
         self.student, self.optimizer = self.accelerator.prepare(self.student, self.optimizer)
         # Our own scheduler, one step per optimizer step (accelerate's wrapper would step it once
         # per process), on the optimizer inside accelerate's wrapper.

@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
+from kvconvert.device import DEVICE_FIELD
 from kvconvert.kvformat import CALIBRATE_KV_DTYPES
 from kvconvert.stage_options import StageOptions, text_source_help
 
@@ -39,6 +40,7 @@ class LayerwiseOptions(StageOptions):
                                                  "given the rest).")
     train: tuple[AttentionName, ...] = Field(TRAINABLE_ATTENTION, description="Attention projections to train.")
     seed: int = Field(0, description="Random seed (the windows each step takes).")
+    device: str = DEVICE_FIELD
 
     @model_validator(mode="after")
     def _enough_windows(self):
@@ -81,6 +83,9 @@ class DistillOptions(StageOptions):
                                                         "the end).")
     log_every: int = Field(1, gt=0, description="Optimizer steps between history records.")
     seed: int = Field(0, description="Random seed (data order, LoRA init).")
+    fused_optimizer: bool = Field(True, description="Adam's fused kernel (one pass over the weights, no temporary "
+                                                    "the size of the trainable set); off: torch's default Adam.")
+    device: str = DEVICE_FIELD
 
     @model_validator(mode="after")
     def _weights(self):
