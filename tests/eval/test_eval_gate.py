@@ -118,6 +118,29 @@ def test_missing_metric_is_na_unless_required(tmp_path):
     assert G.evaluate(report, required)[0]["status"] == "fail"
 
 
+def test_metric_the_suite_runs_but_skipped_fails(tmp_path):
+    """The quick suite runs LongBench: a report that skipped it (data missing) fails a LongBench threshold,
+    required or not (a skipped measurement is no evidence); RULER, which quick does not run, stays n/a."""
+    from kvconvert.eval.suites import SUITES
+
+    report = make_report({"passkey": gen_records([1.0], [1.0])})
+    report["suite"]["spec"] = SUITES["quick"].as_dict()
+    report["skipped"]["longbench"] = "LongBench-mini data not found at /x"
+    rows = rows_by_metric(G.evaluate(report, policy(tmp_path, "  longbench_avg_drop: 2\n  ruler_accuracy_drop: 5")))
+    assert rows["longbench_avg_drop"]["status"] == "fail"
+    assert rows["longbench_avg_drop"]["reason"] == ("the quick suite runs longbench, this report skipped it: "
+                                                    "LongBench-mini data not found at /x")
+    assert rows["ruler_accuracy_drop"]["status"] == "n/a"
+
+
+def test_builtin_policy_by_name(tmp_path, monkeypatch):
+    """--policy default|smoke|strict (or recipes/gates/NAME.yaml) from any folder: the packaged policy files."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("default", "strict.yaml", "recipes/gates/smoke.yaml"):
+        stem = Path(name).stem
+        assert G.load_policy(Path(name)) == G.load_policy(RECIPES / f"{stem}.yaml")
+
+
 # --------------------------------------------------------------------------- policy validation
 
 def test_shipped_policies_load():

@@ -150,9 +150,30 @@ def test_longbench_samples_truncated_with_budgets(tmp_path, tiny_tokenizer):
     assert [s.max_new_tokens for s in capped] == [8, 8]
 
 
-def test_shared_longbench_mini_loads_if_present():
+def test_packaged_longbench_mini_is_the_default(monkeypatch):
+    """The default LongBench copy ships in the package (every user has it; tests/test_wheel.py checks
+    an installed wheel): 16 tasks, the 187 samples its README lists, each task's rows in order."""
+    from kvconvert.resources import longbench_mini_dir
+
+    monkeypatch.delenv(LB.ENV_VAR, raising=False)
     folder = LB.default_longbench_dir()
-    if not folder.is_dir():
-        pytest.skip(f"{folder} not present")
+    assert folder == longbench_mini_dir() and folder.parent.parent.name == "kvconvert"
     data = LB.load_longbench(folder)
-    assert len(data) == 16 and sum(len(v) for v in data.values()) == 187
+    counts = {task: len(rows) for task, rows in data.items()}
+    assert counts["lcc"] == 26 and counts["passage_count"] == 4 and sum(counts.values()) == 187
+    assert [row["id"] for row in data["trec"]] == [f"trec-{i}" for i in range(8)] and data["trec"][0]["all_classes"]
+
+
+def test_longbench_reads_jsonl_and_gzip_alike(tmp_path):
+    """A --longbench-dir copy may hold <task>.jsonl or <task>.jsonl.gz; a broken .gz is named."""
+    import gzip
+
+    from kvconvert.resources import longbench_mini_dir
+
+    packed = LB.load_longbench(longbench_mini_dir(), ("samsum", "lcc"))
+    (tmp_path / "samsum.jsonl").write_text("\n".join(json.dumps(r) for r in packed["samsum"]) + "\n")
+    (tmp_path / "lcc.jsonl.gz").write_bytes(gzip.compress("\n".join(json.dumps(r) for r in packed["lcc"]).encode()))
+    assert LB.load_longbench(tmp_path, ("samsum", "lcc")) == packed
+    (tmp_path / "lcc.jsonl.gz").write_bytes(gzip.compress(b'{"id": 1}')[:-6])  # torn
+    with pytest.raises(KVConvertError, match="lcc.jsonl.gz: not a readable gzip file"):
+        LB.load_longbench(tmp_path, ("lcc",))
