@@ -1,0 +1,157 @@
+"""FSDP for the distillation stage: the student sharded over processes by accelerate's FSDP plugin.
+
+Launch: `accelerate launch --config_file recipes/accelerate/fsdp.yaml -m kvconvert.cli heal ...`
+(docs/heal.md, "Several processes with FSDP"). accelerate reads the config into environment variables
+(ACCELERATE_USE_FSDP, FSDP_VERSION, FSDP_TRANSFORMER_CLS_TO_WRAP, ...) and starts one process per
+device; the Distiller's Accelerator turns them into FullyShardedDataParallelPlugin, and
+`accelerator.prepare(student, optimizer)` shards every DeepseekV3DecoderLayer (FSDP2: each
+parameter a DTensor holding 1/world of its rows). The teacher is frozen and stays whole on each
+process (forward only, no gradient or optimizer state).
+
+Data and loss are the Distiller's own: process r of W takes global micro-batch
+g = (step x grad_accum + micro) x W + r, and the logged loss is the mean over processes, so W
+processes with batch b log the same loss per step as one process with b x grad_accum W. FSDP's
+reduce-scatter averages the gradients as DDP's all-reduce does.
+
+On GPUs accelerate selects FSDP itself. On CPUs (gloo) accelerate 1.x keeps MULTI_CPU and ignores
+the plugin (its FSDP branch lists only accelerator device types); `adopt_fsdp_plugin` applies the
+same plugin there, which is how CI runs FSDP (tests/heal/test_fsdp.py, two CPU processes).
+FSDP2 only: FSDP1 flattens each layer into one parameter, which the trainable subset (attention
+only, through torch parametrizations) and the per-tensor resume state do not fit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+
+def fsdp_requested() -> bool:
+    """True inside `accelerate launch` with an FSDP config (or ACCELERATE_USE_FSDP=true)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def adopt_fsdp_plugin(accelerator) -> None:
+    """Make `accelerator` shard with FSDP when the launch asked for it: a no-op on GPUs (accelerate
+    has done it) and in a single process; on CPU processes (gloo) it sets accelerate's own
+    FullyShardedDataParallelPlugin (read from the same environment) on the shared state, before
+    anything is prepared. Refuses FSDP1 (see the module docstring)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if not fsdp_requested() or accelerator.num_processes == 1:
+        return
+    state = accelerator.state
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        state.distributed_type = DistributedType.FSDP
+        # what AcceleratorState.__init__ does when it picks FSDP itself: a later AcceleratorState()
+        # (accelerate's own helpers create them) copies PartialState's type over its own
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if state.distributed_type == DistributedType.FSDP and state.fsdp_plugin.fsdp_version != 2:
+        raise KVConvertError(
+            "heal_distill under FSDP needs fsdp_version: 2 in the accelerate config (FSDP1 flattens each layer into "
+            "one tensor, which the attention-only trainable set does not fit); use recipes/accelerate/fsdp.yaml")
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True for a model that accelerate.prepare sharded with FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def local_parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of parameter storage this process holds, bytes of the whole model's parameters).
+    FSDP2 parameters are DTensors: the local shard is to_local(), the whole is the global shape."""
+    from torch.distributed.tensor import DTensor
+
+    local = whole = 0
+    for p in model.parameters():
+        shard = p.to_local() if isinstance(p, DTensor) else p
+        local += shard.numel() * shard.element_size()
+        whole += p.numel() * p.element_size()
+    return local, whole
+
+
+def shard_report(accelerator, model: torch.nn.Module) -> dict:
+    """How the student is laid out over the processes (collective under several processes):
+    {"processes", "student_bytes", "student_bytes_per_process": [one per rank]}. Unsharded
+    (one process, DDP), every process holds student_bytes."""
+    local, whole = local_parameter_bytes(model)
+    per_rank = [local]
+    if accelerator.num_processes > 1:
+        per_rank = accelerator.gather(torch.tensor([local], device=accelerator.device)).tolist()
+    return {"processes": accelerator.num_processes, "fsdp": is_sharded(model), "student_bytes": whole,
+            "student_bytes_per_process": per_rank}
+
+
+def _owner_unit(modules: dict, name: str):
+    """The FSDP unit whose parameter group holds module `name`'s parameters: its nearest FSDPModule
+    ancestor (itself included); FSDP2's root is the whole model ('')."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = name.split(".")
+    for i in range(len(parts), -1, -1):
+        module = modules[".".join(parts[:i])]
+        if isinstance(module, FSDPModule):
+            return module
+    raise KVConvertError(f"{name} is in no FSDP unit")
+
+
+def gathered_weights(model: torch.nn.Module, names: list[str], keep: bool) -> dict[str, torch.Tensor]:
+    """The effective weights `names` (parametrized: scale x (P + LoRA)) as float32 CPU tensors.
+
+    Sharded, one FSDP unit at a time is gathered whole (collective: every process calls this, in
+    the same order), read, and resharded, so no more than one decoder layer is ever whole on a
+    device; only the process with keep=True copies them out (the others return {})."""
+    if not is_sharded(model):
+        from kvconvert.heal.distill import merged_weights
+
+        return merged_weights(model, names) if keep else {}
+    modules = dict(model.named_modules())
+    by_unit: dict[int, tuple] = {}
+    for name in names:
+        module_name = name.rsplit(".", 1)[0]
+        unit = _owner_unit(modules, module_name)
+        by_unit.setdefault(id(unit), (unit, []))[1].append(name)
+    out = {}
+    with torch.no_grad():
+        for unit, unit_names in by_unit.values():
+            unit.unshard()
+            try:
+                for name in unit_names if keep else ():
+                    out[name] = modules[name.rsplit(".", 1)[0]].weight.detach().float().cpu().clone()
+            finally:
+                unit.reshard()
+    return out
+
+
+# ---------------------------------------------------------------------------- resumable state
+
+def _state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # whole tensors, gathered onto rank 0's CPU (the others get {}); trainable parameters only
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+
+
+def full_training_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """(trainable parameters by name, optimizer state keyed by parameter name), whole, on the main
+    process; empty dicts on the others. Collective: every process calls it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, getattr(optimizer, "optimizer", optimizer), options=_state_options())
+
+
+def load_full_training_state(model: torch.nn.Module, optimizer, trainable: dict, optim_state: dict) -> None:
+    """The inverse of full_training_state on every process (each reads the same saved file): the
+    whole tensors are split into this process's shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, getattr(optimizer, "optimizer", optimizer), model_state_dict=trainable,
+                   optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False))
