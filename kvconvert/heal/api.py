@@ -264,7 +264,7 @@ def _distill_stage(student: Path, teacher: Path, data: HealData, stage: DistillO
     resumed_at = distiller.step if distiller.try_resume() else 0
     result = distiller.run(max_steps)
     info = {"resumed_at_step": resumed_at, "steps_done": result.steps_done, "steps": distiller.steps,
-            "finished": result.finished, **summarize(result.history)}
+            "finished": result.finished, **summarize(result.history), "sharding": distiller.sharding}
     if not result.finished or not distiller.accelerator.is_main_process:
         return info
     s_reader = CheckpointReader(student)

@@ -31,6 +31,9 @@ from tqdm.auto import tqdm
 
 from kvconvert.checkpoint import read_config
 from kvconvert.errors import KVConvertError
+from kvconvert.heal.fsdp import (
+    adopt_fsdp_plugin, full_training_state, gathered_weights, is_sharded, load_full_training_state, shard_report,
+)
 from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets
 from kvconvert.heal.reparam import ScaledWeight, row_scales, scheduled_lr
 from kvconvert.heal.options import TRAINABLE_ATTENTION, DistillOptions
@@ -182,6 +185,7 @@ class Distiller:
         self.fingerprint = fingerprint
         self.progress = progress
         self.accelerator = make_accelerator(stage)
+        adopt_fsdp_plugin(self.accelerator)  # `accelerate launch` with an FSDP config, on CPUs too (heal.fsdp)
         set_seed(stage.seed)
         check_distill_memory(read_config(student_dir), read_config(teacher_dir), stage, self.accelerator.device)
         self.student, self.teacher = self._load_models(student_dir, teacher_dir)
@@ -197,6 +201,7 @@ class Distiller:
         # fused: one kernel per step, no foreach temporaries the size of the trainable set (distill_memory)
         self.optimizer = torch.optim.Adam(params, lr=stage.lr, betas=(0.9, 0.99), fused=stage.fused_optimizer or None)
         self.student, self.optimizer = self.accelerator.prepare(self.student, self.optimizer)
+        self.sharding = shard_report(self.accelerator, self.student)  # bytes of the student per process
         # Our own scheduler, one step per optimizer step (accelerate's wrapper would step it once
         # per process), on the optimizer inside accelerate's wrapper.
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
@@ -224,14 +229,19 @@ class Distiller:
 
     # ------------------------------------------------------------------ state
     def save_state(self) -> None:
+        layout = "fsdp" if is_sharded(self.student) else "whole"
+        if layout == "fsdp":  # gathered whole onto the main process: every process takes part
+            trainable, optimizer = full_training_state(self.student, self.optimizer)
         if not self.accelerator.is_main_process:
             return
+        if layout == "whole":
+            model = self.accelerator.unwrap_model(self.student)
+            trainable = {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad}
+            optimizer = self.optimizer.state_dict()
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        model = self.accelerator.unwrap_model(self.student)
         state = {
-            "fingerprint": self.fingerprint, "step": self.step, "history": self.history,
-            "trainable": {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.requires_grad},
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "fingerprint": self.fingerprint, "layout": layout, "step": self.step, "history": self.history,
+            "trainable": trainable, "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
         }
         tmp = self.state_path.with_suffix(".partial")
         torch.save(state, tmp)
@@ -242,14 +252,18 @@ class Distiller:
         if not self.state_path.is_file():
             return False
         state = torch.load(self.state_path, map_location="cpu", weights_only=True)  # tensors, numbers, strings: nothing unpickled
-        if state.get("fingerprint") != self.fingerprint:
+        layout = "fsdp" if is_sharded(self.student) else "whole"
+        if state.get("fingerprint") != self.fingerprint or state.get("layout", "whole") != layout:
             return False
-        model = self.accelerator.unwrap_model(self.student)
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, value in state["trainable"].items():
-                params[name].copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if layout == "fsdp":
+            load_full_training_state(self.student, self.optimizer, state["trainable"], state["optimizer"])
+        else:
+            model = self.accelerator.unwrap_model(self.student)
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                for name, value in state["trainable"].items():
+                    params[name].copy_(value)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.history = state["step"], state["history"]
         return True
@@ -343,7 +357,8 @@ class Distiller:
         if not finished:
             self.save_state()
         model = self.accelerator.unwrap_model(self.student)
-        weights = merged_weights(model, self.names) if self.accelerator.is_main_process else {}
+        # under FSDP every process takes part in gathering the shards; the main process keeps them
+        weights = gathered_weights(model, self.names, keep=self.accelerator.is_main_process)
         return DistillResult(weights, self.history, self.step, finished)
 
 
