@@ -303,11 +303,15 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
 
 
 def _check_out(out_dir: Path, src: str) -> None:
-    """The pipeline's --out must not be, hold or lie inside the source, even with --overwrite."""
-    from kvconvert.checkpoint import check_not_source
+    """Before any stage and before --out is made: the pipeline's --out must not be, hold or lie inside
+    the source (even with --overwrite), and the source passes the checks that read no weights (index vs
+    shards, config, expected tensors, tokenizer files; the first stage scans the weights for NaN)."""
+    from kvconvert.checkpoint import check_checkpoint, check_not_source
     from kvconvert.sources import resolve_source
 
-    check_not_source(out_dir, (resolve_source(src),))
+    src_path = resolve_source(src)
+    check_not_source(out_dir, (src_path,))
+    check_checkpoint(src_path, finite=False)
 
 
 def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir: Path,

@@ -25,12 +25,13 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 import click
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvconvert.device import DEVICE_FIELD
 from kvconvert.errors import KVConvertError
@@ -60,6 +61,14 @@ class PlanOptions(StageOptions):
         "auto", description="Weights of the quick conversions, of scoring and of the recipe's conversion: auto = as "
                             "the source stores them (a bf16 checkpoint stays bf16; the built-in SmolLM2 is fp32).")
     device: str = DEVICE_FIELD
+
+    @model_validator(mode="after")
+    def _whole_windows(self):
+        from kvconvert.quant.options import check_whole_windows
+
+        # the quick conversions and calibrations read 512-token windows (min(512, calib_tokens), calib_tokens >= 512)
+        check_whole_windows(self.calib_tokens, 512, "the quick conversions' and calibrations' window")
+        return self
 
 
 def finished_plan(out: Path, budget: float, opts: PlanOptions) -> bool:
@@ -398,7 +407,7 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     recipe.yaml to `out`."""
     import yaml
 
-    from kvconvert.checkpoint import atomic_write_text, check_writable, ensure_free_space, read_config
+    from kvconvert.checkpoint import atomic_write_text, check_not_source, check_writable, ensure_free_space, read_config
     from kvconvert.device import resolve_device
     from kvconvert.sources import resolve_source
 
@@ -419,6 +428,7 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     echo(f"{len(everything)} candidates, {len(fitting)} fit {budget:.0%} and are served by {target}, "
          f"{len(survivors)} not dominated: " + ", ".join(c.name for c in survivors))
     work = out / "artifacts" / f"{dtype}-{calib_tokens}"  # a rerun reuses only what was built the same way
+    check_not_source(out, (src_path,))  # --out inside the source: refused before any work
     check_writable(out)
     ensure_free_space(out, disk_needed(to_measure, src_path, work, dtype))  # up front, not at the second candidate
     out.mkdir(parents=True, exist_ok=True)
@@ -469,4 +479,22 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("out/plan"), show_default=True)
 def plan_cmd(src, budget, out_dir, **params):
     """Pick the least-damage KV artifact that fits a byte budget: measured, with the recipe that builds it."""
-    run_plan(src, parse_budget(budget), build_options(PlanOptions, params), out_dir)
+    with removed_if_empty(out_dir):  # an interrupted or failed plan leaves no empty --out behind
+        run_plan(src, parse_budget(budget), build_options(PlanOptions, params), out_dir)
+
+
+@contextmanager
+def removed_if_empty(out: Path):
+    """If the body fails (Ctrl-C, SIGTERM, an error) and `out` did not exist before, remove the folders it
+    left empty under `out`, `out` included (finished artifacts stay, for the rerun to reuse)."""
+    existed = out.exists()
+    try:
+        yield out
+    except BaseException:
+        if not existed and out.is_dir():
+            for folder in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [out]:
+                try:
+                    folder.rmdir()  # empty folders only: anything written stays
+                except OSError:
+                    pass
+        raise

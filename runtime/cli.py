@@ -57,8 +57,22 @@ def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature
     output = _run(llm, prompt, params, tokenizer, stream=not as_json)
     if output.error:
         raise KVConvertError(output.error)
+    note = context_note(output, max_new_tokens, llm.max_model_len)
+    if note:
+        click.echo(f"note: {note}", err=True)
     if as_json:
-        click.echo(json.dumps(_summary(llm, output, tokenizer, load_s)))
+        click.echo(json.dumps({**_summary(llm, output, tokenizer, load_s), **({"note": note} if note else {})}))
+
+
+def context_note(output, max_new_tokens: int, max_model_len: int) -> str | None:
+    """Why a "length" finish came before --max-new-tokens: the context was full (finish_reason stays
+    "length", as in vLLM; this says which length)."""
+    n, prompt = len(output.token_ids), len(output.prompt_token_ids)
+    if output.finish_reason != "length" or n >= max_new_tokens:
+        return None
+    return (f"the context ran out after {n} of --max-new-tokens {max_new_tokens} new tokens: the prompt's {prompt} "
+            f"tokens + {n} fill the model's {max_model_len}-token context (max_model_len); shorten the prompt "
+            "for longer answers")
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:

@@ -48,4 +48,7 @@ class MLAOptions(StageOptions):
     def _enough_tokens(self):
         if self.calib_tokens < self.calib_window:
             raise ValueError(f"--calib-tokens {self.calib_tokens} is less than one window ({self.calib_window})")
+        from kvconvert.quant.options import check_whole_windows
+
+        check_whole_windows(self.calib_tokens, self.calib_window, "--calib-window")
         return self

@@ -17,6 +17,9 @@ from safetensors.torch import load_file, save_file
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / folder) for folder in ("quant", "eval")]
 from quant_cases import make_llama  # noqa: E402
 
+from kvconvert.checkpoint.writer import TOKENIZER_FILES  # noqa: E402
+from kvconvert.st_header import INDEX_NAME  # noqa: E402
+
 
 def _variant(base: Path, folder: Path, tensors=None, config=None) -> Path:
     """A copy of `base` with its tensors / config.json changed by the given functions."""
@@ -32,9 +35,31 @@ def _variant(base: Path, folder: Path, tensors=None, config=None) -> Path:
     return folder
 
 
+def _rewritten(base: Path, folder: Path, **writer_args) -> Path:
+    """`base` written again by CheckpointWriter (manifest.json; sharded with a small max_shard_bytes)."""
+    from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
+
+    src = CheckpointReader(base)
+    with CheckpointWriter(folder, **writer_args) as w:
+        for name in src.keys():
+            w.add(name, src.get(name))
+        w.write_config(src.config)
+        w.copy_tokenizer(base)
+    return folder
+
+
+def _drop_from_shard(folder: Path, name: str) -> None:
+    """Remove tensor `name` from the shard that holds it, the index left unchanged."""
+    shard = folder / json.loads((folder / INDEX_NAME).read_text())["weight_map"][name]
+    weights = load_file(shard)
+    del weights[name]
+    save_file(weights, shard, metadata={"format": "pt"})
+    (folder / "manifest.json").unlink()  # a partial download has no manifest either
+
+
 @pytest.fixture(scope="session")
 def faults(tmp_path_factory) -> dict[str, Path]:
-    """name -> model folder. base: healthy; nan: NaN in layer 1's k_proj; missing: layer 1's
+    """name -> model folder (see the comments below for the newer ones). base: healthy; nan: NaN in layer 1's k_proj; missing: layer 1's
     k_proj removed; bias: config declares attention_bias without bias tensors; sliding: a Llama
     config with sliding_window 256 (< max_position_embeddings 512) and use_sliding_window true;
     tied: tied embeddings (no lm_head) and a 16384-row embedding, so lm_head's own copy matters."""
@@ -48,8 +73,21 @@ def faults(tmp_path_factory) -> dict[str, Path]:
         del w["lm_head.weight"]
         w["model.embed_tokens.weight"] = torch.randn(16384, w["model.embed_tokens.weight"].shape[1]) * 0.02
 
+    partial = _rewritten(base, root / "partial", max_shard_bytes=64 * 1024)
+    _drop_from_shard(partial, "model.layers.1.self_attn.k_proj.weight")
+    notok = _variant(base, root / "notok")
+    for name in TOKENIZER_FILES:
+        (notok / name).unlink(missing_ok=True)
     return {
         "base": base,
+        # sharded, the index listing a tensor its shard lacks (a partial download)
+        "partial": partial,
+        # no tokenizer files at all
+        "notok": notok,
+        # the same config with other weights (seed 1)
+        "other": make_llama(root / "other", seed=1),
+        # base written by CheckpointWriter: a manifest.json with every file's sha256
+        "written": _rewritten(base, root / "written"),
         "nan": _variant(base, root / "nan", tensors=nan),
         "missing": _variant(base, root / "missing", tensors=lambda w: w.pop("model.layers.1.self_attn.k_proj.weight")),
         "bias": _variant(base, root / "bias", config=lambda c: c.update(attention_bias=True)),

@@ -338,3 +338,178 @@ def test_all_finite_matches_isfinite_reference(dtype):
             t = t.to(dt)  # e4m3fn has no inf: the cast makes it NaN
             for view in (t, t.t(), t[::2]):
                 assert _all_finite(view) == bool(torch.isfinite(view.float()).all()), (bad, pos)
+
+
+# ------------------------------------------------------------------ issue 41: the faults a new user hits
+
+FAST = ["generate", "mla", "calibrate", "validate", "heal", "pipeline"]  # every command that reads a checkpoint
+
+
+def _fast_refusal(done, out: Path, seconds: float, *expected: str) -> None:
+    """Refused with one line, nothing written, nothing printed on stdout, and quickly (before any work:
+    mla used to fail after 14 s on SmolLM2; 60 s leaves room for a loaded machine's imports)."""
+    refused(done, out, *expected)
+    assert done.stdout.strip() == ""
+    assert seconds < 60
+
+
+@pytest.mark.parametrize("command", FAST)
+def test_index_listing_a_tensor_its_shard_lacks_is_named_with_the_shard(faults, tmp_path, command):
+    """A partial download: the index lists layer 1's k_proj, its shard lacks it. Every command used to end
+    in a KeyError traceback (exit 1); the reader's header check names the shard before any work."""
+    src, out, name = faults["partial"], tmp_path / "out", "model.layers.1.self_attn.k_proj.weight"
+    shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+    t0 = time.time()
+    done = kvconvert(*command_args(command, src, out, faults["base"]))
+    _fast_refusal(done, out, time.time() - t0,
+                  f"{src / shard}: tensor '{name}' is listed in model.safetensors.index.json but not in this file",
+                  "re-download")
+
+
+@pytest.mark.parametrize("command", FAST)
+def test_missing_tokenizer_files_named_before_any_work(faults, tmp_path, command):
+    src, out = faults["notok"], tmp_path / "out"
+    t0 = time.time()
+    done = kvconvert(*command_args(command, src, out, faults["base"]))
+    _fast_refusal(done, out, time.time() - t0, f"{src}: no tokenizer files (none of tokenizer.json")
+
+
+@pytest.mark.parametrize("command, where", [("mla", "same"), ("calibrate", "inside"), ("heal", "contains"),
+                                            ("pipeline", "same"), ("plan", "inside")])
+def test_output_that_is_holds_or_lies_in_the_source_refused_even_with_overwrite(faults, tmp_path, command, where):
+    """`mla --src D --out D --overwrite` used to replace the source by its conversion."""
+    import shutil
+
+    src = tmp_path / "models" / "src"
+    shutil.copytree(faults["base"], src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    out = {"same": src, "inside": src / "converted", "contains": tmp_path / "models"}[where]
+    args = (["plan", "--src", src, "--kv-budget", "50%", "--target", "any", "--out", out] if command == "plan"
+            else [*command_args(command, src, out), "--overwrite"])
+    done = kvconvert(*args)
+    text = {"same": "is the source", "inside": "lies inside the source", "contains": "contains the source"}[where]
+    refused(done, None, f"{out}: --out {text} {src.resolve()}", "--overwrite does not change that")
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before  # the source untouched
+    assert not (src / "converted").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["calibrate", *[a if a != "256" else "300" for a in TINY_CAL]],
+     "--calib-tokens 300 is not a whole number of 64-token windows (--window-len 64): only 256 would be used; "
+     "use --calib-tokens 256 or 320"),
+    (["mla", *[a if a != "512" else "600" for a in TINY_MLA]],
+     "--calib-tokens 600 is not a whole number of 128-token windows (--calib-window 128): only 512 would be used"),
+    (["plan", "--kv-budget", "50%", "--calib-tokens", "1000"],
+     "--calib-tokens 1000 is not a whole number of 512-token windows"),
+])
+def test_token_count_that_is_not_whole_windows_refused(faults, tmp_path, args, message):
+    """`calibrate --calib-tokens 1000` with 512-token windows calibrated on 512 and said 1000 elsewhere."""
+    out = tmp_path / "out"
+    refused(kvconvert(args[0], "--src", faults["base"], *args[1:], "--out", out), out, message)
+
+
+def test_reports_record_the_tokens_really_used(faults, tmp_path):
+    """A whole number of windows: calibrate's report and mla's summary say the tokens used."""
+    done = kvconvert("calibrate", "--src", faults["base"], *TINY_CAL, "--out", tmp_path / "cal")
+    assert done.returncode == 0, done.stderr
+    assert "256 tokens" in done.stdout
+    report = json.loads((tmp_path / "cal" / "calibration_report.json").read_text())["calibration"]
+    assert (report["tokens"], report["windows"], report["window_len"]) == (256, 4, 64)
+    done = kvconvert("mla", "--src", faults["base"], *TINY_MLA, "--out", tmp_path / "mla", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["calib_tokens"] == 512
+    assert json.loads((tmp_path / "mla" / "manifest.json").read_text())["kvconvert_mla"]["calib_tokens"] == 512
+
+
+def test_pipeline_reuses_an_artifact_only_for_its_source_and_options(faults, tmp_path):
+    """pipeline --src A then --src B (same config, other weights) into the same --out: the second run used to
+    reuse O/source-fp8 (A's) and validate B against A's model."""
+    out = tmp_path / "O"
+    common = ["--no-mla", "--calib-tokens", "512", "--suite", "smoke", "--out", out]
+    first = kvconvert("pipeline", "--src", faults["base"], *common)
+    assert first.returncode == 0, first.stderr
+    artifact = out / "source-fp8"
+    built_from_a = (artifact / "manifest.json").read_text()
+    second = kvconvert("pipeline", "--src", faults["other"], *common)
+    assert second.returncode == 0, second.stderr
+    assert f"not reusing {artifact}: it was built from other weights ({faults['base']}" in second.stderr
+    assert (artifact / "manifest.json").read_text() != built_from_a  # rebuilt from B
+    record = json.loads((out / "provenance.json").read_text())["source-fp8"]
+    assert record["source"] == str(faults["other"]) and record["options"]["options"]["calib_tokens"] == 512
+    third = kvconvert("pipeline", "--src", faults["other"], *common)  # same source and options: reused
+    assert third.returncode == 0 and f"reusing {artifact}, built from {faults['other']}" in third.stderr
+
+
+def test_validate_does_not_reuse_results_of_weights_edited_in_place(faults, tmp_path):
+    """The candidate's weights edited in place (one tensor scaled by 0.3, same file size): the rerun used to
+    reuse the stored results, because the fingerprint trusted manifest.json whenever sizes matched."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+
+    candidate = tmp_path / "candidate"
+    shutil.copytree(faults["written"], candidate)  # with a manifest.json
+    report = tmp_path / "R"
+    args = ["validate", "--source", faults["base"], "--candidate", candidate, "--suite", "smoke"]
+    assert kvconvert(*args, "--out", report).returncode == 0
+    weights, name = candidate / "model.safetensors", "model.layers.0.self_attn.v_proj.weight"
+    with safe_open(weights, "pt") as f:
+        scaled = f.get_tensor(name) * 0.3
+    from kvconvert.st_header import safetensors_header
+
+    start, end = safetensors_header(weights)[name]["data_offsets"]
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:  # in place: same size, new mtime
+        base = 8 + int.from_bytes(f.read(8), "little")
+        f.seek(base + start)
+        f.write(scaled.contiguous().view(torch.uint8).numpy().tobytes())
+    assert weights.stat().st_size == size and end - start == scaled.numel() * 4
+    rerun = kvconvert(*args, "--out", report)
+    fresh = kvconvert(*args, "--out", tmp_path / "fresh")
+    assert rerun.returncode == 0 and fresh.returncode == 0, rerun.stderr + fresh.stderr
+
+    def measured(folder):
+        data = json.loads((folder / "report.json").read_text())
+        return json.dumps(data.get("metrics", data.get("summary")), sort_keys=True)
+
+    assert measured(report) == measured(tmp_path / "fresh")
+
+
+def test_interrupted_plan_leaves_no_empty_out(faults, tmp_path):
+    out = tmp_path / "plan"
+    proc = subprocess.Popen([sys.executable, "-m", "kvconvert.cli", "plan", "--src", str(faults["base"]),
+                             "--kv-budget", "50%", "--target", "any", "--out", str(out)], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not out.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert out.exists(), "plan finished or failed before making its --out"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert not out.exists() or any(p.is_file() for p in out.rglob("*"))  # nothing, or finished files only
+    assert not out.exists() or not [p for p in out.rglob("*") if p.is_dir() and not any(p.iterdir())]
+
+
+def test_generate_says_when_the_context_ran_out(faults, tmp_path):
+    """A prompt that nearly fills the 512-token context and --max-new-tokens 16: a "length" finish after a few
+    tokens used to come with no word that the context, not --max-new-tokens, ended it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(faults["base"]))
+    words = "the value of the function returns the object".split()
+    prompt = " ".join(words[i % len(words)] for i in range(505))
+    n = len(tok(prompt, add_special_tokens=False).input_ids)
+    (tmp_path / "p.txt").write_text(prompt)
+    done = kvconvert("generate", "--model", faults["base"], "--prompt-file", tmp_path / "p.txt", "--greedy",
+                     "--max-new-tokens", "16", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["finish_reason"] == "length" and result["prompt_tokens"] == n
+    assert len(result["token_ids"]) == 512 - n < 16
+    note = f"the context ran out after {512 - n} of --max-new-tokens 16 new tokens"
+    assert note in result["note"] and f"note: {note}" in done.stderr
+    short = kvconvert("generate", "--model", faults["base"], "--prompt", "the value", "--greedy",
+                      "--max-new-tokens", "4", "--json")
+    assert "note" not in json.loads(short.stdout) and "context ran out" not in short.stderr
