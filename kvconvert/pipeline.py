@@ -129,9 +129,10 @@ def _calibrate(model: str, opts: CalibrateOptions, out: Path) -> Stage:
 def _validate(src: str, candidate: str, opts: ValidateOptions, report_dir: Path) -> Stage:
     def run():
         from kvconvert.eval.report import print_summary
-        from kvconvert.eval.validate import run_validate
+        from kvconvert.eval.validate import run_validate, source_results_dir
 
-        print_summary(run_validate(src, candidate, report_dir, opts))
+        # the source's results kept across runs: a second pipeline on the same source does not measure it again
+        print_summary(run_validate(src, candidate, report_dir, opts, shared=source_results_dir()))
 
     argv = ["validate", "--source", src, "--candidate", candidate, *options_as_flags(opts, keep=("kv_dtype", "suite")),
             "--out", str(report_dir)]
@@ -269,6 +270,7 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
     """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
     from kvconvert.checkpoint import check_writable
 
+    t0 = time.time()  # Total counts all this command runs, the plan of --kv-budget included
     if recipe_file is None:  # --out vs --src before any work (the plan of --kv-budget included)
         _check_out(out_dir, src)
     if kv_budget is not None:
@@ -288,13 +290,17 @@ def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_
         _check_out(out_dir, src)
     check_writable(out_dir)  # before the first stage (kvconvert.checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    planned = time.time() - t0  # --kv-budget: the plan (0 when a finished plan was reused)
     log = run_stages(stages, overwrite)
+    if kv_budget is not None:
+        log.insert(0, {"stage": "plan", "command": f"kvconvert plan --kv-budget {kv_budget} --out {out_dir / 'plan'}",
+                       "seconds": round(planned, 1), "exit_code": 0})
     (out_dir / "pipeline.json").write_text(json.dumps({"stages": log, "seconds": round(time.time() - t0, 1)}, indent=2))
     report_dir, candidate = out_dir / "report", next((s.out for s in reversed(stages) if s.out), src)
     pictures = sorted(p.name for p in report_dir.glob("*.png"))
     click.echo(f"\nReport: {report_dir / 'report.md'}\nPictures: {', '.join(pictures) or 'none'} in {report_dir}"
-               f"\nValidated model: {candidate}\nTotal: {time.time() - t0:.0f} s")
+               f"\nValidated model: {candidate}\nTotal: {time.time() - t0:.0f} s"
+               + (f" (the plan {planned:.0f} s, then the stages)" if kv_budget is not None else ""))
     gate_ok = log[-1]["exit_code"] == 0
     click.secho(f"Gate ({Path(stages[-1].argv[-1]).name}): {'PASS' if gate_ok else 'FAIL'}",  # argv ends: --policy FILE
                 fg="green" if gate_ok else "red")

@@ -38,6 +38,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
 from kvconvert.mla.options import DEFAULT_CONVERT_TEXT
+from kvconvert.progress import eta_text
 from kvconvert.stage_options import StageOptions, build_options, click_options
 from kvconvert.targets import DEFAULT_TARGET, TARGETS, get_target, rope_dims_for, servable_shapes
 
@@ -192,6 +193,17 @@ def dominated_by(c: Candidate, d: Candidate) -> bool:
     return d.rank >= c.rank and d.rope_dim >= c.rope_dim  # (the shapes differ, so one is strictly larger)
 
 
+def why_dominated(c: Candidate, d: Candidate) -> str:
+    """Why d loses less than c by construction (dominated_by(c, d) holds), in words, whatever their bytes: within
+    the budget the plan picks the least damage, so a cheaper candidate that must lose more is not measured."""
+    if c.kind == "source" or (d.kind == "mla" and (d.rank, d.rope_dim) == (c.rank, c.rope_dim)):
+        return f"the same cached values in a finer format ({d.kv_dtype} < {c.kv_dtype})"
+    if d.kind == "source":
+        return f"the source's own K/V in a format as fine ({d.kv_dtype}), without the MLA conversion's error"
+    return (f"MLA with at least its rank and RoPE dims ({d.rank}+{d.rope_dim} >= {c.rank}+{c.rope_dim}) in the same "
+            f"format: more of the same decomposition")
+
+
 def prune(candidates: list[Candidate]) -> tuple[list[Candidate], dict[str, str]]:
     """(survivors, {pruned name: a candidate that dominates it, a survivor where one does})."""
     beaten = {c.name: [d for d in candidates if d is not c and dominated_by(c, d)] for c in candidates}
@@ -273,17 +285,35 @@ def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, dtype
 
 class Scorer:
     """Source logits on `windows` essay windows of `window_len` tokens (the runtime, bf16 cache: today's
-    serving), and KL/perplexity of candidates against them, all in the runtime with `dtype` weights on `device`."""
+    serving), and KL/perplexity of candidates against them, all in the runtime with `dtype` weights on `device`.
 
-    def __init__(self, src: Path, windows: int, window_len: int, dtype: str, device: str):
-        from kvconvert.data import eval_windows
+    The source's logits go to validate's store of source results kept across runs (kvconvert.eval.validate:
+    source_logits_store): they are the quick suite's perplexity windows measured by the same runner, so a
+    plan and the validations after it (`pipeline --kv-budget`, the README's demo) run the source on them once.
+    `scratch`: where they go when they are too large to keep (removed by close)."""
+
+    def __init__(self, src: Path, windows: int, window_len: int, dtype: str, device: str, scratch: Path,
+                 echo=lambda msg: None):
         from kvconvert.checkpoint import load_tokenizer
-        from kvconvert.eval.runner import RuntimeRunner
+        from kvconvert.data import data_hash, eval_windows
+        from kvconvert.eval.runner import LazyRunner
+        from kvconvert.eval.validate import source_logits_store, source_results_dir
+        from kvconvert.progress import counted
 
         self.ids = eval_windows(load_tokenizer(src), windows, window_len)
         self.dtype, self.device = dtype, device
-        source = RuntimeRunner(src, "bf16", dtype=dtype, max_len=window_len, device=device)
-        self.reference = [source.logits(w) for w in self.ids]
+        source = LazyRunner(src, "runtime", "bf16", dtype=dtype, device=device)  # loads only if a window is missing
+        source.max_len = window_len
+        self.store = source_logits_store(source, list(self.ids), source_results_dir(), scratch)
+        self.hashes = [data_hash(w) for w in self.ids]
+        missing = [i for i, h in enumerate(self.hashes) if not self.store.has(h)]
+        step = counted("  source logits: window", echo)
+        for n, i in enumerate(missing, 1):
+            self.store.put(self.hashes[i], source.logits(self.ids[i]))
+            step(n, len(missing))
+        if len(missing) < len(self.ids):
+            echo(f"  source logits: {len(self.ids) - len(missing)} of {len(self.ids)} windows measured by an earlier "
+                 f"run (kept in {self.store.folder})")
         source.close()
 
     def score(self, path: Path, kv_dtype: str) -> dict:
@@ -293,11 +323,14 @@ class Scorer:
         from kvconvert.eval.validate import window_stats
 
         runner = RuntimeRunner(path, kv_dtype, dtype=self.dtype, max_len=self.ids.shape[1], device=self.device)
-        stats = [window_stats(ref, runner.logits(w), w) for ref, w in zip(self.reference, self.ids)]
+        stats = [window_stats(self.store.get(h), runner.logits(w), w) for h, w in zip(self.hashes, self.ids)]
         runner.close()
         pooled = perplexity_summary(stats)
         return {"kl": pooled["kl_mean"], "ppl": pooled["candidate"], "source_ppl": pooled["source"],
                 "tokens": pooled["tokens"]}
+
+    def close(self) -> None:
+        self.store.close()
 
 
 # ------------------------------------------------------------------------------ outputs
@@ -427,6 +460,12 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     to_measure = fitting if opts.measure_dominated else survivors
     echo(f"{len(everything)} candidates, {len(fitting)} fit {budget:.0%} and are served by {target}, "
          f"{len(survivors)} not dominated: " + ", ".join(c.name for c in survivors))
+    by_name = {c.name: c for c in fitting}
+    for c in sorted(fitting, key=lambda c: c.fraction):
+        if c.name in pruned and not opts.measure_dominated:
+            d = by_name[pruned[c.name]]
+            echo(f"  not measured: {c.name} ({c.fraction:.0%} of bf16) is dominated by {d.name} ({d.fraction:.0%}): "
+                 f"{why_dominated(c, d)} loses less by construction")
     work = out / "artifacts" / f"{dtype}-{calib_tokens}"  # a rerun reuses only what was built the same way
     check_not_source(out, (src_path,))  # --out inside the source: refused before any work
     check_writable(out)
@@ -434,20 +473,29 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     out.mkdir(parents=True, exist_ok=True)
     echo(f"measuring {len(to_measure)} on {windows} x {window_len} essay tokens (KL to the source, bundled runtime "
          f"with {dtype} weights on {device})")
-    scorer = Scorer(src_path, windows, window_len, dtype, device)
-    results = {}
-    for c in sorted(to_measure, key=lambda c: (c.kind != "source", c.latent, c.kv_dtype)):
-        started = time.time()  # the seconds building and scoring the candidate took
-        path = build_artifact(c, src_path, work, calib_tokens, dtype, device, echo)
-        m = results[c.name] = {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - started, 1)}
-        echo(f"  {c.name}: KL {m['kl']:.4f}, ppl {m['ppl']:.2f} ({m['seconds']} s)")
+    scorer = Scorer(src_path, windows, window_len, dtype, device, work / ".source-logits", echo)
+    results, measured_from = {}, time.time()
+    order = sorted(to_measure, key=lambda c: (c.kind != "source", c.latent, c.kv_dtype))
+    try:
+        for i, c in enumerate(order, 1):
+            echo(f"[{i}/{len(order)}] {c.name}: build and score")
+            started = time.time()  # the seconds building and scoring the candidate took
+            path = build_artifact(c, src_path, work, calib_tokens, dtype, device, echo)
+            m = results[c.name] = {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - started, 1)}
+            echo(f"  {c.name}: KL {m['kl']:.4f}, ppl {m['ppl']:.2f} ({m['seconds']} s; plan "
+                 f"{eta_text(measured_from, i, len(order))})")
+    finally:
+        scorer.close()
     best = min(to_measure, key=lambda c: results[c.name]["kl"])
     # with --measure-dominated: a pruned candidate measured better than what dominates it
     contradicted = [f"{name} < {by}" for name, by in pruned.items()
                     if name in results and results[name]["kl"] < results[by]["kl"]]
     rows = []
     for c in sorted(fitting, key=lambda c: -c.fraction):
-        status = "chosen" if c is best else (f"dominated by {pruned[c.name]}" if c.name in pruned else "measured")
+        dominated = (f"dominated by {pruned[c.name]} ({why_dominated(c, by_name[pruned[c.name]])})"
+                     if c.name in pruned else "")
+        status = ("chosen" if c is best else ("measured; " + dominated if dominated else "measured")
+                  if c.name in results else "not measured: " + dominated)
         rows.append({**asdict(c), "name": c.name, "fraction": c.fraction, **results.get(c.name, {}), "status": status,
                      "chosen": c is best})
     verdict = (f"don't convert, just quantize: the source with its KV cache in {best.kv_dtype}" if best.rank is None

@@ -10,7 +10,7 @@ import yaml
 from kvconvert.errors import KVConvertError
 from kvconvert.pipeline import recipe_stages
 from kvconvert.plan import (PlanOptions, chosen_recipe, enumerate_candidates, finished_plan, fits, mla_shapes,
-                            pareto_front, parse_budget, prune, run_plan)
+                            dominated_by, pareto_front, parse_budget, prune, run_plan, why_dominated)
 from kvconvert.kvmath import kv_shape
 from kvconvert.recipe import load_recipe
 
@@ -72,6 +72,15 @@ def test_pruning_keeps_only_what_no_candidate_beats_by_construction():
     survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.5, "any"))
     assert {c.name for c in survivors} == {"source fp8", "MLA 160+32 bf16"}
     assert pruned["source nvfp4"] == "source fp8"
+
+
+def test_why_dominated_names_the_rule():
+    """The plan says why a cheaper candidate is not measured: what dominates it, by which construction."""
+    c = by_name(enumerate_candidates(SMOLLM2))
+    src_fp8, src_nvfp4, mla256, mla160 = c["source fp8"], c["source nvfp4"], c["MLA 256+64 fp8"], c["MLA 160+32 fp8"]
+    assert dominated_by(src_nvfp4, src_fp8) and "finer format (fp8 < nvfp4)" in why_dominated(src_nvfp4, src_fp8)
+    assert dominated_by(mla256, src_fp8) and "without the MLA conversion's error" in why_dominated(mla256, src_fp8)
+    assert dominated_by(mla160, mla256) and "256+64 >= 160+32" in why_dominated(mla160, mla256)
 
 
 def test_pareto_front():
@@ -213,6 +222,7 @@ def test_plan_end_to_end_on_smollm2(tmp_path):
     assert measured == {"source fp8", "MLA 160+32 bf16"}  # the survivors only
     assert plan["chosen"] == "source fp8" and plan["verdict"].startswith("don't convert, just quantize")
     assert rows["source fp8"]["kl"] < rows["MLA 160+32 bf16"]["kl"]
-    assert rows["source nvfp4"]["status"] == "dominated by source fp8"
+    assert rows["source nvfp4"]["status"] == ("not measured: dominated by source fp8 (the same cached values in a "
+                                              "finer format (fp8 < nvfp4))")
     assert load_recipe(tmp_path / "recipe.yaml").calibrate.kv_dtype == "fp8"
     assert (tmp_path / "plan.png").stat().st_size > 10_000

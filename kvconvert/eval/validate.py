@@ -8,11 +8,19 @@ generation samples. One model is in memory at a time, and each is loaded once. E
 result is cached under REPORT_DIR/cache as soon as it is done, keyed by (model fingerprint, task,
 sample id, content hash): rerunning the same command resumes, and a result computed for a model
 is reused by any later report on the same model and samples.
+
+The source is measured once for every candidate: with `shared` (the CLI and the pipeline pass
+source_results_dir(), KVCONVERT_HOME/validate), the source's generation results and its logits of
+each essay window are also kept there, keyed by the source runner's fingerprint (checkpoint
+content, engine, KV format, weights dtype, device) and each sample's or window's content hash. A
+second candidate against the same source, and `kvconvert plan` (same windows, same runner), read
+them instead of running the source again; the report counts them as cache hits.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +55,7 @@ class ValidateRun:
     spec: SuiteSpec
     resume: bool = True
     progress: bool = True
+    shared: Path | None = None  # source results kept across runs (source_results_dir())
     notes: list[str] = field(default_factory=list)
 
 
@@ -112,27 +121,93 @@ def perplexity_windows(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: d
     return list(eval_windows(pair.tokenizer, spec.ppl_windows, spec.ppl_window_len))
 
 
-class SourceLogits:
-    """The source's fp32 logits of each window not yet in the result cache, on disk (safetensors)
-    until the candidate has been compared with them: the two models never need to be resident
-    together. `folder` is removed on close."""
+SHARED_LOGITS_BYTES = 1 << 30  # source logits kept across runs, at most; least recently used dropped first
 
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
+
+def source_results_dir() -> Path:
+    """KVCONVERT_HOME/validate (default ~/.cache/kvconvert/validate): the source model's results kept
+    across runs, so that each candidate (and `kvconvert plan`) does not measure the source again."""
+    from kvconvert.sources import kvconvert_home
+
+    return kvconvert_home() / "validate"
+
+
+class SourceLogits:
+    """The source's fp32 logits of essay windows, one safetensors file per window named by the window's
+    content hash, on disk until the candidate has been compared with them: the two models never need
+    to be resident together. keep=False: a scratch `folder`, removed on close. keep=True: a folder of the
+    shared results (source_logits_store), kept across runs and trimmed to SHARED_LOGITS_BYTES on close."""
+
+    def __init__(self, folder: Path, keep: bool = False):
+        self.folder, self.keep = Path(folder), keep
+        self.reused = 0  # windows whose logits an earlier run stored
         self.folder.mkdir(parents=True, exist_ok=True)
 
-    def put(self, i: int, logits: torch.Tensor) -> None:
-        atomic_save_tensors({"logits": logits.float().contiguous()}, self.folder / f"w{i}.safetensors")
+    def _path(self, content: str) -> Path:
+        return self.folder / f"{content}.safetensors"
 
-    def get(self, i: int) -> torch.Tensor:
+    def has(self, content: str) -> bool:
+        return self._path(content).is_file()
+
+    def put(self, content: str, logits: torch.Tensor) -> None:
+        atomic_save_tensors({"logits": logits.float().contiguous()}, self._path(content))
+
+    def get(self, content: str) -> torch.Tensor:
         from safetensors.torch import load_file
 
-        return load_file(str(self.folder / f"w{i}.safetensors"))["logits"]
+        path = self._path(content)
+        if self.keep:
+            os.utime(path)  # recently used: trimmed last
+        return load_file(str(path))["logits"]
 
     def close(self) -> None:
         import shutil
 
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if not self.keep:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return
+        files = sorted(self.folder.parent.glob("*/*.safetensors"), key=lambda f: f.stat().st_mtime, reverse=True)
+        total = 0
+        for f in files:  # newest first: keep while the total fits
+            total += f.stat().st_size
+            if total > SHARED_LOGITS_BYTES:
+                f.unlink(missing_ok=True)
+
+
+def source_logits_store(source, windows: list, shared: Path | None, scratch: Path) -> SourceLogits:
+    """Where the source's window logits go: the shared folder of this source runner (shared/logits/
+    <fingerprint>) when there is one and the windows' logits fit SHARED_LOGITS_BYTES (4 x 512 tokens of
+    SmolLM2: 0.4 GB), else the scratch folder (removed on close). `source`: a RunnerInfo."""
+    size = sum(len(w) for w in windows) * source.vocab_size * 4
+    if shared is None or size > SHARED_LOGITS_BYTES:
+        return SourceLogits(scratch)
+    return SourceLogits(Path(shared) / "logits" / source.fingerprint, keep=True)
+
+
+class SourceResults:
+    """The result cache of the source's generation samples: the report's own (OUT/cache), backed by the
+    shared one (source_results_dir()/cache) when there is one. A result found only in the shared cache
+    is copied into the report's (which stays complete and resumable) and counted there as a hit; every
+    new result goes to both."""
+
+    def __init__(self, local: ResultCache, shared: ResultCache | None):
+        self.local, self.shared = local, shared
+        self.reused = 0  # results read from the shared cache
+
+    def get(self, fingerprint: str, task: str, sample_id: str, content_hash: str) -> dict | None:
+        result = self.local.get(fingerprint, task, sample_id, content_hash)
+        if result is None and self.shared is not None:
+            result = self.shared.get(fingerprint, task, sample_id, content_hash)
+            if result is not None:
+                self.local.put(fingerprint, task, sample_id, content_hash, result)
+                self.local.misses, self.local.hits, self.reused = self.local.misses - 1, self.local.hits + 1, \
+                    self.reused + 1
+        return result
+
+    def put(self, fingerprint: str, task: str, sample_id: str, content_hash: str, result: dict) -> None:
+        self.local.put(fingerprint, task, sample_id, content_hash, result)
+        if self.shared is not None:
+            self.shared.put(fingerprint, task, sample_id, content_hash, result)
 
 
 def run_perplexity(pair: Pair, windows: list, role: str, store: SourceLogits, cache: ResultCache,
@@ -151,9 +226,12 @@ def run_perplexity(pair: Pair, windows: list, role: str, store: SourceLogits, ca
         sample_id, content = f"w{i}", data_hash(ids)
         result = cache.get(key, "perplexity", sample_id, content)
         if result is None and role == "source":
-            store.put(i, runner.logits(ids))
+            if store.keep and run.resume and store.has(content):  # measured by an earlier run
+                store.reused += 1
+            else:
+                store.put(content, runner.logits(ids))
         elif result is None:
-            result = window_stats(store.get(i), runner.logits(ids), ids)
+            result = window_stats(store.get(content), runner.logits(ids), ids)
             cache.put(key, "perplexity", sample_id, content, result)
         records.append({"id": sample_id, **(result or {})})
     return records if role == "candidate" else None
@@ -243,15 +321,17 @@ def _progress(items, label: str, run: ValidateRun):
 
 def run_validate(source: str, candidate: str, out: Path, options: ValidateOptions | None = None, *,
                  spec: SuiteSpec | None = None, resume: bool = True, progress: bool = True, threads: int | None = None,
-                 vllm_python: str | None = None) -> dict:
+                 vllm_python: str | None = None, shared: Path | None = None) -> dict:
     """Run the suite (options.suite, or `spec`), write report.json / report.md / PNGs into `out`,
     return the report. threads: torch CPU threads (None = torch's default; 1 is much faster on a
     CPU that other jobs share). With options.engine vllm, stock vLLM (from `vllm_python`, default
-    $KVCONVERT_VLLM_PYTHON or ./.venv-vllm) also scores the perplexity windows, beside the runtime."""
+    $KVCONVERT_VLLM_PYTHON or ./.venv-vllm) also scores the perplexity windows, beside the runtime.
+    shared: the folder of source results kept across runs (source_results_dir(); None: this report only)."""
     from kvconvert.eval.report import build_report, write_report
 
     options = options or ValidateOptions()
-    run = ValidateRun(source, candidate, Path(out), options, spec or get_suite(options.suite), resume, progress)
+    run = ValidateRun(source, candidate, Path(out), options, spec or get_suite(options.suite), resume, progress,
+                      shared=Path(shared) if shared is not None else None)
     check_inputs(run, vllm_python)
     started = time.time()
     if threads:
@@ -272,7 +352,7 @@ def run_validate(source: str, candidate: str, out: Path, options: ValidateOption
         "candidate": pair.candidate.describe(),
         "settings": {"context": pair.context, "stop_ids": list(pair.stop_ids), "resume": run.resume,
                      "threads": torch.get_num_threads()},
-        "cache": {"hits": cache.hits, "misses": cache.misses},
+        "cache": {"hits": cache.hits, "misses": cache.misses, "shared": str(run.shared) if run.shared else None},
         "seconds": round(time.time() - started, 1),
         "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
         "notes": list(run.notes),
@@ -326,7 +406,10 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun
     size_runners(pair, windows, gen_samples)
     lap("build_samples")
     outputs = {}
-    store = SourceLogits(Path(run.out) / "cache" / f"source-logits-{pair.source.fingerprint}")
+    store = source_logits_store(pair.source, windows, run.shared if run.resume else None,
+                                Path(run.out) / "cache" / f"source-logits-{pair.source.fingerprint}")
+    shared = ResultCache(run.shared / "cache", resume=run.resume) if run.shared is not None else None
+    caches = {"source": SourceResults(cache, shared), "candidate": cache}
     try:
         for role, runner in (("source", pair.source), ("candidate", pair.candidate)):
             if windows:
@@ -334,7 +417,10 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun
                 if records is not None:
                     samples["perplexity"] = records
                 lap(f"{role}_perplexity")
-            outputs[role] = generate_all(runner, role, gen_samples, pair, cache, run)
+            outputs[role] = generate_all(runner, role, gen_samples, pair, caches[role], run)
+            if role == "source" and (store.reused or caches["source"].reused):
+                note(run, f"the source's results of {store.reused} essay windows and {caches['source'].reused} "
+                          f"samples were measured by an earlier run (kept in {run.shared}), not recomputed")
             runner.close()
             lap(f"{role}_generation")
     finally:

@@ -60,6 +60,7 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
         CheckpointReader, check_checkpoint, check_output_path, estimate_checkpoint_bytes, load_tokenizer,
     )
     from kvconvert.data import calibration_windows, data_hash
+    from kvconvert.progress import counted
     from kvconvert.quant.capture import load_hf_model
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.stream import stream_unsupported
@@ -90,11 +91,11 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
          f"{job.options.calib_data!r}: {job.options.kv_dtype}, observer {job.options.observer}, {job.options.granularity}")
     if whole_model is None:
         result = calibrate_streamed(reader, layout, windows, job.settings,
-                                    progress=lambda done, n: echo(f"  calibrated layer {done}/{n}"), device=device)
+                                    progress=counted("  calibrated layer", echo), device=device)
     else:
         echo(f"  {whole_model}: not in the layer-streamed blocks; loading the whole model in fp32 on the CPU")
         result = calibrate_model(load_hf_model(src), layout, windows, job.settings,
-                                 progress=lambda done, n: echo(f"  observed {done}/{n} windows"))
+                                 progress=counted("  observed windows", echo))
     if unshaped:
         result.plan.description["latent_shaping"] = {"auto": unshaped}
     result.stats["path"] = "whole-model (fp32)" if whole_model else "layer-streamed"

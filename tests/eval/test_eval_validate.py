@@ -169,3 +169,26 @@ def test_degraded_smollm2_fails_the_gate(tmp_path, smollm2_path, smollm2_smoke, 
         main(["gate", "--report", str(out / "report.json"), "--policy", policy])
     assert info.value.code == 1
     assert "perplexity_increase_pct" in capsys.readouterr().out
+
+
+def test_the_source_is_measured_once_for_every_candidate(tmp_path, tiny_llama, tiny_tokenizer, tiny_tokenizer_dir):
+    """With a shared folder (the pipeline's and the CLI's KVCONVERT_HOME/validate), a second candidate against
+    the same source reads the source's window logits and generation results kept by the first run, and
+    reports exactly what a run without it reports; another source reuses nothing."""
+    first, second = (save_tiny_model(tmp_path / name, len(tiny_tokenizer), seed=seed, tokenizer_dir=tiny_tokenizer_dir)
+                     for name, seed in (("first", 1), ("second", 2)))
+    shared = tmp_path / "shared"
+    opts = ValidateOptions(engine="transformers")
+
+    def run(source, candidate, out, shared_folder=shared):
+        return run_validate(str(source), str(candidate), tmp_path / out, opts, spec=TINY, progress=False, threads=1,
+                            shared=shared_folder)
+
+    assert not any("earlier run" in n for n in run(tiny_llama, first, "a")["notes"])
+    assert list((shared / "logits").glob("*/*.safetensors")) and list((shared / "cache").glob("*.jsonl"))
+    reused = run(tiny_llama, second, "b")
+    note = next(n for n in reused["notes"] if "earlier run" in n)
+    gen_samples = sum(len(v) for k, v in reused["samples"].items() if k != "perplexity")
+    assert f"{TINY.ppl_windows} essay windows and {gen_samples} samples" in note
+    assert reused["metrics"] == run(tiny_llama, second, "c", None)["metrics"]  # the same numbers as measured afresh
+    assert not any("earlier run" in n for n in run(first, second, "d")["notes"])  # another source: nothing reused
