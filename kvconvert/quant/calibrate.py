@@ -27,15 +27,15 @@ from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import (
-    AttentionRecorder, CacheHook, cache_hook, check_finite, decoder_layers, run_with_hook,
+    AttentionRecorder, decoder_layers, run_with_hook,
 )
 from kvconvert.quant.fake_quant import scale_from_amax
 from kvconvert.quant.latent_shape import (
     LatentMoments, check_linear_norm, norm_is_linear, predicted_noise_ratio, shaping_transform,
 )
-from kvconvert.quant.observers import KVObserver
+from kvconvert.quant.observers import KVObserver, layer_observers, observing_hook
 from kvconvert.quant.options import CalibrateOptions
-from kvconvert.quant.pair_stats import PairMomentObserver, PairMoments
+from kvconvert.quant.pair_stats import STAT_WINDOWS, PairMomentObserver, PairMoments
 from kvconvert.quant.rotate import (
     RotationPlan,
     apply_plan_to_model,
@@ -47,8 +47,6 @@ from kvconvert.quant.rotate import (
 )
 from kvconvert.quant.scales import KVScales
 from kvconvert.quant.search import LayerReplay, search_replay_scales
-
-STAT_WINDOWS = 8  # windows of the rotation-planning statistics
 
 
 class CalibrationSettings(CalibrateOptions):
@@ -93,21 +91,6 @@ class CalibrationResult:
     plan: RotationPlan
     observers: list[dict[str, KVObserver]]
     stats: dict = field(default_factory=dict)  # amax per layer, search info, timings
-
-
-def layer_observers(layout: KVShape) -> dict[str, KVObserver]:
-    """A fresh observer for each tensor one layer caches."""
-    return {kind: KVObserver(layout.cached_heads, layout.row_dim) for kind in layout.cached_names}
-
-
-def observing_hook(layout: KVShape, observers_of) -> CacheHook:
-    """Cache hook feeding observers_of(layer)[kind] with every cached tensor (on the host), after
-    refusing NaN/inf; the tensors pass unchanged."""
-    def row_hook(layer_idx, kind, x):
-        check_finite(layer_idx, kind, x)
-        observers_of(layer_idx)[kind].observe(x.cpu())
-        return x
-    return cache_hook(layout, row_hook)
 
 
 def observe_kv(model, layout: KVShape, windows: torch.Tensor, batch_size: int,

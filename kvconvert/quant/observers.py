@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvmath import KVShape
+from kvconvert.quant.capture import CacheHook, cache_hook, check_finite
 from kvconvert.quant.options import OBSERVERS
 
 
@@ -125,3 +127,18 @@ class KVObserver:
                 return torch.tensor([h.percentile(percentile) for h in self.head_hists], dtype=torch.float64)
             return torch.tensor(self.tensor_hist.percentile(percentile), dtype=torch.float64)
         raise KVConvertError(f"unknown observer {observer!r}: use one of {', '.join(OBSERVERS)}")
+
+
+def layer_observers(layout: KVShape) -> dict[str, KVObserver]:
+    """A fresh observer for each tensor one layer caches."""
+    return {kind: KVObserver(layout.cached_heads, layout.row_dim) for kind in layout.cached_names}
+
+
+def observing_hook(layout: KVShape, observers_of) -> CacheHook:
+    """Cache hook feeding observers_of(layer)[kind] with every cached tensor (on the host), after
+    refusing NaN/inf; the tensors pass unchanged."""
+    def row_hook(layer_idx, kind, x):
+        check_finite(layer_idx, kind, x)
+        observers_of(layer_idx)[kind].observe(x.cpu())
+        return x
+    return cache_hook(layout, row_hook)

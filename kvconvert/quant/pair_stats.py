@@ -21,6 +21,8 @@ from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import decoder_layers
 from kvconvert.quant.rotate import rope_pairs
 
+STAT_WINDOWS = 8  # windows of the rotation-planning statistics (the first ones of the calibration)
+
 
 @dataclass
 class PairMoments:

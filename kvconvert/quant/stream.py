@@ -34,13 +34,12 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.kvmath import KVShape
 from kvconvert.models.registry import SOURCE_MODEL_TYPES as GQA_MODEL_TYPES
-from kvconvert.quant.calibrate import STAT_WINDOWS, layer_observers, observing_hook
 from kvconvert.models import deepseek_v3 as ds, llama
 from kvconvert.models.common import MLP, rms_norm, short_names, take
 from kvconvert.quant.fake_quant import mla_row_from_engine, mla_row_to_engine
 from kvconvert.quant.latent_shape import LatentMoments
-from kvconvert.quant.observers import KVObserver
-from kvconvert.quant.pair_stats import PairMoments, PairMomentSums, complex_pairs
+from kvconvert.quant.observers import KVObserver, layer_observers, observing_hook
+from kvconvert.quant.pair_stats import STAT_WINDOWS, PairMoments, PairMomentSums, complex_pairs
 from kvconvert.quant.rotate import RotationPlan
 from kvconvert.quant.search import BlockReplay
 
