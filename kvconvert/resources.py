@@ -5,7 +5,7 @@
         heal/*.yaml       second-pass heal recipes: NAME = heal/<stem>
         gates/*.yaml      gate policies: `--policy default|smoke|strict`
         accelerate/*      `accelerate launch --config_file` configs
-    kvconvert/data/longbench-mini/   LongBench-mini, one <task>.jsonl.gz per task (its README: source, license)
+    kvconvert/eval/longbench-mini/   LongBench-mini, one <task>.jsonl.gz per task (its README: source, license)
 
 Nothing here looks beside the checkout: an installed wheel and an editable install find the same
 files (tests/test_wheel.py builds and installs the wheel to check). A name is looked up only
@@ -40,7 +40,7 @@ def gates_dir() -> Path:
 
 
 def longbench_mini_dir() -> Path:
-    return package_dir("kvconvert", "data", "longbench-mini")
+    return package_dir("kvconvert.eval", "longbench-mini")
 
 
 def builtin_names(folder: Path) -> list[str]:

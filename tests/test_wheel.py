@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 RECIPE = "smollm2-135m-25pct"  # a built-in recipe, resolved by name
 
+pytestmark = pytest.mark.slow  # about 20-25 s on 2 loaded cores (the build, then three CLI runs); CI runs it
+
 
 def git_files(*folders: str) -> list[str]:
     """Files git has (tracked, or new and not ignored) under `folders`: what a clean clone builds from."""
@@ -112,9 +114,9 @@ def test_wheel_holds_the_runtime_files(wheel_install):
     recipes = [f for f in git_files("recipes") if not f.endswith(".py")]  # every recipe, policy, accelerate config
     assert recipes and not [f for f in recipes if f"kvconvert/{f}" not in names]
     assert {"kvconvert/recipes/gates/default.yaml", f"kvconvert/recipes/{RECIPE}.yaml"} <= names
-    data = git_files("kvconvert/data")
+    data = git_files("kvconvert/eval/longbench-mini")
     assert len([f for f in data if f.endswith(".jsonl.gz")]) == 16
-    assert {"kvconvert/data/longbench-mini/README.md", "kvconvert/data/longbench-mini/LICENSE-LongBench"} <= names
+    assert {"kvconvert/eval/longbench-mini/README.md", "kvconvert/eval/longbench-mini/LICENSE-LongBench"} <= names
     assert not [f for f in data if f not in names]
 
 

@@ -1,6 +1,6 @@
 """LongBench-mini: 187 real LongBench v1 samples (16 English/code tasks), shipped in the package.
 
-The default copy is kvconvert/data/longbench-mini (MIT-licensed LongBench via MiniLongBench; its
+The default copy is kvconvert/eval/longbench-mini (MIT-licensed LongBench via MiniLongBench; its
 README states source and license), found with importlib.resources (kvconvert.resources), so every
 user's validation runs LongBench; --longbench-dir / $KVCONVERT_LONGBENCH_DIR name another copy.
 

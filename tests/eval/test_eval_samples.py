@@ -3,6 +3,7 @@
 inputs, bad data."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -157,7 +158,7 @@ def test_packaged_longbench_mini_is_the_default(monkeypatch):
 
     monkeypatch.delenv(LB.ENV_VAR, raising=False)
     folder = LB.default_longbench_dir()
-    assert folder == longbench_mini_dir() and folder.parent.parent.name == "kvconvert"
+    assert folder == longbench_mini_dir() and folder.parent == Path(LB.__file__).parent
     data = LB.load_longbench(folder)
     counts = {task: len(rows) for task, rows in data.items()}
     assert counts["lcc"] == 26 and counts["passage_count"] == 4 and sum(counts.values()) == 187
