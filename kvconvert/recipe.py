@@ -5,7 +5,7 @@
     heal_layerwise: {tokens: 16384, window: 512, steps: 120}        # fit each attention block (heal/options.py)
     heal_distill:   {tokens: 200000, seq_len: 512, lr: 1.0e-3}      # end-to-end KL to the source
     calibrate:      {kv_dtype: fp8}                                 # KV-cache scales (quant/options.py)
-    validate:       {suite: quick, gate: recipes/gates/default.yaml}  # eval/options.py + the gate policy
+    validate:       {suite: quick, gate: default}                   # eval/options.py + the gate policy (name or YAML)
 
 Every block is optional; a block that is present runs (set `enabled: false` to keep it written
 down but skip it). Unknown keys are errors that name the key and the file (pydantic extra=forbid),
