@@ -185,6 +185,44 @@ def scale_names(kind: str, layer: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# weight dtypes: the names `--dtype` flags and recipes use, their config.json/torch names and bytes
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightDType:
+    name: str  # flag / recipe name
+    torch_name: str  # torch attribute and config.json torch_dtype
+    bytes: int
+
+
+WEIGHT_DTYPES = {d.name: d for d in (WeightDType("bf16", "bfloat16", 2), WeightDType("fp16", "float16", 2),
+                                     WeightDType("fp32", "float32", 4))}
+WEIGHT_DTYPE_NAMES = tuple(WEIGHT_DTYPES)  # choices of a --dtype that names a dtype
+AUTO_WEIGHT_DTYPE_NAMES = ("auto", *WEIGHT_DTYPE_NAMES)  # ... or keeps the checkpoint's own ("auto")
+_BY_TORCH_NAME = {d.torch_name: d for d in WEIGHT_DTYPES.values()}
+
+
+def weight_dtype(name: str) -> WeightDType:
+    if name not in WEIGHT_DTYPES:
+        raise KVConvertError(f"--dtype {name!r} is unknown; choose one of {', '.join(WEIGHT_DTYPE_NAMES)}")
+    return WEIGHT_DTYPES[name]
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a flag name (torch imported here: this module is torch-free)."""
+    import torch
+
+    return getattr(torch, weight_dtype(name).torch_name)
+
+
+def stored_bytes(torch_name: str | None, default: int = 4) -> int:
+    """Bytes per weight of a config.json torch_dtype ("bfloat16", ...); `default` when absent or unknown."""
+    found = _BY_TORCH_NAME.get(str(torch_name).removeprefix("torch."))
+    return found.bytes if found else default
+
+
+# ----------------------------------------------------------------------------------------------
 # docs/formats.md's table
 # ----------------------------------------------------------------------------------------------
 

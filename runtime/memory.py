@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import WEIGHT_DTYPE_NAMES, torch_dtype
 from kvconvert.kvmath import parameter_count
 
 # Python + torch + transformers' tokenizer, measured here: about 0.5 GB RSS before any weight.
 BASE_BYTES = 600 * 2**20
 # The user can state what the run may use (tests, containers whose limit we cannot read).
 AVAILABLE_ENV = "KVCONVERT_AVAILABLE_MEMORY"
-DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"auto": None, **{name: torch_dtype(name) for name in WEIGHT_DTYPE_NAMES}}  # kvformat's table
 
 
 @dataclass(frozen=True)

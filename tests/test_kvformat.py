@@ -62,3 +62,22 @@ def test_rope_formats_name_registry_formats():
 def test_docs_table_is_the_registry():
     docs = (Path(__file__).parents[1] / "docs" / "formats.md").read_text()
     assert markdown_table() in docs, "docs/formats.md's registry table is stale: paste kvformat.markdown_table()"
+
+
+def test_weight_dtypes_are_one_table():
+    """Every `--dtype` choice list and byte count reads kvformat's weight-dtype table."""
+    import typing
+
+    import torch
+
+    from kvconvert.eval.options import ValidateOptions
+    from kvconvert.kvformat import AUTO_WEIGHT_DTYPE_NAMES, WEIGHT_DTYPES, stored_bytes, torch_dtype
+    from kvconvert.mla.options import MLAOptions
+    from kvconvert.runtime.memory import DTYPES
+
+    assert typing.get_args(MLAOptions.model_fields["dtype"].annotation) == tuple(WEIGHT_DTYPES)
+    assert typing.get_args(ValidateOptions.model_fields["dtype"].annotation) == AUTO_WEIGHT_DTYPE_NAMES
+    assert tuple(DTYPES) == AUTO_WEIGHT_DTYPE_NAMES
+    for name, d in WEIGHT_DTYPES.items():
+        assert torch_dtype(name).itemsize == d.bytes == stored_bytes(d.torch_name) == stored_bytes(f"torch.{d.torch_name}")
+    assert torch_dtype("bf16") is torch.bfloat16 and stored_bytes(None) == 4 and stored_bytes("int8", 1) == 1

@@ -6,12 +6,10 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-
 from kvconvert.checkpoint.writer import CheckpointWriter, check_output_path
 from kvconvert.errors import CheckpointError
+from kvconvert.kvformat import WEIGHT_DTYPES, torch_dtype
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "fp32", overwrite: bool = False,
@@ -28,12 +26,12 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
     check_output_path(out_dir.absolute(), overwrite, sources=(gguf_path,))  # refuse before the slow load
     if not gguf_path.is_file():
         raise CheckpointError(f"{gguf_path}: GGUF file not found")
-    if dtype not in _DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    if dtype not in WEIGHT_DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=_DTYPES[dtype])
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch_dtype(dtype))
     except Exception as exc:  # gguf / transformers raise many types for a bad file
         raise CheckpointError(f"{gguf_path}: cannot import GGUF ({type(exc).__name__}: {exc})") from None
     staging = out_dir.parent / f".{out_dir.name}.hf-staging"
@@ -52,7 +50,7 @@ def _write_hf_folder(model, staging: Path, out_dir: Path, dtype: str, overwrite:
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "id2label", "label2id"):
         config.pop(key, None)
     config["architectures"] = [type(model).__name__]
-    config["torch_dtype"] = config["dtype"] = str(_DTYPES[dtype]).removeprefix("torch.")
+    config["torch_dtype"] = config["dtype"] = WEIGHT_DTYPES[dtype].torch_name
     with CheckpointWriter(out_dir, overwrite=overwrite, source=source,
                           manifest_extra={"imported_from": gguf_name}) as w:
         for name, tensor in model.state_dict().items():

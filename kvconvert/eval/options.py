@@ -10,7 +10,7 @@ from pydantic import Field
 
 from kvconvert.device import DEVICE_FIELD
 from kvconvert.eval.suites import SUITES
-from kvconvert.kvformat import VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES  # "auto" + the runtime's formats
+from kvconvert.kvformat import AUTO_WEIGHT_DTYPE_NAMES, VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES  # "auto" + the runtime's formats
 from kvconvert.stage_options import StageOptions
 
 ENGINES = ("auto", "runtime", "transformers", "vllm")
@@ -29,7 +29,7 @@ class ValidateOptions(StageOptions):
     source_kv_dtype: Literal[KV_DTYPE_CHOICES] = Field("auto", description="Source's KV-cache format.")
     kv_scales: Literal["checkpoint", "dynamic"] = Field(
         "checkpoint", description="Runtime engine: fp8/nvfp4 scales from the checkpoint or from the first prefill.")
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+    dtype: Literal[AUTO_WEIGHT_DTYPE_NAMES] = Field(
         "auto", description="Both models' weights/activations: auto = as stored (bf16 checkpoints run in bf16).")
     device: str = DEVICE_FIELD
     longbench_dir: Path | None = Field(None, description="LongBench folder of <task>.jsonl(.gz) files (default: "

@@ -23,6 +23,7 @@ from kvconvert.checkpoint import (CheckpointReader, CheckpointWriter, check_outp
 from kvconvert.data import calibration_windows, data_hash
 from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import torch_dtype, weight_dtype
 from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla.convert_layer import LayerPlan, convert_layer, max_rank
 from kvconvert.mla.options import MLAOptions
@@ -31,9 +32,6 @@ from kvconvert.models.common import DecoderLayer, rms_norm, take
 from kvconvert.models.deepseek_v3 import MLAShape
 from kvconvert.models.llama import LlamaShape
 from kvconvert.targets import check_servable
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
 
 @dataclass
 class ConversionReport:
@@ -100,7 +98,7 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     cfg = reader.config
     d, rope_dim = validate_plan(cfg, opts)
     check_output_path(Path(out_dir), overwrite)
-    ensure_free_space(Path(out_dir), int(estimate_checkpoint_bytes(src_path, DTYPES[opts.dtype].itemsize, untie=True)
+    ensure_free_space(Path(out_dir), int(estimate_checkpoint_bytes(src_path, weight_dtype(opts.dtype).bytes, untie=True)
                                          * 1.2))  # lm_head written as its own copy; 1.2: MLA attention size
     plan = LayerPlan.for_source(d, opts.rank, rope_dim, key_weight=opts.key_weight, rho=opts.rho)
     source = LlamaShape.from_config(cfg)
@@ -110,11 +108,11 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     tokenizer = AutoTokenizer.from_pretrained(str(src_path))
     ids = calibration_windows(tokenizer, opts.calib_data, opts.calib_tokens, opts.calib_window)
     out_cfg = fmt.deepseek_config(cfg, plan.rank, rope_dim, plan.nope_dim, plan.v_dim, opts.q_rank,
-                                  {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[opts.dtype])
+                                  weight_dtype(opts.dtype).torch_name)
     target = MLAShape.from_config(out_cfg)
     report = ConversionReport(source=source_name or str(src_path), options=opts.model_dump(), config=out_cfg,
                               calib_tokens=int(ids.numel()), calib_hash=data_hash(ids))
-    out_dtype = DTYPES[opts.dtype]
+    out_dtype = torch_dtype(opts.dtype)
     embed = reader.get("model.embed_tokens.weight")
     hidden = embed[ids].float().to(device)  # [N, T, hidden] calibration hidden states, carried layer to layer
     with CheckpointWriter(out_dir, overwrite=overwrite, source=report.source, max_shard_bytes=256 * 2**20,

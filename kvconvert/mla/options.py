@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kvconvert.device import DEVICE_FIELD
+from kvconvert.kvformat import WEIGHT_DTYPE_NAMES
 from kvconvert.stage_options import StageOptions, text_source_help
 from kvconvert.targets import DEFAULT_TARGET, TARGETS
 
@@ -41,7 +42,7 @@ class MLAOptions(StageOptions):
                        description="Latent-norm linear range: mean(c^2) <= rho * eps on calibration tokens.")
     stream: Literal["converted", "source"] = Field(
         "converted", description="Calibration hidden states carried through the converted layers or the source's.")
-    dtype: Literal["bf16", "fp32", "fp16"] = Field("bf16", description="Dtype of the written weights.")
+    dtype: Literal[WEIGHT_DTYPE_NAMES] = Field("bf16", description="Dtype of the written weights.")
     device: str = DEVICE_FIELD
 
     @model_validator(mode="after")

@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import stored_bytes
 
 GB = 1e9
 BASE_BYTES = int(0.6 * GB)  # python + torch + transformers + tokenizer, before any tensor
 SAFETY = 1.15
 FP32 = 4
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def _dims(cfg: dict) -> dict:
     heads = int(cfg["num_attention_heads"])
     d = dict(hidden=hidden, heads=heads, inter=int(cfg.get("intermediate_size") or 4 * hidden),
              vocab=int(cfg.get("vocab_size") or 0), layers=int(cfg["num_hidden_layers"]),
-             stored=DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), 4))
+             stored=stored_bytes(cfg.get("torch_dtype") or cfg.get("dtype")))
     if cfg.get("kv_lora_rank"):  # DeepSeek-V3 MLA
         names = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
         rank, rope, nope, v = (int(cfg[name]) for name in names)
