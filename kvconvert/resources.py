@@ -58,11 +58,9 @@ def _builtin_file(folder: Path, name: str, prefix: str) -> Path | None:
     name = name.removeprefix(prefix)
     if Path(name).suffix in YAML_SUFFIXES:
         name = str(Path(name).with_suffix(""))
-    for suffix in YAML_SUFFIXES:
-        path = folder / f"{name}{suffix}"
-        if name and not Path(name).is_absolute() and ".." not in Path(name).parts and path.is_file():
-            return path
-    return None
+    if not name or Path(name).is_absolute() or ".." in Path(name).parts:  # names stay inside `folder`
+        return None
+    return next((folder / f"{name}{s}" for s in YAML_SUFFIXES if (folder / f"{name}{s}").is_file()), None)
 
 
 def find_recipe(recipe: str | Path) -> Path | None:
@@ -70,7 +68,8 @@ def find_recipe(recipe: str | Path) -> Path | None:
     (smollm2-135m-25pct, heal/smollm2-135m-25pct-fp8rope-long-2, or recipes/<name>.yaml), else None."""
     if Path(recipe).is_file():
         return Path(recipe)
-    return _builtin_file(recipes_dir(), Path(recipe).as_posix(), "recipes/")
+    found = _builtin_file(recipes_dir(), Path(recipe).as_posix(), "recipes/")
+    return found if found is not None and found.parent in (recipes_dir(), recipes_dir() / "heal") else None
 
 
 def find_policy(policy: str | Path, base: Path | None = None) -> Path:
