@@ -453,6 +453,7 @@ def test_validate_does_not_reuse_results_of_weights_edited_in_place(faults, tmp_
     report = tmp_path / "R"
     args = ["validate", "--source", faults["base"], "--candidate", candidate, "--suite", "smoke"]
     assert kvconvert(*args, "--out", report).returncode == 0
+    before = json.loads((report / "report.json").read_text())
     weights, name = candidate / "model.safetensors", "model.layers.0.self_attn.v_proj.weight"
     with safe_open(weights, "pt") as f:
         scaled = f.get_tensor(name) * 0.3
@@ -469,11 +470,9 @@ def test_validate_does_not_reuse_results_of_weights_edited_in_place(faults, tmp_
     fresh = kvconvert(*args, "--out", tmp_path / "fresh")
     assert rerun.returncode == 0 and fresh.returncode == 0, rerun.stderr + fresh.stderr
 
-    def measured(folder):
-        data = json.loads((folder / "report.json").read_text())
-        return json.dumps(data.get("metrics", data.get("summary")), sort_keys=True)
-
-    assert measured(report) == measured(tmp_path / "fresh")
+    after, fresh = (json.loads((folder / "report.json").read_text()) for folder in (report, tmp_path / "fresh"))
+    assert after["candidate"]["fingerprint"] != before["candidate"]["fingerprint"]
+    assert after["metrics"] == fresh["metrics"] != before["metrics"]  # measured again, not reused
 
 
 def test_interrupted_plan_leaves_no_empty_out(faults, tmp_path):
@@ -513,3 +512,26 @@ def test_generate_says_when_the_context_ran_out(faults, tmp_path):
     short = kvconvert("generate", "--model", faults["base"], "--prompt", "the value", "--greedy",
                       "--max-new-tokens", "4", "--json")
     assert "note" not in json.loads(short.stdout) and "context ran out" not in short.stderr
+
+
+def test_fingerprint_follows_in_place_edits_keeps_copies_and_trusts_fresh_manifests(faults, tmp_path, monkeypatch):
+    """kvconvert.checkpoint.fingerprint in-process (validate's cache and the pipeline's provenance use it)."""
+    import shutil
+
+    from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint
+
+    monkeypatch.setenv("KVCONVERT_HOME", str(tmp_path / "home"))
+    hashes = tmp_path / "home" / "hashes"
+    original = checkpoint_fingerprint(faults["written"])
+    assert not hashes.exists()  # a fresh CheckpointWriter output: its manifest's hashes, no file read
+    copy = tmp_path / "copy"
+    shutil.copytree(faults["written"], copy, copy_function=shutil.copyfile)  # new mtimes, same bytes
+    assert checkpoint_fingerprint(copy) == original and len(list(hashes.iterdir())) >= 2  # hashed once, cached
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = bytes(4 - i for i in range(4))  # the last value of the last tensor, in place
+    weights.write_bytes(bytes(data))
+    assert weights.stat().st_size == (faults["written"] / "model.safetensors").stat().st_size
+    assert checkpoint_fingerprint(copy) != original
+    weights.write_bytes((faults["written"] / "model.safetensors").read_bytes())  # restored: the same weights again
+    assert checkpoint_fingerprint(copy) == original
