@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 from kvconvert.checkpoint import read_config
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.fsdp import (
-    adopt_fsdp_plugin, full_training_state, gathered_weights, is_sharded, load_full_training_state, shard_report,
+    adopt_fsdp_plugin, check_fsdp_launch, full_training_state, gathered_weights, is_sharded, load_full_training_state,
+    shard_report,
 )
 from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets
 from kvconvert.heal.reparam import ScaledWeight, row_scales, scheduled_lr
@@ -184,6 +185,7 @@ class Distiller:
         self.state_path = Path(state_dir) / STATE_FILE
         self.fingerprint = fingerprint
         self.progress = progress
+        check_fsdp_launch()  # an FSDP1 launch config: refused before accelerate reads it (heal.fsdp)
         self.accelerator = make_accelerator(stage)
         adopt_fsdp_plugin(self.accelerator)  # `accelerate launch` with an FSDP config, on CPUs too (heal.fsdp)
         set_seed(stage.seed)

@@ -34,27 +34,32 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
+def check_fsdp_launch() -> None:
+    """Before the Accelerator exists (accelerate fails first, and less clearly, on FSDP1 on CPUs):
+    an FSDP launch must ask for FSDP2 (see the module docstring); accelerate's default is 1."""
+    version = os.environ.get("FSDP_VERSION", "1")
+    if fsdp_requested() and version != "2":
+        raise KVConvertError(
+            f"heal_distill under FSDP needs fsdp_version: 2 in the accelerate config (got {version}; FSDP1 flattens "
+            "each layer into one tensor, which the attention-only trainable set does not fit); launch with "
+            "--config_file recipes/accelerate/fsdp.yaml or pass --fsdp_version 2")
+
+
 def adopt_fsdp_plugin(accelerator) -> None:
-    """Make `accelerator` shard with FSDP when the launch asked for it: a no-op on GPUs (accelerate
-    has done it) and in a single process; on CPU processes (gloo) it sets accelerate's own
+    """Make `accelerator` shard with FSDP when the launch asked for it. On GPUs accelerate has done
+    it already; on several CPU processes (gloo) this sets accelerate's own
     FullyShardedDataParallelPlugin (read from the same environment) on the shared state, before
-    anything is prepared. Refuses FSDP1 (see the module docstring)."""
+    anything is prepared. One CPU process has nothing to shard with and is left as it is."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    if not fsdp_requested() or accelerator.num_processes == 1:
-        return
     state = accelerator.state
-    if state.distributed_type == DistributedType.MULTI_CPU:
+    if fsdp_requested() and state.distributed_type == DistributedType.MULTI_CPU:
         state.fsdp_plugin = FullyShardedDataParallelPlugin()
         state.distributed_type = DistributedType.FSDP
         # what AcceleratorState.__init__ does when it picks FSDP itself: a later AcceleratorState()
         # (accelerate's own helpers create them) copies PartialState's type over its own
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    if state.distributed_type == DistributedType.FSDP and state.fsdp_plugin.fsdp_version != 2:
-        raise KVConvertError(
-            "heal_distill under FSDP needs fsdp_version: 2 in the accelerate config (FSDP1 flattens each layer into "
-            "one tensor, which the attention-only trainable set does not fit); use recipes/accelerate/fsdp.yaml")
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

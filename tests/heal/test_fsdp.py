@@ -108,3 +108,17 @@ def test_fsdp_interrupted_and_resumed_matches_one(one_process, tiny_student, tin
     _launch(tiny_student, tiny_teacher, recipe, two)
     assert json.loads((two / "heal_report.json").read_text())["stages"]["heal_distill"]["resumed_at_step"] == 2
     _assert_same_run(one_process, two)
+
+
+@pytest.mark.slow
+def test_fsdp1_config_is_refused_before_training(tiny_student, tiny_teacher, text_file, tmp_path):
+    """FSDP1 (flat parameters) does not fit the attention-only trainable set: a clear error, exit 2,
+    before any model is loaded."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG), "--fsdp_version",
+           "1", "--num_processes", "2", "-m", "kvconvert.cli", "heal", "--student", str(tiny_student), "--teacher",
+           str(tiny_teacher), "--recipe", str(_fsdp_recipe(text_file, tmp_path)), "--out", str(tmp_path / "out"),
+           "--no-progress", "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    assert "needs fsdp_version: 2" in proc.stderr and not (tmp_path / "out").exists()
