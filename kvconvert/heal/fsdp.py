@@ -5,8 +5,9 @@ Launch: `accelerate launch --config_file recipes/accelerate/fsdp.yaml -m kvconve
 (ACCELERATE_USE_FSDP, FSDP_VERSION, FSDP_TRANSFORMER_CLS_TO_WRAP, ...) and starts one process per
 device; the Distiller's Accelerator turns them into FullyShardedDataParallelPlugin, and
 `accelerator.prepare(student, optimizer)` shards every DeepseekV3DecoderLayer (FSDP2: each
-parameter a DTensor holding 1/world of its rows). The teacher is frozen and stays whole on each
-process (forward only, no gradient or optimizer state).
+parameter a DTensor holding 1/world of its rows). The frozen teacher is sharded the same way
+(`place_teacher`; accelerate prepares one FSDP2 model per Accelerator, so that is torch's
+fully_shard directly): forward only, one layer gathered at a time.
 
 Data and loss are the Distiller's own: process r of W takes global micro-batch
 g = (step x grad_accum + micro) x W + r, and the logged loss is the mean over processes, so W
@@ -82,16 +83,32 @@ def local_parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return local, whole
 
 
-def shard_report(accelerator, model: torch.nn.Module) -> dict:
-    """How the student is laid out over the processes (collective under several processes):
-    {"processes", "student_bytes", "student_bytes_per_process": [one per rank]}. Unsharded
-    (one process, DDP), every process holds student_bytes."""
-    local, whole = local_parameter_bytes(model)
-    per_rank = [local]
-    if accelerator.num_processes > 1:
-        per_rank = accelerator.gather(torch.tensor([local], device=accelerator.device)).tolist()
-    return {"processes": accelerator.num_processes, "fsdp": is_sharded(model), "student_bytes": whole,
-            "student_bytes_per_process": per_rank}
+def place_teacher(accelerator, teacher: torch.nn.Module, student: torch.nn.Module) -> torch.nn.Module:
+    """The frozen teacher on the run's device; when the student is sharded, sharded the same way
+    (FSDP2, one unit per decoder layer plus the root): each process keeps 1/N of its weights, and
+    each layer's are gathered for its forward and freed after it (no gradients, no optimizer)."""
+    if not is_sharded(student):
+        return teacher.to(accelerator.device)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in teacher.model.layers:  # moved to the device one layer at a time, then sharded
+        fully_shard(layer)
+    fully_shard(teacher)  # the rest: embeddings, final norm, head (tied or not: one group)
+    return teacher
+
+
+def shard_report(accelerator, student: torch.nn.Module, teacher: torch.nn.Module) -> dict:
+    """How the models are laid out over the processes (collective under several processes):
+    {"processes", "fsdp", "student_bytes", "student_bytes_per_process": [one per rank], and the same
+    for the teacher}. Unsharded (one process, DDP), every process holds the whole of each."""
+    report = {"processes": accelerator.num_processes, "fsdp": is_sharded(student)}
+    for name, model in (("student", student), ("teacher", teacher)):
+        local, whole = local_parameter_bytes(model)
+        per_rank = [local]
+        if accelerator.num_processes > 1:
+            per_rank = accelerator.gather(torch.tensor([local], device=accelerator.device)).tolist()
+        report |= {f"{name}_bytes": whole, f"{name}_bytes_per_process": per_rank}
+    return report
 
 
 def _owner_unit(modules: dict, name: str):

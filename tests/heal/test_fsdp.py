@@ -1,7 +1,7 @@
 """FSDP distillation: two CPU processes (gloo), started by `accelerate launch` with the shipped
-recipes/accelerate/fsdp.yaml, shard the student (each holds half of its parameter bytes) and log
-the same loss at every step as one process with the same global batch; interrupted and resumed
-under FSDP (the slow test), they end at the same healed weights.
+recipes/accelerate/fsdp.yaml, shard the student and the teacher (each process holds half of each
+one's parameter bytes) and log the same loss at every step as one process with the same global
+batch; interrupted and resumed under FSDP (a slow test), they end at the same healed weights.
 
 One process: batch 2 x grad_accum 2. Two processes: batch 1 x grad_accum 2 each. The distiller hands
 global micro-batch g = (step * grad_accum + micro) * world + rank to each process, so both runs see
@@ -92,9 +92,10 @@ def test_fsdp_two_processes_shard_the_student_and_match_one(one_process, tiny_st
     _launch(tiny_student, tiny_teacher, _fsdp_recipe(text_file, tmp_path), two)
     shards = json.loads((two / "heal_report.json").read_text())["stages"]["heal_distill"]["sharding"]
     assert shards["processes"] == 2 and shards["fsdp"] is True
-    per_rank, whole = shards["student_bytes_per_process"], shards["student_bytes"]
-    assert len(per_rank) == 2 and sum(per_rank) == whole  # dim-0 shards: nothing held twice
-    assert all(0.45 * whole <= b <= 0.55 * whole for b in per_rank), shards
+    for model in ("student", "teacher"):  # the frozen teacher is sharded too
+        per_rank, whole = shards[f"{model}_bytes_per_process"], shards[f"{model}_bytes"]
+        assert len(per_rank) == 2 and sum(per_rank) == whole  # dim-0 shards: nothing held twice
+        assert all(0.45 * whole <= b <= 0.55 * whole for b in per_rank), (model, shards)
     _assert_same_run(one_process, two)
 
 
