@@ -1,22 +1,31 @@
 #!/usr/bin/env python
-"""Distillation throughput (issue 17, item 3): tokens/s of kvconvert's Distiller, the loop `kvconvert heal`
-runs, per micro-batch shape and with or without torch.compile, on a GPU.
+"""Distillation throughput and memory (issues 17, 38): tokens/s of kvconvert's Distiller, the loop `kvconvert heal`
+runs, per micro-batch shape, and its peak memory beside kvconvert.heal.memory's estimate (the number the
+refusal check uses), on a GPU or a CPU.
 
 The teacher and the MLA student are randomly initialised models of a preset's shape (default SmolLM2-135M
 -> MLA 160 + 32, the shape of recipes/smollm2-135m-50pct-gpu.yaml, whose distillation ran at 56-58K
-tokens/s on an H100 in session 5) and the tokens are random: weights and text do not change the speed,
-and nothing large has to travel to a GPU machine. Each variant builds a fresh Distiller, runs
---warmup optimizer steps untimed (compilation, allocator), then times --steps steps (device
-synchronised) and records the peak device memory. Writes a JSON and a markdown table.
+tokens/s on an H100 in session 5) and the tokens are random: weights and text do not change the speed or
+the memory, and nothing large has to travel to a GPU machine. Each row builds a fresh Distiller, runs
+--warmup optimizer steps untimed (compilation, allocator), then times --steps steps (device synchronised).
 
-    python scripts/bench_distill.py --device cuda                         # the default grid, ~2-4 min on an H100
-    python scripts/bench_distill.py --variants b8s2048,b16s2048:compile   # b<batch>s<seq_len>[:compile]
+Measured peak: on a GPU torch.cuda.max_memory_allocated (reset before the Distiller is built); on a CPU the
+peak RSS (VmHWM) of a fresh process per row, minus that process's RSS just before the Distiller is built
+(the interpreter, torch, transformers and accelerate: "baseline_gb" in each row, not the run's). est/meas
+is the estimate over that peak (issue 38's target: 1.0-1.3 on every row).
+
+    python scripts/bench_distill.py --device cuda                         # the default grid, ~2 min on an H100
+    python scripts/bench_distill.py --variants b8s2048,b16s2048:ckpt      # b<batch>s<seq_len>[:compile][:ckpt][:lora]
+    python scripts/bench_distill.py --device cpu --layers 2 --variants b1s256,b2s512 --mixed-precision no
     python scripts/bench_distill.py --smoke                               # CPU: 2 layers, 64 tokens (plumbing only)
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,34 +34,50 @@ from pathlib import Path
 import torch
 from bench_common import DOCS, parser, write_json, write_text
 
-DEFAULT_VARIANTS = "b8s2048,b8s2048:compile,b16s2048,b16s2048:compile,b32s1024:compile"
+# no torch.compile in the default grid: its warm-up alone took over 60 s per row on an H100 (issue 38)
+DEFAULT_VARIANTS = "b8s2048,b16s2048,b16s2048:ckpt,b8s2048:lora"
+VARIANT = re.compile(r"b(\d+)s(\d+)((?::(?:compile|ckpt|lora))*)")
 
 
 def parse_args(argv=None):
     p = parser(__doc__)
+    p.add_argument("--device", default="auto", help="auto (cuda when visible, else nothing is run), cuda[:N] or cpu")
     p.add_argument("--preset", default="smollm2-135m", help="model shape (kvconvert.presets)")
     p.add_argument("--rank", type=int, default=160, help="student kv_lora_rank")
     p.add_argument("--rope-dim", type=int, default=32, help="student qk_rope_head_dim")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated b<batch>s<seq_len>[:compile]")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help="comma-separated b<batch>s<seq_len>[:compile][:ckpt (gradient checkpointing)][:lora]")
     p.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16", "fp16"], help="as heal_distill's")
-    p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per variant")
-    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per variant")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per variant")
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant")
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size (CPU tests)")
+    p.add_argument("--stage", default="{}", help="more heal_distill options as JSON (e.g. the 7B recipe's block)")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check: 2 layers, b2s64, 1 + 2 steps")
     p.add_argument("--json", default=None, help="default: docs/bench_distill.json (--smoke: /tmp/...)")
     p.add_argument("--md", default=None, help="default: docs/bench_distill.md (--smoke: /tmp/...)")
+    p.add_argument("--row", default=None, help=argparse_hidden())
     return p.parse_args(argv)
 
 
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS  # internal: one CPU row in this fresh process (JSON: dirs, variant)
+
+
 def parse_variant(text: str) -> dict:
-    """'b8s2048:compile' -> {'batch': 8, 'seq_len': 2048, 'compile': True}."""
-    m = re.fullmatch(r"b(\d+)s(\d+)(:compile)?", text.strip())
+    """'b8s2048:ckpt' -> {'batch': 8, 'seq_len': 2048, 'compile': False, 'ckpt': True, 'lora': False}."""
+    m = VARIANT.fullmatch(text.strip())
     if not m:
-        raise SystemExit(f"bad variant {text!r}: write b<batch>s<seq_len>, optionally :compile (e.g. b8s2048:compile)")
-    return {"batch": int(m[1]), "seq_len": int(m[2]), "compile": bool(m[3])}
+        raise SystemExit(f"bad variant {text!r}: write b<batch>s<seq_len>, optionally :compile, :ckpt, :lora "
+                         "(e.g. b8s2048:ckpt)")
+    flags = set(m[3].split(":")[1:])
+    return {"batch": int(m[1]), "seq_len": int(m[2]), **{f: f in flags for f in ("compile", "ckpt", "lora")}}
 
 
-def build_models(preset: str, rank: int, rope_dim: int, layers: int | None, work: Path) -> tuple[Path, Path, int]:
+def build_models(preset: str, rank: int, rope_dim: int, layers: int | None, work: Path,
+                 vocab: int | None = None) -> tuple[Path, Path, int]:
     """Random teacher (the preset's config) and random MLA student (the config `kvconvert mla` writes for
     it), saved as safetensors folders under `work`; -> (student dir, teacher dir, vocab size)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -65,6 +90,8 @@ def build_models(preset: str, rank: int, rope_dim: int, layers: int | None, work
     src = dict(get_preset(preset)["config"])
     if layers:
         src["num_hidden_layers"] = layers
+    if vocab:
+        src["vocab_size"] = vocab
     teacher_cfg = AutoConfig.for_model(**src)
     plan = LayerPlan.for_source(kvmath.head_dim(src), rank, rope_dim)
     student_cfg = AutoConfig.for_model(**deepseek_config(teacher_cfg.to_dict(), rank, rope_dim, plan.nope_dim,
@@ -84,22 +111,75 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work: Path) -> dict:
-    """One variant: tokens/s over the timed steps and peak device memory."""
-    from kvconvert.heal.distill import Distiller
+def stage_for(variant: dict, args) -> "DistillOptions":  # noqa: F821
+    """The heal_distill options of a row: --stage's block, the variant's shape and switches."""
     from kvconvert.heal.options import DistillOptions
 
     steps = args.warmup + args.steps
-    tokens = variant["batch"] * variant["seq_len"] * steps
-    stage = DistillOptions(tokens=tokens, seq_len=variant["seq_len"], batch_size=variant["batch"], warmup_steps=1,
-                           mixed_precision=args.mixed_precision, checkpoint_every=0)
+    base = {"warmup_steps": 1, "mixed_precision": args.mixed_precision, "checkpoint_every": 0,
+            **json.loads(args.stage)}
+    return DistillOptions(**{**base, "tokens": variant["batch"] * variant["seq_len"] * steps,
+                             "seq_len": variant["seq_len"], "batch_size": variant["batch"], "grad_accum": 1,
+                             "device": args.device,
+                             **({"gradient_checkpointing": True} if variant["ckpt"] else {}),
+                             **({"train": "lora"} if variant["lora"] else {})})
+
+
+def estimate(student: Path, teacher: Path, stage, device_type: str) -> dict:
+    from kvconvert.checkpoint import read_config
+    from kvconvert.heal.memory import distill_memory
+
+    parts = distill_memory(read_config(student), read_config(teacher), stage, device_type)
+    return {"estimate_gb": sum(parts.values()) / 1e9, "estimate_parts_gb": {k: round(v / 1e9, 4) for k, v in parts.items()}}
+
+
+def rss(field: str) -> int:
+    """This process's VmRSS / VmHWM (peak) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def warm_up_process(args, variant: dict, work: Path) -> None:
+    """Run the same loop once on a 1-layer, 256-token-vocabulary model of the preset's width, so the
+    code torch, transformers and accelerate execute (their pages count in RSS) is loaded before the
+    baseline is read; what that run allocated is freed again."""
+    import gc
+
+    from kvconvert.heal.distill import Distiller
+
+    student, teacher, vocab = build_models(args.preset, args.rank, args.rope_dim, 1, work / "warm", 256)
+    tiny = {**variant, "batch": 1, "seq_len": 16, "compile": False}
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    d = Distiller(student, teacher, ids, stage_for(tiny, args), work / "warm" / "state", fingerprint="warm",
+                  progress=False)
+    for _ in range(2):
+        d.train_step()
+    del d
+    gc.collect()
+
+
+def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work: Path) -> dict:
+    """One variant in this process: tokens/s over the timed steps and the peak memory of the run."""
+    from kvconvert.heal.distill import Distiller
+
+    stage = stage_for(variant, args)
+    steps = args.warmup + args.steps
     ids = torch.randint(0, vocab, (variant["batch"] * steps, variant["seq_len"]), generator=torch.Generator().manual_seed(0))
+    cuda = stage.device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        warm_up_process(args, variant, work)  # the libraries' code and data are the process's, not the run's
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
+        baseline = rss("VmRSS")
     d = Distiller(student, teacher, ids, stage, work / "state", fingerprint="bench", progress=False)
     if variant["compile"]:
         d.student, d.teacher = torch.compile(d.student), torch.compile(d.teacher)
     device = d.accelerator.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     for _ in range(args.warmup):
         d.train_step()
@@ -109,55 +189,92 @@ def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work:
     records = [d.train_step() for _ in range(args.steps)]
     sync(device)
     seconds = time.perf_counter() - started
+    peak = (torch.cuda.max_memory_allocated() if cuda else rss("VmHWM")) - baseline
     timed_tokens = sum(r["tokens"] for r in records)
+    est = estimate(student, teacher, stage, device.type)
     return {**variant, "tokens_per_s": timed_tokens / seconds, "step_s": seconds / args.steps, "warmup_s": warm_s,
-            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
+            "peak_gb": peak / 1e9, "baseline_gb": baseline / 1e9, **est, "est_over_measured": est["estimate_gb"] * 1e9 / peak,
             "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"], "device": str(device)}
 
 
+def measure_in_child(student: Path, teacher: Path, vocab: int, variant: dict, args, work: Path) -> dict:
+    """A CPU row in a fresh process, so its peak RSS is its own (freed memory of an earlier row stays
+    with the allocator and would hide the next row's)."""
+    row = json.dumps({"student": str(student), "teacher": str(teacher), "vocab": vocab, "variant": variant,
+                      "work": tempfile.mkdtemp(dir=work), "preset": args.preset, "rank": args.rank,
+                      "rope_dim": args.rope_dim})
+    argv = [sys.executable, __file__, "--row", row, "--device", args.device, "--mixed-precision", args.mixed_precision,
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--stage", args.stage]
+    # glibc's allocator returns every block over 64 KiB to the system when it is freed (by default its
+    # threshold grows to 32 MiB, and freed tensors below it stay in RSS): RSS then follows live tensors
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"row process failed (rc {proc.returncode}): {proc.stderr[-400:]}")
+    return json.loads(lines[-1])
+
+
+def run_row(args) -> int:
+    spec = json.loads(args.row)
+    args.preset, args.rank, args.rope_dim = spec["preset"], spec["rank"], spec["rope_dim"]
+    row = measure(Path(spec["student"]), Path(spec["teacher"]), spec["vocab"], spec["variant"], args, Path(spec["work"]))
+    print(json.dumps(row))
+    return 0
+
+
 def markdown(report: dict) -> str:
-    lines = [f"Distillation throughput on {report['device_name']} ({report['preset']} -> MLA {report['rank']} + "
-             f"{report['rope_dim']}, random weights and tokens, mixed precision {report['mixed_precision']}; "
-             f"{report['steps']} timed steps after {report['warmup']}):", "",
-             "| micro-batch | seq_len | torch.compile | tokens/s | step (s) | warm-up (s) | peak GB |",
-             "|---:|---:|---|---:|---:|---:|---:|"]
+    lines = [f"Distillation on {report['device_name']} ({report['preset']} -> MLA {report['rank']} + "
+             f"{report['rope_dim']}, {report['layers'] or 'all'} layers, random weights and tokens, mixed precision "
+             f"{report['mixed_precision']}; {report['steps']} timed steps after {report['warmup']}; peak: "
+             f"{report['peak_kind']}):", "",
+             "| micro-batch | seq_len | compile | ckpt | lora | tokens/s | step (s) | warm-up (s) | peak GB | estimate GB | est/meas |",
+             "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    yes = {True: "yes", False: "no"}
     for r in report["rows"]:
+        head = f"| {r['batch']} | {r['seq_len']} | {yes[r['compile']]} | {yes[r['ckpt']]} | {yes[r['lora']]} |"
         if "error" in r:
-            lines.append(f"| {r['batch']} | {r['seq_len']} | {'yes' if r['compile'] else 'no'} | failed: {r['error']} | | | |")
+            lines.append(f"{head} failed: {r['error']} | | | | | |")
             continue
-        peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
-        lines.append(f"| {r['batch']} | {r['seq_len']} | {'yes' if r['compile'] else 'no'} | {r['tokens_per_s']:.0f} | "
-                     f"{r['step_s']:.3f} | {r['warmup_s']:.1f} | {peak} |")
+        lines.append(f"{head} {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['warmup_s']:.1f} | {r['peak_gb']:.2f} | "
+                     f"{r['estimate_gb']:.2f} | {r['est_over_measured']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.row:
+        return run_row(args)
     if args.smoke:
-        args.layers, args.warmup, args.steps, args.mixed_precision = 2, 1, 2, "no"
+        args.layers, args.warmup, args.steps, args.mixed_precision, args.device = 2, 1, 2, "no", "cpu"
         args.variants = "b2s64" if args.variants == DEFAULT_VARIANTS else args.variants
     variants = [parse_variant(v) for v in args.variants.split(",")]
-    if not args.smoke and not torch.cuda.is_available():
-        print("bench_distill: no CUDA GPU visible, benchmark not run (--smoke checks the plumbing on CPU)")
-        return 0
+    if args.device == "auto":
+        if not torch.cuda.is_available():
+            print("bench_distill: no CUDA GPU visible, benchmark not run (--device cpu runs it on the CPU; --smoke "
+                  "checks the plumbing)")
+            return 0
+        args.device = "cuda"
+    cuda = args.device.startswith("cuda")
     stem = "/tmp/bench_distill_smoke" if args.smoke else str(DOCS / "bench_distill")
     args.json, args.md = args.json or f"{stem}.json", args.md or f"{stem}.md"
-    report = {"preset": args.preset, "rank": args.rank, "rope_dim": args.rope_dim, "layers": args.layers,
+    report = {"preset": args.preset, "rank": args.rank, "rope_dim": args.rope_dim, "layers": args.layers, "vocab": args.vocab,
               "mixed_precision": args.mixed_precision, "warmup": args.warmup, "steps": args.steps,
-              "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "stage": json.loads(args.stage), "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+              "peak_kind": "torch.cuda.max_memory_allocated" if cuda else "VmHWM - RSS before the Distiller, own process",
               "torch": torch.__version__, "rows": []}
     with tempfile.TemporaryDirectory(prefix="bench_distill_") as tmp:
         work = Path(tmp)
-        student, teacher, vocab = build_models(args.preset, args.rank, args.rope_dim, args.layers, work)
+        student, teacher, vocab = build_models(args.preset, args.rank, args.rope_dim, args.layers, work, args.vocab)
         for variant in variants:
             try:
-                row = measure(student, teacher, vocab, variant, args, work)
+                row = (measure if cuda else measure_in_child)(student, teacher, vocab, variant, args, work)
             except Exception as e:  # noqa: BLE001 - an out-of-memory or compile failure is a row, not the end
-                row = {**variant, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row = {**variant, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             report["rows"].append(row)
             print(row, flush=True)
             write_json(args.json, report, indent=1)  # a run stopped later keeps the variants done so far
-            if torch.cuda.is_available():
+            if cuda:
                 torch.cuda.empty_cache()
     md = markdown(report)
     write_text(args.md, md)

@@ -33,9 +33,10 @@ from kvconvert.checkpoint import read_config
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.fsdp import (
     adopt_fsdp_plugin, check_fsdp_launch, full_training_state, gathered_weights, is_sharded, load_full_training_state,
-    place_teacher, shard_report,
+    shard_report,
 )
 from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets
+from kvconvert.heal.memory import LOADER_ATTENTION, distill_memory, distill_memory_problem  # noqa: F401 (public here too)
 from kvconvert.heal.reparam import ScaledWeight, row_scales, scheduled_lr
 from kvconvert.heal.options import TRAINABLE_ATTENTION, DistillOptions
 
@@ -96,60 +97,28 @@ def window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- memory (checked up front)
 
-def distill_memory(student: dict, teacher: dict, stage: DistillOptions) -> dict[str, int]:
-    """Bytes distillation needs with both models resident (pure: configs in, numbers out).
-
-    student: fp32 weights, plus for each trainable attention weight its gradient and Adam's two
-    moments (3 x 4 bytes; full training counts every attention weight, LoRA far less, so this is
-    an upper bound). teacher: its weights in bf16 under mixed_precision bf16, else fp32.
-    activations, per token of a micro-batch (batch_size x seq_len), fp32, kept for the backward
-    pass by every student layer (~16 x hidden + 4 x intermediate, plus the eager attention
-    probabilities, heads x seq_len); with gradient checkpointing only each layer's input plus one
-    layer's worth; logits: teacher, student, their log-softmax and the gradient, 4 x vocab.
-    """
-    from kvconvert.kvmath import parameter_count
-
-    hidden, layers = student["hidden_size"], student["num_hidden_layers"]
-    heads, vocab = student["num_attention_heads"], student["vocab_size"]
-    inter = student.get("intermediate_size") or 4 * hidden
-    rank, rope = student["kv_lora_rank"], student["qk_rope_head_dim"]
-    nope, v = student["qk_nope_head_dim"], student["v_head_dim"]
-    attention = hidden * heads * (nope + rope) + hidden * (rank + rope) + rank * heads * (nope + v) + heads * v * hidden
-    tokens, seq = stage.batch_size * stage.seq_len, stage.seq_len
-    per_layer = tokens * (16 * hidden + 4 * inter + 2 * heads * seq)
-    kept = layers * tokens * hidden + per_layer if stage.gradient_checkpointing else layers * per_layer
-    return {
-        "student": 4 * parameter_count(student) + 12 * layers * attention,
-        "teacher": (2 if stage.mixed_precision == "bf16" else 4) * parameter_count(teacher),
-        "activations": 4 * (kept + 4 * tokens * vocab),
-    }
-
-
-# The interpreter, torch, transformers and accelerate, and allocator slack: fitted so the estimate
-# bounds the measured SmolLM2-135M run (rank 256 + rope 64, seq_len 512: 4.57 GB peak RSS, parts 3.70 GB).
-DISTILL_BASE_BYTES = 1 << 30
-
-
 def check_distill_memory(student: dict, teacher: dict, stage: DistillOptions, device: torch.device) -> None:
-    """Refuse before loading anything when the two models and one micro-batch cannot fit on `device`."""
-    from kvconvert.runtime.memory import available_memory, gb
+    """Refuse before loading anything when the two models and one micro-batch cannot fit on `device`
+    (kvconvert.heal.memory.distill_memory_problem with the device's free memory)."""
+    from kvconvert.runtime.memory import available_memory
 
-    parts = distill_memory(student, teacher, stage)
-    need = sum(parts.values()) + DISTILL_BASE_BYTES
     if device.type == "cuda":
         have, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
     else:
         have, where = available_memory(), "available in RAM"
-    if need <= have:
-        return
-    detail = ", ".join(f"{k} {gb(b)}" for k, b in parts.items())
-    raise KVConvertError(
-        f"heal_distill needs the student and the teacher resident at once: about {gb(need)} ({detail}) at "
-        f"seq_len {stage.seq_len} x batch {stage.batch_size}, but only {gb(have)} is {where}. Run it on a GPU with "
-        f"more memory (recipes/*-gpu.yaml), or shard it over several GPUs with `accelerate launch` + FSDP "
-        f"(docs/heal.md, 'One GPU, several GPUs'); or heal with the streaming layer-wise stage only "
-        f"(heal_distill: enabled: false); gradient_checkpointing and mixed_precision bf16 also lower the need "
-        f"(docs/heal.md has the table per model size)")
+    problem = distill_memory_problem(student, teacher, stage, have, device.type, where)
+    if problem:
+        raise KVConvertError(problem)
+
+
+def check_loaded_attention(*models) -> None:
+    """The estimate assumes the attention the loader picks (LOADER_ATTENTION); a model loaded with
+    another one would make it wrong: say so instead of running on a wrong number."""
+    for model in models:
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl != LOADER_ATTENTION:
+            raise KVConvertError(f"{type(model).__name__} loaded with attn_implementation {impl!r}; heal_distill's "
+                                 f"memory estimate (kvconvert.heal.memory) assumes {LOADER_ATTENTION!r}")
 
 
 def make_accelerator(stage: DistillOptions):
@@ -203,6 +172,7 @@ class Distiller:
         # fused: one kernel per step, no foreach temporaries the size of the trainable set (distill_memory)
         self.optimizer = torch.optim.Adam(params, lr=stage.lr, betas=(0.9, 0.99), fused=stage.fused_optimizer or None)
         self.student, self.optimizer = self.accelerator.prepare(self.student, self.optimizer)
+        self.sharding = shard_report(self.accelerator, self.student)  # bytes of the student per process
         # Our own scheduler, one step per optimizer step (accelerate's wrapper would step it once
         # per process), on the optimizer inside accelerate's wrapper.
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
@@ -210,8 +180,7 @@ class Distiller:
         self.steps = stage.steps_on(world)  # `tokens` is the total over processes
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             inner, lambda step: scheduled_lr(step, stage.warmup_steps, self.steps, stage.schedule))
-        self.teacher = place_teacher(self.accelerator, self.teacher, self.student)  # sharded under FSDP
-        self.sharding = shard_report(self.accelerator, self.student, self.teacher)  # bytes per process
+        self.teacher = self.teacher.to(self.accelerator.device)
         self.order = window_order(ids.shape[0], self.steps * stage.grad_accum * world * stage.batch_size, stage.seed)
         self.history: list[dict] = []
         self.step = 0
@@ -227,6 +196,7 @@ class Distiller:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         teacher.requires_grad_(False)
         student.train()
+        check_loaded_attention(student, teacher)
         return student, teacher
 
     # ------------------------------------------------------------------ state

@@ -1,5 +1,6 @@
-"""Distillation holds both models: its memory need is estimated from the configs and a run that
-cannot fit is refused before anything loads (issue 16)."""
+"""Distillation holds both models: its memory need is estimated from the configs (kvconvert.heal.memory,
+a pure function of the configs, the options and the device's capacity) and a run that cannot fit is
+refused before anything loads (issues 16, 38)."""
 
 import json
 
@@ -7,8 +8,11 @@ import pytest
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.heal.distill import check_distill_memory, distill_memory
-from kvconvert.recipe import DistillStage
+from kvconvert.heal.distill import check_distill_memory
+from kvconvert.heal.memory import (
+    LOADER_ATTENTION, OVERHEAD_BYTES, distill_memory, distill_memory_problem, recipe_configs, trainable_parameters,
+)
+from kvconvert.recipe import DistillStage, load_recipe
 from kvconvert.runtime.memory import AVAILABLE_ENV
 
 from heal_cases import distill_recipe
@@ -19,22 +23,74 @@ STUDENT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, 
            "first_k_dense_replace": 2, "tie_word_embeddings": False}
 TEACHER = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "vocab_size": 100, "intermediate_size": 96, "model_type": "llama", "tie_word_embeddings": False}
+ATTENTION = {"q_proj": 64 * 4 * 24, "kv_a_proj_with_mqa": 64 * 24, "kv_b_proj": 16 * 4 * 32, "o_proj": 4 * 16 * 64}
 
 
 def test_distill_memory_by_hand():
-    attention = 64 * 4 * 24 + 64 * 24 + 16 * 4 * 32 + 4 * 16 * 64  # q, kv_a, kv_b, o
+    """fp32 on a GPU, every attention weight trained, 2 x 32 tokens: each part counted by hand."""
+    attention = sum(ATTENTION.values())
     student_params = 2 * (attention + 16 + 3 * 64 * 96 + 2 * 64) + 2 * 100 * 64 + 64
     teacher_params = 2 * (64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 96 + 2 * 64) + 2 * 100 * 64 + 64
     stage = DistillStage(seq_len=32, batch_size=2)
-    parts = distill_memory(STUDENT, TEACHER, stage)
-    assert parts["student"] == 4 * student_params + 12 * 2 * attention
-    assert parts["teacher"] == 4 * teacher_params
-    per_layer = 64 * (16 * 64 + 4 * 96 + 2 * 4 * 32)
-    assert parts["activations"] == 4 * (2 * per_layer + 4 * 64 * 100)
-    light = distill_memory(STUDENT, TEACHER, DistillStage(seq_len=32, batch_size=2, mixed_precision="bf16",
-                                                          gradient_checkpointing=True))
-    assert light["teacher"] == parts["teacher"] // 2
-    assert light["activations"] == 4 * (2 * 64 * 64 + per_layer + 4 * 64 * 100)
+    parts = distill_memory(STUDENT, TEACHER, stage, "cuda")
+    assert parts["student"] == 4 * student_params and parts["teacher"] == 4 * teacher_params
+    assert parts["gradients"] == 4 * 2 * attention and parts["optimizer"] == 8 * 2 * attention  # fused Adam
+    assert parts["weight_copies"] == 4 * 2 * attention  # each trained weight recomputed and saved
+    # per token and layer: norm inputs 4(2*64 + 16), q/kv_a input 4*64, kv_b and o_proj inputs 4(16 + 64),
+    # q, k, v 4*4(24 + 24 + 16), SDPA output and lse 4*4*16 + 4*4, MLP 3*4*96
+    per_token = 4 * (2 * 64 + 16) + 4 * 64 + 4 * (16 + 64) + 4 * 4 * 64 + (4 * 4 * 16 + 4 * 4) + 3 * 4 * 96
+    assert parts["activations"] == 2 * 64 * per_token
+    assert parts["logits"] == 64 * 100 * (4 + 4 + 4) + 4 * 64 * 100 * 4 + 4 * 64 * 64
+
+
+def test_what_each_switch_changes():
+    base = DistillStage(seq_len=32, batch_size=2)
+    parts = distill_memory(STUDENT, TEACHER, base, "cuda")
+    ckpt = distill_memory(STUDENT, TEACHER, base.model_copy(update={"gradient_checkpointing": True}), "cuda")
+    assert ckpt["activations"] == 2 * 64 * 4 * 64 + parts["activations"] // 2  # layer inputs + one layer
+    bf16 = distill_memory(STUDENT, TEACHER, base.model_copy(update={"mixed_precision": "bf16"}), "cuda")
+    assert bf16["teacher"] == parts["teacher"] // 2 and bf16["activations"] < parts["activations"]
+    lora = base.model_copy(update={"train": "lora", "lora_rank": 2})
+    lora_params = 2 * 2 * sum(o + i for o, i in ((96, 64), (24, 64), (128, 16), (64, 64)))
+    assert trainable_parameters(STUDENT, lora) == lora_params
+    assert distill_memory(STUDENT, TEACHER, lora, "cuda")["optimizer"] == 8 * lora_params
+    only_o = base.model_copy(update={"targets": ("o_proj",)})
+    assert trainable_parameters(STUDENT, only_o) == 2 * ATTENTION["o_proj"]
+    foreach = distill_memory(STUDENT, TEACHER, base.model_copy(update={"fused_optimizer": False}), "cuda")
+    assert foreach["optimizer"] == parts["optimizer"] + 4 * 2 * sum(ATTENTION.values())
+    # eager attention, and SDPA's math path on a CPU (q/k head 24 != v head 16), keep the probabilities
+    probs = 2 * 4 * 32 * 32 * 2  # layers x (batch x heads x T x T) x ...
+    eager = distill_memory(STUDENT, TEACHER, base, "cuda", attention="eager")
+    assert eager["activations"] - parts["activations"] == probs * (4 + 4) - 2 * 64 * (4 * 4 * 16 + 4 * 4)
+    cpu = distill_memory(STUDENT, TEACHER, base, "cpu")
+    assert cpu["activations"] - parts["activations"] == probs * (2 + 4) - 2 * 64 * (4 * 4 * 16 + 4 * 4)
+
+
+def test_refusal_is_a_function_of_the_capacity():
+    stage = DistillStage(seq_len=32, batch_size=2)
+    need = sum(distill_memory(STUDENT, TEACHER, stage, "cuda").values()) + OVERHEAD_BYTES["cuda"]
+    assert distill_memory_problem(STUDENT, TEACHER, stage, need, "cuda") is None
+    problem = distill_memory_problem(STUDENT, TEACHER, stage, need - 1, "cuda", "free on cuda:0")
+    assert "free on cuda:0" in problem and "gradient_checkpointing" in problem and "accelerate launch" in problem
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-12pct-gpu", "smollm2-135m-25pct-gpu", "smollm2-135m-33pct-gpu",
+                                  "smollm2-135m-50pct-gpu", "llama-2-7b-mla512", "llama-3.1-8b-mla512"])
+def test_shipped_gpu_recipes_fit_an_80gb_gpu(name):
+    """Issue 38: the check refused every GPU recipe on an H100 (118 GB claimed for SmolLM2 b8s2048)."""
+    from pathlib import Path
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / f"{name}.yaml")
+    student, teacher = recipe_configs(recipe)
+    assert distill_memory_problem(student, teacher, recipe.distill, 80 * 10**9, "cuda") is None
+
+
+def test_every_gpu_recipe_is_listed():
+    from pathlib import Path
+
+    names = {p.stem for p in (Path(__file__).resolve().parents[2] / "recipes").glob("*-gpu.yaml")}
+    assert names <= {"smollm2-135m-12pct-gpu", "smollm2-135m-25pct-gpu", "smollm2-135m-33pct-gpu",
+                     "smollm2-135m-50pct-gpu"}, "add the new GPU recipe to test_shipped_gpu_recipes_fit_an_80gb_gpu"
 
 
 def test_refused_up_front_with_the_multi_gpu_path(monkeypatch):
@@ -45,12 +101,20 @@ def test_refused_up_front_with_the_multi_gpu_path(monkeypatch):
     check_distill_memory(STUDENT, TEACHER, DistillStage(), torch.device("cpu"))
 
 
+def test_loader_attention_is_what_the_estimate_assumes(tiny_student, tiny_teacher):
+    from kvconvert.quant.capture import load_hf_model
+
+    for folder in (tiny_student, tiny_teacher):
+        assert load_hf_model(folder).config._attn_implementation == LOADER_ATTENTION
+
+
 def test_heal_refuses_before_loading_the_models(tiny_student, tiny_teacher, text_file, tmp_path, monkeypatch):
     """Through the real `heal`: the distillation stage stops at the check, no output is written."""
     from kvconvert.heal.api import heal
 
     need = distill_memory(json.loads((tiny_student / "config.json").read_text()),
-                          json.loads((tiny_teacher / "config.json").read_text()), DistillStage(seq_len=128, batch_size=2))
+                          json.loads((tiny_teacher / "config.json").read_text()), DistillStage(seq_len=128, batch_size=2),
+                          "cpu")
     monkeypatch.setenv(AVAILABLE_ENV, f"{sum(need.values()) // 2}B")
     with pytest.raises(KVConvertError, match="heal_distill needs"):
         heal(tiny_student, tiny_teacher, distill_recipe(text_file), tmp_path / "out", progress=False)

@@ -1,0 +1,221 @@
+"""What a distillation run holds in memory, from the configs and the stage's options (pure: no torch
+device is asked anything; the device's capacity is an argument), and the refusal check built on it.
+
+It counts what kvconvert.heal.distill.Distiller really keeps, per micro-batch of N = batch x seq_len
+tokens (a = bytes of an activation: 2 under bf16/fp16 autocast, else 4; the student is loaded in
+fp32, the teacher in bf16 under mixed_precision bf16, else fp32):
+
+  student, teacher      4 x student params; 2 or 4 x teacher params
+  gradients, optimizer  4 + 8 bytes per TRAINED parameter: the attention weights `targets` names
+                        (full), or their LoRA factors (lora: rank x (in + out) each, + their fp32 copy);
+                        fused Adam adds nothing, torch's foreach Adam (CUDA default) one more 4 bytes
+  weight copies         what autograd saves of the weights: each trained weight is recomputed from its
+                        parametrization (heal.reparam) and saved (a bytes); under autocast every frozen
+                        matmul weight the backward passes through is saved as its bf16 cast (lm_head's
+                        always; the layers' all at once, or one layer's under gradient checkpointing)
+  activations           per token and layer (below), x layers; with gradient checkpointing each layer's
+                        fp32 input plus one layer's worth (recomputed in the backward)
+  attention probs       kept only where the attention keeps them: eager attention, and torch's SDPA on
+                        a CPU when the student's query/key and value head sizes differ (SDPA's math
+                        path); SDPA's flash / memory-efficient kernels on a GPU keep none
+  logits                teacher [N, V] + student [N, V] + the fused loss's stored gradient [N, V]
+                        (heal.fused_loss: computed in chunks, stored once in the logits' dtype) + its
+                        float32 chunk temporaries + lm_head's saved input
+
+Per token and layer, what autograd saves (frozen linears save no input; trained ones save theirs):
+the two RMSNorm inputs (the fp32 residual stream, 8 x hidden), the input of every trained projection
+(the normed hidden state, once in fp32 or once per projection as its autocast copy; the normed latent
+for kv_b_proj; the attention output for o_proj), the latent RMSNorm's fp32 input, attention's q, k, v
+(+ output and log-sum-exp on the fused kernels), RoPE's fp32 query under autocast, and the MLP's
+gate, SiLU and up outputs (3 x intermediate).
+
+Measured against this (scripts/bench_distill.py rows, tests/heal/test_distill_memory_measured.py):
+peak RSS on a CPU (minus the process's RSS before the run: the interpreter and libraries are not
+the run's), torch.cuda.max_memory_allocated on a GPU.
+"""
+
+from __future__ import annotations
+
+from kvconvert.heal.fused_loss import chunk_rows
+from kvconvert.heal.options import DistillOptions
+
+# transformers' default attention for both models as kvconvert.quant.capture.load_hf_model loads them
+# (no attn_implementation given: "sdpa" where the architecture supports it, which Llama and
+# DeepseekV3 do); the Distiller checks the loaded models against it.
+LOADER_ATTENTION = "sdpa"
+# float32 [chunk, V] temporaries alive at once inside the fused loss (log_p, p, log_q, grad)
+LOSS_CHUNK_TEMPORARIES = 4
+# What the refusal check adds to the estimate: on a GPU the CUDA context and the caching allocator's
+# fragmentation; in RAM the interpreter, torch, transformers and accelerate (the RSS baseline,
+# ~0.6-0.8 GB measured here) and the allocator's slack.
+OVERHEAD_BYTES = {"cuda": 2 << 30, "cpu": 1 << 30}
+
+
+def attention_shapes(student: dict) -> dict[str, tuple[int, int]]:
+    """[out, in] of each trainable attention weight one student layer has."""
+    hidden, heads = student["hidden_size"], student["num_attention_heads"]
+    rank, rope = student["kv_lora_rank"], student["qk_rope_head_dim"]
+    nope, v = student["qk_nope_head_dim"], student["v_head_dim"]
+    q_lora = student.get("q_lora_rank")
+    q = ({"q_proj": (heads * (nope + rope), hidden)} if not q_lora else
+         {"q_a_proj": (q_lora, hidden), "q_b_proj": (heads * (nope + rope), q_lora)})
+    return {**q, "kv_a_proj_with_mqa": (rank + rope, hidden), "kv_b_proj": (heads * (nope + v), rank),
+            "o_proj": (hidden, heads * v)}
+
+
+def trained_weights(student: dict, stage: DistillOptions) -> dict[str, tuple[int, int]]:
+    """The weights of one layer `stage.targets` makes trainable (those the layer has)."""
+    shapes = attention_shapes(student)
+    return {name: shapes[name] for name in stage.targets if name in shapes}
+
+
+def trainable_parameters(student: dict, stage: DistillOptions) -> int:
+    """Parameters the optimizer updates: the targeted weights themselves, or their LoRA factors."""
+    per_layer = sum(o * i if stage.train == "full" else stage.lora_rank * (o + i)
+                    for o, i in trained_weights(student, stage).values())
+    return student["num_hidden_layers"] * per_layer
+
+
+def keeps_attention_probs(student: dict, attention: str, device_type: str) -> bool:
+    """Whether the student's attention saves its [heads, T, T] probabilities for the backward."""
+    if attention == "eager":
+        return True
+    qk = student["qk_nope_head_dim"] + student["qk_rope_head_dim"]
+    return attention == "sdpa" and device_type == "cpu" and qk != student["v_head_dim"]
+
+
+def activation_bytes_per_token(student: dict, stage: DistillOptions, device_type: str,
+                               attention: str = LOADER_ATTENTION) -> int:
+    """Bytes autograd saves per token in one student layer (without the T x T probabilities)."""
+    a = 2 if stage.mixed_precision != "no" else 4
+    hidden, inter, heads = student["hidden_size"], student["intermediate_size"], student["num_attention_heads"]
+    rank, v = student["kv_lora_rank"], student["v_head_dim"]
+    qk = student["qk_nope_head_dim"] + student["qk_rope_head_dim"]
+    q_lora = student.get("q_lora_rank") or 0
+    trained = trained_weights(student, stage)
+    reads_x = [n for n in ("q_proj", "q_a_proj", "kv_a_proj_with_mqa") if n in trained]
+    inputs = (len(reads_x) * 2 * hidden if a == 2 else 4 * hidden) if reads_x else 0
+    inputs += a * (rank * ("kv_b_proj" in trained) + heads * v * ("o_proj" in trained)
+                   + q_lora * ("q_b_proj" in trained))
+    norms = 4 * (2 * hidden + rank + q_lora)  # residual stream x2, latent (and q_lora) RMSNorm inputs, fp32
+    attn = a * heads * (2 * qk + v)  # q, k, v
+    if not keeps_attention_probs(student, attention, device_type) and attention != "eager":
+        attn += a * heads * v + 4 * heads  # fused kernels: output and log-sum-exp
+    rope_upcast = 4 * heads * qk if a == 2 else 0  # fp32 cos/sin promote the query under autocast
+    return norms + inputs + attn + rope_upcast + 3 * a * inter
+
+
+def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_type: str = "cuda",
+                   attention: str = LOADER_ATTENTION, fused_optimizer: bool | None = None) -> dict[str, int]:
+    """Bytes distillation holds at its peak (the fused loss's forward, every activation saved), by part.
+
+    Pure: configs (config.json dicts) and options in, numbers out. device_type: "cuda" or "cpu" (which
+    attention kernel runs, which Adam is torch's default); attention: the models' attn_implementation."""
+    from kvconvert.kvmath import parameter_count
+
+    a = 2 if stage.mixed_precision != "no" else 4
+    layers, hidden, vocab = student["num_hidden_layers"], student["hidden_size"], student["vocab_size"]
+    heads, n_tokens, seq = student["num_attention_heads"], stage.batch_size * stage.seq_len, stage.seq_len
+    trainable = trainable_parameters(student, stage)
+    fused = stage.fused_optimizer if fused_optimizer is None else fused_optimizer
+    foreach_tmp = 4 * trainable if not fused and device_type == "cuda" else 0
+
+    trained_elems = sum(o * i for o, i in trained_weights(student, stage).values())  # one layer
+    layer_matmuls = sum(o * i for o, i in attention_shapes(student).values()) + 3 * hidden * student["intermediate_size"]
+    saved_layers = 1 if stage.gradient_checkpointing else layers
+    copies = saved_layers * a * trained_elems
+    if a == 2:  # autocast's bf16 casts of the frozen weights the backward goes through, and lm_head's
+        copies += saved_layers * 2 * (layer_matmuls - trained_elems) + 2 * vocab * hidden
+
+    per_token = activation_bytes_per_token(student, stage, device_type, attention)
+    probs = (4 + a if attention == "eager" else 2 + a) * heads * seq * n_tokens  # per layer, when kept
+    one_layer = per_token * n_tokens + (probs if keeps_attention_probs(student, attention, device_type) else 0)
+    if stage.gradient_checkpointing:
+        activations = layers * 4 * hidden * n_tokens + one_layer
+    else:
+        activations = layers * one_layer
+    teacher_bytes = 2 if stage.mixed_precision == "bf16" else 4
+    chunk = min(n_tokens, chunk_rows(vocab)) * vocab * 4  # one float32 [chunk, V] temporary
+    logits = n_tokens * vocab * (teacher_bytes + 2 * a) + LOSS_CHUNK_TEMPORARIES * chunk + a * n_tokens * hidden
+    hidden_states = (layers + 1) * n_tokens * hidden * teacher_bytes if stage.hidden_weight > 0 else 0
+    lora_weights = 4 * trainable if stage.train == "lora" else 0
+    # on a CPU the checkpoint's pages of the weights the parametrization replaced stay mapped (and read)
+    replaced = 4 * layers * trained_elems if device_type == "cpu" else 0
+    return {
+        "student": 4 * parameter_count(student) + lora_weights + replaced,
+        "teacher": teacher_bytes * parameter_count(teacher),
+        "gradients": 4 * trainable,
+        "optimizer": 8 * trainable + foreach_tmp,
+        "weight_copies": copies,
+        "activations": activations + hidden_states,
+        "logits": logits,
+    }
+
+
+def distill_memory_problem(student: dict, teacher: dict, stage: DistillOptions, capacity: int, device_type: str,
+                           where: str = "", attention: str = LOADER_ATTENTION) -> str | None:
+    """Why the run cannot fit in `capacity` bytes of `device_type` memory (estimate + OVERHEAD_BYTES),
+    or None when it fits. Pure: the refusal check with the device's capacity as an argument."""
+    from kvconvert.kvmath import format_bytes
+
+    parts = distill_memory(student, teacher, stage, device_type, attention)
+    need = sum(parts.values()) + OVERHEAD_BYTES[device_type]
+    if need <= capacity:
+        return None
+    detail = ", ".join(f"{k} {format_bytes(b)}" for k, b in parts.items() if b)
+    return (f"heal_distill needs the student and the teacher resident at once: about {format_bytes(need)} ({detail}, "
+            f"+ {format_bytes(OVERHEAD_BYTES[device_type])} overhead) at seq_len {stage.seq_len} x batch "
+            f"{stage.batch_size}, but only {format_bytes(capacity)} is {where or device_type}. Lower batch_size (keep "
+            f"the tokens per step with grad_accum), switch gradient_checkpointing on, use mixed_precision bf16, "
+            f"train fewer targets or train: lora; or run it on a GPU with more memory (recipes/*-gpu.yaml), or shard "
+            f"it over several GPUs with `accelerate launch` + FSDP (docs/heal.md, 'One GPU, several GPUs'); or heal "
+            f"with the streaming layer-wise stage only (heal_distill: enabled: false)")
+
+
+def plan_lines(student: dict, teacher: dict, stage: DistillOptions, device_type: str,
+               tokens_per_s: float | None = None, tokens_per_s_source: str = "") -> list[str]:
+    """What `kvconvert heal` prints before distilling: memory estimate by part, trained parameters,
+    tokens, and a time estimate where a measured tokens/s exists for the device."""
+    from kvconvert.kvmath import format_bytes
+
+    parts = distill_memory(student, teacher, stage, device_type)
+    total = sum(parts.values())
+    trainable = trainable_parameters(student, stage)
+    what = ", ".join(trained_weights(student, stage)) or "nothing"
+    lines = [f"heal_distill plan on {device_type}: memory ~{format_bytes(total)} estimated ("
+             + ", ".join(f"{k} {format_bytes(b)}" for k, b in parts.items() if b) + ")",
+             f"  trains {trainable / 1e6:.1f}M parameters ({stage.train}: {what} in {student['num_hidden_layers']} "
+             f"layers); {stage.tokens} tokens in {stage.steps} steps of {stage.tokens_per_step}"]
+    if tokens_per_s:
+        minutes = stage.tokens / tokens_per_s / 60
+        lines.append(f"  time ~{minutes:.0f} min at {tokens_per_s / 1e3:.0f}K tokens/s ({tokens_per_s_source})")
+    else:
+        lines.append("  time: no measured tokens/s for this model on this device")
+    return lines
+
+
+# --------------------------------------------------------------------------- configs without weights
+
+def mla_student_config(source: dict, rank: int, rope_dim: int, q_rank: int | None = None) -> dict:
+    """The config.json `kvconvert mla` writes for `source` at rank + rope_dim (no weights needed)."""
+    from kvconvert import kvmath
+    from kvconvert.mla.convert_layer import LayerPlan
+    from kvconvert.mla.deepseek_format import deepseek_config
+
+    plan = LayerPlan.for_source(kvmath.head_dim(source), rank, rope_dim)
+    return deepseek_config(source, rank, rope_dim, plan.nope_dim, plan.v_dim, q_rank, "float32")
+
+
+def recipe_configs(recipe) -> tuple[dict, dict]:
+    """(student, teacher) configs of a recipe whose `source` is a kvconvert.presets model (by preset
+    name or hub id) and which has a convert block: what its heal distils, sized without downloading."""
+    from kvconvert.presets import PRESETS
+
+    source = recipe.source or ""
+    entry = PRESETS.get(source.lower()) or next(
+        (p for p in PRESETS.values() if p["source"].split(":")[0].lower() == source.lower()), None)
+    convert = recipe.stage("convert")
+    if entry is None or convert is None:
+        raise ValueError(f"recipe {recipe.name}: source {source!r} is not a preset, or no convert block")
+    teacher = dict(entry["config"])
+    return mla_student_config(teacher, convert.rank, convert.rope_dim, convert.q_rank), teacher
