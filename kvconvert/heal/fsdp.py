@@ -1,7 +1,8 @@
-"""FSDP for the distillation stage: the student sharded over processes by accelerate's FSDP plugin.
+"""FSDP for the distillation stage: the student (and the teacher) sharded over processes by
+accelerate's FSDP plugin.
 
 Launch: `accelerate launch --config_file recipes/accelerate/fsdp.yaml -m kvconvert.cli heal ...`
-(docs/heal.md, "Several processes with FSDP"). accelerate reads the config into environment variables
+(docs/heal.md, "FSDP: the models sharded over processes"). accelerate reads the config into environment variables
 (ACCELERATE_USE_FSDP, FSDP_VERSION, FSDP_TRANSFORMER_CLS_TO_WRAP, ...) and starts one process per
 device; the Distiller's Accelerator turns them into FullyShardedDataParallelPlugin, and
 `accelerator.prepare(student, optimizer)` shards every DeepseekV3DecoderLayer (FSDP2: each
@@ -11,8 +12,8 @@ fully_shard directly): forward only, one layer gathered at a time.
 
 Data and loss are the Distiller's own: process r of W takes global micro-batch
 g = (step x grad_accum + micro) x W + r, and the logged loss is the mean over processes, so W
-processes with batch b log the same loss per step as one process with b x grad_accum W. FSDP's
-reduce-scatter averages the gradients as DDP's all-reduce does.
+processes with batch b log the same loss per step as one process with batch b x W (or batch b and
+grad_accum x W). FSDP's reduce-scatter averages the gradients as DDP's all-reduce does.
 
 On GPUs accelerate selects FSDP itself. On CPUs (gloo) accelerate 1.x keeps MULTI_CPU and ignores
 the plugin (its FSDP branch lists only accelerator device types); `adopt_fsdp_plugin` applies the
