@@ -33,7 +33,7 @@ from kvconvert.checkpoint import read_config
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.fsdp import (
     adopt_fsdp_plugin, check_fsdp_launch, full_training_state, gathered_weights, is_sharded, load_full_training_state,
-    shard_report,
+    place_teacher, shard_report,
 )
 from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets
 from kvconvert.heal.memory import LOADER_ATTENTION, distill_memory, distill_memory_problem  # noqa: F401 (public here too)
@@ -172,7 +172,6 @@ class Distiller:
         # fused: one kernel per step, no foreach temporaries the size of the trainable set (distill_memory)
         self.optimizer = torch.optim.Adam(params, lr=stage.lr, betas=(0.9, 0.99), fused=stage.fused_optimizer or None)
         self.student, self.optimizer = self.accelerator.prepare(self.student, self.optimizer)
-        self.sharding = shard_report(self.accelerator, self.student)  # bytes of the student per process
         # Our own scheduler, one step per optimizer step (accelerate's wrapper would step it once
         # per process), on the optimizer inside accelerate's wrapper.
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
@@ -180,7 +179,8 @@ class Distiller:
         self.steps = stage.steps_on(world)  # `tokens` is the total over processes
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             inner, lambda step: scheduled_lr(step, stage.warmup_steps, self.steps, stage.schedule))
-        self.teacher = self.teacher.to(self.accelerator.device)
+        self.teacher = place_teacher(self.accelerator, self.teacher, self.student)  # sharded under FSDP
+        self.sharding = shard_report(self.accelerator, self.student, self.teacher)  # bytes per process
         self.order = window_order(ids.shape[0], self.steps * stage.grad_accum * world * stage.batch_size, stage.seed)
         self.history: list[dict] = []
         self.step = 0
