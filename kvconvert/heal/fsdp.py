@@ -58,6 +58,8 @@ def adopt_fsdp_plugin(accelerator) -> None:
     state = accelerator.state
     if fsdp_requested() and state.distributed_type == DistributedType.MULTI_CPU:
         state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        if state.mixed_precision != "no":  # as AcceleratorState does on GPUs: gather and reduce in bf16/fp16
+            state.fsdp_plugin.set_mixed_precision(state.mixed_precision)
         state.distributed_type = DistributedType.FSDP
         # what AcceleratorState.__init__ does when it picks FSDP itself: a later AcceleratorState()
         # (accelerate's own helpers create them) copies PartialState's type over its own
