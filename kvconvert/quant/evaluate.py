@@ -23,14 +23,15 @@ from kvconvert.quant.fake_quant import fake_quant_row
 from kvconvert.quant.scales import KVScales
 
 
-def fake_quant_hook(layout: KVShape, scales: KVScales) -> CacheHook:
-    """Cache hook that quantize-dequantizes every cached tensor with `scales`."""
+def fake_quant_hook(layout: KVShape, scales: KVScales, rounding: str = "nearest") -> CacheHook:
+    """Cache hook that quantize-dequantizes every cached tensor with `scales` (FP8 `rounding`:
+    kvconvert.quant.formats.fp8_quantize)."""
     # MLA + NVFP4 stores k_rope apart (16-bit or FP8), as kvconvert.runtime and kvconvert.kernels do
     rope_tail = kv_format(scales.kv_dtype).rope_tail(layout.is_mla, layout.qk_rope_head_dim)
 
     def row_hook(layer_idx: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         check_finite(layer_idx, kind, x)
-        return fake_quant_row(x, scales.kv_dtype, scales.scale(layer_idx, kind), rope_tail)
+        return fake_quant_row(x, scales.kv_dtype, scales.scale(layer_idx, kind), rope_tail, rounding)
     return cache_hook(layout, row_hook)
 
 

@@ -45,28 +45,30 @@ def _head_broadcast(scale: torch.Tensor | float, x: torch.Tensor) -> torch.Tenso
     return s.view(-1, 1, 1)
 
 
-def fake_quant(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | float) -> torch.Tensor:
+def fake_quant(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | float, rounding: str = "nearest") -> torch.Tensor:
     """Quantize-dequantize x [batch, heads, tokens, dim] as the engine stores it; same dtype out.
 
     scale: exported scale (python float, 0-d tensor, or [heads] per head). FP8 rounds x/scale to the
-    format (RNE, saturating); NVFP4 quantizes blocks of 16 along dim with global scale scale/6.
+    format (saturating; `rounding`: "nearest" = RNE, "toward_zero" = vLLM's CPU cache write, see
+    formats.fp8_quantize); NVFP4 quantizes blocks of 16 along dim with global scale scale/6.
     """
     fmt = check_kv_dtype(kv_dtype)
     s = _head_broadcast(scale, x)
     if fmt.torch_dtype:  # fp8: one code per value
-        q = F.fp8_quantize(x, s, getattr(torch, fmt.torch_dtype))
+        q = F.fp8_quantize(x, s, getattr(torch, fmt.torch_dtype), rounding)
         return F.fp8_dequantize(q, s).to(x.dtype)
     g = F.nvfp4_global_scale_from_kv_scale(s)
     packed, block_scales = F.nvfp4_quantize(x, g)
     return F.nvfp4_dequantize(packed, block_scales, g).to(x.dtype)
 
 
-def fake_quant_row(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | float, rope_tail: int = 0) -> torch.Tensor:
+def fake_quant_row(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | float, rope_tail: int = 0,
+                   rounding: str = "nearest") -> torch.Tensor:
     """Quantize-dequantize one cached tensor as the engine stores it (:func:`fake_quant`), where an MLA
     row [latent | k_rope] (engine order) may keep its last `rope_tail` values (KVFormat.rope_tail) apart:
     k_rope in the format's ``mla_rope`` ("bf16": rounded to bf16; "fp8": e4m3 with the same kv scale)."""
     if not rope_tail:
-        return fake_quant(x, kv_dtype, scale)
+        return fake_quant(x, kv_dtype, scale, rounding)
     rope_format = check_kv_dtype(kv_dtype).mla_rope
     latent, rope = fake_quant(x[..., :-rope_tail], kv_dtype, scale), x[..., -rope_tail:]
     if rope_format == "bf16":

@@ -89,15 +89,36 @@ def nvfp4_global_scale_from_kv_scale(kv_scale: float | torch.Tensor):
 # ----------------------------------------------------------------------------------------------
 
 
+FP8_ROUNDINGS = ("nearest", "toward_zero")
+
+
 def fp8_quantize(
-    x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+    x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+    rounding: str = "nearest",
 ) -> torch.Tensor:
-    """``fp8(clamp(x / scale, -max, max))``, RNE. x any float ``[...]``; scale float or broadcastable."""
+    """``fp8(clamp(x / scale, -max, max))``. x any float ``[...]``; scale float or broadcastable.
+
+    rounding "nearest": round-to-nearest-even (torch's cast; GPU engines' satfinite cvt).
+    "toward_zero": the mantissa truncated, as vLLM's CPU cache write stores FP8
+    (kvconvert.engines.vllm.VLLM_CPU_FP8_ROUNDING, docs/engines.md)."""
     fmax = _fp8_max(dtype)
+    if rounding not in FP8_ROUNDINGS:
+        raise KVConvertError(f"unknown fp8 rounding {rounding!r}: use one of {', '.join(FP8_ROUNDINGS)}")
     _reject_nan(x, "fp8_quantize input")
     s = _as_scale(scale, x.device, "fp8 scale")
     # Clamp before the cast: on CUDA an out-of-range float8_e4m3fn cast gives NaN, not max.
-    return (x.float() / s).clamp(-fmax, fmax).to(dtype)
+    y = (x.float() / s).clamp(-fmax, fmax)
+    if rounding == "toward_zero" and dtype == torch.float8_e4m3fn:
+        # vLLM's kernel reads the code off the fp32 bits of y * 2^-120; below 2^-6 (E4M3's
+        # subnormals) that product is an fp32 subnormal, itself rounded to a multiple of 2^-149.
+        y = torch.where(y.abs() < 2.0 ** -6, torch.round(y * 2.0 ** 29) / 2.0 ** 29, y)
+    q = y.to(dtype)
+    if rounding == "toward_zero":
+        # FP8 magnitude codes grow with the value, so where RNE rounded |y| up the code one below
+        # is the truncated value (never below 0: a code rounded up from y is > 0).
+        up = q.float().abs() > y.abs()
+        q = (q.view(torch.uint8) - up.to(torch.uint8)).view(dtype)
+    return q
 
 
 def fp8_dequantize(
