@@ -321,7 +321,10 @@ class Distiller:
                 if s.checkpoint_every and self.step % s.checkpoint_every == 0 and self.step < self.steps:
                     self.save_state()
         except KeyboardInterrupt:
-            self.save_state()
+            # FSDP's save is collective, and signalled processes stop at different points (or one has
+            # died): no save there; a rerun resumes from the last checkpoint_every snapshot
+            if not is_sharded(self.student):
+                self.save_state()
             raise
         finally:
             bar.close()
