@@ -165,6 +165,8 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
                      checkpoint_fingerprint(teacher), data.info)
     report = {"student": str(student), "teacher": str(teacher), "recipe": recipe.to_dict(), "data": data.info,
               "notes": notes, "stages": {}}
+    if recipe.distill is not None and progress:
+        _print_plan(student, teacher, recipe.distill, devices["heal_distill"])
     current = student
     if recipe.layerwise is not None:
         target = out if recipe.distill is None else state / "layerwise-checkpoint"
@@ -183,6 +185,19 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     report["seconds"] = round(time.time() - t0, 1)
     shutil.rmtree(state, ignore_errors=True)
     return report
+
+
+def _print_plan(student: Path, teacher: Path, stage: DistillOptions, device: str) -> None:
+    """The distillation's plan on stderr before any stage runs (kvconvert.heal.memory.plan_lines)."""
+    import sys
+
+    from kvconvert.checkpoint import read_config
+    from kvconvert.heal.memory import plan_lines
+
+    kind = torch.device(device).type
+    name = torch.cuda.get_device_name(torch.device(device)) if kind == "cuda" else ""
+    for line in plan_lines(read_config(student), read_config(teacher), stage, kind, name):
+        print(line, file=sys.stderr, flush=True)
 
 
 HEAL_BLOCKS = ("heal_layerwise", "heal_distill")

@@ -172,25 +172,44 @@ def distill_memory_problem(student: dict, teacher: dict, stage: DistillOptions, 
             f"with the streaming layer-wise stage only (heal_distill: enabled: false)")
 
 
-def plan_lines(student: dict, teacher: dict, stage: DistillOptions, device_type: str,
-               tokens_per_s: float | None = None, tokens_per_s_source: str = "") -> list[str]:
-    """What `kvconvert heal` prints before distilling: memory estimate by part, trained parameters,
-    tokens, and a time estimate where a measured tokens/s exists for the device."""
+# Distillation speeds measured with this loop (device, where the device's name must contain `name`,
+# teacher parameters, tokens/s, where it was measured). A plan gives a time only for these.
+MEASURED_SPEEDS = (
+    ("cuda", "H100", 134_515_008, 57_000.0, "SmolLM2-135M 50% (160 + 32), b8s2048 bf16, H100: 56-58K tokens/s, "
+                                            "docs/bench_heal_gpu.json"),
+    ("cpu", "", 134_515_008, 58.0, "SmolLM2-135M 50% (160 + 32), b1s512 fp32, 2 CPU cores: 58 tokens/s, "
+                                   "docs/bench_heal_50pct.json"),
+)
+
+
+def measured_speed(teacher: dict, device_type: str, device_name: str = "") -> tuple[float, str] | None:
+    """(tokens/s, its source) measured for a teacher of this size (within 10%) on this kind of device."""
+    from kvconvert.kvmath import parameter_count
+
+    params = parameter_count(teacher)
+    for kind, name, size, speed, source in MEASURED_SPEEDS:
+        if kind == device_type and name in device_name and abs(params - size) <= 0.1 * size:
+            return speed, source
+    return None
+
+
+def plan_lines(student: dict, teacher: dict, stage: DistillOptions, device_type: str, device_name: str = "") -> list[str]:
+    """What `kvconvert heal` prints before distilling: the memory estimate by part, the trained
+    parameters, the tokens, and a time estimate where a measured tokens/s exists for the device."""
     from kvconvert.kvmath import format_bytes
 
     parts = distill_memory(student, teacher, stage, device_type)
-    total = sum(parts.values())
-    trainable = trainable_parameters(student, stage)
     what = ", ".join(trained_weights(student, stage)) or "nothing"
-    lines = [f"heal_distill plan on {device_type}: memory ~{format_bytes(total)} estimated ("
-             + ", ".join(f"{k} {format_bytes(b)}" for k, b in parts.items() if b) + ")",
-             f"  trains {trainable / 1e6:.1f}M parameters ({stage.train}: {what} in {student['num_hidden_layers']} "
-             f"layers); {stage.tokens} tokens in {stage.steps} steps of {stage.tokens_per_step}"]
-    if tokens_per_s:
-        minutes = stage.tokens / tokens_per_s / 60
-        lines.append(f"  time ~{minutes:.0f} min at {tokens_per_s / 1e3:.0f}K tokens/s ({tokens_per_s_source})")
+    lines = [f"heal_distill plan on {device_name or device_type}: memory ~{format_bytes(sum(parts.values()))} "
+             "(estimate: " + ", ".join(f"{k} {format_bytes(b)}" for k, b in parts.items() if b) + ")",
+             f"  trains {trainable_parameters(student, stage) / 1e6:.1f}M parameters ({stage.train}: {what}, "
+             f"{student['num_hidden_layers']} layers); {stage.tokens} tokens = {stage.steps} steps of "
+             f"{stage.tokens_per_step}"]
+    speed = measured_speed(teacher, device_type, device_name)
+    if speed:
+        lines.append(f"  time ~{stage.tokens / speed[0] / 60:.0f} min at {speed[0]:.0f} tokens/s (measured: {speed[1]})")
     else:
-        lines.append("  time: no measured tokens/s for this model on this device")
+        lines.append("  time: not estimated (no tokens/s measured for a model of this size on this device)")
     return lines
 
 

@@ -119,3 +119,27 @@ def test_heal_refuses_before_loading_the_models(tiny_student, tiny_teacher, text
     with pytest.raises(KVConvertError, match="heal_distill needs"):
         heal(tiny_student, tiny_teacher, distill_recipe(text_file), tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_7b_recipe_needs_gradient_checkpointing_on_80gb():
+    from pathlib import Path
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "llama-2-7b-mla512.yaml")
+    student, teacher = recipe_configs(recipe)
+    without = recipe.distill.model_copy(update={"gradient_checkpointing": False})
+    assert distill_memory_problem(student, teacher, without, 80 * 10**9, "cuda") is not None
+    assert trainable_parameters(student, recipe.distill) == 32 * (4096 * 32 * 192 + 4096 * 576 + 512 * 32 * 256
+                                                                  + 32 * 128 * 4096)
+
+
+def test_plan_gives_a_time_only_where_a_speed_was_measured():
+    from kvconvert.heal.memory import plan_lines, recipe_configs as configs
+    from pathlib import Path
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    small = load_recipe(recipes / "smollm2-135m-50pct-gpu.yaml")
+    lines = plan_lines(*configs(small), small.distill, "cuda", "NVIDIA H100 80GB HBM3")
+    assert "memory ~" in lines[0] and "33.7M parameters" in lines[1] and "4718592 tokens = 288 steps" in lines[1]
+    assert "time ~1 min at 57000 tokens/s (measured: " in lines[2] and "bench_heal_gpu.json" in lines[2]
+    big = load_recipe(recipes / "llama-2-7b-mla512.yaml")
+    assert "not estimated" in plan_lines(*configs(big), big.distill, "cuda", "NVIDIA H100 80GB HBM3")[2]

@@ -37,7 +37,8 @@ def _recipe(text_file, tmp_path):
     return path
 
 
-def test_pipeline_device_cpu_heals_without_touching_cuda(tiny_teacher, text_file, tmp_path, cuda_visible_but_forbidden):
+def test_pipeline_device_cpu_heals_without_touching_cuda(tiny_teacher, text_file, tmp_path, cuda_visible_but_forbidden,
+                                                        capfd):
     from kvconvert.pipeline import recipe_stages
     from kvconvert.recipe import load_recipe
 
@@ -48,6 +49,8 @@ def test_pipeline_device_cpu_heals_without_touching_cuda(tiny_teacher, text_file
     convert.run()  # conversion, heal_layerwise, heal_distill: all in this process
     report = (tmp_path / "job" / "mla" / "heal_report.json").read_text()
     assert '"heal_distill"' in report and '"heal_layerwise"' in report
+    plan = capfd.readouterr().err  # printed before the stages ran
+    assert "heal_distill plan on cpu: memory ~" in plan and "tokens = 2 steps of 256" in plan
 
 
 def test_heal_on_auto_would_use_the_visible_gpu(tiny_student, tiny_teacher, text_file, tmp_path,
