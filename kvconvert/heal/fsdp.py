@@ -124,7 +124,7 @@ def _owner_unit(modules: dict, name: str):
         module = modules[".".join(parts[:i])]
         if isinstance(module, FSDPModule):
             return module
-    raise KVConvertError(f"{name} is in no FSDP unit")
+    raise RuntimeError(f"{name} is in no FSDP unit (fully_shard always wraps the root)")  # not a user error
 
 
 def gathered_weights(model: torch.nn.Module, names: list[str], keep: bool) -> dict[str, torch.Tensor]:
