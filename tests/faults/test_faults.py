@@ -1,5 +1,5 @@
-"""Every fault of issue 21 through the real CLI in a subprocess: exit code, the one-line message,
-and nothing left at the output path. docs/reliability.md's table lists the same cases."""
+"""Every fault of issues 21 and 41 through the real CLI in a subprocess: exit code, the one-line
+message, and nothing left at the output path. docs/reliability.md's table lists the same cases."""
 
 from __future__ import annotations
 
