@@ -131,7 +131,7 @@ def check_checkpoint(src: str | Path | CheckpointReader, finite: bool = True, to
     reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src)
     fmt.check_supported_features(reader.config, str(reader.path / "config.json"))
     check_tensors_present(reader)
-    if tokenizer:
+    if tokenizer and expected_tensors(reader.config) is not None:  # other architectures: their own refusal first
         check_tokenizer_files(reader.path)
     if finite:
         check_finite_weights(reader)
