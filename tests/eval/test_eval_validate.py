@@ -15,7 +15,7 @@ from eval_fixtures import save_tiny_model, train_tokenizer
 
 from kvconvert.cli import main
 from kvconvert.errors import KVConvertError
-from kvconvert.eval.suites import SUITES
+from kvconvert.eval.suites import SUITE_VERSION, SUITES
 from kvconvert.eval.validate import ValidateOptions, run_validate, window_stats
 
 # The smoke suite with lengths that fit the tiny 512-token BPE (it needs ~2x the tokens of a
@@ -73,7 +73,7 @@ def tiny_report(tmp_path_factory, tiny_llama):
 
 def test_tiny_model_vs_itself_reports_exact_zero_deltas(tiny_report):
     out, report = tiny_report
-    assert report["suite"]["name"] == "tiny" and report["suite"]["version"] == 1
+    assert report["suite"]["name"] == "tiny" and report["suite"]["version"] == SUITE_VERSION
     assert_all_deltas_zero(report)
     expected = {"perplexity", "passkey", "niah", "ruler/niah_single_2", "ruler/vt"}
     assert expected <= set(report["samples"])
