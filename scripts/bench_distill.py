@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant")
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size (CPU tests)")
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the random checkpoints on disk (bfloat16 for a 7B pair)")
     p.add_argument("--stage", default="{}", help="more heal_distill options as JSON (e.g. the 7B recipe's block)")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check: 2 layers, b2s64, 1 + 2 steps")
     p.add_argument("--json", default=None, help="default: docs/bench_distill.json (--smoke: /tmp/...)")
@@ -77,9 +79,11 @@ def parse_variant(text: str) -> dict:
 
 
 def build_models(preset: str, rank: int, rope_dim: int, layers: int | None, work: Path,
-                 vocab: int | None = None) -> tuple[Path, Path, int]:
-    """Random teacher (the preset's config) and random MLA student (the config `kvconvert mla` writes for
-    it), saved as safetensors folders under `work`; -> (student dir, teacher dir, vocab size)."""
+                 vocab: int | None = None, dtype: str = "float32", **overrides) -> tuple[Path, Path, int]:
+    """Random teacher (the preset's config, `overrides` replacing fields) and random MLA student (the
+    config `kvconvert mla` writes for it), saved as safetensors folders under `work` in `dtype` (bfloat16
+    halves a 7B pair's disk; the Distiller loads the student in fp32 whatever the file holds);
+    -> (student dir, teacher dir, vocab size)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvconvert import kvmath
@@ -92,6 +96,7 @@ def build_models(preset: str, rank: int, rope_dim: int, layers: int | None, work
         src["num_hidden_layers"] = layers
     if vocab:
         src["vocab_size"] = vocab
+    src.update(overrides)
     teacher_cfg = AutoConfig.for_model(**src)
     plan = LayerPlan.for_source(kvmath.head_dim(src), rank, rope_dim)
     student_cfg = AutoConfig.for_model(**deepseek_config(teacher_cfg.to_dict(), rank, rope_dim, plan.nope_dim,
@@ -99,7 +104,7 @@ def build_models(preset: str, rank: int, rope_dim: int, layers: int | None, work
     dirs = []
     for name, cfg in (("teacher", teacher_cfg), ("student", student_cfg)):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
         model.save_pretrained(work / name, safe_serialization=True)
         dirs.append(work / name)
         del model
@@ -142,14 +147,16 @@ def rss(field: str) -> int:
 
 
 def warm_up_process(args, variant: dict, work: Path) -> None:
-    """Run the same loop once on a 1-layer, 256-token-vocabulary model of the preset's width, so the
+    """Run the same loop once on a tiny 1-layer model of the preset's family (same code paths), so the
     code torch, transformers and accelerate execute (their pages count in RSS) is loaded before the
     baseline is read; what that run allocated is freed again."""
     import gc
 
     from kvconvert.heal.distill import Distiller
 
-    student, teacher, vocab = build_models(args.preset, args.rank, args.rope_dim, 1, work / "warm", 256)
+    student, teacher, vocab = build_models(args.preset, 16, 8, 1, work / "warm", 256, hidden_size=64,
+                                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=16)
     tiny = {**variant, "batch": 1, "seq_len": 16, "compile": False}
     ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     d = Distiller(student, teacher, ids, stage_for(tiny, args), work / "warm" / "state", fingerprint="warm",
@@ -173,7 +180,6 @@ def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work:
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
-        warm_up_process(args, variant, work)  # the libraries' code and data are the process's, not the run's
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
         baseline = rss("VmRSS")
     d = Distiller(student, teacher, ids, stage, work / "state", fingerprint="bench", progress=False)
@@ -192,34 +198,43 @@ def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work:
     peak = (torch.cuda.max_memory_allocated() if cuda else rss("VmHWM")) - baseline
     timed_tokens = sum(r["tokens"] for r in records)
     est = estimate(student, teacher, stage, device.type)
-    return {**variant, "tokens_per_s": timed_tokens / seconds, "step_s": seconds / args.steps, "warmup_s": warm_s,
+    switches = {"ckpt": stage.gradient_checkpointing, "lora": stage.train == "lora"}  # --stage may set them
+    return {**variant, **switches, "tokens_per_s": timed_tokens / seconds, "step_s": seconds / args.steps, "warmup_s": warm_s,
             "peak_gb": peak / 1e9, "baseline_gb": baseline / 1e9, **est, "est_over_measured": est["estimate_gb"] * 1e9 / peak,
             "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"], "device": str(device)}
 
 
-def measure_in_child(student: Path, teacher: Path, vocab: int, variant: dict, args, work: Path) -> dict:
-    """A CPU row in a fresh process, so its peak RSS is its own (freed memory of an earlier row stays
-    with the allocator and would hide the next row's)."""
-    row = json.dumps({"student": str(student), "teacher": str(teacher), "vocab": vocab, "variant": variant,
-                      "work": tempfile.mkdtemp(dir=work), "preset": args.preset, "rank": args.rank,
-                      "rope_dim": args.rope_dim})
-    argv = [sys.executable, __file__, "--row", row, "--device", args.device, "--mixed-precision", args.mixed_precision,
+def measure_in_child(student: Path, teacher: Path, vocab: int, variants: list[dict], args, work: Path) -> list[dict]:
+    """CPU rows in one fresh process, after a warm-up, each measured from its own baseline. glibc's
+    allocator is told to return every freed block over 64 KiB at once (its default threshold grows to
+    32 MiB, and freed tensors below it would stay in RSS): RSS then follows the live tensors, and one
+    row's freed memory neither hides the next row's peak nor counts in it."""
+    spec = json.dumps({"student": str(student), "teacher": str(teacher), "vocab": vocab, "variants": variants,
+                       "work": tempfile.mkdtemp(dir=work), "preset": args.preset, "rank": args.rank,
+                       "rope_dim": args.rope_dim})
+    argv = [sys.executable, __file__, "--row", spec, "--device", args.device, "--mixed-precision", args.mixed_precision,
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--stage", args.stage]
-    # glibc's allocator returns every block over 64 KiB to the system when it is freed (by default its
-    # threshold grows to 32 MiB, and freed tensors below it stay in RSS): RSS then follows live tensors
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"row process failed (rc {proc.returncode}): {proc.stderr[-400:]}")
-    return json.loads(lines[-1])
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode:
+        rows.append({**variants[min(len(rows), len(variants) - 1)],
+                     "error": f"row process failed (rc {proc.returncode}): {proc.stderr[-400:]}"})
+    return rows
 
 
-def run_row(args) -> int:
+def run_rows(args) -> int:
+    """--row: the CPU rows of measure_in_child, in this process, one JSON line each."""
+    import gc
+
     spec = json.loads(args.row)
     args.preset, args.rank, args.rope_dim = spec["preset"], spec["rank"], spec["rope_dim"]
-    row = measure(Path(spec["student"]), Path(spec["teacher"]), spec["vocab"], spec["variant"], args, Path(spec["work"]))
-    print(json.dumps(row))
+    work = Path(spec["work"])
+    warm_up_process(args, spec["variants"][0], work)  # the libraries' code and data are the process's, not the run's
+    for i, variant in enumerate(spec["variants"]):
+        gc.collect()
+        row = measure(Path(spec["student"]), Path(spec["teacher"]), spec["vocab"], variant, args, work / str(i))
+        print(json.dumps(row), flush=True)
     return 0
 
 
@@ -244,7 +259,7 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.row:
-        return run_row(args)
+        return run_rows(args)
     if args.smoke:
         args.layers, args.warmup, args.steps, args.mixed_precision, args.device = 2, 1, 2, "no", "cpu"
         args.variants = "b2s64" if args.variants == DEFAULT_VARIANTS else args.variants
@@ -265,17 +280,20 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "rows": []}
     with tempfile.TemporaryDirectory(prefix="bench_distill_") as tmp:
         work = Path(tmp)
-        student, teacher, vocab = build_models(args.preset, args.rank, args.rope_dim, args.layers, work, args.vocab)
-        for variant in variants:
+        student, teacher, vocab = build_models(args.preset, args.rank, args.rope_dim, args.layers, work, args.vocab,
+                                               args.save_dtype)
+        if not cuda:
+            report["rows"] = measure_in_child(student, teacher, vocab, variants, args, work)
+        for variant in variants if cuda else []:
             try:
-                row = (measure if cuda else measure_in_child)(student, teacher, vocab, variant, args, work)
+                row = measure(student, teacher, vocab, variant, args, work)
             except Exception as e:  # noqa: BLE001 - an out-of-memory or compile failure is a row, not the end
                 row = {**variant, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             report["rows"].append(row)
             print(row, flush=True)
             write_json(args.json, report, indent=1)  # a run stopped later keeps the variants done so far
-            if cuda:
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
+        write_json(args.json, report, indent=1)
     md = markdown(report)
     write_text(args.md, md)
     print(md)

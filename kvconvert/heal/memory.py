@@ -20,7 +20,8 @@ fp32, the teacher in bf16 under mixed_precision bf16, else fp32):
                         path); SDPA's flash / memory-efficient kernels on a GPU keep none
   logits                teacher [N, V] + student [N, V] + the fused loss's stored gradient [N, V]
                         (heal.fused_loss: computed in chunks, stored once in the logits' dtype) + its
-                        float32 chunk temporaries + lm_head's saved input
+                        float32 chunk temporaries (4, + the fp32 copy of each bf16 logits chunk) +
+                        lm_head's saved input
 
 Per token and layer, what autograd saves (frozen linears save no input; trained ones save theirs):
 the two RMSNorm inputs (the fp32 residual stream, 8 x hidden), the input of every trained projection
@@ -136,7 +137,9 @@ def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_t
         activations = layers * one_layer
     teacher_bytes = 2 if stage.mixed_precision == "bf16" else 4
     chunk = min(n_tokens, chunk_rows(vocab)) * vocab * 4  # one float32 [chunk, V] temporary
-    logits = n_tokens * vocab * (teacher_bytes + 2 * a) + LOSS_CHUNK_TEMPORARIES * chunk + a * n_tokens * hidden
+    # + the float32 copy of each chunk of logits that are not float32 already (the loss upcasts per chunk)
+    temporaries = LOSS_CHUNK_TEMPORARIES + (a != 4) + (teacher_bytes != 4)
+    logits = n_tokens * vocab * (teacher_bytes + 2 * a) + temporaries * chunk + a * n_tokens * hidden
     hidden_states = (layers + 1) * n_tokens * hidden * teacher_bytes if stage.hidden_weight > 0 else 0
     lora_weights = 4 * trainable if stage.train == "lora" else 0
     # on a CPU the checkpoint's pages of the weights the parametrization replaced stay mapped (and read)

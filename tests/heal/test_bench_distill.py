@@ -1,6 +1,7 @@
-"""scripts/bench_distill.py --smoke: the distillation throughput benchmark's plumbing on CPU (random
-2-layer SmolLM2-shaped teacher and its MLA student saved as safetensors, the real Distiller, timed
-steps, JSON and markdown). The numbers themselves are only meaningful on a GPU."""
+"""scripts/bench_distill.py --smoke: the distillation benchmark's plumbing on CPU (random 2-layer
+SmolLM2-shaped teacher and its MLA student saved as safetensors, the real Distiller in a fresh process,
+timed steps, measured peak beside the estimate, JSON and markdown). The speeds are only meaningful on a
+GPU; the estimate against the measured peak is test_distill_memory_measured.py's."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_bench_distill_smoke(tmp_path):
     (row,) = report["rows"]
     assert (row["batch"], row["seq_len"], row["compile"]) == (2, 64, False)
     assert row["tokens_per_s"] > 0 and math.isfinite(row["loss_first"]) and math.isfinite(row["loss_last"])
+    assert row["peak_gb"] > 0 and row["estimate_gb"] > 0 and row["est_over_measured"] > 0  # issue 38's columns
     assert "| 2 | 64 | no |" in out_md.read_text()
 
 
