@@ -108,7 +108,8 @@ def activation_bytes_per_token(student: dict, stage: DistillOptions, device_type
 
 def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_type: str = "cuda",
                    attention: str = LOADER_ATTENTION, fused_optimizer: bool | None = None) -> dict[str, int]:
-    """Bytes distillation holds at its peak (the fused loss's forward, every activation saved), by part.
+    """Bytes distillation holds at its peak, by part: the fused loss's forward with every activation saved,
+    or under gradient checkpointing the larger of that and the backward's recomputed layer.
 
     Pure: configs (config.json dicts) and options in, numbers out. device_type: "cuda" or "cpu" (which
     attention kernel runs, which Adam is torch's default); attention: the models' attn_implementation."""
@@ -123,23 +124,29 @@ def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_t
 
     trained_elems = sum(o * i for o, i in trained_weights(student, stage).values())  # one layer
     layer_matmuls = sum(o * i for o, i in attention_shapes(student).values()) + 3 * hidden * student["intermediate_size"]
-    saved_layers = 1 if stage.gradient_checkpointing else layers
-    copies = saved_layers * a * trained_elems
-    if a == 2:  # autocast's bf16 casts of the frozen weights the backward goes through, and lm_head's
-        copies += saved_layers * 2 * (layer_matmuls - trained_elems) + 2 * vocab * hidden
+    # a layer's weight copies: the trained weights recomputed (a bytes), and under autocast the bf16
+    # casts of the frozen ones the backward goes through
+    layer_copies = a * trained_elems + (2 * (layer_matmuls - trained_elems) if a == 2 else 0)
+    lm_head_copy = 2 * vocab * hidden if a == 2 else 0
 
     per_token = activation_bytes_per_token(student, stage, device_type, attention)
     probs = (4 + a if attention == "eager" else 2 + a) * heads * seq * n_tokens  # per layer, when kept
     one_layer = per_token * n_tokens + (probs if keeps_attention_probs(student, attention, device_type) else 0)
-    if stage.gradient_checkpointing:
-        activations = layers * 4 * hidden * n_tokens + one_layer
-    else:
-        activations = layers * one_layer
+
     teacher_bytes = 2 if stage.mixed_precision == "bf16" else 4
     chunk = min(n_tokens, chunk_rows(vocab)) * vocab * 4  # one float32 [chunk, V] temporary
     # + the float32 copy of each chunk of logits that are not float32 already (the loss upcasts per chunk)
     temporaries = LOSS_CHUNK_TEMPORARIES + (a != 4) + (teacher_bytes != 4)
     logits = n_tokens * vocab * (teacher_bytes + 2 * a) + temporaries * chunk + a * n_tokens * hidden
+    if stage.gradient_checkpointing:
+        # the forward keeps each layer's fp32 input; one layer is recomputed in the backward, after
+        # both logits and the loss's temporaries are freed (the stored [N, V] gradient stays)
+        freed = n_tokens * vocab * (teacher_bytes + a) + temporaries * chunk
+        copies = lm_head_copy
+        activations = layers * 4 * hidden * n_tokens + max(0, one_layer + layer_copies - freed)
+    else:
+        copies = layers * layer_copies + lm_head_copy
+        activations = layers * one_layer
     hidden_states = (layers + 1) * n_tokens * hidden * teacher_bytes if stage.hidden_weight > 0 else 0
     lora_weights = 4 * trainable if stage.train == "lora" else 0
     # on a CPU the checkpoint's pages of the weights the parametrization replaced stay mapped (and read)
