@@ -22,6 +22,8 @@ is the estimate over that peak (issue 38's target: 1.0-1.3 on every row).
 
 from __future__ import annotations
 
+import argparse
+import gc
 import json
 import os
 import re
@@ -58,14 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check: 2 layers, b2s64, 1 + 2 steps")
     p.add_argument("--json", default=None, help="default: docs/bench_distill.json (--smoke: /tmp/...)")
     p.add_argument("--md", default=None, help="default: docs/bench_distill.md (--smoke: /tmp/...)")
-    p.add_argument("--row", default=None, help=argparse_hidden())
+    # internal: the CPU rows, measured in a fresh process (JSON: model folders and variants)
+    p.add_argument("--row", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS  # internal: one CPU row in this fresh process (JSON: dirs, variant)
 
 
 def parse_variant(text: str) -> dict:
@@ -150,8 +147,6 @@ def warm_up_process(args, variant: dict, work: Path) -> None:
     """Run the same loop once on a tiny 1-layer model of the preset's family (same code paths), so the
     code torch, transformers and accelerate execute (their pages count in RSS) is loaded before the
     baseline is read; what that run allocated is freed again."""
-    import gc
-
     from kvconvert.heal.distill import Distiller
 
     student, teacher, vocab = build_models(args.preset, 16, 8, 1, work / "warm", 256, hidden_size=64,
@@ -225,8 +220,6 @@ def measure_in_child(student: Path, teacher: Path, vocab: int, variants: list[di
 
 def run_rows(args) -> int:
     """--row: the CPU rows of measure_in_child, in this process, one JSON line each."""
-    import gc
-
     spec = json.loads(args.row)
     args.preset, args.rank, args.rope_dim = spec["preset"], spec["rank"], spec["rope_dim"]
     work = Path(spec["work"])
@@ -285,6 +278,7 @@ def main(argv=None) -> int:
         if not cuda:
             report["rows"] = measure_in_child(student, teacher, vocab, variants, args, work)
         for variant in variants if cuda else []:
+            gc.collect()  # the previous row's Distiller (a reference cycle through accelerate) goes first
             try:
                 row = measure(student, teacher, vocab, variant, args, work)
             except Exception as e:  # noqa: BLE001 - an out-of-memory or compile failure is a row, not the end
