@@ -15,6 +15,11 @@ What vLLM computes here, and what it does not:
   cache depends on the backend; the report says which backend ran.
 - Models run in float32 (exact on CPU); the KV cache format follows --kv-dtype /
   --source-kv-dtype (auto -> the model dtype, bf16, fp8, fp8_e5m2). NVFP4 has no vLLM CPU cache.
+- vLLM's CPU build truncates K/V into its FP8 cache where GPU engines and the bundled runtime round
+  to nearest (kvconvert.engines.vllm.FP8_ROUNDING): with the same scales its FP8 KL is about 4x the
+  runtime's. So an FP8 candidate is also scored in transformers with kvconvert's fake-quant set to
+  the quantizer vLLM ran ("emulated"): that figure reproduces vLLM's, and the runtime's column stays
+  what an RNE engine (vLLM on a GPU) delivers. docs/engines.md has the measurements.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import AUTO, kv_format
 
 TASK = "vllm_perplexity"
+EMULATION_TASK = "vllm_quantizer_emulation"
 
 
 def vllm_kv_dtype(kv_dtype: str, role: str) -> str:
@@ -78,7 +86,66 @@ def run_vllm_perplexity(run, report: dict, python: str | None = None) -> dict:
         for worker in workers.values():
             worker.close()
     section.update(_summary(records, report))
+    emulated = _emulate_engine_quantizer(run, paths, kv, windows, section, cache)
+    if emulated is not None:
+        section["emulated"] = emulated
     return _store(report, section)
+
+
+def _emulate_engine_quantizer(run, paths: dict, kv: dict, windows, section: dict, cache) -> dict | None:
+    """The candidate's FP8 cache with the rounding vLLM's platform really applies, in transformers on
+    the same windows (kvconvert.quant's fake-quant): source fp32 logits first (to disk), then the
+    candidate, one model in memory at a time. None where there is nothing to emulate (no FP8
+    candidate, a quantized source, an MLA model whose vLLM scales do not load)."""
+    from contextlib import closing
+
+    from kvconvert.checkpoint import CheckpointReader, read_config
+    from kvconvert.data import data_hash
+    from kvconvert.engines.vllm import FP8_ROUNDING
+    from kvconvert.eval.report import perplexity_summary
+    from kvconvert.eval.runner import TransformersRunner, runner_fingerprint
+    from kvconvert.eval.validate import SourceLogits, window_stats
+    from kvconvert.quant.capture import forward_with_hook, load_hf_model
+    from kvconvert.quant.evaluate import fake_quant_hook
+    from kvconvert.quant.layout import detect_kv_layout
+    from kvconvert.quant.scales import read_kv_scales
+
+    rounding = FP8_ROUNDING.get(section.get("platform", ""))
+    candidate_kv, source_kv = run.options.kv_dtype, run.options.source_kv_dtype
+    if rounding is None or not kv["candidate"].startswith("fp8") or kv["source"] != "auto":
+        return None
+    config = read_config(paths["candidate"])
+    if config.get("kv_lora_rank") is not None:
+        return None  # MLA: vLLM loads no scale and CPU_MLA prefill skips the cache (section notes)
+    prints = [runner_fingerprint(paths["source"], "transformers", "fp32", "checkpoint"),
+              runner_fingerprint(paths["candidate"], "transformers", candidate_kv, "checkpoint")]
+    key = f"{prints[0]}-{prints[1]}-{rounding}"
+    hashes = [data_hash(ids) for ids in windows]
+    records = [cache.get(key, EMULATION_TASK, f"w{i}", content) for i, content in enumerate(hashes)]
+    todo = [i for i, r in enumerate(records) if r is None]
+    if todo:
+        store = SourceLogits(Path(run.out) / "cache" / "vllm-emulation-source")  # scratch, removed on close
+        try:
+            with closing(TransformersRunner(paths["source"], kv_dtype="fp32")) as runner:
+                for i in todo:
+                    store.put(hashes[i], runner.logits(windows[i]))
+            with CheckpointReader(paths["candidate"], verify=False) as reader:
+                layout = detect_kv_layout(config, reader.keys())
+            hook = fake_quant_hook(layout, read_kv_scales(paths["candidate"]), rounding)
+            model = load_hf_model(paths["candidate"])
+            for i in todo:
+                with torch.inference_mode():
+                    logits = forward_with_hook(model, windows[i].reshape(1, -1), hook)[0].float()
+                records[i] = window_stats(store.get(hashes[i]), logits, windows[i])
+                cache.put(key, EMULATION_TASK, f"w{i}", hashes[i], records[i])
+                print(f"vllm quantizer emulated: window {i + 1}/{len(windows)}", file=sys.stderr)
+            del model
+        finally:
+            store.close()
+    pooled = perplexity_summary(records)
+    return {"engine": "transformers", "rounding": rounding, "kv_dtype": candidate_kv,
+            "perplexity": {k: pooled[k] for k in ("source", "candidate", "delta_pct")}, "kl_mean": pooled["kl_mean"],
+            "tokens": pooled["tokens"]}
 
 
 def _start(paths: dict, kv: dict, window_len: int, python, section: dict) -> dict:
@@ -92,6 +159,7 @@ def _start(paths: dict, kv: dict, window_len: int, python, section: dict) -> dic
             workers[role] = worker
             info = worker.info()
             section.setdefault("vllm_version", info["vllm_version"])
+            section.setdefault("platform", info.get("platform"))
             section.setdefault("attention", {})[role] = info["attention"]
             section.setdefault("kv_scales_loaded", {})[role] = _scale_summary(info["kv_scales"])
     except BaseException:
@@ -166,16 +234,22 @@ def markdown_section(report: dict) -> list[str]:
               f"{', '.join(sorted(set(section.get('attention', {}).get('candidate', {}).values()))) or '?'}; "
               f"{section['settings']['windows']} x {section['settings']['window_len']} tokens. KL from vLLM's full "
               "logits (captured at its logits processor; their log-softmax matches vLLM's prompt logprobs within "
-              f"{section['logprob_check_max']:.1e}).", "",
-              f"| metric | vLLM | {engine} |", "|---|---:|---:|"]
-    ppl, bundled_ppl = section["perplexity"], bundled.get("perplexity", {})
-    rows = [("source perplexity", ppl["source"], bundled_ppl.get("source"), 3),
-            ("candidate perplexity", ppl["candidate"], bundled_ppl.get("candidate"), 3),
-            ("candidate delta %", ppl["delta_pct"], bundled_ppl.get("delta_pct"), 2),
-            ("KL mean (nats/token)", section["kl_mean"], bundled.get("kl_mean"), 5)]
-    for name, ours, theirs, digits in rows:
-        other = "-" if theirs is None else f"{theirs:.{digits}f}"
-        lines.append(f"| {name} | {ours:.{digits}f} | {other} |")
+              f"{section['logprob_check_max']:.1e}).", ""]
+    emulated = section.get("emulated")
+    columns = [("vLLM", section)]
+    if emulated:
+        columns.append((f"emulated: transformers, FP8 {emulated['rounding'].replace('_', ' ')}", emulated))
+    columns.append((engine, bundled))
+    lines += ["| metric | " + " | ".join(name for name, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
+    rows = [("source perplexity", "source", 3), ("candidate perplexity", "candidate", 3),
+            ("candidate delta %", "delta_pct", 2), ("KL mean (nats/token)", None, 5)]
+    for name, field, digits in rows:
+        values = [column.get("perplexity", {}).get(field) if field else column.get("kl_mean") for _, column in columns]
+        lines.append(f"| {name} | " + " | ".join("-" if v is None else f"{v:.{digits}f}" for v in values) + " |")
+    if emulated and emulated["rounding"] != "nearest":
+        lines += ["", f"vLLM on {section.get('platform')} stores FP8 K/V truncated toward zero; {engine} and GPU "
+                      "engines round to nearest. The emulated column is the same checkpoint and scales with vLLM's "
+                      f"rounding; {engine}'s column is what an RNE engine (vLLM on a GPU) delivers (docs/engines.md)."]
     scales = section.get("kv_scales_loaded", {}).get("candidate")
     if scales and scales["layers"] and kv["candidate"].startswith("fp8"):
         lines += ["", f"KV scales vLLM loaded for the candidate: {scales['layers']} layers, k {scales['k_min']:.4g}.."

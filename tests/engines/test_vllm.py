@@ -176,11 +176,23 @@ def test_validate_engine_vllm_without_vllm_fails_before_the_suite(tmp_path, monk
     assert not (tmp_path / "r").exists()
 
 
+# vLLM's FP8 figure vs validate's emulation of the quantizer vLLM runs (truncation on CPU): the same
+# computation up to fp32 summation order. Measured on this tiny Llama (2 x 95 tokens): KL 7.84567e-5
+# in both (RNE: 1.69e-5), deltas equal to 1e-6 points. The tolerances leave room for the few roundings
+# another CPU's last-bit differences may flip (on SmolLM2, 4 x 512 tokens: KL within 0.3%, delta
+# within 0.08 points; docs/engines.md).
+EMULATION_KL_RTOL = 0.02
+EMULATION_DELTA_ATOL = 0.01  # percentage points
+
+
 @vllm
 def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, vllm_python, fp8_llama):
     """`validate --engine vllm` adds vLLM's perplexity and KL on the suite's own windows. Source
     in fp32 in both engines: vLLM's source perplexity equals transformers' within 1e-4 relative;
-    the fp8 candidate runs with the scales vLLM loaded from the checkpoint (not 1.0)."""
+    the fp8 candidate runs with the scales vLLM loaded from the checkpoint (not 1.0).
+    vLLM's FP8 numbers equal validate's emulation of vLLM CPU's quantizer (truncation toward zero)
+    within EMULATION_KL_RTOL / EMULATION_DELTA_ATOL, and are well above the bundled engine's
+    round-to-nearest KL: the gap between the two is the engine's rounding, nothing else."""
     from kvconvert.eval.engine_vllm import run_vllm_perplexity, write_with_vllm
     from kvconvert.eval.suites import SuiteSpec
     from kvconvert.eval.options import ValidateOptions
@@ -200,9 +212,19 @@ def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, 
     assert abs(section["perplexity"]["source"] / bundled - 1) < 1e-4
     assert section["logprob_check_max"] < 1e-3 and section["kl_mean"] >= 0
     assert not section["kv_scales_loaded"]["candidate"]["all_one"]
+    emulated = section["emulated"]
+    assert section["platform"] == "cpu" and emulated["rounding"] == "toward_zero"
+    assert emulated["tokens"] == section["tokens"]
+    assert abs(emulated["kl_mean"] / section["kl_mean"] - 1) < EMULATION_KL_RTOL, (emulated, section["kl_mean"])
+    delta = section["perplexity"]["delta_pct"]
+    assert abs(emulated["perplexity"]["delta_pct"] - delta) < EMULATION_DELTA_ATOL, (emulated, delta)
+    assert section["bundled"]["kl_mean"] < section["kl_mean"] / 2  # RNE: about 1/4 of truncation's KL
     saved = json.loads((out / "report.json").read_text())
     assert saved["engines"]["vllm"]["perplexity"] == section["perplexity"]
-    assert "## Stock vLLM (same perplexity windows)" in (out / "report.md").read_text()
+    assert saved["engines"]["vllm"]["emulated"] == emulated
+    markdown = (out / "report.md").read_text()
+    assert "## Stock vLLM (same perplexity windows)" in markdown
+    assert "| metric | vLLM | emulated: transformers, FP8 toward zero | transformers |" in markdown
 
 
 @vllm
