@@ -18,11 +18,13 @@
 #               H100), each row's peak torch.cuda.max_memory_allocated beside kvconvert.heal.memory's estimate
 #               (issue 38: 1.0-1.3x); writes $OUT/bench_distill.{json,md}
 #   5. heal7b   issue 38's 7B check: a Llama-2-7B-shaped random-weight teacher and its MLA 512 + 64 student
-#               (32 layers, from kvconvert.presets, written here in bf16: 27 GB of disk, nothing large travels)
+#               (32 layers, from kvconvert.presets, drawn on the GPU and written in bf16: 27 GB of disk, nothing
+#               large travels)
 #               distilled for 1 + 3 steps of 1 x 2048 tokens with recipes/llama-2-7b-mla512.yaml's heal_distill
 #               settings (bf16, gradient checkpointing, every attention weight trained, fused Adam): tokens/s,
 #               peak memory and the estimate; writes $OUT/bench_distill_7b.json (log in distill.log)
-# `run distill heal7b` is issue 38's GPU half (~7 min on an H100); `run kernels bench` picks other steps. Each step runs under `timeout` (STEP_TIMEOUT_<step>, seconds) so one slow
+# `run distill heal7b` is issue 38's GPU half (under 10 min on an H100: 170 + 420 s caps); `run kernels
+# bench` picks other steps. Each step runs under `timeout` (STEP_TIMEOUT_<step>, seconds) so one slow
 # step cannot eat a short lease; BENCH_ARGS passes options to bench_kernels.py (e.g. "--quick --contexts
 # 2048,32768": 5 tuning configs instead of 11); the compiled kernel tests run on 8 pytest-xdist workers.
 set -uo pipefail
@@ -65,7 +67,8 @@ run() {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee -a "$out/setup.log"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/setup.log"
   # a device call brings back at most 8 files: setup.log, tests.log (both pytest steps), bench.log,
-  # distill.log (distill and heal7b) and the benchmarks' JSON + markdown (`run distill heal7b`: 5 files; a full run writes 9, so run heal7b in its own call or read its JSON from distill.log)
+  # distill.log (distill and heal7b) and the benchmarks' JSON + markdown (`run distill heal7b`: 5 files;
+  # a full run writes 9, so run heal7b in its own call, or read its row from distill.log)
   for step in "${steps[@]}"; do
     local started=$SECONDS log="$out/$step.log"
     case "$step" in kernels|device) log="$out/tests.log" ;; heal7b) log="$out/distill.log" ;; esac
@@ -75,7 +78,7 @@ run() {
       bench) timeout "${STEP_TIMEOUT_bench:-600}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} \
                --json "$out/bench_kernels.json" --md "$out/bench_kernels.md" ;;
       device) PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_device:-120}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_device.py ;;
-      distill) timeout "${STEP_TIMEOUT_distill:-240}" python3 scripts/bench_distill.py --device cuda ${DISTILL_ARGS:-} \
+      distill) timeout "${STEP_TIMEOUT_distill:-170}" python3 scripts/bench_distill.py --device cuda ${DISTILL_ARGS:-} \
                  --json "$out/bench_distill.json" --md "$out/bench_distill.md" ;;
       heal7b) timeout "${STEP_TIMEOUT_heal7b:-420}" python3 scripts/bench_distill.py --device cuda \
                 --preset llama-2-7b --rank 512 --rope-dim 64 --save-dtype bfloat16 --variants b1s2048:ckpt \

@@ -187,8 +187,8 @@ def distill_memory_problem(student: dict, teacher: dict, stage: DistillOptions, 
 MEASURED_SPEEDS = (
     ("cuda", "H100", 134_515_008, 57_000.0, "SmolLM2-135M 50% (160 + 32), b8s2048 bf16, H100: 56-58K tokens/s, "
                                             "docs/bench_heal_gpu.json"),
-    ("cpu", "", 134_515_008, 58.0, "SmolLM2-135M 50% (160 + 32), b1s512 fp32, 2 CPU cores: 58 tokens/s, "
-                                   "docs/bench_heal_50pct.json"),
+    ("cpu", "", 134_515_008, 58.0, "SmolLM2-135M 50% (160 + 32), b1s512 fp32, one thread of a 2-core machine: "
+                                   "58 tokens/s, docs/bench_heal_50pct.json"),
 )
 
 
