@@ -179,9 +179,12 @@ def source_logits_store(source, windows: list, shared: Path | None, scratch: Pat
     <fingerprint>) when there is one and the windows' logits fit SHARED_LOGITS_BYTES (4 x 512 tokens of
     SmolLM2: 0.4 GB), else the scratch folder (removed on close). `source`: a RunnerInfo."""
     size = sum(len(w) for w in windows) * source.vocab_size * 4
-    if shared is None or size > SHARED_LOGITS_BYTES:
-        return SourceLogits(scratch)
-    return SourceLogits(Path(shared) / "logits" / source.fingerprint, keep=True)
+    if shared is not None and size <= SHARED_LOGITS_BYTES:
+        try:
+            return SourceLogits(Path(shared) / "logits" / source.fingerprint, keep=True)
+        except OSError:  # a read-only KVCONVERT_HOME: this run keeps them to itself
+            pass
+    return SourceLogits(scratch)
 
 
 class SourceResults:
@@ -408,7 +411,12 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun
     outputs = {}
     store = source_logits_store(pair.source, windows, run.shared if run.resume else None,
                                 Path(run.out) / "cache" / f"source-logits-{pair.source.fingerprint}")
-    shared = ResultCache(run.shared / "cache", resume=run.resume) if run.shared is not None else None
+    shared = None
+    if run.shared is not None:
+        try:
+            shared = ResultCache(run.shared / "cache", resume=run.resume)
+        except (KVConvertError, OSError) as exc:  # e.g. a read-only KVCONVERT_HOME: not kept, still measured
+            note(run, f"the source's results are not kept across runs: {exc}")
     caches = {"source": SourceResults(cache, shared), "candidate": cache}
     try:
         for role, runner in (("source", pair.source), ("candidate", pair.candidate)):
