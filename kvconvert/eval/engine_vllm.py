@@ -86,7 +86,11 @@ def run_vllm_perplexity(run, report: dict, python: str | None = None) -> dict:
         for worker in workers.values():
             worker.close()
     section.update(_summary(records, report))
-    emulated = _emulate_engine_quantizer(run, paths, kv, windows, section, cache)
+    try:
+        emulated = _emulate_engine_quantizer(run, paths, kv, windows, section, cache)
+    except KVConvertError as exc:  # e.g. scales transformers cannot read: keep vLLM's numbers
+        emulated = None
+        section["notes"].append(f"vLLM's FP8 quantizer not emulated: {exc}")
     if emulated is not None:
         section["emulated"] = emulated
     return _store(report, section)
@@ -94,58 +98,66 @@ def run_vllm_perplexity(run, report: dict, python: str | None = None) -> dict:
 
 def _emulate_engine_quantizer(run, paths: dict, kv: dict, windows, section: dict, cache) -> dict | None:
     """The candidate's FP8 cache with the rounding vLLM's platform really applies, in transformers on
-    the same windows (kvconvert.quant's fake-quant): source fp32 logits first (to disk), then the
-    candidate, one model in memory at a time. None where there is nothing to emulate (no FP8
-    candidate, a quantized source, an MLA model whose vLLM scales do not load)."""
-    from contextlib import closing
-
-    from kvconvert.checkpoint import CheckpointReader, read_config
+    the same windows (kvconvert.quant's fake-quant), each window's record cached. None where there is
+    nothing to emulate (no FP8 candidate, a quantized source, an MLA model whose vLLM scales do not load)."""
+    from kvconvert.checkpoint import read_config
     from kvconvert.data import data_hash
     from kvconvert.engines.vllm import FP8_ROUNDING
     from kvconvert.eval.report import perplexity_summary
-    from kvconvert.eval.runner import TransformersRunner, runner_fingerprint
+    from kvconvert.eval.runner import runner_fingerprint
+
+    rounding = FP8_ROUNDING.get(section.get("platform", ""))
+    if rounding is None or not kv["candidate"].startswith("fp8") or kv["source"] != "auto":
+        return None
+    if read_config(paths["candidate"]).get("kv_lora_rank") is not None:
+        return None  # MLA: vLLM loads no scale and CPU_MLA prefill skips the cache (section notes)
+    prints = [runner_fingerprint(paths["source"], "transformers", "fp32", "checkpoint"),
+              runner_fingerprint(paths["candidate"], "transformers", run.options.kv_dtype, "checkpoint")]
+    key = f"{prints[0]}-{prints[1]}-{rounding}"
+    hashes = [data_hash(ids) for ids in windows]
+    records = [cache.get(key, EMULATION_TASK, f"w{i}", content) for i, content in enumerate(hashes)]
+    todo = [i for i, r in enumerate(records) if r is None]
+    for i, record in _emulated_windows(paths, windows, hashes, todo, rounding, Path(run.out) / "cache"):
+        records[i] = record
+        cache.put(key, EMULATION_TASK, f"w{i}", hashes[i], record)
+    pooled = perplexity_summary(records)
+    return {"engine": "transformers", "rounding": rounding, "kv_dtype": run.options.kv_dtype,
+            "perplexity": {k: pooled[k] for k in ("source", "candidate", "delta_pct")}, "kl_mean": pooled["kl_mean"],
+            "tokens": pooled["tokens"]}
+
+
+def _emulated_windows(paths: dict, windows, hashes: list[str], todo: list[int], rounding: str, scratch: Path):
+    """Yield (i, window_stats record) for the windows `todo`: the source's fp32 logits first (to disk),
+    then the candidate with its checkpoint scales and FP8 `rounding`; one model in memory at a time."""
+    from contextlib import closing
+
+    from kvconvert.checkpoint import CheckpointReader, read_config
+    from kvconvert.eval.runner import TransformersRunner
     from kvconvert.eval.validate import SourceLogits, window_stats
     from kvconvert.quant.capture import forward_with_hook, load_hf_model
     from kvconvert.quant.evaluate import fake_quant_hook
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.scales import read_kv_scales
 
-    rounding = FP8_ROUNDING.get(section.get("platform", ""))
-    candidate_kv, source_kv = run.options.kv_dtype, run.options.source_kv_dtype
-    if rounding is None or not kv["candidate"].startswith("fp8") or kv["source"] != "auto":
-        return None
-    config = read_config(paths["candidate"])
-    if config.get("kv_lora_rank") is not None:
-        return None  # MLA: vLLM loads no scale and CPU_MLA prefill skips the cache (section notes)
-    prints = [runner_fingerprint(paths["source"], "transformers", "fp32", "checkpoint"),
-              runner_fingerprint(paths["candidate"], "transformers", candidate_kv, "checkpoint")]
-    key = f"{prints[0]}-{prints[1]}-{rounding}"
-    hashes = [data_hash(ids) for ids in windows]
-    records = [cache.get(key, EMULATION_TASK, f"w{i}", content) for i, content in enumerate(hashes)]
-    todo = [i for i, r in enumerate(records) if r is None]
-    if todo:
-        store = SourceLogits(Path(run.out) / "cache" / "vllm-emulation-source")  # scratch, removed on close
-        try:
-            with closing(TransformersRunner(paths["source"], kv_dtype="fp32")) as runner:
-                for i in todo:
-                    store.put(hashes[i], runner.logits(windows[i]))
-            with CheckpointReader(paths["candidate"], verify=False) as reader:
-                layout = detect_kv_layout(config, reader.keys())
-            hook = fake_quant_hook(layout, read_kv_scales(paths["candidate"]), rounding)
-            model = load_hf_model(paths["candidate"])
+    if not todo:
+        return
+    store = SourceLogits(scratch / "vllm-emulation-source")  # scratch, removed on close
+    try:
+        with closing(TransformersRunner(paths["source"], kv_dtype="fp32")) as runner:
             for i in todo:
-                with torch.inference_mode():
-                    logits = forward_with_hook(model, windows[i].reshape(1, -1), hook)[0].float()
-                records[i] = window_stats(store.get(hashes[i]), logits, windows[i])
-                cache.put(key, EMULATION_TASK, f"w{i}", hashes[i], records[i])
-                print(f"vllm quantizer emulated: window {i + 1}/{len(windows)}", file=sys.stderr)
-            del model
-        finally:
-            store.close()
-    pooled = perplexity_summary(records)
-    return {"engine": "transformers", "rounding": rounding, "kv_dtype": candidate_kv,
-            "perplexity": {k: pooled[k] for k in ("source", "candidate", "delta_pct")}, "kl_mean": pooled["kl_mean"],
-            "tokens": pooled["tokens"]}
+                store.put(hashes[i], runner.logits(windows[i]))
+        with CheckpointReader(paths["candidate"], verify=False) as reader:
+            layout = detect_kv_layout(read_config(paths["candidate"]), reader.keys())
+        hook = fake_quant_hook(layout, read_kv_scales(paths["candidate"]), rounding)
+        model = load_hf_model(paths["candidate"])
+        for i in todo:
+            with torch.inference_mode():
+                logits = forward_with_hook(model, windows[i].reshape(1, -1), hook)[0].float()
+            yield i, window_stats(store.get(hashes[i]), logits, windows[i])
+            print(f"vllm quantizer emulated: window {i + 1}/{len(windows)}", file=sys.stderr)
+        del model
+    finally:
+        store.close()
 
 
 def _start(paths: dict, kv: dict, window_len: int, python, section: dict) -> dict:

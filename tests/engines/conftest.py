@@ -30,3 +30,16 @@ def vllm_python() -> Path:
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{REQUIRE_ENV}=1 and stock vLLM is not available: {reason}")
         pytest.skip(f"stock vLLM not set up: {reason}")
+
+
+@pytest.fixture(scope="session")
+def vllm_fp8(vllm_python) -> Path:
+    """vLLM's python, where its CPU build can hold an FP8 KV cache: x86 with AVX-512 or AMX
+    (vllm/v1/attention/backends/cpu_attn.py `_get_attn_isa`: "FP8 KV cache on CPU requires x86 with
+    AVX-512 or AMX"). Elsewhere the FP8 tests skip with that reason, KVCONVERT_REQUIRE_VLLM or not:
+    the hardware, not the install, is missing."""
+    import torch
+
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        pytest.skip("this CPU has neither AVX-512 nor AMX: vLLM's CPU build has no FP8 KV cache here")
+    return vllm_python

@@ -142,7 +142,7 @@ def test_latent_576_greedy_decode_matches_transformers(tmp_path, vllm_python, sm
 
 
 @vllm
-def test_llama_fp8_scales_load_with_checkpoint_values(vllm_python, fp8_llama, smollm2_path):
+def test_llama_fp8_scales_load_with_checkpoint_values(vllm_fp8, fp8_llama, smollm2_path):
     """`kvconvert calibrate --kv-dtype fp8 --format vllm` on a Llama: vLLM's compressed-tensors KV
     method loads every layer's k_scale / v_scale with exactly the checkpoint's float32 values (not
     the 1.0 it falls back to), and serves with an FP8 cache on this CPU (AVX-512)."""
@@ -186,7 +186,7 @@ EMULATION_DELTA_ATOL = 0.01  # percentage points
 
 
 @vllm
-def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, vllm_python, fp8_llama):
+def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, vllm_fp8, fp8_llama):
     """`validate --engine vllm` adds vLLM's perplexity and KL on the suite's own windows. Source
     in fp32 in both engines: vLLM's source perplexity equals transformers' within 1e-4 relative;
     the fp8 candidate runs with the scales vLLM loaded from the checkpoint (not 1.0).

@@ -132,16 +132,17 @@ def causal_attention(q, k, v):
 
 
 @vllm
-def test_vllm_cpu_fp8_cache_is_truncated_and_prefill_attends_to_it(tmp_path, vllm_python):
+def test_vllm_cpu_fp8_cache_is_truncated_and_prefill_attends_to_it(tmp_path, vllm_fp8):
     """The installed vLLM CPU kernels: the cache write stores exactly kvconvert's toward_zero codes
     (K and V), and the prefill attention output equals fp32 attention over that dequantized cache with
     the query unquantized (1e-5), not over fresh K/V nor round-to-nearest ones (those differ by >1e-2)."""
     g = torch.Generator().manual_seed(0)
     T, heads, kvh, d = 80, 6, 2, 64
-    q, k, v = torch.randn(T, heads, d, generator=g), torch.randn(T, kvh, d, generator=g) * 3, torch.randn(T, kvh, d, generator=g)
+    q, k = torch.randn(T, heads, d, generator=g), torch.randn(T, kvh, d, generator=g) * 3
+    v = torch.randn(T, kvh, d, generator=g)
     ks, vs = float(k.abs().max()) / 448, float(v.abs().max()) / 448
     save_file({"q": q, "k": k, "v": v, "k_scale": torch.tensor(ks), "v_scale": torch.tensor(vs)}, tmp_path / "in.st")
-    done = subprocess.run([str(vllm_python), "-c", KERNEL_SCRIPT, str(tmp_path / "in.st"), str(tmp_path / "out.st")],
+    done = subprocess.run([str(vllm_fp8), "-c", KERNEL_SCRIPT, str(tmp_path / "in.st"), str(tmp_path / "out.st")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     platform = json.loads(done.stdout.strip().splitlines()[-1])["platform"]
