@@ -461,11 +461,14 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     echo(f"{len(everything)} candidates, {len(fitting)} fit {budget:.0%} and are served by {target}, "
          f"{len(survivors)} not dominated: " + ", ".join(c.name for c in survivors))
     by_name = {c.name: c for c in fitting}
-    for c in sorted(fitting, key=lambda c: c.fraction):
-        if c.name in pruned and not opts.measure_dominated:
-            d = by_name[pruned[c.name]]
-            echo(f"  not measured: {c.name} ({c.fraction:.0%} of bf16) is dominated by {d.name} ({d.fraction:.0%}): "
-                 f"{why_dominated(c, d)} loses less by construction")
+    unmeasured = [c for c in sorted(fitting, key=lambda c: c.fraction) if c.name in pruned and not opts.measure_dominated]
+    for c in unmeasured:
+        d = by_name[pruned[c.name]]
+        echo(f"  not measured: {c.name} ({c.fraction:.0%} of bf16): dominated by {d.name} ({d.fraction:.0%}), which "
+             f"loses less by construction ({why_dominated(c, d)})")
+    if unmeasured:
+        echo("  (within the budget the plan picks the least damage, not the fewest bytes; --measure-dominated "
+             "measures these too)")
     work = out / "artifacts" / f"{dtype}-{calib_tokens}"  # a rerun reuses only what was built the same way
     check_not_source(out, (src_path,))  # --out inside the source: refused before any work
     check_writable(out)
