@@ -75,6 +75,8 @@ def run_vllm_perplexity(run, report: dict, python: str | None = None) -> dict:
                 if not workers:
                     workers = _start(paths, kv, spec.ppl_window_len, python, section)
                 result = _score_window(workers, ids, window_stats)
+                # what vLLM ran, for a rerun that finds every window cached and starts no worker
+                result["engine"] = {k: section[k] for k in ("platform", "kv_cache_dtype_loaded")}
                 cache.put(key, TASK, f"w{i}", content, result)
             records.append(result)
             print(f"vllm perplexity: window {i + 1}/{len(windows)}", file=sys.stderr)
@@ -86,6 +88,8 @@ def run_vllm_perplexity(run, report: dict, python: str | None = None) -> dict:
         for worker in workers.values():
             worker.close()
     section.update(_summary(records, report))
+    for name, value in records[0].get("engine", {}).items():
+        section.setdefault(name, value)
     try:
         emulated = _emulate_engine_quantizer(run, paths, kv, windows, section, cache)
     except KVConvertError as exc:  # e.g. scales transformers cannot read: keep vLLM's numbers
@@ -107,7 +111,9 @@ def _emulate_engine_quantizer(run, paths: dict, kv: dict, windows, section: dict
     from kvconvert.eval.runner import runner_fingerprint
 
     rounding = FP8_ROUNDING.get(section.get("platform", ""))
-    if rounding is None or not kv["candidate"].startswith("fp8") or kv["source"] != "auto":
+    loaded = section.get("kv_cache_dtype_loaded", {})  # what vLLM really stores (auto may turn into fp8)
+    fp8 = {role: any(d.startswith("fp8") for d in loaded.get(role) or [kv[role]]) for role in kv}
+    if rounding is None or not fp8["candidate"] or fp8["source"] or kv["source"] != "auto":
         return None
     if read_config(paths["candidate"]).get("kv_lora_rank") is not None:
         return None  # MLA: vLLM loads no scale and CPU_MLA prefill skips the cache (section notes)
@@ -174,6 +180,12 @@ def _start(paths: dict, kv: dict, window_len: int, python, section: dict) -> dic
             section.setdefault("platform", info.get("platform"))
             section.setdefault("attention", {})[role] = info["attention"]
             section.setdefault("kv_scales_loaded", {})[role] = _scale_summary(info["kv_scales"])
+            loaded = sorted({s["kv_cache_dtype"] for s in info["kv_scales"].values()})
+            section.setdefault("kv_cache_dtype_loaded", {})[role] = loaded
+            if kv[role] == "auto" and any(d.startswith("fp8") for d in loaded):
+                section["notes"].append(f"vLLM stores the {role}'s cache as {'/'.join(loaded)} although auto was "
+                                        "asked: its config.json declares a compressed-tensors kv_cache_scheme, which "
+                                        "vLLM honours whenever kv_cache_dtype is auto")
     except BaseException:
         for worker in workers.values():
             worker.close()

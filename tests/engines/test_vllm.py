@@ -219,6 +219,10 @@ def test_validate_engine_vllm_reports_vllm_next_to_the_bundled_engine(tmp_path, 
     delta = section["perplexity"]["delta_pct"]
     assert abs(emulated["perplexity"]["delta_pct"] - delta) < EMULATION_DELTA_ATOL, (emulated, delta)
     assert section["bundled"]["kl_mean"] < section["kl_mean"] / 2  # RNE: about 1/4 of truncation's KL
+    # a rerun finds every window cached (no vLLM start) and still knows what vLLM ran
+    again = run_vllm_perplexity(ValidateRun(str(src), str(fp8), out, opts, suite), {**report, "engines": {}})
+    assert again["emulated"] == emulated and again["perplexity"] == section["perplexity"]
+    assert "attention" not in again  # no worker started
     saved = json.loads((out / "report.json").read_text())
     assert saved["engines"]["vllm"]["perplexity"] == section["perplexity"]
     assert saved["engines"]["vllm"]["emulated"] == emulated
