@@ -14,7 +14,6 @@ inputs continues from it, and it is removed once `out` is complete.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import shutil
@@ -35,6 +34,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.eval.runner import checkpoint_fingerprint
 from kvconvert.heal import compat
 from kvconvert.heal.options import DistillOptions, LayerwiseOptions
+from kvconvert.heal.teacher_data import fingerprint
 from kvconvert.recipe import Recipe, resolve_recipe
 from kvconvert.sources import resolve_source
 
@@ -123,13 +123,6 @@ def _distill_windows(text: str, tokenizer, ds: DistillOptions) -> torch.Tensor:
             f"windows, need {need * ds.seq_len} (tokens) / max_epochs {ds.max_epochs}; use more data, fewer tokens "
             "or a larger max_epochs")
     return ids[: available * ds.seq_len].view(available, ds.seq_len)[:need]
-
-
-def fingerprint(*parts) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(json.dumps(p, sort_keys=True, default=str).encode())
-    return h.hexdigest()[:16]
 
 
 def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str | Path, out: str | Path, *,

@@ -81,13 +81,6 @@ def attach_trainable(model, stage: DistillOptions) -> list[str]:
     return names
 
 
-def merged_weights(model, names: list[str]) -> dict[str, torch.Tensor]:
-    """Current effective weights (scale * (P + LoRA)) by checkpoint name, float32 on the CPU."""
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        return {n: modules[n.rsplit(".", 1)[0]].weight.detach().float().cpu().clone() for n in names}
-
-
 def window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
     """[count] window indexes: concatenated seeded permutations (epochs) of range(n_windows)."""
     epochs = math.ceil(count / n_windows)

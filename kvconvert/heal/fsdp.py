@@ -127,6 +127,13 @@ def _owner_unit(modules: dict, name: str):
     raise RuntimeError(f"{name} is in no FSDP unit (fully_shard always wraps the root)")  # not a user error
 
 
+def merged_weights(model, names: list[str]) -> dict[str, torch.Tensor]:
+    """Current effective weights (scale * (P + LoRA)) by checkpoint name, float32 on the CPU."""
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        return {n: modules[n.rsplit(".", 1)[0]].weight.detach().float().cpu().clone() for n in names}
+
+
 def gathered_weights(model: torch.nn.Module, names: list[str], keep: bool) -> dict[str, torch.Tensor]:
     """The effective weights `names` (parametrized: scale x (P + LoRA)) as float32 CPU tensors.
 
@@ -134,8 +141,6 @@ def gathered_weights(model: torch.nn.Module, names: list[str], keep: bool) -> di
     the same order), read, and resharded, so no more than one decoder layer is ever whole on a
     device; only the process with keep=True copies them out (the others return {})."""
     if not is_sharded(model):
-        from kvconvert.heal.distill import merged_weights
-
         return merged_weights(model, names) if keep else {}
     modules = dict(model.named_modules())
     by_unit: dict[int, tuple] = {}

@@ -10,6 +10,8 @@ a resumed heal reads the same text and the data hash in the manifest stays stabl
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -30,12 +32,19 @@ OPENINGS = (
 GENERATOR_VERSION = 3
 
 
+def fingerprint(*parts) -> str:
+    """16 hex digits of the sha256 of the parts' JSON (a heal run's and a teacher sample's identity)."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(json.dumps(p, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
 def teacher_text_cache(teacher: Path, num_tokens: int, seed: int, device: str = "cpu") -> Path:
     """Where the samples for (teacher weights, size, seed, device kind) are cached, under
     $KVCONVERT_HOME. The device is part of the key: sampling on a GPU draws other random numbers
     (and batches differently), so its text differs from the CPU's for the same seed."""
     from kvconvert.checkpoint import CheckpointReader
-    from kvconvert.heal.api import fingerprint
     from kvconvert.sources import kvconvert_home
 
     reader = CheckpointReader(teacher, verify=False)
