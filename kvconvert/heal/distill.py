@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 from kvconvert.checkpoint import read_config
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.fsdp import (
-    adopt_fsdp_plugin, check_fsdp_launch, full_training_state, gathered_weights, is_sharded, load_full_training_state,
-    place_teacher, shard_report,
+    adopt_fsdp_plugin, check_fsdp_launch, fsdp_requested, full_training_state, gathered_weights, is_sharded,
+    load_full_training_state, place_teacher, shard_report,
 )
 from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets
 from kvconvert.heal.memory import LOADER_ATTENTION, distill_memory, distill_memory_problem  # noqa: F401 (public here too)
@@ -90,16 +90,19 @@ def window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- memory (checked up front)
 
-def check_distill_memory(student: dict, teacher: dict, stage: DistillOptions, device: torch.device) -> None:
+def check_distill_memory(student: dict, teacher: dict, stage: DistillOptions, device: torch.device,
+                         shards: int = 1) -> None:
     """Refuse before loading anything when the two models and one micro-batch cannot fit on `device`
-    (kvconvert.heal.memory.distill_memory_problem with the device's free memory)."""
+    (kvconvert.heal.memory.distill_memory_problem with the device's free memory). shards: the
+    processes an FSDP launch shards the models over, each with its own GPU (on CPUs they share one
+    RAM and every process loads both models whole first, so there it stays 1)."""
     from kvconvert.runtime.memory import available_memory
 
     if device.type == "cuda":
         have, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
     else:
         have, where = available_memory(), "available in RAM"
-    problem = distill_memory_problem(student, teacher, stage, have, device.type, where)
+    problem = distill_memory_problem(student, teacher, stage, have, device.type, where, shards=shards)
     if problem:
         raise KVConvertError(problem)
 
@@ -151,7 +154,8 @@ class Distiller:
         self.accelerator = make_accelerator(stage)
         adopt_fsdp_plugin(self.accelerator)  # `accelerate launch` with an FSDP config, on CPUs too (heal.fsdp)
         set_seed(stage.seed)
-        check_distill_memory(read_config(student_dir), read_config(teacher_dir), stage, self.accelerator.device)
+        shards = self.accelerator.num_processes if fsdp_requested() and self.accelerator.device.type == "cuda" else 1
+        check_distill_memory(read_config(student_dir), read_config(teacher_dir), stage, self.accelerator.device, shards)
         self.student, self.teacher = self._load_models(student_dir, teacher_dir)
         self.names = attach_trainable(self.student, stage)
         if stage.kv_dtype is not None:  # before accelerate wraps the model (the hooks need its layers)

@@ -107,12 +107,16 @@ def activation_bytes_per_token(student: dict, stage: DistillOptions, device_type
 
 
 def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_type: str = "cuda",
-                   attention: str = LOADER_ATTENTION, fused_optimizer: bool | None = None) -> dict[str, int]:
+                   attention: str = LOADER_ATTENTION, fused_optimizer: bool | None = None,
+                   shards: int = 1) -> dict[str, int]:
     """Bytes distillation holds at its peak, by part: the fused loss's forward with every activation saved,
     or under gradient checkpointing the larger of that and the backward's recomputed layer.
 
     Pure: configs (config.json dicts) and options in, numbers out. device_type: "cuda" or "cpu" (which
-    attention kernel runs, which Adam is torch's default); attention: the models' attn_implementation."""
+    attention kernel runs, which Adam is torch's default); attention: the models' attn_implementation.
+    shards: processes an FSDP launch shards both models over (heal.fsdp, one unit per decoder layer):
+    weights, gradients and Adam states are 1/shards per process, plus one unit gathered whole at a time;
+    the activations and logits of a process's own micro-batch stay as they are."""
     from kvconvert.kvmath import parameter_count
 
     a = 2 if stage.mixed_precision != "no" else 4
@@ -151,7 +155,7 @@ def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_t
     lora_weights = 4 * trainable if stage.train == "lora" else 0
     # on a CPU the checkpoint's pages of the weights the parametrization replaced stay mapped (and read)
     replaced = 4 * layers * trained_elems if device_type == "cpu" else 0
-    return {
+    parts = {
         "student": 4 * parameter_count(student) + lora_weights + replaced,
         "teacher": teacher_bytes * parameter_count(teacher),
         "gradients": 4 * trainable,
@@ -160,15 +164,22 @@ def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_t
         "activations": activations + hidden_states,
         "logits": logits,
     }
+    if shards > 1:
+        for part in ("student", "teacher", "gradients", "optimizer"):
+            parts[part] = -(-parts[part] // shards)
+        # one decoder layer of each model gathered whole (the units are layers; a layer's share of
+        # the parameter count bounds it, embeddings included)
+        parts["gathered_unit"] = (4 * parameter_count(student) + teacher_bytes * parameter_count(teacher)) // layers
+    return parts
 
 
 def distill_memory_problem(student: dict, teacher: dict, stage: DistillOptions, capacity: int, device_type: str,
-                           where: str = "", attention: str = LOADER_ATTENTION) -> str | None:
+                           where: str = "", attention: str = LOADER_ATTENTION, shards: int = 1) -> str | None:
     """Why the run cannot fit in `capacity` bytes of `device_type` memory (estimate + OVERHEAD_BYTES),
     or None when it fits. Pure: the refusal check with the device's capacity as an argument."""
     from kvconvert.kvmath import format_bytes
 
-    parts = distill_memory(student, teacher, stage, device_type, attention)
+    parts = distill_memory(student, teacher, stage, device_type, attention, shards=shards)
     need = sum(parts.values()) + OVERHEAD_BYTES[device_type]
     if need <= capacity:
         return None

@@ -147,3 +147,23 @@ def test_plan_gives_a_time_only_where_a_speed_was_measured():
     assert "time ~1 min at 57000 tokens/s (measured: " in lines[2] and "bench_heal_gpu.json" in lines[2]
     big = load_recipe(recipes / "llama-2-7b-mla512.yaml")
     assert "not estimated" in plan_lines(*configs(big), big.distill, "cuda", "NVIDIA H100 80GB HBM3")[2]
+
+
+def test_fsdp_shards_the_models_states_not_the_activations():
+    """Under FSDP on N GPUs each process holds 1/N of both models, the gradients and Adam's states plus
+    one gathered decoder layer; its own micro-batch's activations and logits are unchanged. The 7B
+    recipe without gradient checkpointing does not fit one 80 GB GPU; sharded over 8 it does."""
+    from pathlib import Path
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "llama-2-7b-mla512.yaml")
+    student, teacher = recipe_configs(recipe)
+    stage = recipe.distill.model_copy(update={"gradient_checkpointing": False})
+    one, eight = distill_memory(student, teacher, stage, "cuda"), distill_memory(student, teacher, stage, "cuda", shards=8)
+    for part in ("student", "teacher", "gradients", "optimizer"):
+        assert eight[part] == -(-one[part] // 8)
+    for part in ("weight_copies", "activations", "logits"):
+        assert eight[part] == one[part]
+    layer = one["student"] // 32
+    assert layer < eight["gathered_unit"] < 3 * layer  # about a layer of each model (fp32 student, bf16 teacher)
+    assert distill_memory_problem(student, teacher, stage, 80 * 10**9, "cuda") is not None
+    assert distill_memory_problem(student, teacher, stage, 80 * 10**9, "cuda", shards=8) is None
