@@ -41,10 +41,13 @@ def check_fsdp_launch() -> None:
     an FSDP launch must ask for FSDP2 (see the module docstring); accelerate's default is 1."""
     version = os.environ.get("FSDP_VERSION", "1")
     if fsdp_requested() and version != "2":
+        from kvconvert.resources import recipes_dir
+
+        config = recipes_dir() / "accelerate" / "fsdp.yaml"  # shipped with the package
         raise KVConvertError(
             f"heal_distill under FSDP needs fsdp_version: 2 in the accelerate config (got {version}; FSDP1 flattens "
             "each layer into one tensor, which the attention-only trainable set does not fit); launch with "
-            "--config_file recipes/accelerate/fsdp.yaml or pass --fsdp_version 2")
+            f"--config_file {config} or pass --fsdp_version 2")
 
 
 def adopt_fsdp_plugin(accelerator) -> None:
