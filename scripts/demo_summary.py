@@ -142,7 +142,7 @@ def verdict(rows: list[dict]) -> str:
 
 def _longbench_text(row: dict) -> str:
     drop = row["longbench_drop"]
-    return "" if drop is None else f", LongBench {-drop:+.1f} points"
+    return "" if drop is None else f", LongBench {0.0 - drop:+.1f} points"  # 0.0 - 0.0 is +0.0, -0.0 would print -0.0
 
 
 def main() -> int:
