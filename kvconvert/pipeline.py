@@ -129,7 +129,8 @@ def _calibrate(model: str, opts: CalibrateOptions, out: Path) -> Stage:
 def _validate(src: str, candidate: str, opts: ValidateOptions, report_dir: Path) -> Stage:
     def run():
         from kvconvert.eval.report import print_summary
-        from kvconvert.eval.validate import run_validate, source_results_dir
+        from kvconvert.eval.cache import source_results_dir
+        from kvconvert.eval.validate import run_validate
 
         # the source's results kept across runs: a second pipeline on the same source does not measure it again
         print_summary(run_validate(src, candidate, report_dir, opts, shared=source_results_dir()))

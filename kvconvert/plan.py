@@ -297,7 +297,7 @@ class Scorer:
         from kvconvert.checkpoint import load_tokenizer
         from kvconvert.data import data_hash, eval_windows
         from kvconvert.eval.runner import LazyRunner
-        from kvconvert.eval.validate import source_logits_store, source_results_dir
+        from kvconvert.eval.cache import source_logits_store, source_results_dir
         from kvconvert.progress import counted
 
         self.ids = eval_windows(load_tokenizer(src), windows, window_len)
@@ -320,7 +320,7 @@ class Scorer:
         """{kl: mean token KL(source || candidate) in nats, ppl, source_ppl, tokens}."""
         from kvconvert.eval.report import perplexity_summary
         from kvconvert.eval.runner import RuntimeRunner
-        from kvconvert.eval.validate import window_stats
+        from kvconvert.eval.metrics import window_stats
 
         runner = RuntimeRunner(path, kv_dtype, dtype=self.dtype, max_len=self.ids.shape[1], device=self.device)
         stats = [window_stats(self.store.get(h), runner.logits(w), w) for h, w in zip(self.hashes, self.ids)]

@@ -29,14 +29,15 @@ def validate_cmd(source, candidate, vllm_python, out, no_resume, no_progress, th
     as the suite defines. Gate the result with `kvconvert gate --report OUT/report.json`.
     """
     from kvconvert.eval.report import print_summary
-    from kvconvert.eval.validate import run_validate, source_results_dir
+    from kvconvert.eval.cache import source_results_dir
+    from kvconvert.eval.validate import run_validate
 
     opts = build_options(ValidateOptions, params)
     report = run_validate(source, candidate, out, opts, resume=not no_resume, progress=not no_progress,
                           threads=threads, vllm_python=vllm_python, shared=source_results_dir())
     print_summary(report)
     if opts.engine == "vllm":
-        from kvconvert.eval.engine_vllm import markdown_section
+        from kvconvert.eval.report import markdown_section
 
         click.echo("\n".join(markdown_section(report)).strip())
     click.echo(f"report: {out / 'report.json'} and {out / 'report.md'}")

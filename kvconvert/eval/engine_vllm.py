@@ -4,7 +4,7 @@ The suite itself runs in the bundled runtime as usual; then source and candidate
 stock vLLM (kvconvert.engines.vllm: a worker in vLLM's own venv) and scored on the SAME
 perplexity windows. Per window, vLLM's full fp32 logits for every prompt position are captured
 from its own logits processor, so perplexity and KL(source || candidate) use the same formula
-as the runtime's numbers (kvconvert.eval.validate.window_stats). The result goes into
+as the runtime's numbers (kvconvert.eval.metrics.window_stats). The result goes into
 report["engines"]["vllm"] and a "Stock vLLM" section of report.md, next to the runtime's.
 
 What vLLM computes here, and what it does not:
@@ -51,7 +51,7 @@ def run_vllm_perplexity(run, report: dict, python: str | None = None) -> dict:
     from kvconvert.eval.cache import ResultCache
     from kvconvert.checkpoint import load_tokenizer
     from kvconvert.eval.runner import runner_fingerprint
-    from kvconvert.eval.validate import window_stats
+    from kvconvert.eval.metrics import window_stats
     from kvconvert.sources import resolve_source
 
     spec = run.spec
@@ -139,7 +139,8 @@ def _emulated_windows(paths: dict, windows, hashes: list[str], todo: list[int], 
 
     from kvconvert.checkpoint import CheckpointReader, read_config
     from kvconvert.eval.runner import TransformersRunner
-    from kvconvert.eval.validate import SourceLogits, window_stats
+    from kvconvert.eval.cache import SourceLogits
+    from kvconvert.eval.metrics import window_stats
     from kvconvert.quant.capture import forward_with_hook, load_hf_model
     from kvconvert.quant.evaluate import fake_quant_hook
     from kvconvert.quant.layout import detect_kv_layout
@@ -240,47 +241,6 @@ def _summary(records: list[dict], report: dict) -> dict:
 def _store(report: dict, section: dict) -> dict:
     report.setdefault("engines", {})["vllm"] = section
     return section
-
-
-def markdown_section(report: dict) -> list[str]:
-    """Lines for report.md: vLLM's numbers next to the bundled engine's."""
-    section = report.get("engines", {}).get("vllm")
-    if not section:
-        return []
-    lines = ["", "## Stock vLLM (same perplexity windows)", ""]
-    if "error" in section:
-        return lines + [f"Not computed: {section['error']}", ""]
-    bundled = section.get("bundled", {})
-    engine = bundled.get("engine", "bundled")
-    kv = section["settings"]["kv_cache_dtype"]
-    lines += [f"vLLM {section.get('vllm_version', '?')}, float32 weights, KV cache source {kv['source']} / "
-              f"candidate {kv['candidate']}, attention backend "
-              f"{', '.join(sorted(set(section.get('attention', {}).get('candidate', {}).values()))) or '?'}; "
-              f"{section['settings']['windows']} x {section['settings']['window_len']} tokens. KL from vLLM's full "
-              "logits (captured at its logits processor; their log-softmax matches vLLM's prompt logprobs within "
-              f"{section['logprob_check_max']:.1e}).", ""]
-    emulated = section.get("emulated")
-    columns = [("vLLM", section)]
-    if emulated:
-        columns.append((f"emulated: transformers, FP8 {emulated['rounding'].replace('_', ' ')}", emulated))
-    columns.append((engine, bundled))
-    lines += ["| metric | " + " | ".join(name for name, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
-    rows = [("source perplexity", "source", 3), ("candidate perplexity", "candidate", 3),
-            ("candidate delta %", "delta_pct", 2), ("KL mean (nats/token)", None, 5)]
-    for name, field, digits in rows:
-        values = [column.get("perplexity", {}).get(field) if field else column.get("kl_mean") for _, column in columns]
-        lines.append(f"| {name} | " + " | ".join("-" if v is None else f"{v:.{digits}f}" for v in values) + " |")
-    if emulated and emulated["rounding"] != "nearest":
-        lines += ["", f"vLLM on {section.get('platform')} stores FP8 K/V truncated toward zero; {engine} and GPU "
-                      "engines round to nearest. The emulated column is the same checkpoint and scales with vLLM's "
-                      f"rounding; {engine}'s column is what an RNE engine (vLLM on a GPU) delivers (docs/engines.md)."]
-    scales = section.get("kv_scales_loaded", {}).get("candidate")
-    if scales and scales["layers"] and kv["candidate"].startswith("fp8"):
-        lines += ["", f"KV scales vLLM loaded for the candidate: {scales['layers']} layers, k {scales['k_min']:.4g}.."
-                      f"{scales['k_max']:.4g}, v {scales['v_min']:.4g}..{scales['v_max']:.4g}"
-                      + (" (all 1.0: none loaded)" if scales["all_one"] else "") + "."]
-    lines += [f"- {note}" for note in section["notes"]]
-    return lines + [""]
 
 
 def write_with_vllm(report: dict, out: Path) -> None:

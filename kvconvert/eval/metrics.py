@@ -267,3 +267,14 @@ def passkey_score(prediction: str, passkey: str) -> float:
     """1.0 if the first integer in the continuation is exactly the pass key, else 0.0."""
     found = re.search(r"\d+", prediction)
     return 1.0 if found is not None and found.group(0) == passkey else 0.0
+
+
+def window_stats(source_logits: torch.Tensor, candidate_logits: torch.Tensor, ids: torch.Tensor) -> dict:
+    """One window's cached perplexity record: float64 sums over its T-1 predictions (window_sums).
+
+    logits: [T, V] fp32 from each model for ids [T]. Returns source_nll / candidate_nll = sum of
+    -log p(next token), kl = sum of KL(source || candidate) and n_tokens.
+    """
+    source = window_sums(source_logits, ids)
+    candidate = window_sums(candidate_logits, ids, source_logits)
+    return {"source_nll": source.nll, "candidate_nll": candidate.nll, "kl": candidate.kl, "n_tokens": candidate.tokens}

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 
 from kvconvert.checkpoint import atomic_write_text
-from kvconvert.eval.engine_vllm import markdown_section
 from kvconvert.eval.gate import Bootstrap
 from kvconvert.eval.metrics import LONGBENCH_TASKS
 from kvconvert.eval.stats import GATE_METRICS, estimate
@@ -177,3 +176,44 @@ def print_summary(report: dict) -> None:
     for row in summary_rows(report):
         table.add_row(*row)
     Console(width=max(Console().width, 100)).print(table)
+
+
+def markdown_section(report: dict) -> list[str]:
+    """Lines for report.md: vLLM's numbers (`validate --engine vllm`, eval.engine_vllm) next to the bundled engine's."""
+    section = report.get("engines", {}).get("vllm")
+    if not section:
+        return []
+    lines = ["", "## Stock vLLM (same perplexity windows)", ""]
+    if "error" in section:
+        return lines + [f"Not computed: {section['error']}", ""]
+    bundled = section.get("bundled", {})
+    engine = bundled.get("engine", "bundled")
+    kv = section["settings"]["kv_cache_dtype"]
+    lines += [f"vLLM {section.get('vllm_version', '?')}, float32 weights, KV cache source {kv['source']} / "
+              f"candidate {kv['candidate']}, attention backend "
+              f"{', '.join(sorted(set(section.get('attention', {}).get('candidate', {}).values()))) or '?'}; "
+              f"{section['settings']['windows']} x {section['settings']['window_len']} tokens. KL from vLLM's full "
+              "logits (captured at its logits processor; their log-softmax matches vLLM's prompt logprobs within "
+              f"{section['logprob_check_max']:.1e}).", ""]
+    emulated = section.get("emulated")
+    columns = [("vLLM", section)]
+    if emulated:
+        columns.append((f"emulated: transformers, FP8 {emulated['rounding'].replace('_', ' ')}", emulated))
+    columns.append((engine, bundled))
+    lines += ["| metric | " + " | ".join(name for name, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
+    rows = [("source perplexity", "source", 3), ("candidate perplexity", "candidate", 3),
+            ("candidate delta %", "delta_pct", 2), ("KL mean (nats/token)", None, 5)]
+    for name, field, digits in rows:
+        values = [column.get("perplexity", {}).get(field) if field else column.get("kl_mean") for _, column in columns]
+        lines.append(f"| {name} | " + " | ".join("-" if v is None else f"{v:.{digits}f}" for v in values) + " |")
+    if emulated and emulated["rounding"] != "nearest":
+        lines += ["", f"vLLM on {section.get('platform')} stores FP8 K/V truncated toward zero; {engine} and GPU "
+                      "engines round to nearest. The emulated column is the same checkpoint and scales with vLLM's "
+                      f"rounding; {engine}'s column is what an RNE engine (vLLM on a GPU) delivers (docs/engines.md)."]
+    scales = section.get("kv_scales_loaded", {}).get("candidate")
+    if scales and scales["layers"] and kv["candidate"].startswith("fp8"):
+        lines += ["", f"KV scales vLLM loaded for the candidate: {scales['layers']} layers, k {scales['k_min']:.4g}.."
+                      f"{scales['k_max']:.4g}, v {scales['v_min']:.4g}..{scales['v_max']:.4g}"
+                      + (" (all 1.0: none loaded)" if scales["all_one"] else "") + "."]
+    lines += [f"- {note}" for note in section["notes"]]
+    return lines + [""]

@@ -20,7 +20,6 @@ them instead of running the source again; the report counts them as cache hits.
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,11 +28,11 @@ from pathlib import Path
 import torch
 
 from kvconvert import __version__
-from kvconvert.checkpoint import atomic_save_tensors, eos_token_ids, load_tokenizer
+from kvconvert.checkpoint import eos_token_ids, load_tokenizer
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import haystack, longbench
-from kvconvert.eval.cache import ResultCache
-from kvconvert.eval.metrics import longbench_sample_score, passkey_score, string_match_all, window_sums
+from kvconvert.eval.cache import ResultCache, SourceLogits, SourceResults, source_logits_store, source_results_dir
+from kvconvert.eval.metrics import longbench_sample_score, passkey_score, string_match_all, window_stats
 from kvconvert.eval.options import ValidateOptions
 from kvconvert.eval.runner import LazyRunner, check_same_tokenizer, resolve_engine
 from kvconvert.eval.samples import GenSample
@@ -97,17 +96,6 @@ def prepare(run: ValidateRun) -> Pair:
 
 # --------------------------------------------------------------------------- perplexity and KL
 
-def window_stats(source_logits: torch.Tensor, candidate_logits: torch.Tensor, ids: torch.Tensor) -> dict:
-    """One window's cached perplexity record: float64 sums over its T-1 predictions (window_sums).
-
-    logits: [T, V] fp32 from each model for ids [T]. Returns source_nll / candidate_nll = sum of
-    -log p(next token), kl = sum of KL(source || candidate) and n_tokens.
-    """
-    source = window_sums(source_logits, ids)
-    candidate = window_sums(candidate_logits, ids, source_logits)
-    return {"source_nll": source.nll, "candidate_nll": candidate.nll, "kl": candidate.kl, "n_tokens": candidate.tokens}
-
-
 def perplexity_windows(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[str, str]) -> list:
     """The suite's essay windows ([T] id tensors), or [] (with the reason in `skipped`)."""
     from kvconvert.data import eval_windows
@@ -119,98 +107,6 @@ def perplexity_windows(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: d
         note(run, f"perplexity skipped: {skipped['perplexity']}")
         return []
     return list(eval_windows(pair.tokenizer, spec.ppl_windows, spec.ppl_window_len))
-
-
-SHARED_LOGITS_BYTES = 1 << 30  # source logits kept across runs, at most; least recently used dropped first
-
-
-def source_results_dir() -> Path:
-    """KVCONVERT_HOME/validate (default ~/.cache/kvconvert/validate): the source model's results kept
-    across runs, so that each candidate (and `kvconvert plan`) does not measure the source again."""
-    from kvconvert.sources import kvconvert_home
-
-    return kvconvert_home() / "validate"
-
-
-class SourceLogits:
-    """The source's fp32 logits of essay windows, one safetensors file per window named by the window's
-    content hash, on disk until the candidate has been compared with them: the two models never need
-    to be resident together. keep=False: a scratch `folder`, removed on close. keep=True: a folder of the
-    shared results (source_logits_store), kept across runs and trimmed to SHARED_LOGITS_BYTES on close."""
-
-    def __init__(self, folder: Path, keep: bool = False):
-        self.folder, self.keep = Path(folder), keep
-        self.reused = 0  # windows whose logits an earlier run stored
-        self.folder.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, content: str) -> Path:
-        return self.folder / f"{content}.safetensors"
-
-    def has(self, content: str) -> bool:
-        return self._path(content).is_file()
-
-    def put(self, content: str, logits: torch.Tensor) -> None:
-        atomic_save_tensors({"logits": logits.float().contiguous()}, self._path(content))
-
-    def get(self, content: str) -> torch.Tensor:
-        from safetensors.torch import load_file
-
-        path = self._path(content)
-        if self.keep:
-            os.utime(path)  # recently used: trimmed last
-        return load_file(str(path))["logits"]
-
-    def close(self) -> None:
-        import shutil
-
-        if not self.keep:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            return
-        files = sorted(self.folder.parent.glob("*/*.safetensors"), key=lambda f: f.stat().st_mtime, reverse=True)
-        total = 0
-        for f in files:  # newest first: keep while the total fits
-            total += f.stat().st_size
-            if total > SHARED_LOGITS_BYTES:
-                f.unlink(missing_ok=True)
-
-
-def source_logits_store(source, windows: list, shared: Path | None, scratch: Path) -> SourceLogits:
-    """Where the source's window logits go: the shared folder of this source runner (shared/logits/
-    <fingerprint>) when there is one and the windows' logits fit SHARED_LOGITS_BYTES (4 x 512 tokens of
-    SmolLM2: 0.4 GB), else the scratch folder (removed on close). `source`: a RunnerInfo."""
-    size = sum(len(w) for w in windows) * source.vocab_size * 4
-    if shared is not None and size <= SHARED_LOGITS_BYTES:
-        try:
-            return SourceLogits(Path(shared) / "logits" / source.fingerprint, keep=True)
-        except OSError:  # a read-only KVCONVERT_HOME: this run keeps them to itself
-            pass
-    return SourceLogits(scratch)
-
-
-class SourceResults:
-    """The result cache of the source's generation samples: the report's own (OUT/cache), backed by the
-    shared one (source_results_dir()/cache) when there is one. A result found only in the shared cache
-    is copied into the report's (which stays complete and resumable) and counted there as a hit; every
-    new result goes to both."""
-
-    def __init__(self, local: ResultCache, shared: ResultCache | None):
-        self.local, self.shared = local, shared
-        self.reused = 0  # results read from the shared cache
-
-    def get(self, fingerprint: str, task: str, sample_id: str, content_hash: str) -> dict | None:
-        result = self.local.get(fingerprint, task, sample_id, content_hash)
-        if result is None and self.shared is not None:
-            result = self.shared.get(fingerprint, task, sample_id, content_hash)
-            if result is not None:
-                self.local.put(fingerprint, task, sample_id, content_hash, result)
-                self.local.misses, self.local.hits, self.reused = self.local.misses - 1, self.local.hits + 1, \
-                    self.reused + 1
-        return result
-
-    def put(self, fingerprint: str, task: str, sample_id: str, content_hash: str, result: dict) -> None:
-        self.local.put(fingerprint, task, sample_id, content_hash, result)
-        if self.shared is not None:
-            self.shared.put(fingerprint, task, sample_id, content_hash, result)
 
 
 def run_perplexity(pair: Pair, windows: list, role: str, store: SourceLogits, cache: ResultCache,
