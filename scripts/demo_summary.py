@@ -142,7 +142,8 @@ def verdict(rows: list[dict]) -> str:
 
 def _longbench_text(row: dict) -> str:
     drop = row["longbench_drop"]
-    return "" if drop is None else f", LongBench {0.0 - drop:+.1f} points"  # 0.0 - 0.0 is +0.0, -0.0 would print -0.0
+    # the score's change, not the drop, so the sign reads as better (+) or worse (-); 0.0 - 0.0 is +0.0
+    return "" if drop is None else f", LongBench score {0.0 - drop:+.1f} points against the source"
 
 
 def main() -> int:

