@@ -10,6 +10,7 @@ import torch
 from kvconvert.checkpoint import CheckpointReader, load_tokenizer, read_manifest
 from kvconvert.errors import KVConvertError, UnsupportedModelError
 from kvconvert.mla import deepseek_format as fmt
+from kvconvert.models.registry import TARGET_MODEL_TYPE
 
 MATCHING_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size")
 # Tensors the converter copies unchanged (up to a dtype cast): equal in a real conversion.
@@ -19,9 +20,9 @@ SHARED_TOLERANCE = 1e-2  # relative max error: covers an fp32 -> bf16 cast (2^-8
 
 def check_student_config(cfg: dict, where: Path) -> None:
     """The student must be a stock DeepSeek-V3 MLA checkpoint with the layout the healer trains."""
-    if cfg.get("model_type") != "deepseek_v3":
+    if cfg.get("model_type") != TARGET_MODEL_TYPE:
         raise UnsupportedModelError(
-            f"{where}: student model_type is {cfg.get('model_type')!r}, not 'deepseek_v3'; "
+            f"{where}: student model_type is {cfg.get('model_type')!r}, not {TARGET_MODEL_TYPE!r}; "
             "heal a checkpoint written by `kvconvert mla`")
     if cfg.get("first_k_dense_replace", 0) < cfg.get("num_hidden_layers", 0):
         raise UnsupportedModelError(f"{where}: MoE layers found (first_k_dense_replace < num_hidden_layers); "

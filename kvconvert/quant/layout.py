@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvconvert.errors import UnsupportedModelError
 from kvconvert.kvmath import KVShape, kv_shape, text_config
+from kvconvert.models.registry import TARGET_MODEL_TYPE
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([A-Za-z_]+)\.weight$")
 GQA_PROJ = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -33,9 +34,9 @@ def detect_kv_layout(config: dict, tensor_names: list[str]) -> KVShape:
             per_layer.setdefault(int(m.group(1)), set()).add(m.group(2))
     mla_layers = sorted(i for i, mods in per_layer.items() if "kv_a_proj_with_mqa" in mods)
     gqa_layers = sorted(i for i, mods in per_layer.items() if GQA_PROJ <= mods)
-    if mla_layers and text.get("model_type") != "deepseek_v3":
+    if mla_layers and text.get("model_type") != TARGET_MODEL_TYPE:
         raise UnsupportedModelError(
-            f"MLA tensors found but model_type is {text.get('model_type')!r}: only stock deepseek_v3 "
+            f"MLA tensors found but model_type is {text.get('model_type')!r}: only stock {TARGET_MODEL_TYPE} "
             "checkpoints are supported (convert with `kvconvert mla`)")
     if not mla_layers and not gqa_layers:
         raise UnsupportedModelError(
