@@ -15,8 +15,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import click
-
 from kvconvert.errors import CheckpointError, KVConvertError
 
 BUILTIN_MODELS = {
@@ -109,28 +107,3 @@ def _from_hub(repo_id: str) -> Path:
         raise KVConvertError(
             f"{repo_id}: cannot fetch from the Hugging Face hub ({type(exc).__name__}); no network? "
             "Download the model elsewhere and pass its local folder to --src") from None
-
-
-# ----------------------------------------------------------------- `kvconvert fetch`, `kvconvert import-gguf`
-
-@click.command("fetch")
-@click.argument("name", required=False, default="smollm2-135m")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
-def fetch_cmd(name, dtype):
-    """Put a built-in model (default smollm2-135m) into the cache and print its folder."""
-    if name.lower() not in BUILTIN_MODELS and "/" not in name:
-        raise KVConvertError(f"{name}: not a built-in model; built-in: {', '.join(sorted(BUILTIN_MODELS))}")
-    click.echo(str(resolve_source(name, dtype=dtype)))
-
-
-@click.command("import-gguf")
-@click.argument("gguf_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Output folder (HF format, safetensors).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
-@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-def import_gguf_cmd(gguf_file, out_dir, dtype, overwrite):
-    """Dequantize a GGUF file into a Hugging Face safetensors folder (config, weights, tokenizer)."""
-    from kvconvert.checkpoint.gguf_import import import_gguf  # refuses an existing --out before loading
-
-    click.echo(str(import_gguf(gguf_file, out_dir, dtype=dtype, overwrite=overwrite)))

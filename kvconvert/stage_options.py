@@ -37,16 +37,17 @@ def text_source_help(*extra: str) -> str:
                       "a .txt/.jsonl/.parquet file or a datasets id; A+B mixes equal shares (pydoc+wiki)."])
 
 
-def _flag(name: str, prefix: str = "") -> str:
-    return "--" + _param(name, prefix).replace("_", "-")
+def option_flag(name: str, prefix: str = "") -> str:
+    """The command-line flag of field `name` (--calib-tokens; --PREFIX-steps with a prefix)."""
+    return "--" + option_param(name, prefix).replace("_", "-")
 
 
-def _param(name: str, prefix: str = "") -> str:
+def option_param(name: str, prefix: str = "") -> str:
     """The click parameter of field `name`: `prefix_name` when the command holds several models."""
     return f"{prefix}_{name}" if prefix else name
 
 
-def _base_type(annotation) -> Any:
+def base_type(annotation) -> Any:
     """(int | None) -> int; Literal and tuple[...] stay as they are."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -60,8 +61,8 @@ def _split_list(ctx, param, value):
 
 def _option(field, name: str, prefix: str):
     """The click option of field `name` (see click_options)."""
-    flag, param = _flag(name, prefix), _param(name, prefix)
-    kind = _base_type(field.annotation)
+    flag, param = option_flag(name, prefix), option_param(name, prefix)
+    kind = base_type(field.annotation)
     help_text = field.description or ""
     default = None if field.is_required() else field.get_default()
     if isinstance(default, tuple):
@@ -90,8 +91,8 @@ def click_options(model: type[StageOptions], prefix: str = ""):
 
 def given_options(model: type[StageOptions], params: dict, prefix: str = "") -> dict:
     """{field: value} of the options the command line gave (None = not given)."""
-    return {name: params[_param(name, prefix)] for name in model.model_fields
-            if params.get(_param(name, prefix)) is not None}
+    return {name: params[option_param(name, prefix)] for name in model.model_fields
+            if params.get(option_param(name, prefix)) is not None}
 
 
 def build_options(model: type[StageOptions], params: dict, prefix: str = "", base: dict | None = None, **fixed):
@@ -106,7 +107,7 @@ def build_options(model: type[StageOptions], params: dict, prefix: str = "", bas
 
 def _describe(err: dict, prefix: str = "") -> str:
     msg = err["msg"].removeprefix("Value error, ")
-    return f"{_flag(str(err['loc'][0]), prefix)}: {msg}" if err["loc"] else msg
+    return f"{option_flag(str(err['loc'][0]), prefix)}: {msg}" if err["loc"] else msg
 
 
 def options_as_flags(opts: StageOptions, keep: tuple[str, ...] = ()) -> list[str]:
@@ -116,7 +117,7 @@ def options_as_flags(opts: StageOptions, keep: tuple[str, ...] = ()) -> list[str
         value = getattr(opts, name)
         if name not in keep and not field.is_required() and value == field.get_default():
             continue
-        flag = _flag(name)
+        flag = option_flag(name)
         if isinstance(value, bool):
             out.append(flag if value else f"--no-{flag[2:]}")
         elif isinstance(value, tuple):

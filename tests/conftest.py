@@ -29,8 +29,8 @@ def one_torch_thread():
 
 @pytest.fixture
 def run_main(capsys):
-    """`kvconvert ARGV` in this process (kvconvert.cli.main): returns (exit code, stderr)."""
-    from kvconvert.cli import main
+    """`kvconvert ARGV` in this process (kvconvert.commands.main.main): returns (exit code, stderr)."""
+    from kvconvert.commands.main import main
 
     def run(argv) -> tuple[int, str]:
         try:

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvconvert import kvmath
-from kvconvert.cli import cli
+from kvconvert.commands.main import cli
 from kvconvert.errors import KVConvertError, UnsupportedModelError
 from kvconvert.presets import PRESETS
 
@@ -270,7 +270,7 @@ def test_budget_bad_options_are_one_line_errors(args, messages, run_main, tmp_pa
 
 
 def test_budget_never_imports_torch():
-    code = ("import sys; from kvconvert.cli import main\n"
+    code = ("import sys; from kvconvert.commands.main import main\n"
             "try:\n    main(['budget', '--model', 'llama-3.1-70b', '--context', '131072', '--json'])\n"
             "except SystemExit:\n    pass\n"
             "assert 'torch' not in sys.modules, 'budget imported torch'\n")

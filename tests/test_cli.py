@@ -8,12 +8,12 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from kvconvert.cli import cli
+from kvconvert.commands.main import cli
 
 
 def _kvconvert(*args, timeout=120):
     """Run the real console entry point in a fresh process."""
-    return _run_code("import sys; from kvconvert.cli import main; main(sys.argv[1:])", *args, timeout=timeout)
+    return _run_code("import sys; from kvconvert.commands.main import main; main(sys.argv[1:])", *args, timeout=timeout)
 
 
 def _run_code(code, *args, timeout=60):
@@ -48,7 +48,7 @@ def test_debug_shows_the_traceback(tmp_path):
 # exception the same way and raises the error that C code left behind.
 _SWALLOWING_COMMAND = """
 import os, signal, sys, time
-import kvconvert.cli as entry
+import kvconvert.commands.main as entry
 from kvconvert.errors import CheckpointError
 
 def run_and_lose_the_interrupt(*args, **kwargs):

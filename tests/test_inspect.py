@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from kvconvert.checkpoint import CheckpointWriter
-from kvconvert.cli import cli
+from kvconvert.commands.main import cli
 from kvconvert.presets import PRESETS
 
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from kvconvert.cli import cli
+from kvconvert.commands.main import cli
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.cli import validate_cmd
 from kvconvert.mla.cli import mla_cmd

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvconvert.cli import cli
+from kvconvert.commands.main import cli
 from kvconvert.engines.vllm import VLLMWorker, vllm_python
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.runner import TransformersRunner

@@ -34,7 +34,7 @@ def tiny_llama(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
 @pytest.fixture(scope="session")
 def calibrated_fp8(tmp_path_factory, tiny_llama):
     """The tiny Llama with FP8 KV scales from `kvconvert calibrate` (amax, 4 x 256 tokens)."""
-    from kvconvert.cli import main
+    from kvconvert.commands.main import main
 
     out = tmp_path_factory.mktemp("calibrated") / "fp8"
     try:

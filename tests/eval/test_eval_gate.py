@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from eval_fixtures import gen_records, make_report
 
-from kvconvert.cli import main
+from kvconvert.commands.main import main
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import gate as G
 from kvconvert.eval.stats import estimate, resample_indices

@@ -13,7 +13,7 @@ import shutil
 import pytest
 from eval_fixtures import save_tiny_model, train_tokenizer
 
-from kvconvert.cli import main
+from kvconvert.commands.main import main
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.suites import SUITE_VERSION, SUITES
 from kvconvert.eval.validate import ValidateOptions, run_validate, window_stats

@@ -124,7 +124,7 @@ def test_layerwise_resumes_from_saved_layers(tiny_student, tiny_teacher, text_fi
     by `kvconvert heal`, which leaves its report and no state behind)."""
     import yaml
 
-    from kvconvert.cli import main
+    from kvconvert.commands.main import main
     from kvconvert.heal import layerwise
     from kvconvert.heal.api import heal, state_dir_for
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 from click.testing import CliRunner
 
-from kvconvert.cli import cli
+from kvconvert.commands.main import cli
 
 
 def test_mla_cli_chains_healing(tiny_teacher, text_file, tmp_path):

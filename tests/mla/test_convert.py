@@ -103,7 +103,7 @@ def test_nan_weights_and_existing_output(tmp_path, smollm2_path):
 def test_cli_writes_checkpoint_and_refuses_existing(tmp_path, smollm2_path):
     from click.testing import CliRunner
 
-    from kvconvert.cli import cli
+    from kvconvert.commands.main import cli
 
     src = make_tiny_llama(tmp_path / "src", smollm2_path, kv_heads=2)
     args = ["mla", "--src", str(src), "--rank", "24", "--rope-dim", "16", "--target", "any", "--calib-tokens", "512",

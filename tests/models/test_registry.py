@@ -74,7 +74,7 @@ def test_transformers_computes_mistral_as_llama(pair):
 
 
 def test_generate_runs_mistral_as_llama(pair, capsys):
-    from kvconvert.cli import main
+    from kvconvert.commands.main import main
 
     tokens = []
     for model in pair:

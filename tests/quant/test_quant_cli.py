@@ -10,7 +10,7 @@ from quant_cases import assert_same_logits, read_json
 from safetensors.torch import load_file, save_file
 
 from kvconvert.checkpoint import CheckpointReader
-from kvconvert.cli import main
+from kvconvert.commands.main import main
 from kvconvert.quant.scales import read_kv_scales
 
 TINY = ["--calib-tokens", "256", "--window-len", "64", "--batch-size", "2", "--quiet"]

@@ -8,7 +8,7 @@ import torch
 from quant_cases import make_deepseek
 
 from kvconvert.checkpoint import CheckpointReader
-from kvconvert.cli import main
+from kvconvert.commands.main import main
 from kvconvert.errors import KVConvertError
 from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model, calibrate_streamed
 from kvconvert.quant.capture import load_hf_model

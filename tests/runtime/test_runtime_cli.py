@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 from runtime_cases import VOCAB
 
-from kvconvert.cli import cli
+from kvconvert.commands.main import cli
 
 WORDS = [f"w{i}" for i in range(VOCAB - 1)] + ["[UNK]"]
 
