@@ -14,12 +14,12 @@ from click.testing import CliRunner
 
 from kvconvert.commands.main import cli
 from kvconvert.errors import KVConvertError
-from kvconvert.eval.cli import validate_cmd
-from kvconvert.mla.cli import mla_cmd
+from kvconvert.commands.validate import validate_cmd
+from kvconvert.commands.mla import mla_cmd
 from kvconvert.data import pydoc_corpus
 from kvconvert.mla.options import MLAOptions
 from kvconvert.pipeline import _from_flags, _from_plan, pipeline_cmd, recipe_stages
-from kvconvert.quant.cli import calibrate_cmd
+from kvconvert.commands.calibrate import calibrate_cmd
 from kvconvert.recipe import load_recipe, parse_recipe
 from kvconvert.stage_options import build_options
 

@@ -177,3 +177,14 @@ def print_gate_table(rows: list[dict], policy: Policy, report: dict, policy_path
     for row in rows:
         if "point" in row and "reason" in row:
             console.print(f"{row['metric']}: {row['status'].upper()}, {escape(row['reason'])}", soft_wrap=True)
+
+
+def run_gate(report_path: Path, policy_path: Path) -> bool:
+    """Print the gate table of the report under the policy and the verdict; True when it passes."""
+    policy = load_policy(policy_path)
+    report = load_report(report_path)
+    rows = evaluate(report, policy)
+    print_gate_table(rows, policy, report, Path(policy_path))
+    failed = [r["metric"] for r in rows if r["status"] == "fail"]
+    print(f"gate FAILED: {', '.join(failed)}" if failed else "gate passed")
+    return not failed

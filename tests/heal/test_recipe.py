@@ -89,14 +89,14 @@ def test_disabled_stage_does_not_run():
 
 
 def _heal_flags(*flags: str) -> dict:
-    from kvconvert.heal.cli import heal_cmd
+    from kvconvert.commands.heal import heal_cmd
 
     return heal_cmd.make_context("heal", ["--student", "s", "--teacher", "t", "--recipe", "r", "--out", "o",
                                           *flags]).params
 
 
 def test_heal_flags_replace_single_keys_of_the_recipe(tmp_path):
-    from kvconvert.heal.cli import recipe_with_flags
+    from kvconvert.commands.heal import recipe_with_flags
 
     path = _write(tmp_path, "heal_layerwise:\n  tokens: 4096\n  steps: 10\n")
     recipe = recipe_with_flags(str(path), _heal_flags("--layerwise-steps", "7", "--layerwise-train", "q_proj,o_proj"))

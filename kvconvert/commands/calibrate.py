@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import click
 
+from kvconvert.commands.options import click_options, out_option, overwrite_option, threads_option
 from kvconvert.quant.options import CalibrateOptions
-from kvconvert.stage_options import build_options, click_options, out_option, overwrite_option, threads_option
+from kvconvert.stage_options import build_options
 
 
 @click.command("calibrate")

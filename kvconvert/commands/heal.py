@@ -1,4 +1,4 @@
-"""`kvconvert heal`: heal a converted MLA checkpoint against its source model."""
+"""`kvconvert heal`: heal a converted MLA checkpoint against its source model (kvconvert.heal.api)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ from pathlib import Path
 
 import click
 
+from kvconvert.commands.options import click_options, no_progress_option, out_option, overwrite_option, threads_option
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.options import DistillOptions, LayerwiseOptions
-from kvconvert.stage_options import (
-    build_options, click_options, given_options, no_progress_option, out_option, overwrite_option, threads_option,
-)
+from kvconvert.stage_options import build_options, given_options
 
 # recipe block, its options model, the prefix of its flags (--layerwise-steps, --distill-lr)
 HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill", DistillOptions, "distill"))

@@ -1,4 +1,5 @@
-"""`kvconvert mla`: MHA/GQA -> stock DeepSeek-V3 MLA."""
+"""`kvconvert mla`: MHA/GQA -> stock DeepSeek-V3 MLA (kvconvert.mla.convert, healed by the pipeline's
+convert_stage when --heal is given)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from pathlib import Path
 
 import click
 
+from kvconvert.commands.options import click_options, overwrite_option
 from kvconvert.errors import KVConvertError
 from kvconvert.mla.options import MLAOptions
-from kvconvert.stage_options import build_options, click_options, overwrite_option
+from kvconvert.stage_options import build_options
 
 
 @click.command("mla")
