@@ -1,4 +1,4 @@
-"""`kvconvert generate`: run a prompt through the bundled paged runtime, streaming tokens."""
+"""`kvconvert generate`: run a prompt through the bundled paged runtime (kvconvert.runtime), streaming tokens."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import time
 import click
 
 from kvconvert import kvmath
+from kvconvert.commands.options import click_options
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import RUNTIME_KV_DTYPES
-from kvconvert.runtime.config import ATTENTION_BACKENDS, KV_SCALE_SOURCES
+from kvconvert.runtime.options import GenerateOptions
+from kvconvert.stage_options import build_options
 
 
 @click.command("generate")
@@ -19,45 +20,32 @@ from kvconvert.runtime.config import ATTENTION_BACKENDS, KV_SCALE_SOURCES
 @click.option("--prompt", default=None, help="Prompt text (no chat template is applied).")
 @click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="Read the prompt from a UTF-8 file ('-': standard input) instead of --prompt (long prompts).")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--greedy", is_flag=True, help="Argmax decoding (ignores temperature/top-p).")
-@click.option("--temperature", type=float, default=1.0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible tokens).")
-@click.option("--kv-dtype", type=click.Choice(RUNTIME_KV_DTYPES), default="bf16", show_default=True)
-@click.option("--kv-scales", type=click.Choice(KV_SCALE_SOURCES), default="checkpoint", show_default=True,
-              help="fp8/nvfp4 scales: from the checkpoint, or from the first prefill's amax (dynamic).")
-@click.option("--backend", type=click.Choice(ATTENTION_BACKENDS), default="torch", show_default=True)
-@click.option("--kv-memory", default=None, help="KV pool size, e.g. 512M (bare number: bytes; default: up to 1G).")
-@click.option("--block-size", type=int, default=16, show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
-              help="Weights/activations: auto = as stored (bf16 checkpoints stay bf16, mapped from the files).")
-@click.option("--device", default="auto", show_default=True,
-              help="Where the weights, KV cache and kernels run: auto (cuda when a GPU is visible), cpu, cuda[:N].")
+@click_options(GenerateOptions)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, timing) instead.")
-def generate_cmd(model, prompt, prompt_file, max_new_tokens, greedy, temperature, top_p, seed, kv_dtype, kv_scales,
-                 backend, kv_memory, block_size, dtype, device, as_json):
+def generate_cmd(model, prompt, prompt_file, as_json, **params):
     """Generate text with the bundled paged-KV runtime (Llama and DeepSeek-V3 MLA checkpoints)."""
     from kvconvert.checkpoint import check_checkpoint
     from kvconvert.runtime import LLM, SamplingParams
     from kvconvert.sources import resolve_source
 
+    opts = build_options(GenerateOptions, params)
     prompt = read_prompt(prompt, prompt_file)
     if not prompt:
         raise KVConvertError("empty prompt: give --prompt some text or a non-empty --prompt-file")
-    params = SamplingParams(max_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p, seed=seed)
+    sampling = SamplingParams(max_tokens=opts.max_new_tokens, greedy=opts.greedy, temperature=opts.temperature,
+                              top_p=opts.top_p, seed=opts.seed)
     t0 = time.perf_counter()
     path = resolve_source(model)
     check_checkpoint(path)  # unsupported config, missing tensors, NaN/inf weights: refuse before generating
-    kv_memory = None if kv_memory is None else kvmath.parse_size(kv_memory, bare_unit=1)
-    llm = LLM(path, kv_dtype=kv_dtype, kv_scales=kv_scales, attention_backend=backend, kv_memory=kv_memory,
-              block_size=block_size, max_num_seqs=1, dtype=dtype, device=device)
+    kv_memory = None if opts.kv_memory is None else kvmath.parse_size(opts.kv_memory, bare_unit=1)
+    llm = LLM(path, kv_dtype=opts.kv_dtype, kv_scales=opts.kv_scales, attention_backend=opts.backend,
+              kv_memory=kv_memory, block_size=opts.block_size, max_num_seqs=1, dtype=opts.dtype, device=opts.device)
     tokenizer = llm.tokenizer
     load_s = time.perf_counter() - t0
-    output = _run(llm, prompt, params, tokenizer, stream=not as_json)
+    output = _run(llm, prompt, sampling, tokenizer, stream=not as_json)
     if output.error:
         raise KVConvertError(output.error)
-    note = context_note(output, max_new_tokens, llm.max_model_len)
+    note = context_note(output, opts.max_new_tokens, llm.max_model_len)
     if note:
         click.echo(f"note: {note}", err=True)
     if as_json:
