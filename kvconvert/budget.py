@@ -5,17 +5,45 @@ Reads config.json and safetensors headers only (kvconvert.model_info); never imp
 from __future__ import annotations
 
 import math
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from kvconvert import kvmath
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import kv_format
+from kvconvert.kvformat import KV_FORMATS, kv_format
 from kvconvert.model_info import ModelInfo
+from kvconvert.stage_options import StageOptions
 
 
-def budget_report(info: ModelInfo, context: int | None, batch: int, kv_dtype: str, mla_rank: int | None,
-                  rope_dim: int | None, gpu_mem: str | None, weights_dtype: str) -> dict:
+DEEPSEEK_ROPE_DIM = 64  # DeepSeek-V2/V3's qk_rope_head_dim: the what-if's RoPE part unless --rope-dim says
+
+
+class BudgetOptions(StageOptions):
+    """What `kvconvert budget` computes for a model (its flags, kvconvert.commands.budget)."""
+
+    context: int | None = Field(None, description="Tokens per request [default: max_position_embeddings].")
+    batch: int = Field(1, description="Concurrent requests.")  # checked below, with the message that names it
+    kv_dtype: Literal[tuple(KV_FORMATS)] = Field("bf16", description="KV-cache format.")
+    mla_rank: int | None = Field(None, description="What-if: convert to MLA with this kv_lora_rank.")
+    rope_dim: int | None = Field(None, description="What-if: shared RoPE key dims [default with --mla-rank: "
+                                                   f"{DEEPSEEK_ROPE_DIM}].")
+    gpu_mem: str | None = Field(None, description="GPU memory, e.g. 80GiB or 141GB: how many requests fit beside "
+                                                  "the weights.")
+    weights_dtype: Literal[tuple(KV_FORMATS)] = Field("bf16", description="Weight format for --gpu-mem.")
+
+    @model_validator(mode="after")
+    def _rope_needs_rank(self):
+        if self.rope_dim is not None and self.mla_rank is None:
+            raise ValueError("--rope-dim needs --mla-rank (the what-if MLA latent size)")
+        return self
+
+
+def budget_report(info: ModelInfo, opts: BudgetOptions) -> dict:
     """KV bytes per token / request / batch and, with gpu_mem, how many requests fit."""
-    fmt, config = kv_format(kv_dtype), info.config
+    context, batch, mla_rank, gpu_mem = opts.context, opts.batch, opts.mla_rank, opts.gpu_mem
+    rope_dim = DEEPSEEK_ROPE_DIM if opts.rope_dim is None else opts.rope_dim
+    fmt, config = kv_format(opts.kv_dtype), info.config
     shape = kvmath.kv_shape(config)
     if context is None:
         context = kvmath.text_config(config).get("max_position_embeddings")
@@ -47,7 +75,7 @@ def budget_report(info: ModelInfo, context: int | None, batch: int, kv_dtype: st
     if fmt.name == "int4":
         notes.append("int4 counted as symmetric 4-bit values + one fp16 scale per group of 32 (0.5625 bytes/value)")
     if gpu_mem is not None:
-        report.update(_fit(info, report, gpu_mem, weights_dtype, notes))
+        report.update(_fit(info, report, gpu_mem, opts.weights_dtype, notes))
     report["notes"] = notes
     return report
 

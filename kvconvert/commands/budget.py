@@ -7,11 +7,11 @@ import json
 import click
 
 from kvconvert import kvmath
-from kvconvert.budget import budget_report
-from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import KV_FORMATS
+from kvconvert.budget import BudgetOptions, budget_report
+from kvconvert.commands.options import click_options
 from kvconvert.model_info import load_model_info
 from kvconvert.presets import PRESETS
+from kvconvert.stage_options import build_options
 
 
 def human_budget(r: dict) -> str:
@@ -37,22 +37,10 @@ def human_budget(r: dict) -> str:
 
 @click.command("budget")
 @click.option("--model", "model", required=True, help=f"Preset ({', '.join(PRESETS)}), HF folder or config.json.")
-@click.option("--context", type=int, default=None, help="Tokens per request [default: max_position_embeddings].")
-@click.option("--batch", type=int, default=1, show_default=True, help="Concurrent requests.")
-@click.option("--kv-dtype", default="bf16", show_default=True,
-              type=click.Choice(list(KV_FORMATS), case_sensitive=False), help="KV-cache format.")
-@click.option("--mla-rank", type=int, default=None, help="What-if: convert to MLA with this kv_lora_rank.")
-@click.option("--rope-dim", type=int, default=None, help="What-if: shared RoPE key dims [default with --mla-rank: 64].")
-@click.option("--gpu-mem", default=None, help="GPU memory, e.g. 80GiB or 141GB: how many requests fit beside the weights.")
-@click.option("--weights-dtype", default="bf16", show_default=True,
-              type=click.Choice(list(KV_FORMATS), case_sensitive=False), help="Weight format for --gpu-mem.")
+@click_options(BudgetOptions)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of text.")
-def budget_cmd(model, context, batch, kv_dtype, mla_rank, rope_dim, gpu_mem, weights_dtype, as_json):
+def budget_cmd(model, as_json, **params):
     """KV-cache memory for a model, context and batch; optionally an MLA what-if and a GPU fit."""
-    if rope_dim is not None and mla_rank is None:
-        raise KVConvertError("--rope-dim needs --mla-rank (the what-if MLA latent size)")
-    if mla_rank is not None and rope_dim is None:
-        rope_dim = 64  # DeepSeek-V2/V3's qk_rope_head_dim
-    info = load_model_info(model, prefer_preset=True)
-    report = budget_report(info, context, batch, kv_dtype, mla_rank, rope_dim, gpu_mem, weights_dtype)
+    opts = build_options(BudgetOptions, params)
+    report = budget_report(load_model_info(model, prefer_preset=True), opts)
     click.echo(json.dumps(report, indent=2) if as_json else human_budget(report))

@@ -38,8 +38,8 @@ def _option(field, name: str, prefix: str):
     if kind is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", param, default=None, help=help_text)
     if typing.get_origin(kind) is Literal:
-        return click.option(flag, param, type=click.Choice([str(a) for a in typing.get_args(kind)]), default=None,
-                            help=help_text)
+        choices = click.Choice([str(a) for a in typing.get_args(kind)], case_sensitive=False)  # FP8 reads as fp8
+        return click.option(flag, param, type=choices, default=None, help=help_text)
     if typing.get_origin(kind) is tuple:
         return click.option(flag, param, default=None, callback=_split_list, help=help_text + " (comma-separated)")
     return click.option(flag, param, type=kind if kind in (int, float) else str, default=None, help=help_text)
