@@ -14,8 +14,12 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
 
 from kvconvert.errors import CheckpointError, KVConvertError
+from kvconvert.stage_options import StageOptions
 
 BUILTIN_MODELS = {
     "smollm2-135m": {
@@ -27,11 +31,20 @@ BUILTIN_MODELS = {
 }
 
 
+class ImportOptions(StageOptions):
+    """How a model is imported into the local cache (`kvconvert fetch`, `kvconvert import-gguf`)."""
+
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Dtype of the imported weights.")
+
+
+DEFAULT_IMPORT_DTYPE = ImportOptions().dtype
+
+
 def kvconvert_home() -> Path:
     return Path(os.environ.get("KVCONVERT_HOME", Path.home() / ".cache" / "kvconvert"))
 
 
-def resolve_source(src: str | os.PathLike, dtype: str = "fp32") -> Path:
+def resolve_source(src: str | os.PathLike, dtype: str = DEFAULT_IMPORT_DTYPE) -> Path:
     """Local HF folder for `src` (folder path, built-in name, or hub id)."""
     path = Path(src).expanduser()
     if path.exists():
@@ -49,7 +62,7 @@ def resolve_source(src: str | os.PathLike, dtype: str = "fp32") -> Path:
     raise KVConvertError(f"{src}: no such folder, built-in model ({known}) or hub id (org/name)")
 
 
-def builtin_model(name: str, dtype: str = "fp32") -> Path:
+def builtin_model(name: str, dtype: str = DEFAULT_IMPORT_DTYPE) -> Path:
     spec = BUILTIN_MODELS[name]
     out = kvconvert_home() / "models" / f"{name}-{dtype}"
     if (out / "config.json").is_file() and (out / "manifest.json").is_file():
