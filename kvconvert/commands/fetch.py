@@ -8,12 +8,12 @@ import click
 
 from kvconvert.commands.options import click_options
 from kvconvert.errors import KVConvertError
-from kvconvert.sources import BUILTIN_MODELS, ImportOptions, resolve_source
+from kvconvert.sources import BUILTIN_MODELS, DEFAULT_MODEL, ImportOptions, resolve_source
 from kvconvert.stage_options import build_options
 
 
 @click.command("fetch")
-@click.argument("name", required=False, default="smollm2-135m")
+@click.argument("name", required=False, default=DEFAULT_MODEL)
 @click_options(ImportOptions)
 def fetch_cmd(name, **params):
     """Put a built-in model (default smollm2-135m) into the cache and print its folder."""

@@ -1,0 +1,25 @@
+"""`kvconvert plan`: for a KV byte budget, the artifact with the least measured damage, and its recipe
+(kvconvert.plan)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvconvert.commands.options import click_options
+from kvconvert.plan import PlanOptions, parse_budget, removed_if_empty, run_plan
+from kvconvert.sources import DEFAULT_MODEL
+from kvconvert.stage_options import build_options
+
+
+@click.command("plan")
+@click.option("--src", default=DEFAULT_MODEL, show_default=True, help="Source model (folder or built-in name).")
+@click.option("--kv-budget", "budget", required=True, help="KV bytes per token allowed, as a share of the source's "
+                                                           "bf16 cache: 25% or 0.25.")
+@click_options(PlanOptions)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("out/plan"), show_default=True)
+def plan_cmd(src, budget, out_dir, **params):
+    """Pick the least-damage KV artifact that fits a byte budget: measured, with the recipe that builds it."""
+    with removed_if_empty(out_dir):  # an interrupted or failed plan leaves no empty --out behind
+        run_plan(src, parse_budget(budget), build_options(PlanOptions, params), out_dir, echo=click.echo)
