@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from bench_common import DOCS, parser, write_json, write_text
 
-# no torch.compile in the default grid: its warm-up alone took over 60 s per row on an H100 (issue 38)
+# no torch.compile in the default grid: compiling the whole model took over 60 s of warm-up per row on an
+# H100 (issue 38); ":compile" now compiles each decoder layer (heal_distill's `compile`)
 DEFAULT_VARIANTS = "b8s2048,b16s2048,b16s2048:ckpt,b8s2048:lora"
 VARIANT = re.compile(r"b(\d+)s(\d+)((?::(?:compile|ckpt|lora))*)")
 
@@ -58,6 +59,10 @@ def parse_args(argv=None):
                    help="dtype of the random checkpoints on disk (bfloat16 for a 7B pair)")
     p.add_argument("--stage", default="{}", help="more heal_distill options as JSON (e.g. the 7B recipe's block)")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check: 2 layers, b2s64, 1 + 2 steps")
+    p.add_argument("--profile", default=None, help="write a torch.profiler table of one more step of the first row "
+                   "(where the step's time goes: kernels by device time) to this file")
+    p.add_argument("--memory-trace", default=None, help="GPU: record one more step of the first row with torch's "
+                   "allocator history and write what is live at its peak, grouped by the line that allocated it")
     p.add_argument("--json", default=None, help="default: docs/bench_distill.json (--smoke: /tmp/...)")
     p.add_argument("--md", default=None, help="default: docs/bench_distill.md (--smoke: /tmp/...)")
     # internal: the CPU rows, measured in a fresh process (JSON: model folders and variants)
@@ -132,13 +137,14 @@ def stage_for(variant: dict, args) -> "DistillOptions":  # noqa: F821
     """The heal_distill options of a row: --stage's block, the variant's shape and switches."""
     from kvconvert.heal.options import DistillOptions
 
-    steps = args.warmup + args.steps
+    steps = args.warmup + args.steps + extra_steps(args)
     base = {"warmup_steps": 1, "mixed_precision": args.mixed_precision, "checkpoint_every": 0,
             **json.loads(args.stage)}
     return DistillOptions(**{**base, "tokens": variant["batch"] * variant["seq_len"] * steps,
                              "seq_len": variant["seq_len"], "batch_size": variant["batch"], "grad_accum": 1,
                              "device": args.device,
                              **({"gradient_checkpointing": True} if variant["ckpt"] else {}),
+                             **({"compile": True} if variant["compile"] else {}),
                              **({"train": "lora"} if variant["lora"] else {})})
 
 
@@ -182,7 +188,7 @@ def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work:
     from kvconvert.heal.distill import Distiller
 
     stage = stage_for(variant, args)
-    steps = args.warmup + args.steps
+    steps = args.warmup + args.steps + extra_steps(args)
     ids = torch.randint(0, vocab, (variant["batch"] * steps, variant["seq_len"]), generator=torch.Generator().manual_seed(0))
     cuda = stage.device != "cpu" and torch.cuda.is_available()
     if cuda:
@@ -193,8 +199,6 @@ def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
         baseline = rss("VmRSS")
     d = Distiller(student, teacher, ids, stage, work / "state", fingerprint="bench", progress=False)
-    if variant["compile"]:
-        d.student, d.teacher = torch.compile(d.student), torch.compile(d.teacher)
     device = d.accelerator.device
     started = time.perf_counter()
     for _ in range(args.warmup):
@@ -206,12 +210,96 @@ def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work:
     sync(device)
     seconds = time.perf_counter() - started
     peak = (torch.cuda.max_memory_allocated() if cuda else rss("VmHWM")) - baseline
+    for option, extra in (("profile", profile_step), ("memory_trace", trace_step)):
+        path = getattr(args, option, None)
+        if path and (cuda or option == "profile"):
+            setattr(args, option, None)  # the first row only
+            try:
+                extra(d, device, path)
+            except Exception as e:  # noqa: BLE001 - a diagnostic that fails must not cost the row
+                write_text(path, f"{option} failed: {type(e).__name__}: {e}\n")
     timed_tokens = sum(r["tokens"] for r in records)
     est = estimate(student, teacher, stage, device.type)
     switches = {"ckpt": stage.gradient_checkpointing, "lora": stage.train == "lora"}  # --stage may set them
     return {**variant, **switches, "tokens_per_s": timed_tokens / seconds, "step_s": seconds / args.steps, "warmup_s": warm_s,
             "peak_gb": peak / 1e9, "baseline_gb": baseline / 1e9, **est, "est_over_measured": est["estimate_gb"] * 1e9 / peak,
             "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"], "device": str(device)}
+
+
+def extra_steps(args) -> int:
+    """Window batches beyond warm-up + timed steps: one each for --profile's and --memory-trace's step."""
+    return bool(args.profile) + bool(getattr(args, "memory_trace", None))
+
+
+LIBRARY_MARKERS = ("/transformers/", "/kvconvert/", "/accelerate/", "bench_distill")
+
+
+def frame_label(frames: list[dict]) -> str:
+    """The innermost frame of an allocation inside transformers, kvconvert, accelerate or this script
+    ("file:line function"); allocations made by autograd's engine have no Python frame."""
+    for f in frames:
+        name = f.get("filename", "")
+        if any(m in name for m in LIBRARY_MARKERS):
+            short = "/".join(name.split("/")[-2:])
+            return f"{short}:{f.get('line')} {f.get('name')}"
+    return "<no library frame: autograd backward or torch internals>" if not frames else \
+        f"<torch: {frames[0].get('name')}>"
+
+
+def peak_allocations(events: list[dict]) -> tuple[int, dict[str, list[int]]]:
+    """Replay an allocator trace (torch.cuda.memory._snapshot()['device_traces'][i]: dicts with action,
+    addr, size, frames): -> (the traced bytes live at their peak, {label: [bytes, blocks]} of the blocks
+    live at that moment, labelled by frame_label)."""
+    live: dict[int, dict] = {}
+    current = peak = 0
+    at_peak: dict[int, dict] = {}
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            current += e["size"]
+            if current > peak:
+                peak, at_peak = current, dict(live)
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            current -= live.pop(e["addr"])["size"]
+    groups: dict[str, list[int]] = {}
+    for e in at_peak.values():
+        g = groups.setdefault(frame_label(e.get("frames") or []), [0, 0])
+        g[0] += e["size"]
+        g[1] += 1
+    return peak, groups
+
+
+def trace_step(d, device: torch.device, path: str) -> None:
+    """One more optimizer step with the CUDA allocator's history recorded; writes the peak and what is
+    live at it (beyond what was allocated before the step: the models, gradients, optimizer states)."""
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    d.train_step()
+    sync(device)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    events = snapshot["device_traces"][device.index or 0]
+    peak, groups = peak_allocations(events)
+    lines = [f"before the step: {base / 1e9:.3f} GB allocated; the step's own peak {peak / 1e9:.3f} GB (traced, "
+             f"{len(events)} events); max_memory_allocated {torch.cuda.max_memory_allocated(device) / 1e9:.3f} GB", "",
+             "GB live at the peak | blocks | allocated at"]
+    for label, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:40]:
+        lines.append(f"{size / 1e9:10.4f} | {count:5d} | {label}")
+    write_text(path, "\n".join(lines) + "\n")
+
+
+def profile_step(d, device: torch.device, path: str) -> None:
+    """One more optimizer step under torch.profiler; its operators sorted by self device time (CPU time on
+    a CPU) go to `path` as a table: which kernels a distillation step spends its time in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        d.train_step()
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    write_text(path, prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70))
 
 
 def measure_in_child(student: Path, teacher: Path, vocab: int, variants: list[dict], args, work: Path) -> list[dict]:
@@ -223,7 +311,8 @@ def measure_in_child(student: Path, teacher: Path, vocab: int, variants: list[di
                        "work": tempfile.mkdtemp(dir=work), "preset": args.preset, "rank": args.rank,
                        "rope_dim": args.rope_dim})
     argv = [sys.executable, __file__, "--row", spec, "--device", args.device, "--mixed-precision", args.mixed_precision,
-            "--warmup", str(args.warmup), "--steps", str(args.steps), "--stage", args.stage]
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--stage", args.stage,
+            *(["--profile", args.profile] if args.profile else [])]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 20 and 17 in one command, for a rarely lent GPU machine (one H100/H200,
+# The GPU checks of issues 38 and 39 (earlier 17, 20) in one command, for a rarely lent GPU machine (one H100/H200,
 # no network, Python with torch + Triton + transformers but not kvconvert's other dependencies).
 #
 #   here:       bash scripts/gpu_session.sh prepare    # downloads the missing wheels into .whl/ (git-ignored)
@@ -13,17 +13,19 @@
 #   2. bench    scripts/bench_kernels.py: every mode tuned (block_h 16 and 64, fp8 dots), FlashInfer /
 #               FlashMLA rows when importable; writes $OUT/bench_kernels.{json,md}
 #   3. device   the runtime's GPU tests (tests/runtime/test_device.py: logits against transformers)
-#   4. distill  scripts/bench_distill.py --device cuda: heal's distillation tokens/s per micro-batch (the
-#               default grid: b8s2048, b16s2048, b16s2048 with gradient checkpointing, b8s2048 LoRA; ~2 min on an
-#               H100), each row's peak torch.cuda.max_memory_allocated beside kvconvert.heal.memory's estimate
-#               (issue 38: 1.0-1.3x); writes $OUT/bench_distill.{json,md}
+#   4. distill  scripts/bench_distill.py --device cuda: heal's distillation tokens/s per micro-batch
+#               (DISTILL_VARIANTS; default b8s2048, b16s2048, b16s2048 with gradient checkpointing, b8s2048
+#               LoRA, b8s2048 and b16s2048 with each decoder layer compiled), each row's peak
+#               torch.cuda.max_memory_allocated beside kvconvert.heal.memory's estimate (issue 38: 1.0-1.3x);
+#               the first row's step profiled ($OUT/profile.txt) and its allocator trace replayed to what is
+#               live at the peak ($OUT/memtrace.txt); writes $OUT/bench_distill.{json,md}
 #   5. heal7b   issue 38's 7B check: a Llama-2-7B-shaped random-weight teacher and its MLA 512 + 64 student
 #               (32 layers, from kvconvert.presets, drawn on the GPU and written in bf16: 27 GB of disk, nothing
-#               large travels)
-#               distilled for 1 + 3 steps of 1 x 2048 tokens with recipes/llama-2-7b-mla512.yaml's heal_distill
-#               settings (bf16, gradient checkpointing, every attention weight trained, fused Adam): tokens/s,
-#               peak memory and the estimate; writes $OUT/bench_distill_7b.json (log in distill.log)
-# `run distill heal7b` is issue 38's GPU half (under 10 min on an H100: 170 + 420 s caps); `run kernels
+#               large travels) distilled for 1 + 3 steps per row (HEAL7B_VARIANTS; default 1 x 2048 tokens
+#               with and without gradient checkpointing, 2 x 2048 without) with recipes/llama-2-7b-mla512.yaml's
+#               heal_distill settings (bf16, every attention weight trained, fused Adam): tokens/s, peak
+#               memory and the estimate; writes $OUT/bench_distill_7b.json (log in distill.log)
+# `run distill heal7b` is issue 38's GPU half (about 5 min on an H200: 200 + 180 s caps); `run kernels
 # bench` picks other steps. Each step runs under `timeout` (STEP_TIMEOUT_<step>, seconds) so one slow
 # step cannot eat a short lease; BENCH_ARGS passes options to bench_kernels.py (e.g. "--quick --contexts
 # 2048,32768": 5 tuning configs instead of 11); the compiled kernel tests run on 8 pytest-xdist workers.
@@ -41,14 +43,14 @@ prepare() {
 }
 
 recipe_distill() {
-  # a recipe's heal_distill block as --stage JSON: its training switches (the shape comes from --variants;
-  # data, tokens and schedule do not change memory or speed)
+  # a recipe's heal_distill block as --stage JSON: its training switches (the shape and gradient
+  # checkpointing come from --variants; data, tokens and schedule do not change memory or speed)
   python3 - "$1" <<'PY'
 import json, sys
 from kvconvert.recipe import load_recipe
 d = load_recipe(sys.argv[1]).distill
-print(json.dumps({k: getattr(d, k) for k in ("gradient_checkpointing", "fused_optimizer", "targets", "train",
-                                               "lora_rank", "kl_weight", "lm_weight", "hidden_weight")}))
+print(json.dumps({k: getattr(d, k) for k in ("fused_optimizer", "targets", "train", "lora_rank", "kl_weight",
+                                               "lm_weight", "hidden_weight")}))
 PY
 }
 
@@ -67,8 +69,8 @@ run() {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee -a "$out/setup.log"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/setup.log"
   # a device call brings back at most 8 files: setup.log, tests.log (both pytest steps), bench.log,
-  # distill.log (distill and heal7b) and the benchmarks' JSON + markdown (`run distill heal7b`: 5 files;
-  # a full run writes 9, so run heal7b in its own call, or read its row from distill.log)
+  # distill.log (distill and heal7b), profile.txt, memtrace.txt and the benchmarks' JSON + markdown
+  # (`run distill heal7b`: 7 files; `run kernels bench device`: 5)
   for step in "${steps[@]}"; do
     local started=$SECONDS log="$out/$step.log"
     case "$step" in kernels|device) log="$out/tests.log" ;; heal7b) log="$out/distill.log" ;; esac
@@ -78,10 +80,13 @@ run() {
       bench) timeout "${STEP_TIMEOUT_bench:-600}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} \
                --json "$out/bench_kernels.json" --md "$out/bench_kernels.md" ;;
       device) PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_device:-120}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_device.py ;;
-      distill) timeout "${STEP_TIMEOUT_distill:-170}" python3 scripts/bench_distill.py --device cuda ${DISTILL_ARGS:-} \
+      distill) timeout "${STEP_TIMEOUT_distill:-200}" python3 scripts/bench_distill.py --device cuda \
+                 --variants "${DISTILL_VARIANTS:-b8s2048,b16s2048,b16s2048:ckpt,b8s2048:lora,b8s2048:compile,b16s2048:compile}" \
+                 --profile "$out/profile.txt" --memory-trace "$out/memtrace.txt" ${DISTILL_ARGS:-} \
                  --json "$out/bench_distill.json" --md "$out/bench_distill.md" ;;
-      heal7b) timeout "${STEP_TIMEOUT_heal7b:-420}" python3 scripts/bench_distill.py --device cuda \
-                --preset llama-2-7b --rank 512 --rope-dim 64 --save-dtype bfloat16 --variants b1s2048:ckpt \
+      heal7b) timeout "${STEP_TIMEOUT_heal7b:-180}" python3 scripts/bench_distill.py --device cuda \
+                --preset llama-2-7b --rank 512 --rope-dim 64 --save-dtype bfloat16 \
+                --variants "${HEAL7B_VARIANTS:-b1s2048:ckpt,b1s2048,b2s2048}" \
                 --warmup 1 --steps 3 --mixed-precision bf16 --stage "$(recipe_distill recipes/llama-2-7b-mla512.yaml)" \
                 --json "$out/bench_distill_7b.json" --md /tmp/bench_distill_7b.md ;;
       *) echo "unknown step $step: kernels, bench, device, distill, heal7b" ;;

@@ -81,6 +81,53 @@ def attach_trainable(model, stage: DistillOptions) -> list[str]:
     return names
 
 
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def store_frozen_matmuls_in(model, dtype: torch.dtype) -> int:
+    """Keep every frozen nn.Linear's weight (and bias) in the autocast dtype; returns the parameters cast.
+
+    Autocast casts each float32 matmul weight to `dtype` at every forward and keeps that copy for the
+    backward; a frozen weight never changes, so storing it cast once gives bit-identical products
+    without the per-step copies (the frozen MLP and attention weights: most of the student). Left
+    float32: trained weights (their parametrized Linears), and weights shared with a non-Linear module
+    (lm_head tied to the embedding, which autocast does not cast: the residual stream stays float32).
+    The checkpoint heal writes takes frozen tensors from the source files, never from here."""
+    shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear) for p in m.parameters(recurse=False)}
+    cast = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or parametrize.is_parametrized(module):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if param.requires_grad or id(param) in shared or param.dtype == dtype:
+                continue
+            param.data = param.data.to(dtype)
+            cast += param.numel()
+    return cast
+
+
+def compile_layers(*models) -> None:
+    """torch.compile each decoder layer of each model (regional compilation): the layers share their code,
+    so one compiled graph serves them all and the warm-up stays a one-layer compile; the fused loss,
+    embeddings and lm_head stay eager."""
+    for model in models:
+        for layer in model.model.layers:
+            layer.compile()
+
+
+def keep_logits_dtype(model) -> None:
+    """Undo accelerate's float32 conversion of the prepared model's outputs under mixed precision
+    (prepare_model wraps forward in autocast + convert_outputs_to_fp32): it would turn the student's
+    [N, V] logits into a float32 copy and make the fused loss store its [N, V] gradient in float32, two
+    vocabulary-sized tensors twice the size kvconvert.heal.memory counts. Distiller._loss opens the
+    autocast region itself, and the fused loss upcasts per chunk."""
+    inner = getattr(model, "module", model)  # DDP-style wrappers keep the model as .module
+    for m in {id(model): model, id(inner): inner}.values():
+        original = m.__dict__.pop("_original_forward", None)  # what accelerate's unwrap_model restores too
+        if original is not None:
+            m.forward = original
+
+
 def window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
     """[count] window indexes: concatenated seeded permutations (epochs) of range(n_windows)."""
     epochs = math.ceil(count / n_windows)
@@ -129,10 +176,12 @@ def make_accelerator(stage: DistillOptions):
 
     device = resolve_device(stage.device)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        # accelerate keeps its first device for the whole process: an earlier run's on another device
-        # (a library caller, the tests) would silently win over this stage's
+        # accelerate keeps its first device and mixed precision for the whole process: an earlier run's
+        # (a library caller, the tests) would silently win over this stage's device, or refuse its precision
         if PartialState._shared_state and PartialState().device.type != device.type:
             AcceleratorState._reset_state(reset_partial_state=True)
+        elif AcceleratorState._shared_state and AcceleratorState().mixed_precision != stage.mixed_precision:
+            AcceleratorState._reset_state()
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # accelerate's single-process device is the current one
     return Accelerator(mixed_precision=stage.mixed_precision, cpu=device.type == "cpu")
@@ -166,9 +215,14 @@ class Distiller:
         params = [p for p in self.student.parameters() if p.requires_grad]
         if not params:
             raise KVConvertError("heal_distill.targets selects no weights to train")
+        if stage.mixed_precision != "no" and not fsdp_requested():
+            store_frozen_matmuls_in(self.student, COMPUTE_DTYPES[stage.mixed_precision])
+        if stage.compile:
+            compile_layers(self.student, self.teacher)
         # fused: one kernel per step, no foreach temporaries the size of the trainable set (distill_memory)
         self.optimizer = torch.optim.Adam(params, lr=stage.lr, betas=(0.9, 0.99), fused=stage.fused_optimizer or None)
         self.student, self.optimizer = self.accelerator.prepare(self.student, self.optimizer)
+        keep_logits_dtype(self.student)
         # Our own scheduler, one step per optimizer step (accelerate's wrapper would step it once
         # per process), on the optimizer inside accelerate's wrapper.
         inner = getattr(self.optimizer, "optimizer", self.optimizer)

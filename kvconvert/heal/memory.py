@@ -5,20 +5,23 @@ It counts what kvconvert.heal.distill.Distiller really keeps, per micro-batch of
 tokens (a = bytes of an activation: 2 under bf16/fp16 autocast, else 4; the student is loaded in
 fp32, the teacher in bf16 under mixed_precision bf16, else fp32):
 
-  student, teacher      4 x student params; 2 or 4 x teacher params
+  student, teacher      4 x student params, but 2 for the frozen matmul weights under autocast
+                        (stored in the compute dtype once: heal.distill.store_frozen_matmuls_in); 2 or 4
+                        x teacher params
   gradients, optimizer  4 + 8 bytes per TRAINED parameter: the attention weights `targets` names
                         (full), or their LoRA factors (lora: rank x (in + out) each, + their fp32 copy);
                         fused Adam adds nothing, torch's foreach Adam (CUDA default) one more 4 bytes
   weight copies         what autograd saves of the weights: each trained weight is recomputed from its
-                        parametrization (heal.reparam) and saved (a bytes); under autocast every frozen
-                        matmul weight the backward passes through is saved as its bf16 cast (lm_head's
-                        always; the layers' all at once, or one layer's under gradient checkpointing)
+                        parametrization (heal.reparam) and saved (a bytes); under FSDP + autocast every
+                        frozen matmul weight the backward passes through is saved as its bf16 cast
+                        (lm_head's always; the layers' all at once, or one layer's under checkpointing)
   activations           per token and layer (below), x layers; with gradient checkpointing each layer's
                         fp32 input plus one layer's worth (recomputed in the backward)
   attention probs       kept only where the attention keeps them: eager attention, and torch's SDPA on
                         a CPU when the student's query/key and value head sizes differ (SDPA's math
                         path); SDPA's flash / memory-efficient kernels on a GPU keep none
-  logits                teacher [N, V] + student [N, V] + the fused loss's stored gradient [N, V]
+  logits                teacher [N, V] + student [N, V] (in the autocast dtype: the Distiller undoes
+                        accelerate's float32 output conversion) + the fused loss's stored gradient [N, V]
                         (heal.fused_loss: computed in chunks, stored once in the logits' dtype) + its
                         float32 chunk temporaries (4, + the fp32 copy of each bf16 logits chunk) +
                         lm_head's saved input
@@ -128,10 +131,16 @@ def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_t
 
     trained_elems = sum(o * i for o, i in trained_weights(student, stage).values())  # one layer
     layer_matmuls = sum(o * i for o, i in attention_shapes(student).values()) + 3 * hidden * student["intermediate_size"]
-    # a layer's weight copies: the trained weights recomputed (a bytes), and under autocast the bf16
-    # casts of the frozen ones the backward goes through
-    layer_copies = a * trained_elems + (2 * (layer_matmuls - trained_elems) if a == 2 else 0)
-    lm_head_copy = 2 * vocab * hidden if a == 2 else 0
+    tied = bool(student.get("tie_word_embeddings"))
+    # Under autocast without FSDP the Distiller stores the frozen matmul weights in the compute dtype
+    # (heal.distill.store_frozen_matmuls_in): 2 bytes instead of 4, and no per-step cast. With FSDP
+    # they stay float32 and autocast keeps a cast copy of each frozen weight the backward passes.
+    frozen_cast = a == 2 and shards == 1
+    frozen_matmuls = layers * (layer_matmuls - trained_elems) + (0 if tied else vocab * hidden)
+    # a layer's weight copies: the trained weights recomputed (a bytes), and the autocast casts of the
+    # frozen ones the backward goes through where they are still float32
+    layer_copies = a * trained_elems + (2 * (layer_matmuls - trained_elems) if a == 2 and not frozen_cast else 0)
+    lm_head_copy = 2 * vocab * hidden if a == 2 and (tied or not frozen_cast) else 0
 
     per_token = activation_bytes_per_token(student, stage, device_type, attention)
     probs = (4 + a if attention == "eager" else 2 + a) * heads * seq * n_tokens  # per layer, when kept
@@ -156,7 +165,7 @@ def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_t
     # on a CPU the checkpoint's pages of the weights the parametrization replaced stay mapped (and read)
     replaced = 4 * layers * trained_elems if device_type == "cpu" else 0
     parts = {
-        "student": 4 * parameter_count(student) + lora_weights + replaced,
+        "student": 4 * parameter_count(student) - (2 * frozen_matmuls if frozen_cast else 0) + lora_weights + replaced,
         "teacher": teacher_bytes * parameter_count(teacher),
         "gradients": 4 * trainable,
         "optimizer": 8 * trainable + foreach_tmp,

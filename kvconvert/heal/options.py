@@ -85,6 +85,8 @@ class DistillOptions(StageOptions):
     seed: int = Field(0, description="Random seed (data order, LoRA init).")
     fused_optimizer: bool = Field(True, description="Adam's fused kernel (one pass over the weights, no temporary "
                                                     "the size of the trainable set); off: torch's default Adam.")
+    compile: bool = Field(False, description="torch.compile each decoder layer (one compiled region reused by every "
+                                             "layer: fewer kernel launches; a GPU's speed, tens of seconds of warm-up).")
     device: str = DEVICE_FIELD
 
     @model_validator(mode="after")

@@ -34,3 +34,36 @@ def test_bench_distill_rejects_a_malformed_variant():
     result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--variants", "8x2048"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode != 0 and "bad variant '8x2048'" in result.stderr
+
+
+def _load_script():
+    import importlib.util
+
+    sys.path.insert(0, str(SCRIPT.parent))  # bench_common beside it
+    spec = importlib.util.spec_from_file_location("bench_distill_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peak_allocations_replays_an_allocator_trace():
+    """--memory-trace's replay: the peak is the largest sum of live blocks, and the blocks live at that
+    moment (not those allocated and freed before or after it) are grouped by the library line."""
+    bench = _load_script()
+    here = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": "/x/transformers/models/llama/modeling_llama.py", "line": 42, "name": "forward"}]
+    loss = [{"filename": "/site/kvconvert/heal/fused_loss.py", "line": 7, "name": "forward"}]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": here},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": loss},
+        {"action": "free_requested", "addr": 2, "size": 50, "frames": loss},
+        {"action": "free_completed", "addr": 2, "size": 50, "frames": loss},
+        {"action": "alloc", "addr": 3, "size": 70, "frames": []},
+        {"action": "alloc", "addr": 4, "size": 30, "frames": loss},  # the peak: 100 + 70 + 30
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": here},
+        {"action": "alloc", "addr": 5, "size": 100, "frames": here},  # 200 again, not more: the first peak stays
+    ]
+    peak, groups = bench.peak_allocations(events)
+    assert peak == 200
+    assert groups == {"llama/modeling_llama.py:42 forward": [100, 1], "heal/fused_loss.py:7 forward": [30, 1],
+                      "<no library frame: autograd backward or torch internals>": [70, 1]}

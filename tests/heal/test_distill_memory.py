@@ -125,13 +125,25 @@ def test_heal_refuses_before_loading_the_models(tiny_student, tiny_teacher, text
     assert not (tmp_path / "out").exists()
 
 
-def test_the_7b_recipe_needs_gradient_checkpointing_on_80gb():
+def test_the_7b_recipe_fits_80gb_and_frozen_matmuls_count_in_bf16():
     from pathlib import Path
+
+    from kvconvert.kvmath import parameter_count
 
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "llama-2-7b-mla512.yaml")
     student, teacher = recipe_configs(recipe)
-    without = recipe.distill.model_copy(update={"gradient_checkpointing": False})
-    assert distill_memory_problem(student, teacher, without, 80 * 10**9, "cuda") is not None
+    for ckpt in (True, False):
+        stage = recipe.distill.model_copy(update={"gradient_checkpointing": ckpt})
+        assert distill_memory_problem(student, teacher, stage, 80 * 10**9, "cuda") is None
+    stage = recipe.distill
+    assert stage.mixed_precision == "bf16"
+    one = distill_memory(student, teacher, stage, "cuda")
+    # the frozen MLP weights and the untied lm_head (4.46B values) are held in bf16, nothing is cast per step
+    frozen = 32 * 3 * 4096 * 11008 + 32000 * 4096
+    assert one["student"] == 4 * parameter_count(student) - 2 * frozen and one["weight_copies"] == 0
+    # under FSDP they stay float32 (sharded), and autocast's bf16 copies come back
+    two = distill_memory(student, teacher, stage, "cuda", shards=2)
+    assert two["student"] == -(-4 * parameter_count(student) // 2) and two["weight_copies"] > 0
     assert trainable_parameters(student, recipe.distill) == 32 * (4096 * 32 * 192 + 4096 * 576 + 512 * 32 * 256
                                                                   + 32 * 128 * 4096)
 
@@ -152,18 +164,23 @@ def test_plan_gives_a_time_only_where_a_speed_was_measured():
 def test_fsdp_shards_the_models_states_not_the_activations():
     """Under FSDP on N GPUs each process holds 1/N of both models, the gradients and Adam's states plus
     one gathered decoder layer; its own micro-batch's activations and logits are unchanged. The 7B
-    recipe without gradient checkpointing does not fit one 80 GB GPU; sharded over 8 it does."""
+    recipe without gradient checkpointing at 4 x 2048 tokens does not fit one 80 GB GPU; sharded over 8
+    it does. FSDP keeps the student's frozen weights float32 (one process stores them in bf16)."""
     from pathlib import Path
+
+    from kvconvert.kvmath import parameter_count
 
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "llama-2-7b-mla512.yaml")
     student, teacher = recipe_configs(recipe)
-    stage = recipe.distill.model_copy(update={"gradient_checkpointing": False})
+    stage = recipe.distill.model_copy(update={"gradient_checkpointing": False, "batch_size": 4})
     one, eight = distill_memory(student, teacher, stage, "cuda"), distill_memory(student, teacher, stage, "cuda", shards=8)
-    for part in ("student", "teacher", "gradients", "optimizer"):
+    assert eight["student"] == -(-4 * parameter_count(student) // 8)
+    for part in ("teacher", "gradients", "optimizer"):
         assert eight[part] == -(-one[part] // 8)
-    for part in ("weight_copies", "activations", "logits"):
+    for part in ("activations", "logits"):
         assert eight[part] == one[part]
-    layer = one["student"] // 32
+    assert eight["weight_copies"] > one["weight_copies"]  # autocast's casts of the float32 frozen weights
+    layer = 4 * parameter_count(student) // 32
     assert layer < eight["gathered_unit"] < 3 * layer  # about a layer of each model (fp32 student, bf16 teacher)
     assert distill_memory_problem(student, teacher, stage, 80 * 10**9, "cuda") is not None
     assert distill_memory_problem(student, teacher, stage, 80 * 10**9, "cuda", shards=8) is None
