@@ -187,6 +187,8 @@ def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work:
     """One variant in this process: tokens/s over the timed steps and the peak memory of the run."""
     from kvconvert.heal.distill import Distiller
 
+    if variant["compile"]:
+        torch._dynamo.reset()  # each compiled row compiles for its own shape (no dynamic-shape recompile)
     stage = stage_for(variant, args)
     steps = args.warmup + args.steps + extra_steps(args)
     ids = torch.randint(0, vocab, (variant["batch"] * steps, variant["seq_len"]), generator=torch.Generator().manual_seed(0))
@@ -210,14 +212,12 @@ def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work:
     sync(device)
     seconds = time.perf_counter() - started
     peak = (torch.cuda.max_memory_allocated() if cuda else rss("VmHWM")) - baseline
-    for option, extra in (("profile", profile_step), ("memory_trace", trace_step)):
-        path = getattr(args, option, None)
-        if path and (cuda or option == "profile"):
-            setattr(args, option, None)  # the first row only
+    for path, extra in ((profile_path(args, variant), profile_step), (trace_path(args, cuda), trace_step)):
+        if path:
             try:
                 extra(d, device, path)
             except Exception as e:  # noqa: BLE001 - a diagnostic that fails must not cost the row
-                write_text(path, f"{option} failed: {type(e).__name__}: {e}\n")
+                write_text(path, f"{extra.__name__} failed: {type(e).__name__}: {e}\n")
     timed_tokens = sum(r["tokens"] for r in records)
     est = estimate(student, teacher, stage, device.type)
     switches = {"ckpt": stage.gradient_checkpointing, "lora": stage.train == "lora"}  # --stage may set them
@@ -229,6 +229,26 @@ def measure(student: Path, teacher: Path, vocab: int, variant: dict, args, work:
 def extra_steps(args) -> int:
     """Window batches beyond warm-up + timed steps: one each for --profile's and --memory-trace's step."""
     return bool(args.profile) + bool(getattr(args, "memory_trace", None))
+
+
+def profile_path(args, variant: dict) -> str | None:
+    """Where to write this row's profile: --profile for the first row, <stem>_compile.txt for the first
+    compiled row; None for the others (each kind profiled once)."""
+    if not args.profile:
+        return None
+    kind = "compile" if variant["compile"] else "eager"
+    done = args.__dict__.setdefault("profiled", set())
+    if kind in done:
+        return None
+    done.add(kind)
+    path = Path(args.profile)
+    return str(path.with_name(f"{path.stem}_compile{path.suffix}")) if kind == "compile" else str(path)
+
+
+def trace_path(args, cuda: bool) -> str | None:
+    """--memory-trace for the first row on a GPU (the allocator history is CUDA's), then None."""
+    path, args.memory_trace = getattr(args, "memory_trace", None), None
+    return path if cuda else None
 
 
 LIBRARY_MARKERS = ("/transformers/", "/kvconvert/", "/accelerate/", "bench_distill")
