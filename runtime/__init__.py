@@ -4,6 +4,15 @@
 """
 
 from kvconvert.runtime.config import EngineConfig, SamplingParams
-from kvconvert.runtime.llm import LLM, Output
 
 __all__ = ["LLM", "EngineConfig", "Output", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    """LLM and Output import torch: loaded on first use, so the torch-free parts (config, options: the flags
+    of `kvconvert generate --help`) load fast."""
+    if name in ("LLM", "Output"):
+        from kvconvert.runtime import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'kvconvert.runtime' has no attribute {name!r}")

@@ -102,3 +102,16 @@ def test_import_gguf_bad_file_is_one_line(tmp_path, run_main):
     code, err = run_main(["import-gguf", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "out")])
     assert code == 2 and "model.gguf" in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_every_commands_help_is_torch_free():
+    """`kvconvert CMD --help` loads the command's module and its options models, never torch (issue 40:
+    the commands import the library lazily; the runtime's LLM loads on first use)."""
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom kvconvert.commands.main import LAZY_COMMANDS, cli\n"
+            "for name in LAZY_COMMANDS:\n"
+            "    result = CliRunner().invoke(cli, [name, '--help'])\n"
+            "    assert result.exit_code == 0 and '--help' in result.output, (name, result.output)\n"
+            "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+            "assert not heavy, f'--help imported {heavy}'\n")
+    result = _run_code(code)
+    assert result.returncode == 0, result.stderr
