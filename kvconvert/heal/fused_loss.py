@@ -39,9 +39,13 @@ def _chunk_loss_and_grad(zs: torch.Tensor, zt: torch.Tensor, y: torch.Tensor, ta
 
     kl_scale multiplies tau * (q_s - p_t) (kl_weight / N), ce_scale (softmax - onehot) (lm_weight / N_valid)."""
     # in place where possible: three float32 [rows, V] buffers live at once (log_p, p, log_q)
-    log_p = F.log_softmax(zt / tau, dim=-1)
+    if tau != 1.0:  # x / 1.0 == x exactly: no [rows, V] copies for the usual temperature
+        zt, zs_tau = zt / tau, zs / tau
+    else:
+        zs_tau = zs
+    log_p = F.log_softmax(zt, dim=-1)
     p = log_p.exp()
-    log_q = F.log_softmax(zs / tau, dim=-1)
+    log_q = F.log_softmax(zs_tau, dim=-1)
     kl_sum = log_p.sub_(log_q).mul_(p).sum()  # torch's blocked sum: BLAS dot drifts ~1e-5 over 8M terms
     q = log_q.exp_()
     grad = q.sub(p).mul_(kl_scale * tau)
