@@ -207,6 +207,10 @@ def distill_memory_problem(student: dict, teacher: dict, stage: DistillOptions, 
 MEASURED_SPEEDS = (
     ("cuda", "H100", 134_515_008, 57_000.0, "SmolLM2-135M 50% (160 + 32), b8s2048 bf16, H100: 56-58K tokens/s, "
                                             "docs/bench_heal_gpu.json"),
+    ("cuda", "H200", 134_515_008, 61_000.0, "SmolLM2-135M 50% (160 + 32), b8s2048 bf16, H200: 61-65K tokens/s "
+                                             "(100K with heal_distill.compile), docs/bench_distill_h200.json"),
+    ("cuda", "H200", 6_738_415_616, 7_165.0, "Llama-2-7B-shaped MLA 512 + 64, b1s2048 bf16, every attention weight, "
+                                              "no checkpointing, H200: 7.2-7.8K tokens/s, docs/bench_distill_7b_h200.json"),
     ("cpu", "", 134_515_008, 58.0, "SmolLM2-135M 50% (160 + 32), b1s512 fp32, one thread of a 2-core machine: "
                                    "58 tokens/s, docs/bench_heal_50pct.json"),
 )
