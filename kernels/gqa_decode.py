@@ -35,7 +35,9 @@ if HAS_TRITON:
         tile_slots,
     )
 
-    @triton.jit
+    # num_splits is not specialized (Triton would compile apart for values divisible by 16, e.g. 32 splits
+    # at 8K and 33 at 32K): one compile per launch config serves every context
+    @triton.jit(do_not_specialize=["num_splits"])
     def _gqa_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, k_aux_ptr, v_aux_ptr, k_scale_ptr, v_scale_ptr,
         block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,

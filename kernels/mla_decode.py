@@ -38,7 +38,9 @@ if HAS_TRITON:
         tile_slots,
     )
 
-    @triton.jit
+    # num_splits is not specialized (Triton would compile apart for values divisible by 16, e.g. 32 splits
+    # at 8K and 33 at 32K): one compile per launch config serves every context
+    @triton.jit(do_not_specialize=["num_splits"])
     def _mla_decode_split_kernel(
         q_nope_ptr, q_rope_ptr,
         kv_ptr, rope_ptr, aux_ptr, scale_ptr, rope_scale_ptr,

@@ -13,9 +13,23 @@ Writes docs/bench_kernels.json and docs/bench_kernels.md (a markdown section). W
 (or without Triton) it prints that the benchmark was not run and exits 0; the kernels' correctness
 on CPU is covered by tests/kernels in the Triton interpreter.
 
-    python scripts/bench_kernels.py            # full: about 1 min on an H100
-    python scripts/bench_kernels.py --quick    # 1K and 8K contexts, a small tuning grid
+    python scripts/bench_kernels.py            # the short run (default): MLA + GQA, 8K and 32K, tuned configs
+    python scripts/bench_kernels.py --tune     # the tuning sweep: 11 configs x split counts per mode (~10 min)
+    python scripts/bench_kernels.py --quick    # the sweep on a 5-config grid, contexts 1K and 8K
     python scripts/bench_kernels.py --cpu-smoke  # plumbing check in the Triton interpreter (numbers meaningless)
+
+The short run (issue 39) times every cache mode with the launch configs the tuning runs found (TUNED,
+docs/BENCHMARKS.md "Kernels": MLA tuned at 32K, GQA at 8K), so a short lease reproduces the tuned
+numbers. Its size, counted by ``short_plan``: 2 kernels x 2 contexts, 12 MLA rows per context (bf16; fp8 with
+bf16 / fp16 / fp8 dots and the pipelined second latent load; fp8_tile; nvfp4 with bf16 / fp16 dots, the
+second load and the byte-wise decode; FlashInfer; FlashMLA) and 10 GQA rows (bf16; fp8 with bf16 / fp16 / fp8
+dots; nvfp4 with bf16 / fp16 dots and the byte-wise decode; FlashInfer bf16 and fp8) = 44 timings, each a
+CUDA graph of about 40 ms of back-to-back steps replayed 10 times (~0.5 s with capture), ~22 s; about 16
+kernel compiles (~3 s each on the 16-core device host: the same launch configs at both contexts and in
+the checks, num_splits not specialized), ~50 s; 14 cache fills and the checks, ~20 s: **about 1.5 min on
+an H100**, 3 min at the outside. Each row also reports its speed relative to the bf16 cache's at the
+same context and its bandwidth as a fraction of the measured device-to-device copy (the bf16 target:
+>= 85% of it).
 """
 
 from __future__ import annotations
@@ -57,19 +71,64 @@ PEAK_BANDWIDTH = [
 # of 4 pad the rest), the only one where fp8 dots run on fp8 matrix units (tests/kernels/compile_kernels.py)
 TUNE_GRID = [(16, 16, 4, 2), (16, 16, 4, 3), (16, 32, 4, 2), (16, 32, 8, 2), (16, 32, 8, 3), (16, 64, 8, 2),
              (16, 64, 8, 3), (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 3)]
-FULL_CONTEXTS, QUICK_CONTEXTS = "1024,2048,4096,8192,16384,32768", "1024,8192"
+FULL_CONTEXTS, QUICK_CONTEXTS, SHORT_CONTEXTS = "1024,2048,4096,8192,16384,32768", "1024,8192", "8192,32768"
 QUICK_GRID = [(16, 32, 8, 2), (16, 64, 8, 2), (16, 64, 8, 3), (64, 64, 8, 2), (64, 64, 4, 3)]
+
+
+# The short run's launch configs, from the tuning runs on an H100 (docs/BENCHMARKS.md "Kernels", session 18):
+# MLA: run B, tuned at 32K over the full grid x 4 split counts: (block_h 16, block_n 32, 4 warps, 2 stages) won
+# for every mode, fp8 dots included, at the default split count (33 at 32K: 264 programs); GQA: run A, tuned
+# at 8K (bench_kernels.json's gqa_tuning), the split count the default heuristic's. Keyed (kernel, mode, dot);
+# a dot variant without its own entry runs with its mode's (as the sweep times the fp16-dot rows).
+_MLA_TUNED = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
+TUNED = {
+    **{("mla", mode, None): _MLA_TUNED for mode in MLA_MODES},
+    ("mla", "fp8", "fp8"): _MLA_TUNED,
+    ("gqa", "none", None): {"block_h": 16, "block_n": 32, "num_warps": 8, "num_stages": 2},
+    ("gqa", "fp8", None): {"block_h": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
+    ("gqa", "nvfp4", None): {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    ("gqa", "fp8", "fp8"): {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 3},
+}
+# Rows the short run adds beside the tuned ones (impl, mode, dot, launcher options that replace the tuned
+# config's): the candidates of issue 39's design that one GPU run decides (docs/BENCHMARKS.md "Kernels").
+# latent_loads 2 at block_n 64 / 8 warps / 3 stages: the config where the compile analysis found both
+# latent loads pipelined (cp.async) and spill-free.
+_TWO_LOADS = {"latent_loads": 2, "block_n": 64, "num_warps": 8, "num_stages": 3}
+CANDIDATES = {
+    "mla": [("triton-2loads", "fp8", None, _TWO_LOADS), ("triton-2loads", "nvfp4", None, _TWO_LOADS)],
+    "gqa": [],
+}
+
+
+def tuned_config(kernel: str, mode: str, dot: str | None) -> dict:
+    """The short run's launch config of (kernel, mode, dot): TUNED's entry, else its mode's."""
+    return dict(TUNED.get((kernel, mode, dot)) or TUNED[(kernel, mode, None)])
+
+
+def short_plan(kernel: str) -> list[tuple[str, str, str | None, dict]]:
+    """The short run's kvconvert rows of one kernel, per context: (impl, mode, dot, launcher options).
+    Every mode with the default (bf16) dots, the quantized ones also with fp16 dots, fp8 also with fp8 dots,
+    then CANDIDATES; the peers' rows come on top (peer_rows)."""
+    modes = MLA_MODES if kernel == "mla" else GQA_MODES
+    plan = [("triton", mode, None, tuned_config(kernel, mode, None)) for mode in modes]
+    plan += [("triton-fp16dot", mode, "fp16", tuned_config(kernel, mode, "fp16")) for mode in modes if mode != "none"]
+    plan += [("triton-fp8dot", "fp8", "fp8", tuned_config(kernel, "fp8", "fp8"))]
+    plan += [(impl, mode, dot, {**tuned_config(kernel, mode, dot), **opts})
+             for impl, mode, dot, opts in CANDIDATES[kernel]]
+    return plan
 
 
 def parse_args(argv):
     p = parser(__doc__)
     p.add_argument("--contexts", default=None,
-                   help="comma-separated context lengths (default 1024..32768; --quick: 1024,8192)")
+                   help="comma-separated context lengths (default 8192,32768; --tune: 1024..32768; --quick: 1024,8192)")
     p.add_argument("--batch", type=int, default=8, help="sequences per decode step")
     p.add_argument("--mla-heads", type=int, default=16, help="query heads per MLA shard (DeepSeek-V3 TP-8: 16)")
     p.add_argument("--block-size", type=int, default=64, help="paged block size (FlashMLA needs 64)")
     p.add_argument("--tune-context", type=int, default=8192, help="context at which the launch config is tuned")
-    p.add_argument("--quick", action="store_true", help="a 5-config tuning grid; contexts 1K and 8K unless --contexts")
+    p.add_argument("--tune", action="store_true",
+                   help="the tuning sweep (11 configs x split counts per mode at --tune-context) instead of the short run")
+    p.add_argument("--quick", action="store_true", help="the sweep on a 5-config grid; contexts 1K and 8K unless --contexts")
     p.add_argument("--skip-gqa", action="store_true")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run the whole script on CPU in the Triton interpreter at toy sizes (checks the plumbing only)")
@@ -172,6 +231,33 @@ def check_kernels():
             results.append({"kernel": kernel, "mode": mode, "shape": shape, "dot": dot, "rel_err": err, **lse_err,
                             "ok": err < tol})
     return results
+
+
+def check_short(args, plans) -> list[dict]:
+    """The short run's checks: every row of ``plans`` ({kernel: short_plan(kernel)}) on the benchmark's own
+    shapes and launch config (so its compile is the timed one's), on three ragged sequences (1000, 1 and
+    129 tokens) in tables 16 blocks wide, against the float64 reference: bf16 / fp16 dots rel. error < 1e-2,
+    fp8 dots < 3e-2 against the reference given the same e4m3 queries (tests/kernels states the same)."""
+    results = []
+    for kernel, plan in plans.items():
+        decode = decode_fn(kernel)
+        for impl, mode, dot, cfg in plan:
+            cache, queries, tables, _, scale = make_case(kernel, mode, args, 3, 16 * args.block_size, seed=1)
+            lens = torch.tensor([16 * args.block_size - 24, 1, 129], dtype=torch.int32, device=DEVICE)
+            qs = tuple(e4m3_query_rows(q) for q in queries) if dot == "fp8" else queries
+            ref, _ = decode(*(q.float() for q in qs), cache, tables, lens, scale, backend="torch")
+            out, _ = decode(*queries, cache, tables, lens, scale, dot=dot or check_dots()[0][0], **cfg)
+            err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+            results.append({"kernel": kernel, "impl": impl, "mode": mode, "shape": "bench", "dot": dot or "default",
+                            "config": cfg, "rel_err": err, "ok": err < (3e-2 if dot == "fp8" else 1e-2)})
+    return results
+
+
+def make_case(kernel, mode, args, batch, context, seed=0):
+    """The benchmark's case of a kernel: MLA on args.mla_heads heads, GQA on Llama-3-8B's shape."""
+    if kernel == "mla":
+        return mla_case(mode, batch, context, args.block_size, heads=args.mla_heads, seed=seed)
+    return gqa_case(mode, batch, context, args.block_size, seed=seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,6 +382,40 @@ def bench_kernel(kernel: str, args, contexts, grid, peak):
     return rows, tuning
 
 
+def bench_short(kernel: str, args, contexts, peak) -> list[dict]:
+    """The short run's rows of one kernel: short_plan's rows at every context, each timed from a CUDA graph
+    with its fixed launch config (no tuning), then the peers' rows on the same caches and queries."""
+    decode, rows = decode_fn(kernel), []
+    plan = short_plan(kernel)
+    for context in contexts:
+        for mode in dict.fromkeys(m for _, m, _, _ in plan):  # one cache per mode and context
+            cache, queries, tables, lens, scale = make_case(kernel, mode, args, args.batch, context)
+            for impl, _, dot, cfg in (row for row in plan if row[1] == mode):
+                try:
+                    ms = time_ms(lambda: decode(*queries, cache, tables, lens, scale, dot=dot, **cfg))  # noqa: B023
+                    rows.append(result_row(impl, mode, cache, args.batch, context, ms, peak, cfg))
+                except Exception as e:  # noqa: BLE001 - a row that fails is recorded, the run goes on
+                    rows.append(result_row(impl, mode, cache, args.batch, context, None, peak, cfg,
+                                           error=f"{type(e).__name__}: {str(e)[:200]}"))
+                print(f"{kernel} {context} {impl} {mode}: {rows[-1]['time_us'] or rows[-1]['error']}", flush=True)
+            baselines = mla_baselines if kernel == "mla" else gqa_baselines
+            rows += baselines(mode, cache, queries, tables, lens, scale, args.batch, context, peak,
+                              report_missing=context == contexts[0])
+            del cache
+            torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    return rows
+
+
+def add_ratios(rows: list[dict], copy_GBps: float) -> None:
+    """Each row's speed relative to the bf16 cache's kvconvert row at its context (bf16 time / its time) and
+    its KV bandwidth as a fraction of the measured device-to-device copy."""
+    bf16 = {r["context"]: r["time_us"] for r in rows if r["impl"] == "triton" and r["mode"] == "none" and r["time_us"]}
+    for r in rows:
+        ok = r["time_us"] and r["context"] in bf16
+        r["speed_vs_bf16"] = bf16[r["context"]] / r["time_us"] if ok else None
+        r["frac_of_copy"] = r["kv_GBps"] / copy_GBps if (r["kv_GBps"] and copy_GBps == copy_GBps) else None
+
+
 def result_row(impl, mode, cache, batch, context, ms, peak, cfg=None, error=None, eager=None):
     kv_bytes = batch * context * cache.bytes_per_token
     bw = kv_bytes / (ms * 1e-3) if ms else None
@@ -307,20 +427,21 @@ def result_row(impl, mode, cache, batch, context, ms, peak, cfg=None, error=None
     }
 
 
-def baseline(impl, module, mode, cache, batch, context, peak, timed) -> list[dict]:
-    """A third-party kernel's row, best effort: none when `module` is not installed, its error when
-    timed(module) fails."""
+def baseline(impl, module, mode, cache, batch, context, peak, timed, report_missing=False) -> list[dict]:
+    """A third-party kernel's row, best effort: its error when timed(module) fails; when `module` does not
+    import, a row saying why (report_missing: once per kernel in the short run) or none."""
     try:
         lib = importlib.import_module(module)
-    except ImportError:
-        return []
+    except Exception as e:  # noqa: BLE001 - ImportError, or a library that fails at import (CUDA/torch mismatch)
+        why = f"not importable: {type(e).__name__}: {str(e)[:180]}"
+        return [result_row(impl, mode, cache, batch, context, None, peak, error=why)] if report_missing else []
     try:
         return [result_row(impl, mode, cache, batch, context, timed(lib), peak)]
     except Exception as e:  # noqa: BLE001
         return [result_row(impl, mode, cache, batch, context, None, peak, error=f"{type(e).__name__}: {str(e)[:200]}")]
 
 
-def mla_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak):
+def mla_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak, report_missing=False):
     """FlashMLA and FlashInfer on the same bf16 cache (mode "none" only)."""
     if mode != "none":
         return []
@@ -342,11 +463,11 @@ def mla_baselines(mode, cache, queries, tables, lens, scale, batch, context, pea
         ckv, kpe = cache.data[..., :r], cache.data[..., r:]
         return time_ms(lambda: wrapper.run(qn, qr, ckv, kpe))
 
-    return (baseline("flashmla", "flash_mla", mode, cache, batch, context, peak, flashmla)
-            + baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer))
+    return (baseline("flashmla", "flash_mla", mode, cache, batch, context, peak, flashmla, report_missing)
+            + baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer, report_missing))
 
 
-def gqa_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak):
+def gqa_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak, report_missing=False):
     """FlashInfer batch decode on the same NHD paged cache (bf16, or fp8 with the same scales)."""
     if mode not in ("none", "fp8"):
         return []
@@ -362,7 +483,7 @@ def gqa_baselines(mode, cache, queries, tables, lens, scale, batch, context, pea
         scales = {"k_scale": float(cache.k_scale[0]), "v_scale": float(cache.v_scale[0])} if mode == "fp8" else {}
         return time_ms(lambda: wrapper.run(q, (cache.k, cache.v), **scales))
 
-    return baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer)
+    return baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer, report_missing)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,17 +492,19 @@ def gqa_baselines(mode, cache, queries, tables, lens, scale, batch, context, pea
 
 
 def markdown(report) -> str:
-    peak = report["peak_bandwidth_GBps"]
+    peak, copy = report["peak_bandwidth_GBps"], report["copy_bandwidth_GBps"]
     lines = [
-        f"## Kernel benchmark ({report['device']})",
+        f"## Kernel benchmark ({report['device']}, {report.get('run', 'sweep')} run)",
         "",
         "time: device time of one decode step (stage 1 + LSE merge) replayed from a CUDA graph, median; "
-        "eager: the same step launched from Python (adds launch overhead); unfused: PyTorch dequantizes the "
-        "whole cache to bf16, then the bf16 kernel runs (the path the fused kernel replaces).",
+        "vs bf16: the bf16 cache's kvconvert time at that context / this row's (above 1 = faster); % of copy: "
+        "KV bandwidth / the measured device-to-device copy's (target for bf16: >= 85%); eager: the same step "
+        "launched from Python (sweep only); unfused: PyTorch dequantizes the whole cache to bf16, then the bf16 "
+        "kernel runs (sweep only).",
         "",
         f"Decode step, batch {report['batch']}, block size {report['block_size']}; bandwidth = bytes of KV read / time. "
-        f"Peak HBM (spec): {peak:.0f} GB/s; measured copy: {report['copy_bandwidth_GBps']:.0f} GB/s."
-        if peak else f"Measured copy bandwidth: {report['copy_bandwidth_GBps']:.0f} GB/s (spec peak unknown for this device).",
+        f"Peak HBM (spec): {peak:.0f} GB/s; measured copy: {copy:.0f} GB/s."
+        if peak else f"Measured copy bandwidth: {copy:.0f} GB/s (spec peak unknown for this device).",
         "",
         f"Checks vs PyTorch reference: {sum(c['ok'] for c in report['checks'])}/{len(report['checks'])} passed.",
     ]
@@ -390,17 +513,20 @@ def markdown(report) -> str:
         if not rows:
             continue
         lines += ["", f"### {title}", "",
-                  "| impl | mode | bytes/token | context | time (us) | KV GB/s | % of peak | eager (us) | unfused (us) | config |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| impl | mode | bytes/token | context | time (us) | vs bf16 | KV GB/s | % of copy | % of peak "
+                  "| eager (us) | unfused (us) | config |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             first = f"| {r['impl']} | {r['mode']} | {r['bytes_per_token']} | {r['context']} |"
             if r["error"]:
-                lines.append(f"{first} - | - | - | - | - | error: {r['error'][:60]} |")
+                lines.append(f"{first} - | - | - | - | - | - | - | error: {r['error'][:80]} |")
                 continue
-            frac = f"{100 * r['frac_of_peak']:.0f}%" if r["frac_of_peak"] else "-"
+            pct = lambda x: f"{100 * x:.0f}%" if x else "-"  # noqa: E731
+            speed = f"{r['speed_vs_bf16']:.2f}x" if r.get("speed_vs_bf16") else "-"
             eager, unfused = (f"{r[key]:.1f}" if r.get(key) else "-" for key in ("eager_us", "unfused_us"))
             cfg_s = " ".join(f"{k}={v}" for k, v in (r["config"] or {}).items() if v is not None)
-            lines.append(f"{first} {r['time_us']:.1f} | {r['kv_GBps']:.0f} | {frac} | {eager} | {unfused} | {cfg_s} |")
+            lines.append(f"{first} {r['time_us']:.1f} | {speed} | {r['kv_GBps']:.0f} | {pct(r.get('frac_of_copy'))} | "
+                         f"{pct(r['frac_of_peak'])} | {eager} | {unfused} | {cfg_s} |")
     return "\n".join(lines) + "\n"
 
 
@@ -415,7 +541,7 @@ def main(argv=None) -> int:
             os.execve(sys.executable, [sys.executable, __file__, *argv], {**os.environ, "TRITON_INTERPRET": "1"})
         DEVICE = "cpu"
         args.batch, args.mla_heads, args.block_size, args.tune_context = 2, 16, 16, 64
-        args.contexts = "48"
+        args.contexts = "48" if (args.tune or args.quick) else "64"
     elif not torch.cuda.is_available():
         print("bench_kernels: no CUDA GPU visible, benchmark not run (on CPU the kernels are verified by "
               "tests/kernels in the Triton interpreter)")
@@ -430,7 +556,9 @@ def main(argv=None) -> int:
     stem = "/tmp/bench_kernels_smoke" if args.cpu_smoke else str(DOCS / "bench_kernels")
     args.json, args.md = args.json or f"{stem}.json", args.md or f"{stem}.md"
 
-    contexts = [int(c) for c in (args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS)).split(",")]
+    sweep = args.tune or args.quick
+    default_contexts = QUICK_CONTEXTS if args.quick else FULL_CONTEXTS if args.tune else SHORT_CONTEXTS
+    contexts = [int(c) for c in (args.contexts or default_contexts).split(",")]
     grid = [(16, 32, 4, 2)] if args.cpu_smoke else QUICK_GRID if args.quick else TUNE_GRID
     name = "cpu (Triton interpreter smoke run)" if args.cpu_smoke else torch.cuda.get_device_name()
     peak = peak_bandwidth(name)
@@ -439,13 +567,19 @@ def main(argv=None) -> int:
         "device": name, "torch": torch.__version__, "triton": triton.__version__,
         "peak_bandwidth_GBps": peak / 1e9 if peak else None, "batch": args.batch, "block_size": args.block_size,
         "mla_heads": args.mla_heads, "contexts": contexts, "copy_bandwidth_GBps": copy_bandwidth() / 1e9,
+        "run": "sweep" if sweep else "short",
     }
+    kernels = ("mla",) if args.skip_gqa else ("mla", "gqa")
     print(f"{name}: peak {report['peak_bandwidth_GBps']} GB/s, copy {report['copy_bandwidth_GBps']:.0f} GB/s", flush=True)
-    report["checks"] = check_kernels()
+    report["checks"] = check_kernels() if sweep else check_short(args, {k: short_plan(k) for k in kernels})
     bad = [c for c in report["checks"] if not c["ok"]]
     print(f"checks: {len(report['checks']) - len(bad)}/{len(report['checks'])} ok" + (f"; FAILED: {bad}" if bad else ""), flush=True)
-    for kernel in ("mla",) if args.skip_gqa else ("mla", "gqa"):
-        report[kernel], report[f"{kernel}_tuning"] = bench_kernel(kernel, args, contexts, grid, peak)
+    for kernel in kernels:
+        if sweep:
+            report[kernel], report[f"{kernel}_tuning"] = bench_kernel(kernel, args, contexts, grid, peak)
+        else:
+            report[kernel] = bench_short(kernel, args, contexts, peak)
+        add_ratios(report[kernel], report["copy_bandwidth_GBps"])
         write_json(args.json, report, indent=1)  # a run stopped later keeps the kernels done so far
     report["seconds"] = time.time() - started
     write_json(args.json, report, indent=1)

@@ -10,8 +10,10 @@
 # kernels/ and runtime/, does not shadow it), then, each
 # step logged under $OUT and a failing step not stopping the next:
 #   1. kernels  the kernel tests compiled on the GPU (TRITON_INTERPRET=0 KVCONVERT_TEST_DEVICE=cuda)
-#   2. bench    scripts/bench_kernels.py: every mode tuned (block_h 16 and 64, fp8 dots), FlashInfer /
-#               FlashMLA rows when importable; writes $OUT/bench_kernels.{json,md}
+#   2. bench    scripts/bench_kernels.py's short run (issue 39, ~1.5 min on an H100): MLA and GQA at 8K and
+#               32K, every cache mode and dot variant at the tuned launch configs, the design candidates' rows,
+#               FlashInfer / FlashMLA rows (or their failure) on the same caches, each row vs bf16 and vs the
+#               measured copy; writes $OUT/bench_kernels.{json,md} (BENCH_ARGS="--tune": the tuning sweep)
 #   3. device   the runtime's GPU tests (tests/runtime/test_device.py: logits against transformers)
 #   4. distill  scripts/bench_distill.py --device cuda: heal's distillation tokens/s per micro-batch
 #               (DISTILL_VARIANTS; default b8s2048, b16s2048, b16s2048 with gradient checkpointing, b8s2048
@@ -27,8 +29,8 @@
 #               memory and the estimate; writes $OUT/bench_distill_7b.json (log in distill.log)
 # `run distill heal7b` is issue 38's GPU half (about 5 min on an H200: 200 + 180 s caps); `run kernels
 # bench` picks other steps. Each step runs under `timeout` (STEP_TIMEOUT_<step>, seconds) so one slow
-# step cannot eat a short lease; BENCH_ARGS passes options to bench_kernels.py (e.g. "--quick --contexts
-# 2048,32768": 5 tuning configs instead of 11); the compiled kernel tests run on 8 pytest-xdist workers.
+# step cannot eat a short lease; BENCH_ARGS passes options to bench_kernels.py (e.g. "--tune --quick --contexts
+# 2048,32768": the sweep on 5 tuning configs instead of 11); the compiled kernel tests run on 8 pytest-xdist workers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0
@@ -77,7 +79,7 @@ run() {
     case "$step" in
       kernels) KVCONVERT_TEST_DEVICE=cuda PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_kernels:-240}" \
                  python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels ;;
-      bench) timeout "${STEP_TIMEOUT_bench:-600}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} \
+      bench) timeout "${STEP_TIMEOUT_bench:-240}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} \
                --json "$out/bench_kernels.json" --md "$out/bench_kernels.md" ;;
       device) PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_device:-120}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_device.py ;;
       distill) timeout "${STEP_TIMEOUT_distill:-200}" python3 scripts/bench_distill.py --device cuda \

@@ -118,7 +118,13 @@ def summary(name: str, architecture: str, mode: str, options: dict, arch: int) -
     # global loads: asynchronous copies to shared memory (cp.async.ca/.cg, what software pipelining
     # overlaps with the dots) and synchronous loads to registers (ld.global*)
     loads = {"cp_async": sum(line.startswith(("cp.async.ca.", "cp.async.cg.")) for line in lines),
-             "ld_global": sum(line.startswith("ld.global") for line in lines)}
+             "ld_global": sum(line.startswith("ld.global") for line in lines),
+             # the conversion and shared-memory staging work a quantized tile costs (static counts)
+             "cvt": sum(line.startswith("cvt.") for line in lines),
+             "cvt_f16x2_e4m3": sum(line.startswith("cvt.rn.f16x2.e4m3x2") for line in lines),
+             "ld_shared": sum(line.startswith("ld.shared") for line in lines),
+             "st_shared": sum(line.startswith("st.shared") for line in lines),
+             "ldmatrix": sum(line.startswith("ldmatrix") for line in lines)}
     return {"name": name, "arch": arch, "matrix_ops": matrix_ops, **loads, **resource_usage(kernel.asm["cubin"])}
 
 
