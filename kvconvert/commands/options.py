@@ -33,7 +33,9 @@ def _option(field, name: str, prefix: str):
     default = None if field.is_required() else field.get_default()
     if isinstance(default, tuple):
         default = ",".join(default)
-    if default is not None and not (kind is bool and default is False):
+    if kind is bool and default is True:
+        help_text += f"  [default: {flag[2:]}]"  # as click shows an on/off flag that is on
+    elif default is not None and not (kind is bool and default is False):
         help_text += f"  [default: {default}]"
     if kind is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", param, default=None, help=help_text)
