@@ -383,8 +383,8 @@ def bench_kernel(kernel: str, args, contexts, grid, peak):
 
 
 def bench_short(kernel: str, args, contexts, peak) -> list[dict]:
-    """The short run's rows of one kernel: short_plan's rows at every context, each timed from a CUDA graph
-    with its fixed launch config (no tuning), then the peers' rows on the same caches and queries."""
+    """The short run's kvconvert rows of one kernel: short_plan's rows at every context, each timed from a
+    CUDA graph with its fixed launch config (no tuning). The peers' rows come after (bench_peers)."""
     decode, rows = decode_fn(kernel), []
     plan = short_plan(kernel)
     for context in contexts:
@@ -398,9 +398,6 @@ def bench_short(kernel: str, args, contexts, peak) -> list[dict]:
                     rows.append(result_row(impl, mode, cache, args.batch, context, None, peak, cfg,
                                            error=f"{type(e).__name__}: {str(e)[:200]}"))
                 print(f"{kernel} {context} {impl} {mode}: {rows[-1]['time_us'] or rows[-1]['error']}", flush=True)
-            baselines = mla_baselines if kernel == "mla" else gqa_baselines
-            rows += baselines(mode, cache, queries, tables, lens, scale, args.batch, context, peak,
-                              report_missing=context == contexts[0])
             del cache
             torch.cuda.empty_cache() if DEVICE == "cuda" else None
     return rows
@@ -427,21 +424,39 @@ def result_row(impl, mode, cache, batch, context, ms, peak, cfg=None, error=None
     }
 
 
-def baseline(impl, module, mode, cache, batch, context, peak, timed, report_missing=False) -> list[dict]:
-    """A third-party kernel's row, best effort: its error when timed(module) fails; when `module` does not
-    import, a row saying why (report_missing: once per kernel in the short run) or none."""
+def baseline(impl, module, mode, cache, batch, context, peak, timed, report_missing=False, ours=None) -> list[dict]:
+    """A third-party kernel's row, best effort. ``timed(lib)`` -> (ms, its output); the row records its error
+    when that fails, and, given ``ours`` (kvconvert's output on the same inputs, itself checked against the
+    float64 reference), ``peer_rel_err``: ||peer - ours|| / ||ours||, which says the peer computed the same
+    attention. When `module` does not import: a row saying why (report_missing; once per kernel) or none."""
     try:
         lib = importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 - ImportError, or a library that fails at import (CUDA/torch mismatch)
         why = f"not importable: {type(e).__name__}: {str(e)[:180]}"
         return [result_row(impl, mode, cache, batch, context, None, peak, error=why)] if report_missing else []
     try:
-        return [result_row(impl, mode, cache, batch, context, timed(lib), peak)]
+        ms, out = timed(lib)
     except Exception as e:  # noqa: BLE001
         return [result_row(impl, mode, cache, batch, context, None, peak, error=f"{type(e).__name__}: {str(e)[:200]}")]
+    row = result_row(impl, mode, cache, batch, context, ms, peak, {"version": getattr(lib, "__version__", None)})
+    if ours is not None:
+        out = out.reshape(ours.shape).float()
+        row["peer_rel_err"] = float((out - ours.float()).norm() / ours.float().norm().clamp(min=1e-30))
+    return [row]
 
 
-def mla_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak, report_missing=False):
+# FlashInfer's documented API as of flashinfer-python 0.6.4 (the wheel `gpu_session.sh prepare` downloads):
+# BatchMLAPagedAttentionWrapper(float_workspace_buffer, use_cuda_graph=False, ...), .plan(qo_indptr, kv_indptr,
+# kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
+# kv_data_type), .run(q_nope, q_pe, ckv_cache [pages, page_size, R], kpe_cache [pages, page_size, P]);
+# BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout, use_cuda_graph, use_tensor_cores,
+# paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer), .plan(indptr, indices,
+# last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_data_type=, kv_data_type=, sm_scale=),
+# .run(q, (k_cache, v_cache), k_scale=, v_scale=). Both JIT-compile their kernels with nvcc on first use.
+FLASHINFER_WORKSPACE = 128 << 20
+
+
+def mla_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak, report_missing=False, ours=None):
     """FlashMLA and FlashInfer on the same bf16 cache (mode "none" only)."""
     if mode != "none":
         return []
@@ -450,40 +465,76 @@ def mla_baselines(mode, cache, queries, tables, lens, scale, batch, context, pea
     def flashmla(flash_mla):
         q = torch.cat([qn, qr], -1).unsqueeze(1)  # [B, 1, H, 576]
         kv = cache.data.unsqueeze(2)  # [nb, 64, 1, 576]
-        meta, splits = flash_mla.get_mla_metadata(lens, heads, 1)
-        return time_ms(lambda: flash_mla.flash_mla_with_kvcache(q, kv, tables, lens, r, meta, splits,
-                                                                softmax_scale=scale, causal=False))
+        if hasattr(flash_mla, "get_mla_decoding_metadata"):
+            # sgl-flash-mla 1.0 (the wheel prepare downloads): dense bf16 decode is its "legacy" (SM90) half, and
+            # the scheduler metadata, an empty FlashMLASchedMeta, is filled by the first call (time_ms makes
+            # that call before the graph capture)
+            meta, _ = flash_mla.get_mla_metadata()
+            options = {"use_legacy": True}
+        else:  # FlashMLA's original interface
+            meta, splits = flash_mla.get_mla_metadata(lens, heads, 1)
+            options = {"num_splits": splits}
+        run = lambda: flash_mla.flash_mla_with_kvcache(q, kv, tables, lens, r, meta, softmax_scale=scale,  # noqa: E731
+                                                       causal=False, **options)[0]
+        return time_ms(run), run()
 
     def flashinfer(flashinfer):
-        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE))
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+            torch.empty(FLASHINFER_WORKSPACE, dtype=torch.uint8, device=DEVICE))
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
         kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * tables.shape[1]
         wrapper.plan(qo_indptr, kv_indptr, tables.reshape(-1).contiguous(), lens, heads, r, cache.rope_dim,
                      cache.block_size, False, scale, qn.dtype, cache.data.dtype)
-        ckv, kpe = cache.data[..., :r], cache.data[..., r:]
-        return time_ms(lambda: wrapper.run(qn, qr, ckv, kpe))
+        # FlashInfer keeps the latent and the RoPE key as two paged tensors: the same bytes, split
+        ckv, kpe = cache.data[..., :r].contiguous(), cache.data[..., r:].contiguous()
+        run = lambda: wrapper.run(qn, qr, ckv, kpe)  # noqa: E731
+        return time_ms(run), run()
 
-    return (baseline("flashmla", "flash_mla", mode, cache, batch, context, peak, flashmla, report_missing)
-            + baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer, report_missing))
+    return (baseline("flashmla", "flash_mla", mode, cache, batch, context, peak, flashmla, report_missing, ours)
+            + baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer, report_missing, ours))
 
 
-def gqa_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak, report_missing=False):
-    """FlashInfer batch decode on the same NHD paged cache (bf16, or fp8 with the same scales)."""
+def gqa_baselines(mode, cache, queries, tables, lens, scale, batch, context, peak, report_missing=False, ours=None):
+    """FlashInfer batch decode on the same NHD paged cache (bf16, or fp8 with the same per-tensor scales),
+    captured in a CUDA graph as a serving engine runs it (use_cuda_graph with fixed index buffers) and on
+    tensor cores (use_tensor_cores: what vLLM / SGLang pick for a GQA group of 4 or more)."""
     if mode not in ("none", "fp8"):
         return []
     (q,) = queries
 
     def flashinfer(flashinfer):
-        per_seq, workspace = tables.shape[1], torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE)
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        per_seq = tables.shape[1]
         indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * per_seq
-        last = lens - (per_seq - 1) * cache.block_size
-        wrapper.plan(indptr, tables.reshape(-1).contiguous(), last, q.shape[1], cache.kv_heads, cache.head_dim,
-                     cache.block_size, q_data_type=q.dtype, kv_data_type=cache.k.dtype, sm_scale=scale)
+        indices = tables.reshape(-1).contiguous()
+        last = lens - (per_seq - 1) * cache.block_size  # every sequence fills its pages but the last
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(FLASHINFER_WORKSPACE, dtype=torch.uint8, device=DEVICE), "NHD", use_cuda_graph=True,
+            use_tensor_cores=q.shape[1] // cache.kv_heads >= 4, paged_kv_indptr_buffer=torch.empty_like(indptr),
+            paged_kv_indices_buffer=torch.empty_like(indices), paged_kv_last_page_len_buffer=torch.empty_like(last))
+        wrapper.plan(indptr, indices, last, q.shape[1], cache.kv_heads, cache.head_dim, cache.block_size,
+                     q_data_type=q.dtype, kv_data_type=cache.k.dtype, sm_scale=scale)
         scales = {"k_scale": float(cache.k_scale[0]), "v_scale": float(cache.v_scale[0])} if mode == "fp8" else {}
-        return time_ms(lambda: wrapper.run(q, (cache.k, cache.v), **scales))
+        run = lambda: wrapper.run(q, (cache.k, cache.v), **scales)  # noqa: E731
+        return time_ms(run), run()
 
-    return baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer, report_missing)
+    return baseline("flashinfer", "flashinfer", mode, cache, batch, context, peak, flashinfer, report_missing, ours)
+
+
+def bench_peers(kernel: str, args, contexts, peak) -> list[dict]:
+    """The peers' rows (FlashInfer, FlashMLA) on the short run's caches and queries, after every kvconvert row
+    is written: their first call JIT-compiles with nvcc, which a step timeout may cut short. Each is compared
+    with kvconvert's output on the same inputs (peer_rel_err)."""
+    decode, rows = decode_fn(kernel), []
+    baselines = mla_baselines if kernel == "mla" else gqa_baselines
+    for context in contexts:
+        for mode in ("none",) if kernel == "mla" else ("none", "fp8"):  # the caches the peers read
+            cache, queries, tables, lens, scale = make_case(kernel, mode, args, args.batch, context)
+            ours, _ = decode(*queries, cache, tables, lens, scale, **tuned_config(kernel, mode, None))
+            rows += baselines(mode, cache, queries, tables, lens, scale, args.batch, context, peak,
+                              report_missing=context == contexts[0], ours=ours)
+            del cache
+            torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -525,6 +576,8 @@ def markdown(report) -> str:
             speed = f"{r['speed_vs_bf16']:.2f}x" if r.get("speed_vs_bf16") else "-"
             eager, unfused = (f"{r[key]:.1f}" if r.get(key) else "-" for key in ("eager_us", "unfused_us"))
             cfg_s = " ".join(f"{k}={v}" for k, v in (r["config"] or {}).items() if v is not None)
+            if r.get("peer_rel_err") is not None:  # a peer's output vs kvconvert's on the same inputs
+                cfg_s += f" rel. diff to kvconvert {r['peer_rel_err']:.1e}"
             lines.append(f"{first} {r['time_us']:.1f} | {speed} | {r['kv_GBps']:.0f} | {pct(r.get('frac_of_copy'))} | "
                          f"{pct(r['frac_of_peak'])} | {eager} | {unfused} | {cfg_s} |")
     return "\n".join(lines) + "\n"
@@ -581,6 +634,11 @@ def main(argv=None) -> int:
             report[kernel] = bench_short(kernel, args, contexts, peak)
         add_ratios(report[kernel], report["copy_bandwidth_GBps"])
         write_json(args.json, report, indent=1)  # a run stopped later keeps the kernels done so far
+    for kernel in kernels if not sweep else ():  # the peers last: their first calls JIT-compile
+        report[kernel] += bench_peers(kernel, args, contexts, peak)
+        add_ratios(report[kernel], report["copy_bandwidth_GBps"])
+        write_json(args.json, report, indent=1)
+        write_text(args.md, markdown(report))
     report["seconds"] = time.time() - started
     write_json(args.json, report, indent=1)
     md = markdown(report)

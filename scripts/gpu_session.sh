@@ -35,6 +35,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0
         wonderwords==3.0.1)
+# bench's peer (issue 39): FlashInfer 0.6.4 (7.8 MB; it JIT-compiles its kernels with the machine's nvcc through
+# ninja and apache-tvm-ffi) and what `import flashinfer` needs beyond the image's torch/numpy/requests/tqdm/
+# packaging. Newer wheels do not fit: 0.6.18 is 18 MB and 0.7.x 34-62 MB, and both add cuda-python, cuda-tile
+# and nccl4py; 0.6.4's cudnn-frontend (11.6 MB) and cutlass-dsl requirements are imported only by kernels the
+# bench does not call. FlashMLA: sgl-flash-mla 1.0 (9.9 MB, torch's stable ABI; it asks for torch >= 2.14.1, the
+# image has 2.11, so it may not load: the bench then records "not importable"). All of .whl: about 26 MB of the
+# 64 MiB a device call carries.
+WHEELS+=(flashinfer-python==0.6.4 apache-tvm-ffi==0.1.15.post2 click==8.5.1 einops==0.8.2 ninja==1.13.2
+         nvidia-ml-py==13.615.71 tabulate==0.10.0 sgl-flash-mla==1.0.0)
 
 prepare() {
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -42,6 +51,7 @@ prepare() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "${WHEELS[@]}"
   ls -la .whl
+  du -sh .whl  # a device call carries 64 MiB in all
 }
 
 recipe_distill() {
@@ -67,7 +77,8 @@ run() {
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>>"$out/setup.log" \
     || { mkdir -p /tmp/site && cp -r kvconvert /tmp/site/ && cp -r runtime /tmp/site/kvconvert/runtime \
          && cp -r kernels /tmp/site/kvconvert/kernels && echo "kvconvert copied (pip: $out/setup.log)"; }
-  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+  # /tmp/site/bin: the ninja that FlashInfer's JIT runs
+  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PATH="/tmp/site/bin:$PATH"
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee -a "$out/setup.log"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/setup.log"
   # a device call brings back at most 8 files: setup.log, tests.log (both pytest steps), bench.log,
@@ -79,7 +90,7 @@ run() {
     case "$step" in
       kernels) KVCONVERT_TEST_DEVICE=cuda PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_kernels:-240}" \
                  python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels ;;
-      bench) timeout "${STEP_TIMEOUT_bench:-240}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} \
+      bench) timeout "${STEP_TIMEOUT_bench:-420}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} \
                --json "$out/bench_kernels.json" --md "$out/bench_kernels.md" ;;
       device) PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_device:-120}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_device.py ;;
       distill) timeout "${STEP_TIMEOUT_distill:-200}" python3 scripts/bench_distill.py --device cuda \
