@@ -89,6 +89,7 @@ class Stage:
     run: Callable[[], bool | None]  # runs the stage in this process; False: the gate failed
     source: str | None = None  # the model it reads: its `out` is reused only when recorded as built from it
     makes: dict | None = None  # more of what decides its output (the heal recipe), for the provenance record
+    prebuilt: Path | None = None  # the same build made by `kvconvert plan` (--kv-budget): used when its record matches
 
     @property
     def command(self) -> str:
@@ -97,8 +98,9 @@ class Stage:
     def provenance(self) -> dict:
         """What decides the stage's output besides its source's weights (kvconvert.checkpoint.provenance);
         the device is left out: it moves the work, not what is made."""
-        options = self.options.model_dump(mode="json", exclude={"device"}) if self.options is not None else None
-        return {"stage": self.name, "options": options, **(self.makes or {})}
+        from kvconvert.checkpoint.provenance import stage_record
+
+        return stage_record(self.name, self.options, **(self.makes or {}))
 
 
 def _convert(src: str, opts: MLAOptions, heal, heal_shown: str, out: Path) -> Stage:
@@ -204,8 +206,9 @@ def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path, device: st
 
 
 def run_stages(stages: list[Stage], overwrite: bool) -> list[dict]:
-    """Run the stages in order (reusing a finished one's output unless `overwrite`); the log of
-    each stage's command, seconds and exit code (the gate's: 1 when it failed)."""
+    """Run the stages in order (reusing a finished one's output unless `overwrite`, or the plan's build of
+    the stage, see adopt_prebuilt); the log of each stage's command, seconds and exit code (the gate's: 1
+    when it failed)."""
     from kvconvert.checkpoint.provenance import record_artifact, reuse_problem
     from kvconvert.sources import resolve_source
 
@@ -220,6 +223,10 @@ def run_stages(stages: list[Stage], overwrite: bool) -> list[dict]:
                             "reused": True})
                 continue
             click.secho(f"\n== {stage.name}: not reusing {stage.out}: {problem}; rebuilding it", fg="yellow", err=True)
+        if adopt_prebuilt(stage):
+            log.append({"stage": stage.name, "command": stage.command, "seconds": 0.0, "exit_code": 0,
+                        "reused": True, "from_plan": str(stage.prebuilt)})
+            continue
         click.secho(f"\n== {stage.name}: {stage.command}", fg="cyan", err=True)
         t0 = time.time()
         try:
@@ -233,6 +240,27 @@ def run_stages(stages: list[Stage], overwrite: bool) -> list[dict]:
         log.append({"stage": stage.name, "command": stage.command, "seconds": round(time.time() - t0, 1),
                     "exit_code": 1 if passed is False else 0})
     return log
+
+
+def adopt_prebuilt(stage: Stage) -> bool:
+    """Use the plan's build of this stage (stage.prebuilt: `kvconvert plan` built the candidate it chose from the
+    recipe's own blocks, kvconvert.plan.recipe_blocks) as the stage's output, when its provenance record says it
+    was built from the stage's source weights with the stage's options and is unchanged since (hard links: no
+    copy). With --overwrite too: the plan rebuilt it in this run. False (and the stage runs) otherwise."""
+    from kvconvert.checkpoint.provenance import adopt_artifact
+    from kvconvert.sources import resolve_source
+
+    if stage.prebuilt is None or stage.out is None:
+        return False
+    problem = adopt_artifact(stage.prebuilt, stage.out, resolve_source(stage.source), stage.provenance())
+    if problem is not None:
+        click.secho(f"\n== {stage.name}: not using the plan's build {stage.prebuilt}: {problem}; building it",
+                    fg="yellow", err=True)
+        return False
+    click.secho(f"\n== {stage.name}: {stage.out} is the plan's build ({stage.prebuilt}: built from {stage.source} "
+                f"with the recipe's options and measured by the plan), not built again; the command it stands for: "
+                f"{stage.command}", fg="cyan", err=True)
+    return True
 
 
 # ------------------------------------------------------------------ the command
@@ -397,6 +425,11 @@ def _from_plan(src: str, kv_budget: str, target: str, device: str | None, out_di
         flags = " ".join(options_as_flags(opts, keep=("target",)))
         click.secho(f"\n== plan: kvconvert plan --src {src} --kv-budget {kv_budget} {flags} --out {plan_dir}",
                     fg="cyan", err=True)
-        run_plan(src, budget, opts, plan_dir, echo=lambda msg: click.echo(msg, err=True))
+        run_plan(src, budget, opts, plan_dir, echo=lambda msg: click.echo(msg, err=True), overwrite=overwrite)
     recipe_file = plan_dir / "recipe.yaml"
-    return src, recipe_stages(load_recipe(recipe_file), recipe_file, src, out_dir, device)
+    stages = recipe_stages(load_recipe(recipe_file), recipe_file, src, out_dir, device)
+    built = json.loads((plan_dir / "plan.json").read_text()).get("artifacts") or {}
+    for stage in stages:  # the plan's builds of the chosen candidate, used where their records match (run_stages)
+        if built.get(stage.name):
+            stage.prebuilt = Path(built[stage.name])
+    return src, stages

@@ -55,8 +55,10 @@ class PlanOptions(StageOptions):
     quality_eval_tokens: int = Field(2048, ge=64, description="Held-out essay tokens each survivor is scored on "
                                                               "(windows of --window-len).")
     window_len: int = Field(512, ge=64, description="Tokens per scoring window.")
-    calib_tokens: int = Field(2048, ge=512, description="Calibration tokens of each quick conversion and KV "
-                                                        "calibration.")
+    calib_tokens: int = Field(2048, ge=512, description="Calibration tokens of each quick MLA conversion (the KV "
+                                                        "scales: calibrate's defaults, as the recipe ships them).")
+    kv_calib_tokens: int | None = Field(None, ge=512, description="Calibration tokens of the KV scales, which the "
+                                        "recipe carries (default: calibrate's own, 16384).")
     measure_dominated: bool = Field(False, description="Also measure the candidates the pruning rules drop.")
     dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Weights of the quick conversions, of scoring and of the recipe's conversion: auto = as "
@@ -67,14 +69,19 @@ class PlanOptions(StageOptions):
     def _whole_windows(self):
         from kvconvert.quant.options import check_whole_windows
 
-        # the quick conversions and calibrations read 512-token windows (min(512, calib_tokens), calib_tokens >= 512)
-        check_whole_windows(self.calib_tokens, 512, "the quick conversions' and calibrations' window")
+        # the quick conversions read 512-token windows (min(512, calib_tokens), calib_tokens >= 512)
+        check_whole_windows(self.calib_tokens, 512, "the quick conversions' window")
+        if self.kv_calib_tokens is not None:  # calibrate's windows (its --window-len default)
+            check_whole_windows(self.kv_calib_tokens, 512, "the KV calibration's --window-len", "--kv-calib-tokens")
         return self
 
 
+PLAN_FORMAT = 2  # 2: the candidates are built from their recipe's blocks (recipe_blocks), plan.json names them
+
+
 def finished_plan(out: Path, budget: float, opts: PlanOptions) -> bool:
-    """Whether `out` holds a finished plan (plan.json and its recipe.yaml) for `budget` made with the same
-    options, the device aside (it moves the work, not what is measured)."""
+    """Whether `out` holds a finished plan (plan.json and its recipe.yaml) of this PLAN_FORMAT for `budget` made
+    with the same options, the device aside (it moves the work, not what is measured)."""
     done = out / "plan.json"
     if not (done.is_file() and (out / "recipe.yaml").is_file()):
         return False
@@ -83,8 +90,8 @@ def finished_plan(out: Path, budget: float, opts: PlanOptions) -> bool:
         made_with = PlanOptions(**measured["options"])
     except (ValueError, TypeError, KeyError):  # unreadable, or from another version (ValidationError: a ValueError)
         return False
-    return measured.get("budget") == budget and made_with.model_dump(exclude={"device"}) == opts.model_dump(
-        exclude={"device"})
+    same = made_with.model_dump(exclude={"device"}) == opts.model_dump(exclude={"device"})
+    return measured.get("format") == PLAN_FORMAT and measured.get("budget") == budget and same
 
 
 @dataclass(frozen=True)
@@ -258,28 +265,57 @@ def disk_needed(candidates: list[Candidate], src: Path, work: Path, dtype: str) 
     return len(missing) * copy
 
 
-def build_artifact(c: Candidate, src: Path, work: Path, calib_tokens: int, dtype: str, device: str, echo) -> Path:
-    """The candidate's checkpoint under `work` (reused when already there): MLA conversion one-shot (weights in
-    `dtype`), then KV scales by a quick calibration (per-tensor amax, no rotation) for fp8/nvfp4, both on `device`."""
+def recipe_blocks(c: Candidate, target: str, calib_tokens: int, dtype: str, kv_calib_tokens: int | None = None) -> dict:
+    """The recipe blocks that build `c` (kvconvert.recipe): `convert` for an MLA shape (one-shot, `calib_tokens`,
+    weights in `dtype`, for `target` when it serves the shape) and `calibrate` for a quantized cache (calibrate's
+    defaults for the format: mse scale search and key phases, on `kv_calib_tokens` tokens, None: its default
+    16384). The plan builds what it measures from these same blocks, so the recipe ships what was measured and
+    the pipeline reuses the plan's build."""
+    blocks = {}
+    if c.rank is not None:
+        blocks["convert"] = {"rank": c.rank, "rope_dim": c.rope_dim, "target": target if target in c.engines else "any",
+                             "calib_tokens": calib_tokens, "dtype": dtype}
+    if c.kv_dtype != "bf16":
+        blocks["calibrate"] = {"kv_dtype": c.kv_dtype}
+        if kv_calib_tokens is not None:
+            blocks["calibrate"]["calib_tokens"] = kv_calib_tokens
+    return blocks
+
+
+def build_artifact(c: Candidate, src: Path, work: Path, blocks: dict, device: str, echo,
+                   overwrite: bool = False) -> Path:
+    """The candidate's checkpoint under `work`, built from its recipe blocks (recipe_blocks) on `device`: the MLA
+    conversion, then the KV calibration of a quantized cache. Each build is recorded with its provenance
+    (kvconvert.checkpoint.provenance: the pipeline's stage record), and one already in `work` is reused only
+    when its record matches (same source weights, same options), unless `overwrite`."""
+    from kvconvert.checkpoint.provenance import record_artifact, reuse_problem, stage_record
     from kvconvert.mla.convert import convert_to_mla
     from kvconvert.mla.options import MLAOptions
     from kvconvert.quant.options import CalibrateOptions
     from kvconvert.quant.run import CalibrateJob, run_calibrate
 
     model, out = artifact_folders(c, src, work)
-    if c.rank is not None:
-        if not (model / "manifest.json").is_file():
-            echo(f"  converting: MLA {c.rank}+{c.rope_dim}, {calib_tokens} calibration tokens")
-            convert_to_mla(src, model, MLAOptions(rank=c.rank, rope_dim=c.rope_dim, target="any", dtype=dtype,
-                                                  calib_tokens=calib_tokens, device=device),
-                           overwrite=True, progress=False)
-    if c.kv_dtype == "bf16":
+
+    def built(folder: Path, source: Path, record: dict) -> bool:
+        return not overwrite and (folder / "manifest.json").is_file() and reuse_problem(folder, source, record) is None
+
+    if "convert" in blocks:
+        opts = MLAOptions(**blocks["convert"], device=device)
+        record = stage_record("convert", opts, heal=None)  # one-shot, as the pipeline's convert stage records it
+        if not built(model, src, record):
+            echo(f"  converting: MLA {c.rank}+{c.rope_dim}, {opts.calib_tokens} calibration tokens")
+            convert_to_mla(src, model, opts, overwrite=True, progress=False)
+            record_artifact(model, src, record)
+    if "calibrate" not in blocks:
         return model
-    if not (out / "manifest.json").is_file():
-        echo(f"  calibrating: {c.kv_dtype} scales of {model.name} (amax, {calib_tokens} tokens)")
-        opts = CalibrateOptions(kv_dtype=c.kv_dtype, observer="amax", rotate=False, calib_tokens=calib_tokens,
-                                window_len=min(512, calib_tokens), device=device)
-        run_calibrate(CalibrateJob(src=str(model), options=opts, out=out, overwrite=True), echo=lambda m: None)
+    opts = CalibrateOptions(**blocks["calibrate"], device=device)
+    record = stage_record("calibrate", opts)
+    if not built(out, model, record):
+        echo(f"  calibrating: {c.kv_dtype} scales of {model.name} ({opts.observer}, {opts.calib_tokens} tokens: "
+             "the recipe's calibration)")
+        run_calibrate(CalibrateJob(src=str(model), options=opts, out=out, overwrite=True),
+                      echo=lambda msg: echo(f"    {msg.strip()}"))
+        record_artifact(out, model, record)
     return out
 
 
@@ -335,21 +371,17 @@ class Scorer:
 
 # ------------------------------------------------------------------------------ outputs
 
-def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int, dtype: str) -> dict:
-    """The recipe that builds `c` (validated by kvconvert.recipe): the conversion as measured (one-shot,
-    `calib_tokens`, weights in `dtype`), the KV scales with calibrate's defaults (measured at least as good
-    as the quick amax scales the plan used: docs/BENCHMARKS.md), validated with the quick suite and default gate."""
+def chosen_recipe(c: Candidate, src: str, target: str, calib_tokens: int, dtype: str,
+                  kv_calib_tokens: int | None = None) -> dict:
+    """The recipe that builds `c` (validated by kvconvert.recipe): recipe_blocks, the very blocks the plan built
+    and measured `c` with, validated with the quick suite and default gate."""
     from kvconvert.recipe import parse_recipe
 
     pct = round(100 * c.fraction)
     data = {"name": f"{Path(src).name}-plan-{pct}pct", "source": src,
             "description": f"kvconvert plan: {c.name}, {c.bytes_per_token} KV bytes/token ({pct}% of bf16), "
-                           f"served by {', '.join(c.engines)}"}
-    if c.rank is not None:
-        data["convert"] = {"rank": c.rank, "rope_dim": c.rope_dim, "target": target if target in c.engines else "any",
-                           "calib_tokens": calib_tokens, "dtype": dtype}
-    if c.kv_dtype != "bf16":
-        data["calibrate"] = {"kv_dtype": c.kv_dtype}
+                           f"served by {', '.join(c.engines)}",
+            **recipe_blocks(c, target, calib_tokens, dtype, kv_calib_tokens)}
     data["validate"] = {"suite": "quick"}
     parse_recipe(data, "kvconvert plan")  # what the pipeline will load; a key left out keeps its one default
     return data
@@ -435,9 +467,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.echo) -> dict:
-    """Enumerate, filter, prune, measure, choose; writes plan.json (with `opts`), plan.png, plan.md and
-    recipe.yaml to `out`."""
+def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.echo, overwrite: bool = False) -> dict:
+    """Enumerate, filter, prune, measure, choose; writes plan.json (with `opts`, and under "artifacts" the chosen
+    candidate's builds, which the pipeline reuses), plan.png, plan.md and recipe.yaml to `out`. overwrite: rebuild
+    the candidates' checkpoints even where a matching build is in `out` (the pipeline's --overwrite)."""
     import yaml
 
     from kvconvert.checkpoint import atomic_write_text, check_not_source, check_writable, ensure_free_space, read_config
@@ -469,7 +502,7 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     if unmeasured:
         echo("  (within the budget the plan picks the least damage, not the fewest bytes; --measure-dominated "
              "measures these too)")
-    work = out / "artifacts" / f"{dtype}-{calib_tokens}"  # a rerun reuses only what was built the same way
+    work = out / "artifacts" / f"{dtype}-{calib_tokens}"  # a rerun reuses what its provenance says was built alike
     check_not_source(out, (src_path,))  # --out inside the source: refused before any work
     check_writable(out)
     ensure_free_space(out, disk_needed(to_measure, src_path, work, dtype))  # up front, not at the second candidate
@@ -483,7 +516,8 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
         for i, c in enumerate(order, 1):
             echo(f"[{i}/{len(order)}] {c.name}: build and score")
             started = time.time()  # the seconds building and scoring the candidate took
-            path = build_artifact(c, src_path, work, calib_tokens, dtype, device, echo)
+            blocks = recipe_blocks(c, target, calib_tokens, dtype, opts.kv_calib_tokens)
+            path = build_artifact(c, src_path, work, blocks, device, echo, overwrite)
             m = results[c.name] = {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - started, 1)}
             echo(f"  {c.name}: KL {m['kl']:.4f}, ppl {m['ppl']:.2f} ({m['seconds']} s; plan "
                  f"{eta_text(measured_from, i, len(order))})")
@@ -506,11 +540,15 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
     protocol = {"eval": f"essays, {windows} x {window_len} tokens", "engine": f"kvconvert runtime, {dtype} weights",
                 "reference": "the source with a bf16 KV cache",
                 "conversion": f"one-shot, {calib_tokens} calibration tokens of {DEFAULT_CONVERT_TEXT}",
-                "kv_scales": "per-tensor amax of the calibration tokens, no rotation"}
-    plan = {"source": src, "budget": budget, "target": target, "options": opts.model_dump(), "device": device,
-            "chosen": best.name, "verdict": verdict, "protocol": protocol, "pruning_contradicted": contradicted,
-            "seconds": round(time.time() - t0, 1), "rows": rows}
-    recipe = chosen_recipe(best, src, target, calib_tokens, dtype)
+                "kv_scales": "the recipe's calibration (calibrate's defaults for the format), what the pipeline ships"}
+    model, scored = artifact_folders(best, src_path, work)
+    artifacts = {"convert": str(model) if best.rank is not None else None,  # the builds the pipeline reuses
+                 "calibrate": str(scored) if best.kv_dtype != "bf16" else None}
+    plan = {"format": PLAN_FORMAT, "source": src, "budget": budget, "target": target, "options": opts.model_dump(),
+            "device": device, "chosen": best.name, "verdict": verdict, "protocol": protocol,
+            "pruning_contradicted": contradicted, "artifacts": artifacts, "seconds": round(time.time() - t0, 1),
+            "rows": rows}
+    recipe = chosen_recipe(best, src, target, calib_tokens, dtype, opts.kv_calib_tokens)
     atomic_write_text(out / "recipe.yaml", yaml.safe_dump(recipe, sort_keys=False))
     plot_frontier([r for r in rows if r.get("kl") is not None], out / "plan.png",
                   f"kvconvert plan: {src}, budget {budget:.0%}, target {target}", budget)

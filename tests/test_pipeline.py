@@ -167,9 +167,10 @@ def test_kv_budget_runs_the_recipe_of_an_existing_plan(tmp_path, monkeypatch):
     (out / "plan").mkdir(parents=True)
     (out / "plan" / "recipe.yaml").write_text(yaml.safe_dump({"source": "smollm2-135m", "calibrate": {"kv_dtype": "fp8"}}))
     made_on_a_gpu = plan.PlanOptions(target="vllm", device="cuda")
-    (out / "plan" / "plan.json").write_text(json.dumps({"budget": 0.5, "options": made_on_a_gpu.model_dump()}))
+    (out / "plan" / "plan.json").write_text(json.dumps({"format": plan.PLAN_FORMAT, "budget": 0.5,
+                                                        "options": made_on_a_gpu.model_dump()}))
     planned = []
-    monkeypatch.setattr(plan, "run_plan", lambda src, budget, opts, out, echo: planned.append(opts))
+    monkeypatch.setattr(plan, "run_plan", lambda src, budget, opts, out, echo, overwrite: planned.append(opts))
     with pipeline_cmd.make_context("pipeline", ["--kv-budget", "50%", "--out", str(out)]).scope():
         src, stages = _from_plan("smollm2-135m", "50%", "vllm", None, out, overwrite=False)
         assert not planned
@@ -223,3 +224,35 @@ def test_interrupted_pipeline_resumes_from_the_finished_stage(tiny_llama, tmp_pa
     report = json.loads((out / "report" / "report.json").read_text())
     assert report["candidate"]["path"] == str(out / "mla-fp8") and report["candidate"]["kv_dtype"] == "fp8"
     assert (out / "mla-fp8" / "manifest.json").is_file()
+
+
+def test_the_plans_build_stands_for_the_stage_only_when_its_record_matches(tiny_llama, tmp_path):
+    """`pipeline --kv-budget`: the calibrate stage uses the checkpoint the plan built (hard links, no copy), even
+    with --overwrite (the plan rebuilt it in this run), when its provenance says it was built from the stage's
+    source with the stage's options; a build with other options is not used: the stage runs."""
+    from kvconvert.checkpoint.provenance import record_artifact, stage_record
+    from kvconvert.pipeline import run_stages
+    from kvconvert.quant.options import CalibrateOptions
+    from kvconvert.quant.run import CalibrateJob, run_calibrate
+
+    data = tmp_path / "calib.txt"
+    data.write_text(pydoc_corpus()[:40_000])
+    block = {"kv_dtype": "fp8", "observer": "amax", "calib_data": str(data), "calib_tokens": 256, "window_len": 64}
+    built = tmp_path / "plan" / "artifacts" / "source-fp8"
+    opts = CalibrateOptions(**block, device="cpu")
+    run_calibrate(CalibrateJob(src=str(tiny_llama), options=opts, out=built), echo=lambda m: None)
+    record_artifact(built, tiny_llama, stage_record("calibrate", opts))
+    out = tmp_path / "out"
+    stage = _stages({"calibrate": block}, out, src=str(tiny_llama))[0]
+    stage.prebuilt = built
+    log = run_stages([stage], overwrite=True)
+    assert log[0]["reused"] and log[0]["from_plan"] == str(built)
+    weights = next(built.glob("*.safetensors"))
+    assert (out / "source-fp8" / weights.name).stat().st_ino == weights.stat().st_ino  # a link, not a copy
+    recorded = json.loads((out / "provenance.json").read_text())["source-fp8"]
+    assert recorded["options"] == json.loads(json.dumps(stage.provenance()))
+    other = _stages({"calibrate": {**block, "calib_tokens": 128}}, tmp_path / "out2", src=str(tiny_llama))[0]
+    other.prebuilt = built
+    log = run_stages([other], overwrite=True)
+    assert not log[0].get("reused") and (tmp_path / "out2" / "source-fp8" / "manifest.json").is_file()
+    assert next((tmp_path / "out2" / "source-fp8").glob("*.safetensors")).stat().st_ino != weights.stat().st_ino

@@ -123,13 +123,33 @@ def test_recipes_written_run_in_the_pipeline(tmp_path):
             assert recipe.convert.target == ("vllm" if name.startswith("MLA 256") else "any")
 
 
+@pytest.mark.parametrize("kv_calib_tokens", [None, 1024])
+def test_the_plan_builds_with_the_options_its_recipe_ships(kv_calib_tokens, tmp_path):
+    """What the plan builds and measures (recipe_blocks on `device`) is, option for option, what the pipeline's
+    stages of the recipe it writes would build: the provenance records match, so the pipeline reuses the build."""
+    from kvconvert.checkpoint.provenance import stage_record
+    from kvconvert.mla.options import MLAOptions
+    from kvconvert.plan import recipe_blocks
+    from kvconvert.quant.options import CalibrateOptions
+
+    c = by_name(enumerate_candidates(SMOLLM2))["MLA 256+64 fp8"]
+    blocks = recipe_blocks(c, "vllm", 2048, "fp32", kv_calib_tokens)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(chosen_recipe(c, "smollm2-135m", "vllm", 2048, "fp32", kv_calib_tokens)))
+    stages = {s.name: s for s in recipe_stages(load_recipe(path), path, "smollm2-135m", tmp_path, device="cpu")}
+    assert stages["convert"].provenance() == stage_record("convert", MLAOptions(**blocks["convert"]), heal=None)
+    made = CalibrateOptions(**blocks["calibrate"], device="cuda")  # the device moves the work, not what is made
+    assert stages["calibrate"].provenance() == stage_record("calibrate", made)
+    assert made.calib_tokens == (kv_calib_tokens or CalibrateOptions().calib_tokens) and made.observer == "mse"
+
+
 def test_already_mla_source_is_refused():
     mla = {**SMOLLM2, "kv_lora_rank": 160, "qk_rope_head_dim": 32}
     with pytest.raises(KVConvertError, match="already MLA"):
         enumerate_candidates(mla)
 
 
-QUICK = PlanOptions(target="any", quality_eval_tokens=256, window_len=128, calib_tokens=512)
+QUICK = PlanOptions(target="any", quality_eval_tokens=256, window_len=128, calib_tokens=512, kv_calib_tokens=1024)
 
 
 def test_plan_options_are_the_commands_flags():
@@ -146,10 +166,15 @@ def test_plan_options_are_the_commands_flags():
 
 
 def test_finished_plan_needs_its_recipe_and_readable_options(tmp_path):
-    (tmp_path / "plan.json").write_text(json.dumps({"budget": 0.5, "options": PlanOptions().model_dump()}))
+    from kvconvert.plan import PLAN_FORMAT
+
+    made = {"format": PLAN_FORMAT, "budget": 0.5, "options": PlanOptions().model_dump()}
+    (tmp_path / "plan.json").write_text(json.dumps(made))
     assert not finished_plan(tmp_path, 0.5, PlanOptions())  # no recipe.yaml: the run stopped before it
     (tmp_path / "recipe.yaml").write_text("calibrate: {kv_dtype: fp8}\n")
     assert finished_plan(tmp_path, 0.5, PlanOptions())
+    (tmp_path / "plan.json").write_text(json.dumps({**made, "format": 1}))  # candidates built another way
+    assert not finished_plan(tmp_path, 0.5, PlanOptions())
     (tmp_path / "plan.json").write_text(json.dumps({"budget": 0.5, "target": "vllm"}))  # before plan kept its options
     assert not finished_plan(tmp_path, 0.5, PlanOptions())
     (tmp_path / "plan.json").write_text(json.dumps({"budget": 0.5, "options": {"windows": 4}}))  # another version's
@@ -225,4 +250,6 @@ def test_plan_end_to_end_on_smollm2(tmp_path):
     assert rows["source nvfp4"]["status"] == ("not measured: dominated by source fp8 (the same cached values in a "
                                               "finer format (fp8 < nvfp4))")
     assert load_recipe(tmp_path / "recipe.yaml").calibrate.kv_dtype == "fp8"
+    assert load_recipe(tmp_path / "recipe.yaml").calibrate.calib_tokens == 1024  # what the plan calibrated with
+    assert plan["artifacts"] == {"convert": None, "calibrate": str(tmp_path / "artifacts" / "fp32-512" / "source-fp8")}
     assert (tmp_path / "plan.png").stat().st_size > 10_000

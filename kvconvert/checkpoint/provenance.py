@@ -3,6 +3,10 @@ reuses it only when the same source, options and output format would make it aga
 
     record_artifact(artifact, source, options)     after the stage wrote `artifact`
     reuse_problem(artifact, source, options)       None: reuse it; else why not (rebuild it)
+    adopt_artifact(built, artifact, source, options)  `built` (made elsewhere, e.g. by `kvconvert plan`)
+                                                   becomes `artifact` when its record matches
+    stage_record(stage, options, **makes)          the `options` of a pipeline stage (and of the plan's
+                                                   builds of the same stage)
 
 The records live beside the artifacts, in PROVENANCE_FILE of their parent folder (the pipeline's
 --out), one entry per artifact folder name; the checkpoint folders themselves stay as the stages
@@ -19,6 +23,8 @@ wrote them. A record holds:
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 from kvconvert import __version__
@@ -82,4 +88,46 @@ def reuse_problem(artifact: Path, source: Path, options) -> str | None:
         return f"it was built with other options ({_option_changes(record.get('options'), _as_json(options))})"
     if record.get("artifact_fingerprint") != checkpoint_fingerprint(artifact):
         return "its files changed since it was built"
+    return None
+
+
+def stage_record(stage: str, options, **makes) -> dict:
+    """What decides a stage's output besides its source's weights: the stage's name, its options (a
+    StageOptions, as JSON; the device left out: it moves the work, not what is made) and `makes` (more of
+    what decides it, e.g. the heal recipe). The pipeline's stages and the plan's builds of the same
+    stages record this, so an artifact the plan built is reused by the pipeline only when it would have
+    built the same one."""
+    dumped = None if options is None else options.model_dump(mode="json", exclude={"device"})
+    return {"stage": stage, "options": dumped, **makes}
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link (no bytes copied; every writer replaces files whole, so the two names never diverge
+    in place), or a copy where the filesystem has none."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def adopt_artifact(built: Path, artifact: Path, source: Path, options) -> str | None:
+    """Make `built` (a finished checkpoint folder with a provenance record, e.g. one `kvconvert plan`
+    built) the `artifact` folder too, when its record says it was built from `source`'s weights with
+    `options` and it is unchanged since (reuse_problem); its files are hard-linked (copied where links
+    are impossible) into a temp folder beside `artifact`, which then replaces `artifact`, and the record
+    is written for `artifact`. Returns None when adopted, else why not (nothing is touched then)."""
+    built, artifact = Path(built), Path(artifact)
+    problem = reuse_problem(built, source, options)
+    if problem is not None:
+        return problem
+    tmp = artifact.parent / f".{artifact.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    artifact.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(built, tmp, copy_function=_link_or_copy)
+    if artifact.exists():
+        old = artifact.parent / f".{artifact.name}.old-{os.getpid()}"
+        artifact.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(artifact)
+    record_artifact(artifact, source, options)
     return None
