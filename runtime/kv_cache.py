@@ -132,6 +132,9 @@ def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, work
     raw = _gather_blocks(values, block_tables, workspace, "raw")
     if layer.mode == "none":
         return out.copy_(raw)
+    if layer.mode == "fp8":  # every decode step reads the whole context: the table, not per-value casts
+        lead = out if rope is None else out[..., : -rope.shape[-1]]
+        return lead.copy_(fp8_table_dequantize(raw, scale, out.dtype, workspace))
     if block_scales is not None:
         block_scales = _gather_blocks(block_scales, block_tables, workspace, "raw_scales")
     lead = out if rope is None else out[..., : -rope.shape[-1]]
@@ -140,6 +143,25 @@ def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, work
         out[..., -rope.shape[-1]:].copy_(layer.dequantize_rope(_gather_blocks(rope, block_tables, workspace, "raw_rope"),
                                                                out.dtype))
     return out
+
+
+def fp8_table_dequantize(raw: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+                         workspace: Workspace) -> torch.Tensor:
+    """FP8 codes raw [..., H, D] (or MLA rows [..., W]) times scale ([1, 1], [H, 1] or [1]) in out_dtype: bit for bit
+    kvconvert.quant.formats.fp8_dequantize (each value float(code) * scale in fp32, then rounded once to
+    out_dtype), read from a table of the 256 codes' products instead. A byte has 256 values, so the table holds
+    every product the per-value path can form; the lookup is one integer gather, about 4x faster on a CPU than
+    PyTorch's per-value float8 cast, which dominated an FP8 cache's decode step (docs/BENCHMARKS.md)."""
+    codes = torch.arange(256, dtype=torch.int32, device=raw.device).to(torch.uint8).view(raw.dtype).float()
+    per_row = scale.reshape(-1, 1).float()  # one table per KV head (per-head scales) or one for the tensor
+    table = (codes[None, :] * per_row).to(out_dtype).reshape(-1)  # [heads * 256]
+    index = workspace.get("fp8_index", tuple(raw.shape), torch.int32)
+    index.copy_(raw.view(torch.uint8))
+    if per_row.shape[0] > 1:  # head h's codes index its own table, at h * 256
+        index.view(-1, *raw.shape[-2:]).add_(torch.arange(per_row.shape[0], dtype=torch.int32,
+                                                          device=raw.device)[:, None] * 256)
+    flat = workspace.get("fp8_values", (index.numel(),), out_dtype)
+    return torch.index_select(table, 0, index.reshape(-1), out=flat).view(raw.shape)
 
 
 def _gather_blocks(t: torch.Tensor, block_tables: torch.Tensor, workspace: Workspace, name: str) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvconvert.models.common import DecoderLayer, rms_norm, short_names
+from kvconvert.runtime.memory import KEEP_FP32_HEAD
 
 
 class Decoder:
@@ -58,24 +59,36 @@ class Decoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (already normed, fp32) -> fp32 logits [N, vocab]."""
-        return fp32_logits(hidden, self.lm_head)
+        if not hasattr(self, "_fp32_chunks"):  # bf16/fp16 lm_head small enough: its fp32 chunks, upcast once
+            self._fp32_chunks = upcast_chunks(self.lm_head)
+        return fp32_logits(hidden, self.lm_head, self._fp32_chunks)
 
 
 LOGIT_CHUNK = 8192  # vocabulary rows upcast at a time: bounds the fp32 copy of lm_head (8192 x hidden)
 
 
-def fp32_logits(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+def upcast_chunks(lm_head: torch.Tensor) -> list[torch.Tensor] | None:
+    """The fp32 copies of a 16-bit lm_head's LOGIT_CHUNK-row chunks, when they take at most KEEP_FP32_HEAD
+    bytes (SmolLM2's 49152 x 576: 113 MB), else None. Upcasting them at every decode step cost a bf16
+    SmolLM2 about a fifth of its step on a CPU; kept, the products are the same (same chunks, same values)."""
+    if lm_head.dtype == torch.float32 or lm_head.numel() * 4 > KEEP_FP32_HEAD:
+        return None
+    return [lm_head[lo:lo + LOGIT_CHUNK].float() for lo in range(0, lm_head.shape[0], LOGIT_CHUNK)]
+
+
+def fp32_logits(hidden: torch.Tensor, lm_head: torch.Tensor, chunks: list[torch.Tensor] | None = None) -> torch.Tensor:
     """hidden [N, hidden] -> fp32 logits [N, vocab] with fp32 products and output.
 
     A bf16 matmul accumulates in fp32 but rounds its output to bf16 (8 bits: a logit of 20 lands on
     a 0.125 grid), which perplexity and KL would see; so bf16/fp16 weights are upcast a chunk of
-    rows at a time and multiplied in fp32. fp32 weights go straight through.
+    rows at a time (or taken from `chunks`, upcast_chunks' copies) and multiplied in fp32. fp32 weights
+    go straight through.
     """
     hidden = hidden.float()
     if lm_head.dtype == torch.float32:
         return F.linear(hidden, lm_head)
     out = hidden.new_empty(hidden.shape[0], lm_head.shape[0])
-    for lo in range(0, lm_head.shape[0], LOGIT_CHUNK):
+    for i, lo in enumerate(range(0, lm_head.shape[0], LOGIT_CHUNK)):
         hi = min(lo + LOGIT_CHUNK, lm_head.shape[0])
-        out[:, lo:hi] = F.linear(hidden, lm_head[lo:hi].float())
+        out[:, lo:hi] = F.linear(hidden, chunks[i] if chunks is not None else lm_head[lo:hi].float())
     return out

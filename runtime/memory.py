@@ -24,6 +24,8 @@ from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import WEIGHT_DTYPE_NAMES, torch_dtype
 from kvconvert.kvmath import parameter_count
 
+KEEP_FP32_HEAD = 1 << 28  # a 16-bit lm_head whose fp32 copy is at most this is upcast once, not every step
+
 # Python + torch + transformers' tokenizer, measured here: about 0.5 GB RSS before any weight.
 BASE_BYTES = 600 * 2**20
 # The user can state what the run may use (tests, containers whose limit we cannot read).
@@ -67,6 +69,9 @@ def estimate_memory(config: dict, weight_dtype: torch.dtype, kv_cache_bytes: int
     heads = config["num_attention_heads"]
     t = tokens_per_step
     weights = parameter_count(config) * torch.finfo(weight_dtype).bits // 8
+    head_fp32 = 4 * config["vocab_size"] * hidden  # a 16-bit lm_head's fp32 copy, kept when small (layers.upcast_chunks)
+    if weight_dtype != torch.float32 and head_fp32 <= KEEP_FP32_HEAD:
+        weights += head_fp32
     per_token = 6 * hidden + 3 * inter + 2 * config["vocab_size"]
     activations = 4 * (t * per_token + heads * t * min(context, config.get("max_position_embeddings") or context))
     return MemoryEstimate(weights=weights, kv_cache=kv_cache_bytes, activations=activations)

@@ -365,8 +365,8 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
                                        lambda: stream.replay(attn, records, settings.kv_dtype)))
         clock.lap("search")
         observers.append(obs)
-        del attn, records
-        release_heap()
+        del attn, records  # freed by reference counts (no cycles): a young collection and the trim suffice
+        release_heap(generation=1)
         if progress is not None:
             progress(i + 1, layout.num_layers)
     _describe_key_factors(desc, moments, strength, windows[:STAT_WINDOWS])

@@ -92,7 +92,7 @@ def test_estimate_memory_tinyllama_by_hand():
     params = 22 * per_layer + 2 * 32000 * 2048 + 2048
     assert params == 1_100_048_384  # TinyLlama's published 1.1B
     est = estimate_memory(cfg, torch.bfloat16, kv_cache_bytes=10**8, tokens_per_step=512, context=2048)
-    assert est.weights == 2 * params and est.kv_cache == 10**8
+    assert est.weights == 2 * params + 4 * 32000 * 2048 and est.kv_cache == 10**8  # + lm_head's kept fp32 copy
     assert est.activations == 4 * (512 * (6 * 2048 + 3 * 5632 + 2 * 32000) + 32 * 512 * 2048)
     assert est.total == est.weights + est.kv_cache + est.activations + est.base
     assert estimate_memory(cfg, torch.float32).weights == 4 * params
