@@ -6,8 +6,9 @@ tokens (a = bytes of an activation: 2 under bf16/fp16 autocast, else 4; the stud
 fp32, the teacher in bf16 under mixed_precision bf16, else fp32):
 
   student, teacher      4 x student params, but 2 for the frozen matmul weights under autocast
-                        (stored in the compute dtype once: heal.distill.store_frozen_matmuls_in); 2 or 4
-                        x teacher params
+                        (stored in the compute dtype once: heal.distill.store_frozen_matmuls_in; on a
+                        CPU from a float32 file, 4 + 2: the file's pages stay mapped); 2 or 4 x teacher
+                        params
   gradients, optimizer  4 + 8 bytes per TRAINED parameter: the attention weights `targets` names
                         (full), or their LoRA factors (lora: rank x (in + out) each, + their fp32 copy);
                         fused Adam adds nothing, torch's foreach Adam (CUDA default) one more 4 bytes
@@ -120,6 +121,7 @@ def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_t
     shards: processes an FSDP launch shards both models over (heal.fsdp, one unit per decoder layer):
     weights, gradients and Adam states are 1/shards per process, plus one unit gathered whole at a time;
     the activations and logits of a process's own micro-batch stay as they are."""
+    from kvconvert.kvformat import stored_bytes
     from kvconvert.kvmath import parameter_count
 
     a = 2 if stage.mixed_precision != "no" else 4
@@ -162,10 +164,14 @@ def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_t
         activations = layers * one_layer
     hidden_states = (layers + 1) * n_tokens * hidden * teacher_bytes if stage.hidden_weight > 0 else 0
     lora_weights = 4 * trainable if stage.train == "lora" else 0
-    # on a CPU the checkpoint's pages of the weights the parametrization replaced stay mapped (and read)
+    # on a CPU the checkpoint's pages of the weights the parametrization replaced stay mapped (and read);
+    # so do the frozen matmuls' float32 pages when the file holds float32 (loaded without a copy, their
+    # bf16 casts are new memory), while from a bf16 file the float32 load is a copy the cast frees
     replaced = 4 * layers * trained_elems if device_type == "cpu" else 0
+    mapped_fp32 = device_type == "cpu" and stored_bytes(student.get("torch_dtype") or student.get("dtype")) == 4
+    frozen_bytes = (2 * frozen_matmuls if mapped_fp32 else -2 * frozen_matmuls) if frozen_cast else 0
     parts = {
-        "student": 4 * parameter_count(student) - (2 * frozen_matmuls if frozen_cast else 0) + lora_weights + replaced,
+        "student": 4 * parameter_count(student) + frozen_bytes + lora_weights + replaced,
         "teacher": teacher_bytes * parameter_count(teacher),
         "gradients": 4 * trainable,
         "optimizer": 8 * trainable + foreach_tmp,

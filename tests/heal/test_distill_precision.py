@@ -50,3 +50,16 @@ def test_prepared_student_returns_logits_in_the_autocast_dtype(tiny_student, tin
         assert d.student(input_ids=ids[:1]).logits.dtype == torch.bfloat16
     record = d.train_step()
     assert record["loss"] > 0 and torch.isfinite(torch.tensor(record["grad_norm"]))
+
+
+def test_compile_under_fsdp_is_refused_before_loading(tiny_student, tiny_teacher, tmp_path, monkeypatch):
+    import pytest
+
+    from kvconvert.errors import KVConvertError
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    stage = DistillOptions(compile=True, tokens=2 * 64, seq_len=64, device="cpu", checkpoint_every=0)
+    ids = torch.zeros((2, 64), dtype=torch.long)
+    with pytest.raises(KVConvertError, match="compile is not supported under FSDP"):
+        Distiller(tiny_student, tiny_teacher, ids, stage, tmp_path, fingerprint="t", progress=False)
