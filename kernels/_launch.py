@@ -124,7 +124,9 @@ class DecodeOptions:
     64 they run on mma.sync); block_n: tokens per KV tile; num_warps, num_stages: Triton's;
     latent_loads (MLA): 1 reads each latent tile once for both dots, 2 reads it a second time in the
     transposed layout for QK^T (twice the loads, the second mostly from L2, so that neither dot's
-    operand goes through a register transpose; the RoPE tile is then also read transposed)."""
+    operand goes through a register transpose; the RoPE tile is then also read transposed);
+    fp8_halves (MLA, fp8 cache): the latent read as 16-bit words and computed on even/odd byte halves
+    (kvconvert.kernels.dequant.load_fp8_halves: no byte-wise transpose of the P@V operand)."""
 
     num_splits: int | None = None
     dot: str | None = None
@@ -133,6 +135,7 @@ class DecodeOptions:
     num_warps: int = 4
     num_stages: int = 2
     latent_loads: int = 1
+    fp8_halves: bool = False
 
     def __post_init__(self):
         if self.block_h < 16 or self.block_n < 16:

@@ -160,6 +160,28 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def load_fp8_halves(
+        words_ptr, row_off, row_mask, D, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """MODE_FP8 rows read as 16-bit words (two e4m3 codes each: feature 2j in the low byte, 2j+1 in the
+        high byte) -> two tiles ``[BLOCK_N, BLOCK_D // 2]`` in OUT_DTYPE, features 0, 2, 4, ... and 1, 3, 5, ...
+        (the raw e4m3 values, exact in every dot dtype; the kernel applies the scalar scale to its dots).
+
+        Why (issue 39, the sm_90 compile of the MLA fp8 tile read as bytes): the P@V operand is the tile
+        transposed (its K is the token axis), and an 8-bit tile has no transposing shared-memory load on Hopper
+        (ldmatrix.trans is 16-bit only), so the compiler staged the bytes through registers (synchronous
+        ld.global, no cp.async) and read them back one byte at a time (128 ld.shared.b8 + 64 shl/or per tile
+        and thread). 16-bit words transpose like a bf16 tile; each byte plane then feeds its own dot, as
+        NVFP4's nibble halves do (``load_nvfp4_halves``), so nothing re-interleaves.
+        row_off: int64 ``[BLOCK_N]`` offsets of each row in words (the fp8 tensor viewed as int16)."""
+        HALF: tl.constexpr = BLOCK_D // 2
+        offs_j = tl.arange(0, HALF)
+        w = load_grid(words_ptr, row_off, offs_j, row_mask, offs_j < D // 2, 0, False).to(tl.int32)
+        even = (w & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE)
+        odd = ((w >> 8) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE)
+        return even, odd
+
+    @triton.jit
     def round_to_e4m3(x):
         """fp32 x (|x| <= 448) -> fp32 on the e4m3 grid, rounded to nearest even, so the cast that follows
         is exact: bit-identical to torch's ``x.to(float8_e4m3fn)`` compiled and in the interpreter

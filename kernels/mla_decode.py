@@ -28,13 +28,13 @@ from ._launch import (
     merge_splits, partial_strides, resolve_dot, split_outputs,
 )
 from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
-from .cache_layout import MLACacheLayer
+from .cache_layout import FP8_DTYPE, MLACacheLayer
 from .dequant import MODE_FP8, MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
-    from .dequant import load_kv_tile, load_nvfp4_halves, probs_operand
+    from .dequant import load_fp8_halves, load_kv_tile, load_nvfp4_halves, probs_operand
     from .split_softmax import (
-        dot_scores_t, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_partial_output,
+        dot_scores, dot_scores_t, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_partial_output,
         tile_slots,
     )
 
@@ -43,26 +43,28 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["num_splits"])
     def _mla_decode_split_kernel(
         q_nope_ptr, q_rope_ptr,
-        kv_ptr, rope_ptr, aux_ptr, scale_ptr, rope_scale_ptr,
+        kv_ptr, words_ptr, rope_ptr, aux_ptr, scale_ptr, rope_scale_ptr,
         block_tables_ptr, seq_lens_ptr,
         part_out_ptr, part_lse_ptr,
         qk_scale_log2,
         H, R, P, block_size, num_splits,
         stride_qn_b, stride_qn_h, stride_qr_b, stride_qr_h,
-        stride_kv_blk, stride_kv_tok, stride_rope_blk, stride_rope_tok, stride_aux_blk, stride_aux_tok,
+        stride_kv_blk, stride_kv_tok, stride_w_blk, stride_w_tok, stride_rope_blk, stride_rope_tok, stride_aux_blk, stride_aux_tok,
         stride_bt_b,
         stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
         MODE: tl.constexpr, ROPE_MODE: tl.constexpr,
         AUX_GROUP: tl.constexpr, AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-        LATENT_LOADS: tl.constexpr,
+        LATENT_LOADS: tl.constexpr, FP8_HALVES: tl.constexpr,
     ):
         """An MODE_NVFP4 latent is computed on even/odd feature halves (``load_nvfp4_halves``):
         q.c = q[0::2].c_even + q[1::2].c_odd and out[0::2] / out[1::2] accumulate separately, so the
         packed nibbles never need re-interleaving. Its RoPE rows are plain (16/32-bit) or, with ROPE_MODE
         MODE_FP8, e4m3 codes whose scores take ``rope_scale`` (the kv scale) before they join the latent's.
         LATENT_LOADS 2: QK^T takes a second load of the latent tile, transposed (``[BLOCK_R, BLOCK_N]``, or
-        two ``[BLOCK_R // 2, BLOCK_N]`` halves), and its RoPE tile in that layout; P@V takes the first."""
+        two ``[BLOCK_R // 2, BLOCK_N]`` halves), and its RoPE tile in that layout; P@V takes the first.
+        FP8_HALVES (MODE_FP8): the latent is read as 16-bit words (``words_ptr``: the row as int16) and computed
+        on even/odd byte halves as an NVFP4 latent on its nibble halves (``load_fp8_halves``); RoPE as before."""
         b = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)
@@ -83,7 +85,7 @@ if HAS_TRITON:
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        if MODE == 3:
+        if MODE == 3 or FP8_HALVES:
             q_even, qn_scale = load_query_rows(qn_rows, h_mask, R // 2, 2, DOT_DTYPE, HALF)
             q_odd, qn_scale = load_query_rows(qn_rows + 1, h_mask, R // 2, 2, DOT_DTYPE, HALF)
             acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
@@ -95,7 +97,12 @@ if HAS_TRITON:
             n_mask, phys, slot = tile_slots(block_tables_ptr + b * stride_bt_b, n0, end, block_size, BLOCK_N)
             kv_off = phys * stride_kv_blk + slot * stride_kv_tok
             aux_off = phys * stride_aux_blk + slot * stride_aux_tok
-            if MODE == 3:
+            if FP8_HALVES:
+                c_even, c_odd = load_fp8_halves(words_ptr, phys * stride_w_blk + slot * stride_w_tok, n_mask, R,
+                                                DOT_DTYPE, BLOCK_N, BLOCK_R)
+                qk = dot_scores(q_even, qn_scale, c_even, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores(q_odd, qn_scale, c_odd, DOT_DTYPE, DOT_PRECISION)
+            elif MODE == 3:
                 c_even, c_odd = load_nvfp4_halves(
                     kv_ptr, kv_off, n_mask, R, aux_ptr, aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R, False
                 )
@@ -137,7 +144,7 @@ if HAS_TRITON:
                 qk = qk * scale
             p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
             p = probs_operand(p, DOT_DTYPE)
-            if MODE == 3:
+            if MODE == 3 or FP8_HALVES:
                 acc_even = acc_even * alpha[:, None] + tl.dot(p, c_even, input_precision=DOT_PRECISION)
                 acc_odd = acc_odd * alpha[:, None] + tl.dot(p, c_odd, input_precision=DOT_PRECISION)
             else:
@@ -145,7 +152,7 @@ if HAS_TRITON:
 
         l_safe = finish_softmax(m_i, l_i, part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, h_mask)
         out_rows = part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
-        if MODE == 3:
+        if MODE == 3 or FP8_HALVES:
             store_partial_output(out_rows, acc_even, l_safe, scale, h_mask, R // 2, 2, MODE, DOT_DTYPE, HALF)
             store_partial_output(out_rows + 1, acc_odd, l_safe, scale, h_mask, R // 2, 2, MODE, DOT_DTYPE, HALF)
         else:
@@ -159,6 +166,23 @@ def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq
             f"query dims {q_nope.shape[2]}+{q_rope.shape[2]} do not match the cache's "
             f"kv_lora_rank {cache.kv_lora_rank} + rope_dim {cache.rope_dim}"
         )
+
+
+def _fp8_words(cache: MLACacheLayer, opts: DecodeOptions) -> torch.Tensor:
+    """fp8_halves: the fp8 rows as int16 words (two e4m3 codes each), which the kernel reads the latent from;
+    otherwise the data itself (an unused argument)."""
+    if not opts.fp8_halves:
+        return cache.data
+    if cache.mode != "fp8" or cache.data.dtype != FP8_DTYPE:
+        raise KVConvertError(f"fp8_halves reads an fp8 (e4m3) cache as 16-bit words, not a {cache.mode!r} cache of "
+                             f"{cache.data.dtype}: drop the option")
+    if opts.latent_loads != 1 or opts.dot == "fp8":
+        raise KVConvertError("fp8_halves computes on even/odd byte halves: it takes latent_loads=1 and bf16/fp16/fp32 "
+                             "dots (fp8 dots quantize whole query rows)")
+    if cache.kv_lora_rank % 2 or cache.data.shape[-1] % 2:
+        raise KVConvertError(f"fp8_halves needs an even kv_lora_rank and row width, got {cache.kv_lora_rank} and "
+                             f"{cache.data.shape[-1]}")
+    return cache.data.view(torch.int16)
 
 
 def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: MLACacheLayer,
@@ -189,17 +213,18 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
     splits = part_out.shape[2]
     # NVFP4: even/odd halves of BLOCK_R // 2 features, block-scale groups of 8 bytes
     broadcast = aux_broadcastable(8, block_r // 2) if mode == MODE_NVFP4 else aux_broadcastable(aux_group, block_r)
+    words = _fp8_words(cache, opts)
     _mla_decode_split_kernel[(q_nope.shape[0], head_groups, splits)](
-        q_nope, q_rope, data, rope, aux, scale, rope_scale, block_tables, seq_lens, part_out, part_lse,
+        q_nope, q_rope, data, words, rope, aux, scale, rope_scale, block_tables, seq_lens, part_out, part_lse,
         check_softmax_scale(softmax_scale) * LOG2E,
         heads, r, p, cache.block_size, splits,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1),
-        data.stride(0), data.stride(1), rope.stride(0), rope.stride(1), aux.stride(0), aux.stride(1),
+        data.stride(0), data.stride(1), words.stride(0), words.stride(1), rope.stride(0), rope.stride(1), aux.stride(0), aux.stride(1),
         block_tables.stride(0),
         *partial_strides(part_out, part_lse),
         MODE=mode, ROPE_MODE=rope_mode, AUX_GROUP=aux_group, AUX_BROADCAST=broadcast,
         **dot_constexprs(resolve_dot(opts.dot, q_nope, cache)), BLOCK_R=block_r, BLOCK_P=block_p,
-        LATENT_LOADS=opts.latent_loads, **opts.launch,
+        LATENT_LOADS=opts.latent_loads, FP8_HALVES=opts.fp8_halves, **opts.launch,
     )
     return merge_splits(part_out, part_lse, q_nope.dtype)
 

@@ -91,11 +91,15 @@ TUNED = {
 }
 # Rows the short run adds beside the tuned ones (impl, mode, dot, launcher options that replace the tuned
 # config's): the candidates of issue 39's design that one GPU run decides (docs/BENCHMARKS.md "Kernels").
+# fp8_halves: the fp8 latent read as 16-bit words on even/odd byte halves (no byte-wise transpose of the P@V
+# operand, no spill, 168 registers instead of 255 at the tuned config), with the default (bf16) and fp16 dots.
 # latent_loads 2 at block_n 64 / 8 warps / 3 stages: the config where the compile analysis found both
 # latent loads pipelined (cp.async) and spill-free.
 _TWO_LOADS = {"latent_loads": 2, "block_n": 64, "num_warps": 8, "num_stages": 3}
 CANDIDATES = {
-    "mla": [("triton-2loads", "fp8", None, _TWO_LOADS), ("triton-2loads", "nvfp4", None, _TWO_LOADS)],
+    "mla": [("triton-fp8halves", "fp8", None, {"fp8_halves": True}),
+            ("triton-fp8halves-fp16dot", "fp8", "fp16", {"fp8_halves": True}),
+            ("triton-2loads", "fp8", None, _TWO_LOADS), ("triton-2loads", "nvfp4", None, _TWO_LOADS)],
     "gqa": [],
 }
 

@@ -75,6 +75,19 @@ def test_second_transposed_fp8_latent_load_is_pipelined(hopper):
     assert two["stack"] == 0 and two["reg"] <= 255, two
 
 
+@pytest.mark.parametrize("dot", ["fp16", "bf16"])
+def test_fp8_latent_halves_transpose_without_byte_loads(hopper, dot):
+    """Issue 39's analysis of the MLA fp8 tile at the tuned config: read as bytes, the P@V operand (the tile
+    transposed) is read back from shared memory one byte at a time (ld.shared.b8: Hopper has no 8-bit ldmatrix
+    .trans), its loads are synchronous, and the kernel spills at 255 registers. Read as 16-bit words on even/odd
+    byte halves (fp8_halves), it transposes with ldmatrix like a bf16 tile: no byte loads, several times the
+    ldmatrix and cp.async, no spill, and registers for 3 CTAs of 4 warps per SM (<= 168) instead of 2."""
+    bytes_, halves = hopper[f"mla_fp8_{dot}_tuned_bytes"], hopper[f"mla_fp8_{dot}_tuned_halves"]
+    assert bytes_["ld_shared_b8"] >= 64 and halves["ld_shared_b8"] == 0, (bytes_, halves)
+    assert halves["ldmatrix"] >= 4 * bytes_["ldmatrix"] and halves["cp_async"] >= 4 * bytes_["cp_async"], (bytes_, halves)
+    assert halves["stack"] == 0 and halves["reg"] <= 168 < bytes_["reg"], (bytes_, halves)
+
+
 def test_blackwell_fp8_dots_use_tcgen05():
     """On sm_100 the 64-row fp8-dot tile lowers to tcgen05 MMA of kind f8f6f4, the default tile still compiles."""
     report = compile_report(100, ["mla_fp8_fp8dot_h64", "gqa_nvfp4_bf16"])
