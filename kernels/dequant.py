@@ -42,6 +42,8 @@ MODE_IDS = {"none": MODE_PLAIN, "fp8": MODE_FP8, "fp8_tile": MODE_FP8_TILE, "nvf
 DOT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 if HAS_TRITON:
+    # word-planes NVFP4 values carry 2^-14 (e2m1_code_to_f16_tiny): their kernel multiplies its global scale by this
+    NVFP4_TINY = tl.constexpr(16384.0)
     # fp8 dots: p in [0, 1] is scaled by 2^8 before its e4m3 rounding: exact (a power of two), keeps
     # the largest value (256) under e4m3's 448 and moves the smallest normal down from 2^-6 to 2^-14
     P_SCALE_FP8 = tl.constexpr(256.0)
@@ -160,7 +162,7 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def load_fp8_halves(
+    def load_fp8_byte_planes(
         words_ptr, row_off, row_mask, D, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """MODE_FP8 rows read as 16-bit words (two e4m3 codes each: feature 2j in the low byte, 2j+1 in the
@@ -180,6 +182,41 @@ if HAS_TRITON:
         even = (w & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE)
         odd = ((w >> 8) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE)
         return even, odd
+
+    @triton.jit
+    def load_nvfp4_nibble_planes(
+        words_ptr, row_off, row_mask, D, aux_ptr, aux_row_off,
+        AUX_BROADCAST: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """NVFP4 rows read as 16-bit words (four E2M1 codes each: features 4j .. 4j+3, from the low nibble up)
+        -> four tiles ``[BLOCK_N, BLOCK_D // 4]`` in OUT_DTYPE, features q, q + 4, q + 8, ... for q = 0..3, each
+        ``e2m1 * block_scale * 2^-14`` (:func:`e2m1_code_to_f16_tiny`; the kernel's global scale takes the 2^14),
+        without the global scale, as :func:`load_nvfp4_halves`. Feature 4j + q lies in
+        block-scale group j // 4, so the four planes share one scale tile with groups of 4 words.
+
+        Why (issue 39): :func:`load_nvfp4_halves` reads the packed bytes as 8-bit elements, whose transpose
+        for the P@V operand Hopper can only read from shared memory byte by byte (as an fp8 tile's,
+        :func:`load_fp8_byte_planes`); 16-bit words transpose with ldmatrix."""
+        QUARTER: tl.constexpr = BLOCK_D // 4
+        offs_j = tl.arange(0, QUARTER)
+        w = load_grid(words_ptr, row_off, offs_j, row_mask, offs_j < D // 4, 0, False).to(tl.int32)
+        s = load_group_scales(aux_ptr, aux_row_off, offs_j, row_mask, D // 4, 4, AUX_BROADCAST, tl.float16, BLOCK_N,
+                              QUARTER, False)
+        c0 = (e2m1_code_to_f16_tiny(w) * s).to(OUT_DTYPE)
+        c1 = (e2m1_code_to_f16_tiny(w >> 4) * s).to(OUT_DTYPE)
+        c2 = (e2m1_code_to_f16_tiny(w >> 8) * s).to(OUT_DTYPE)
+        c3 = (e2m1_code_to_f16_tiny(w >> 12) * s).to(OUT_DTYPE)
+        return c0, c1, c2, c3
+
+    @triton.jit
+    def e2m1_code_to_f16_tiny(code):
+        """The low 4 bits of int32 ``code`` -> the E2M1 value times 2^-14 in fp16, exactly: the bit placement of
+        :func:`e2m1_code_to_f16` without its multiply by 2^14, which the caller folds into its global scale
+        (NVFP4_TINY). Times an e4m3 block scale the product stays exact in fp16: its lowest bit is at least
+        2^-1 (E2M1) * 2^-9 (e4m3) * 2^-14 = 2^-24, fp16's smallest subnormal, and it is at most
+        6 * 448 * 2^-14 < 0.17. One multiply per value instead of two."""
+        bits = ((code & 8) << 12) | ((code & 7) << 9)
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True)
 
     @triton.jit
     def round_to_e4m3(x):

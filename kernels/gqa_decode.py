@@ -142,8 +142,8 @@ def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables:
     opts = DecodeOptions(**options)
     if opts.latent_loads != 1:
         raise KVConvertError("latent_loads is an MLA option: a GQA step reads K and V as separate tiles")
-    if opts.fp8_halves:
-        raise KVConvertError("fp8_halves is an MLA option (its fp8 latent feeds both dots)")
+    if opts.word_planes:
+        raise KVConvertError("word_planes is an MLA option (its latent tile feeds both dots)")
     check_kernel_device(q, cache.k, cache.v, block_tables, seq_lens)
     q_heads, d = q.shape[1:]
     group = q_heads // cache.kv_heads

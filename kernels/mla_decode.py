@@ -32,7 +32,7 @@ from .cache_layout import FP8_DTYPE, MLACacheLayer
 from .dequant import MODE_FP8, MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
-    from .dequant import load_fp8_halves, load_kv_tile, load_nvfp4_halves, probs_operand
+    from .dequant import NVFP4_TINY, load_fp8_byte_planes, load_kv_tile, load_nvfp4_halves, load_nvfp4_nibble_planes, probs_operand
     from .split_softmax import (
         dot_scores, dot_scores_t, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_partial_output,
         tile_slots,
@@ -55,7 +55,7 @@ if HAS_TRITON:
         MODE: tl.constexpr, ROPE_MODE: tl.constexpr,
         AUX_GROUP: tl.constexpr, AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-        LATENT_LOADS: tl.constexpr, FP8_HALVES: tl.constexpr,
+        LATENT_LOADS: tl.constexpr, WORD_PLANES: tl.constexpr, PLANES: tl.constexpr,
     ):
         """An MODE_NVFP4 latent is computed on even/odd feature halves (``load_nvfp4_halves``):
         q.c = q[0::2].c_even + q[1::2].c_odd and out[0::2] / out[1::2] accumulate separately, so the
@@ -63,13 +63,16 @@ if HAS_TRITON:
         MODE_FP8, e4m3 codes whose scores take ``rope_scale`` (the kv scale) before they join the latent's.
         LATENT_LOADS 2: QK^T takes a second load of the latent tile, transposed (``[BLOCK_R, BLOCK_N]``, or
         two ``[BLOCK_R // 2, BLOCK_N]`` halves), and its RoPE tile in that layout; P@V takes the first.
-        FP8_HALVES (MODE_FP8): the latent is read as 16-bit words (``words_ptr``: the row as int16) and computed
-        on even/odd byte halves as an NVFP4 latent on its nibble halves (``load_fp8_halves``); RoPE as before."""
+        WORD_PLANES: the latent is read as 16-bit words (``words_ptr``: the latent as int16) and computed on
+        the words' byte planes (MODE_FP8: even/odd features, ``load_fp8_byte_planes``) or nibble planes (MODE_NVFP4:
+        features q mod 4, ``load_nvfp4_nibble_planes``); RoPE as before. PLANES: how many feature planes the
+        latent's dots run on (1: whole rows; 2: even/odd; 4: features q mod 4), the same for q and the output."""
         b = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)
         h_mask = offs_h < H
         HALF: tl.constexpr = BLOCK_R // 2
+        QUARTER: tl.constexpr = BLOCK_R // 4
         # QK^T's operands: LATENT_LOADS 2 reads them in its transposed layout ([features, tokens]),
         # the latent a second time; P@V takes the latent as [tokens, features]
         QK_T: tl.constexpr = LATENT_LOADS == 2
@@ -85,7 +88,16 @@ if HAS_TRITON:
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        if MODE == 3 or FP8_HALVES:
+        if PLANES == 4:  # (q_even, q_odd, acc_even, acc_odd: planes 0 and 1; q_2, q_3, acc_2, acc_3: 2 and 3)
+            q_even, qn_scale = load_query_rows(qn_rows, h_mask, R // 4, 4, DOT_DTYPE, QUARTER)
+            q_odd, qn_scale = load_query_rows(qn_rows + 1, h_mask, R // 4, 4, DOT_DTYPE, QUARTER)
+            q_2, qn_scale = load_query_rows(qn_rows + 2, h_mask, R // 4, 4, DOT_DTYPE, QUARTER)
+            q_3, qn_scale = load_query_rows(qn_rows + 3, h_mask, R // 4, 4, DOT_DTYPE, QUARTER)
+            acc_even = tl.zeros([BLOCK_H, QUARTER], tl.float32)
+            acc_odd = tl.zeros([BLOCK_H, QUARTER], tl.float32)
+            acc_2 = tl.zeros([BLOCK_H, QUARTER], tl.float32)
+            acc_3 = tl.zeros([BLOCK_H, QUARTER], tl.float32)
+        elif PLANES == 2:
             q_even, qn_scale = load_query_rows(qn_rows, h_mask, R // 2, 2, DOT_DTYPE, HALF)
             q_odd, qn_scale = load_query_rows(qn_rows + 1, h_mask, R // 2, 2, DOT_DTYPE, HALF)
             acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
@@ -97,9 +109,17 @@ if HAS_TRITON:
             n_mask, phys, slot = tile_slots(block_tables_ptr + b * stride_bt_b, n0, end, block_size, BLOCK_N)
             kv_off = phys * stride_kv_blk + slot * stride_kv_tok
             aux_off = phys * stride_aux_blk + slot * stride_aux_tok
-            if FP8_HALVES:
-                c_even, c_odd = load_fp8_halves(words_ptr, phys * stride_w_blk + slot * stride_w_tok, n_mask, R,
-                                                DOT_DTYPE, BLOCK_N, BLOCK_R)
+            w_off = phys * stride_w_blk + slot * stride_w_tok
+            if PLANES == 4:
+                c_even, c_odd, c_2, c_3 = load_nvfp4_nibble_planes(words_ptr, w_off, n_mask, R, aux_ptr, aux_off,
+                                                                   AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_R)
+                qk = dot_scores(q_even, qn_scale, c_even, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores(q_odd, qn_scale, c_odd, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores(q_2, qn_scale, c_2, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores(q_3, qn_scale, c_3, DOT_DTYPE, DOT_PRECISION)
+                qk = qk * (scale * NVFP4_TINY)  # the global scale (and the planes' 2^14), on the latent's scores only
+            elif WORD_PLANES:
+                c_even, c_odd = load_fp8_byte_planes(words_ptr, w_off, n_mask, R, DOT_DTYPE, BLOCK_N, BLOCK_R)
                 qk = dot_scores(q_even, qn_scale, c_even, DOT_DTYPE, DOT_PRECISION)
                 qk += dot_scores(q_odd, qn_scale, c_odd, DOT_DTYPE, DOT_PRECISION)
             elif MODE == 3:
@@ -144,15 +164,24 @@ if HAS_TRITON:
                 qk = qk * scale
             p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
             p = probs_operand(p, DOT_DTYPE)
-            if MODE == 3 or FP8_HALVES:
+            if PLANES >= 2:
                 acc_even = acc_even * alpha[:, None] + tl.dot(p, c_even, input_precision=DOT_PRECISION)
                 acc_odd = acc_odd * alpha[:, None] + tl.dot(p, c_odd, input_precision=DOT_PRECISION)
-            else:
+            if PLANES == 4:
+                acc_2 = acc_2 * alpha[:, None] + tl.dot(p, c_2, input_precision=DOT_PRECISION)
+                acc_3 = acc_3 * alpha[:, None] + tl.dot(p, c_3, input_precision=DOT_PRECISION)
+            if PLANES == 1:
                 acc = acc * alpha[:, None] + tl.dot(p, latent, input_precision=DOT_PRECISION)
 
         l_safe = finish_softmax(m_i, l_i, part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, h_mask)
         out_rows = part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
-        if MODE == 3 or FP8_HALVES:
+        if PLANES == 4:
+            n4, tiny_scale = R // 4, scale * NVFP4_TINY
+            store_partial_output(out_rows, acc_even, l_safe, tiny_scale, h_mask, n4, 4, MODE, DOT_DTYPE, QUARTER)
+            store_partial_output(out_rows + 1, acc_odd, l_safe, tiny_scale, h_mask, n4, 4, MODE, DOT_DTYPE, QUARTER)
+            store_partial_output(out_rows + 2, acc_2, l_safe, tiny_scale, h_mask, n4, 4, MODE, DOT_DTYPE, QUARTER)
+            store_partial_output(out_rows + 3, acc_3, l_safe, tiny_scale, h_mask, n4, 4, MODE, DOT_DTYPE, QUARTER)
+        elif PLANES == 2:
             store_partial_output(out_rows, acc_even, l_safe, scale, h_mask, R // 2, 2, MODE, DOT_DTYPE, HALF)
             store_partial_output(out_rows + 1, acc_odd, l_safe, scale, h_mask, R // 2, 2, MODE, DOT_DTYPE, HALF)
         else:
@@ -168,21 +197,23 @@ def _check_decode_inputs(q_nope, q_rope, cache: MLACacheLayer, block_tables, seq
         )
 
 
-def _fp8_words(cache: MLACacheLayer, opts: DecodeOptions) -> torch.Tensor:
-    """fp8_halves: the fp8 rows as int16 words (two e4m3 codes each), which the kernel reads the latent from;
-    otherwise the data itself (an unused argument)."""
-    if not opts.fp8_halves:
-        return cache.data
-    if cache.mode != "fp8" or cache.data.dtype != FP8_DTYPE:
-        raise KVConvertError(f"fp8_halves reads an fp8 (e4m3) cache as 16-bit words, not a {cache.mode!r} cache of "
-                             f"{cache.data.dtype}: drop the option")
+def _latent_words(cache: MLACacheLayer, opts: DecodeOptions, block_r: int) -> tuple[torch.Tensor, int]:
+    """(what the kernel reads a word_planes latent from, its PLANES constexpr). word_planes: the fp8 rows or
+    the packed NVFP4 latent as int16 words, on 2 byte planes or 4 nibble planes; otherwise the data itself
+    (unused) and 2 planes for NVFP4's even/odd halves, 1 for whole rows."""
+    if not opts.word_planes:
+        return cache.data, 2 if cache.mode == "nvfp4" else 1
+    planes = {"fp8": 2, "nvfp4": 4}.get(cache.mode)
+    if planes is None or (cache.mode == "fp8" and cache.data.dtype != FP8_DTYPE):
+        raise KVConvertError(f"word_planes reads an fp8 (e4m3) or nvfp4 latent as 16-bit words, not a {cache.mode!r} "
+                             f"cache of {cache.data.dtype}: drop the option")
     if opts.latent_loads != 1 or opts.dot == "fp8":
-        raise KVConvertError("fp8_halves computes on even/odd byte halves: it takes latent_loads=1 and bf16/fp16/fp32 "
+        raise KVConvertError("word_planes computes on feature planes: it takes latent_loads=1 and bf16/fp16/fp32 "
                              "dots (fp8 dots quantize whole query rows)")
-    if cache.kv_lora_rank % 2 or cache.data.shape[-1] % 2:
-        raise KVConvertError(f"fp8_halves needs an even kv_lora_rank and row width, got {cache.kv_lora_rank} and "
-                             f"{cache.data.shape[-1]}")
-    return cache.data.view(torch.int16)
+    if cache.kv_lora_rank % 2 or cache.data.shape[-1] % 2 or block_r // planes < 16:
+        raise KVConvertError(f"word_planes needs an even row width and kv_lora_rank > {8 * planes} (its planes are "
+                             f"dot operands of at least 16 features), got {cache.kv_lora_rank}")
+    return cache.data.view(torch.int16), planes
 
 
 def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: MLACacheLayer,
@@ -212,8 +243,12 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
     part_out, part_lse = split_outputs(q_nope, r, head_groups, block_tables, cache.block_size, opts)
     splits = part_out.shape[2]
     # NVFP4: even/odd halves of BLOCK_R // 2 features, block-scale groups of 8 bytes
-    broadcast = aux_broadcastable(8, block_r // 2) if mode == MODE_NVFP4 else aux_broadcastable(aux_group, block_r)
-    words = _fp8_words(cache, opts)
+    words, planes = _latent_words(cache, opts, block_r)
+    # NVFP4 block-scale groups: 8 bytes of even/odd halves, or 4 words of nibble planes
+    if mode == MODE_NVFP4:
+        broadcast = aux_broadcastable(16 // planes, block_r // planes)
+    else:
+        broadcast = aux_broadcastable(aux_group, block_r)
     _mla_decode_split_kernel[(q_nope.shape[0], head_groups, splits)](
         q_nope, q_rope, data, words, rope, aux, scale, rope_scale, block_tables, seq_lens, part_out, part_lse,
         check_softmax_scale(softmax_scale) * LOG2E,
@@ -224,7 +259,7 @@ def paged_mla_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: M
         *partial_strides(part_out, part_lse),
         MODE=mode, ROPE_MODE=rope_mode, AUX_GROUP=aux_group, AUX_BROADCAST=broadcast,
         **dot_constexprs(resolve_dot(opts.dot, q_nope, cache)), BLOCK_R=block_r, BLOCK_P=block_p,
-        LATENT_LOADS=opts.latent_loads, FP8_HALVES=opts.fp8_halves, **opts.launch,
+        LATENT_LOADS=opts.latent_loads, WORD_PLANES=opts.word_planes, PLANES=planes, **opts.launch,
     )
     return merge_splits(part_out, part_lse, q_nope.dtype)
 

@@ -20,16 +20,17 @@ on CPU is covered by tests/kernels in the Triton interpreter.
 
 The short run (issue 39) times every cache mode with the launch configs the tuning runs found (TUNED,
 docs/BENCHMARKS.md "Kernels": MLA tuned at 32K, GQA at 8K), so a short lease reproduces the tuned
-numbers. Its size, counted by ``short_plan``: 2 kernels x 2 contexts, 12 MLA rows per context (bf16; fp8 with
-bf16 / fp16 / fp8 dots and the pipelined second latent load; fp8_tile; nvfp4 with bf16 / fp16 dots, the
-second load and the byte-wise decode; FlashInfer; FlashMLA) and 10 GQA rows (bf16; fp8 with bf16 / fp16 / fp8
-dots; nvfp4 with bf16 / fp16 dots and the byte-wise decode; FlashInfer bf16 and fp8) = 44 timings, each a
-CUDA graph of about 40 ms of back-to-back steps replayed 10 times (~0.5 s with capture), ~22 s; about 16
-kernel compiles (~3 s each on the 16-core device host: the same launch configs at both contexts and in
-the checks, num_splits not specialized), ~50 s; 14 cache fills and the checks, ~20 s: **about 1.5 min on
-an H100**, 3 min at the outside. Each row also reports its speed relative to the bf16 cache's at the
-same context and its bandwidth as a fraction of the measured device-to-device copy (the bf16 target:
->= 85% of it).
+numbers. Its size, counted by ``short_plan``: 2 contexts x (15 MLA rows: bf16; fp8 with bf16 / fp16 / fp8 dots;
+fp8_tile and nvfp4 with bf16 / fp16 dots; issue 39's candidates: fp8 and nvfp4 on word planes with bf16 / fp16
+dots, fp8 planes at 49 splits, the second latent load for fp8 and nvfp4; + FlashMLA and FlashInfer on bf16;
+and 6 GQA rows: bf16; fp8 with bf16 / fp16 / fp8 dots; nvfp4 with bf16 / fp16 dots; + FlashInfer on bf16 and
+fp8) = 50 timings, each a CUDA graph of about 40 ms of back-to-back steps replayed 10 times (~0.5 s with
+the capture), ~25 s; 20 kernel compiles (2-4 s each on 2 loaded CPU cores here: one per launch config, shared
+by both contexts and the checks, num_splits not specialized), ~60 s; 20 cache fills and 21 checks, ~20 s:
+**about 2 min on an H100** for kvconvert's rows, written first; the peers come last, their first calls
+JIT-compiling with nvcc (FlashInfer: about a minute per kernel, not measured here). Each row also reports
+its speed relative to the bf16 cache's at the same context and its bandwidth as a fraction of the measured
+device-to-device copy (the bf16 target: >= 85% of it).
 """
 
 from __future__ import annotations
@@ -91,14 +92,18 @@ TUNED = {
 }
 # Rows the short run adds beside the tuned ones (impl, mode, dot, launcher options that replace the tuned
 # config's): the candidates of issue 39's design that one GPU run decides (docs/BENCHMARKS.md "Kernels").
-# fp8_halves: the fp8 latent read as 16-bit words on even/odd byte halves (no byte-wise transpose of the P@V
-# operand, no spill, 168 registers instead of 255 at the tuned config), with the default (bf16) and fp16 dots.
+# word_planes: the fp8 latent read as 16-bit words on even/odd byte planes (no byte-wise transpose of the P@V
+# operand, no spill, 168 registers instead of 255 at the tuned config), the NVFP4 latent on four nibble planes
+# (no spill, 2.5x fewer conversions), each with the default (bf16) and fp16 dots.
 # latent_loads 2 at block_n 64 / 8 warps / 3 stages: the config where the compile analysis found both
 # latent loads pipelined (cp.async) and spill-free.
 _TWO_LOADS = {"latent_loads": 2, "block_n": 64, "num_warps": 8, "num_stages": 3}
 CANDIDATES = {
-    "mla": [("triton-fp8halves", "fp8", None, {"fp8_halves": True}),
-            ("triton-fp8halves-fp16dot", "fp8", "fp16", {"fp8_halves": True}),
+    "mla": [*((impl, mode, dot, {"word_planes": True}) for mode in ("fp8", "nvfp4")
+              for impl, dot in (("triton-planes", None), ("triton-planes-fp16dot", "fp16"))),
+            # at 168 registers 3 CTAs of 4 warps fit an SM, where the byte path's 255 allowed 2: 49 splits x batch
+            # 8 = 392 CTAs fill H100's 132 x 3 slots, where the default 33 (264 CTAs) fills 2 of 3
+            ("triton-planes-49splits", "fp8", None, {"word_planes": True, "num_splits": 49}),
             ("triton-2loads", "fp8", None, _TWO_LOADS), ("triton-2loads", "nvfp4", None, _TWO_LOADS)],
     "gqa": [],
 }

@@ -41,11 +41,14 @@ CASES = [
     # config where session 18's compile analysis found the second load pipelined and spill-free
     *((f"mla_fp8_bf16_n64_{n}load", "mla", "fp8", {"dot": "bf16", "latent_loads": n, "block_n": 64,
                                                    "num_warps": 8, "num_stages": 3}) for n in (1, 2)),
-    # issue 39: the fp8 latent as bytes vs as 16-bit words on even/odd byte halves (fp8_halves), at the tuned
+    # issue 39: the fp8 latent as bytes vs as 16-bit words on even/odd byte halves (word_planes), at the tuned
     # MLA config (block_h 16, block_n 32, 4 warps, 2 stages), fp16 and bf16 dots
     *((f"mla_fp8_{dot}_tuned_{layout}", "mla", "fp8", {"dot": dot, "block_n": 32, "num_warps": 4, "num_stages": 2,
-                                                        "fp8_halves": layout == "halves"})
+                                                        "word_planes": layout == "halves"})
       for dot in ("fp16", "bf16") for layout in ("bytes", "halves")),
+    *((f"mla_nvfp4_bf16_tuned_{layout}", "mla", "nvfp4", {"dot": "bf16", "block_n": 32, "num_warps": 4, "num_stages": 2,
+                                                           "word_planes": layout == "quarters"})
+      for layout in ("halves", "quarters")),
 ]
 
 
@@ -131,7 +134,10 @@ def summary(name: str, architecture: str, mode: str, options: dict, arch: int) -
              "ld_shared_b8": sum(line.startswith("ld.shared.b8") for line in lines),  # byte-wise (transposing) reads
              "st_shared": sum(line.startswith("st.shared") for line in lines),
              "ldmatrix": sum(line.startswith("ldmatrix") for line in lines)}
-    return {"name": name, "arch": arch, "matrix_ops": matrix_ops, **loads, **resource_usage(kernel.asm["cubin"])}
+    # dyn_shared: the shared memory a CTA allocates at launch (the pipeline stages, the layout conversions),
+    # which with the registers bounds the CTAs per SM
+    return {"name": name, "arch": arch, "matrix_ops": matrix_ops, **loads, **resource_usage(kernel.asm["cubin"]),
+            "dyn_shared": kernel.metadata.shared}
 
 
 def main(argv=None) -> int:

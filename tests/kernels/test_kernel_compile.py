@@ -80,12 +80,21 @@ def test_fp8_latent_halves_transpose_without_byte_loads(hopper, dot):
     """Issue 39's analysis of the MLA fp8 tile at the tuned config: read as bytes, the P@V operand (the tile
     transposed) is read back from shared memory one byte at a time (ld.shared.b8: Hopper has no 8-bit ldmatrix
     .trans), its loads are synchronous, and the kernel spills at 255 registers. Read as 16-bit words on even/odd
-    byte halves (fp8_halves), it transposes with ldmatrix like a bf16 tile: no byte loads, several times the
+    byte planes (word_planes), it transposes with ldmatrix like a bf16 tile: no byte loads, several times the
     ldmatrix and cp.async, no spill, and registers for 3 CTAs of 4 warps per SM (<= 168) instead of 2."""
     bytes_, halves = hopper[f"mla_fp8_{dot}_tuned_bytes"], hopper[f"mla_fp8_{dot}_tuned_halves"]
     assert bytes_["ld_shared_b8"] >= 64 and halves["ld_shared_b8"] == 0, (bytes_, halves)
     assert halves["ldmatrix"] >= 4 * bytes_["ldmatrix"] and halves["cp_async"] >= 4 * bytes_["cp_async"], (bytes_, halves)
     assert halves["stack"] == 0 and halves["reg"] <= 168 < bytes_["reg"], (bytes_, halves)
+
+
+def test_nvfp4_latent_nibble_planes_do_not_spill(hopper):
+    """The NVFP4 latent at the tuned config: its even/odd halves of packed bytes spill at 255 registers; read as
+    16-bit words on four nibble planes (word_planes, one multiply per value) it does not spill, converts less
+    than half as much, and reads at most half as many bytes one by one (the block scales still are)."""
+    halves, quarters = hopper["mla_nvfp4_bf16_tuned_halves"], hopper["mla_nvfp4_bf16_tuned_quarters"]
+    assert halves["stack"] > 0 and quarters["stack"] == 0 and quarters["reg"] <= 255, (halves, quarters)
+    assert 2 * quarters["cvt"] <= halves["cvt"] and 2 * quarters["ld_shared_b8"] <= halves["ld_shared_b8"]
 
 
 def test_blackwell_fp8_dots_use_tcgen05():

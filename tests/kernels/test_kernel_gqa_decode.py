@@ -128,6 +128,8 @@ def test_gqa_launcher_and_layout_validation(monkeypatch):
         paged_gqa_decode(q, cache, tables, lens, scale, block_h=8)
     with pytest.raises(KVConvertError, match="latent_loads is an MLA option"):
         paged_gqa_decode(q, cache, tables, lens, scale, latent_loads=2)
+    with pytest.raises(KVConvertError, match="word_planes is an MLA option"):
+        paged_gqa_decode(q, cache, tables, lens, scale, word_planes=True)
     with pytest.raises(KVConvertError, match="k_scale"):
         GQACacheLayer.allocate("fp8", 2, 16, 3, 64, k_scale=torch.ones(2), v_scale=1.0)
     with pytest.raises(KVConvertError, match="unknown GQA cache mode"):  # the mode first, before its scales

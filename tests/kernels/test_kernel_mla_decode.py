@@ -116,37 +116,44 @@ def test_mla_fp8_dot_operands(block_h, block_n, latent_loads):
     assert torch.equal(out[0][3], torch.zeros_like(out[0][3]))
 
 
+@pytest.mark.parametrize("mode", ["fp8", "nvfp4", "nvfp4_fp8rope"])
 @pytest.mark.parametrize("heads,rank,rope_dim,block_size,block_n,splits", [
     (*shape, 16, 16, None) for shape in SHAPES] + [(9, 64, 32, 64, 32, 3), (16, 512, 64, 64, 64, 2)])
-def test_mla_fp8_halves_match_reference(heads, rank, rope_dim, block_size, block_n, splits):
-    """fp8_halves (issue 39): the fp8 latent read as 16-bit words and computed on even/odd byte halves gives
-    the reference's attention to fp32 accumulation (the same values, summed in another order), for every
-    shape (padded ranks: 96, 160), ragged and empty sequences, split ranges and tile sizes."""
+def test_mla_word_planes_match_reference(mode, heads, rank, rope_dim, block_size, block_n, splits):
+    """word_planes (issue 39): the fp8 latent read as 16-bit words on even/odd byte planes, the NVFP4 latent on
+    four nibble planes (values times 2^-14, the global scale times 2^14), give the reference's attention to fp32
+    accumulation (the same values summed in another order), for every shape (padded ranks: 96, 160), ragged and
+    empty sequences, split ranges and tile sizes."""
     seq_lens = [37, 1, 0, 90] if rank < 512 else [130, 9]
-    cache, qn, qr, *args, _ = build_case("fp8", heads, rank, rope_dim, block_size, seq_lens)
-    out = paged_mla_decode(qn, qr, cache, *args, dot="fp32", fp8_halves=True, block_n=block_n, num_splits=splits)
+    cache, qn, qr, *args, _ = build_case(mode, heads, rank, rope_dim, block_size, seq_lens)
+    out = paged_mla_decode(qn, qr, cache, *args, dot="fp32", word_planes=True, block_n=block_n, num_splits=splits)
     assert_decode_close(out, paged_mla_decode_reference(qn, qr, cache, *args), 1e-4)
     if 0 in seq_lens:
         assert torch.equal(out[0][seq_lens.index(0)], torch.zeros(heads, rank, device=DEVICE))
 
 
+@pytest.mark.parametrize("mode", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("dot", LOW_PRECISION_DOTS)
-def test_mla_fp8_halves_low_precision_dots(dot):
-    """Both dots with rounded operands on the DeepSeek shape (the e4m3 values are exact in fp16 and bf16:
-    only q and the probabilities round), as the tuned benchmark config runs them (block_n 32, 4 warps)."""
-    cache, qn, qr, *args, _ = build_case("fp8", 16, 512, 64, 64, [300, 1, 129], seed=3)
-    assert_low_precision_close(paged_mla_decode(qn, qr, cache, *args, dot=dot, fp8_halves=True, block_n=32),
+def test_mla_word_planes_low_precision_dots(mode, dot):
+    """Both dots with rounded operands on the DeepSeek shape (the cached values are exact in fp16 and bf16, the
+    NVFP4 ones down to 2^-24 as fp16 subnormals: only q and the probabilities round), as the tuned benchmark
+    config runs them (block_n 32, 4 warps)."""
+    cache, qn, qr, *args, _ = build_case(mode, 16, 512, 64, 64, [300, 1, 129], seed=3)
+    assert_low_precision_close(paged_mla_decode(qn, qr, cache, *args, dot=dot, word_planes=True, block_n=32),
                                paged_mla_decode_reference(qn, qr, cache, *args))
 
 
-def test_mla_fp8_halves_rejects_what_it_cannot_read():
-    cache, qn, qr, *args, _ = build_case("nvfp4", 9, 64, 32, 16, [5])
-    with pytest.raises(KVConvertError, match="fp8_halves reads an fp8"):
-        paged_mla_decode(qn, qr, cache, *args, fp8_halves=True)
+def test_mla_word_planes_rejects_what_it_cannot_read():
+    cache, qn, qr, *args, _ = build_case("fp8_tile", 9, 64, 32, 16, [5])
+    with pytest.raises(KVConvertError, match="word_planes reads an fp8"):
+        paged_mla_decode(qn, qr, cache, *args, word_planes=True)
     cache, qn, qr, *args, _ = build_case("fp8", 9, 64, 32, 16, [5])
     for options in ({"latent_loads": 2}, {"dot": "fp8", "block_n": 32}):
         with pytest.raises(KVConvertError, match="latent_loads=1 and bf16/fp16/fp32"):
-            paged_mla_decode(qn, qr, cache, *args, fp8_halves=True, **options)
+            paged_mla_decode(qn, qr, cache, *args, word_planes=True, **options)
+    cache, qn, qr, *args, _ = build_case("nvfp4", 9, 32, 32, 16, [5])
+    with pytest.raises(KVConvertError, match="kv_lora_rank > 32"):
+        paged_mla_decode(qn, qr, cache, *args, word_planes=True)
 
 
 @pytest.mark.parametrize("mode", ["none", "fp8_tile", "nvfp4", "nvfp4_fp8rope"])
