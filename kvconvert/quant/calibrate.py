@@ -95,12 +95,13 @@ class CalibrationResult:
 
 def observe_kv(model, layout: KVShape, windows: torch.Tensor, batch_size: int,
                recorder: AttentionRecorder | None = None, record_windows: int = 0,
-               progress=None) -> list[dict[str, KVObserver]]:
-    """One pass over all windows ([N, T]); returns per-layer observers of every cached tensor.
+               progress=None, histograms: bool = True) -> list[dict[str, KVObserver]]:
+    """One pass over all windows ([N, T]); returns per-layer observers of every cached tensor
+    (histograms: kept for the percentile statistic).
 
     The recorder (if any) records the attention inputs of the first `record_windows` windows.
     """
-    observers = [layer_observers(layout) for _ in range(layout.num_layers)]
+    observers = [layer_observers(layout, histograms) for _ in range(layout.num_layers)]
     hook = observing_hook(layout, observers.__getitem__)
     record_windows = min(record_windows, windows.shape[0]) if recorder is not None else 0
     done = 0
@@ -132,7 +133,7 @@ def plan_rotation(model, layout: KVShape, settings: CalibrationSettings, windows
         transforms = [layer_shaping(i, m, layout, settings, desc) for i, m in enumerate(latent_moments)]
     phase, strength = settings.key_phase_enabled(layout), settings.key_strength
     moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size) if phase else []
-    key_obs = observe_kv(model, layout, stat_windows, settings.batch_size) if strength > 0 else []
+    key_obs = observe_kv(model, layout, stat_windows, settings.batch_size, histograms=False) if strength > 0 else []
     factors = None
     if phase or strength > 0:
         factors = [_key_factor(layout, m, obs, strength) for m, obs in itertools.zip_longest(moments, key_obs)]
@@ -270,7 +271,8 @@ def calibrate_model(model, layout: KVShape, windows: torch.Tensor, settings: Cal
     record = settings.search_windows(windows.shape[1])
     recorder = AttentionRecorder(model) if record else None
     try:
-        observers = observe_kv(model, layout, windows, settings.batch_size, recorder, record, progress)
+        observers = observe_kv(model, layout, windows, settings.batch_size, recorder, record, progress,
+                               histograms=settings.observer == "percentile")
         clock.lap("observe")
         per_layer = [_layer_scales(layout, layer, obs, settings, lambda layer=layer: LayerReplay(
             recorder, layout, layer, settings.kv_dtype)) for layer, obs in enumerate(observers)]
@@ -358,7 +360,7 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
         if not layer_plan.is_identity:
             attn = apply_rotation(layer_plan, i, attn, layout.num_heads)
         clock.lap("rotation")
-        obs, records = stream.advance(i, attn, rest, record)
+        obs, records = stream.advance(i, attn, rest, record, histograms=settings.observer == "percentile")
         del rest
         clock.lap("observe")
         per_layer.append(_layer_scales(layout, i, obs, settings,

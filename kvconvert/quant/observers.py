@@ -81,11 +81,14 @@ class KVObserver:
     """Statistics of one cached tensor (a layer's K, V, or MLA row) over all calibration tokens.
 
     ``observe(x)`` takes x ``[batch, heads, tokens, dim]`` (transformers' cache layout).
+    histograms: keep the |x| histograms the percentile statistic reads (amax and mse read only the
+    running amax; the histograms were about two thirds of an observation's time).
     """
 
     num_heads: int
     dim: int
     bins: int = 4096
+    histograms: bool = True
     amax_head: torch.Tensor = field(init=False)  # float64 [heads]
     amax_channel: torch.Tensor = field(init=False)  # float64 [heads, dim]
     tokens: int = field(init=False, default=0)
@@ -93,8 +96,8 @@ class KVObserver:
     def __post_init__(self):
         self.amax_head = torch.zeros(self.num_heads, dtype=torch.float64)
         self.amax_channel = torch.zeros(self.num_heads, self.dim, dtype=torch.float64)
-        self.head_hists = [StreamingHistogram(self.bins) for _ in range(self.num_heads)]
-        self.tensor_hist = StreamingHistogram(self.bins)
+        self.head_hists = [StreamingHistogram(self.bins) for _ in range(self.num_heads)] if self.histograms else []
+        self.tensor_hist = StreamingHistogram(self.bins) if self.histograms else None
 
     def observe(self, x: torch.Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != self.num_heads or x.shape[-1] != self.dim:
@@ -103,9 +106,10 @@ class KVObserver:
         a = x.detach().float().abs().transpose(0, 1).reshape(self.num_heads, -1, self.dim)  # [H, N, D]
         self.amax_channel = torch.maximum(self.amax_channel, a.amax(dim=1).double())
         self.amax_head = self.amax_channel.amax(dim=1)
-        for h in range(self.num_heads):
-            self.head_hists[h].add(a[h])
-        self.tensor_hist.add(a)
+        for h, hist in enumerate(self.head_hists):
+            hist.add(a[h])
+        if self.tensor_hist is not None:
+            self.tensor_hist.add(a)
         self.tokens += a.shape[1]
 
     @property
@@ -123,15 +127,19 @@ class KVObserver:
         if observer in ("amax", "mse"):
             return self.amax_head.clone() if granularity == "head" else torch.tensor(self.amax_tensor, dtype=torch.float64)
         if observer == "percentile":
+            if not self.histograms:
+                raise KVConvertError("this observer kept no histograms (KVObserver(histograms=False)): the "
+                                     "percentile statistic needs them")
             if granularity == "head":
                 return torch.tensor([h.percentile(percentile) for h in self.head_hists], dtype=torch.float64)
             return torch.tensor(self.tensor_hist.percentile(percentile), dtype=torch.float64)
         raise KVConvertError(f"unknown observer {observer!r}: use one of {', '.join(OBSERVERS)}")
 
 
-def layer_observers(layout: KVShape) -> dict[str, KVObserver]:
-    """A fresh observer for each tensor one layer caches."""
-    return {kind: KVObserver(layout.cached_heads, layout.row_dim) for kind in layout.cached_names}
+def layer_observers(layout: KVShape, histograms: bool = True) -> dict[str, KVObserver]:
+    """A fresh observer for each tensor one layer caches (histograms: for the percentile statistic)."""
+    return {kind: KVObserver(layout.cached_heads, layout.row_dim, histograms=histograms)
+            for kind in layout.cached_names}
 
 
 def observing_hook(layout: KVShape, observers_of) -> CacheHook:

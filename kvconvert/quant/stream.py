@@ -152,7 +152,7 @@ class LayerStream:
     def statistics(self, i: int, attn: dict, rest: dict, key_phase: bool, key_obs: bool):
         """Pair moments (on the host) and/or K observers of the first STAT_WINDOWS windows at layer i (unrotated)."""
         sums = PairMomentSums(self.layout) if key_phase else None
-        obs = layer_observers(self.layout) if key_obs else None
+        obs = layer_observers(self.layout, histograms=False) if key_obs else None  # key amax per channel only
         for a, b in self.batches(STAT_WINDOWS):
             q, k, v = self.family.cache(rms_norm(self.hidden[a:b], rest["input_layernorm"], self.family.rms_eps), attn)
             if sums is not None:
@@ -177,10 +177,11 @@ class LayerStream:
         return moments
 
     @torch.no_grad()
-    def advance(self, i: int, attn: dict, rest: dict, record_windows: int) -> tuple[dict[str, KVObserver], list[dict]]:
-        """Observe layer i's cache on every window, keep the first windows' records, and replace the
-        hidden states by the layer's output."""
-        obs, records = layer_observers(self.layout), []
+    def advance(self, i: int, attn: dict, rest: dict, record_windows: int,
+                histograms: bool = True) -> tuple[dict[str, KVObserver], list[dict]]:
+        """Observe layer i's cache on every window (histograms: for the percentile observer), keep the first
+        windows' records, and replace the hidden states by the layer's output."""
+        obs, records = layer_observers(self.layout, histograms), []
         eps, o_proj = self.family.rms_eps, attn["o_proj.weight"]
         for a, b in self.batches():
             h = self.hidden[a:b]

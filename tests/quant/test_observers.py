@@ -80,3 +80,19 @@ def test_observer_errors():
     obs.observe(torch.ones(1, 2, 2, 4))
     with pytest.raises(KVConvertError, match="unknown observer"):
         obs.statistic("minmax", "tensor")
+
+
+def test_an_observer_without_histograms_keeps_the_same_amax_and_refuses_percentile():
+    """amax and mse read only the running amax: their observers skip the histograms (most of an observation's
+    time) and give the same statistics; asking such an observer for a percentile is an error, not a wrong value."""
+    g = torch.Generator().manual_seed(3)
+    full, lean = KVObserver(num_heads=2, dim=4), KVObserver(num_heads=2, dim=4, histograms=False)
+    for _ in range(3):
+        x = torch.randn(2, 2, 5, 4, generator=g)
+        full.observe(x)
+        lean.observe(x)
+    for granularity in ("tensor", "head"):
+        assert torch.equal(lean.statistic("amax", granularity), full.statistic("amax", granularity))
+    assert torch.equal(lean.amax_channel, full.amax_channel)
+    with pytest.raises(KVConvertError, match="percentile"):
+        lean.statistic("percentile", "tensor")
