@@ -125,9 +125,9 @@ class DecodeOptions:
     latent_loads (MLA): 1 reads each latent tile once for both dots, 2 reads it a second time in the
     transposed layout for QK^T (twice the loads, the second mostly from L2, so that neither dot's
     operand goes through a register transpose; the RoPE tile is then also read transposed);
-    word_planes (MLA, fp8 and nvfp4 caches): the latent read as 16-bit words and computed on their byte
-    planes (fp8: even/odd features) or nibble planes (nvfp4: features q mod 4), so the P@V operand, the tile
-    transposed, is not read back from shared memory byte by byte (kvconvert.kernels.dequant.load_fp8_byte_planes,
+    word_planes (fp8 and nvfp4 caches; MLA's latent, GQA's K and V): the rows read as 16-bit words and
+    computed on their byte planes (fp8: even/odd features) or nibble planes (nvfp4: features q mod 4), so the
+    P@V operand, the tile transposed, is not read back from shared memory byte by byte (kvconvert.kernels.dequant.load_fp8_byte_planes,
     load_nvfp4_nibble_planes; docs/BENCHMARKS.md "Kernels")."""
 
     num_splits: int | None = None

@@ -25,11 +25,13 @@ from ._launch import (
     merge_splits, partial_strides, resolve_dot, split_outputs,
 )
 from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
-from .cache_layout import GQACacheLayer
+from .cache_layout import FP8_DTYPE, GQACacheLayer
 from .dequant import MODE_IDS, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:
-    from .dequant import load_kv_tile, load_nvfp4_halves, probs_operand
+    from .dequant import (
+        NVFP4_TINY, load_fp8_byte_planes, load_kv_tile, load_nvfp4_halves, load_nvfp4_nibble_planes, probs_operand,
+    )
     from .split_softmax import (
         dot_scores, finish_softmax, load_query_rows, online_softmax_step, split_token_range, store_partial_output,
         tile_slots,
@@ -51,9 +53,13 @@ if HAS_TRITON:
         stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
         MODE: tl.constexpr, AUX_BROADCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        WORD_PLANES: tl.constexpr, PLANES: tl.constexpr,
     ):
         """MODE_NVFP4 K and V are computed on even/odd feature halves (``load_nvfp4_halves``):
-        q.k = q[0::2].k_even + q[1::2].k_odd; out[0::2] and out[1::2] accumulate separately."""
+        q.k = q[0::2].k_even + q[1::2].k_odd; out[0::2] and out[1::2] accumulate separately.
+        WORD_PLANES: k_ptr / v_ptr are the fp8 or packed NVFP4 rows as int16 words (strides in words), computed on
+        their byte planes (fp8: even/odd features) or nibble planes (NVFP4: features q mod 4, values times
+        2^-14), as the MLA kernel's latent. PLANES: 1 (whole rows), 2 (even/odd) or 4 (features q mod 4)."""
         b = tl.program_id(0)
         kv_head = tl.program_id(1) // groups_per_kv
         in_group = (tl.program_id(1) % groups_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -61,6 +67,7 @@ if HAS_TRITON:
         h_mask = in_group < GROUP
         offs_h = kv_head * GROUP + in_group  # query heads served by this KV head
         HALF: tl.constexpr = BLOCK_D // 2
+        QUARTER: tl.constexpr = BLOCK_D // 4
 
         start, end = split_token_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
@@ -71,7 +78,16 @@ if HAS_TRITON:
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        if MODE == 3:
+        if PLANES == 4:  # (q_even, q_odd, acc_even, acc_odd: planes 0 and 1; q_2, q_3, acc_2, acc_3: 2 and 3)
+            q_even, q_scale = load_query_rows(q_rows, h_mask, D // 4, 4, DOT_DTYPE, QUARTER)
+            q_odd, q_scale = load_query_rows(q_rows + 1, h_mask, D // 4, 4, DOT_DTYPE, QUARTER)
+            q_2, q_scale = load_query_rows(q_rows + 2, h_mask, D // 4, 4, DOT_DTYPE, QUARTER)
+            q_3, q_scale = load_query_rows(q_rows + 3, h_mask, D // 4, 4, DOT_DTYPE, QUARTER)
+            acc_even = tl.zeros([BLOCK_H, QUARTER], tl.float32)
+            acc_odd = tl.zeros([BLOCK_H, QUARTER], tl.float32)
+            acc_2 = tl.zeros([BLOCK_H, QUARTER], tl.float32)
+            acc_3 = tl.zeros([BLOCK_H, QUARTER], tl.float32)
+        elif PLANES == 2:
             q_even, q_scale = load_query_rows(q_rows, h_mask, D // 2, 2, DOT_DTYPE, HALF)
             q_odd, q_scale = load_query_rows(q_rows + 1, h_mask, D // 2, 2, DOT_DTYPE, HALF)
             acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
@@ -85,7 +101,22 @@ if HAS_TRITON:
             v_off = phys * stride_v_blk + slot * stride_v_tok + kvh * stride_v_head
             k_aux_off = phys * stride_ka_blk + slot * stride_ka_tok + kvh * stride_ka_head
             v_aux_off = phys * stride_va_blk + slot * stride_va_tok + kvh * stride_va_head
-            if MODE == 3:
+            if PLANES == 4:
+                k_even, k_odd, k_2, k_3 = load_nvfp4_nibble_planes(k_ptr, k_off, n_mask, D, k_aux_ptr, k_aux_off,
+                                                                   AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D)
+                v_even, v_odd, v_2, v_3 = load_nvfp4_nibble_planes(v_ptr, v_off, n_mask, D, v_aux_ptr, v_aux_off,
+                                                                   AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D)
+                qk = dot_scores(q_even, q_scale, k_even, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores(q_odd, q_scale, k_odd, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores(q_2, q_scale, k_2, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores(q_3, q_scale, k_3, DOT_DTYPE, DOT_PRECISION)
+                qk = qk * NVFP4_TINY  # the planes' values carry 2^-14
+            elif WORD_PLANES:
+                k_even, k_odd = load_fp8_byte_planes(k_ptr, k_off, n_mask, D, DOT_DTYPE, BLOCK_N, BLOCK_D)
+                v_even, v_odd = load_fp8_byte_planes(v_ptr, v_off, n_mask, D, DOT_DTYPE, BLOCK_N, BLOCK_D)
+                qk = dot_scores(q_even, q_scale, k_even, DOT_DTYPE, DOT_PRECISION)
+                qk += dot_scores(q_odd, q_scale, k_odd, DOT_DTYPE, DOT_PRECISION)
+            elif MODE == 3:
                 k_even, k_odd = load_nvfp4_halves(
                     k_ptr, k_off, n_mask, D, k_aux_ptr, k_aux_off, AUX_BROADCAST, DOT_DTYPE, BLOCK_N, BLOCK_D, False
                 )
@@ -106,15 +137,24 @@ if HAS_TRITON:
                 qk = qk * k_scale
             p, alpha, m_i, l_i = online_softmax_step(qk, n_mask, m_i, l_i, qk_scale_log2)
             p = probs_operand(p, DOT_DTYPE)
-            if MODE == 3:
+            if PLANES >= 2:
                 acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PRECISION)
                 acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PRECISION)
-            else:
+            if PLANES == 4:
+                acc_2 = acc_2 * alpha[:, None] + tl.dot(p, v_2, input_precision=DOT_PRECISION)
+                acc_3 = acc_3 * alpha[:, None] + tl.dot(p, v_3, input_precision=DOT_PRECISION)
+            if PLANES == 1:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
 
         l_safe = finish_softmax(m_i, l_i, part_lse_ptr + b * stride_pl_b + offs_h * stride_pl_h + split, h_mask)
         out_rows = part_out_ptr + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
-        if MODE == 3:
+        if PLANES == 4:
+            n4, tiny_scale = D // 4, v_scale * NVFP4_TINY
+            store_partial_output(out_rows, acc_even, l_safe, tiny_scale, h_mask, n4, 4, MODE, DOT_DTYPE, QUARTER)
+            store_partial_output(out_rows + 1, acc_odd, l_safe, tiny_scale, h_mask, n4, 4, MODE, DOT_DTYPE, QUARTER)
+            store_partial_output(out_rows + 2, acc_2, l_safe, tiny_scale, h_mask, n4, 4, MODE, DOT_DTYPE, QUARTER)
+            store_partial_output(out_rows + 3, acc_3, l_safe, tiny_scale, h_mask, n4, 4, MODE, DOT_DTYPE, QUARTER)
+        elif PLANES == 2:
             store_partial_output(out_rows, acc_even, l_safe, v_scale, h_mask, D // 2, 2, MODE, DOT_DTYPE, HALF)
             store_partial_output(out_rows + 1, acc_odd, l_safe, v_scale, h_mask, D // 2, 2, MODE, DOT_DTYPE, HALF)
         else:
@@ -133,6 +173,25 @@ def _scale_stride(s: torch.Tensor) -> int:
     return 0 if s.numel() == 1 else s.stride(0)
 
 
+def _kv_words(cache: GQACacheLayer, opts: DecodeOptions, block_d: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """((k, v) as the kernel reads them, its PLANES constexpr). word_planes: fp8 or packed NVFP4 rows as int16
+    words, on 2 byte planes or 4 nibble planes (as the MLA latent, kvconvert.kernels.mla_decode); otherwise the
+    cache's own tensors and 2 planes for NVFP4's even/odd halves, 1 for whole rows."""
+    if not opts.word_planes:
+        return (cache.k, cache.v), 2 if cache.mode == "nvfp4" else 1
+    planes = {"fp8": 2, "nvfp4": 4}.get(cache.mode)
+    if planes is None or (cache.mode == "fp8" and cache.k.dtype != FP8_DTYPE):
+        raise KVConvertError(f"word_planes reads fp8 (e4m3) or nvfp4 K/V as 16-bit words, not a {cache.mode!r} cache "
+                             f"of {cache.k.dtype}: drop the option")
+    if opts.dot == "fp8":
+        raise KVConvertError("word_planes computes on feature planes: it takes bf16/fp16/fp32 dots (fp8 dots quantize "
+                             "whole query rows)")
+    if cache.k.shape[-1] % 2 or block_d // planes < 16:
+        raise KVConvertError(f"word_planes needs an even row width and head_dim > {8 * planes} (its planes are dot "
+                             f"operands of at least 16 features), got {cache.head_dim}")
+    return (cache.k.view(torch.int16), cache.v.view(torch.int16)), planes
+
+
 def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             softmax_scale: float, **options) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton split-KV GQA decode + LSE merge -> (out ``[B, Hq, D]`` q dtype, lse ``[B, Hq]`` fp32).
@@ -142,8 +201,6 @@ def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables:
     opts = DecodeOptions(**options)
     if opts.latent_loads != 1:
         raise KVConvertError("latent_loads is an MLA option: a GQA step reads K and V as separate tiles")
-    if opts.word_planes:
-        raise KVConvertError("word_planes is an MLA option (its latent tile feeds both dots)")
     check_kernel_device(q, cache.k, cache.v, block_tables, seq_lens)
     q_heads, d = q.shape[1:]
     group = q_heads // cache.kv_heads
@@ -158,9 +215,9 @@ def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables:
     head_groups = cache.kv_heads * groups_per_kv
     part_out, part_lse = split_outputs(q, d, head_groups, block_tables, cache.block_size, opts)
     splits = part_out.shape[2]
-    k, v = cache.k, cache.v
-    # NVFP4: even/odd halves of BLOCK_D // 2 features share block-scale groups of 8 bytes
-    broadcast = aux_broadcastable(8, block_d // 2) if cache.mode == "nvfp4" else aux_broadcastable(16, block_d)
+    (k, v), planes = _kv_words(cache, opts, block_d)
+    # NVFP4 block-scale groups: 8 bytes of even/odd halves, or 4 words of nibble planes
+    broadcast = aux_broadcastable(16 // planes, block_d // planes) if cache.mode == "nvfp4" else aux_broadcastable(16, block_d)
     _gqa_decode_split_kernel[(q.shape[0], head_groups, splits)](
         q, k, v, k_aux, v_aux, k_scale, v_scale, block_tables, seq_lens, part_out, part_lse,
         check_softmax_scale(softmax_scale) * LOG2E,
@@ -172,7 +229,7 @@ def paged_gqa_decode_triton(q: torch.Tensor, cache: GQACacheLayer, block_tables:
         block_tables.stride(0),
         *partial_strides(part_out, part_lse),
         MODE=MODE_IDS[cache.mode], AUX_BROADCAST=broadcast, **dot_constexprs(resolve_dot(opts.dot, q, cache)),
-        BLOCK_D=block_d, **opts.launch,
+        BLOCK_D=block_d, WORD_PLANES=opts.word_planes, PLANES=planes, **opts.launch,
     )
     return merge_splits(part_out, part_lse, q.dtype)
 

@@ -23,10 +23,10 @@ docs/BENCHMARKS.md "Kernels": MLA tuned at 32K, GQA at 8K), so a short lease rep
 numbers. Its size, counted by ``short_plan``: 2 contexts x (15 MLA rows: bf16; fp8 with bf16 / fp16 / fp8 dots;
 fp8_tile and nvfp4 with bf16 / fp16 dots; issue 39's candidates: fp8 and nvfp4 on word planes with bf16 / fp16
 dots, fp8 planes at 49 splits, the second latent load for fp8 and nvfp4; + FlashMLA and FlashInfer on bf16;
-and 6 GQA rows: bf16; fp8 with bf16 / fp16 / fp8 dots; nvfp4 with bf16 / fp16 dots; + FlashInfer on bf16 and
-fp8) = 50 timings, each a CUDA graph of about 40 ms of back-to-back steps replayed 10 times (~0.5 s with
-the capture), ~25 s; 20 kernel compiles (2-4 s each on 2 loaded CPU cores here: one per launch config, shared
-by both contexts and the checks, num_splits not specialized), ~60 s; 20 cache fills and 21 checks, ~20 s:
+and 8 GQA rows: bf16; fp8 with bf16 / fp16 / fp8 dots; nvfp4 with bf16 / fp16 dots and on word planes with
+bf16 / fp16 dots; + FlashInfer on bf16 and fp8) = 54 timings, each a CUDA graph of about 40 ms of back-to-back steps replayed 10 times (~0.5 s with
+the capture), ~27 s; 22 kernel compiles (2-4 s each on 2 loaded CPU cores here: one per launch config, shared
+by both contexts and the checks, num_splits not specialized), ~65 s; 20 cache fills and 23 checks, ~20 s:
 **about 2 min on an H100** for kvconvert's rows, written first; the peers come last, their first calls
 JIT-compiling with nvcc (FlashInfer: about a minute per kernel, not measured here). Each row also reports
 its speed relative to the bf16 cache's at the same context and its bandwidth as a fraction of the measured
@@ -105,7 +105,10 @@ CANDIDATES = {
             # 8 = 392 CTAs fill H100's 132 x 3 slots, where the default 33 (264 CTAs) fills 2 of 3
             ("triton-planes-49splits", "fp8", None, {"word_planes": True, "num_splits": 49}),
             ("triton-2loads", "fp8", None, _TWO_LOADS), ("triton-2loads", "nvfp4", None, _TWO_LOADS)],
-    "gqa": [],
+    # GQA: NVFP4 K/V on nibble planes (byte-wise reads 20 -> 2, conversions 227 -> 140, but more registers);
+    # fp8's tuned 64-row wgmma tile reads no bytes one by one, so its planes are not timed
+    "gqa": [("triton-planes", "nvfp4", None, {"word_planes": True}),
+            ("triton-planes-fp16dot", "nvfp4", "fp16", {"word_planes": True})],
 }
 
 

@@ -49,6 +49,9 @@ CASES = [
     *((f"mla_nvfp4_bf16_tuned_{layout}", "mla", "nvfp4", {"dot": "bf16", "block_n": 32, "num_warps": 4, "num_stages": 2,
                                                            "word_planes": layout == "quarters"})
       for layout in ("halves", "quarters")),
+    *((f"gqa_nvfp4_bf16_tuned_{layout}", "gqa", "nvfp4", {"dot": "bf16", "block_n": 64, "num_warps": 8, "num_stages": 2,
+                                                           "word_planes": layout == "quarters"})
+      for layout in ("halves", "quarters")),
 ]
 
 

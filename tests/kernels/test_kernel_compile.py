@@ -95,6 +95,9 @@ def test_nvfp4_latent_nibble_planes_do_not_spill(hopper):
     halves, quarters = hopper["mla_nvfp4_bf16_tuned_halves"], hopper["mla_nvfp4_bf16_tuned_quarters"]
     assert halves["stack"] > 0 and quarters["stack"] == 0 and quarters["reg"] <= 255, (halves, quarters)
     assert 2 * quarters["cvt"] <= halves["cvt"] and 2 * quarters["ld_shared_b8"] <= halves["ld_shared_b8"]
+    # GQA's NVFP4 V tile (its P@V operand) likewise: byte-wise reads 20 -> 2 at its tuned config
+    halves, quarters = hopper["gqa_nvfp4_bf16_tuned_halves"], hopper["gqa_nvfp4_bf16_tuned_quarters"]
+    assert quarters["ld_shared_b8"] * 4 <= halves["ld_shared_b8"] and quarters["stack"] == 0, (halves, quarters)
 
 
 def test_blackwell_fp8_dots_use_tcgen05():

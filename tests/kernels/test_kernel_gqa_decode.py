@@ -118,6 +118,27 @@ def test_gqa_per_head_scales_beat_per_tensor(mode, max_rel):
     assert 0 < errors[1] <= errors[0] * 1.05 and errors[0] < max_rel
 
 
+@pytest.mark.parametrize("mode,per_head", [m for m in MODES if m[0] != "none"])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,options", [
+    (*SHAPES[0], 16, {}), (*SHAPES[2], 16, {"block_n": 64, "num_splits": 3}), (*SHAPES[0], 64, {"block_h": 64})])
+def test_gqa_word_planes_match_reference(mode, per_head, q_heads, kv_heads, head_dim, block_size, options):
+    """word_planes (issue 39) on GQA: fp8 K/V as 16-bit words on even/odd byte planes, NVFP4 on four nibble planes
+    (values times 2^-14, the scales times 2^14): the reference's attention to fp32 accumulation, per-tensor and
+    per-head scales, ragged and empty sequences, splits, 64-row head tiles."""
+    cache, q, tables, lens, scale = build_case(mode, per_head, q_heads, kv_heads, head_dim, block_size, [37, 1, 0, 90])
+    out = paged_gqa_decode(q, cache, tables, lens, scale, dot="fp32", word_planes=True, **options)
+    assert_decode_close(out, paged_gqa_decode_reference(q, cache, tables, lens, scale), 1e-4)
+    assert torch.equal(out[0][2], torch.zeros_like(out[0][2]))
+
+
+@pytest.mark.parametrize("mode", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("dot", LOW_PRECISION_DOTS)
+def test_gqa_word_planes_low_precision_dots(mode, dot):
+    cache, q, tables, lens, scale = build_case(mode, True, 32, 8, 128, 64, [300, 1, 129], seed=3)
+    assert_low_precision_close(paged_gqa_decode(q, cache, tables, lens, scale, dot=dot, word_planes=True, block_n=64),
+                               paged_gqa_decode_reference(q, cache, tables, lens, scale))
+
+
 def test_gqa_launcher_and_layout_validation(monkeypatch):
     cache, q, tables, lens, scale = build_case("fp8", True, 9, 3, 64, 16, [5])
     with pytest.raises(KVConvertError, match="multiple of kv_heads"):
@@ -128,8 +149,12 @@ def test_gqa_launcher_and_layout_validation(monkeypatch):
         paged_gqa_decode(q, cache, tables, lens, scale, block_h=8)
     with pytest.raises(KVConvertError, match="latent_loads is an MLA option"):
         paged_gqa_decode(q, cache, tables, lens, scale, latent_loads=2)
-    with pytest.raises(KVConvertError, match="word_planes is an MLA option"):
-        paged_gqa_decode(q, cache, tables, lens, scale, word_planes=True)
+    with pytest.raises(KVConvertError, match="bf16/fp16/fp32 dots"):
+        paged_gqa_decode(q, cache, tables, lens, scale, word_planes=True, dot="fp8", block_n=32)
+    for mode, head_dim, match in (("none", 64, "word_planes reads fp8"), ("nvfp4", 32, "head_dim > 32")):
+        other, *other_args = build_case(mode, False, 9, 3, head_dim, 16, [5])
+        with pytest.raises(KVConvertError, match=match):
+            paged_gqa_decode(other_args[0], other, *other_args[1:], word_planes=True)
     with pytest.raises(KVConvertError, match="k_scale"):
         GQACacheLayer.allocate("fp8", 2, 16, 3, 64, k_scale=torch.ones(2), v_scale=1.0)
     with pytest.raises(KVConvertError, match="unknown GQA cache mode"):  # the mode first, before its scales
