@@ -88,8 +88,9 @@ run() {
     local started=$SECONDS log="$out/$step.log"
     case "$step" in kernels|device) log="$out/tests.log" ;; heal7b) log="$out/distill.log" ;; esac
     case "$step" in
+      # -m "not slow": the only slow kernel tests are bench_kernels' CPU smoke runs (the interpreter), no use here
       kernels) KVCONVERT_TEST_DEVICE=cuda PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_kernels:-240}" \
-                 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels ;;
+                 python3 -m pytest -q -n 8 -p no:cacheprovider -m "not slow" tests/kernels ;;
       bench) timeout "${STEP_TIMEOUT_bench:-420}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} \
                --json "$out/bench_kernels.json" --md "$out/bench_kernels.md" ;;
       device) PYTHONSAFEPATH=1 timeout "${STEP_TIMEOUT_device:-120}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_device.py ;;
