@@ -3,9 +3,11 @@
 # (SmolLM2-135M-Instruct) build two candidates for a smaller KV cache and measure both against the
 # source in the bundled runtime (quick suite: essays perplexity/KL, passkey, NIAH, a LongBench-mini
 # subset; gate: the built-in `default` policy):
-#   1. what `kvconvert plan` picks for a budget of 50% of the bf16 KV bytes and stock vLLM (it measures
-#      every candidate that fits and is not dominated; on SmolLM2: the source with a calibrated FP8 cache,
-#      "don't convert, just quantize"), built and validated by `kvconvert pipeline --kv-budget 50%`;
+#   1. what `kvconvert plan` picks for a budget of 50% of the bf16 KV bytes and stock vLLM (it builds, with
+#      the recipe's own options, and measures every candidate that fits and is not dominated; on SmolLM2: the
+#      source with a calibrated FP8 cache, "don't convert, just quantize"), then validated by `kvconvert
+#      pipeline --kv-budget 50%`, which uses the plan's build (its provenance record matches) instead of
+#      calibrating again;
 #   2. MLA at the largest latent stock vLLM serves for this model (256 + 64 = 320 values per token
 #      and layer, 83% of its K+V), one-shot, with a calibrated FP8 KV cache: 42% of the bf16 bytes. It
 #      fails the gate on purpose: it shows what the smaller cache costs without healing (a GPU job).
@@ -21,9 +23,10 @@ out="${1:-out/demo}"
 cat <<'EOF'
 
 == kvconvert demo: two ways to shrink SmolLM2-135M's KV cache, each measured against the source ==
-  [1/3] kvconvert plan for 50% of the bf16 KV bytes, served by stock vLLM: it measures what fits and
-        picks the least damage; the pipeline then builds the pick and validates it (quick suite:
-        perplexity/KL on essays, passkey, NIAH, LongBench-mini subset) and gates it.
+  [1/3] kvconvert plan for 50% of the bf16 KV bytes, served by stock vLLM: it builds what fits (with the
+        calibration its recipe ships), measures it and picks the least damage; the pipeline then takes
+        the plan's build as is, validates it (quick suite: perplexity/KL on essays, passkey, NIAH,
+        LongBench-mini subset) and gates it.
   [2/3] MLA 256+64 one-shot + FP8 KV, 42% of the bf16 bytes: built, validated and gated the same way.
         It FAILS the gate on purpose ("gate FAILED" below is expected): one-shot MLA at this size costs
         more quality than the gate allows; healing it is a GPU job.
