@@ -17,6 +17,11 @@ values are exactly those of :mod:`kvconvert.quant.formats` (the only rounding is
   plane feeds its own dot, so no register shuffle re-interleaves them. The kernels split q and the
   output the same way: ``q . k = q[0::2] . k_even + q[1::2] . k_odd``.
 
+With the launchers' ``word_planes`` option fp8 and NVFP4 rows are read as 16-bit words instead of bytes and
+split into their byte planes (:func:`load_fp8_byte_planes`: even/odd features) or nibble planes
+(:func:`load_nvfp4_nibble_planes`: features q mod 4), each its own dot operand: a 16-bit tile transposes
+with ldmatrix for the P@V dot, an 8-bit one is read back byte by byte on Hopper (docs/BENCHMARKS.md "Kernels").
+
 Per-group scales are expanded to features by a broadcast+reshape when ``AUX_BROADCAST`` (the group
 is a power of two that tiles BLOCK_D) and by a gather otherwise (e.g. FP8 tiles of 96 or 80).
 """

@@ -14,7 +14,7 @@ from kvconvert.quant import formats as F
 from kernel_cases import DEVICE, triton  # first: skips without Triton
 
 from kvconvert.kernels._triton_compat import tl
-from kvconvert.kernels.dequant import e2m1_code_to_f16, quantize_rows_e4m3
+from kvconvert.kernels.dequant import e2m1_code_to_f16, e2m1_code_to_f16_tiny, quantize_rows_e4m3
 
 
 @triton.jit
@@ -41,6 +41,59 @@ def test_e2m1_decode_times_every_e4m3_scale_is_exact():
     _decode_products_kernel[(1,)](codes_in, scales_in, out, N=n)
     expected = F.e2m1_decode(grid_codes) * grid_scales
     assert torch.equal(out[: len(grid_codes)].cpu(), expected)
+
+
+@triton.jit
+def _tiny_products_kernel(codes_ptr, scales_ptr, out_f16_ptr, out_bf16_ptr, N: tl.constexpr):
+    """The word-planes NVFP4 decode (e2m1 * 2^-14 times the block scale in fp16), widened to fp32 straight and
+    through bf16 (the bf16 dots' operand)."""
+    offs = tl.arange(0, N)
+    s = tl.load(scales_ptr + offs).to(tl.float32).to(tl.float16)
+    product = e2m1_code_to_f16_tiny(tl.load(codes_ptr + offs).to(tl.int32)) * s
+    tl.store(out_f16_ptr + offs, product.to(tl.float32))
+    tl.store(out_bf16_ptr + offs, product.to(tl.bfloat16).to(tl.float32))
+
+
+def test_word_planes_tiny_e2m1_products_are_exact():
+    """word_planes' NVFP4 values: e2m1 * 2^-14 * block scale in fp16 (fp16 subnormals down to 2^-24) is exact for
+    every (code, e4m3 scale), and stays exact as a bf16 operand: times 2^14 it is the reference's product."""
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    e4m3 = bits.float()
+    e4m3 = e4m3[torch.isfinite(e4m3) & (e4m3 >= 0)]
+    grid_codes = torch.arange(16, dtype=torch.uint8).repeat_interleave(len(e4m3))
+    grid_scales = e4m3.repeat(16)
+    n = triton.next_power_of_2(len(grid_codes))
+    pad = n - len(grid_codes)
+    codes_in = torch.cat([grid_codes, torch.zeros(pad, dtype=torch.uint8)]).to(DEVICE)
+    scales_in = torch.cat([grid_scales, torch.zeros(pad)]).to(torch.float8_e4m3fn).to(DEVICE)
+    out_f16, out_bf16 = (torch.full((n,), float("nan"), device=DEVICE) for _ in range(2))
+    _tiny_products_kernel[(1,)](codes_in, scales_in, out_f16, out_bf16, N=n)
+    expected = F.e2m1_decode(grid_codes) * grid_scales
+    for out in (out_f16, out_bf16):
+        assert torch.equal(out[: len(grid_codes)].cpu() * 16384.0, expected)
+
+
+@triton.jit
+def _fp8_word_bytes_kernel(words_ptr, lo_ptr, hi_ptr, N: tl.constexpr):
+    """The word-planes fp8 decode: each int16 word's low and high e4m3 byte as fp16 (load_fp8_byte_planes)."""
+    offs = tl.arange(0, N)
+    w = tl.load(words_ptr + offs).to(tl.int32)
+    tl.store(lo_ptr + offs, (w & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.float32))
+    tl.store(hi_ptr + offs, ((w >> 8) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.float32))
+
+
+def test_word_planes_fp8_bytes_decode_exactly():
+    """Every finite e4m3 code, in the low and the high byte of an int16 word (the high byte's sign bit is the
+    word's), decodes to its value exactly."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    values = values[torch.isfinite(values.float())]
+    lo, hi = values, values.view(torch.uint8).flip(0).view(torch.float8_e4m3fn)
+    words = torch.stack([lo.view(torch.uint8), hi.view(torch.uint8)], -1).reshape(-1).view(torch.int16)
+    n = triton.next_power_of_2(len(words))
+    words_in = torch.cat([words, torch.zeros(n - len(words), dtype=torch.int16)]).to(DEVICE)
+    out_lo, out_hi = (torch.full((n,), float("nan"), device=DEVICE) for _ in range(2))
+    _fp8_word_bytes_kernel[(1,)](words_in, out_lo, out_hi, N=n)
+    assert torch.equal(out_lo[: len(words)].cpu(), lo.float()) and torch.equal(out_hi[: len(words)].cpu(), hi.float())
 
 
 @triton.jit
