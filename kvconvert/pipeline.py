@@ -1,5 +1,5 @@
-"""`kvconvert pipeline`: the whole job on one model: convert to MLA (-> heal) -> calibrate KV scales
--> validate against the source -> gate.
+"""The whole job on one model (`kvconvert pipeline`, kvconvert.commands.pipeline): convert to MLA
+(-> heal) -> calibrate KV scales -> validate against the source -> gate.
 
 Every stage runs in this process through the library, with the same options model its command
 takes (kvconvert.stage_options), and is printed first as the equivalent `kvconvert ...` command
@@ -24,17 +24,24 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
-import click
+from pydantic import Field
 
+from kvconvert.device import DEVICE_FIELD
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.options import ValidateOptions
+from kvconvert.eval.suites import SUITES
 from kvconvert.kvformat import CALIBRATE_KV_DTYPES, kv_format
 from kvconvert.mla.options import MLAOptions
 from kvconvert.quant.options import CalibrateOptions
-from kvconvert.stage_options import StageOptions, build_options, options_as_flags
-from kvconvert.targets import DEFAULT_TARGET, TARGETS
+from kvconvert.stage_options import StageOptions, build_options, field_like, options_as_flags
+from kvconvert.targets import TARGETS
+
+
+def to_stderr(msg: str, color: str | None = None) -> None:
+    """Where the pipeline's progress lines go unless the caller says (kvconvert.commands.pipeline colours them)."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ convert (+ heal): also `kvconvert mla`
@@ -122,7 +129,7 @@ def _calibrate(model: str, opts: CalibrateOptions, out: Path) -> Stage:
         from kvconvert.quant.run import CalibrateJob, run_calibrate
 
         run_calibrate(CalibrateJob(src=model, options=opts, out=out, overwrite=True),
-                      echo=lambda msg: click.echo(msg, err=True))
+                      echo=to_stderr)
 
     argv = ["calibrate", "--src", model, *options_as_flags(opts, keep=("kv_dtype",)), "--out", str(out), "--overwrite"]
     return Stage("calibrate", argv, out, opts, run, source=model)
@@ -144,7 +151,7 @@ def _validate(src: str, candidate: str, opts: ValidateOptions, report_dir: Path)
 
 def _gate(report_dir: Path, policy_file: str) -> Stage:
     def run():
-        from kvconvert.eval.cli import run_gate
+        from kvconvert.eval.gate import run_gate
 
         return run_gate(report_dir / "report.json", Path(policy_file))
 
@@ -173,6 +180,9 @@ def build_stages(src: str, convert: MLAOptions | None, heal, heal_shown: str, ca
     return stages + [_validate(src, model, validate, out_dir / "report"), _gate(out_dir / "report", policy_file)]
 
 
+DEFAULT_POLICY = "default"  # recipes/gates/default.yaml: the gate when neither --policy nor the recipe names one
+
+
 def _policy_path(policy: str, base: Path | None = None) -> str:
     """A policy file (as given, or relative to `base`, the recipe's folder) or a built-in name."""
     from kvconvert.resources import find_policy
@@ -199,16 +209,16 @@ def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path, device: st
     validate = recipe.stage("validate") or ValidateOptions()
     if validate.kv_dtype == "auto" and calibrate is not None:  # the calibrated format, unless the recipe says
         validate = validate.model_copy(update={"kv_dtype": calibrate.kv_dtype})
-    policy = _policy_path(block.gate if block is not None and block.gate else "default", recipe_path.parent)
+    policy = _policy_path(block.gate if block is not None and block.gate else DEFAULT_POLICY, recipe_path.parent)
     heal = recipe if recipe.heals() else None
     convert, calibrate, validate = (with_device(o, device) for o in (convert, calibrate, validate))
     return build_stages(src, convert, heal, str(recipe_path) if heal else "none", calibrate, validate, policy, out_dir)
 
 
-def run_stages(stages: list[Stage], overwrite: bool) -> list[dict]:
+def run_stages(stages: list[Stage], overwrite: bool, echo=to_stderr) -> list[dict]:
     """Run the stages in order (reusing a finished one's output unless `overwrite`, or the plan's build of
     the stage, see adopt_prebuilt); the log of each stage's command, seconds and exit code (the gate's: 1
-    when it failed)."""
+    when it failed). echo(line, color): the progress lines."""
     from kvconvert.checkpoint.provenance import record_artifact, reuse_problem
     from kvconvert.sources import resolve_source
 
@@ -217,22 +227,22 @@ def run_stages(stages: list[Stage], overwrite: bool) -> list[dict]:
         if not overwrite and stage.out is not None and (stage.out / "manifest.json").is_file():
             problem = reuse_problem(stage.out, resolve_source(stage.source), stage.provenance())
             if problem is None:
-                click.secho(f"\n== {stage.name}: reusing {stage.out}, built from {stage.source} with these options "
-                            "(--overwrite recomputes it)", fg="cyan", err=True)
+                echo(f"\n== {stage.name}: reusing {stage.out}, built from {stage.source} with these options "
+                     "(--overwrite recomputes it)", "cyan")
                 log.append({"stage": stage.name, "command": stage.command, "seconds": 0.0, "exit_code": 0,
                             "reused": True})
                 continue
-            click.secho(f"\n== {stage.name}: not reusing {stage.out}: {problem}; rebuilding it", fg="yellow", err=True)
-        if adopt_prebuilt(stage):
+            echo(f"\n== {stage.name}: not reusing {stage.out}: {problem}; rebuilding it", "yellow")
+        if adopt_prebuilt(stage, echo):
             log.append({"stage": stage.name, "command": stage.command, "seconds": 0.0, "exit_code": 0,
                         "reused": True, "from_plan": str(stage.prebuilt)})
             continue
-        click.secho(f"\n== {stage.name}: {stage.command}", fg="cyan", err=True)
+        echo(f"\n== {stage.name}: {stage.command}", "cyan")
         t0 = time.time()
         try:
             passed = stage.run()
         except KVConvertError:
-            click.echo(f"pipeline stage {stage.name!r} failed; rerun it alone: {stage.command}", err=True)
+            echo(f"pipeline stage {stage.name!r} failed; rerun it alone: {stage.command}")
             raise
         gc.collect()  # the stage's models and tensors go before the next stage loads its own
         if stage.out is not None:  # what made it, so a rerun reuses it only for the same source and options
@@ -242,7 +252,7 @@ def run_stages(stages: list[Stage], overwrite: bool) -> list[dict]:
     return log
 
 
-def adopt_prebuilt(stage: Stage) -> bool:
+def adopt_prebuilt(stage: Stage, echo=to_stderr) -> bool:
     """Use the plan's build of this stage (stage.prebuilt: `kvconvert plan` built the candidate it chose from the
     recipe's own blocks, kvconvert.plan.recipe_blocks) as the stage's output, when its provenance record says it
     was built from the stage's source weights with the stage's options and is unchanged since (hard links: no
@@ -254,87 +264,85 @@ def adopt_prebuilt(stage: Stage) -> bool:
         return False
     problem = adopt_artifact(stage.prebuilt, stage.out, resolve_source(stage.source), stage.provenance())
     if problem is not None:
-        click.secho(f"\n== {stage.name}: not using the plan's build {stage.prebuilt}: {problem}; building it",
-                    fg="yellow", err=True)
+        echo(f"\n== {stage.name}: not using the plan's build {stage.prebuilt}: {problem}; building it", "yellow")
         return False
-    click.secho(f"\n== {stage.name}: {stage.out} is the plan's build ({stage.prebuilt}: built from {stage.source} "
-                f"with the recipe's options and measured by the plan), not built again; the command it stands for: "
-                f"{stage.command}", fg="cyan", err=True)
+    echo(f"\n== {stage.name}: {stage.out} is the plan's build ({stage.prebuilt}: built from {stage.source} "
+         f"with the recipe's options and measured by the plan), not built again; the command it stands for: "
+         f"{stage.command}", "cyan")
     return True
 
 
-# ------------------------------------------------------------------ the command
+# ------------------------------------------------------------------ the job (its command: kvconvert.commands.pipeline)
 
 RECIPE_OWNS = ("rank", "rope_dim", "target", "heal", "calib_tokens", "kv_dtype", "suite", "policy")
 
 
-@click.command("pipeline")
-@click.option("--src", default="smollm2-135m", show_default=True, help="Source model (folder, built-in name, hub id).")
-@click.option("--recipe", "recipe_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Recipe YAML whose blocks drive every stage (its `source` replaces --src when set).")
-@click.option("--mla/--no-mla", "convert", default=True, show_default=True,
-              help="--no-mla: keep the source's attention and only calibrate its KV cache (\"don't convert, just "
-                   "quantize\").")
-@click.option("--rank", type=int, default=None,
-              help="kv_lora_rank of the MLA conversion (default: the largest latent the --target engine serves).")
-@click.option("--rope-dim", type=int, default=None, help="qk_rope_head_dim (default: with --rank's default).")
-@click.option("--target", type=click.Choice(list(TARGETS)), default=DEFAULT_TARGET, show_default=True,
-              help="Engine the checkpoint is for (see `kvconvert mla --target`).")
-@click.option("--heal", default="layerwise", show_default=True, help="none, layerwise or a recipe YAML.")
-@click.option("--calib-tokens", type=click.IntRange(min=512), default=None,
-              help="Calibration tokens for both convert and calibrate (default: each command's own default).")
-@click.option("--kv-dtype", type=click.Choice([*CALIBRATE_KV_DTYPES, "bf16"]), default="fp8", show_default=True)
-@click.option("--suite", default="quick", show_default=True)
-@click.option("--policy", default="default", show_default=True, help="Gate policy: a YAML file or a built-in name.")
-@click.option("--kv-budget", default=None,
-              help="Let `kvconvert plan` measure what fits this share of the source's bf16 KV bytes (e.g. 50%) and "
-                   "the --target engine, then build and validate the winner from its recipe (OUT/plan).")
-@click.option("--device", default=None, help="Where every stage runs: auto (cuda when visible), cpu, cuda[:N] "
-                                             "(default: each stage's own, auto).")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
-@click.option("--overwrite", is_flag=True, help="Recompute every stage (default: reuse finished stages).")
-@click.option("--fail-on-gate", is_flag=True, help="Exit 1 when the gate fails (for CI); default: report and exit 0.")
-def pipeline_cmd(src, recipe_file, convert, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy,
-                 kv_budget, device, out_dir, overwrite, fail_on_gate):
-    """Convert -> heal -> calibrate -> validate -> gate, ending with the report table."""
+class PipelineOptions(StageOptions):
+    """`kvconvert pipeline`'s flags (without --recipe). Each one that sets a stage's field is that field, with
+    its limits and help (field_like); None leaves every stage its own default."""
+
+    mla: bool = Field(True, description="--no-mla: keep the source's attention and only calibrate its KV cache "
+                                        "(\"don't convert, just quantize\").")
+    rank: int | None = field_like(MLAOptions.model_fields["rank"], default=None, description=(
+        "kv_lora_rank of the MLA conversion (default: the largest latent the --target engine serves)."))
+    rope_dim: int | None = field_like(MLAOptions.model_fields["rope_dim"],
+                                      description="qk_rope_head_dim (default: with --rank's default).")
+    target: Literal[tuple(TARGETS)] = field_like(MLAOptions.model_fields["target"],
+                                                 description="Engine the checkpoint is for (see `kvconvert mla --target`).")
+    heal: str = Field("layerwise", description="none, layerwise or a recipe YAML.")
+    calib_tokens: int | None = field_like(MLAOptions.model_fields["calib_tokens"], default=None, description=(
+        "Calibration tokens for both convert and calibrate (default: each command's own default)."))
+    kv_dtype: Literal[(*CALIBRATE_KV_DTYPES, "bf16")] = field_like(
+        CalibrateOptions.model_fields["kv_dtype"], description="KV cache format (bf16: not quantized, no calibration).")
+    suite: Literal[tuple(SUITES)] = field_like(ValidateOptions.model_fields["suite"])
+    policy: str = Field(DEFAULT_POLICY, description="Gate policy: a YAML file or a built-in name.")
+    kv_budget: str | None = Field(None, description=(
+        "Let `kvconvert plan` measure what fits this share of the source's bf16 KV bytes (e.g. 50%) and the --target "
+        "engine, then build and validate the winner from its recipe (OUT/plan)."))
+    device: str | None = field_like(DEVICE_FIELD, default=None, description=(
+        "Where every stage runs: auto (cuda when visible), cpu, cuda[:N] (default: each stage's own, auto)."))
+
+
+def run_pipeline(src: str, recipe_file: Path | None, opts: PipelineOptions, out_dir: Path, overwrite: bool = False,
+                 given: frozenset[str] = frozenset(), echo=to_stderr) -> dict:
+    """The stages (of the flags' `opts`, of the recipe, or of the plan for opts.kv_budget), run in order into
+    `out_dir`, their log in out_dir/pipeline.json. `given`: the parameters the command line gave, refused where
+    the recipe or the plan sets them. Returns {"src", "stages", "log", "planned" (seconds the plan took)}."""
     from kvconvert.checkpoint import check_writable
 
-    t0 = time.time()  # Total counts all this command runs, the plan of --kv-budget included
+    t0 = time.time()
     if recipe_file is None:  # --out vs --src before any work (the plan of --kv-budget included)
         _check_out(out_dir, src)
-    if kv_budget is not None:
-        src, stages = _from_plan(src, kv_budget, target, device, out_dir, overwrite)
+    if opts.kv_budget is not None:
+        src, stages = _from_plan(src, opts.kv_budget, opts.target, opts.device, out_dir, overwrite, given, echo)
     elif recipe_file is not None:
-        src, stages = _from_recipe(recipe_file, src, out_dir, device)
+        src, stages = _from_recipe(recipe_file, src, out_dir, opts.device, given)
     else:
-        if not convert:
-            _refuse_given(("rank", "rope_dim", "target", "heal"),
-                          "belong to the MLA conversion, which --no-mla skips; drop them or --no-mla")
-            rank = None
-        elif rank is None:
-            rank, rope_dim = _default_shape(src, target, rope_dim)
-        stages = _from_flags(src, rank, rope_dim, target, heal if convert else "none", calib_tokens, kv_dtype,
-                             suite, policy, out_dir, device)
+        stages = _from_options(src, opts, out_dir, given)
     if recipe_file is not None:  # the recipe's source is known now
         _check_out(out_dir, src)
     check_writable(out_dir)  # before the first stage (kvconvert.checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
     planned = time.time() - t0  # --kv-budget: the plan (0 when a finished plan was reused)
-    log = run_stages(stages, overwrite)
-    if kv_budget is not None:
-        log.insert(0, {"stage": "plan", "command": f"kvconvert plan --kv-budget {kv_budget} --out {out_dir / 'plan'}",
+    log = run_stages(stages, overwrite, echo)
+    if opts.kv_budget is not None:
+        log.insert(0, {"stage": "plan", "command": f"kvconvert plan --kv-budget {opts.kv_budget} --out {out_dir / 'plan'}",
                        "seconds": round(planned, 1), "exit_code": 0})
     (out_dir / "pipeline.json").write_text(json.dumps({"stages": log, "seconds": round(time.time() - t0, 1)}, indent=2))
-    report_dir, candidate = out_dir / "report", next((s.out for s in reversed(stages) if s.out), src)
-    pictures = sorted(p.name for p in report_dir.glob("*.png"))
-    click.echo(f"\nReport: {report_dir / 'report.md'}\nPictures: {', '.join(pictures) or 'none'} in {report_dir}"
-               f"\nValidated model: {candidate}\nTotal: {time.time() - t0:.0f} s"
-               + (f" (the plan {planned:.0f} s, then the stages)" if kv_budget is not None else ""))
-    gate_ok = log[-1]["exit_code"] == 0
-    click.secho(f"Gate ({Path(stages[-1].argv[-1]).name}): {'PASS' if gate_ok else 'FAIL'}",  # argv ends: --policy FILE
-                fg="green" if gate_ok else "red")
-    if not gate_ok and fail_on_gate:
-        sys.exit(log[-1]["exit_code"])
+    return {"src": src, "stages": stages, "log": log, "planned": planned}
+
+
+def _from_options(src: str, opts: PipelineOptions, out_dir: Path, given: frozenset[str]) -> list[Stage]:
+    """The stages of the flags: --no-mla skips the conversion; no --rank: the largest shape --target serves."""
+    rank, rope_dim = opts.rank, opts.rope_dim
+    if not opts.mla:
+        _refuse_given(given, ("rank", "rope_dim", "target", "heal"),
+                      "belong to the MLA conversion, which --no-mla skips; drop them or --no-mla")
+        rank = None
+    elif rank is None:
+        rank, rope_dim = _default_shape(src, opts.target, rope_dim)
+    return _from_flags(src, rank, rope_dim, opts.target, opts.heal if opts.mla else "none", opts.calib_tokens,
+                       opts.kv_dtype, opts.suite, opts.policy, out_dir, opts.device)
 
 
 def _check_out(out_dir: Path, src: str) -> None:
@@ -361,19 +369,17 @@ def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite
                         _policy_path(policy), out_dir)
 
 
-FLAG_OF = {"recipe_file": "--recipe", "convert": "--mla"}  # parameters whose flag is not --<name>
+FLAG_OF = {"recipe_file": "--recipe"}  # parameters whose flag is not --<name>
 
 
-def _given_flags(names: tuple[str, ...]) -> str:
+def _given_flags(given: frozenset[str], names: tuple[str, ...]) -> str:
     """The flags among the parameters `names` that the command line gave ("--rank, --heal"; "" when none)."""
-    ctx = click.get_current_context()
-    return ", ".join(FLAG_OF.get(name, "--" + name.replace("_", "-")) for name in names
-                     if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE)
+    return ", ".join(FLAG_OF.get(name, "--" + name.replace("_", "-")) for name in names if name in given)
 
 
-def _refuse_given(names: tuple[str, ...], why: str) -> None:
+def _refuse_given(given: frozenset[str], names: tuple[str, ...], why: str) -> None:
     """KVConvertError "FLAGS: why" when the command line gave any of the parameters `names`."""
-    flags = _given_flags(names)
+    flags = _given_flags(given, names)
     if flags:
         raise KVConvertError(f"{flags}: {why}")
 
@@ -399,33 +405,33 @@ def _default_shape(src: str, target: str, rope_dim: int | None) -> tuple[int, in
     return shapes[0]
 
 
-def _from_recipe(recipe_file: Path, src: str, out_dir: Path, device: str | None = None) -> tuple[str, list[Stage]]:
+def _from_recipe(recipe_file: Path, src: str, out_dir: Path, device: str | None = None,
+                 given: frozenset[str] = frozenset()) -> tuple[str, list[Stage]]:
     from kvconvert.recipe import load_recipe
 
-    _refuse_given(RECIPE_OWNS, f"set by the recipe ({recipe_file}); change the recipe instead")
+    _refuse_given(given, RECIPE_OWNS, f"set by the recipe ({recipe_file}); change the recipe instead")
     recipe = load_recipe(recipe_file)
-    if recipe.source and _given_flags(("src",)) and src != recipe.source:
+    if recipe.source and "src" in given and src != recipe.source:
         raise KVConvertError(f"--src {src}: the recipe's source is {recipe.source}; drop --src or edit the recipe")
     src = recipe.source or src
     return src, recipe_stages(recipe, recipe_file, src, out_dir, device)
 
 
-def _from_plan(src: str, kv_budget: str, target: str, device: str | None, out_dir: Path,
-               overwrite: bool) -> tuple[str, list[Stage]]:
+def _from_plan(src: str, kv_budget: str, target: str, device: str | None, out_dir: Path, overwrite: bool,
+               given: frozenset[str] = frozenset(), echo=to_stderr) -> tuple[str, list[Stage]]:
     """`kvconvert plan` (its defaults, with --target and --device) into out_dir/plan, reused when a finished
     plan there has the same budget and options, unless `overwrite`; then the stages of the recipe it chose."""
     from kvconvert.plan import PlanOptions, finished_plan, parse_budget, run_plan
     from kvconvert.recipe import load_recipe
 
-    _refuse_given(("recipe_file", "convert", "rank", "rope_dim", "kv_dtype", "heal"),
+    _refuse_given(given, ("recipe_file", "mla", "rank", "rope_dim", "kv_dtype", "heal"),
                   "--kv-budget lets `kvconvert plan` choose these; drop them or --kv-budget")
     budget, plan_dir = parse_budget(kv_budget), out_dir / "plan"
     opts = build_options(PlanOptions, {"target": target, "device": device})
     if overwrite or not finished_plan(plan_dir, budget, opts):
         flags = " ".join(options_as_flags(opts, keep=("target",)))
-        click.secho(f"\n== plan: kvconvert plan --src {src} --kv-budget {kv_budget} {flags} --out {plan_dir}",
-                    fg="cyan", err=True)
-        run_plan(src, budget, opts, plan_dir, echo=lambda msg: click.echo(msg, err=True), overwrite=overwrite)
+        echo(f"\n== plan: kvconvert plan --src {src} --kv-budget {kv_budget} {flags} --out {plan_dir}", "cyan")
+        run_plan(src, budget, opts, plan_dir, echo=echo, overwrite=overwrite)
     recipe_file = plan_dir / "recipe.yaml"
     stages = recipe_stages(load_recipe(recipe_file), recipe_file, src, out_dir, device)
     built = json.loads((plan_dir / "plan.json").read_text()).get("artifacts") or {}

@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-import click
 from pydantic import Field, model_validator
 
 from kvconvert.device import DEVICE_FIELD
@@ -39,7 +38,7 @@ from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
 from kvconvert.mla.options import DEFAULT_CONVERT_TEXT
 from kvconvert.progress import eta_text
-from kvconvert.stage_options import StageOptions, build_options, click_options
+from kvconvert.stage_options import StageOptions
 from kvconvert.targets import DEFAULT_TARGET, TARGETS, get_target, rope_dims_for, servable_shapes
 
 FORMATS = ("bf16", "fp8", "nvfp4", "nvfp4_fp8rope")  # finest first
@@ -467,7 +466,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.echo, overwrite: bool = False) -> dict:
+def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, overwrite: bool = False) -> dict:
     """Enumerate, filter, prune, measure, choose; writes plan.json (with `opts`, and under "artifacts" the chosen
     candidate's builds, which the pipeline reuses), plan.png, plan.md and recipe.yaml to `out`. overwrite: rebuild
     the candidates' checkpoints even where a matching build is in `out` (the pipeline's --overwrite)."""
@@ -558,18 +557,6 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=click.e
          f"{results[best.name]['kl']:.4f}): {verdict}.\nRecipe: {out / 'recipe.yaml'} (kvconvert pipeline --recipe "
          f"{out / 'recipe.yaml'} --out OUT)\nPicture: {out / 'plan.png'}\nTotal: {plan['seconds']:.0f} s")
     return plan
-
-
-@click.command("plan")
-@click.option("--src", default="smollm2-135m", show_default=True, help="Source model (folder or built-in name).")
-@click.option("--kv-budget", "budget", required=True, help="KV bytes per token allowed, as a share of the source's "
-                                                           "bf16 cache: 25% or 0.25.")
-@click_options(PlanOptions)
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("out/plan"), show_default=True)
-def plan_cmd(src, budget, out_dir, **params):
-    """Pick the least-damage KV artifact that fits a byte budget: measured, with the recipe that builds it."""
-    with removed_if_empty(out_dir):  # an interrupted or failed plan leaves no empty --out behind
-        run_plan(src, parse_budget(budget), build_options(PlanOptions, params), out_dir)
 
 
 @contextmanager

@@ -1,14 +1,8 @@
 """One options model per stage (llm-compressor style): the pydantic model holds the fields, their
 defaults, limits and help text; the recipe block is the model, the library function takes it, and
-the click options are generated from it, so a default is written exactly once.
-
-    @click.command("mla")
-    @click_options(ConvertOptions)
-    def mla_cmd(**params):
-        opts = build_options(ConvertOptions, params)
-
-Every generated option defaults to None ("not given") and the model fills in its own default, so
-the CLI, the recipe and the API cannot disagree. Torch-free.
+the command's flags are generated from it (kvconvert.commands.options), so a default is written
+exactly once. build_options turns the flags' values (None = not given) into the model and a bad
+value into a KVConvertError that names the flag. Torch-free and click-free.
 """
 
 from __future__ import annotations
@@ -16,10 +10,10 @@ from __future__ import annotations
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import click
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.fields import FieldInfo
 
 from kvconvert.errors import KVConvertError
 
@@ -43,7 +37,7 @@ def option_flag(name: str, prefix: str = "") -> str:
 
 
 def option_param(name: str, prefix: str = "") -> str:
-    """The click parameter of field `name`: `prefix_name` when the command holds several models."""
+    """The parameter of field `name` in a command: `prefix_name` when the command holds several models."""
     return f"{prefix}_{name}" if prefix else name
 
 
@@ -55,38 +49,11 @@ def base_type(annotation) -> Any:
     return annotation
 
 
-def _split_list(ctx, param, value):
-    return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
-
-
-def _option(field, name: str, prefix: str):
-    """The click option of field `name` (see click_options)."""
-    flag, param = option_flag(name, prefix), option_param(name, prefix)
-    kind = base_type(field.annotation)
-    help_text = field.description or ""
-    default = None if field.is_required() else field.get_default()
-    if isinstance(default, tuple):
-        default = ",".join(default)
-    if default is not None and not (kind is bool and default is False):
-        help_text += f"  [default: {default}]"
-    if kind is bool:
-        return click.option(f"{flag}/--no-{flag[2:]}", param, default=None, help=help_text)
-    if typing.get_origin(kind) is Literal:
-        return click.option(flag, param, type=click.Choice([str(a) for a in typing.get_args(kind)]), default=None,
-                            help=help_text)
-    if typing.get_origin(kind) is tuple:
-        return click.option(flag, param, default=None, callback=_split_list, help=help_text + " (comma-separated)")
-    return click.option(flag, param, type=kind if kind in (int, float) else str, default=None, help=help_text)
-
-
-def click_options(model: type[StageOptions], prefix: str = ""):
-    """Decorator: one click option per field of `model`, in field order; with `prefix`, field `steps`
-    becomes --PREFIX-steps (parameter PREFIX_steps)."""
-    def decorate(command):
-        for name, field in reversed(list(model.model_fields.items())):
-            command = _option(field, name, prefix)(command)
-        return command
-    return decorate
+def field_like(field: FieldInfo, **changes) -> FieldInfo:
+    """`field` (a stage model's, or a shared one like DEVICE_FIELD) with `changes` (default, description):
+    for an option that sets that field from another command (the pipeline's --rank is the conversion's
+    rank), so its limits are written once."""
+    return FieldInfo.merge_field_infos(field, **changes)
 
 
 def given_options(model: type[StageOptions], params: dict, prefix: str = "") -> dict:
@@ -126,20 +93,6 @@ def options_as_flags(opts: StageOptions, keep: tuple[str, ...] = ()) -> list[str
             out += [flag, str(value)]
     return out
 
-
-# --------------------------------------------------------------------------- options every stage command shares
-
-def out_option(help_text: str, required: bool = True):
-    """--out FOLDER (a Path) of a stage command."""
-    return click.option("--out", "out", required=required, default=None,
-                        type=click.Path(file_okay=False, path_type=Path), help=help_text)
-
-
-threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
-                              help="torch CPU threads (default: torch's choice; 1 is faster on a CPU shared with "
-                                   "other jobs).")
-no_progress_option = click.option("--no-progress", is_flag=True, help="No progress bars.")
-overwrite_option = click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
 
 # --------------------------------------------------------------------------- YAML files (recipes, gate policies)
 

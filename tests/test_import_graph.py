@@ -1,8 +1,11 @@
-"""No import cycles between kvconvert's modules (issue 40).
+"""No import cycles between kvconvert's modules, and the commands above the library (issue 40).
 
 The graph is read from the source (ast), not from what happens to be imported at run time, and it
 counts imports inside function bodies too: those keep `--help` fast but are edges all the same, and a
 cycle hidden in a function body is still two modules that cannot be read or moved apart.
+
+Only kvconvert.commands imports click, and no library module imports kvconvert.commands: the library
+is driven by options models and callbacks, the command line is one layer on top of it.
 """
 
 from __future__ import annotations
@@ -24,20 +27,22 @@ def project_modules() -> dict[str, Path]:
     return found
 
 
+def imported(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every module the file imports, anywhere in it (absolute imports; `from a import b` is a.b when b
+    is one of `modules`, else a)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                         for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the project modules it imports (absolute imports; `from a import b` is a.b when b is
-    a module, else a)."""
-    graph = {name: set() for name in modules}
-    for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                           for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            graph[name].update(t for t in targets if t in modules and t != name)
-    return graph
+    """module -> the project modules it imports."""
+    return {name: {t for t in imported(path, modules) if t in modules and t != name} for name, path in modules.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -93,3 +98,33 @@ def test_no_module_imports_itself_back():
     found = cycles(import_graph(project_modules()))
     assert not found, "import cycles (move the shared helper to the module that owns its concept): " + \
         "; ".join(" <-> ".join(c) for c in found)
+
+
+COMMANDS = "kvconvert.commands"
+SHIM = "kvconvert.cli"  # `python -m kvconvert.cli` (accelerate and torchrun launch a module): imports commands.main
+
+
+def in_commands(module: str) -> bool:
+    return module == COMMANDS or module.startswith(COMMANDS + ".")
+
+
+def test_the_import_reader_sees_click_in_a_function_body(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from click.testing import CliRunner\n    import click\n")
+    assert imported(source, {}) == {"click.testing", "click"}
+
+
+def test_only_the_commands_import_click():
+    found = {name for name, path in project_modules().items() if not in_commands(name)
+             and any(m == "click" or m.startswith("click.") for m in imported(path, {}))}
+    assert not found, ("click outside kvconvert/commands/ (move the command there; a library function takes an "
+                       "options model or an echo callback): " + ", ".join(sorted(found)))
+
+
+def test_the_library_never_imports_the_commands():
+    graph = import_graph(project_modules())
+    assert any(in_commands(m) for m in graph[SHIM])  # the reader sees the one edge that is allowed
+    found = {name for name, targets in graph.items()
+             if not in_commands(name) and name != SHIM and any(in_commands(t) for t in targets)}
+    assert not found, "library modules importing kvconvert.commands: " + ", ".join(sorted(found))
+

@@ -12,14 +12,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from kvconvert.commands.main import cli
-from kvconvert.errors import KVConvertError
-from kvconvert.commands.validate import validate_cmd
-from kvconvert.commands.mla import mla_cmd
-from kvconvert.data import pydoc_corpus
-from kvconvert.mla.options import MLAOptions
-from kvconvert.pipeline import _from_flags, _from_plan, pipeline_cmd, recipe_stages
 from kvconvert.commands.calibrate import calibrate_cmd
+from kvconvert.commands.main import cli
+from kvconvert.commands.mla import mla_cmd
+from kvconvert.commands.validate import validate_cmd
+from kvconvert.data import pydoc_corpus
+from kvconvert.errors import KVConvertError
+from kvconvert.mla.options import MLAOptions
+from kvconvert.pipeline import _from_flags, _from_plan, recipe_stages
 from kvconvert.recipe import load_recipe, parse_recipe
 from kvconvert.stage_options import build_options
 
@@ -121,6 +121,19 @@ def test_conflicting_flags_are_refused_before_any_work(args, message, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--calib-tokens", "100"], "--calib-tokens 100 is less than one window (512)"),  # the stage's rule, no other limit
+    (["--rope-dim", "0"], "--rope-dim: Input should be greater than 0"),
+    (["--device", "gpu0"], "--device: String should match pattern"),
+])
+def test_pipeline_flags_are_the_stage_fields_with_their_limits(args, message, tmp_path):
+    """--calib-tokens, --rank, --device... are generated from PipelineOptions, whose fields are the stages' own."""
+    result = CliRunner().invoke(cli, ["pipeline", "--target", "any", "--rank", "64", "--kv-dtype", "bf16", *args,
+                                      "--out", str(tmp_path / "o")])
+    assert isinstance(result.exception, KVConvertError) and message in str(result.exception), result.output
+    assert not (tmp_path / "o").exists()
+
+
 def test_flag_pipeline_builds_the_same_stages_as_a_recipe(tmp_path):
     stages = _from_flags("smollm2-135m", 160, 32, "any", "layerwise", 2048, "fp8", "smoke", "smoke", tmp_path)
     from_recipe = _stages({"convert": {"rank": 160, "rope_dim": 32, "target": "any", "calib_tokens": 2048},
@@ -171,15 +184,14 @@ def test_kv_budget_runs_the_recipe_of_an_existing_plan(tmp_path, monkeypatch):
                                                         "options": made_on_a_gpu.model_dump()}))
     planned = []
     monkeypatch.setattr(plan, "run_plan", lambda src, budget, opts, out, echo, overwrite: planned.append(opts))
-    with pipeline_cmd.make_context("pipeline", ["--kv-budget", "50%", "--out", str(out)]).scope():
-        src, stages = _from_plan("smollm2-135m", "50%", "vllm", None, out, overwrite=False)
-        assert not planned
-        assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
-        assert stages[0].options.kv_dtype == "fp8" and stages[0].out == out / "source-fp8"
-        _from_plan("smollm2-135m", "50%", "any", "cpu", out, overwrite=False)
-        assert planned == [plan.PlanOptions(target="any", device="cpu")]
-        with pytest.raises(KVConvertError, match="--device"):
-            _from_plan("smollm2-135m", "50%", "vllm", "gpu0", out, overwrite=False)
+    src, stages = _from_plan("smollm2-135m", "50%", "vllm", None, out, overwrite=False)
+    assert not planned
+    assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
+    assert stages[0].options.kv_dtype == "fp8" and stages[0].out == out / "source-fp8"
+    _from_plan("smollm2-135m", "50%", "any", "cpu", out, overwrite=False)
+    assert planned == [plan.PlanOptions(target="any", device="cpu")]
+    with pytest.raises(KVConvertError, match="--device"):
+        _from_plan("smollm2-135m", "50%", "vllm", "gpu0", out, overwrite=False)
 
 
 # ------------------------------------------------------------------ a real run, interrupted and resumed

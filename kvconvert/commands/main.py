@@ -29,7 +29,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
                  "Compare a candidate against its source: ppl/KL, passkey, NIAH, RULER, LongBench."),
     "gate": ("kvconvert.commands.validate:gate_cmd",
              "Pass/fail a validation report against a policy (exit 1 on failure)."),
-    "pipeline": ("kvconvert.pipeline:pipeline_cmd", "Convert -> heal -> calibrate -> validate -> gate on one model."),
+    "pipeline": ("kvconvert.commands.pipeline:pipeline_cmd", "Convert -> heal -> calibrate -> validate -> gate on one model."),
     "plan": ("kvconvert.commands.plan:plan_cmd", "The least-damage KV artifact for a byte budget, measured; writes its recipe."),
 }
 
