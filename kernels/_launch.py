@@ -111,7 +111,7 @@ def e4m3_query_rows(q: torch.Tensor) -> torch.Tensor:
     scale amax / 448 (``formats.fp8_tile_quantize`` with one tile per row; the kernels'
     ``quantize_rows_e4m3`` is bit-exact with it), in q's dtype. The references given these queries
     see the scores the fp8 dots compute."""
-    from kvconvert.quant import formats as F
+    from kvconvert import number_formats as F
 
     return F.fp8_tile_dequantize(*F.fp8_tile_quantize(q, tile=q.shape[-1])).to(q.dtype)
 

@@ -3,7 +3,7 @@
 Layout: ``cache [num_blocks, block_size, *row]`` (any dtype; the row's elements contiguous),
 ``rows [num_tokens, *row]`` of the same dtype, ``slot_mapping`` int64 ``[num_tokens]`` with
 ``slot = block * block_size + offset``; a slot of -1 skips that token. Quantization happens before,
-in PyTorch (``kvconvert.quant.formats``): fp32 -> fp8 casts inside Triton kernels are not reliable
+in PyTorch (``kvconvert.number_formats``): fp32 -> fp8 casts inside Triton kernels are not reliable
 in the interpreter, and scattering bytes makes the write bit-exact by construction.
 
 The kernel copies raw bits through the widest integer view (int32, int16 or uint8) that the row

@@ -56,7 +56,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import KERNEL_MODES
-from kvconvert.quant import formats as F
+from kvconvert import number_formats as F
 
 GQA_MODES = KERNEL_MODES  # none, fp8, nvfp4: the registry formats' kernel modes
 MLA_MODES = (*KERNEL_MODES, "fp8_tile")  # + FlashMLA's dynamic per-tile layout (no checkpoint format)

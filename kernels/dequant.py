@@ -2,7 +2,7 @@
 
 Every helper loads a ``[BLOCK_N, BLOCK_D]`` tile of cached rows (tokens x features) and returns it
 in the dot operand dtype. Together with the scalar scale the kernel applies after its dots, the
-values are exactly those of :mod:`kvconvert.quant.formats` (the only rounding is the dot dtype's):
+values are exactly those of :mod:`kvconvert.number_formats` (the only rounding is the dot dtype's):
 
 * ``MODE_PLAIN``   (0): 16/32-bit values, upcast to fp32 right after the load.
 * ``MODE_FP8``     (1): float8 values times one fp32 ``scale`` (per tensor, or the head's own), the

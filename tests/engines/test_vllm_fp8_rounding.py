@@ -1,7 +1,7 @@
 """How vLLM's CPU build really stores an FP8 KV cache, and kvconvert's emulation of it.
 
 vLLM CPU's cache write (csrc/cpu/cpu_attn_fp8.hpp) truncates toward zero; kvconvert, the bundled
-runtime and GPU engines round to nearest even. kvconvert.quant.formats.fp8_quantize(rounding=
+runtime and GPU engines round to nearest even. kvconvert.number_formats.fp8_quantize(rounding=
 "toward_zero") is the emulation `validate --engine vllm` uses (kvconvert.engines.vllm.FP8_ROUNDING).
 The first tests hold it against the kernel's formula (no vLLM needed); the `vllm` ones run the
 installed kernel itself on the same values (a bare kernel call: no model, a few seconds).
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvconvert.engines.vllm import FP8_ROUNDING
-from kvconvert.quant.formats import fp8_quantize
+from kvconvert.number_formats import fp8_quantize
 
 vllm = pytest.mark.vllm
 

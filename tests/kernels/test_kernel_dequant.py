@@ -1,4 +1,4 @@
-"""In-kernel dequant helpers vs kvconvert.quant.formats, bit for bit (interpreter on CPU, compiled on GPU).
+"""In-kernel dequant helpers vs kvconvert.number_formats, bit for bit (interpreter on CPU, compiled on GPU).
 
 Tolerance: none. Every E2M1 code decodes to exactly the spec value, and e2m1 * e4m3 block scale,
 computed in fp16 in the kernel, equals the fp32 product of the reference for every (code, scale)
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvconvert.quant import formats as F
+from kvconvert import number_formats as F
 
 from kernel_cases import DEVICE, triton  # first: skips without Triton
 

@@ -1,10 +1,10 @@
-"""Fake quantization is bit-exact with kvconvert.quant.formats, per tensor and per head; MLA row order."""
+"""Fake quantization is bit-exact with kvconvert.number_formats, per tensor and per head; MLA row order."""
 
 import pytest
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.quant import formats as F
+from kvconvert import number_formats as F
 from kvconvert.quant.fake_quant import (
     fake_quant,
     mla_row_from_engine,

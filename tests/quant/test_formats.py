@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
-from kvconvert.quant import formats as F
+from kvconvert import number_formats as F
 
 FINITE = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False, width=32)
 

@@ -1,7 +1,7 @@
 """Quantized KV storage (fp8 e4m3 / e5m2, nvfp4) against transformers with fake-quantized K/V.
 
 The reference runs transformers' model with kvconvert.quant's hook cache (KVHookCache +
-fake_quant_hook: the quantize-dequantize of kvconvert.quant.formats applied to what an engine
+fake_quant_hook: the quantize-dequantize of kvconvert.number_formats applied to what an engine
 caches; Llama: post-RoPE k and v per head; DeepSeek: the row [latent | k_rope], k_rope kept bf16 by
 nvfp4). Attention then reads only quantized values on both sides, so fp32 logits agree to rounding
 (atol 1e-4; a K/V value sitting on a rounding boundary could flip one code, which the greedy check

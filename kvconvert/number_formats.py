@@ -1,5 +1,8 @@
 """KV-cache number formats: FP8 (E4M3 / E5M2) and NVFP4, as bit-exact pure-PyTorch references.
 
+A floor module (it imports only errors and kvformat): calibration's fake quantization
+(kvconvert.quant.fake_quant), the runtime's cache and the kernels' references all round through it.
+
 Conventions (docs/formats.md, "KV-cache number formats and scales"):
 
 * FP8, static scale: ``q = fp8(clamp(x / scale, -max, max))`` with round-to-nearest-even (torch's
