@@ -7,6 +7,9 @@
         accelerate/*      `accelerate launch --config_file` configs
     kvconvert/eval/longbench-mini/   LongBench-mini, one <task>.jsonl.gz per task (its README: source, license)
 
+kvconvert_home() is where kvconvert keeps what it makes for a user across runs (imported models,
+downloads, hashes, validation results, teacher text): $KVCONVERT_HOME, default ~/.cache/kvconvert.
+
 Nothing here looks beside the checkout: an installed wheel and an editable install find the same
 files (tests/test_wheel.py builds and installs the wheel to check). A name is looked up only
 when no file of that path exists, so a user's own file always wins over a built-in one.
@@ -14,12 +17,18 @@ when no file of that path exists, so a user's own file always wins over a built-
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 
 from kvconvert.errors import KVConvertError
 
 YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def kvconvert_home() -> Path:
+    """$KVCONVERT_HOME, default ~/.cache/kvconvert: kvconvert's own cache (models, downloads, hashes...)."""
+    return Path(os.environ.get("KVCONVERT_HOME", Path.home() / ".cache" / "kvconvert"))
 
 
 def package_dir(package: str, *parts: str) -> Path:

@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import Field
 
 from kvconvert.errors import CheckpointError, KVConvertError
+from kvconvert.resources import kvconvert_home
 from kvconvert.stage_options import StageOptions
 
 DEFAULT_MODEL = "smollm2-135m"  # what fetch, plan and pipeline take when no model is named
@@ -40,10 +41,6 @@ class ImportOptions(StageOptions):
 
 
 DEFAULT_IMPORT_DTYPE = ImportOptions().dtype
-
-
-def kvconvert_home() -> Path:
-    return Path(os.environ.get("KVCONVERT_HOME", Path.home() / ".cache" / "kvconvert"))
 
 
 def resolve_source(src: str | os.PathLike, dtype: str = DEFAULT_IMPORT_DTYPE) -> Path:

@@ -6,6 +6,7 @@ import pytest
 
 from kvconvert import sources
 from kvconvert.errors import CheckpointError, KVConvertError
+from kvconvert.resources import kvconvert_home
 
 
 def test_folder_with_config_is_returned_as_is(tmp_path):
@@ -37,9 +38,9 @@ def test_hub_id_offline_is_a_one_line_error(monkeypatch, tmp_path):
 
 def test_kvconvert_home_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("KVCONVERT_HOME", str(tmp_path))
-    assert sources.kvconvert_home() == tmp_path
+    assert kvconvert_home() == tmp_path
     monkeypatch.delenv("KVCONVERT_HOME")
-    assert sources.kvconvert_home().name == "kvconvert"
+    assert kvconvert_home().name == "kvconvert"
 
 
 def test_builtin_is_reused_from_the_cache(monkeypatch, tmp_path):

@@ -30,11 +30,10 @@ from pathlib import Path
 
 from kvconvert.checkpoint.reader import read_manifest
 from kvconvert.errors import CheckpointError
+from kvconvert.resources import kvconvert_home
 
 
 def _cache_dir() -> Path:
-    from kvconvert.sources import kvconvert_home
-
     return kvconvert_home() / "hashes"
 
 

@@ -92,7 +92,7 @@ SHARED_LOGITS_BYTES = 1 << 30  # source logits kept across runs, at most; least 
 def source_results_dir() -> Path:
     """KVCONVERT_HOME/validate (default ~/.cache/kvconvert/validate): the source model's results kept
     across runs, so that each candidate (and `kvconvert plan`) does not measure the source again."""
-    from kvconvert.sources import kvconvert_home
+    from kvconvert.resources import kvconvert_home
 
     return kvconvert_home() / "validate"
 

@@ -45,7 +45,7 @@ def teacher_text_cache(teacher: Path, num_tokens: int, seed: int, device: str = 
     $KVCONVERT_HOME. The device is part of the key: sampling on a GPU draws other random numbers
     (and batches differently), so its text differs from the CPU's for the same seed."""
     from kvconvert.checkpoint import CheckpointReader
-    from kvconvert.sources import kvconvert_home
+    from kvconvert.resources import kvconvert_home
 
     reader = CheckpointReader(teacher, verify=False)
     kind = torch.device(device).type
