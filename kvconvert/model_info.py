@@ -146,7 +146,7 @@ def inspect_report(info: ModelInfo) -> dict:
         notes.append(f"{sum(w is not None for w in windows)} of {len(windows)} layers use a sliding window")
     if kvmath.text_config(info.config).get("attention_bias") or info.config.get("model_type") == "qwen2":
         notes.append("attention projections have biases")
-    from kvconvert.mla.deepseek_format import unsupported_features  # torch-free; the check every command runs
+    from kvconvert.models.registry import unsupported_features  # torch-free; the check every command runs
 
     notes += [f"not supported by kvconvert (mla, calibrate, generate and validate refuse it): {f}"
               for f in unsupported_features(info.config)]

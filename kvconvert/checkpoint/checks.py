@@ -3,7 +3,7 @@
     check_checkpoint(path)   files + index, config features, expected tensors, tokenizer files,
                              finite weights, in that order
 
-- Config: `deepseek_format.check_supported_features` (sliding windows, soft-capping, qk-norm...):
+- Config: `models.registry.check_supported_features` (sliding windows, soft-capping, qk-norm...):
   refused on every path, so nothing converts or runs silently as something else.
 - Tensors: the names config.json implies (Llama / DeepSeek-V3 layouts, biases when
   attention_bias / mlp_bias say so, lm_head unless tied) against the safetensors index or header.
@@ -25,18 +25,18 @@ import torch
 from kvconvert.checkpoint.reader import INDEX_NAME, SINGLE_NAME, CheckpointReader, check_tokenizer_files
 from kvconvert.checkpoint.writer import _all_finite
 from kvconvert.errors import CheckpointError
-from kvconvert.mla import deepseek_format as fmt
+from kvconvert.models import registry
 
 _LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def _layer_names_llama(cfg: dict, i: int) -> dict[str, str]:
     """{tensor name: why config.json requires it} for one Llama-family layer."""
-    names = {n.format(i=i): "every layer" for n in fmt.SOURCE_ATTENTION.values()}
-    names.update({n.format(i=i): "every layer" for n in fmt.COPIED_LAYER_TENSORS})
+    names = {n.format(i=i): "every layer" for n in registry.SOURCE_ATTENTION.values()}
+    names.update({n.format(i=i): "every layer" for n in registry.COPIED_LAYER_TENSORS})
     if cfg.get("attention_bias"):
         names.update({n.format(i=i).replace(".weight", ".bias"): "attention_bias is true"
-                      for n in fmt.SOURCE_ATTENTION.values()})
+                      for n in registry.SOURCE_ATTENTION.values()})
     if cfg.get("mlp_bias"):
         names.update({f"model.layers.{i}.mlp.{p}.bias": "mlp_bias is true" for p in _LLAMA_MLP})
     return names
@@ -47,7 +47,7 @@ def _layer_names_deepseek(cfg: dict, i: int) -> dict[str, str]:
     experts are not listed: no kvconvert path reads them)."""
     q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if cfg.get("q_lora_rank") else ("q_proj",)
     parts = (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
-    names = {fmt.TARGET_ATTENTION[p].format(i=i): "every layer" for p in parts}
+    names = {registry.TARGET_ATTENTION[p].format(i=i): "every layer" for p in parts}
     norms = ("input_layernorm", "post_attention_layernorm")
     names.update({f"model.layers.{i}.{n}.weight": "every layer" for n in norms})
     if i < cfg.get("first_k_dense_replace", cfg["num_hidden_layers"]):
@@ -60,7 +60,7 @@ def expected_tensors(cfg: dict) -> dict[str, str] | None:
     (their own checks refuse them)."""
     if cfg.get("kv_lora_rank") is not None and cfg.get("model_type") == "deepseek_v3":
         layer = _layer_names_deepseek
-    elif cfg.get("model_type") in fmt.SUPPORTED_MODEL_TYPES:  # Llama family
+    elif cfg.get("model_type") in registry.SOURCE_MODEL_TYPES:  # Llama family
         layer = _layer_names_llama
     else:
         return None
@@ -129,7 +129,7 @@ def check_checkpoint(src: str | Path | CheckpointReader, finite: bool = True, to
     """All up-front checks on a model folder: files intact and the index agreeing with the shards
     (CheckpointReader), config features, expected tensors, tokenizer files, finite weights."""
     reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src)
-    fmt.check_supported_features(reader.config, str(reader.path / "config.json"))
+    registry.check_supported_features(reader.config, str(reader.path / "config.json"))
     check_tensors_present(reader)
     if tokenizer and expected_tensors(reader.config) is not None:  # other architectures: their own refusal first
         check_tokenizer_files(reader.path)

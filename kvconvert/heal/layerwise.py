@@ -4,7 +4,7 @@ Streaming, one decoder layer in memory at a time. Two residual streams of calibr
 states are carried through the layers, the teacher's (h_t, source layers) and the student's (h_s,
 healed MLA layers); at layer i the student block A_s (q_proj, kv_a_proj_with_mqa, kv_b_proj,
 o_proj; kv_a_layernorm fixed and uniform, MLP untouched) is fitted by Adam, starting from the
-conversion's closed form, to one of three targets (LayerwiseStage.target):
+conversion's closed form, to one of three targets (LayerwiseOptions.target):
 
     student_input     min |A_s(x_s) - A_t(x_s)|^2          (x = RMSNorm(h): the block input)
     teacher_input     min |A_s(x_t) - A_t(x_t)|^2
@@ -30,8 +30,8 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, atomic_save_tensors, atomic_write_text
+from kvconvert.heal.options import LayerwiseOptions
 from kvconvert.heal.reparam import row_scales, scheduled_lr
-from kvconvert.mla import deepseek_format as fmt
 from kvconvert.mla import factorize as fz
 from kvconvert.mla.convert_layer import LayerResult
 from kvconvert.mla.options import LATENT_LINEAR_RHO
@@ -39,7 +39,7 @@ from kvconvert.models import deepseek_v3 as ds, llama
 from kvconvert.models.common import DecoderLayer, rms_norm, short_names, take
 from kvconvert.models.deepseek_v3 import MLAAttention, MLAShape
 from kvconvert.models.llama import LlamaAttention, LlamaShape
-from kvconvert.recipe import LayerwiseStage
+from kvconvert.models.registry import COPIED_LAYER_TENSORS, TARGET_ATTENTION
 
 CHUNK_WINDOWS = 8  # windows per forward when evaluating on the whole calibration set
 
@@ -52,7 +52,7 @@ def read_layer(reader: CheckpointReader, i: int, attention_cls, device="cpu") ->
 
 def attention_tensors(a: MLAAttention) -> dict:
     """The attention's weights by short name (the ones present): what the fit optimises."""
-    return {k: getattr(a, k) for k in fmt.TARGET_ATTENTION if getattr(a, k) is not None}
+    return {k: getattr(a, k) for k in TARGET_ATTENTION if getattr(a, k) is not None}
 
 
 def _chunks(n: int, size: int = CHUNK_WINDOWS):
@@ -130,7 +130,7 @@ def _shrink_latent(x: torch.Tensor, w: dict, down: str, up: str, rows: int, limi
     return b
 
 
-def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: MLAShape, stage: LayerwiseStage,
+def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: MLAShape, stage: LayerwiseOptions,
                         generator: torch.Generator | None = None, x_val=None, y_val=None) -> LayerResult:
     """Fit one MLA attention block so that A_s(x) ~ y.
 
@@ -164,7 +164,7 @@ def fit_attention_block(x: torch.Tensor, y: torch.Tensor, weights: dict, shape: 
     return LayerResult(w, report)
 
 
-def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseStage, generator) -> dict:
+def _adam_fit(x, y, w0: dict, shape: MLAShape, stage: LayerwiseOptions, generator) -> dict:
     names = [k for k in stage.train if k in w0]
     scales = {k: row_scales(k, w0[k], shape.rank).to(x.device)[:, None] for k in names}
     params = {k: torch.nn.Parameter(w0[k] / scales[k]) for k in names}
@@ -262,7 +262,7 @@ class LayerwiseState:
         return s["h_t"], s["h_s"]
 
 
-def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: torch.Tensor, stage: LayerwiseStage,
+def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: torch.Tensor, stage: LayerwiseOptions,
                   writer: CheckpointWriter, state: LayerwiseState, device: str = "cpu", progress: bool = True,
                   val_windows: int = 0) -> list[dict]:
     """Heal every attention block of `student` and write the full checkpoint into `writer`
@@ -300,9 +300,9 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
             bar.update(1)
             bar.set_postfix(err=f"{report['rel_err_before']:.3f}->{report['rel_err_after']:.3f}")
         for short, tensor in fitted.items():
-            key = fmt.TARGET_ATTENTION[short].format(i=i)
+            key = TARGET_ATTENTION[short].format(i=i)
             writer.add(key, tensor.to(student.stored_dtype(key)))
-        for name in fmt.COPIED_LAYER_TENSORS.values():  # norms and MLP, unchanged
+        for name in COPIED_LAYER_TENSORS.values():  # norms and MLP, unchanged
             writer.add(name.format(i=i), student.get(name.format(i=i)))
     bar.close()
     return reports

@@ -31,6 +31,7 @@ from kvconvert.models import deepseek_v3 as ds, llama
 from kvconvert.models.common import DecoderLayer, rms_norm, take
 from kvconvert.models.deepseek_v3 import MLAShape
 from kvconvert.models.llama import LlamaShape
+from kvconvert.models.registry import COPIED_LAYER_TENSORS, SOURCE_ATTENTION, TARGET_ATTENTION
 from kvconvert.targets import check_servable
 
 @dataclass
@@ -73,10 +74,10 @@ def source_layer_weights(reader: CheckpointReader, i: int, part: str) -> dict:
     float64 plus both norms; part "mlp" = the MLP in the source dtype (7B: 0.5 GB in fp32), read
     only after the attention math so the two never sit in memory together."""
     if part == "attention":
-        w = {k: reader.get(v.format(i=i), torch.float64) for k, v in fmt.SOURCE_ATTENTION.items()}
-        names = [n for n in fmt.COPIED_LAYER_TENSORS if "layernorm" in n]
+        w = {k: reader.get(v.format(i=i), torch.float64) for k, v in SOURCE_ATTENTION.items()}
+        names = [n for n in COPIED_LAYER_TENSORS if "layernorm" in n]
     else:
-        w, names = {}, [n for n in fmt.COPIED_LAYER_TENSORS if ".mlp." in n]
+        w, names = {}, [n for n in COPIED_LAYER_TENSORS if ".mlp." in n]
     for src in names:
         w[src.split(".")[-2]] = reader.get(src.format(i=i))  # source dtype; cast per use
     for name, t in w.items():
@@ -129,10 +130,10 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
             mla_w, layer_rep, hidden = _convert_and_advance(hidden, w, source, target, plan, opts, i,
                                                             load_mlp=lambda: source_layer_weights(reader, i, "mlp"))
             reader.close()
-            for short, name in fmt.TARGET_ATTENTION.items():
+            for short, name in TARGET_ATTENTION.items():
                 if short in mla_w:
                     writer.add(name.format(i=i), mla_w[short].to(out_dtype).cpu())
-            for src_name, dst_name in fmt.COPIED_LAYER_TENSORS.items():
+            for src_name, dst_name in COPIED_LAYER_TENSORS.items():
                 writer.add(dst_name.format(i=i), w[src_name.split(".")[-2]].to(out_dtype))
             report.layers.append(layer_rep)
             del w, mla_w
