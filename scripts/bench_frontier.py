@@ -38,7 +38,7 @@ def healed_stage(folder: Path) -> str:
     """HEALED, + ' <N>K' when its heals read more tokens than the CPU recipes, + ' QAT <format>' when its
     distillation went through a rounded cache (heal_distill.kv_dtype), all from the checkpoint's manifest:
     another stage, so --add keeps the other healed points of the shape beside it."""
-    from kvconvert.heal.quant_aware import healed_cache_format
+    from kvconvert.checkpoint import healed_cache_format
 
     tokens = heal_tokens(folder)
     stage = HEALED if tokens <= CPU_HEAL_TOKENS else f"{HEALED} {round(tokens / 1000)}K"

@@ -45,6 +45,14 @@ def read_manifest(folder: Path) -> dict:
     return manifest if isinstance(manifest, dict) else {}
 
 
+def healed_cache_format(folder: Path) -> str | None:
+    """The cache format the checkpoint in `folder` was healed through (its manifest's heal recipe,
+    heal_distill.kv_dtype: kvconvert.heal.quant_aware), or None when its heal, if any, was not
+    quantization-aware. Read by calibrate (kvconvert.quant.run.keep_heal_basis) and the benchmarks."""
+    distill = read_manifest(folder).get("kvconvert_heal", {}).get("recipe", {}).get("heal_distill") or {}
+    return distill.get("kv_dtype")
+
+
 # Files that hold a tokenizer's vocabulary; a folder needs at least one (tokenizer_config.json
 # alone only names a class, AutoTokenizer still fails without a vocabulary).
 TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")

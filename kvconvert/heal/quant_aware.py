@@ -27,8 +27,6 @@ the model-level cache.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from kvconvert.errors import KVConvertError
@@ -41,15 +39,6 @@ from kvconvert.quant.fake_quant import fake_quant_row, scale_from_amax
 def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     """rounded in the forward pass, the identity in the backward pass."""
     return x + (rounded - x).detach()
-
-
-def healed_cache_format(folder: Path) -> str | None:
-    """The cache format the checkpoint in `folder` was healed through (its manifest's heal recipe,
-    heal_distill.kv_dtype), or None when its heal, if any, was not quantization-aware."""
-    from kvconvert.checkpoint import read_manifest
-
-    distill = read_manifest(folder).get("kvconvert_heal", {}).get("recipe", {}).get("heal_distill") or {}
-    return distill.get("kv_dtype")
 
 
 def latent_rotation(layout: KVShape, kv_dtype: str) -> torch.Tensor | None:

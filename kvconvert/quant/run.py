@@ -115,7 +115,7 @@ def keep_heal_basis(job: CalibrateJob, src: Path) -> str | None:
     """Turn the default latent shaping off for a checkpoint healed through a rounded cache: that heal
     learned the rounding in the Hadamard basis (kvconvert.heal.quant_aware), which shaping would replace.
     Returns why (None when nothing changed)."""
-    from kvconvert.heal.quant_aware import healed_cache_format
+    from kvconvert.checkpoint import healed_cache_format
 
     healed = healed_cache_format(src)
     if not (job.settings.shaping_auto and healed):
