@@ -233,14 +233,14 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 def weights_dtype(src: Path, choice: str) -> str:
     """PlanOptions.dtype -> "bf16" / "fp16" / "fp32", the weights plan converts to and scores in; auto: as the
-    source stores them (kvconvert.runtime.memory.resolve_dtype), so a bf16 7B is never copied to 28 GB of fp32."""
+    source stores them (kvconvert.memory.resolve_dtype), so a bf16 7B is never copied to 28 GB of fp32."""
     from kvconvert.checkpoint import CheckpointReader
-    from kvconvert.runtime.memory import DTYPES, resolve_dtype
+    from kvconvert.memory import dtype_name, resolve_dtype
     from kvconvert.runtime.models import stored_dtype
 
     with CheckpointReader(src, verify=False) as reader:
         dtype = resolve_dtype(choice, stored_dtype(reader))
-    return next(name for name, d in DTYPES.items() if d == dtype)
+    return dtype_name(dtype)
 
 
 def artifact_folders(c: Candidate, src: Path, work: Path) -> tuple[Path, Path]:
@@ -255,7 +255,7 @@ def disk_needed(candidates: list[Candidate], src: Path, work: Path, dtype: str) 
     """Bytes the candidates' checkpoints not yet in `work` will take, at most: each a copy of the source in the
     larger of `dtype` and its stored dtype (calibrate copies as stored; an MLA conversion is smaller)."""
     from kvconvert.checkpoint import estimate_checkpoint_bytes
-    from kvconvert.runtime.memory import DTYPES
+    from kvconvert.memory import DTYPES
 
     missing = {folder for c in candidates for folder in artifact_folders(c, src, work)
                if folder != src and not (folder / "manifest.json").is_file()}

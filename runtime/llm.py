@@ -12,7 +12,7 @@ runs the compiled kernels on cuda and Triton's interpreter on the CPU (TRITON_IN
 Weights run in the dtype the checkpoint stores (`dtype=None`/"auto": a bf16 checkpoint stays bf16,
 its tensors views of the memory-mapped safetensors files, so loading copies nothing) or in
 "bf16"/"fp16"/"fp32" on request (converted copies). Before reading any weight the engine estimates
-weights + KV pool + one step's activations from config.json (kvconvert.runtime.memory) and
+weights + KV pool + one step's activations from config.json (kvconvert.runtime.memory, kvconvert.memory) and
 refuses with a KVConvertError naming the option that would fit.
 
 Requests run with continuous batching over a paged KV cache; a request that cannot run (empty,
@@ -35,7 +35,8 @@ from kvconvert.runtime.attention import make_attention
 from kvconvert.runtime.block_manager import BlockManager
 from kvconvert.runtime.config import DEFAULT_KV_MEMORY, EngineConfig, SamplingParams
 from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token, read_kv_scales
-from kvconvert.runtime.memory import check_memory, estimate_memory, resolve_dtype
+from kvconvert.memory import check_memory, resolve_dtype
+from kvconvert.runtime.memory import estimate_memory
 from kvconvert.runtime.model_runner import ModelRunner
 from kvconvert.runtime.models import kv_layout, load_model, stored_dtype
 from kvconvert.runtime.scheduler import Scheduler

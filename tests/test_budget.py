@@ -162,7 +162,7 @@ def test_parse_size_rejects(text):
 
 def test_a_bare_number_is_bytes_for_the_runtime(monkeypatch):
     """generate --kv-memory and $KVCONVERT_AVAILABLE_MEMORY read sizes with kvmath, a bare number as bytes."""
-    from kvconvert.runtime.memory import AVAILABLE_ENV, available_memory
+    from kvconvert.memory import AVAILABLE_ENV, available_memory
 
     sizes = [kvmath.parse_size(text, bare_unit=1) for text in ("1048576", "512M", "2GiB")]
     assert sizes == [2**20, 512 * 2**20, 2 * 2**30]

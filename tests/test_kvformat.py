@@ -73,7 +73,7 @@ def test_weight_dtypes_are_one_table():
     from kvconvert.eval.options import ValidateOptions
     from kvconvert.kvformat import AUTO_WEIGHT_DTYPE_NAMES, WEIGHT_DTYPES, stored_bytes, torch_dtype
     from kvconvert.mla.options import MLAOptions
-    from kvconvert.runtime.memory import DTYPES
+    from kvconvert.memory import DTYPES
 
     assert typing.get_args(MLAOptions.model_fields["dtype"].annotation) == tuple(WEIGHT_DTYPES)
     assert typing.get_args(ValidateOptions.model_fields["dtype"].annotation) == AUTO_WEIGHT_DTYPE_NAMES

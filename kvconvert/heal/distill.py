@@ -147,16 +147,14 @@ def window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
 def check_distill_memory(student: dict, teacher: dict, stage: DistillOptions, device: torch.device,
                          shards: int = 1) -> None:
     """Refuse before loading anything when the two models and one micro-batch cannot fit on `device`
-    (kvconvert.heal.memory.distill_memory_problem with the device's free memory). shards: the
-    processes an FSDP launch shards the models over, each with its own GPU (on CPUs they share one
-    RAM and every process loads both models whole first, so there it stays 1)."""
-    from kvconvert.runtime.memory import available_memory
+    (kvconvert.heal.memory.distill_memory_problem with kvconvert.memory.available_memory: the GPU's free
+    memory, or RAM's). shards: the processes an FSDP launch shards the models over, each with its own GPU
+    (on CPUs they share one RAM and every process loads both models whole first, so there it stays 1)."""
+    from kvconvert.memory import available_memory
 
-    if device.type == "cuda":
-        have, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
-    else:
-        have, where = available_memory(), "available in RAM"
-    problem = distill_memory_problem(student, teacher, stage, have, device.type, where, shards=shards)
+    where = f"free on {device}" if device.type == "cuda" else "available in RAM"
+    problem = distill_memory_problem(student, teacher, stage, available_memory(device), device.type, where,
+                                     shards=shards)
     if problem:
         raise KVConvertError(problem)
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from kvconvert.heal.fused_loss import chunk_rows
 from kvconvert.heal.options import DistillOptions
+from kvconvert.memory import DISTILL_OVERHEAD, MemoryEstimate, gb
 
 # transformers' default attention for both models as kvconvert.quant.capture.load_hf_model loads them
 # (no attn_implementation given: "sdpa" where the architecture supports it, which Llama and
@@ -50,10 +51,6 @@ from kvconvert.heal.options import DistillOptions
 LOADER_ATTENTION = "sdpa"
 # float32 [chunk, V] temporaries alive at once inside the fused loss (log_p, p, log_q, grad)
 LOSS_CHUNK_TEMPORARIES = 4
-# What the refusal check adds to the estimate: on a GPU the CUDA context and the caching allocator's
-# fragmentation; in RAM the interpreter, torch, transformers and accelerate (the RSS baseline,
-# ~0.6-0.8 GB measured here) and the allocator's slack.
-OVERHEAD_BYTES = {"cuda": 2 << 30, "cpu": 1 << 30}
 
 
 def attention_shapes(student: dict) -> dict[str, tuple[int, int]]:
@@ -112,9 +109,12 @@ def activation_bytes_per_token(student: dict, stage: DistillOptions, device_type
 
 def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_type: str = "cuda",
                    attention: str = LOADER_ATTENTION, fused_optimizer: bool | None = None,
-                   shards: int = 1) -> dict[str, int]:
+                   shards: int = 1) -> MemoryEstimate:
     """Bytes distillation holds at its peak, by part: the fused loss's forward with every activation saved,
-    or under gradient checkpointing the larger of that and the backward's recomputed layer.
+    or under gradient checkpointing the larger of that and the backward's recomputed layer; `weights` is
+    the student's, `overhead` kvconvert.memory.DISTILL_OVERHEAD of the device type (the CUDA context and
+    the allocator's fragmentation; in RAM the interpreter, torch, transformers and accelerate, and the
+    allocator's slack), which `allocated` leaves out.
 
     Pure: configs (config.json dicts) and options in, numbers out. device_type: "cuda" or "cpu" (which
     attention kernel runs, which Adam is torch's default); attention: the models' attn_implementation.
@@ -171,37 +171,30 @@ def distill_memory(student: dict, teacher: dict, stage: DistillOptions, device_t
     mapped_fp32 = device_type == "cpu" and stored_bytes(student.get("torch_dtype") or student.get("dtype")) == 4
     frozen_bytes = (2 * frozen_matmuls if mapped_fp32 else -2 * frozen_matmuls) if frozen_cast else 0
     parts = {
-        "student": 4 * parameter_count(student) + frozen_bytes + lora_weights + replaced,
-        "teacher": teacher_bytes * parameter_count(teacher),
+        "weights": 4 * parameter_count(student) + frozen_bytes + lora_weights + replaced,
+        "teacher_weights": teacher_bytes * parameter_count(teacher),
         "gradients": 4 * trainable,
         "optimizer": 8 * trainable + foreach_tmp,
-        "weight_copies": copies,
-        "activations": activations + hidden_states,
-        "logits": logits,
     }
     if shards > 1:
-        for part in ("student", "teacher", "gradients", "optimizer"):
-            parts[part] = -(-parts[part] // shards)
+        parts = {part: -(-b // shards) for part, b in parts.items()}
         # one decoder layer of each model gathered whole (the units are layers; a layer's share of
         # the parameter count bounds it, embeddings included)
-        parts["gathered_unit"] = (4 * parameter_count(student) + teacher_bytes * parameter_count(teacher)) // layers
-    return parts
+        parts["gathered"] = (4 * parameter_count(student) + teacher_bytes * parameter_count(teacher)) // layers
+    return MemoryEstimate(**parts, weight_copies=copies, activations=activations + hidden_states, logits=logits,
+                          overhead=DISTILL_OVERHEAD[device_type])
 
 
 def distill_memory_problem(student: dict, teacher: dict, stage: DistillOptions, capacity: int, device_type: str,
                            where: str = "", attention: str = LOADER_ATTENTION, shards: int = 1) -> str | None:
-    """Why the run cannot fit in `capacity` bytes of `device_type` memory (estimate + OVERHEAD_BYTES),
-    or None when it fits. Pure: the refusal check with the device's capacity as an argument."""
-    from kvconvert.kvmath import format_bytes
-
-    parts = distill_memory(student, teacher, stage, device_type, attention, shards=shards)
-    need = sum(parts.values()) + OVERHEAD_BYTES[device_type]
-    if need <= capacity:
+    """Why the run cannot fit in `capacity` bytes of `device_type` memory (distill_memory's total, its
+    overhead included), or None when it fits. Pure: the refusal check with the device's capacity as an argument."""
+    need = distill_memory(student, teacher, stage, device_type, attention, shards=shards)
+    if need.total <= capacity:
         return None
-    detail = ", ".join(f"{k} {format_bytes(b)}" for k, b in parts.items() if b)
-    return (f"heal_distill needs the student and the teacher resident at once: about {format_bytes(need)} ({detail}, "
-            f"+ {format_bytes(OVERHEAD_BYTES[device_type])} overhead) at seq_len {stage.seq_len} x batch "
-            f"{stage.batch_size}, but only {format_bytes(capacity)} is {where or device_type}. Lower batch_size (keep "
+    return (f"heal_distill needs the student and the teacher resident at once: about {need.describe()} at "
+            f"seq_len {stage.seq_len} x batch {stage.batch_size}, but only {gb(capacity)} is "
+            f"{where or device_type}. Lower batch_size (keep "
             f"the tokens per step with grad_accum), switch gradient_checkpointing on, use mixed_precision bf16, "
             f"train fewer targets or train: lora; or run it on a GPU with more memory (recipes/*-gpu.yaml), or shard "
             f"it over several GPUs with `accelerate launch` + FSDP (docs/heal.md, 'One GPU, several GPUs'); or heal "
@@ -236,12 +229,9 @@ def measured_speed(teacher: dict, device_type: str, device_name: str = "") -> tu
 def plan_lines(student: dict, teacher: dict, stage: DistillOptions, device_type: str, device_name: str = "") -> list[str]:
     """What `kvconvert heal` prints before distilling: the memory estimate by part, the trained
     parameters, the tokens, and a time estimate where a measured tokens/s exists for the device."""
-    from kvconvert.kvmath import format_bytes
-
-    parts = distill_memory(student, teacher, stage, device_type)
+    need = distill_memory(student, teacher, stage, device_type)
     what = ", ".join(trained_weights(student, stage)) or "nothing"
-    lines = [f"heal_distill plan on {device_name or device_type}: memory ~{format_bytes(sum(parts.values()))} "
-             "(estimate: " + ", ".join(f"{k} {format_bytes(b)}" for k, b in parts.items() if b) + ")",
+    lines = [f"heal_distill plan on {device_name or device_type}: memory ~{need.describe()}",
              f"  trains {trainable_parameters(student, stage) / 1e6:.1f}M parameters ({stage.train}: {what}, "
              f"{student['num_hidden_layers']} layers); {stage.tokens} tokens = {stage.steps} steps of "
              f"{stage.tokens_per_step}"]

@@ -10,38 +10,21 @@ The layer-streamed path (kvconvert.quant.stream) holds at once:
 * one batch of activations: the MLP's gate/up/product [batch tokens, intermediate] fp32 and the
   attention's q/k/v (k/v repeated over the query heads of a group) and outputs;
 * the mse search's kept windows (queries, cached tensors, reference outputs);
-* the interpreter, torch and the tokenizer (BASE_BYTES, measured: about 0.45 GB for SmolLM2).
-Numbers are upper estimates (temporaries counted as coexisting); SAFETY covers the allocator.
+* the interpreter, torch and the tokenizer (kvconvert.memory.CALIBRATE_OVERHEAD, measured: about 0.45 GB
+  for SmolLM2).
+Numbers are upper estimates (temporaries counted as coexisting); CALIBRATE_SAFETY covers the allocator.
+The estimate is kvconvert.memory's MemoryEstimate: the layer is its `weights`, the batch its `activations`,
+the search windows and histograms its `buffers`, the hidden states its `per_token` x `tokens`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import stored_bytes
+from kvconvert.memory import CALIBRATE_OVERHEAD, CALIBRATE_SAFETY, MemoryEstimate
 
 GB = 1e9
-BASE_BYTES = int(0.6 * GB)  # python + torch + transformers + tokenizer, before any tensor
-SAFETY = 1.15
 FP32 = 4
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    fixed: int  # bytes that do not depend on the calibration tokens
-    per_token: int  # bytes per calibration token (the hidden states)
-    tokens: int
-
-    @property
-    def total(self) -> int:
-        return int(SAFETY * (self.fixed + self.per_token * self.tokens))
-
-    def tokens_that_fit(self, available: int) -> int:
-        """Most calibration tokens that fit in `available` bytes (0: none, or tokens do not matter)."""
-        if self.per_token <= 0:
-            return 0
-        return max(0, int((available / SAFETY - self.fixed) / self.per_token))
 
 
 def _dims(cfg: dict) -> dict:
@@ -88,8 +71,18 @@ def calibration_memory(config: dict, tokens: int, window_len: int, batch_size: i
     mlp_act = batch * (4 * d["inter"] + 3 * d["hidden"]) * FP32
     search = search_tokens * (d["q_width"] + d["cache_width"] + 2 * d["out_width"] + d["kv_width"]) * FP32 * 2
     observers = d["layers"] * d["kinds"] * 2 * 4096 * 8  # histograms per head and per tensor
-    return MemoryEstimate(fixed=BASE_BYTES + layer + max(attn_act, mlp_act) + search + observers,
-                          per_token=d["hidden"] * FP32, tokens=tokens)
+    return MemoryEstimate(weights=layer, activations=max(attn_act, mlp_act), buffers=search + observers,
+                          per_token=d["hidden"] * FP32, tokens=tokens, overhead=CALIBRATE_OVERHEAD,
+                          safety=CALIBRATE_SAFETY)
+
+
+def whole_model_memory(config: dict, parameters: int, tokens: int, window_len: int, batch_size: int) -> MemoryEstimate:
+    """Calibration through the whole transformers model (architectures the streamed blocks do not cover):
+    the fp32 model (4 bytes per stored parameter) plus a batch's logits and activations (8 x vocab per
+    token); the calibration tokens add nothing the model does not hold already."""
+    vocab = int(config.get("vocab_size") or 0)
+    return MemoryEstimate(weights=4 * parameters, activations=8 * batch_size * window_len * vocab, tokens=tokens,
+                          overhead=CALIBRATE_OVERHEAD, safety=CALIBRATE_SAFETY)
 
 
 def check_calibration_memory(est: MemoryEstimate, available: int | None, window_len: int, batch_size: int) -> None:
@@ -103,10 +96,8 @@ def check_calibration_memory(est: MemoryEstimate, available: int | None, window_
         hint = "use --batch-size 1 and fewer --calib-tokens"
     else:
         hint = "free memory or use a larger machine"
-    raise KVConvertError(
-        f"calibration needs about {est.total / GB:.1f} GB ({est.tokens} tokens x {est.per_token} bytes of hidden "
-        f"states + {est.fixed / GB:.1f} GB for one layer, one batch and the runtime) but only "
-        f"{available / GB:.1f} GB is available: {hint}")
+    raise KVConvertError(f"calibration needs about {est.describe()} but only {available / GB:.1f} GB is available: "
+                         f"{hint}")
 
 
 def release_heap(generation: int = 2) -> None:

@@ -127,20 +127,17 @@ def keep_heal_basis(job: CalibrateJob, src: Path) -> str | None:
 
 def check_memory(job: CalibrateJob, reader, layout: KVShape, whole_model: str | None) -> None:
     """Refuse up front when the estimated peak memory exceeds what the machine has available."""
-    from kvconvert.runtime.memory import available_memory  # one reading of the machine (cgroup-aware)
-    from kvconvert.quant.memory import (GB, MemoryEstimate, calibration_memory,
-                                        check_calibration_memory)
+    from kvconvert.memory import available_memory  # one reading of the machine (cgroup-aware)
+    from kvconvert.quant.memory import calibration_memory, check_calibration_memory, whole_model_memory
 
     if whole_model is None:
         rotating = job.settings.rotation_enabled
         est = calibration_memory(reader.config, job.options.calib_tokens, job.options.window_len, job.options.batch_size,
                                  job.options.search_tokens, key_phase=rotating and job.settings.key_phase_enabled(layout),
                                  value_rotation=rotating and job.settings.value_rotation_enabled)
-    else:  # the fp32 model (4 bytes per stored parameter) plus a batch's logits and activations
-        params = reader.num_parameters()
-        vocab = int(reader.config.get("vocab_size") or 0)
-        est = MemoryEstimate(fixed=int(0.6 * GB) + 4 * params + 8 * job.options.batch_size * job.options.window_len * vocab,
-                             per_token=0, tokens=job.options.calib_tokens)
+    else:  # the fp32 model plus a batch's logits and activations
+        est = whole_model_memory(reader.config, reader.num_parameters(), job.options.calib_tokens,
+                                 job.options.window_len, job.options.batch_size)
     check_calibration_memory(est, available_memory(), job.options.window_len, job.options.batch_size)
 
 

@@ -228,7 +228,7 @@ def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path,
 
 
 def test_validate_refuses_up_front_when_a_model_cannot_fit(tmp_path, tiny_llama, monkeypatch):
-    from kvconvert.runtime.memory import AVAILABLE_ENV
+    from kvconvert.memory import AVAILABLE_ENV
 
     monkeypatch.setenv(AVAILABLE_ENV, "1000B")
     with pytest.raises(KVConvertError, match=r"validate's source .* needs about .* only 0.00 GB is available"):

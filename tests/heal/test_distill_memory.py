@@ -10,10 +10,10 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.distill import check_distill_memory
 from kvconvert.heal.memory import (
-    LOADER_ATTENTION, OVERHEAD_BYTES, distill_memory, distill_memory_problem, recipe_configs, trainable_parameters,
+    LOADER_ATTENTION, distill_memory, distill_memory_problem, recipe_configs, trainable_parameters,
 )
+from kvconvert.memory import AVAILABLE_ENV, DISTILL_OVERHEAD
 from kvconvert.recipe import DistillStage, load_recipe
-from kvconvert.runtime.memory import AVAILABLE_ENV
 
 from heal_cases import distill_recipe
 
@@ -33,14 +33,14 @@ def test_distill_memory_by_hand():
     teacher_params = 2 * (64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 96 + 2 * 64) + 2 * 100 * 64 + 64
     stage = DistillStage(seq_len=32, batch_size=2)
     parts = distill_memory(STUDENT, TEACHER, stage, "cuda")
-    assert parts["student"] == 4 * student_params and parts["teacher"] == 4 * teacher_params
-    assert parts["gradients"] == 4 * 2 * attention and parts["optimizer"] == 8 * 2 * attention  # fused Adam
-    assert parts["weight_copies"] == 4 * 2 * attention  # each trained weight recomputed and saved
+    assert parts.weights == 4 * student_params and parts.teacher_weights == 4 * teacher_params
+    assert parts.gradients == 4 * 2 * attention and parts.optimizer == 8 * 2 * attention  # fused Adam
+    assert parts.weight_copies == 4 * 2 * attention  # each trained weight recomputed and saved
     # per token and layer: norm inputs 4(2*64 + 16), q/kv_a input 4*64, kv_b and o_proj inputs 4(16 + 64),
     # q, k, v 4*4(24 + 24 + 16), SDPA output and lse 4*4*16 + 4*4, MLP 3*4*96
     per_token = 4 * (2 * 64 + 16) + 4 * 64 + 4 * (16 + 64) + 4 * 4 * 64 + (4 * 4 * 16 + 4 * 4) + 3 * 4 * 96
-    assert parts["activations"] == 2 * 64 * per_token
-    assert parts["logits"] == 64 * 100 * (4 + 4 + 4) + 4 * 64 * 100 * 4 + 4 * 64 * 64
+    assert parts.activations == 2 * 64 * per_token
+    assert parts.logits == 64 * 100 * (4 + 4 + 4) + 4 * 64 * 100 * 4 + 4 * 64 * 64
 
 
 def test_what_each_switch_changes():
@@ -50,29 +50,30 @@ def test_what_each_switch_changes():
     # layer inputs, + one layer recomputed in the backward (its activations and weight copies) beyond
     # what the logits and the loss's temporaries freed before it
     freed = 64 * 100 * (4 + 4) + 4 * 64 * 100 * 4
-    recomputed = parts["activations"] // 2 + parts["weight_copies"] // 2
-    assert ckpt["activations"] == 2 * 64 * 4 * 64 + max(0, recomputed - freed) and ckpt["weight_copies"] == 0
+    recomputed = parts.activations // 2 + parts.weight_copies // 2
+    assert ckpt.activations == 2 * 64 * 4 * 64 + max(0, recomputed - freed) and ckpt.weight_copies == 0
     bf16 = distill_memory(STUDENT, TEACHER, base.model_copy(update={"mixed_precision": "bf16"}), "cuda")
-    assert bf16["teacher"] == parts["teacher"] // 2 and bf16["activations"] < parts["activations"]
+    assert bf16.teacher_weights == parts.teacher_weights // 2 and bf16.activations < parts.activations
     lora = base.model_copy(update={"train": "lora", "lora_rank": 2})
     lora_params = 2 * 2 * sum(o + i for o, i in ((96, 64), (24, 64), (128, 16), (64, 64)))
     assert trainable_parameters(STUDENT, lora) == lora_params
-    assert distill_memory(STUDENT, TEACHER, lora, "cuda")["optimizer"] == 8 * lora_params
+    assert distill_memory(STUDENT, TEACHER, lora, "cuda").optimizer == 8 * lora_params
     only_o = base.model_copy(update={"targets": ("o_proj",)})
     assert trainable_parameters(STUDENT, only_o) == 2 * ATTENTION["o_proj"]
     foreach = distill_memory(STUDENT, TEACHER, base.model_copy(update={"fused_optimizer": False}), "cuda")
-    assert foreach["optimizer"] == parts["optimizer"] + 4 * 2 * sum(ATTENTION.values())
+    assert foreach.optimizer == parts.optimizer + 4 * 2 * sum(ATTENTION.values())
     # eager attention, and SDPA's math path on a CPU (q/k head 24 != v head 16), keep the probabilities
     probs = 2 * 4 * 32 * 32 * 2  # layers x (batch x heads x T x T) x ...
     eager = distill_memory(STUDENT, TEACHER, base, "cuda", attention="eager")
-    assert eager["activations"] - parts["activations"] == probs * (4 + 4) - 2 * 64 * (4 * 4 * 16 + 4 * 4)
+    assert eager.activations - parts.activations == probs * (4 + 4) - 2 * 64 * (4 * 4 * 16 + 4 * 4)
     cpu = distill_memory(STUDENT, TEACHER, base, "cpu")
-    assert cpu["activations"] - parts["activations"] == probs * (2 + 4) - 2 * 64 * (4 * 4 * 16 + 4 * 4)
+    assert cpu.activations - parts.activations == probs * (2 + 4) - 2 * 64 * (4 * 4 * 16 + 4 * 4)
 
 
 def test_refusal_is_a_function_of_the_capacity():
     stage = DistillStage(seq_len=32, batch_size=2)
-    need = sum(distill_memory(STUDENT, TEACHER, stage, "cuda").values()) + OVERHEAD_BYTES["cuda"]
+    need = distill_memory(STUDENT, TEACHER, stage, "cuda").total
+    assert need == distill_memory(STUDENT, TEACHER, stage, "cuda").allocated + DISTILL_OVERHEAD["cuda"]
     assert distill_memory_problem(STUDENT, TEACHER, stage, need, "cuda") is None
     problem = distill_memory_problem(STUDENT, TEACHER, stage, need - 1, "cuda", "free on cuda:0")
     assert "free on cuda:0" in problem and "gradient_checkpointing" in problem and "accelerate launch" in problem
@@ -119,7 +120,7 @@ def test_heal_refuses_before_loading_the_models(tiny_student, tiny_teacher, text
     need = distill_memory(json.loads((tiny_student / "config.json").read_text()),
                           json.loads((tiny_teacher / "config.json").read_text()), DistillStage(seq_len=128, batch_size=2),
                           "cpu")
-    monkeypatch.setenv(AVAILABLE_ENV, f"{sum(need.values()) // 2}B")
+    monkeypatch.setenv(AVAILABLE_ENV, f"{need.allocated // 2}B")
     with pytest.raises(KVConvertError, match="heal_distill needs"):
         heal(tiny_student, tiny_teacher, distill_recipe(text_file), tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
@@ -140,12 +141,12 @@ def test_the_7b_recipe_fits_80gb_and_frozen_matmuls_count_in_bf16():
     one = distill_memory(student, teacher, stage, "cuda")
     # the frozen MLP weights and the untied lm_head (4.46B values) are held in bf16, nothing is cast per step
     frozen = 32 * 3 * 4096 * 11008 + 32000 * 4096
-    assert one["student"] == 4 * parameter_count(student) - 2 * frozen
+    assert one.weights == 4 * parameter_count(student) - 2 * frozen
     # what autograd keeps of the weights: only the trained ones, recomputed from their parametrization in bf16
-    assert not stage.gradient_checkpointing and one["weight_copies"] == 2 * trainable_parameters(student, stage)
+    assert not stage.gradient_checkpointing and one.weight_copies == 2 * trainable_parameters(student, stage)
     # under FSDP they stay float32 (sharded), and autocast's bf16 copies come back
     two = distill_memory(student, teacher, stage, "cuda", shards=2)
-    assert two["student"] == -(-4 * parameter_count(student) // 2) and two["weight_copies"] > 0
+    assert two.weights == -(-4 * parameter_count(student) // 2) and two.weight_copies > 0
     assert trainable_parameters(student, recipe.distill) == 32 * (4096 * 32 * 192 + 4096 * 576 + 512 * 32 * 256
                                                                   + 32 * 128 * 4096)
 
@@ -177,13 +178,13 @@ def test_fsdp_shards_the_models_states_not_the_activations():
     student, teacher = recipe_configs(recipe)
     stage = recipe.distill.model_copy(update={"gradient_checkpointing": False, "batch_size": 4})
     one, eight = distill_memory(student, teacher, stage, "cuda"), distill_memory(student, teacher, stage, "cuda", shards=8)
-    assert eight["student"] == -(-4 * parameter_count(student) // 8)
-    for part in ("teacher", "gradients", "optimizer"):
-        assert eight[part] == -(-one[part] // 8)
+    assert eight.weights == -(-4 * parameter_count(student) // 8)
+    for part in ("teacher_weights", "gradients", "optimizer"):
+        assert getattr(eight, part) == -(-getattr(one, part) // 8)
     for part in ("activations", "logits"):
-        assert eight[part] == one[part]
-    assert eight["weight_copies"] > one["weight_copies"]  # autocast's casts of the float32 frozen weights
+        assert getattr(eight, part) == getattr(one, part)
+    assert eight.weight_copies > one.weight_copies  # autocast's casts of the float32 frozen weights
     layer = 4 * parameter_count(student) // 32
-    assert layer < eight["gathered_unit"] < 3 * layer  # about a layer of each model (fp32 student, bf16 teacher)
+    assert layer < eight.gathered < 3 * layer  # about a layer of each model (fp32 student, bf16 teacher)
     assert distill_memory_problem(student, teacher, stage, 80 * 10**9, "cuda") is not None
     assert distill_memory_problem(student, teacher, stage, 80 * 10**9, "cuda", shards=8) is None

@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 from kvconvert.checkpoint import CheckpointReader
 from kvconvert.errors import KVConvertError
 from kvconvert.runtime import LLM
-from kvconvert.runtime.memory import AVAILABLE_ENV, estimate_memory, resolve_dtype
+from kvconvert.memory import AVAILABLE_ENV, resolve_dtype
+from kvconvert.runtime.memory import estimate_memory
 from runtime_cases import add_tensors, assert_bf16_logits_close, greedy, random_ids
 
 IDS = random_ids(120, seed=3)
@@ -94,7 +95,7 @@ def test_estimate_memory_tinyllama_by_hand():
     est = estimate_memory(cfg, torch.bfloat16, kv_cache_bytes=10**8, tokens_per_step=512, context=2048)
     assert est.weights == 2 * params + 4 * 32000 * 2048 and est.kv_cache == 10**8  # + lm_head's kept fp32 copy
     assert est.activations == 4 * (512 * (6 * 2048 + 3 * 5632 + 2 * 32000) + 32 * 512 * 2048)
-    assert est.total == est.weights + est.kv_cache + est.activations + est.base
+    assert est.total == est.weights + est.kv_cache + est.activations + est.overhead
     assert estimate_memory(cfg, torch.float32).weights == 4 * params
 
 
