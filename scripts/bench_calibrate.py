@@ -2,7 +2,7 @@
 """Benchmark `kvconvert calibrate`: perplexity on the held-out essays with the KV cache fake-quantized.
 
 For each configuration the real CLI path runs (calibrate -> checkpoint written to a temp folder),
-then kvconvert.quant.evaluate measures perplexity and token KL against the unquantized source on
+then kvconvert.eval.kv_quant measures perplexity and token KL against the unquantized source on
 the same windows (eval_windows: the Paul Graham essays, 32 x 1024 by default = the issue's protocol).
 
 Targets (issue 5): FP8 E4M3 within +0.5% of the unquantized perplexity, NVFP4 within +3%.
@@ -83,7 +83,7 @@ def parse_args():
 
 
 def bench_model(src: str, label: str, args, configs: dict, workdir: Path) -> list[dict]:
-    from kvconvert.quant.evaluate import evaluate_kv_quant
+    from kvconvert.eval.kv_quant import evaluate_kv_quant
     from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.options import CalibrateOptions
 

@@ -2,7 +2,7 @@
 argument parser, the command line a result records, timing and peak-RSS measurement, JSON output,
 docs/BENCHMARKS.md's generated tables (each benchmark owns the block between its two markers,
 `<!-- NAME:begin -->` ... `<!-- NAME:end -->`, and rewrites only that), and the fake-quantized KV
-evaluation's inputs and calibrated candidates (kvconvert.quant.evaluate)."""
+evaluation's inputs and calibrated candidates (kvconvert.eval.kv_quant)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def write_block(name: str, body: str, doc: Path = DOC) -> None:
 
 def quant_eval_inputs(src: str, windows: int, window_len: int = 1024):
     """(source folder, its tokenizer, `windows` x `window_len` essay tokens (kvconvert.data.eval_windows),
-    the fp32 reference model): what kvconvert.quant.evaluate scores fake-quantized KV caches against."""
+    the fp32 reference model): what kvconvert.eval.kv_quant scores fake-quantized KV caches against."""
     from transformers import AutoTokenizer
 
     from kvconvert.data import eval_windows
@@ -105,12 +105,12 @@ def quant_eval_inputs(src: str, windows: int, window_len: int = 1024):
 
 def calibrated_candidate(src: str | Path, options, out: Path) -> tuple[dict, tuple]:
     """The real `kvconvert calibrate` path (kvconvert.quant.run) from src into out, with `options`
-    (CalibrateOptions): (its report, (model, fake-quant cache hook), a kvconvert.quant.evaluate
+    (CalibrateOptions): (its report, (model, fake-quant cache hook), a kvconvert.eval.kv_quant
     candidate). The model is always out's: calibrate folds its scales into the weights by powers of
     two (kvconvert.quant.fold) even when it rotates nothing, so src's weights with out's scales
     would quantize at the wrong scale."""
     from kvconvert.quant.capture import load_hf_model
-    from kvconvert.quant.evaluate import fake_quant_hook
+    from kvconvert.quant.hooks import fake_quant_hook
     from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.run import CalibrateJob, run_calibrate
     from kvconvert.quant.scales import read_kv_scales

@@ -9,7 +9,7 @@ Points measured here: the source with a bf16 cache, and one-shot MLA conversions
 tokens, fp32) in bf16 and with calibrated fp8 / nvfp4 caches (calibrate's defaults on --calib-tokens
 tokens). Points taken from earlier benchmarks keep their file and protocol (docs JSON named in each
 row). Every KL is to the source with an fp32 cache, in transformers fp32 with the cache fake-quantized
-(kvconvert.quant.evaluate), on the essays (kvconvert.data.eval_windows); windows differ where stated.
+(kvconvert.eval.kv_quant), on the essays (kvconvert.data.eval_windows); windows differ where stated.
 Bytes per token: kvconvert.kvmath, equal to what the bundled runtime allocates (tests/test_kv_bytes.py).
 
 Writes docs/bench_frontier.json, docs/img/frontier.png and the table between the frontier markers in
@@ -132,7 +132,7 @@ def measure(cands: dict, shapes: list[tuple[int, int]], healed: dict[str, Path],
     from kvconvert.mla.convert import convert_to_mla
     from kvconvert.mla.options import MLAOptions
     from kvconvert.quant.capture import cache_hook
-    from kvconvert.quant.evaluate import evaluate_kv_quant
+    from kvconvert.eval.kv_quant import evaluate_kv_quant
     from kvconvert.quant.layout import checkpoint_kv_layout
 
     src, _, windows, reference = quant_eval_inputs(SMOLLM2, args.windows)
@@ -172,7 +172,8 @@ def measure_checkpoint(cands: dict, mla: Path, stage: str, note: str, reference,
     from kvconvert.checkpoint import read_config
     from kvconvert.plan import FORMATS
     from kvconvert.quant.capture import load_hf_model
-    from kvconvert.quant.evaluate import evaluate_kv_quant, identity_hook
+    from kvconvert.eval.kv_quant import evaluate_kv_quant
+    from kvconvert.quant.hooks import identity_hook
     from kvconvert.quant.options import CalibrateOptions
 
     config = read_config(mla)

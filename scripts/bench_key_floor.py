@@ -58,7 +58,8 @@ def main():
     from kvconvert.data import calibration_windows
     from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model
     from kvconvert.quant.capture import load_hf_model
-    from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook
+    from kvconvert.eval.kv_quant import evaluate_kv_quant
+    from kvconvert.quant.hooks import fake_quant_hook
     from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.rotate import block_hadamard
     from kvconvert.sources import resolve_source

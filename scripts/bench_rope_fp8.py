@@ -7,7 +7,7 @@ For each one-shot MLA shape of SmolLM2-135M (8192 conversion tokens, fp32), on t
 the conversion alone (bf16 cache), the latent in NVFP4 with k_rope 16-bit (calibrate's NVFP4 defaults
 on --calib-tokens tokens), and the same latent with k_rope fake-quantized to FP8 e4m3 with the same
 exported kv scale (amax / 448 of the whole row, as vLLM's FP8 MLA cache scales its k_rope). KL to the
-source with an fp32 cache, transformers fp32, cache fake-quantized (kvconvert.quant.evaluate).
+source with an fp32 cache, transformers fp32, cache fake-quantized (kvconvert.eval.kv_quant).
 
     python scripts/bench_rope_fp8.py --shapes 224:64,272:32 --threads 2
 
@@ -29,7 +29,7 @@ def rope_fp8_hook(checkpoint: Path):
     latent NVFP4, k_rope FP8 with the row's kv scale (kvconvert's format since session 12)."""
     import dataclasses
 
-    from kvconvert.quant.evaluate import fake_quant_hook
+    from kvconvert.quant.hooks import fake_quant_hook
     from kvconvert.quant.layout import checkpoint_kv_layout
     from kvconvert.quant.scales import read_kv_scales
 
@@ -61,7 +61,8 @@ def main() -> None:
     from kvconvert.mla.convert import convert_to_mla, validate_plan
     from kvconvert.mla.options import MLAOptions
     from kvconvert.quant.capture import load_hf_model
-    from kvconvert.quant.evaluate import evaluate_kv_quant, identity_hook
+    from kvconvert.eval.kv_quant import evaluate_kv_quant
+    from kvconvert.quant.hooks import identity_hook
     from kvconvert.quant.options import CalibrateOptions
 
     shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")]

@@ -142,7 +142,7 @@ def _emulated_windows(paths: dict, windows, hashes: list[str], todo: list[int], 
     from kvconvert.eval.cache import SourceLogits
     from kvconvert.eval.metrics import window_stats
     from kvconvert.quant.capture import forward_with_hook, load_hf_model
-    from kvconvert.quant.evaluate import fake_quant_hook
+    from kvconvert.quant.hooks import fake_quant_hook
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.scales import read_kv_scales
 

@@ -75,7 +75,7 @@ class _Replay(ABC):
         """Attention output before o_proj, flattened to [tokens, heads * v_dim]."""
 
     def _quantized(self, rec: dict, scales: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        # the MLA k_rope as the engine stores it (16-bit or FP8 under NVFP4), as quant.evaluate judges it
+        # the MLA k_rope as the engine stores it (16-bit or FP8 under NVFP4), as eval.kv_quant judges it
         rope_tail = kv_format(self.kv_dtype).rope_tail(self.layout.is_mla, self.layout.qk_rope_head_dim)
 
         def row_hook(layer_idx, kind, x):

@@ -37,7 +37,7 @@ def _engine_logits(folder: Path, kv_dtype: str) -> torch.Tensor:
     observer, so the scales are the amax the training hook takes per forward; no k_rope phases,
     which the hook does not emulate)."""
     from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model
-    from kvconvert.quant.evaluate import fake_quant_hook
+    from kvconvert.quant.hooks import fake_quant_hook
 
     model = load_hf_model(folder)
     layout = kv_shape(model.config.to_dict())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvconvert.quant.capture import forward_with_hook, load_hf_model
-from kvconvert.quant.evaluate import fake_quant_hook
+from kvconvert.quant.hooks import fake_quant_hook
 from kvconvert.quant.layout import checkpoint_kv_layout
 from kvconvert.quant.options import CalibrateOptions
 from kvconvert.quant.scales import read_kv_scales

@@ -10,9 +10,9 @@ from quant_cases import make_deepseek, make_llama
 
 from kvconvert.quant.calibrate import observe_kv
 from kvconvert.quant.capture import forward_with_hook, load_hf_model
-from kvconvert.quant.evaluate import fake_quant_hook, identity_hook
 from kvconvert.quant.fake_quant import scale_from_amax
 from kvconvert.quant.fold import fold_factor, fold_layer, fold_plan
+from kvconvert.quant.hooks import fake_quant_hook, identity_hook
 from kvconvert.quant.layout import checkpoint_kv_layout, detect_kv_layout
 from kvconvert.quant.scales import KVScales
 

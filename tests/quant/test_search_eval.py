@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
+from kvconvert.eval.kv_quant import evaluate_kv_quant
 from kvconvert.quant.calibrate import observe_kv
 from kvconvert.quant.capture import AttentionRecorder, load_hf_model
-from kvconvert.quant.evaluate import evaluate_kv_quant, fake_quant_hook, identity_hook
 from kvconvert.quant.fake_quant import scale_from_amax
+from kvconvert.quant.hooks import fake_quant_hook, identity_hook
 from kvconvert.quant.layout import checkpoint_kv_layout
 from kvconvert.quant.scales import KVScales
 from kvconvert.quant.search import LayerReplay, search_replay_scales

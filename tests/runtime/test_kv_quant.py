@@ -20,7 +20,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import kv_shape
 from kvconvert.quant.capture import KVHookCache
-from kvconvert.quant.evaluate import fake_quant_hook
+from kvconvert.quant.hooks import fake_quant_hook
 from kvconvert.quant.scales import KVScales
 from kvconvert.runtime import LLM
 from runtime_cases import add_tensors, greedy, load_reference, random_ids, transformers_reference

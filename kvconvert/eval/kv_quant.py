@@ -1,12 +1,13 @@
 """Perplexity and token KL with the KV cache fake-quantized exactly as the engine stores it (CPU).
 
-Every K/V the attention reads goes through quantize-dequantize (kvconvert.quant.fake_quant) with the
-calibrated scales - including, in a prefill, the current window's own keys, as in a paged engine
-that writes the cache and then attends from it.
+Every K/V the attention reads goes through a cache hook (kvconvert.quant.hooks.fake_quant_hook:
+quantize-dequantize with the calibrated scales), including, in a prefill, the current window's own
+keys, as in a paged engine that writes the cache and then attends from it.
 
 Protocol: each window of T tokens predicts tokens 1..T-1; perplexity = exp(mean NLL over all
 predictions); KL = mean over the same positions of KL(reference || candidate) in nats, where the
-reference is the unquantized source model (docs/calibrate.md, "Evaluation API").
+reference is the unquantized source model (docs/calibrate.md, "Evaluation API"). The window
+statistics are kvconvert.eval.metrics' (TokenSums, window_sums).
 """
 
 from __future__ import annotations
@@ -16,27 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.eval.metrics import TokenSums, window_sums
-from kvconvert.kvformat import kv_format
-from kvconvert.kvmath import KVShape
-from kvconvert.quant.capture import CacheHook, cache_hook, check_finite, forward_with_hook
-from kvconvert.quant.fake_quant import fake_quant_row
-from kvconvert.quant.scales import KVScales
-
-
-def fake_quant_hook(layout: KVShape, scales: KVScales, rounding: str = "nearest") -> CacheHook:
-    """Cache hook that quantize-dequantizes every cached tensor with `scales` (FP8 `rounding`:
-    kvconvert.number_formats.fp8_quantize)."""
-    # MLA + NVFP4 stores k_rope apart (16-bit or FP8), as kvconvert.runtime and kvconvert.kernels do
-    rope_tail = kv_format(scales.kv_dtype).rope_tail(layout.is_mla, layout.qk_rope_head_dim)
-
-    def row_hook(layer_idx: int, kind: str, x: torch.Tensor) -> torch.Tensor:
-        check_finite(layer_idx, kind, x)
-        return fake_quant_row(x, scales.kv_dtype, scales.scale(layer_idx, kind), rope_tail, rounding)
-    return cache_hook(layout, row_hook)
-
-
-def identity_hook(layer_idx, key, value):
-    return key, value
+from kvconvert.quant.capture import forward_with_hook
 
 
 @dataclass
@@ -53,8 +34,8 @@ def evaluate_kv_quant(reference_model, candidates: dict[str, tuple], windows: to
                       batch_size: int = 1, progress=None) -> dict[str, EvalResult]:
     """Perplexity and KL of several fake-quantized candidates against one reference, window by window.
 
-    candidates: name -> (model, hook) where hook is a CacheHook (e.g. :func:`fake_quant_hook`); the
-    model may differ from the reference (rotated weights). windows: [N, T] token ids.
+    candidates: name -> (model, hook) where hook is a CacheHook (e.g. kvconvert.quant.hooks.fake_quant_hook);
+    the model may differ from the reference (rotated weights). windows: [N, T] token ids.
     Returns name -> EvalResult, plus "reference" (its own perplexity, KL 0).
     """
     sums = {name: TokenSums() for name in ["reference", *candidates]}
@@ -67,4 +48,3 @@ def evaluate_kv_quant(reference_model, candidates: dict[str, tuple], windows: to
         if progress is not None:
             progress(min(start + batch_size, windows.shape[0]), windows.shape[0])
     return {name: EvalResult(s.ppl, s.kl_mean, s.tokens) for name, s in sums.items()}
-
