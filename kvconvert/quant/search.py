@@ -162,10 +162,33 @@ class BlockReplay(_Replay):
         return out.reshape(-1, out.shape[-1])
 
 
-def _search_kind(replay: _Replay, current: dict, kind: str, base: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+class _Trials:
+    """replay.errors, each distinct set of scales replayed once. A trial is a pure function of its scales, and
+    the grids repeat some: the fine grid's offset 1 is the coarse best, K's ratio 1 is the amax start, and V's
+    ratio 1 repeats that start when K kept ratio 1. full=True results (cross-group terms too) also give the
+    per-group ones."""
+
+    def __init__(self, replay: _Replay):
+        self.replay, self.done, self.done_full = replay, {}, {}
+
+    @staticmethod
+    def _key(scales: dict) -> tuple:
+        return tuple((k, None if s is None else s.numpy().tobytes()) for k, s in sorted(scales.items()))
+
+    def errors(self, scales: dict, full: bool = False) -> tuple[float, torch.Tensor]:
+        key = self._key(scales)
+        if full and key not in self.done_full:
+            self.done_full[key] = self.replay.errors(scales, full=True)
+            self.done[key] = (float(self.done_full[key][1].sum()), self.done_full[key][1])
+        if not full and key not in self.done:
+            self.done[key] = self.replay.errors(scales)
+        return (self.done_full if full else self.done)[key]
+
+
+def _search_kind(trials: _Trials, current: dict, kind: str, base: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     """Chosen ratio for `kind` ([] per tensor or [heads]); other kinds held at `current`."""
     def pick(ratios_per_candidate: list[torch.Tensor]) -> torch.Tensor:
-        results = [replay.errors({**current, kind: (base.double() * r).float()}) for r in ratios_per_candidate]
+        results = [trials.errors({**current, kind: (base.double() * r).float()}) for r in ratios_per_candidate]
         if base.dim() == 1:  # per head
             errs = torch.stack([g for _, g in results])  # [candidates, heads]
             best = [argmin_prefer_last(errs[:, h]) for h in range(errs.shape[1])]
@@ -188,14 +211,15 @@ def search_replay_scales(replay: _Replay, layout: KVShape, kv_dtype: str,
     """
     energy = replay.reference_energy()
     start = {k: s.clone() for k, s in amax_scales.items()}
-    before, _ = replay.errors(start, full=True)
+    trials = _Trials(replay)
+    before, _ = trials.errors(start, full=True)
     current = dict(start)
     info = {}
     for kind in layout.cached_names:
-        ratio = _search_kind(replay, current, kind, amax_scales[kind], kv_dtype)
+        ratio = _search_kind(trials, current, kind, amax_scales[kind], kv_dtype)
         current[kind] = (amax_scales[kind].double() * ratio).float()
         info[kind] = ratio.tolist()
-    after, _ = replay.errors(current, full=True)
+    after, _ = trials.errors(current, full=True)
     if after > before:  # cross-head terms made the per-head choice worse on the replay: keep amax
         current, after = start, before
         info = {kind: 1.0 for kind in layout.cached_names} | {"fallback": "amax"}

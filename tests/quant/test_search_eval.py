@@ -66,3 +66,30 @@ def test_evaluate_matches_manual_cross_entropy_and_identity_has_zero_kl(tiny_lla
     assert abs(res["same"].kl) < 1e-6
     assert res["coarse"].kl > 1e-4 and res["reference"].tokens == 2 * 23
 
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_search_replays_each_distinct_trial_once(tiny_llama, granularity):
+    """The fine grid's offset 1 repeats the coarse best, and K's ratio 1 is the amax start: both are taken from
+    trials already replayed (a trial is a pure function of its scales). fp8, K then V: 9 coarse + 7 fine trials
+    per kind, less those repeats, plus the amax start and the final check."""
+    layout, _, _, recorder, observers = setup(tiny_llama)
+    amax = {k: scale_from_amax(o.statistic("amax", granularity), "fp8").float() for k, o in observers[1].items()}
+    replay = LayerReplay(recorder, layout, 1, "fp8")
+    seen, original = [], replay.errors
+
+    def counting(scales, full=False):
+        seen.append((full, tuple(None if s is None else s.numpy().tobytes() for s in scales.values())))
+        return original(scales, full)
+
+    replay.errors = counting
+    scales, info = search_replay_scales(replay, layout, "fp8", amax)
+    trials = [key for full, key in seen if not full]
+    assert len(trials) == len(set(trials)) and seen[0][1] not in trials  # no trial replayed twice, nor the start
+    assert [full for full, _ in seen].count(True) == 2  # the amax start and the final check (with cross terms)
+    # repeats: K's ratio 1 (the start) and, per tensor, each fine offset 1 (per head the fine trials mix the
+    # heads' bests, which no coarse trial did); V's ratio 1 is the start again when K kept ratio 1
+    fine_repeat = 1 if granularity == "tensor" else 0
+    assert len(seen) <= 1 + (9 + 7 - 1 - fine_repeat) + (9 + 7 - fine_repeat) + 1
+    assert info["rel_error_search"] <= info["rel_error_amax"]
+    recorder.remove()
