@@ -6,7 +6,7 @@
 
 Weights run in `dtype`: "auto" = as stored (a bf16 checkpoint runs in bf16, the runtime maps its
 weights from the files), or bf16/fp16/fp32 on request. `close()` frees a model before the next
-one loads; `check_memory()` refuses up front when one model cannot fit (kvconvert.runtime.memory).
+one loads; `check_memory()` refuses up front when one model cannot fit (kvconvert.memory).
 
 - TransformersRunner: AutoModelForCausalLM from the folder (stored dtype), no remote code, its own
   greedy loop (argmax, KV cache, no generation_config knobs such as repetition penalty).
@@ -135,7 +135,7 @@ class RunnerInfo:
         self.config = read_config(self.path)
         self.max_context = int(self.config.get("max_position_embeddings") or 2048)
         self.vocab_size = int(self.config["vocab_size"])
-        from kvconvert.runtime.memory import resolve_dtype
+        from kvconvert.memory import resolve_dtype
 
         with CheckpointReader(self.path, verify=False) as reader:  # --dtype auto: as stored
             self.dtype = resolve_dtype(dtype, reader.stored_dtype("model.embed_tokens.weight"))
@@ -237,7 +237,7 @@ def _kv_hook(path: Path, config: dict, kv_dtype: str):
     if not kv_format(kv_dtype).quantized:  # bf16, fp16
         low = getattr(torch, kv_format(kv_dtype).torch_dtype)
         return lambda layer, key, value: (key.to(low).to(key.dtype), value.to(low).to(value.dtype))
-    from kvconvert.quant.hooks import fake_quant_hook
+    from kvconvert.quant.evaluate import fake_quant_hook
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.scales import read_kv_scales
 
@@ -260,14 +260,15 @@ def runtime_blocks(max_len: int) -> int:
 
 def memory_need(config: dict, engine: str, kv_dtype: str, dtype: torch.dtype, max_len: int):
     """MemoryEstimate of one runner holding one sequence of max_len tokens (config.json only)."""
+    from kvconvert.memory import dtype_name
     from kvconvert.runtime.kv_cache import bytes_per_token
-    from kvconvert.runtime.memory import DTYPES, estimate_memory
+    from kvconvert.runtime.memory import estimate_memory
     from kvconvert.runtime.models import kv_layout
 
     if engine == "runtime":  # its paged pool, prefilled in steps of at most 2048 tokens
         kv_tokens, step = runtime_blocks(max_len) * RUNTIME_BLOCK, min(2048, max_len)
     else:  # transformers: the whole sequence in one forward, its K/V cached in the model's dtype
-        kv_tokens, step, kv_dtype = max_len, max_len, {v: k for k, v in DTYPES.items() if v is not None}[dtype]
+        kv_tokens, step, kv_dtype = max_len, max_len, dtype_name(dtype)
     kv = kv_tokens * bytes_per_token(kv_layout(config), kv_dtype)
     return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=step, context=max_len)
 
@@ -376,7 +377,7 @@ class LazyRunner(RunnerInfo):
 
     def check_memory(self, role: str) -> None:
         """Refuse before loading when this model (with one sequence of max_len tokens) cannot fit."""
-        from kvconvert.runtime.memory import check_memory
+        from kvconvert.memory import check_memory
 
         hints = [("--dtype bf16", self.memory_need(torch.bfloat16))] if self.dtype == torch.float32 else []
         check_memory(self.memory_need(), f"validate's {role} ({self.path.name}, {self.engine} engine, "
