@@ -237,7 +237,7 @@ def _kv_hook(path: Path, config: dict, kv_dtype: str):
     if not kv_format(kv_dtype).quantized:  # bf16, fp16
         low = getattr(torch, kv_format(kv_dtype).torch_dtype)
         return lambda layer, key, value: (key.to(low).to(key.dtype), value.to(low).to(value.dtype))
-    from kvconvert.quant.evaluate import fake_quant_hook
+    from kvconvert.quant.hooks import fake_quant_hook
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.scales import read_kv_scales
 
