@@ -39,6 +39,7 @@ from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets
 from kvconvert.heal.memory import LOADER_ATTENTION, distill_memory, distill_memory_problem  # noqa: F401 (public here too)
 from kvconvert.heal.reparam import ScaledWeight, row_scales, scheduled_lr
 from kvconvert.heal.options import TRAINABLE_ATTENTION, DistillOptions
+from kvconvert.kvformat import torch_dtype
 
 STATE_FILE = "distill_state.pt"
 
@@ -79,9 +80,6 @@ def attach_trainable(model, stage: DistillOptions) -> list[str]:
             module.parametrizations.weight.original.requires_grad_(stage.train == "full")
             names.append(f"model.layers.{i}.self_attn.{short}.weight")
     return names
-
-
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def store_frozen_matmuls_in(model, dtype: torch.dtype) -> int:
@@ -224,7 +222,7 @@ class Distiller:
         if not params:
             raise KVConvertError("heal_distill.targets selects no weights to train")
         if stage.mixed_precision != "no" and not fsdp_requested():
-            store_frozen_matmuls_in(self.student, COMPUTE_DTYPES[stage.mixed_precision])
+            store_frozen_matmuls_in(self.student, torch_dtype(stage.mixed_precision))  # bf16/fp16: kvformat's names
         if stage.compile:
             compile_layers(self.student, self.teacher)
         # fused: one kernel per step, no foreach temporaries the size of the trainable set (distill_memory)
