@@ -41,9 +41,10 @@ def child(variant: str, dtype: str, rows: int, vocab: int, repeats: int, device:
     import torch
 
     from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets, reference_distill_loss
+    from kvconvert.kvformat import torch_dtype
 
     fn = {"fused": fused_distill_loss, "reference": reference_distill_loss}[variant]
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    dt = torch_dtype(dtype)
     g = torch.Generator().manual_seed(0)
     student = (torch.randn(1, rows, vocab, generator=g) * 3).to(device, dt)
     teacher = (student.float() + torch.randn(1, rows, vocab, generator=g).to(device)).to(dt)
