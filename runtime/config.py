@@ -74,10 +74,14 @@ class SamplingParams:
     smallest set of tokens whose probability reaches top_p. seed: a private generator per request,
     so the same seed gives the same tokens whatever else is in the batch.
     max_tokens: new tokens to generate (0 is allowed: prefill only). stop_token_ids: extra stop
-    tokens besides the model's EOS; ignore_eos: keep going past EOS.
+    tokens besides the model's EOS; ignore_eos: keep going past EOS. min_tokens: the first min_tokens
+    new tokens cannot be a stop token or (without ignore_eos) EOS: their logits are masked before
+    sampling (vLLM's SamplingParams.min_tokens), so at least min(min_tokens, max_tokens) tokens come back
+    unless the context runs out.
     """
 
     max_tokens: int = 64
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
@@ -88,6 +92,10 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
             raise KVConvertError(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise KVConvertError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                                 f"got {self.min_tokens!r}")
         if not (self.temperature >= 0.0):  # also rejects NaN
             raise KVConvertError(f"temperature must be >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):

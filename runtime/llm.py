@@ -78,9 +78,9 @@ class LLM:
         scales, dynamic = read_kv_scales(reader, layout, cfg.kv_dtype, cfg.kv_scales)
         self.cache = PagedKVCache(layout, self.num_blocks, cfg.block_size, cfg.kv_dtype, scales, dynamic, self.device)
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len, self.model.vocab_size,
-                                   eos_token_ids(self.model_path, reader.config))
-        self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.attention)
+        eos = tuple(eos_token_ids(self.model_path, reader.config))
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len, self.model.vocab_size, eos)
+        self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.attention, eos)
         self._tokenizer = None
         self._next_id = 0
         self._finished: dict[int, Sequence] = {}

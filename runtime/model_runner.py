@@ -19,8 +19,10 @@ from kvconvert.runtime.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager, attention):
+    def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager, attention,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.model = model
+        self.eos_token_ids = tuple(eos_token_ids)  # masked with the stop ids before min_tokens (SamplingParams)
         self.cache = cache
         self.block_manager = block_manager
         self.attention = attention
@@ -85,8 +87,9 @@ class ModelRunner:
         logits = self.model.logits(hidden[self._tensor(rows)])
         for it, lo, hi in scored:
             self._keep_prompt_logits(it, logits[lo:hi])
-        picks = [row for _, row in sampled]
-        tokens = sample(logits[picks], [it.seq for it, _ in sampled], self.default_generator)
+        seqs = [it.seq for it, _ in sampled]
+        picked = mask_banned(logits[[row for _, row in sampled]], seqs, self.eos_token_ids)
+        tokens = sample(picked, seqs, self.default_generator)
         return {it.seq.seq_id: tok for (it, _), tok in zip(sampled, tokens)}
 
     def _logit_rows(self, items):
@@ -118,6 +121,16 @@ class ModelRunner:
 
 
 # ------------------------------------------------------------------------------ sampling
+def mask_banned(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """logits [N, vocab] (a copy the caller owns) with each sequence's banned ids (Sequence.banned_tokens:
+    stop/EOS ids before min_tokens) set to -inf, in place."""
+    for i, seq in enumerate(seqs):
+        banned = seq.banned_tokens(eos_token_ids)
+        if banned:
+            logits[i, list(banned)] = float("-inf")
+    return logits
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> list[int]:
     """logits [N, vocab] fp32 (any device) -> one token per sequence, by its SamplingParams.
 

@@ -57,6 +57,14 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 
+    def banned_tokens(self, eos_token_ids) -> tuple[int, ...]:
+        """Token ids its next sample may not take: the stop ids and (without ignore_eos) the EOS ids while
+        fewer than params.min_tokens tokens were generated, else none."""
+        if self.num_generated >= self.params.min_tokens:
+            return ()
+        eos = () if self.params.ignore_eos else tuple(eos_token_ids)
+        return tuple(dict.fromkeys(self.params.stop_token_ids + eos))
+
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None

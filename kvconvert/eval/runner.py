@@ -295,21 +295,12 @@ class RuntimeRunner(ModelRunner):
                min_new_tokens: int = 0) -> list[int]:
         if max_new_tokens <= 0:
             return []
-        prompt = ids.reshape(-1).tolist()
-        forced: list[int] = []
-        while len(forced) < min(min_new_tokens, max_new_tokens):
-            # SamplingParams has no min_tokens: pick these steps from the paged-path logits with
-            # the stop ids masked, then let the engine continue from prompt + forced tokens.
-            forced.append(argmax_allowed(self.llm.score(prompt + forced)[-1], stop_ids))
-        if len(forced) == max_new_tokens:
-            return forced
-        return forced + self._generate(prompt + forced, max_new_tokens - len(forced), stop_ids)
-
-    def _generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
         from kvconvert.runtime import SamplingParams
 
-        params = SamplingParams(max_tokens=max_new_tokens, greedy=True, ignore_eos=True,
-                                stop_token_ids=tuple(stop_ids))
+        prompt = ids.reshape(-1).tolist()
+        # min_tokens masks the stop ids for the first steps, in the engine (one prefill, then decode steps)
+        params = SamplingParams(max_tokens=max_new_tokens, min_tokens=min(min_new_tokens, max_new_tokens),
+                                greedy=True, ignore_eos=True, stop_token_ids=tuple(stop_ids))
         (out,) = self.llm.generate([prompt], params)
         if out.error:
             raise KVConvertError(f"{self.path}: the runtime could not run a {len(prompt)}-token prompt: {out.error}")

@@ -41,7 +41,10 @@ class GenSample:
 
     @property
     def content_hash(self) -> str:
-        payload = json.dumps([list(self.prompt_ids), self.max_new_tokens, list(self.stop_ids), self.min_new_tokens])
+        fields = [list(self.prompt_ids), self.max_new_tokens, list(self.stop_ids), self.min_new_tokens]
+        if self.min_new_tokens:  # the runtime decodes forced tokens in the engine now (min_tokens), no longer by a
+            fields.append("min_tokens in the engine")  # second prefill: results of the old way are recomputed
+        payload = json.dumps(fields)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     @property

@@ -148,6 +148,25 @@ def test_stop_tokens_and_eos(tmp_path, llama_gqa):
     assert out.token_ids == free[:cut] and out.finish_reason == "stop"
 
 
+def test_min_tokens_masks_stop_ids_and_eos_for_the_first_tokens(tmp_path, llama_gqa):
+    """vLLM's min_tokens: stop ids and EOS cannot be sampled before min_tokens tokens; the masked first token
+    is the argmax of the prompt's last logits over the other ids (computed here from LLM.score)."""
+    prompt = random_ids(8)
+    llm = LLM(llama_gqa, kv_dtype="fp32")
+    first = llm.generate([prompt], greedy(1))[0].token_ids[0]
+    logits = llm.score(prompt)[-1]
+    logits[first] = float("-inf")
+    expected = int(logits.argmax())
+    for extra in ({"stop_token_ids": (first,)}, {}):  # as a stop id, and as the model's EOS
+        model = llama_gqa if extra else add_tensors(llama_gqa, tmp_path / "eos", {}, {"eos_token_id": first})
+        out = LLM(model, kv_dtype="fp32").generate([prompt], SamplingParams(max_tokens=6, min_tokens=1, greedy=True,
+                                                                            **extra))[0]
+        assert out.token_ids[0] == expected
+        assert len(out.token_ids) == 6 or out.token_ids[-1] == first  # after min_tokens it stops as usual
+        unmasked = LLM(model, kv_dtype="fp32").generate([prompt], SamplingParams(max_tokens=6, greedy=True, **extra))[0]
+        assert unmasked.token_ids == [first] and unmasked.finish_reason == "stop"
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model):
     p = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
     llm = LLM(tiny_model, kv_dtype="fp32")
@@ -197,7 +216,8 @@ def test_bad_engine_settings(llama_gqa, kw, match):
 
 
 def test_bad_sampling_params():
-    for kw in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": -1}, {"seed": -3}):
+    for kw in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": -1}, {"seed": -3}, {"min_tokens": -1},
+               {"max_tokens": 2, "min_tokens": 3}):
         with pytest.raises(KVConvertError):
             SamplingParams(**kw)
 
