@@ -71,7 +71,7 @@ def convert_stage(src_path: Path, opts: MLAOptions, out: Path, heal=None, *, sou
 
     if heal is None:
         return convert_to_mla(src_path, out, opts, source_name=source_name, overwrite=overwrite)
-    from kvconvert.heal.api import heal as run_heal
+    from kvconvert.recipe import heal as run_heal
 
     oneshot = out.parent / f".{out.name}.oneshot"
     try:

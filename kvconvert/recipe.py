@@ -13,6 +13,9 @@ so a typo never silently falls back to a default.
 
 The built-in recipes (the checkout's recipes/, installed as kvconvert.recipes) are found by name
 wherever kvconvert is installed: `--recipe smollm2-135m-25pct`, `--recipe heal/NAME` (kvconvert.resources).
+
+heal(student, teacher, recipe, out) runs a recipe's two heal blocks (kvconvert.heal.api.heal_stages
+takes their options; the heal package itself never reads a recipe: it sits below this module).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.options import ValidateOptions
-from kvconvert.heal.options import DistillOptions, LayerwiseOptions
+from kvconvert.heal.options import HEAL_BLOCKS, DistillOptions, LayerwiseOptions
 from kvconvert.mla.options import MLAOptions
 from kvconvert.quant.options import CalibrateOptions
 from kvconvert.resources import builtin_recipe_names, find_recipe
@@ -156,3 +159,33 @@ def load_recipe(path: str | Path) -> Recipe:
         raise KVConvertError(f"{path}: recipe file not found and not a built-in recipe "
                              f"({', '.join(builtin_recipe_names())})")
     return parse_recipe(read_yaml(found or path, "recipe file not found"), str(found or path))
+
+
+def with_heal_device(recipe: Recipe, device: str | None) -> Recipe:
+    """The recipe with every heal block's device set to `device` (checked by the options model), or
+    unchanged when device is None."""
+    if device is None:
+        return recipe
+    data = recipe.to_dict()
+    for block in HEAL_BLOCKS:
+        if block in data:
+            data[block] = {**data[block], "device": str(device)}
+    return parse_recipe(data, f"--device {device}")
+
+
+def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str | Path, out: str | Path, *,
+         overwrite: bool = False, progress: bool = True, restart: bool = False, max_steps: int | None = None,
+         device: str | None = None) -> dict:
+    """Heal `student` (a `kvconvert mla` output) against `teacher` (its source) into `out` with the
+    heal_layerwise / heal_distill blocks of `recipe` (a Recipe, dict, preset name, YAML path or
+    built-in recipe: resolve_recipe), run by kvconvert.heal.api.heal_stages.
+
+    max_steps: stop the distillation after this many optimizer steps, keep the state and return
+    {"finished": False} (rerun to resume). restart: discard any saved state first. device: where
+    both stages (and the teacher's data generation) run, replacing the recipe blocks' `device`
+    (None: each block's own, default auto = cuda when a GPU is visible, else cpu). Returns the report.
+    """
+    from kvconvert.heal.api import heal_stages  # torch and transformers: loaded only when a heal runs
+
+    return heal_stages(student, teacher, with_heal_device(resolve_recipe(recipe), device), out, overwrite=overwrite,
+                       progress=progress, restart=restart, max_steps=max_steps)

@@ -59,7 +59,7 @@ def convert(source: Path, recipe, folder: Path, reuse: bool) -> dict:
 
 
 def heal_once(converted: Path, source: Path, recipe, folder: Path, reuse: bool, device: str) -> dict:
-    from kvconvert.heal.api import heal
+    from kvconvert.recipe import heal
 
     if reuse and (folder / "heal_report.json").is_file():
         rep = json.loads((folder / "heal_report.json").read_text())

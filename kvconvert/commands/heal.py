@@ -1,4 +1,4 @@
-"""`kvconvert heal`: heal a converted MLA checkpoint against its source model (kvconvert.heal.api)."""
+"""`kvconvert heal`: heal a converted MLA checkpoint against its source model (kvconvert.recipe.heal)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, devic
     then end-to-end distillation (KL to the source). Resumes after an interruption."""
     import torch
 
-    from kvconvert.heal.api import heal
+    from kvconvert.recipe import heal
 
     recipe = recipe_with_flags(recipe, params)
     if threads:

@@ -1,8 +1,10 @@
-"""`heal(student, teacher, recipe, out)`: layer-wise reconstruction then distillation, written as a
-stock DeepSeek-V3 checkpoint (CheckpointWriter, atomic).
+"""`heal_stages(student, teacher, stages, out)`: layer-wise reconstruction then distillation, written as
+a stock DeepSeek-V3 checkpoint (CheckpointWriter, atomic). `stages` holds the two stages' options
+(heal.options.HealStages: a validated kvconvert.recipe.Recipe is one); reading a recipe file or
+preset and `--device` are the recipe's: kvconvert.recipe.heal resolves them and calls this.
 
 Order of work, so that every user error surfaces before any training:
-  1. recipe (file, preset name, dict or Recipe) validated; output path checked
+  1. something to heal; output path checked
   2. student/teacher pair checked (compat.check_pair: configs, shared weights, tokenizers)
   3. all training data tokenized (too little data -> error)
   4. heal_layerwise (if any) -> intermediate checkpoint in the state area (or `out` if last)
@@ -33,9 +35,8 @@ from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.runner import checkpoint_fingerprint
 from kvconvert.heal import compat
-from kvconvert.heal.options import DistillOptions, LayerwiseOptions
+from kvconvert.heal.options import HEAL_BLOCKS, DistillOptions, HealStages, LayerwiseOptions
 from kvconvert.heal.teacher_data import fingerprint
-from kvconvert.recipe import Recipe, resolve_recipe
 from kvconvert.sources import resolve_source
 
 LAYERWISE_VAL_WINDOWS = 1  # held-out calibration windows, measured per layer (not fitted)
@@ -53,7 +54,7 @@ class HealData:
     info: dict = field(default_factory=dict)
 
 
-def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progress: bool = False,
+def prepare_data(tokenizer, stages: HealStages, teacher: Path | None = None, progress: bool = False,
                  device: str = "cpu") -> HealData:
     """Tokenize every stage's data up front; too little text raises before any training.
 
@@ -69,9 +70,9 @@ def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progres
             raise KVConvertError("data: teacher needs the teacher model (kvconvert heal --teacher)")
         from kvconvert.heal.teacher_data import sample_teacher_text
 
-        return sample_teacher_text(teacher, teacher_tokens_needed(recipe), progress=progress, device=device)
+        return sample_teacher_text(teacher, teacher_tokens_needed(stages), progress=progress, device=device)
 
-    if (lw := recipe.layerwise) is not None:
+    if (lw := stages.layerwise) is not None:
         lw_text = text(lw.data)
         try:
             data.layerwise = token_windows(tokenizer, lw_text, _layerwise_windows(lw), lw.window)
@@ -79,7 +80,7 @@ def prepare_data(tokenizer, recipe: Recipe, teacher: Path | None = None, progres
             raise KVConvertError(f"heal_layerwise (data {lw.data!r}): {exc}") from None
         data.info["layerwise"] = {"data": lw.data, "tokens": int(data.layerwise.numel()),
                                   "data_hash": data_hash(data.layerwise)}
-    if (ds := recipe.distill) is not None:
+    if (ds := stages.distill) is not None:
         data.distill = _distill_windows(text(ds.data), tokenizer, ds)
         data.info["distill"] = {"data": ds.data, "tokens_requested": ds.tokens,
                                 "unique_tokens": int(data.distill.numel()), "data_hash": data_hash(data.distill)}
@@ -99,13 +100,13 @@ def _distill_windows_needed(ds: DistillOptions) -> int:
     return ds.steps * ds.batch_size * ds.grad_accum
 
 
-def teacher_tokens_needed(recipe: Recipe) -> int:
+def teacher_tokens_needed(stages: HealStages) -> int:
     """Tokens the teacher must write for the stages with `data: teacher` (10% spare for the
     windows' cut points and re-tokenization)."""
     need = 0
-    if (lw := recipe.layerwise) is not None and lw.data == TEACHER_DATA:
+    if (lw := stages.layerwise) is not None and lw.data == TEACHER_DATA:
         need = max(need, _layerwise_windows(lw) * lw.window)
-    if (ds := recipe.distill) is not None and ds.data == TEACHER_DATA:
+    if (ds := stages.distill) is not None and ds.data == TEACHER_DATA:
         # the distiller reuses the windows up to max_epochs times: that many fewer unique tokens
         need = max(need, math.ceil(_distill_windows_needed(ds) / ds.max_epochs) * ds.seq_len)
     return int(need * 1.1) + 1
@@ -125,19 +126,17 @@ def _distill_windows(text: str, tokenizer, ds: DistillOptions) -> torch.Tensor:
     return ids[: available * ds.seq_len].view(available, ds.seq_len)[:need]
 
 
-def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str | Path, out: str | Path, *,
-         overwrite: bool = False, progress: bool = True, restart: bool = False, max_steps: int | None = None,
-         device: str | None = None) -> dict:
-    """Heal `student` (a `kvconvert mla` output) against `teacher` (its source) into `out`.
+def heal_stages(student: str | Path, teacher: str | Path, stages: HealStages, out: str | Path, *,
+                overwrite: bool = False, progress: bool = True, restart: bool = False,
+                max_steps: int | None = None) -> dict:
+    """Heal `student` (a `kvconvert mla` output) against `teacher` (its source) into `out` with the
+    stages' options, each on its own `device` (kvconvert.recipe.heal: from a recipe file, preset or dict).
 
     max_steps: stop the distillation after this many optimizer steps, keep the state and return
-    {"finished": False} (rerun to resume). restart: discard any saved state first. device: where
-    both stages (and the teacher's data generation) run, replacing the recipe blocks' `device`
-    (None: each block's own, default auto = cuda when a GPU is visible, else cpu). Returns the report.
+    {"finished": False} (rerun to resume). restart: discard any saved state first. Returns the report.
     """
     t0 = time.time()
-    recipe = with_heal_device(resolve_recipe(recipe), device)
-    if not recipe.heals():
+    if stages.layerwise is None and stages.distill is None:
         raise KVConvertError("the recipe has no enabled heal_layerwise or heal_distill stage: nothing to heal")
     student, teacher, out = Path(student), resolve_source(teacher), Path(out)
     check_output_path(out, overwrite, needed_bytes=estimate_checkpoint_bytes(student), sources=(student, teacher))
@@ -148,27 +147,27 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     tokenizer = load_tokenizer(teacher)
     # each stage's device resolved now: a GPU asked for and missing is a clear error before any work
     devices = {name: str(resolve_device(opts.device)) for name, opts in
-               (("heal_layerwise", recipe.layerwise), ("heal_distill", recipe.distill)) if opts is not None}
-    data = prepare_data(tokenizer, recipe, teacher, progress, next(iter(devices.values())))
+               (("heal_layerwise", stages.layerwise), ("heal_distill", stages.distill)) if opts is not None}
+    data = prepare_data(tokenizer, stages, teacher, progress, next(iter(devices.values())))
     state = state_dir_for(out)
     if restart and state.exists():
         shutil.rmtree(state)
     # the device is left out: a run interrupted on one device resumes on another
-    fp = fingerprint(_without_device(recipe.to_dict()), checkpoint_fingerprint(student),
+    fp = fingerprint(_without_device(stages.to_dict()), checkpoint_fingerprint(student),
                      checkpoint_fingerprint(teacher), data.info)
-    report = {"student": str(student), "teacher": str(teacher), "recipe": recipe.to_dict(), "data": data.info,
+    report = {"student": str(student), "teacher": str(teacher), "recipe": stages.to_dict(), "data": data.info,
               "notes": notes, "stages": {}}
-    if recipe.distill is not None and progress:
-        _print_plan(student, teacher, recipe.distill, devices["heal_distill"])
+    if stages.distill is not None and progress:
+        _print_plan(student, teacher, stages.distill, devices["heal_distill"])
     current = student
-    if recipe.layerwise is not None:
-        target = out if recipe.distill is None else state / "layerwise-checkpoint"
+    if stages.layerwise is not None:
+        target = out if stages.distill is None else state / "layerwise-checkpoint"
         report["stages"]["heal_layerwise"] = _layerwise_stage(
-            s_reader, t_reader, data, recipe.layerwise, target, state, fp, report, progress,
-            devices["heal_layerwise"], final=recipe.distill is None, overwrite=overwrite)
+            s_reader, t_reader, data, stages.layerwise, target, state, fp, report, progress,
+            devices["heal_layerwise"], final=stages.distill is None, overwrite=overwrite)
         current = target
-    if recipe.distill is not None:
-        result = _distill_stage(current, teacher, data, recipe.distill, out, state, fp, report, progress,
+    if stages.distill is not None:
+        result = _distill_stage(current, teacher, data, stages.distill, out, state, fp, report, progress,
                                 max_steps, overwrite)
         report["stages"]["heal_distill"] = result
         if not result.get("finished", True):
@@ -191,23 +190,6 @@ def _print_plan(student: Path, teacher: Path, stage: DistillOptions, device: str
     name = torch.cuda.get_device_name(torch.device(device)) if kind == "cuda" else ""
     for line in plan_lines(read_config(student), read_config(teacher), stage, kind, name):
         print(line, file=sys.stderr, flush=True)
-
-
-HEAL_BLOCKS = ("heal_layerwise", "heal_distill")
-
-
-def with_heal_device(recipe: Recipe, device: str | None) -> Recipe:
-    """The recipe with every heal block's device set to `device` (checked by the options model), or
-    unchanged when device is None."""
-    if device is None:
-        return recipe
-    from kvconvert.recipe import parse_recipe
-
-    data = recipe.to_dict()
-    for block in HEAL_BLOCKS:
-        if block in data:
-            data[block] = {**data[block], "device": str(device)}
-    return parse_recipe(data, f"--device {device}")
 
 
 def _without_device(recipe: dict) -> dict:

@@ -4,7 +4,7 @@ and (generated, as --layerwise-* / --distill-*) flags of `kvconvert heal`. Torch
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 from pydantic import Field, model_validator
 
@@ -107,3 +107,21 @@ class DistillOptions(StageOptions):
         """Optimizer steps for `tokens` in total when `processes` data-parallel processes each take
         tokens_per_step per step (same data, same lr schedule length in tokens, however launched)."""
         return max(1, self.tokens // (self.tokens_per_step * processes))
+
+
+HEAL_BLOCKS = ("heal_layerwise", "heal_distill")  # the two stages' blocks in a recipe
+
+
+class HealStages(Protocol):
+    """What a heal runs (kvconvert.heal.api.heal_stages): each stage's options, None where the stage is
+    absent or disabled, and to_dict(), the recipe it came from as recorded in the healed checkpoint's
+    manifest (kvconvert_heal.recipe) and, without the devices, in the resume fingerprint.
+    A validated kvconvert.recipe.Recipe is one."""
+
+    @property
+    def layerwise(self) -> LayerwiseOptions | None: ...
+
+    @property
+    def distill(self) -> DistillOptions | None: ...
+
+    def to_dict(self) -> dict: ...

@@ -5,7 +5,8 @@ import shutil
 import pytest
 
 from kvconvert.errors import KVConvertError, OutputExistsError, UnsupportedModelError
-from kvconvert.heal.api import heal, state_dir_for
+from kvconvert.heal.api import state_dir_for
+from kvconvert.recipe import heal
 
 from heal_cases import build_llama, distill_recipe, layerwise_recipe, train_tokenizer
 

@@ -5,7 +5,8 @@ import json
 import torch
 
 from kvconvert.checkpoint import CheckpointReader
-from kvconvert.heal.api import heal, state_dir_for
+from kvconvert.heal.api import state_dir_for
+from kvconvert.recipe import heal
 
 from heal_cases import distill_recipe
 

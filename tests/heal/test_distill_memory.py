@@ -115,7 +115,7 @@ def test_loader_attention_is_what_the_estimate_assumes(tiny_student, tiny_teache
 
 def test_heal_refuses_before_loading_the_models(tiny_student, tiny_teacher, text_file, tmp_path, monkeypatch):
     """Through the real `heal`: the distillation stage stops at the check, no output is written."""
-    from kvconvert.heal.api import heal
+    from kvconvert.recipe import heal
 
     need = distill_memory(json.loads((tiny_student / "config.json").read_text()),
                           json.loads((tiny_teacher / "config.json").read_text()), DistillStage(seq_len=128, batch_size=2),

@@ -23,7 +23,8 @@ import yaml
 from heal_cases import distill_recipe
 
 from kvconvert.checkpoint import CheckpointReader
-from kvconvert.heal.api import heal, state_dir_for
+from kvconvert.heal.api import state_dir_for
+from kvconvert.recipe import heal
 from kvconvert.resources import recipes_dir
 
 STEPS, SEQ = 4, 128

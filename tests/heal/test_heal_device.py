@@ -56,7 +56,7 @@ def test_pipeline_device_cpu_heals_without_touching_cuda(tiny_teacher, text_file
 def test_heal_on_auto_would_use_the_visible_gpu(tiny_student, tiny_teacher, text_file, tmp_path,
                                                  cuda_visible_but_forbidden):
     """The control: the same fake GPU does stop a heal left on `auto` (so the test above can fail)."""
-    from kvconvert.heal.api import heal
+    from kvconvert.recipe import heal
 
     with pytest.raises((CudaTouched, AssertionError, RuntimeError)):
         heal(tiny_student, tiny_teacher, distill_recipe(text_file, tokens=2 * 2 * 128), tmp_path / "out", progress=False)

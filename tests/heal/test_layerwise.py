@@ -98,7 +98,7 @@ def test_heal_layerwise_writes_stock_checkpoint(q_rank, tiny_student, tiny_teach
     from transformers import DeepseekV3ForCausalLM
 
     from kvconvert.checkpoint import verify_manifest
-    from kvconvert.heal.api import heal
+    from kvconvert.recipe import heal
 
     student = convert_tiny(tiny_teacher, tmp_path / "qlora", text_file, q_rank=q_rank) if q_rank else tiny_student
     out = tmp_path / "healed"
@@ -126,7 +126,8 @@ def test_layerwise_resumes_from_saved_layers(tiny_student, tiny_teacher, text_fi
 
     from kvconvert.commands.main import main
     from kvconvert.heal import layerwise
-    from kvconvert.heal.api import heal, state_dir_for
+    from kvconvert.heal.api import state_dir_for
+    from kvconvert.recipe import heal
 
     recipe = layerwise_recipe(text_file, steps=5)
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))

@@ -117,7 +117,7 @@ def test_distill_trains_through_the_rounded_cache(tiny_student, tiny_teacher, te
     from heal_cases import distill_recipe
 
     from kvconvert.checkpoint import CheckpointReader
-    from kvconvert.heal.api import heal
+    from kvconvert.recipe import heal
 
     def first_losses(kv_dtype):
         out = tmp_path / str(kv_dtype)

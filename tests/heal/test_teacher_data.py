@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvconvert.errors import KVConvertError
-from kvconvert.heal.api import heal, prepare_data, teacher_tokens_needed
+from kvconvert.heal.api import prepare_data, teacher_tokens_needed
 from kvconvert.heal.teacher_data import OPENINGS, sample_teacher_text, teacher_text_cache
-from kvconvert.recipe import Recipe
+from kvconvert.recipe import Recipe, heal
 
 
 @pytest.fixture()
