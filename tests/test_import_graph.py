@@ -1,4 +1,5 @@
-"""No import cycles between kvconvert's modules, and the commands above the library (issue 40).
+"""No import cycles between kvconvert's modules nor between its packages, and the commands above the
+library (issue 40).
 
 The graph is read from the source (ast), not from what happens to be imported at run time, and it
 counts imports inside function bodies too: those keep `--help` fast but are edges all the same, and a
@@ -98,6 +99,61 @@ def test_no_module_imports_itself_back():
     found = cycles(import_graph(project_modules()))
     assert not found, "import cycles (move the shared helper to the module that owns its concept): " + \
         "; ".join(" <-> ".join(c) for c in found)
+
+
+def package_of(module: str) -> str:
+    """A module's package: its first two dotted levels (kvconvert.quant.calibrate -> kvconvert.quant;
+    a flat module such as kvconvert.recipe, and kvconvert itself, are their own)."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> tuple[dict[str, set[str]], dict[tuple[str, str], list]]:
+    """The module graph collapsed onto packages: (package -> the other packages it imports,
+    (package, package) -> the sorted module imports (importer, imported) behind that edge)."""
+    packages, behind = {}, {}
+    for module, targets in graph.items():
+        source = packages.setdefault(package_of(module), set())
+        for target in targets:
+            packages.setdefault(package_of(target), set())
+            edge = (package_of(module), package_of(target))
+            if edge[0] != edge[1]:
+                source.add(edge[1])
+                behind.setdefault(edge, []).append((module, target))
+    return packages, {edge: sorted(pairs) for edge, pairs in behind.items()}
+
+
+def describe_cycle(component: list[str], behind: dict[tuple[str, str], list], most: int = 3) -> str:
+    """The package edges inside one cycle, each with the module imports that make it."""
+    lines = []
+    for edge in sorted(e for e in behind if e[0] in component and e[1] in component):
+        pairs = behind[edge]
+        shown = ", ".join(f"{a} imports {b}" for a, b in pairs[:most])
+        lines.append(f"  {edge[0]} -> {edge[1]}: {shown}{f' (+{len(pairs) - most} more)' if len(pairs) > most else ''}")
+    return "cycle among " + ", ".join(component) + ":\n" + "\n".join(lines)
+
+
+def test_the_package_graph_collapses_modules():
+    # a.x -> b.z -> c -> a.y: no module imports itself back, yet packages a, b and c form a cycle
+    graph = {"k.a.x": {"k.a.y", "k.b.z"}, "k.a.y": set(), "k.b": {"k.b.z"}, "k.b.z": {"k.c"}, "k.c": {"k.a.y"}}
+    packages, behind = package_graph(graph)
+    assert packages == {"k.a": {"k.b"}, "k.b": {"k.c"}, "k.c": {"k.a"}}  # within a package: no edge
+    assert behind == {("k.a", "k.b"): [("k.a.x", "k.b.z")], ("k.b", "k.c"): [("k.b.z", "k.c")],
+                      ("k.c", "k.a"): [("k.c", "k.a.y")]}
+    assert cycles(graph) == [] and cycles(packages) == [["k.a", "k.b", "k.c"]]
+    assert "k.c -> k.a: k.c imports k.a.y" in describe_cycle(["k.a", "k.b", "k.c"], behind)
+    assert package_of("kvconvert.quant.calibrate") == "kvconvert.quant" and package_of("kvconvert") == "kvconvert"
+
+
+def test_no_package_imports_another_back():
+    """Each package (kvconvert.checkpoint, kvconvert.quant, kvconvert.runtime, kvconvert.recipe, ...)
+    can be read, tested and moved with only the packages below it. Today's order, low to high:
+    foundations (errors, kvformat, number_formats, kvmath, memory, resources, targets, ...), models/,
+    engines/ < checkpoint < sources < kernels < runtime < quant < mla < eval < heal < recipe <
+    pipeline / plan / budget < commands (README, Layout)."""
+    packages, behind = package_graph(import_graph(project_modules()))
+    found = cycles(packages)
+    assert not found, ("package import cycles (move the helper to the package that owns its concept, or "
+                       "invert the dependency):\n" + "\n".join(describe_cycle(c, behind) for c in found))
 
 
 COMMANDS = "kvconvert.commands"
