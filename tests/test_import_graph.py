@@ -156,6 +156,51 @@ def test_no_package_imports_another_back():
                        "invert the dependency):\n" + "\n".join(describe_cycle(c, behind) for c in found))
 
 
+# The packages' order, low to high (README, Layout): a package imports only packages of its own layer or below,
+# so each can be read and tested with what lies below it. A new package or flat module must take its place here.
+LAYERS = (
+    ("kvconvert", "errors", "progress"),
+    ("kvformat", "kvmath", "number_formats", "memory", "device", "resources", "stage_options", "targets", "presets",
+     "data", "st_header", "models", "engines"),  # foundations: formats, maths, the architectures, stock vLLM's venv
+    ("checkpoint",),
+    ("sources", "model_info"),
+    ("kernels",),
+    ("runtime",),
+    ("quant",),
+    ("mla",),
+    ("eval",),
+    ("heal",),
+    ("recipe",),
+    ("plan", "budget", "pipeline"),
+    ("commands", "cli"),
+)
+
+
+def layer_of(package: str) -> int | None:
+    name = package.removeprefix("kvconvert.") if package != "kvconvert" else package
+    return next((i for i, names in enumerate(LAYERS) if name in names), None)
+
+
+def upward_edges(packages: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Package imports that point to a higher layer than the importer's."""
+    return sorted((a, b) for a, targets in packages.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert upward_edges({"kvconvert.quant": {"kvconvert.checkpoint"}, "kvconvert.checkpoint": set()}) == []
+    assert upward_edges({"kvconvert.checkpoint": {"kvconvert.mla"}, "kvconvert.mla": set()}) == \
+        [("kvconvert.checkpoint", "kvconvert.mla")]
+
+
+def test_every_package_imports_only_its_layer_and_below():
+    packages, behind = package_graph(import_graph(project_modules()))
+    unplaced = sorted(p for p in packages if layer_of(p) is None)
+    assert not unplaced, f"give these packages their layer in LAYERS (tests/test_import_graph.py): {unplaced}"
+    found = upward_edges(packages)
+    assert not found, "imports of a higher layer (move the helper down to the package that owns it):\n" + "\n".join(
+        f"  {a} -> {b}: " + ", ".join(f"{x} imports {y}" for x, y in behind[(a, b)][:3]) for a, b in found)
+
+
 COMMANDS = "kvconvert.commands"
 SHIM = "kvconvert.cli"  # `python -m kvconvert.cli` (accelerate and torchrun launch a module): imports commands.main
 
