@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.number_formats import FP8_DTYPE
 
 from ._triton_compat import interpreter_enabled
-from .cache_layout import FP8_DTYPE
 from .dequant import DOT_PRECISIONS
 from .merge import merge_lse_triton
 

@@ -57,10 +57,10 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import KERNEL_MODES
 from kvconvert import number_formats as F
+from kvconvert.number_formats import FP8_DTYPE  # the e4m3 storage dtype, defined with the FP8 maths
 
 GQA_MODES = KERNEL_MODES  # none, fp8, nvfp4: the registry formats' kernel modes
 MLA_MODES = (*KERNEL_MODES, "fp8_tile")  # + FlashMLA's dynamic per-tile layout (no checkpoint format)
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_DTYPES = (FP8_DTYPE, torch.float8_e5m2)  # fp8 mode's data: e4m3 (the kernels' and the default) or e5m2
 PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.number_formats import FP8_DTYPE
 
 from ._launch import (
     LOG2E, DecodeOptions, check_decode, check_softmax_scale, decode_reference,
     merge_splits, partial_strides, resolve_dot, split_outputs,
 )
 from ._triton_compat import HAS_TRITON, check_kernel_device, next_power_of_2, require_triton, tl, triton
-from .cache_layout import FP8_DTYPE, MLACacheLayer
+from .cache_layout import MLACacheLayer
 from .dequant import MODE_FP8, MODE_IDS, MODE_NVFP4, MODE_PLAIN, aux_broadcastable, dot_constexprs
 
 if HAS_TRITON:

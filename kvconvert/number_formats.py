@@ -34,7 +34,8 @@ from kvconvert.kvformat import E2M1_MAX, FP8_E4M3_MAX, FP8_E5M2_MAX, NVFP4_BLOCK
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
+FP8_DTYPE = torch.float8_e4m3fn  # e4m3: what an FP8 KV cache stores and the kernels read (e5m2 is the other FP8)
+FP8_MAX = {FP8_DTYPE: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
 # RNE onto the E2M1 grid: code = number of decision thresholds |y| passes. At a midpoint the tie
 # goes to the even code, so the threshold is inclusive (>=) where the upper neighbour's code is

@@ -28,22 +28,36 @@ def project_modules() -> dict[str, Path]:
     return found
 
 
-def imported(path: Path, modules: dict[str, Path]) -> set[str]:
-    """Every module the file imports, anywhere in it (absolute imports; `from a import b` is a.b when b
-    is one of `modules`, else a)."""
+def imported(path: Path, modules: dict[str, Path], name: str | None = None) -> set[str]:
+    """Every module the file imports, anywhere in it (`from a import b` is a.b when b is one of `modules`,
+    else a). Relative imports (`from .x import y`, the kernels' style) are resolved against `name`, the
+    importing module's dotted name."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                         for a in node.names)
+        if isinstance(node, ast.ImportFrom):
+            base = _absolute(node, name, path.name == "__init__.py")
+            if base:
+                found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
     return found
 
 
+def _absolute(node: ast.ImportFrom, name: str | None, is_package: bool) -> str | None:
+    """The absolute module a `from ... import` names (None for a relative one without the importer's name)."""
+    if node.level == 0:
+        return node.module
+    if name is None:
+        return None
+    parts = name.split(".") if is_package else name.split(".")[:-1]  # the package the importer sits in
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     """module -> the project modules it imports."""
-    return {name: {t for t in imported(path, modules) if t in modules and t != name} for name, path in modules.items()}
+    return {name: {t for t in imported(path, modules, name) if t in modules and t != name}
+            for name, path in modules.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -93,6 +107,12 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_graph_sees_imports_inside_functions():
     graph = import_graph(project_modules())
     assert "kvconvert.quant.stream" in graph["kvconvert.quant.calibrate"]  # imported in calibrate_streamed
+
+
+def test_the_graph_sees_relative_imports():
+    graph = import_graph(project_modules())
+    assert "kvconvert.kernels.dequant" in graph["kvconvert.kernels._launch"]  # from .dequant import DOT_PRECISIONS
+    assert "kvconvert.kernels.append" in graph["kvconvert.kernels.cache_layout"]  # in a method: from .append import
 
 
 def test_no_module_imports_itself_back():
