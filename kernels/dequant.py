@@ -174,7 +174,7 @@ if HAS_TRITON:
         high byte) -> two tiles ``[BLOCK_N, BLOCK_D // 2]`` in OUT_DTYPE, features 0, 2, 4, ... and 1, 3, 5, ...
         (the raw e4m3 values, exact in every dot dtype; the kernel applies the scalar scale to its dots).
 
-        Why (issue 39, the sm_90 compile of the MLA fp8 tile read as bytes): the P@V operand is the tile
+        Why (the sm_90 compile of the MLA fp8 tile read as bytes): the P@V operand is the tile
         transposed (its K is the token axis), and an 8-bit tile has no transposing shared-memory load on Hopper
         (ldmatrix.trans is 16-bit only), so the compiler staged the bytes through registers (synchronous
         ld.global, no cp.async) and read them back one byte at a time (128 ld.shared.b8 + 64 shl/or per tile
@@ -199,7 +199,7 @@ if HAS_TRITON:
         without the global scale, as :func:`load_nvfp4_halves`. Feature 4j + q lies in
         block-scale group j // 4, so the four planes share one scale tile with groups of 4 words.
 
-        Why (issue 39): :func:`load_nvfp4_halves` reads the packed bytes as 8-bit elements, whose transpose
+        Why: :func:`load_nvfp4_halves` reads the packed bytes as 8-bit elements, whose transpose
         for the P@V operand Hopper can only read from shared memory byte by byte (as an fp8 tile's,
         :func:`load_fp8_byte_planes`); 16-bit words transpose with ldmatrix."""
         QUARTER: tl.constexpr = BLOCK_D // 4

@@ -14,7 +14,7 @@ Conventions (docs/formats.md, "KV-cache number formats and scales"):
 * Under a 4-bit format MLA stores k_rope (the last qk_rope_head_dim values of its cached row) in the
   format named by ``mla_rope``: 16 bits for ``nvfp4`` (FlashMLA's layout: it carries the position
   signal), FP8 E4M3 with the row's own kv scale for ``nvfp4_fp8rope`` (as vLLM's FP8 MLA cache scales
-  its k_rope), which buys twice the RoPE dims for the same bytes (docs/BENCHMARKS.md, issue 18).
+  its k_rope), which buys twice the RoPE dims for the same bytes (docs/BENCHMARKS.md, "Under 25%").
 * `engines` are kvconvert.targets names (which MLA shapes each engine serves is there).
 """
 

@@ -5,7 +5,7 @@ For each configuration the real CLI path runs (calibrate -> checkpoint written t
 then kvconvert.eval.kv_quant measures perplexity and token KL against the unquantized source on
 the same windows (eval_windows: the Paul Graham essays, 32 x 1024 by default = the issue's protocol).
 
-Targets (issue 5): FP8 E4M3 within +0.5% of the unquantized perplexity, NVFP4 within +3%.
+Targets: FP8 E4M3 within +0.5% of the unquantized perplexity, NVFP4 within +3%.
 Writes docs/bench_calibrate.json and prints a markdown table.
 
     python scripts/bench_calibrate.py --windows 8            # quick

@@ -1,18 +1,18 @@
 #!/usr/bin/env python
-"""Distillation throughput and memory (issues 17, 38): tokens/s of kvconvert's Distiller, the loop `kvconvert heal`
+"""Distillation throughput and memory: tokens/s of kvconvert's Distiller, the loop `kvconvert heal`
 runs, per micro-batch shape, and its peak memory beside kvconvert.heal.memory's estimate (the number the
 refusal check uses), on a GPU or a CPU.
 
 The teacher and the MLA student are randomly initialised models of a preset's shape (default SmolLM2-135M
 -> MLA 160 + 32, the shape of recipes/smollm2-135m-50pct-gpu.yaml, whose distillation ran at 56-58K
-tokens/s on an H100 in session 5) and the tokens are random: weights and text do not change the speed or
+tokens/s on an H100) and the tokens are random: weights and text do not change the speed or
 the memory, and nothing large has to travel to a GPU machine. Each row builds a fresh Distiller, runs
 --warmup optimizer steps untimed (compilation, allocator), then times --steps steps (device synchronised).
 
 Measured peak: on a GPU torch.cuda.max_memory_allocated (reset before the Distiller is built); on a CPU the
 peak RSS (VmHWM) of a fresh process per row, minus that process's RSS just before the Distiller is built
 (the interpreter, torch, transformers and accelerate: "baseline_gb" in each row, not the run's). est/meas
-is the estimate over that peak (issue 38's target: 1.0-1.3 on every row).
+is the estimate over that peak (the target: 1.0-1.3 on every row).
 
     python scripts/bench_distill.py --device cuda                         # the default grid, ~2 min on an H100
     python scripts/bench_distill.py --variants b8s2048,b16s2048:ckpt      # b<batch>s<seq_len>[:compile][:ckpt][:lora]
@@ -37,7 +37,7 @@ import torch
 from bench_common import DOCS, parser, write_json, write_text
 
 # no torch.compile in the default grid: compiling the whole model took over 60 s of warm-up per row on an
-# H100 (issue 38); ":compile" now compiles each decoder layer (heal_distill's `compile`)
+# H100; ":compile" compiles each decoder layer (heal_distill's `compile`)
 DEFAULT_VARIANTS = "b8s2048,b16s2048,b16s2048:ckpt,b8s2048:lora"
 VARIANT = re.compile(r"b(\d+)s(\d+)((?::(?:compile|ckpt|lora))*)")
 

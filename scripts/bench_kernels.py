@@ -18,10 +18,10 @@ on CPU is covered by tests/kernels in the Triton interpreter.
     python scripts/bench_kernels.py --quick    # the sweep on a 5-config grid, contexts 1K and 8K
     python scripts/bench_kernels.py --cpu-smoke  # plumbing check in the Triton interpreter (numbers meaningless)
 
-The short run (issue 39) times every cache mode with the launch configs the tuning runs found (TUNED,
+The short run times every cache mode with the launch configs the tuning runs found (TUNED,
 docs/BENCHMARKS.md "Kernels": MLA tuned at 32K, GQA at 8K), so a short lease reproduces the tuned
 numbers. Its size, counted by ``short_plan``: 2 contexts x (15 MLA rows: bf16; fp8 with bf16 / fp16 / fp8 dots;
-fp8_tile and nvfp4 with bf16 / fp16 dots; issue 39's candidates: fp8 and nvfp4 on word planes with bf16 / fp16
+fp8_tile and nvfp4 with bf16 / fp16 dots; the read-path candidates: fp8 and nvfp4 on word planes with bf16 / fp16
 dots, fp8 planes at 49 splits, the second latent load for fp8 and nvfp4; + FlashMLA and FlashInfer on bf16;
 and 8 GQA rows: bf16; fp8 with bf16 / fp16 / fp8 dots; nvfp4 with bf16 / fp16 dots and on word planes with
 bf16 / fp16 dots; + FlashInfer on bf16 and fp8) = 54 timings, each a CUDA graph of about 40 ms of back-to-back steps replayed 10 times (~0.5 s with
@@ -76,7 +76,7 @@ FULL_CONTEXTS, QUICK_CONTEXTS, SHORT_CONTEXTS = "1024,2048,4096,8192,16384,32768
 QUICK_GRID = [(16, 32, 8, 2), (16, 64, 8, 2), (16, 64, 8, 3), (64, 64, 8, 2), (64, 64, 4, 3)]
 
 
-# The short run's launch configs, from the tuning runs on an H100 (docs/BENCHMARKS.md "Kernels", session 18):
+# The short run's launch configs, from the tuning runs on an H100 (docs/BENCHMARKS.md "Kernels"):
 # MLA: run B, tuned at 32K over the full grid x 4 split counts: (block_h 16, block_n 32, 4 warps, 2 stages) won
 # for every mode, fp8 dots included, at the default split count (33 at 32K: 264 programs); GQA: run A, tuned
 # at 8K (bench_kernels.json's gqa_tuning), the split count the default heuristic's. Keyed (kernel, mode, dot);
@@ -91,7 +91,7 @@ TUNED = {
     ("gqa", "fp8", "fp8"): {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 3},
 }
 # Rows the short run adds beside the tuned ones (impl, mode, dot, launcher options that replace the tuned
-# config's): the candidates of issue 39's design that one GPU run decides (docs/BENCHMARKS.md "Kernels").
+# config's): the read-path candidates that one GPU run decides (docs/BENCHMARKS.md "Kernels").
 # word_planes: the fp8 latent read as 16-bit words on even/odd byte planes (no byte-wise transpose of the P@V
 # operand, no spill, 168 registers instead of 255 at the tuned config), the NVFP4 latent on four nibble planes
 # (no spill, 2.5x fewer conversions), each with the default (bf16) and fp16 dots.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where the 25% budget goes in an MLA + NVFP4 cache: k_rope kept 16-bit (nvfp4, FlashMLA's layout)
-against k_rope in FP8 (nvfp4_fp8rope: emulated when this was first run in session 11, a kvconvert format
-since; the same scales read either way, so the numbers are unchanged).
+against k_rope in FP8 (nvfp4_fp8rope, a kvconvert format; this bench reads the NVFP4 calibration's scales through that
+format's fake quantization).
 
 For each one-shot MLA shape of SmolLM2-135M (8192 conversion tokens, fp32), on the essays (32 x 1024):
 the conversion alone (bf16 cache), the latent in NVFP4 with k_rope 16-bit (calibrate's NVFP4 defaults
@@ -26,7 +26,7 @@ from bench_common import DOCS, calibrated_candidate, command, parser, quant_eval
 
 def rope_fp8_hook(checkpoint: Path):
     """Cache hook of an MLA checkpoint calibrated for NVFP4, read as nvfp4_fp8rope: the same scales, the
-    latent NVFP4, k_rope FP8 with the row's kv scale (kvconvert's format since session 12)."""
+    latent NVFP4, k_rope FP8 with the row's kv scale (kvconvert's nvfp4_fp8rope format)."""
     import dataclasses
 
     from kvconvert.quant.hooks import fake_quant_hook

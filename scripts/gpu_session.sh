@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 38 and 39 (earlier 17, 20) in one command, for a rarely lent GPU machine (one H100/H200,
-# no network, Python with torch + Triton + transformers but not kvconvert's other dependencies).
+# The GPU checks (kernels, runtime, distillation speed and memory) in one command, for a rarely lent
+# GPU machine (one H100/H200, no network, Python with torch + Triton + transformers but not
+# kvconvert's other dependencies).
 #
 #   here:       bash scripts/gpu_session.sh prepare    # downloads the missing wheels into .whl/ (git-ignored)
 #   on the GPU: bash scripts/gpu_session.sh run        # with .whl carried; results under $OUT (or ./gpu-out)
@@ -10,7 +11,7 @@
 # kernels/ and runtime/, does not shadow it), then, each
 # step logged under $OUT and a failing step not stopping the next:
 #   1. kernels  the kernel tests compiled on the GPU (TRITON_INTERPRET=0 KVCONVERT_TEST_DEVICE=cuda)
-#   2. bench    scripts/bench_kernels.py's short run (issue 39, ~1.5 min on an H100): MLA and GQA at 8K and
+#   2. bench    scripts/bench_kernels.py's short run (~1.5 min on an H100): MLA and GQA at 8K and
 #               32K, every cache mode and dot variant at the tuned launch configs, the design candidates' rows,
 #               FlashInfer / FlashMLA rows (or their failure) on the same caches, each row vs bf16 and vs the
 #               measured copy; writes $OUT/bench_kernels.{json,md} (BENCH_ARGS="--tune": the tuning sweep)
@@ -18,16 +19,16 @@
 #   4. distill  scripts/bench_distill.py --device cuda: heal's distillation tokens/s per micro-batch
 #               (DISTILL_VARIANTS; default b8s2048, b16s2048, b16s2048 with gradient checkpointing, b8s2048
 #               LoRA, b8s2048 and b16s2048 with each decoder layer compiled), each row's peak
-#               torch.cuda.max_memory_allocated beside kvconvert.heal.memory's estimate (issue 38: 1.0-1.3x);
+#               torch.cuda.max_memory_allocated beside kvconvert.heal.memory's estimate (target: 1.0-1.3x);
 #               the first row's step profiled ($OUT/profile.txt) and its allocator trace replayed to what is
 #               live at the peak ($OUT/memtrace.txt); writes $OUT/bench_distill.{json,md}
-#   5. heal7b   issue 38's 7B check: a Llama-2-7B-shaped random-weight teacher and its MLA 512 + 64 student
+#   5. heal7b   the 7B check: a Llama-2-7B-shaped random-weight teacher and its MLA 512 + 64 student
 #               (32 layers, from kvconvert.presets, drawn on the GPU and written in bf16: 27 GB of disk, nothing
 #               large travels) distilled for 1 + 3 steps per row (HEAL7B_VARIANTS; default 1 x 2048 tokens
 #               with and without gradient checkpointing, 2 x 2048 without) with recipes/llama-2-7b-mla512.yaml's
 #               heal_distill settings (bf16, every attention weight trained, fused Adam): tokens/s, peak
 #               memory and the estimate; writes $OUT/bench_distill_7b.json (log in distill.log)
-# `run distill heal7b` is issue 38's GPU half (about 5 min on an H200: 200 + 180 s caps); `run kernels
+# `run distill heal7b` is the distillation half (about 5 min on an H200: 200 + 180 s caps); `run kernels
 # bench` picks other steps. Each step runs under `timeout` (STEP_TIMEOUT_<step>, seconds) so one slow
 # step cannot eat a short lease; BENCH_ARGS passes options to bench_kernels.py (e.g. "--tune --quick --contexts
 # 2048,32768": the sweep on 5 tuning configs instead of 11); the compiled kernel tests run on 8 pytest-xdist workers.
@@ -35,7 +36,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0
         wonderwords==3.0.1)
-# bench's peer (issue 39): FlashInfer 0.6.4 (7.8 MB; it JIT-compiles its kernels with the machine's nvcc through
+# bench's peer: FlashInfer 0.6.4 (7.8 MB; it JIT-compiles its kernels with the machine's nvcc through
 # ninja and apache-tvm-ffi) and what `import flashinfer` needs beyond the image's torch/numpy/requests/tqdm/
 # packaging. Newer wheels do not fit: 0.6.18 is 18 MB and 0.7.x 34-62 MB, and both add cuda-python, cuda-tile
 # and nccl4py; 0.6.4's cudnn-frontend (11.6 MB) and cutlass-dsl requirements are imported only by kernels the

@@ -105,8 +105,8 @@ def test_import_gguf_bad_file_is_one_line(tmp_path, run_main):
 
 
 def test_every_commands_help_is_torch_free():
-    """`kvconvert CMD --help` loads the command's module and its options models, never torch (issue 40:
-    the commands import the library lazily; the runtime's LLM loads on first use)."""
+    """`kvconvert CMD --help` loads the command's module and its options models, never torch (the
+    commands import the library lazily; the runtime's LLM loads on first use)."""
     code = ("import sys\nfrom click.testing import CliRunner\nfrom kvconvert.commands.main import LAZY_COMMANDS, cli\n"
             "for name in LAZY_COMMANDS:\n"
             "    result = CliRunner().invoke(cli, [name, '--help'])\n"

@@ -1,5 +1,5 @@
 """No import cycles between kvconvert's modules nor between its packages, and the commands above the
-library (issue 40).
+library.
 
 The graph is read from the source (ast), not from what happens to be imported at run time, and it
 counts imports inside function bodies too: those keep `--help` fast but are edges all the same, and a

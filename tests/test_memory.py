@@ -1,4 +1,4 @@
-"""One memory model (issue 40 item 4): runtime, calibrate and distillation estimate into the one type of
+"""One memory model: runtime, calibrate and distillation estimate into the one type of
 kvconvert.memory, and no other module defines a second one."""
 
 import ast

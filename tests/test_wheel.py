@@ -1,5 +1,5 @@
 """The built wheel carries everything the CLI reads at run time, and an installed copy finds it
-with the checkout nowhere on its path (kvconvert/resources.py, issue 41).
+with the checkout nowhere on its path (kvconvert/resources.py).
 
 The checkout's package sources (pyproject's package-dir folders, as git lists them: what a clean
 clone has) are copied to a temporary folder, built with `pip wheel --no-deps --no-build-isolation`,

@@ -155,7 +155,7 @@ def test_engine_resolution():
     assert R.resolve_engine("auto") == expected
 
 
-# --------------------------------------------------------------------------- bounded memory (issue 16)
+# --------------------------------------------------------------------------- bounded memory
 
 @pytest.fixture(scope="module")
 def bf16_llama(tiny_llama, tmp_path_factory):

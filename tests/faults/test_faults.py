@@ -1,5 +1,6 @@
-"""Every fault of issues 21 and 41 through the real CLI in a subprocess: exit code, the one-line
-message, and nothing left at the output path. docs/reliability.md's table lists the same cases."""
+"""Every known fault (bad input, interrupted runs, a new user's first mistakes) through the real CLI
+in a subprocess: exit code, the one-line message, and nothing left at the output path.
+docs/reliability.md's table lists the same cases."""
 
 from __future__ import annotations
 
@@ -340,7 +341,7 @@ def test_all_finite_matches_isfinite_reference(dtype):
                 assert _all_finite(view) == bool(torch.isfinite(view.float()).all()), (bad, pos)
 
 
-# ------------------------------------------------------------------ issue 41: the faults a new user hits
+# ------------------------------------------------------------------ the faults a new user hits
 
 FAST = ["generate", "mla", "calibrate", "validate", "heal", "pipeline"]  # every command that reads a checkpoint
 

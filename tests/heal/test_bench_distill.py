@@ -26,7 +26,7 @@ def test_bench_distill_smoke(tmp_path):
     (row,) = report["rows"]
     assert (row["batch"], row["seq_len"], row["compile"]) == (2, 64, False)
     assert row["tokens_per_s"] > 0 and math.isfinite(row["loss_first"]) and math.isfinite(row["loss_last"])
-    assert row["peak_gb"] > 0 and row["estimate_gb"] > 0 and row["est_over_measured"] > 0  # issue 38's columns
+    assert row["peak_gb"] > 0 and row["estimate_gb"] > 0 and row["est_over_measured"] > 0  # the memory columns
     assert "| 2 | 64 | no |" in out_md.read_text()
 
 

@@ -1,4 +1,4 @@
-"""The distillation memory estimate against the real loop's measured peak RSS on a CPU (issue 38):
+"""The distillation memory estimate against the real loop's measured peak RSS on a CPU:
 scripts/bench_distill.py runs each row in a fresh process (glibc's allocator told to return freed
 blocks, so RSS follows live tensors), warms the libraries up on a 1-layer model, reads the RSS
 (the baseline: interpreter and libraries), then builds the Distiller and trains; the row's peak is
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_distill.py"
-# issue 38's target: the estimate between 1.0x and 1.3x of the measured peak
+# the target: the estimate between 1.0x and 1.3x of the measured peak
 LOW, HIGH = 1.0, 1.3
 
 

@@ -1,4 +1,4 @@
-"""Mixed precision in the Distiller (issue 38's speed and memory): the frozen matmul weights stored once in
+"""Mixed precision in the Distiller (speed and memory): the frozen matmul weights stored once in
 the autocast dtype give bit-identical logits and gradients to autocast's per-step casts, and the prepared
 student returns its logits in the autocast dtype (not accelerate's float32 copy, which would double the
 two vocabulary-sized tensors kvconvert.heal.memory counts)."""

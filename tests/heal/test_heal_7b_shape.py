@@ -1,4 +1,4 @@
-"""Issue 38, item 2 on a CPU: a Llama-2-7B-shaped pair (kvconvert.presets' shapes, 2 of 32 layers, random
+"""The 7B recipe's distillation memory on a CPU: a Llama-2-7B-shaped pair (kvconvert.presets' shapes, 2 of 32 layers, random
 weights written as safetensors) and its MLA 512 + 64 student distil for 1 + 1 steps of the real loop with
 recipes/llama-2-7b-mla512.yaml's heal_distill switches (bf16, no gradient checkpointing since frozen
 weights are held in bf16, every attention weight trained, fused Adam), in a fresh process whose peak RSS is checked against the estimate the

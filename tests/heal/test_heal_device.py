@@ -1,4 +1,4 @@
-"""--device reaches healing (issue 40): `pipeline --device cpu` with a recipe that heals runs the real
+"""--device reaches healing: `pipeline --device cpu` with a recipe that heals runs the real
 conversion, layer-wise stage and distillation on the CPU while torch claims a GPU is visible, and any
 touch of CUDA fails. Without a device, `auto` would pick that GPU: the same heal then fails."""
 

@@ -38,10 +38,10 @@ CASES = [
     ("mla_none_bf16_h64", "mla", "none", {"dot": "bf16", "block_h": 64, "block_n": 32, "num_warps": 8}),
     ("gqa_fp8_fp8dot_h64", "gqa", "fp8", {"dot": "fp8", "block_h": 64, "block_n": 64, "num_warps": 4}),
     # the fp8 latent read once for both dots, and twice (a transposed second load for QK^T), at the
-    # config where session 18's compile analysis found the second load pipelined and spill-free
+    # config where the compile analysis found the second load pipelined and spill-free
     *((f"mla_fp8_bf16_n64_{n}load", "mla", "fp8", {"dot": "bf16", "latent_loads": n, "block_n": 64,
                                                    "num_warps": 8, "num_stages": 3}) for n in (1, 2)),
-    # issue 39: the fp8 latent as bytes vs as 16-bit words on even/odd byte halves (word_planes), at the tuned
+    # the fp8 latent as bytes vs as 16-bit words on even/odd byte halves (word_planes), at the tuned
     # MLA config (block_h 16, block_n 32, 4 warps, 2 stages), fp16 and bf16 dots
     *((f"mla_fp8_{dot}_tuned_{layout}", "mla", "fp8", {"dot": dot, "block_n": 32, "num_warps": 4, "num_stages": 2,
                                                         "word_planes": layout == "halves"})

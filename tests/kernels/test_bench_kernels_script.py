@@ -1,8 +1,8 @@
 """scripts/bench_kernels.py: the short run's plan and report plumbing (fast, no kernels), and --cpu-smoke, which
 runs the whole script (checks against the references, every cache mode and dot variant of both kernels, the
 peers' rows, JSON and markdown) in the Triton interpreter, for the short run and the tuning sweep. The smoke is
-started without TRITON_INTERPRET, as its docstring says to: the script has to pick the interpreter itself (it
-failed to, unnoticed, until session 18)."""
+started without TRITON_INTERPRET, as its docstring says to: the script has to pick the interpreter itself (a
+script that does not would go unnoticed)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def bench():
 @pytest.mark.parametrize("kernel, modes", [("mla", MLA_MODES), ("gqa", GQA_MODES)])
 def test_short_plan_covers_every_mode_with_the_tuned_configs(bench, kernel, modes):
     """Every cache mode with the default dots, every quantized mode with fp16 dots, fp8 with fp8 dots, at the
-    configs the tuning runs found (issue 39: the short run reproduces the tuned numbers), plus the candidates."""
+    configs the tuning runs found (the short run reproduces the tuned numbers), plus the candidates."""
     plan = bench.short_plan(kernel)
     rows = {(impl, mode) for impl, mode, _, _ in plan}
     assert {("triton", m) for m in modes} | {("triton-fp16dot", m) for m in modes if m != "none"} <= rows

@@ -77,7 +77,7 @@ def test_second_transposed_fp8_latent_load_is_pipelined(hopper):
 
 @pytest.mark.parametrize("dot", ["fp16", "bf16"])
 def test_fp8_latent_halves_transpose_without_byte_loads(hopper, dot):
-    """Issue 39's analysis of the MLA fp8 tile at the tuned config: read as bytes, the P@V operand (the tile
+    """The compile analysis of the MLA fp8 tile at the tuned config: read as bytes, the P@V operand (the tile
     transposed) is read back from shared memory one byte at a time (ld.shared.b8: Hopper has no 8-bit ldmatrix
     .trans), its loads are synchronous, and the kernel spills at 255 registers. Read as 16-bit words on even/odd
     byte planes (word_planes), it transposes with ldmatrix like a bf16 tile: no byte loads, several times the

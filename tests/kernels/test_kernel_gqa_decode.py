@@ -122,7 +122,7 @@ def test_gqa_per_head_scales_beat_per_tensor(mode, max_rel):
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,options", [
     (*SHAPES[0], 16, {}), (*SHAPES[2], 16, {"block_n": 64, "num_splits": 3}), (*SHAPES[0], 64, {"block_h": 64})])
 def test_gqa_word_planes_match_reference(mode, per_head, q_heads, kv_heads, head_dim, block_size, options):
-    """word_planes (issue 39) on GQA: fp8 K/V as 16-bit words on even/odd byte planes, NVFP4 on four nibble planes
+    """word_planes on GQA: fp8 K/V as 16-bit words on even/odd byte planes, NVFP4 on four nibble planes
     (values times 2^-14, the scales times 2^14): the reference's attention to fp32 accumulation, per-tensor and
     per-head scales, ragged and empty sequences, splits, 64-row head tiles."""
     cache, q, tables, lens, scale = build_case(mode, per_head, q_heads, kv_heads, head_dim, block_size, [37, 1, 0, 90])

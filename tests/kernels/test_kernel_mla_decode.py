@@ -120,7 +120,7 @@ def test_mla_fp8_dot_operands(block_h, block_n, latent_loads):
 @pytest.mark.parametrize("heads,rank,rope_dim,block_size,block_n,splits", [
     (*shape, 16, 16, None) for shape in SHAPES] + [(9, 64, 32, 64, 32, 3), (16, 512, 64, 64, 64, 2)])
 def test_mla_word_planes_match_reference(mode, heads, rank, rope_dim, block_size, block_n, splits):
-    """word_planes (issue 39): the fp8 latent read as 16-bit words on even/odd byte planes, the NVFP4 latent on
+    """word_planes: the fp8 latent read as 16-bit words on even/odd byte planes, the NVFP4 latent on
     four nibble planes (values times 2^-14, the global scale times 2^14), give the reference's attention to fp32
     accumulation (the same values summed in another order), for every shape (padded ranks: 96, 160), ragged and
     empty sequences, split ranges and tile sizes."""

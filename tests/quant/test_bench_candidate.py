@@ -1,8 +1,8 @@
 """scripts/bench_common.calibrated_candidate: the candidate a quality benchmark scores is the
 calibrated checkpoint as an engine runs it. calibrate folds each scale into the weights by a power of
 two even when it rotates nothing (kvconvert.quant.fold), so the candidate must be the written model
-with the written (remaining) scales; until session 22 an unrotated calibration was scored on the
-source's weights with the remaining scales, i.e. at the wrong scale (bench_calibrate's naive rows)."""
+with the written (remaining) scales; scoring an unrotated calibration on the source's weights with the
+remaining scales would score it at the wrong scale (bench_calibrate's naive rows)."""
 
 from __future__ import annotations
 

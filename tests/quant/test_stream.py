@@ -70,7 +70,7 @@ def test_streamed_equals_whole_model_llama(tiny_llama, settings):
 @pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
 def test_search_replays_the_search_tokens_not_whole_batches(tiny_llama, kv_dtype):
     """--search-tokens 128 at 64-token windows = 2 windows, inside a first batch of 4: the streamed
-    search replayed the whole batch (2x the tokens asked for) until session 22. Same errors as the
+    search must not replay the whole batch (2x the tokens asked for). Same errors as the
     whole-model path, which records exactly 2 windows."""
     settings = CalibrationSettings(kv_dtype, search_tokens=128, batch_size=4)
     whole, streamed = both_paths(tiny_llama, settings, 512, 64)
