@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -73,16 +74,40 @@ def load_text(source: str) -> str:
     path = Path(source).expanduser()
     if path.exists():
         return _load_file(path)
+    if path.suffix in DATA_SUFFIXES or source.startswith(("/", "./", "../", "~")):  # a file, not a datasets id
+        raise KVConvertError(f"{source}: no such file; give an existing .txt/.jsonl/.parquet file, builtin, wiki or "
+                             "a datasets id (org/name)")
     if "/" in source:
         return _load_hub_dataset(source)
     raise KVConvertError(f"{source}: calibration data not found (use builtin, wiki, a .txt/.jsonl/.parquet file, or a datasets id)")
 
 
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+MOST_UNDECODABLE = 0.01  # invalid UTF-8 sequences per byte a text file may hold (with a warning) before it is refused
+
+
+def decoded_text(raw: bytes, path: Path) -> str:
+    """A data file's bytes as UTF-8 text. Invalid bytes become U+FFFD, with a warning naming the file and how
+    many; a file whose bytes are more than MOST_UNDECODABLE invalid (binary, or another encoding) is refused:
+    training or calibrating on replacement characters is silently wrong data."""
+    text = raw.decode("utf-8", errors="replace")
+    replaced = text.count("\ufffd") - raw.count("\ufffd".encode())  # U+FFFD the file itself held are not errors
+    if not replaced:
+        return text
+    share = replaced / max(len(raw), 1)
+    what = f"{replaced} invalid UTF-8 sequences in its {len(raw)} bytes ({share:.2%})"
+    if share > MOST_UNDECODABLE:
+        raise KVConvertError(f"{path}: {what}: not UTF-8 text (binary, or another encoding); convert it to UTF-8, "
+                             "e.g. iconv -f latin1 -t utf-8")
+    print(f"warning: {path}: {what}, read as U+FFFD", file=sys.stderr)
+    return text
+
+
 def _load_file(path: Path) -> str:
     if path.suffix == ".txt":
-        return path.read_text(encoding="utf-8", errors="replace")
+        return decoded_text(path.read_bytes(), path)
     if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in decoded_text(path.read_bytes(), path).splitlines() if line.strip()]
         return "\n\n".join(_row_text(r, path) for r in rows)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq  # optional; datasets installs it
