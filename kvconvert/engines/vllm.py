@@ -62,6 +62,22 @@ def vllm_python(explicit: str | os.PathLike | None = None) -> Path:
     raise KVConvertError(f"no vLLM python at {tried} ({origin}); {SETUP_HINT}")
 
 
+def check_vllm_installed(python: Path) -> Path:
+    """`python` (vllm_python's answer), once it is known to have the vllm package: found, not imported (an
+    import takes seconds), so a python without vLLM is refused before any work, not after the whole suite."""
+    code = "import importlib.util, sys; sys.exit(3 if importlib.util.find_spec('vllm') is None else 0)"
+    try:
+        probe = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KVConvertError(f"{python}: cannot run it to look for vLLM ({exc}); {SETUP_HINT}") from None
+    if probe.returncode == 3:
+        raise KVConvertError(f"{python} has no vllm package; {SETUP_HINT}")
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise KVConvertError(f"{python}: not a working python (exit {probe.returncode}: {last}); {SETUP_HINT}")
+    return python
+
+
 class VLLMWorker:
     """One model loaded in stock vLLM in a subprocess (see the module docstring).
 

@@ -5,7 +5,7 @@ Policy (YAML, validated with pydantic, unknown keys or metrics are errors):
     description: free text
     decide_on: ci_low          # ci_low (default) | point | ci_high
     bootstrap: {samples: 2000, confidence: 0.95, seed: 0}
-    require: [longbench_avg_drop]      # metrics that must be in the report (else: fail)
+    require: [longbench_avg_drop]      # metrics that must be in the report (else: fail); each needs a threshold
     thresholds:                        # maximum allowed degradation per gated metric
       perplexity_increase_pct: 5.0     # %
       kl_mean: 0.05                    # nats/token
@@ -80,6 +80,11 @@ def load_policy(path: Path) -> Policy:
     unknown = [m for m in policy.require if m not in GATE_METRICS]
     if unknown:
         raise KVConvertError(f"{path}: unknown metric(s) {', '.join(unknown)} in require; known: {', '.join(GATE_METRICS)}")
+    unbounded = [m for m in policy.require if getattr(policy.thresholds, m) is None]
+    if unbounded:  # evaluate() gates the thresholds: a required metric without one was never checked
+        raise KVConvertError(f"{path}: require lists {', '.join(unbounded)} with no threshold, so the gate would never "
+                             f"check it; add thresholds: {{{', '.join(f'{m}: N' for m in unbounded)}}} (the largest "
+                             "degradation allowed) or drop it from require")
     if all(v is None for v in policy.thresholds.model_dump().values()):
         raise KVConvertError(f"{path}: no thresholds set; a gate that checks nothing always passes")
     return policy

@@ -78,20 +78,28 @@ def _read_lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
 
 
-def load_longbench(folder: Path, tasks: tuple[str, ...] | None = None) -> dict[str, list[dict]]:
-    """task -> rows, in file order. Missing folder/file or malformed rows -> KVConvertError."""
+def longbench_files(folder: Path, tasks: tuple[str, ...] | None = None) -> dict[str, Path]:
+    """task -> its data file in `folder` (names only, nothing read: validate checks this before any model loads).
+    A missing folder and a folder without a task's file are refused alike (KVConvertError)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise KVConvertError(
             f"LongBench-mini data not found at {folder}; pass --longbench-dir DIR or set {ENV_VAR}")
-    out: dict[str, list[dict]] = {}
+    files = {}
     for task in tasks or tuple(LONGBENCH_TASKS):
         if task not in LONGBENCH_TASKS:
             raise KVConvertError(f"unknown LongBench task {task!r}; known: {', '.join(LONGBENCH_TASKS)}")
-        path = task_file(folder, task)
-        if path is None:
+        files[task] = task_file(folder, task)
+        if files[task] is None:
             raise KVConvertError(f"{folder / task}.jsonl(.gz): LongBench-mini task file missing; restore the data "
                                  f"folder {folder}")
+    return files
+
+
+def load_longbench(folder: Path, tasks: tuple[str, ...] | None = None) -> dict[str, list[dict]]:
+    """task -> rows, in file order. Missing folder/file or malformed rows -> KVConvertError."""
+    out: dict[str, list[dict]] = {}
+    for task, path in longbench_files(folder, tasks).items():
         out[task] = [_check_row(path, i, line) for i, line in enumerate(_read_lines(path)) if line.strip()]
         if not out[task]:
             raise KVConvertError(f"{path}: no samples")

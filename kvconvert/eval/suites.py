@@ -38,8 +38,8 @@ class SuiteSpec:
     passkey_*: grid lengths x depths x repeats (different keys). niah_*: grid lengths x depths.
     ruler_*: tasks x lengths x samples, generation budget capped at ruler_max_new (None = RULER's).
     longbench_*: first `longbench_per_task` rows of each task (None = all), prompts truncated to
-    longbench_context tokens (None = the models' context), budget capped at longbench_max_new;
-    longbench_optional: a missing data folder skips LongBench with a note instead of failing.
+    longbench_context tokens (None = the models' context), budget capped at longbench_max_new. A suite that
+    runs LongBench needs its data: a missing folder is refused like an empty one, never skipped.
     """
 
     name: str
@@ -56,7 +56,6 @@ class SuiteSpec:
     ruler_samples: int = 0
     ruler_max_new: int | None = None
     longbench: bool = True
-    longbench_optional: bool = False
     longbench_tasks: tuple[str, ...] | None = None
     longbench_per_task: int | None = None
     longbench_context: int | None = None
@@ -92,7 +91,7 @@ SUITES: dict[str, SuiteSpec] = {
         niah_lengths=(256,), niah_depths=(0.0, 1.0),
         ruler_tasks=("niah_single_2", "vt"), ruler_lengths=(256,), ruler_samples=1, ruler_max_new=12,
         longbench_tasks=("2wikimqa", "lcc"), longbench_per_task=1,
-        longbench_context=256, longbench_max_new=8, longbench_optional=True,
+        longbench_context=256, longbench_max_new=8,
     ),
     "quick": SuiteSpec(
         name="quick", description="pre-merge check (SmolLM2-135M: minutes per model on 2 CPU cores); no RULER; "
@@ -101,7 +100,6 @@ SUITES: dict[str, SuiteSpec] = {
         passkey_lengths=(512, 1024), passkey_depths=(0.0, 0.5, 1.0),
         niah_lengths=(512, 1024), niah_depths=(0.0, 0.5, 1.0),
         longbench_tasks=QUICK_LONGBENCH_TASKS, longbench_per_task=2, longbench_context=512, longbench_max_new=24,
-        longbench_optional=True,
     ),
     "standard": SuiteSpec(
         name="standard", description="the project's protocol: 32 x 1024 essay tokens, retrieval to 4K, "

@@ -165,20 +165,12 @@ def build_samples(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[s
     else:
         skipped["ruler"] = f"the {spec.name} suite does not run RULER"
     if spec.longbench:
-        samples += _longbench_samples(pair, spec, run, skipped)
+        samples += _longbench_samples(pair, spec, run)
     return samples
 
 
-def _longbench_samples(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict) -> list[GenSample]:
-    folder = Path(run.options.longbench_dir) if run.options.longbench_dir else longbench.default_longbench_dir()
-    try:
-        rows = longbench.load_longbench(folder, spec.longbench_tasks)
-    except KVConvertError as exc:
-        if not spec.longbench_optional or folder.exists():
-            raise
-        skipped["longbench"] = str(exc)
-        note(run, f"LongBench skipped: {exc}")
-        return []
+def _longbench_samples(pair: Pair, spec: SuiteSpec, run: ValidateRun) -> list[GenSample]:
+    rows = longbench.load_longbench(longbench_folder(run.options), spec.longbench_tasks)  # checked in check_inputs
     context = min(spec.longbench_context or pair.context, pair.context)
     return longbench.longbench_samples(pair.tokenizer, rows, context, spec.longbench_per_task, spec.longbench_max_new)
 
@@ -260,11 +252,23 @@ def run_validate(source: str, candidate: str, out: Path, options: ValidateOption
     report = build_report(header, samples)
     write_report(report, run.out)
     if options.engine == "vllm":
-        from kvconvert.eval.engine_vllm import run_vllm_perplexity, write_with_vllm
-
-        run_vllm_perplexity(run, report, vllm_python)
-        write_with_vllm(report, run.out)
+        _add_vllm(run, report, vllm_python)
     return report
+
+
+def _add_vllm(run: ValidateRun, report: dict, vllm_python: str | None) -> None:
+    """Stock vLLM's section of the report (--engine vllm). An engine asked for by name that cannot score the
+    models is a failure, not a footnote: report.json records it (engines.vllm.error, a note) and the run
+    raises, so the command exits 2 with vLLM's reason instead of 0 with the runtime's numbers alone."""
+    from kvconvert.eval.engine_vllm import run_vllm_perplexity, write_with_vllm
+
+    section = run_vllm_perplexity(run, report, vllm_python)
+    if "error" in section:
+        report["notes"].append(f"--engine vllm failed: {section['error']}")
+    write_with_vllm(report, run.out)
+    if "error" in section:
+        raise KVConvertError(f"--engine vllm failed, no vLLM numbers (the bundled runtime's are in "
+                             f"{run.out / 'report.json'}, which records the failure): {section['error']}")
 
 
 def check_inputs(run: ValidateRun, vllm_python: str | None) -> None:
@@ -274,17 +278,39 @@ def check_inputs(run: ValidateRun, vllm_python: str | None) -> None:
     from kvconvert.sources import resolve_source
 
     if run.options.engine == "vllm":
-        from kvconvert.engines.vllm import vllm_python as find_vllm_python
+        from kvconvert.engines.vllm import check_vllm_installed, vllm_python as find_vllm_python
         from kvconvert.eval.engine_vllm import vllm_kv_dtype
 
-        find_vllm_python(vllm_python)  # fails before the suite runs when vLLM's python is missing
+        check_vllm_installed(find_vllm_python(vllm_python))  # before the suite: a python without vLLM is refused
         vllm_kv_dtype(run.options.kv_dtype, "candidate")
         vllm_kv_dtype(run.options.source_kv_dtype, "source")
+        for role, model in (("source", run.source), ("candidate", run.candidate)):
+            _check_vllm_serves(role, resolve_source(model))
     elif vllm_python:
         raise KVConvertError("--vllm-python goes with --engine vllm")
+    if run.spec.longbench:  # a folder given and missing is refused like an empty one, before any model loads
+        longbench.longbench_files(longbench_folder(run.options), run.spec.longbench_tasks)
     check_writable(run.out)
     for model in (run.source, run.candidate):
         check_checkpoint(resolve_source(model))
+
+
+def _check_vllm_serves(role: str, path: Path) -> None:
+    """Refuse an MLA shape stock vLLM refuses at load (kvconvert.targets), before the suite runs."""
+    from kvconvert.checkpoint import read_config
+    from kvconvert.targets import TARGETS
+
+    cfg = read_config(path)
+    rank, rope = cfg.get("kv_lora_rank"), cfg.get("qk_rope_head_dim")
+    if rank is not None and rope is not None and not TARGETS["vllm"].serves(rank, rope):
+        raise KVConvertError(f"--engine vllm: the {role} {path} caches an MLA latent of {rank}+{rope} = {rank + rope} "
+                             f"values, which vLLM refuses ({TARGETS['vllm'].note}); validate it without --engine "
+                             "vllm, or convert it with `kvconvert mla --target vllm`")
+
+
+def longbench_folder(options: ValidateOptions) -> Path:
+    """--longbench-dir, else $KVCONVERT_LONGBENCH_DIR, else the LongBench-mini copy kvconvert ships."""
+    return Path(options.longbench_dir) if options.longbench_dir else longbench.default_longbench_dir()
 
 
 def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun

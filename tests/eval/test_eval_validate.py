@@ -113,13 +113,14 @@ def test_tokenizer_mismatch_is_refused(tmp_path, tiny_llama, tiny_tokenizer):
         validate(tiny_llama, other, tmp_path / "rep")
 
 
-def test_missing_longbench_data_skipped_in_smoke_error_in_standard(tmp_path, tiny_llama):
+@pytest.mark.parametrize("suite", ["smoke", "standard"])
+def test_missing_longbench_data_refused_before_any_model_runs(tmp_path, tiny_llama, suite):
+    """A --longbench-dir that does not exist used to skip LongBench in smoke and quick (exit 0), where an empty
+    folder was refused: both are refused now, in every suite that runs LongBench, and no report is written."""
     missing = tmp_path / "no-longbench"
-    report = validate(tiny_llama, tiny_llama, tmp_path / "rep", longbench_dir=missing)
-    assert str(missing) in report["skipped"]["longbench"]
-    assert not any(t.startswith("longbench/") for t in report["samples"])
-    with pytest.raises(KVConvertError, match=str(missing)):
-        validate(tiny_llama, tiny_llama, tmp_path / "rep2", longbench_dir=missing, suite="standard")
+    with pytest.raises(KVConvertError, match=f"LongBench-mini data not found at {missing}"):
+        validate(tiny_llama, tiny_llama, tmp_path / "rep", longbench_dir=missing, suite=suite)
+    assert not (tmp_path / "rep").exists()
 
 
 @pytest.mark.parametrize("candidate, extra", [("missing", []), ("tiny", ["--kv-dtype", "fp8"])])
