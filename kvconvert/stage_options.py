@@ -12,16 +12,26 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 
 from kvconvert.errors import KVConvertError
 
 
 class StageOptions(BaseModel):
-    """Base of every stage's options: unknown keys are errors, values are immutable."""
+    """Base of every stage's options: unknown keys are errors, values are immutable, and a number is never
+    a bool (pydantic's lax mode reads `calib_tokens: true` as 1)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bool_is_not_a_number(cls, value, info):
+        kind = base_type(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and kind in (int, float):
+            raise ValueError(f"{str(value).lower()} is a bool, not {'a count' if kind is int else 'a number'}; give "
+                             f"{'a whole number' if kind is int else 'a number'}")
+        return value
 
 
 def text_source_help(*extra: str) -> str:
@@ -126,7 +136,7 @@ def _describe_key(err: dict, model: type[BaseModel]) -> str:
     if err["type"] == "missing":
         return f"missing key {loc!r}"
     got = "" if isinstance(err.get("input"), (dict, list)) else f" (got {err.get('input')!r})"
-    return f"{loc}: {err['msg']}{got}"
+    return f"{loc}: {err['msg'].removeprefix('Value error, ')}{got}"
 
 
 def allowed_keys(model: type[BaseModel], parent: tuple) -> list[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from kvconvert.models.common import DecoderLayer, rms_norm, short_names, take
 from kvconvert.models.deepseek_v3 import MLAAttention, MLAShape
 from kvconvert.models.llama import LlamaAttention, LlamaShape
 from kvconvert.models.registry import COPIED_LAYER_TENSORS, TARGET_ATTENTION
+from kvconvert.progress import eta_text
 
 CHUNK_WINDOWS = 8  # windows per forward when evaluating on the whole calibration set
 
@@ -280,7 +282,10 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
         h_s = student.get("model.embed_tokens.weight", torch.float32)[ids].to(device)
         h_t = teacher.get("model.embed_tokens.weight", torch.float32)[ids].to(device)
     n_fit = ids.shape[0] - val_windows
-    bar = tqdm(range(s_shape.layers), desc="heal: layer-wise", disable=not progress, initial=start)
+    layers, started = s_shape.layers, time.time()
+    _say(f"heal_layerwise: {layers} layers x {stage.steps} Adam steps of {stage.batch_windows} x {stage.window} "
+         f"tokens ({layers * stage.steps} steps" + (f"; layers 1-{start} resumed from saved progress)" if start else ")"))
+    bar = tqdm(range(layers), desc="heal: layer-wise", disable=not progress, initial=start)
     for i in range(s_shape.layers):
         if i < start:
             fitted = state.load_layer(i)
@@ -297,6 +302,7 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
             report = {"layer": i, **fit.report}
             reports.append(report)
             state.save_layer(i, fitted, report, h_t, h_s)
+            _say(f"heal_layerwise: layer {i + 1}/{layers} ({eta_text(started, i + 1 - start, layers - start)})")
             bar.update(1)
             bar.set_postfix(err=f"{report['rel_err_before']:.3f}->{report['rel_err_after']:.3f}")
         for short, tensor in fitted.items():
@@ -306,6 +312,11 @@ def run_layerwise(student: CheckpointReader, teacher: CheckpointReader, ids: tor
             writer.add(name.format(i=i), student.get(name.format(i=i)))
     bar.close()
     return reports
+
+
+def _say(line: str) -> None:
+    """A progress line on stderr that keeps a running tqdm bar intact."""
+    tqdm.write(line, file=sys.stderr)
 
 
 def copy_globals(student: CheckpointReader, writer: CheckpointWriter) -> None:

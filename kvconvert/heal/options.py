@@ -17,6 +17,7 @@ from kvconvert.stage_options import StageOptions, text_source_help
 AttentionName = Literal["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 TRAINABLE_ATTENTION = get_args(AttentionName)
 DATA_HELP = text_source_help("teacher (text sampled from the teacher)")
+MAX_LAYERWISE_STEPS = 10_000
 
 
 class LayerwiseOptions(StageOptions):
@@ -26,7 +27,9 @@ class LayerwiseOptions(StageOptions):
     data: str = Field("builtin", description=DATA_HELP)
     tokens: int = Field(32768, gt=0, description="Calibration tokens (windows of --layerwise-window).")
     window: int = Field(512, gt=0, description="Tokens per calibration window.")
-    steps: int = Field(100, ge=0, description="Adam steps per layer.")
+    # 10000 per layer is ~50x the recipes' largest (200, ~15 min for a 7B on an H100): hours to days on a GPU
+    steps: int = Field(100, ge=0, le=MAX_LAYERWISE_STEPS, description="Adam steps per layer (heal_distill, not "
+                                                                      "more steps, trains the whole model).")
     batch_windows: int = Field(1, gt=0, description="Calibration windows per step.")
     lr: float = Field(5e-3, gt=0, description="Relative step (in units of each weight's RMS).")
     # per layer i, x = normed block input:
