@@ -32,6 +32,7 @@ class ModelInfo:
     parameters_source: str | None = None  # safetensors headers | preset | config
     weights_bytes: int | None = None
     tensor_dtypes: dict[str, int] = field(default_factory=dict)  # safetensors dtype -> elements
+    tensor_shapes: dict[str, list[int]] = field(default_factory=dict)  # tensor name -> shape, from the headers
     notes: list[str] = field(default_factory=list)
 
 
@@ -56,7 +57,8 @@ def _add_weight_stats(info: ModelInfo) -> None:
         return
     total = 0
     for path in files:
-        for meta in safetensors_header(path).values():
+        for name, meta in safetensors_header(path).items():
+            info.tensor_shapes[name] = meta["shape"]
             numel = math.prod(meta["shape"])
             info.tensor_dtypes[meta["dtype"]] = info.tensor_dtypes.get(meta["dtype"], 0) + numel
             total += numel
@@ -126,14 +128,40 @@ def _architecture_fields(config: dict) -> dict:
     return {"architecture": architectures[0], "model_type": config.get("model_type"), **fields}
 
 
+K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # [KV heads x head_dim, hidden] in a Llama-family checkpoint
+
+
+def config_as_stored(info: ModelInfo) -> tuple[dict, str | None]:
+    """(the config with the KV heads its weights hold, a note) where config.json's num_key_value_heads (or its
+    absence: transformers then takes num_attention_heads) disagrees with layer 0's k_proj in the safetensors
+    headers; (the config, None) where they agree or cannot be compared. A config without num_key_value_heads over
+    a GQA checkpoint would otherwise be reported as MHA with twice (or more) its KV bytes."""
+    cfg = info.config
+    shape, d = info.tensor_shapes.get(K_PROJ), kvmath.head_dim(cfg)
+    if (kvmath.text_config(cfg) is not cfg or cfg.get("kv_lora_rank") is not None or shape is None or not d
+            or len(shape) != 2 or shape[1] != cfg.get("hidden_size") or shape[0] % d):
+        return cfg, None
+    held, says = shape[0] // d, cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    if held == says:
+        return cfg, None
+    given = (f"says num_key_value_heads {cfg['num_key_value_heads']}" if cfg.get("num_key_value_heads")
+             else f"has no num_key_value_heads (transformers then takes num_attention_heads, {says})")
+    return {**cfg, "num_key_value_heads": held}, (
+        f"config.json {given}, but {K_PROJ} is {shape} = {held} KV heads x head_dim {d}: the KV figures above are "
+        f"the weights' ({held} KV heads); set \"num_key_value_heads\": {held} in config.json (kvconvert's other "
+        "commands refuse the folder until config.json and its weights agree)")
+
+
 def inspect_report(info: ModelInfo) -> dict:
-    """Everything `inspect` reports, JSON-ready. Unknown architectures report what they can."""
+    """Everything `inspect` reports, JSON-ready. Unknown architectures report what they can; KV heads and bytes
+    follow the weights where config.json disagrees with them (config_as_stored, with a note)."""
+    config, mismatch = config_as_stored(info)
     report = {"name": info.name, "path": str(info.path) if info.path else None, "origin": info.origin,
-              **_architecture_fields(info.config)}
-    notes = list(info.notes)
+              **_architecture_fields(config)}
+    notes = list(info.notes) + ([mismatch] if mismatch else [])
     try:
-        report["attention_kind"] = kvmath.attention_kind(info.config)
-        shape = kvmath.kv_shape(info.config)
+        report["attention_kind"] = kvmath.attention_kind(config)
+        shape = kvmath.kv_shape(config)
     except UnsupportedModelError as exc:
         report.setdefault("attention_kind", None)
         shape = None
