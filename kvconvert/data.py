@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.text_sources import BUNDLED, joined_text, parse_mix, text_source
 
 
 def pydoc_corpus() -> str:
@@ -62,79 +63,24 @@ def essays_text() -> str:
     return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(essays_dir().glob("*.txt")))
 
 
-def load_text(source: str) -> str:
-    """Text from `builtin` (pydoc), `wiki` (SQuAD's Wikipedia paragraphs), `essays`, a local
-    .txt/.jsonl/.parquet file, or a datasets id."""
-    if source in ("builtin", "pydoc"):
+def bundled_text(name: str) -> str:
+    """A bundled corpus by name: builtin / pydoc, wiki, essays."""
+    if name in ("builtin", "pydoc"):
         return pydoc_corpus()
-    if source == "wiki":
+    if name == "wiki":
         return wiki_corpus()
-    if source == "essays":
+    if name == "essays":
         return essays_text()
-    path = Path(source).expanduser()
-    if path.exists():
-        return _load_file(path)
-    if path.suffix in DATA_SUFFIXES or source.startswith(("/", "./", "../", "~")):  # a file, not a datasets id
-        raise KVConvertError(f"{source}: no such file; give an existing .txt/.jsonl/.parquet file, builtin, wiki or "
-                             "a datasets id (org/name)")
-    if "/" in source:
-        return _load_hub_dataset(source)
-    raise KVConvertError(f"{source}: calibration data not found (use builtin, wiki, a .txt/.jsonl/.parquet file, or a datasets id)")
+    raise KVConvertError(f"{name}: not a bundled corpus (builtin, pydoc, wiki, essays)")
 
 
-DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
-MOST_UNDECODABLE = 0.01  # invalid UTF-8 sequences per byte a text file may hold (with a warning) before it is refused
-
-
-def decoded_text(raw: bytes, path: Path) -> str:
-    """A data file's bytes as UTF-8 text. Invalid bytes become U+FFFD, with a warning naming the file and how
-    many; a file whose bytes are more than MOST_UNDECODABLE invalid (binary, or another encoding) is refused:
-    training or calibrating on replacement characters is silently wrong data."""
-    text = raw.decode("utf-8", errors="replace")
-    replaced = text.count("\ufffd") - raw.count("\ufffd".encode())  # U+FFFD the file itself held are not errors
-    if not replaced:
-        return text
-    share = replaced / max(len(raw), 1)
-    what = f"{replaced} invalid UTF-8 sequences in its {len(raw)} bytes ({share:.2%})"
-    if share > MOST_UNDECODABLE:
-        raise KVConvertError(f"{path}: {what}: not UTF-8 text (binary, or another encoding); convert it to UTF-8, "
-                             "e.g. iconv -f latin1 -t utf-8")
-    print(f"warning: {path}: {what}, read as U+FFFD", file=sys.stderr)
-    return text
-
-
-def _load_file(path: Path) -> str:
-    if path.suffix == ".txt":
-        return decoded_text(path.read_bytes(), path)
-    if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in decoded_text(path.read_bytes(), path).splitlines() if line.strip()]
-        return "\n\n".join(_row_text(r, path) for r in rows)
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # optional; datasets installs it
-
-        table = pq.read_table(path)
-        column = "text" if "text" in table.column_names else table.column_names[0]
-        return "\n\n".join(str(x) for x in table.column(column).to_pylist())
-    raise KVConvertError(f"{path}: unsupported data file type {path.suffix!r} (use .txt, .jsonl or .parquet)")
-
-
-def _row_text(row: dict, path: Path) -> str:
-    for key in ("text", "content", "context", "input", "prompt"):
-        if key in row:
-            return str(row[key])
-    raise KVConvertError(f"{path}: a .jsonl row has no 'text' field (keys: {sorted(row)[:5]})")
-
-
-def _load_hub_dataset(name: str) -> str:
-    try:
-        import datasets
-    except ImportError:
-        raise KVConvertError(f"{name}: loading a datasets id needs `pip install datasets`") from None
-    try:
-        ds = datasets.load_dataset(name, split="train", streaming=True)
-        return "\n\n".join(row["text"] for _, row in zip(range(2000), ds))
-    except Exception as exc:
-        raise KVConvertError(f"{name}: cannot load dataset ({type(exc).__name__}); no network? use a local file") from None
+def load_text(source: str, max_chars: int | None = None) -> str:
+    """Text from `builtin` (pydoc), `wiki` (SQuAD's Wikipedia paragraphs), `essays`, a local
+    .txt/.jsonl/.parquet file or folder of them, or a datasets id (kvconvert.text_sources reads them
+    all), documents joined by blank lines; a source longer than `max_chars` is read only that far."""
+    if source in BUNDLED:
+        return bundled_text(source)
+    return joined_text(text_source(source), max_chars)
 
 
 def token_windows(tokenizer, text: str, num_windows: int, window_len: int, stride: int | None = None) -> torch.Tensor:
@@ -155,24 +101,49 @@ def token_windows(tokenizer, text: str, num_windows: int, window_len: int, strid
 
 def calibration_windows(tokenizer, source: str = "builtin", num_tokens: int = 32768, window_len: int = 512) -> torch.Tensor:
     """[num_tokens // window_len, window_len] token ids of `source`. A mix `A+B[+...]` (e.g. pydoc+wiki)
-    takes equal shares of windows from each text (the first ones get the remainder), interleaved
-    A, B, A, B... so that a stage reading only the first windows still sees every text."""
-    n, parts = max(1, num_tokens // window_len), mixed_sources(source)
-    counts = [n // len(parts) + (i < n % len(parts)) for i in range(len(parts))]
-    shares = [token_windows(tokenizer, load_text(part), count, window_len)
-              for part, count in zip(parts, counts) if count]
+    takes equal shares of windows from each text (the first ones get the remainder), `0.7*A+0.3*B`
+    weighted shares, interleaved A, B, A, B... so that a stage reading only the first windows still sees
+    every text."""
+    n, mix = max(1, num_tokens // window_len), mixed_sources(source)
+    counts = _shares(n, list(mix.values()))
+    shares = [_leading_windows(tokenizer, part, count, window_len)
+              for part, count in zip(mix, counts) if count]
     order = sorted((j, i) for i, share in enumerate(shares) for j in range(share.shape[0]))  # A0, B0, A1, B1, ...
     return torch.stack([shares[i][j] for j, i in order])
 
 
-def mixed_sources(source: str) -> list[str]:
-    """The texts of a calibration source: `A+B` names a mix (unless a file of that name exists)."""
-    if "+" not in source or Path(source).expanduser().exists():
-        return [source]
-    parts = [p.strip() for p in source.split("+")]
-    if not all(parts):
-        raise KVConvertError(f"{source!r}: a mix names its texts joined by '+', e.g. pydoc+wiki")
-    return parts
+def _shares(n: int, weights: list[float]) -> list[int]:
+    """n split by weights, largest remainders first (equal weights: the first ones get the remainder)."""
+    exact = [n * w for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(weights)), key=lambda i: -(exact[i] - counts[i]))[: n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+CHARS_PER_TOKEN_CAP = 32  # read at most this many characters per token needed (English is ~4), then more if short
+
+
+def _leading_windows(tokenizer, source: str, count: int, window_len: int) -> torch.Tensor:
+    """The first `count` windows of `source`, reading only about as much text as they need."""
+    cap = CHARS_PER_TOKEN_CAP * count * window_len
+    while True:
+        text = load_text(source, max_chars=cap)
+        try:
+            return token_windows(tokenizer, text, count, window_len)
+        except KVConvertError:
+            if len(text) < cap:  # the whole source was read: too short
+                raise
+            cap *= 4
+
+
+def mixed_sources(source: str) -> dict[str, float]:
+    """The texts of a calibration source and their weights (kvconvert.text_sources.parse_mix): `A+B`
+    names an equal mix (unless a file of that name exists), `0.7*A+0.3*B` a weighted one."""
+    try:
+        return parse_mix(source)
+    except ValueError as exc:
+        raise KVConvertError(str(exc)) from None
 
 
 def eval_windows(tokenizer, num_windows: int = 32, window_len: int = 1024, source: str = "essays") -> torch.Tensor:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 
 from kvconvert.errors import KVConvertError
+from kvconvert.text_sources import mix_text, parse_mix
 
 
 class StageOptions(BaseModel):
@@ -35,10 +36,21 @@ class StageOptions(BaseModel):
 
 
 def text_source_help(*extra: str) -> str:
-    """The help of a stage's text-source option (kvconvert.data.load_text reads them all): the built-in
-    sources, `extra` ones the stage adds, then files and datasets ids."""
+    """The help of a stage's text-source option (kvconvert.text_sources reads them all): the built-in
+    sources, `extra` ones the stage adds, then files, folders and datasets ids, and mixes."""
     return ", ".join(["builtin (pydoc)", "wiki (SQuAD's Wikipedia paragraphs)", *extra,
-                      "a .txt/.jsonl/.parquet file or a datasets id; A+B mixes equal shares (pydoc+wiki)."])
+                      "a .txt/.jsonl/.parquet file or a folder of them, or a datasets id (ORG/NAME[:CONFIG], "
+                      "streamed); A+B mixes equal shares (pydoc+wiki), 0.7*A+0.3*B weighted ones ({A: 0.7, B: 0.3} "
+                      "in a recipe)."])
+
+
+def _valid_mix(value: str | dict) -> str | dict:
+    parse_mix(value)  # ValueError: pydantic names the field
+    return value
+
+
+# a text source or a weighted mix of them ({A: 0.7, B: 0.3}); the flag takes the string forms
+TextMix = Annotated[str | dict[str, float], AfterValidator(_valid_mix)]
 
 
 def option_flag(name: str, prefix: str = "") -> str:
@@ -99,6 +111,8 @@ def options_as_flags(opts: StageOptions, keep: tuple[str, ...] = ()) -> list[str
             out.append(flag if value else f"--no-{flag[2:]}")
         elif isinstance(value, tuple):
             out += [flag, ",".join(value)]
+        elif isinstance(value, dict):  # a weighted text mix
+            out += [flag, mix_text(value)]
         elif value is not None:
             out += [flag, str(value)]
     return out

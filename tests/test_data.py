@@ -68,13 +68,24 @@ def test_a_mix_interleaves_equal_shares_of_each_text(word_tokenizer, tmp_path):
 def test_a_file_whose_name_has_a_plus_is_a_file_not_a_mix(word_tokenizer, tmp_path):
     path = tmp_path / "c++.txt"
     path.write_text(_text(300))
-    assert data.mixed_sources(str(path)) == [str(path)]
+    assert data.mixed_sources(str(path)) == {str(path): 1.0}
     assert data.calibration_windows(word_tokenizer, str(path), num_tokens=256, window_len=128).shape == (2, 128)
 
 
 def test_an_empty_part_of_a_mix_is_refused():
-    with pytest.raises(KVConvertError, match=r"a mix names its texts joined by '\+', e\.g\. pydoc\+wiki"):
+    with pytest.raises(KVConvertError, match=r"a mix names its texts joined by '\+' \(pydoc\+wiki\)"):
         data.mixed_sources("pydoc+")
+
+
+def test_a_weighted_mix_takes_its_shares(word_tokenizer, tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(_text(1000))
+    b.write_text(" ".join(f"w{50 + i % 50}" for i in range(1000)))
+    assert data.mixed_sources(f"0.75*{a}+0.25*{b}") == {str(a): 0.75, str(b): 0.25}
+    mix = data.calibration_windows(word_tokenizer, f"0.75*{a}+0.25*{b}", num_tokens=512, window_len=128)
+    assert [int(w[0]) for w in mix] == [1, 51, 29, 57]  # 3 of a, 1 of b, interleaved
+    with pytest.raises(KVConvertError, match="must be a positive number"):
+        data.mixed_sources(f"0*{a}+1*{b}")
 
 
 def test_data_hash(word_tokenizer):
@@ -126,7 +137,8 @@ def test_local_files(tmp_path):
 @pytest.mark.parametrize("name, content, message", [
     ("c.jsonl", '{"label": 1}\n', "no 'text' field"),
     ("d.csv", "a,b\n", "unsupported data file type"),
-    ("no-such-corpus", None, "calibration data not found"),  # neither a file nor a known source
+    ("no-such-corpus", None, "no such file or folder"),  # neither a file nor a known source
+    ("data/train.jsonl", None, "no such file or folder"),  # a path, never taken for a datasets id
 ])
 def test_bad_data_sources(tmp_path, monkeypatch, name, content, message):
     monkeypatch.chdir(tmp_path)

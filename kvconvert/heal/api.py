@@ -6,7 +6,8 @@ preset and `--device` are the recipe's: kvconvert.recipe.heal resolves them and 
 Order of work, so that every user error surfaces before any training:
   1. something to heal; output path checked
   2. student/teacher pair checked (compat.check_pair: configs, shared weights, tokenizers)
-  3. all training data tokenized (too little data -> error)
+  3. the layer-wise windows tokenized, the distillation's stream opened and its first block read
+     (a broken file or too little data -> error)
   4. heal_layerwise (if any) -> intermediate checkpoint in the state area (or `out` if last)
   5. heal_distill (if any) -> `out`
 The state area (`.{out}.heal-state` beside `out`) holds resumable progress; a rerun with the same
@@ -19,6 +20,7 @@ import functools
 import json
 import math
 import shutil
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ from kvconvert.checkpoint import (
     CheckpointReader, CheckpointWriter, check_checkpoint, check_output_path, estimate_checkpoint_bytes, load_tokenizer,
     read_manifest,
 )
-from kvconvert.data import data_hash, load_text, token_windows
+from kvconvert.data import bundled_text, data_hash
 from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.runner import checkpoint_fingerprint
@@ -38,6 +40,8 @@ from kvconvert.heal import compat
 from kvconvert.heal.options import HEAL_BLOCKS, DistillOptions, HealStages, LayerwiseOptions
 from kvconvert.heal.teacher_data import fingerprint
 from kvconvert.sources import resolve_source
+from kvconvert.text_sources import TextSource, mix_text, parse_mix, text_source
+from kvconvert.token_stream import DataExhausted, WindowStream, first_windows
 
 LAYERWISE_VAL_WINDOWS = 1  # held-out calibration windows, measured per layer (not fitted)
 
@@ -50,40 +54,52 @@ def state_dir_for(out: Path) -> Path:
 @dataclass
 class HealData:
     layerwise: torch.Tensor | None = None  # [N, window] token ids
-    distill: torch.Tensor | None = None  # [N, seq_len]
+    distill: WindowStream | None = None  # seq_len windows, streamed (kvconvert.token_stream)
     info: dict = field(default_factory=dict)
 
 
 def prepare_data(tokenizer, stages: HealStages, teacher: Path | None = None, progress: bool = False,
                  device: str = "cpu") -> HealData:
-    """Tokenize every stage's data up front; too little text raises before any training.
+    """Each stage's data: the layer-wise stage's windows tokenized now, the distillation's stream opened
+    and its first block read (a broken first file, or data too short to reach the tokens when it is
+    smaller than a block, raises here, before any training).
 
     `data: teacher` in a stage: text sampled from the teacher (kvconvert.heal.teacher_data), enough
     for the larger of the two stages (they share it), generated once and cached."""
     data = HealData()
 
-    @functools.cache  # the two stages may read the same source: load (or generate) it once
-    def text(source: str) -> str:
-        if source != TEACHER_DATA:
-            return load_text(source)
+    @functools.cache  # the two stages may read the same source: resolve (or generate) it once
+    def source(name: str) -> TextSource:
+        if name != TEACHER_DATA:
+            return text_source(name, bundled_text)
         if teacher is None:
             raise KVConvertError("data: teacher needs the teacher model (kvconvert heal --teacher)")
         from kvconvert.heal.teacher_data import sample_teacher_text
 
-        return sample_teacher_text(teacher, teacher_tokens_needed(stages), progress=progress, device=device)
+        text = sample_teacher_text(teacher, teacher_tokens_needed(stages), progress=progress, device=device)
+        return TextSource(TEACHER_DATA, "text", text=text)
+
+    def sources(stage) -> list[tuple[TextSource, float]]:
+        return [(source(name), weight) for name, weight in parse_mix(stage.data).items()]
 
     if (lw := stages.layerwise) is not None:
-        lw_text = text(lw.data)
+        stream = WindowStream(sources(lw), tokenizer, lw.window, shuffle=False)
         try:
-            data.layerwise = token_windows(tokenizer, lw_text, _layerwise_windows(lw), lw.window)
-        except KVConvertError as exc:
-            raise KVConvertError(f"heal_layerwise (data {lw.data!r}): {exc}") from None
+            data.layerwise = first_windows(stream, _layerwise_windows(lw))
+        except DataExhausted as exc:
+            raise KVConvertError(f"heal_layerwise (data {mix_text(lw.data)!r}): {exc}") from None
         data.info["layerwise"] = {"data": lw.data, "tokens": int(data.layerwise.numel()),
                                   "data_hash": data_hash(data.layerwise)}
     if (ds := stages.distill) is not None:
-        data.distill = _distill_windows(text(ds.data), tokenizer, ds)
-        data.info["distill"] = {"data": ds.data, "tokens_requested": ds.tokens,
-                                "unique_tokens": int(data.distill.numel()), "data_hash": data_hash(data.distill)}
+        data.distill = WindowStream(sources(ds), tokenizer, ds.seq_len, seed=ds.seed, max_epochs=ds.max_epochs)
+        need = _distill_windows_needed(ds)
+        try:
+            first = first_windows(data.distill, min(need, data.distill.block))
+        except DataExhausted as exc:
+            raise KVConvertError(f"heal_distill (data {mix_text(ds.data)!r}): {exc} (the run needs {need * ds.seq_len} "
+                                 f"tokens = {need} windows)") from None
+        data.info["distill"] = {"data": ds.data, "tokens_requested": ds.tokens, "stream": data.distill.describe(),
+                                "first_block_hash": data_hash(first)}
     return data
 
 
@@ -101,39 +117,27 @@ def _distill_windows_needed(ds: DistillOptions) -> int:
 
 
 def teacher_tokens_needed(stages: HealStages) -> int:
-    """Tokens the teacher must write for the stages with `data: teacher` (10% spare for the
-    windows' cut points and re-tokenization)."""
+    """Tokens the teacher must write for the stages with `data: teacher` (its share of a mix; 10% spare
+    for the windows' cut points and re-tokenization)."""
     need = 0
-    if (lw := stages.layerwise) is not None and lw.data == TEACHER_DATA:
-        need = max(need, _layerwise_windows(lw) * lw.window)
-    if (ds := stages.distill) is not None and ds.data == TEACHER_DATA:
+    if (lw := stages.layerwise) is not None and TEACHER_DATA in (mix := parse_mix(lw.data)):
+        need = max(need, math.ceil(_layerwise_windows(lw) * mix[TEACHER_DATA]) * lw.window)
+    if (ds := stages.distill) is not None and TEACHER_DATA in (mix := parse_mix(ds.data)):
         # the distiller reuses the windows up to max_epochs times: that many fewer unique tokens
-        need = max(need, math.ceil(_distill_windows_needed(ds) / ds.max_epochs) * ds.seq_len)
+        need = max(need, math.ceil(_distill_windows_needed(ds) * mix[TEACHER_DATA] / ds.max_epochs) * ds.seq_len)
     return int(need * 1.1) + 1
-
-
-def _distill_windows(text: str, tokenizer, ds: DistillOptions) -> torch.Tensor:
-    """All whole seq_len windows of the data, [N, seq_len]; the run reuses them at most
-    max_epochs times (the order is drawn per epoch by the distiller)."""
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-    available = ids.numel() // ds.seq_len
-    need = _distill_windows_needed(ds)
-    if available * ds.max_epochs < need:
-        raise KVConvertError(
-            f"heal_distill (data {ds.data!r}): data too short: {available * ds.seq_len} tokens in whole {ds.seq_len}-token "
-            f"windows, need {need * ds.seq_len} (tokens) / max_epochs {ds.max_epochs}; use more data, fewer tokens "
-            "or a larger max_epochs")
-    return ids[: available * ds.seq_len].view(available, ds.seq_len)[:need]
 
 
 def heal_stages(student: str | Path, teacher: str | Path, stages: HealStages, out: str | Path, *,
                 overwrite: bool = False, progress: bool = True, restart: bool = False,
-                max_steps: int | None = None) -> dict:
+                max_steps: int | None = None, allow_other_teacher: bool = False) -> dict:
     """Heal `student` (a `kvconvert mla` output) against `teacher` (its source) into `out` with the
     stages' options, each on its own `device` (kvconvert.recipe.heal: from a recipe file, preset or dict).
 
     max_steps: stop the distillation after this many optimizer steps, keep the state and return
-    {"finished": False} (rerun to resume). restart: discard any saved state first. Returns the report.
+    {"finished": False} (rerun to resume). restart: discard any saved state first; overwrite also discards
+    state saved with other options (refused otherwise, naming them). allow_other_teacher: heal against a teacher
+    whose weights are not the ones the student was converted from (refused otherwise). Returns the report.
     """
     t0 = time.time()
     if stages.layerwise is None and stages.distill is None:
@@ -144,6 +148,14 @@ def heal_stages(student: str | Path, teacher: str | Path, stages: HealStages, ou
     for reader in (s_reader, t_reader):
         check_checkpoint(reader)  # config, missing tensors, tokenizer files, NaN/inf: before any work
     notes = compat.check_pair(s_reader, t_reader)
+    teacher_fp = checkpoint_fingerprint(teacher)
+    other = other_teacher(student, teacher, teacher_fp)
+    if other and not allow_other_teacher:
+        raise KVConvertError(f"{other}; heal against the model it was converted from, or pass --allow-other-teacher "
+                             "to distill from this teacher on purpose")
+    if other:
+        notes.append(f"--allow-other-teacher: {other}")
+        print(f"note: --allow-other-teacher: {other}", file=sys.stderr)
     tokenizer = load_tokenizer(teacher)
     # each stage's device resolved now: a GPU asked for and missing is a clear error before any work
     devices = {name: str(resolve_device(opts.device)) for name, opts in
@@ -153,8 +165,9 @@ def heal_stages(student: str | Path, teacher: str | Path, stages: HealStages, ou
     if restart and state.exists():
         shutil.rmtree(state)
     # the device is left out: a run interrupted on one device resumes on another
-    fp = fingerprint(_without_device(stages.to_dict()), checkpoint_fingerprint(student),
-                     checkpoint_fingerprint(teacher), data.info)
+    recipe, student_fp = _without_device(stages.to_dict()), checkpoint_fingerprint(student)
+    check_saved_run(state, {**recipe, "student": student_fp, "teacher": teacher_fp, "data": data.info}, overwrite)
+    fp = fingerprint(recipe, student_fp, teacher_fp, data.info)
     report = {"student": str(student), "teacher": str(teacher), "recipe": stages.to_dict(), "data": data.info,
               "notes": notes, "stages": {}}
     if stages.distill is not None and progress:
@@ -177,6 +190,54 @@ def heal_stages(student: str | Path, teacher: str | Path, stages: HealStages, ou
     report["seconds"] = round(time.time() - t0, 1)
     shutil.rmtree(state, ignore_errors=True)
     return report
+
+
+def other_teacher(student: Path, teacher: Path, teacher_fp: str) -> str | None:
+    """Why `teacher` is not the model `student` was converted from (its manifest's source: the fingerprint the
+    conversion recorded, else that of the recorded folder when it is still on disk), or None when it is, or when
+    the student records no source (a checkpoint kvconvert did not convert)."""
+    manifest = read_manifest(student)
+    source = manifest.get("source")
+    recorded = (manifest.get("kvconvert_mla") or {}).get("source_fingerprint")
+    if not source:
+        return None
+    if recorded is None:  # converted before the fingerprint was recorded
+        folder = Path(str(source)).expanduser()
+        if not (folder / "config.json").is_file():
+            return None
+        recorded = checkpoint_fingerprint(folder)
+    if recorded == teacher_fp:
+        return None
+    return (f"{student} was converted from {source} (weights fingerprint {recorded}), but --teacher {teacher} holds "
+            f"other weights (fingerprint {teacher_fp})")
+
+
+RUN_FILE = "run.json"  # in the state area: what the saved progress was made with
+
+
+def check_saved_run(state: Path, run: dict, overwrite: bool) -> None:
+    """Saved progress in `state` (an interrupted heal) resumes only for the same run: recipe (devices aside),
+    student and teacher weights, data. Progress saved by another run is refused, naming what changed (it used to
+    be dropped silently and the heal restarted from step 0), unless `overwrite`: then it is discarded, with a
+    note. Records `run` for the next rerun."""
+    from kvconvert.checkpoint import atomic_write_text
+    from kvconvert.checkpoint.provenance import option_changes
+
+    try:
+        saved = json.loads((state / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        saved = None
+    progress = state.is_dir() and any(p.name != RUN_FILE for p in state.iterdir())
+    if progress and isinstance(saved, dict) and saved != run:
+        changes = option_changes(saved, json.loads(json.dumps(run, default=str)))
+        if not overwrite:
+            raise KVConvertError(f"{state}: saved progress of an interrupted heal was made with other options "
+                                 f"({changes}); rerun with those to resume it, or pass --overwrite (or --restart) to "
+                                 "discard it and start again")
+        print(f"note: discarding {state}, saved with other options ({changes}) (--overwrite)", file=sys.stderr)
+        shutil.rmtree(state)
+    state.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(state / RUN_FILE, json.dumps(run, default=str, sort_keys=True) + "\n")
 
 
 def _print_plan(student: Path, teacher: Path, stage: DistillOptions, device: str) -> None:
@@ -252,9 +313,12 @@ def _distill_stage(student: Path, teacher: Path, data: HealData, stage: DistillO
 
     distiller = Distiller(student, teacher, data.distill, stage, state / "distill", fp, progress)
     resumed_at = distiller.step if distiller.try_resume() else 0
+    if resumed_at:
+        print(f"heal_distill: resuming at step {resumed_at}/{distiller.steps} (saved in {state})", file=sys.stderr)
     result = distiller.run(max_steps)
-    info = {"resumed_at_step": resumed_at, "steps_done": result.steps_done, "steps": distiller.steps,
-            "finished": result.finished, **summarize(result.history), "sharding": distiller.sharding}
+    # summarize's "steps" counts the history records: the run's total (distiller.steps) is set after it
+    info = {**summarize(result.history), "resumed_at_step": resumed_at, "steps_done": result.steps_done,
+            "steps": distiller.steps, "finished": result.finished, "sharding": distiller.sharding}
     if not result.finished or not distiller.accelerator.is_main_process:
         return info
     s_reader = CheckpointReader(student)

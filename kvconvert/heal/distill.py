@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from kvconvert.heal.memory import LOADER_ATTENTION, distill_memory, distill_memo
 from kvconvert.heal.reparam import ScaledWeight, row_scales, scheduled_lr
 from kvconvert.heal.options import TRAINABLE_ATTENTION, DistillOptions
 from kvconvert.kvformat import torch_dtype
+from kvconvert.token_stream import Batches, DataExhausted, TensorWindows
 
 STATE_FILE = "distill_state.pt"
 
@@ -133,13 +133,6 @@ def keep_logits_dtype(model) -> None:
             m.forward = original
 
 
-def window_order(n_windows: int, count: int, seed: int) -> torch.Tensor:
-    """[count] window indexes: concatenated seeded permutations (epochs) of range(n_windows)."""
-    epochs = math.ceil(count / n_windows)
-    perms = [torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 7919 + e)) for e in range(epochs)]
-    return torch.cat(perms)[:count]
-
-
 # --------------------------------------------------------------------------- memory (checked up front)
 
 def check_distill_memory(student: dict, teacher: dict, stage: DistillOptions, device: torch.device,
@@ -193,12 +186,13 @@ def make_accelerator(stage: DistillOptions):
 class Distiller:
     """One distillation run. Call run(); `max_steps` stops early (state saved) for resumption."""
 
-    def __init__(self, student_dir: Path, teacher_dir: Path, ids: torch.Tensor, stage: DistillOptions,
+    def __init__(self, student_dir: Path, teacher_dir: Path, ids, stage: DistillOptions,
                  state_dir: Path, fingerprint: str, progress: bool = True):
+        """ids: the training windows, a kvconvert.token_stream.WindowStream (streamed) or an [N, seq_len]
+        tensor held in memory (a seeded permutation of all N per epoch)."""
         from accelerate.utils import set_seed
 
         self.stage = stage
-        self.ids = ids
         self.state_path = Path(state_dir) / STATE_FILE
         self.fingerprint = fingerprint
         self.progress = progress
@@ -238,7 +232,9 @@ class Distiller:
             inner, lambda step: scheduled_lr(step, stage.warmup_steps, self.steps, stage.schedule))
         self.teacher = place_teacher(self.accelerator, self.teacher, self.student)  # sharded under FSDP
         self.sharding = shard_report(self.accelerator, self.student, self.teacher)  # bytes per process
-        self.order = window_order(ids.shape[0], self.steps * stage.grad_accum * world * stage.batch_size, stage.seed)
+        stream = TensorWindows(ids, stage.seed) if isinstance(ids, torch.Tensor) else ids
+        # this process's micro-batches, tokenized and batched by a background thread (token_stream.Batches)
+        self.batches = Batches(stream, stage.batch_size, self.accelerator.process_index, world)
         self.history: list[dict] = []
         self.step = 0
 
@@ -274,6 +270,7 @@ class Distiller:
         state = {
             "fingerprint": self.fingerprint, "layout": layout, "step": self.step, "history": self.history,
             "trainable": trainable, "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
+            "data": self.batches.position(self._windows_before(self.step)),  # where the data continues
         }
         tmp = self.state_path.with_suffix(".partial")
         torch.save(state, tmp)
@@ -298,15 +295,20 @@ class Distiller:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.history = state["step"], state["history"]
+        # a state without a data position replays the data from its start to the step's window
+        self.batches.seek(state.get("data") or {"index": self._windows_before(self.step), "block_state": None})
         return True
 
     # ------------------------------------------------------------------ training
-    def _micro_batch(self, step: int, micro: int) -> torch.Tensor:
+    def _windows_before(self, step: int) -> int:
+        """Windows every process together has consumed before optimizer step `step` (0-based)."""
         s = self.stage
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        g = (step * s.grad_accum + micro) * world + rank
-        idx = self.order[g * s.batch_size:(g + 1) * s.batch_size]
-        return self.ids[idx].to(self.accelerator.device)
+        return step * s.grad_accum * self.accelerator.num_processes * s.batch_size
+
+    def _micro_batch(self) -> torch.Tensor:
+        """This process's next micro-batch: global micro-batch g = (step x grad_accum + micro) x world + rank
+        of the window sequence (token_stream.Batches hands them out in that order)."""
+        return self.batches.get().to(self.accelerator.device)
 
     def _loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
         s = self.stage
@@ -331,10 +333,11 @@ class Distiller:
     def train_step(self) -> dict:
         s = self.stage
         t0 = time.time()
+        waited = self.batches.wait_s
         totals: dict[str, float] = {}
         loss_sum = 0.0
         for micro in range(s.grad_accum):
-            batch = self._micro_batch(self.step, micro)
+            batch = self._micro_batch()
             last = micro == s.grad_accum - 1
             with contextlib.nullcontext() if last else self.accelerator.no_sync(self.student):
                 loss, parts = self._loss(batch)
@@ -351,8 +354,10 @@ class Distiller:
         tokens = s.tokens_per_step * self.accelerator.num_processes
         dt = time.time() - t0
         record = {"step": self.step + 1, "loss": loss_sum, **totals, "grad_norm": float(grad_norm),
-                  "lr": self.scheduler.get_last_lr()[0], "tokens": tokens, "seconds": dt}
+                  "lr": self.scheduler.get_last_lr()[0], "tokens": tokens, "seconds": dt,
+                  "data_wait_s": self.batches.wait_s - waited}  # the training thread blocked on data
         self.step += 1
+        self.batches.mark()
         return record
 
     def _mean_over_processes(self, loss: float, parts: dict[str, float]) -> tuple[float, dict[str, float]]:
@@ -386,8 +391,13 @@ class Distiller:
             if not is_sharded(self.student):
                 self.save_state()
             raise
+        except DataExhausted as exc:  # the data ran out mid-run (a large source: no up-front count)
+            if not is_sharded(self.student):
+                self.save_state()
+            raise KVConvertError(f"heal_distill (data {s.data!r}) at step {self.step + 1}: {exc}") from None
         finally:
             bar.close()
+            self.batches.close()
         finished = self.step >= self.steps
         if not finished:
             self.save_state()
@@ -436,7 +446,9 @@ def summarize(history: list[dict]) -> dict:
     tokens, secs = sum(r["tokens"] for r in history), sum(r["seconds"] for r in history)
     return {"steps": len(history), "loss_first": sum(r["loss"] for r in history[:k]) / k,
             "loss_last": sum(r["loss"] for r in history[-k:]) / k, "tokens": tokens,
-            "tokens_per_s": tokens / max(secs, 1e-9)}
+            "tokens_per_s": tokens / max(secs, 1e-9),
+            # share of the training time spent waiting for tokenized data (0: the prefetch kept up)
+            "data_wait_share": sum(r.get("data_wait_s", 0.0) for r in history) / max(secs, 1e-9)}
 
 
 def write_history(history: list[dict], path: Path) -> None:

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from kvconvert.device import DEVICE_FIELD
 from kvconvert.kvformat import CALIBRATE_KV_DTYPES
-from kvconvert.stage_options import StageOptions, text_source_help
+from kvconvert.stage_options import StageOptions, TextMix, text_source_help
 
 # Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
 # low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
@@ -24,7 +24,7 @@ class LayerwiseOptions(StageOptions):
     """Layer-wise reconstruction of each converted attention block (kvconvert.heal.layerwise).
     Weights are optimised in units of their own RMS, so one relative lr fits every tensor."""
 
-    data: str = Field("builtin", description=DATA_HELP)
+    data: TextMix = Field("builtin", description=DATA_HELP)
     tokens: int = Field(32768, gt=0, description="Calibration tokens (windows of --layerwise-window).")
     window: int = Field(512, gt=0, description="Tokens per calibration window.")
     # 10000 per layer is ~50x the recipes' largest (200, ~15 min for a 7B on an H100): hours to days on a GPU
@@ -57,7 +57,7 @@ class DistillOptions(StageOptions):
     + hidden_weight x the mean over layers of |h_s - h_t|^2 / |h_t|^2 (the residual streams).
     steps = tokens / (batch_size x seq_len x grad_accum)."""
 
-    data: str = Field("builtin", description=DATA_HELP)
+    data: TextMix = Field("builtin", description=DATA_HELP)
     tokens: int = Field(65536, gt=0, description="Training tokens in total.")
     seq_len: int = Field(512, gt=0, description="Tokens per training sequence.")
     batch_size: int = Field(1, gt=0, description="Sequences per micro-batch.")

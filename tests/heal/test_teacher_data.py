@@ -6,6 +6,7 @@ import pytest
 
 from kvconvert.errors import KVConvertError
 from kvconvert.heal.api import prepare_data, teacher_tokens_needed
+from kvconvert.token_stream import first_windows
 from kvconvert.heal.teacher_data import OPENINGS, sample_teacher_text, teacher_text_cache
 from kvconvert.recipe import Recipe, heal
 
@@ -39,7 +40,7 @@ def test_prepare_data_sizes_teacher_text_for_the_larger_stage(tiny_teacher, home
     assert teacher_tokens_needed(recipe) == int(512 * 1.1) + 1
     data = prepare_data(AutoTokenizer.from_pretrained(str(tiny_teacher)), recipe, tiny_teacher)
     assert tuple(data.layerwise.shape) == (256 // 64 + 1, 64)
-    assert tuple(data.distill.shape) == (512 // 64, 64)
+    assert tuple(first_windows(data.distill, 512 // 64).shape) == (512 // 64, 64)  # streamed
     assert data.info["layerwise"]["data"] == data.info["distill"]["data"] == "teacher"
     with pytest.raises(KVConvertError, match="needs the teacher"):
         prepare_data(AutoTokenizer.from_pretrained(str(tiny_teacher)), recipe)
