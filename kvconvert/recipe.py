@@ -175,7 +175,7 @@ def with_heal_device(recipe: Recipe, device: str | None) -> Recipe:
 
 def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str | Path, out: str | Path, *,
          overwrite: bool = False, progress: bool = True, restart: bool = False, max_steps: int | None = None,
-         device: str | None = None) -> dict:
+         device: str | None = None, allow_other_teacher: bool = False) -> dict:
     """Heal `student` (a `kvconvert mla` output) against `teacher` (its source) into `out` with the
     heal_layerwise / heal_distill blocks of `recipe` (a Recipe, dict, preset name, YAML path or
     built-in recipe: resolve_recipe), run by kvconvert.heal.api.heal_stages.
@@ -183,9 +183,11 @@ def heal(student: str | Path, teacher: str | Path, recipe: Recipe | dict | str |
     max_steps: stop the distillation after this many optimizer steps, keep the state and return
     {"finished": False} (rerun to resume). restart: discard any saved state first. device: where
     both stages (and the teacher's data generation) run, replacing the recipe blocks' `device`
-    (None: each block's own, default auto = cuda when a GPU is visible, else cpu). Returns the report.
+    (None: each block's own, default auto = cuda when a GPU is visible, else cpu). allow_other_teacher: heal
+    against a teacher other than the weights the student was converted from (refused otherwise). Returns the report.
     """
     from kvconvert.heal.api import heal_stages  # torch and transformers: loaded only when a heal runs
 
     return heal_stages(student, teacher, with_heal_device(resolve_recipe(recipe), device), out, overwrite=overwrite,
-                       progress=progress, restart=restart, max_steps=max_steps)
+                       progress=progress, restart=restart, max_steps=max_steps,
+                       allow_other_teacher=allow_other_teacher)

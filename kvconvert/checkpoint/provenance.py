@@ -60,10 +60,22 @@ def record_artifact(artifact: Path, source: Path, options) -> dict:
     return record
 
 
-def _option_changes(was: object, now: object) -> str:
-    """'calib_tokens 16384 -> 8192, ...' for two option dicts (or the two values)."""
+def _flat(value: object, prefix: str = "") -> dict:
+    """{"a.b": leaf} of nested dicts (a non-dict is one leaf under `prefix`)."""
+    if not isinstance(value, dict) or not value:
+        return {prefix: value}
+    flat = {}
+    for key, inner in value.items():
+        flat.update(_flat(inner, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def option_changes(was: object, now: object) -> str:
+    """'calib_tokens 16384 -> 8192, heal_distill.lr 0.0005 -> 0.001, ...' for two option dicts (nested keys
+    dotted), or the two values."""
     if not (isinstance(was, dict) and isinstance(now, dict)):
         return f"{was} -> {now}"
+    was, now = _flat(was), _flat(now)
     keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
     shown = [f"{k} {json.dumps(was.get(k))} -> {json.dumps(now.get(k))}" for k in keys[:4]]
     return ", ".join(shown) + (f" (and {len(keys) - 4} more)" if len(keys) > 4 else "")
@@ -85,7 +97,7 @@ def reuse_problem(artifact: Path, source: Path, options) -> str | None:
         return f"it was built from other weights ({record.get('source')}, fingerprint " \
                f"{record.get('source_fingerprint')}; {source} is {now})"
     if record.get("options") != _as_json(options):
-        return f"it was built with other options ({_option_changes(record.get('options'), _as_json(options))})"
+        return f"it was built with other options ({option_changes(record.get('options'), _as_json(options))})"
     if record.get("artifact_fingerprint") != checkpoint_fingerprint(artifact):
         return "its files changed since it was built"
     return None

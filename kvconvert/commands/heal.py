@@ -28,13 +28,17 @@ HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill
 @out_option("Output folder (stock DeepSeek-V3 checkpoint).")
 @overwrite_option
 @click.option("--restart", is_flag=True, help="Discard saved progress instead of resuming it.")
+@click.option("--allow-other-teacher", is_flag=True,
+              help="Heal against a --teacher whose weights are not the ones the student was converted from (its "
+                   "manifest's source); refused without it.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None,
               help="Stop distillation after this many steps and keep its state (rerun to resume).")
 @click.option("--device", default=None, help="Device of both stages and the teacher's data, replacing --layerwise-device / "
                                             "--distill-device and the recipe's (default: each block's own, auto).")
 @threads_option
 @no_progress_option
-def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, device, threads, no_progress, **params):
+def heal_cmd(student, teacher, recipe, out, overwrite, restart, allow_other_teacher, max_steps, device, threads,
+             no_progress, **params):
     """Recover the quality lost by MLA conversion: layer-wise reconstruction of each attention block,
     then end-to-end distillation (KL to the source). Resumes after an interruption."""
     import torch
@@ -45,7 +49,7 @@ def heal_cmd(student, teacher, recipe, out, overwrite, restart, max_steps, devic
     if threads:
         torch.set_num_threads(threads)
     report = heal(student, teacher, recipe, out, overwrite=overwrite, progress=not no_progress, restart=restart,
-                  max_steps=max_steps, device=device)
+                  max_steps=max_steps, device=device, allow_other_teacher=allow_other_teacher)
     if not report.get("finished", True):
         d = report["stages"]["heal_distill"]
         click.echo(f"stopped at step {d['steps_done']}/{d['steps']}; rerun the same command to resume")

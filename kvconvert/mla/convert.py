@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from kvconvert import kvmath
 from kvconvert.checkpoint import (CheckpointReader, CheckpointWriter, check_output_path, ensure_free_space,
                                   estimate_checkpoint_bytes)
+from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint
 from kvconvert.data import calibration_windows, data_hash
 from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
@@ -119,7 +120,10 @@ def convert_to_mla(src_path: Path, out_dir: Path, opts: MLAOptions, source_name:
     with CheckpointWriter(out_dir, overwrite=overwrite, source=report.source, max_shard_bytes=256 * 2**20,
                           manifest_extra={"kvconvert_mla": {"rank": plan.rank, "rope_dim": rope_dim,
                                                             "calib_tokens": report.calib_tokens,
-                                                            "calib_hash": report.calib_hash}}) as writer:
+                                                            "calib_hash": report.calib_hash,
+                                                            # heal checks its --teacher against it
+                                                            "source_fingerprint": checkpoint_fingerprint(src_path)}}
+                          ) as writer:
         writer.add("model.embed_tokens.weight", embed.to(out_dtype))
         del embed  # only one layer plus the hidden states stay in memory from here on
         reader.close()  # reader.get copies out of the map: unmap now, mapped file pages count in RSS
