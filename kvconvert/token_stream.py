@@ -108,51 +108,58 @@ class Packer:
 
 
 class WindowStream:
-    """The global sequence of windows of a weighted mix of sources (see the module docstring)."""
+    """The global sequence of windows of a weighted mix of sources (see the module docstring). limit:
+    the windows a run reads in all (the stream ends there, so no block reads past what the run needs)."""
 
     def __init__(self, sources: list[tuple[TextSource, float]], tokenizer, window: int, seed: int = 0,
-                 max_epochs: int = 1, shuffle: bool = True, block: int = BLOCK_WINDOWS):
+                 max_epochs: int = 1, shuffle: bool = True, block: int = BLOCK_WINDOWS, limit: int | None = None):
         self.sources, self.tokenizer, self.window = sources, tokenizer, window
-        self.seed, self.max_epochs, self.shuffle, self.block = seed, max_epochs, shuffle, block
+        self.seed, self.max_epochs, self.shuffle, self.block, self.limit = seed, max_epochs, shuffle, block, limit
         self.weights = np.asarray([w for _, w in sources], dtype=np.float64)
 
     def describe(self) -> dict:
         return {"sources": [{**s.describe(), "weight": round(w, 6)} for s, w in self.sources],
                 "window": self.window, "seed": self.seed, "block": self.block if self.shuffle else 0}
 
-    def blocks(self, state: dict | None = None) -> Iterator[tuple[int, dict, np.ndarray]]:
-        """(index of the block's first window, the block's start state, its windows [n, window] int32)."""
+    def blocks(self, state: dict | None = None) -> Iterator[tuple[int, dict, Iterator[np.ndarray]]]:
+        """(index of the block's first window, the block's start state, its windows): permuted when
+        shuffling, else produced as they are read. Each block's windows must be read before the next."""
         state = state or {}
         packers = [Packer(s, self.tokenizer, self.window, st)
                    for (s, _), st in zip(self.sources, state.get("packers", [None] * len(self.sources)))]
         counts = np.asarray(state.get("counts", [0] * len(self.sources)), dtype=np.int64)
         start, number = state.get("index", 0), state.get("block", 0)
-        while True:
+        while self.limit is None or start < self.limit:
             start_state = {"index": start, "block": number, "counts": counts.tolist(),
                            "packers": [p.state() for p in packers]}
-            rows = []
-            while len(rows) < self.block:
-                k = int(np.argmax(self.weights * (counts.sum() + 1) - counts))  # the most lagging share
+            size = self.block if self.limit is None else min(self.block, self.limit - start)
+            made = [0]
+            rows = self._rows(packers, counts, size, made)
+            if self.shuffle:
+                windows = np.stack(list(rows))
+                rows = iter(windows[np.random.default_rng([self.seed, number]).permutation(len(windows))])
+            yield start, start_state, rows
+            start, number = start + made[0], number + 1
+
+    def _rows(self, packers: list[Packer], counts: np.ndarray, size: int, made: list[int]) -> Iterator[np.ndarray]:
+        """Up to `size` windows of the mix (fewer when a single source's epoch ends); counts them in made[0]."""
+        while made[0] < size:
+            k = int(np.argmax(self.weights * (counts.sum() + 1) - counts))  # the most lagging share
+            w = packers[k].next_window()
+            if w is None:
+                if len(packers) == 1 and made[0]:  # one source: a block never spans two epochs
+                    return
+                self._next_epoch(packers[k])
                 w = packers[k].next_window()
                 if w is None:
-                    if len(packers) == 1 and rows:  # one source: a block never spans two epochs
-                        break
-                    self._next_epoch(packers[k])
-                    w = packers[k].next_window()
-                    if w is None:
-                        raise self._exhausted(packers[k], 0)
-                rows.append(w)
-                counts[k] += 1
-            windows = np.stack(rows)
-            if self.shuffle:
-                windows = windows[np.random.default_rng([self.seed, number]).permutation(len(rows))]
-            yield start, start_state, windows
-            start, number = start + len(rows), number + 1
+                    raise self._exhausted(packers[k], 0)
+            counts[k] += 1
+            made[0] += 1
+            yield w
 
     def _next_epoch(self, packer: Packer) -> None:
-        made = packer.made
         if packer.epoch + 1 >= self.max_epochs:
-            raise self._exhausted(packer, made)
+            raise self._exhausted(packer, packer.made)
         packer.restart()
 
     def _exhausted(self, packer: Packer, made: int) -> DataExhausted:
@@ -164,9 +171,10 @@ class WindowStream:
     def windows_from(self, position: dict | None = None) -> Iterator[tuple[int, np.ndarray, dict]]:
         """(global index, window, its block's start state) from `position` (Batches.position) on."""
         skip = position["index"] if position else 0
-        for start, state, windows in self.blocks(position["block_state"] if position else None):
-            for j in range(max(0, skip - start), len(windows)):
-                yield start + j, windows[j], state
+        for start, state, rows in self.blocks(position["block_state"] if position else None):
+            for j, window in enumerate(rows):
+                if start + j >= skip:
+                    yield start + j, window, state
 
 
 class TensorWindows:
