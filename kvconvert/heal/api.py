@@ -91,8 +91,9 @@ def prepare_data(tokenizer, stages: HealStages, teacher: Path | None = None, pro
         data.info["layerwise"] = {"data": lw.data, "tokens": int(data.layerwise.numel()),
                                   "data_hash": data_hash(data.layerwise)}
     if (ds := stages.distill) is not None:
-        data.distill = WindowStream(sources(ds), tokenizer, ds.seq_len, seed=ds.seed, max_epochs=ds.max_epochs)
-        need = _distill_windows_needed(ds)
+        need = _distill_windows_needed(ds)  # in all: N processes take fewer steps, as many windows
+        data.distill = WindowStream(sources(ds), tokenizer, ds.seq_len, seed=ds.seed, max_epochs=ds.max_epochs,
+                                    limit=need)
         try:
             first = first_windows(data.distill, min(need, data.distill.block))
         except DataExhausted as exc:
