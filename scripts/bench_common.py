@@ -1,18 +1,22 @@
 """What the benchmark scripts share (torch-free at import, so bench_memory stays small): the paths, the
 argument parser, the command line a result records, timing and peak-RSS measurement, JSON output,
 docs/BENCHMARKS.md's generated tables (each benchmark owns the block between its two markers,
-`<!-- NAME:begin -->` ... `<!-- NAME:end -->`, and rewrites only that), and the fake-quantized KV
-evaluation's inputs and calibrated candidates (kvconvert.eval.kv_quant)."""
+`<!-- NAME:begin -->` ... `<!-- NAME:end -->`, and rewrites only that; and its rows of the current
+tables between `<!-- bench:STAGE -->` ... `<!-- /bench:STAGE -->`, which several benchmarks share), and
+the fake-quantized KV evaluation's inputs and calibrated candidates (kvconvert.eval.kv_quant)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
+import re
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +93,99 @@ def write_block(name: str, body: str, doc: Path = DOC) -> None:
     write_text(doc, text)
 
 
+BENCH_COLUMNS = ("measure", "value", "interval", "device", "commit", "date", "command")
+_CELL_SPLIT = re.compile(r"(?<!\\)\|")  # a table cell boundary: a pipe not escaped as \|
+
+
+def device_name(device: str = "cpu") -> str:
+    """What a result was measured on: the GPU's name for a cuda device, else the CPU model name as lscpu prints
+    it (its "Model name:" line; /proc/cpuinfo's "model name" where lscpu is missing)."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        out = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.lower().startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def run_info(device: str = "cpu") -> dict:
+    """This run's device (device_name), commit (the checkout's short HEAD) and date (UTC), as a row records them."""
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "not recorded"
+    return {"device": device_name(device), "commit": commit, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
+
+
+def bench_rows(results: list[tuple], info: dict | None = None, cmd: str | None = None) -> list[dict]:
+    """(measure, value) or (measure, value, interval) tuples -> rows of a current table, each with this run's
+    device, commit and date (run_info) and command line; a bench JSON records them per stage under
+    "bench_rows" ({stage: rows}). The measure names the quantity and its setting, not the command, so a
+    rerun replaces its row."""
+    info = info or run_info()
+    return [{"measure": r[0], "value": r[1], "interval": r[2] if len(r) > 2 and r[2] else "-", **info,
+             "command": cmd or command()} for r in results]
+
+
+def _cell(text) -> str:
+    return str(text).replace("\n", " ").replace("|", "\\|")
+
+
+def render_bench_table(rows: list[dict]) -> str:
+    """The current table of a stage: one row per measure, its value, interval, device, commit, date and command."""
+    lines = ["| " + " | ".join(c.capitalize() for c in BENCH_COLUMNS) + " |", "|" + "---|" * len(BENCH_COLUMNS)]
+    for row in rows:
+        cells = [_cell(row.get(c) or "-") for c in BENCH_COLUMNS]
+        cells[-1] = f"`{cells[-1]}`" if cells[-1] != "-" else "-"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_bench_table(text: str) -> list[dict]:
+    """The rows of a table render_bench_table wrote (header and separator skipped; other lines ignored)."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip().replace("\\|", "|") for c in _CELL_SPLIT.split(line.strip())[1:-1]]
+        if len(cells) != len(BENCH_COLUMNS) or cells[0] in ("Measure", "---"):
+            continue
+        row = dict(zip(BENCH_COLUMNS, cells))
+        row["command"] = row["command"].strip("`")
+        rows.append(row)
+    return rows
+
+
+def write_bench_table(name: str, source, doc: Path = DOC) -> None:
+    """Refresh the current table between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in doc from a bench
+    JSON (a path, or its dict) whose "bench_rows" lists rows for stage NAME (bench_rows): each replaces the row
+    of the same measure or is appended; the others (other benchmarks' rows of the stage, rows measured by hand)
+    stay as they are. A section without its markers is appended at the end of doc."""
+    payload = json.loads(Path(source).read_text()) if isinstance(source, (str, Path)) else source
+    new = (payload.get("bench_rows") or {}).get(name, [])
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    text = doc.read_text()
+    if begin not in text or end not in text:
+        text = text.rstrip() + f"\n\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    body, tail = rest.split(end, 1)
+    rows = {row["measure"]: row for row in parse_bench_table(body)}
+    rows.update({row["measure"]: {c: row.get(c, "-") for c in BENCH_COLUMNS} for row in new})
+    table = f"{render_bench_table(list(rows.values()))}\n" if rows else ""
+    write_text(doc, f"{head}{begin}\n{table}{end}{tail}")
+
+
+def publish_rows(payload: dict, json_path: str | Path, doc: Path = DOC) -> None:
+    """write_bench_table for every stage of payload's "bench_rows", when the JSON was written to docs/ (the
+    published results); a JSON written elsewhere (a smoke run, a test's temp folder) leaves doc alone."""
+    if Path(json_path).resolve().parent == DOCS.resolve():
+        for name in payload.get("bench_rows") or {}:
+            write_bench_table(name, payload, doc)
+
+
 def quant_eval_inputs(src: str, windows: int, window_len: int = 1024):
     """(source folder, its tokenizer, `windows` x `window_len` essay tokens (kvconvert.data.eval_windows),
     the fp32 reference model): what kvconvert.eval.kv_quant scores fake-quantized KV caches against."""
@@ -118,3 +215,11 @@ def calibrated_candidate(src: str | Path, options, out: Path) -> tuple[dict, tup
     report = run_calibrate(CalibrateJob(src=str(src), options=options, out=out, overwrite=True),
                            echo=lambda msg: None)["report"]
     return report, (load_hf_model(out), fake_quant_hook(checkpoint_kv_layout(out), read_kv_scales(out)))
+
+
+if __name__ == "__main__":
+    # python scripts/bench_common.py JSON ...: refresh docs/BENCHMARKS.md's current tables from bench JSONs written
+    # elsewhere (a GPU machine's $OUT), after copying them into docs/
+    for path in sys.argv[1:]:
+        for stage in json.loads(Path(path).read_text()).get("bench_rows") or {}:
+            write_bench_table(stage, path)
