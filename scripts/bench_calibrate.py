@@ -3,7 +3,7 @@
 
 For each configuration the real CLI path runs (calibrate -> checkpoint written to a temp folder),
 then kvconvert.eval.kv_quant measures perplexity and token KL against the unquantized source on
-the same windows (eval_windows: the Paul Graham essays, 32 x 1024 by default = the issue's protocol).
+the same windows (eval_windows: the Paul Graham essays, 32 x 1024 by default = the project's protocol).
 
 Targets: FP8 E4M3 within +0.5% of the unquantized perplexity, NVFP4 within +3%.
 Writes docs/bench_calibrate.json and prints a markdown table.
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import DOCS, calibrated_candidate, parser, quant_eval_inputs, write_json
+from bench_common import DOCS, bench_rows, calibrated_candidate, parser, publish_rows, quant_eval_inputs, write_json
 
 TARGETS = {"fp8": 0.5, "nvfp4": 3.0}
 
@@ -136,6 +136,16 @@ def markdown(rows: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+def current_rows(payload: dict, info: dict | None = None, cmd: str | None = None) -> dict:
+    """The rows of calibrate's defaults for docs/BENCHMARKS.md's calibration table (bench_common.bench_rows)."""
+    p = payload["protocol"]
+    rows = [(f"{r['model']}: {r['config'].split(' [')[0]}, {p['calib_tokens']} calibration tokens of "
+             f"{r.get('calib_data') or p['calib_data']} ({p['windows']} x {p['window_len']} essay tokens)",
+             f"ppl {r['delta_pct']:+.2f}% vs an unquantized cache ({r['ppl']:.3f}), token KL {r['kl']:.5f}")
+            for r in payload["rows"] if "(default)" in r["config"]]
+    return {"calibration": bench_rows(rows, info, cmd)}
+
+
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -155,7 +165,9 @@ def main():
                             "window_len": args.window_len, "calib_data": args.calib_data, "calib_tokens": args.calib_tokens},
                "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
                "rows": rows, "markdown": table}
+    payload["bench_rows"] = current_rows(payload)
     write_json(args.out, payload)
+    publish_rows(payload, args.out)
     print(table)
 
 

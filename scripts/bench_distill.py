@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import DOCS, parser, write_json, write_text
+from bench_common import DOCS, bench_rows, parser, publish_rows, run_info, write_json, write_text
 
 # no torch.compile in the default grid: compiling the whole model took over 60 s of warm-up per row on an
 # H100; ":compile" compiles each decoder layer (heal_distill's `compile`)
@@ -374,6 +374,28 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def current_rows(report: dict, info: dict | None = None, cmd: str | None = None) -> dict:
+    """Each row's peak beside the estimate (docs/BENCHMARKS.md's memory table) and, on a GPU, its tokens/s (the
+    healing table); CPU tokens/s on a shared machine mean nothing and are left out."""
+    memory, speed = [], []
+    options = sorted((report.get("stage") or {}).items())
+    stage = ", heal_distill " + " ".join(f"{k}={'+'.join(map(str, v)) if isinstance(v, list) else v}"
+                                         for k, v in options) if options else ""
+    gb = lambda x: f"{x:.3f}" if x < 1 else f"{x:.2f}"  # noqa: E731 - CPU rows are a few hundred MB
+    for r in report["rows"]:
+        if "error" in r:
+            continue
+        switches = "".join(f", {k}" for k in ("compile", "ckpt", "lora") if r[k])
+        what = (f"distillation {report['preset']} -> MLA {report['rank']}+{report['rope_dim']}, "
+                f"{report['layers'] or 'all'} layers, mixed precision {report['mixed_precision']}{stage}, "
+                f"{r['batch']} x {r['seq_len']}{switches}")
+        memory.append((f"{what}: peak memory vs estimate ({report['peak_kind']})",
+                       f"{gb(r['peak_gb'])} GB measured, {gb(r['estimate_gb'])} GB estimated ({r['est_over_measured']:.2f}x)"))
+        if r.get("device", "").startswith("cuda"):
+            speed.append((f"{what}: tokens/s", f"{r['tokens_per_s']:,.0f} tokens/s ({r['step_s']:.3f} s per step)"))
+    return {"memory": bench_rows(memory, info, cmd), **({"healing": bench_rows(speed, info, cmd)} if speed else {})}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.row:
@@ -414,7 +436,9 @@ def main(argv=None) -> int:
             print(row, flush=True)
             write_json(args.json, report, indent=1)  # a run stopped later keeps the variants done so far
             torch.cuda.empty_cache()
+        report["bench_rows"] = current_rows(report, run_info(args.device))
         write_json(args.json, report, indent=1)
+        publish_rows(report, args.json)
     md = markdown(report)
     write_text(args.md, md)
     print(md)

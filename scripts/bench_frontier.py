@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import DOCS, calibrated_candidate, command, parser, quant_eval_inputs, write_block, write_json
+from bench_common import (DOCS, bench_rows, calibrated_candidate, command, parser, publish_rows, quant_eval_inputs,
+                          write_block, write_json)
 from bench_mla import TRANSMLA
 
 SMOLLM2 = "smollm2-135m"
@@ -118,7 +119,7 @@ def earlier_points(cands: dict) -> list[dict]:
         if setting != "source":
             rank, rope = map(int, setting.split(":"))
             out.append(point(cands, f"MLA {rank}+{rope} bf16", None, values[0], TRANSMLA["source"], "TransMLA one-shot",
-                             "bench_mla.py TRANSMLA (TransMLA @9c0d254, the MLA issue)",
+                             "bench_mla.py TRANSMLA (TransMLA @9c0d254)",
                              "essays 32 x 1024, TransMLA's own conversion (source ppl 24.68)"))
     return out
 
@@ -261,7 +262,7 @@ def main():
     if args.skip_measure:  # the points measured here, with the earlier ones read afresh from their files
         doc = json.loads((DOCS / "bench_frontier.json").read_text())
         return write({**doc, "points": [p for p in doc["points"]
-                                        if p["provenance"] in ("measured here", "earlier run")] + earlier})
+                                        if p["provenance"] in ("measured here", "earlier run")] + earlier}, measured=False)
     # (rank, rope, stage, healed NAME or None): a healed checkpoint replaces only its own earlier points, so
     # another checkpoint of the same stage (e.g. a second heal seed) is measured beside the first
     groups = [(*shape, "one-shot", None) for shape in shapes] + [(*g, name) for g, name in zip(healed_groups, healed)]
@@ -299,8 +300,24 @@ def remeasured_by(p: dict, group: tuple[int, int, str, str | None]) -> bool:
             and (healed_name is None or re.search(rf"{re.escape(healed_note(healed_name))}(,|$)", p["protocol"]) is not None))
 
 
-def write(doc: dict) -> None:
-    """bench_frontier.json, img/frontier.png and the BENCHMARKS.md table from doc's points."""
+def current_rows(doc: dict, info: dict | None = None, cmd: str | None = None) -> dict:
+    """The frontier points this run measured, for docs/BENCHMARKS.md's current tables: the source's cache formats
+    (calibration), one-shot MLA points (conversion), healed ones (healing)."""
+    stages: dict[str, list] = {}
+    for p in doc["points"]:
+        if p["provenance"] != "measured here" or not p.get("on_front"):
+            continue
+        stage = "calibration" if p["rank"] is None else "healing" if "healed" in p["stage"] else "conversion"
+        kl = f"KL {p['kl']:.4f}, " if p["kl"] is not None else ""
+        stages.setdefault(stage, []).append((
+            f"SmolLM2-135M {p['name']}, {p['bytes_per_token']} KV bytes/token ({p['fraction']:.1%} of bf16): KL and ppl "
+            f"vs the source ({p['protocol']})", f"{kl}ppl {p['ppl']:.2f} ({p['ppl_increase_pct']:+.1f}%)"))
+    return {stage: bench_rows(rows, info, cmd or doc.get("command")) for stage, rows in stages.items()}
+
+
+def write(doc: dict, measured: bool = True) -> None:
+    """bench_frontier.json, img/frontier.png and the BENCHMARKS.md table from doc's points; when this run
+    measured them, their rows of the current tables too (a re-render keeps the recorded ones)."""
     from kvconvert.plan import pareto_front, plot_frontier
 
     points = doc["points"]
@@ -309,7 +326,11 @@ def write(doc: dict) -> None:
     ppl_front = {id(points[i]) for i in pareto_front([(p["fraction"], p["ppl_increase_pct"]) for p in points])}
     for p in points:  # TransMLA has perplexities only: its points are placed by perplexity
         p["on_front"] = id(p) in (kl_front if p["kl"] is not None else ppl_front)
+    if measured:
+        doc["bench_rows"] = current_rows(doc)
     write_json(DOCS / "bench_frontier.json", doc, indent=1)
+    if measured:
+        publish_rows(doc, DOCS / "bench_frontier.json")
     (DOCS / "img").mkdir(exist_ok=True)
     plot_frontier(points, DOCS / "img" / "frontier.png", "SmolLM2-135M: damage per KV byte", metrics=("kl", "ppl_increase_pct"))
     table = markdown(doc)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_common import DOCS, ROOT, parse_corpora, parser, stopwatch, write_json
+from bench_common import DOCS, ROOT, bench_rows, parse_corpora, parser, publish_rows, run_info, stopwatch, write_json
 
 DEFAULT_RECIPES = [f"recipes/smollm2-135m-{p}pct.yaml" for p in (25, 50, 33, 12)]
 TARGETS = {"ppl_increase_pct": 5.0, "kl_mean": 0.05, "passkey_drop": 0.1}
@@ -155,6 +155,22 @@ def corpora_markdown(results: dict) -> list[str]:
     return out
 
 
+def current_rows(results: dict, info: dict | None = None, cmd: str | None = None) -> dict:
+    """Each healed recipe's row for docs/BENCHMARKS.md's healing table: ppl and KL against the source (bf16
+    cache), passkey where measured, the heal's wall time and tokens."""
+    rows = []
+    for name, r in results["recipes"].items():
+        x, heal = r.get("metrics", {}).get("healed"), r.get("heal", {})
+        if not x:
+            continue
+        passkey = (", passkey " + " / ".join(f"{v * 100:.0f}%" for v in x["passkey"].values())) if "passkey" in x else ""
+        rows.append((f"{results['protocol']['source']} MLA {r['rank']}+{r['rope_dim']} healed by {name}: ppl and KL "
+                     f"vs the source ({results['protocol']['eval']})",
+                     f"ppl {x['ppl']:.2f} ({x['ppl_increase_pct']:+.1f}%), KL {x['kl_mean']:.4f}{passkey}; heal "
+                     f"{heal.get('seconds', 0) / 60:.1f} min wall, {heal.get('tokens', 0):,} tokens"))
+    return {"healing": bench_rows(rows, info, cmd)}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -191,7 +207,9 @@ def main(argv=None) -> int:
         results["recipes"][name] = entry
         write_json(args.out, results)
     results["markdown"] = markdown(results)
+    results["bench_rows"] = current_rows(results, run_info(args.device))
     write_json(args.out, results)
+    publish_rows(results, args.out)
     print(results["markdown"])
     return 0
 

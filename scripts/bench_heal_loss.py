@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from bench_common import DOCS, command, parser, write_block, write_json
+from bench_common import DOCS, bench_rows, command, parser, publish_rows, run_info, write_block, write_json
 
 JSON_OUT = DOCS / "bench_heal_loss.json"
 
@@ -82,6 +82,18 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines) + f"\n\nCommand: `{command}` (device {rows[0]['device']})"
 
 
+def current_rows(results: list[dict], info: dict | None = None, cmd: str | None = None) -> dict:
+    """The fused loss against the reference per logits dtype, for docs/BENCHMARKS.md's healing table."""
+    rows = []
+    for fused in (r for r in results if r["variant"] == "fused"):
+        ref = next((r for r in results if r["variant"] == "reference" and r["dtype"] == fused["dtype"]), None)
+        than = f" (reference: {ref['seconds']} s, {ref['extra_memory_gb']:.2f} GB)" if ref else ""
+        rows.append((f"fused distillation loss (KL + 0.5 CE), {fused['rows']} x {fused['vocab']} {fused['dtype']} logits: "
+                     "s per forward + backward, memory over the inputs",
+                     f"{fused['seconds']} s, {fused['extra_memory_gb']:.2f} GB{than}"))
+    return {"healing": bench_rows(rows, info, cmd)}
+
+
 def main():
     if sys.argv[1:2] == ["_child"]:
         v, d, rows, vocab, reps, dev = sys.argv[2:8]
@@ -102,10 +114,12 @@ def main():
                                   str(args.repeats), args.device], capture_output=True, text=True, check=True)
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps(results[-1]), flush=True)
-    write_json(JSON_OUT, {"command": command(), "results": results})
+    payload = {"command": command(), "results": results, "bench_rows": current_rows(results, run_info(args.device))}
+    write_json(JSON_OUT, payload)
     table = markdown(results, command())
     if not args.no_doc:
         write_block("bench_heal_loss", table)
+        publish_rows(payload, JSON_OUT)
     print(table)
 
 

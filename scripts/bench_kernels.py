@@ -43,7 +43,7 @@ import sys
 import time
 
 import torch
-from bench_common import DOCS, parser, write_json, write_text
+from bench_common import DOCS, bench_rows, parser, publish_rows, run_info, write_json, write_text
 
 from kvconvert.kernels._launch import FP8_DOT_MIN_BLOCK_N, e4m3_query_rows
 from kvconvert.kernels.cache_layout import GQA_MODES, MLA_MODES, GQACacheLayer, MLACacheLayer
@@ -595,6 +595,24 @@ def markdown(report) -> str:
     return "\n".join(lines) + "\n"
 
 
+def current_rows(report: dict, info: dict | None = None, cmd: str | None = None) -> dict:
+    """Every kernel row at the run's longest context, for docs/BENCHMARKS.md's runtime table: the step's time,
+    its speed against the bf16 cache's row and its KV bandwidth."""
+    context = max(report["contexts"])
+    titles = {"mla": f"MLA decode (R 512 + rope 64, {report['mla_heads']} heads)", "gqa": "GQA decode (32 q / 8 kv, D 128)"}
+    rows = []
+    for kernel, title in titles.items():
+        found = [r for r in report.get(kernel, []) if r["context"] == context and r["time_us"] and not r["error"]]
+        bf16 = next((r["time_us"] for r in found if r["impl"] == "triton" and r["mode"] == "none"), None)
+        for r in found:
+            speed = f", {bf16 / r['time_us']:.2f}x the bf16 cache" if bf16 else ""
+            cache = "bf16" if r["mode"] == "none" else r["mode"]
+            rows.append((f"{title}, {r['impl']} on a {cache} cache, batch {r['batch']} x {context} tokens, block "
+                         f"{report['block_size']}: time per step (CUDA graph)",
+                         f"{r['time_us']:.1f} us{speed}, KV {r['kv_GBps']:.0f} GB/s (copy {report['copy_bandwidth_GBps']:.0f})"))
+    return {"runtime": bench_rows(rows, info, cmd)}
+
+
 def main(argv=None) -> int:
     global DEVICE
     args = parse_args(argv)
@@ -652,7 +670,9 @@ def main(argv=None) -> int:
         write_json(args.json, report, indent=1)
         write_text(args.md, markdown(report))
     report["seconds"] = time.time() - started
+    report["bench_rows"] = current_rows(report, run_info(DEVICE))
     write_json(args.json, report, indent=1)
+    publish_rows(report, args.json)
     md = markdown(report)
     write_text(args.md, md)
     print(md)

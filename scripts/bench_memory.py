@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import DOCS, command, parser, run_child, write_block, write_json
+from bench_common import DOCS, bench_rows, command, parser, publish_rows, run_child, write_block, write_json
 from bench_mla import LLAMA_SHAPES  # one source of truth for random checkpoints; no torch
 
 JSON_OUT = DOCS / "bench_memory.json"
@@ -139,6 +139,21 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def current_rows(shapes: list[dict], info: dict | None = None, cmd: str | None = None) -> dict:
+    """The stages these shapes' results hold, each a row of docs/BENCHMARKS.md's memory table: the child's peak
+    RSS against its target, and its wall time."""
+    rows = []
+    for r in shapes:
+        for stage, row in r["stages"].items():
+            if row["rc"] != 0:
+                continue
+            target = f" (target < {row['target_gb']} GB)" if row.get("target_gb") else ""
+            note = f" ({row['note']})" if row.get("note") else ""
+            rows.append((f"{r['shape']} (random bf16, {r['weights_gb']} GB) `{stage}`{note}: peak RSS of the stage's "
+                         f"process{target}", f"{row['peak_rss_gb']:.2f} GB, {row['seconds']} s wall"))
+    return {"memory": bench_rows(rows, info, cmd)}
+
+
 def validate_child(argv: list[str]) -> None:
     """The validate stage's child: run_validate on the smoke-sized suite."""
     ap = argparse.ArgumentParser()
@@ -175,20 +190,24 @@ def main():
     ap.add_argument("--no-doc", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
     args = ap.parse_args()
     results = json.loads(JSON_OUT.read_text()) if JSON_OUT.is_file() else {}
+    measured = []
     for shape in args.shapes.split(","):
         if shape not in LLAMA_SHAPES:
             raise SystemExit(f"unknown shape {shape}; choose from {', '.join(LLAMA_SHAPES)}")
         stages = args.stages.split(",") if args.stages else DEFAULT_STAGES[shape]
         fresh = bench_shape(shape, stages, args)
+        measured.append({**fresh})
         old = results.get(fresh["shape"], {})  # a run of some stages updates those rows only
         fresh["stages"] = {**old.get("stages", {}), **fresh["stages"]}
         fresh["commands"] = list(dict.fromkeys(old.get("commands", []) + [command()]))
         results[fresh["shape"]] = fresh
     results["command"] = "; ".join(dict.fromkeys(c for r in results.values() if isinstance(r, dict)
                                                  for c in r.get("commands", [])))
+    results["bench_rows"] = current_rows(measured)
     write_json(JSON_OUT, results)
     if not args.no_doc:
         write_block("bench_memory", f"{markdown(results)}\n\nCommand: `{results['command']}`")
+        publish_rows(results, JSON_OUT)
     print(markdown(results))
 
 

@@ -24,11 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import DOCS, command, parse_corpora, parser, write_json
+from bench_common import DOCS, bench_rows, command, parse_corpora, parser, publish_rows, write_json
 
 JSON_OUT = DOCS / "bench_mla.json"
 # TransMLA @9c0d254 on SmolLM2-135M, one-shot, same essays protocol (32 x 1024), measured on this
-# machine class and given in the MLA issue: setting -> (perplexity, seconds, peak RSS GB).
+# machine class (the reference of the one-shot bar): setting -> (perplexity, seconds, peak RSS GB).
 TRANSMLA = {"source": 24.68, "160:32": (57.76, 104, 7.6), "96:32": (99.29, 101, 7.5),
             "64:32": (149.84, 98, 7.5), "32:16": (286.34, 165, 7.7)}
 
@@ -42,7 +42,7 @@ def eval_model(path: Path, windows: int, ref: Path, corpus: str = "essays", save
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvconvert.data import eval_windows
-    from kvconvert.eval.metrics import TokenSums, window_sums
+    from kvconvert.token_stats import TokenSums, window_sums
 
     ids = eval_windows(AutoTokenizer.from_pretrained(path), windows, 1024, corpus)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -80,7 +80,7 @@ def source_ppl(src: Path, windows: int, ref: Path, corpus: str) -> float:
     from transformers import AutoTokenizer
 
     from kvconvert.data import eval_windows
-    from kvconvert.eval.metrics import TokenSums, window_sums
+    from kvconvert.token_stats import TokenSums, window_sums
 
     if not all((ref / f"{i}.pt").is_file() for i in range(windows)):
         return eval_model(src, windows, ref, corpus, save_ref=True)[0]
@@ -240,6 +240,44 @@ def variants_markdown(r: dict) -> list[str]:
     return lines
 
 
+def converter_options(flags: str) -> dict:
+    """A --variant's converter flags as {"--flag": "value" or ""}, in their order."""
+    words, options = flags.split(), {}
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else ""
+            options[word] = value
+    return options
+
+
+def current_rows(section: str, r: dict, info: dict | None = None, cmd: str | None = None,
+                 default_text: str | None = None) -> dict:
+    """One section's rows for docs/BENCHMARKS.md's current tables: each SmolLM2 conversion's ppl / KL per held-out
+    corpus (conversion), the 7B-shaped conversion's peak RSS and time (memory). The calibration text and tokens
+    are named from the row's flags, else the converter's defaults (default_text: kvconvert.mla.options)."""
+    if section == "llama7b":
+        return {"memory": bench_rows([(
+            f"Llama-2-7B-shaped random bf16 ({r['layers']} layers, {r['source_gb']:.1f} GB) -> MLA {r['rank']}+"
+            f"{r['rope_dim']}, {r['calib_tokens']} calibration tokens: `kvconvert mla` peak RSS and wall time",
+            f"{r['peak_rss_mb'] / 1000:.2f} GB (converter process), {r['convert_seconds']:.0f} s; output "
+            f"{r['output_gb']:.1f} GB")], info, cmd or r.get("command"))}
+    if default_text is None:
+        from kvconvert.mla.options import DEFAULT_CONVERT_TEXT as default_text
+    corpora = r.get("corpora") or {"essays": {"windows": r["windows"]}}
+    rows = []
+    for row in r["rows"]:
+        options = converter_options(row.get("flags", ""))
+        text = options.pop("--calib-data", default_text)
+        tokens = options.pop("--calib-tokens", r["calib_tokens"])
+        rest = "".join(f", {k} {v}".rstrip() for k, v in options.items())
+        scores = row.get("corpora") or {"essays": row}
+        where = ", ".join(f"{Path(c).stem} {v['windows']} x 1024" for c, v in corpora.items())
+        rows.append((f"SmolLM2-135M MLA {row['rank']}+{row['rope_dim']} ({row['kv_fraction']:.1%} of the KV values) "
+                     f"one-shot, {tokens} calibration tokens of {text}{rest}: ppl / KL ({where})",
+                     "; ".join(f"{Path(c).stem} {s['ppl']:.2f} / {s['kl']:.3f}" for c, s in scores.items())))
+    return {"conversion": bench_rows(rows, info, cmd or r.get("command"))}
+
+
 def main():
     ap = parser(__doc__)
     ap.add_argument("which", choices=["smollm2", "llama7b"])
@@ -259,7 +297,9 @@ def main():
     section = "oneshot" if args.which == "smollm2" and args.variant else args.which  # never replaces published rows
     results[section] = bench_smollm2(args) if args.which == "smollm2" else bench_llama7b(args)
     results[section]["command"] = command()
+    results[section]["bench_rows"] = current_rows(section, results[section])
     write_json(args.json, results)
+    publish_rows(results[section], args.json)
     print(markdown(results))
 
 

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import DOCS, calibrated_candidate, command, parser, quant_eval_inputs, write_block, write_json
+from bench_common import (DOCS, bench_rows, calibrated_candidate, command, parser, publish_rows, quant_eval_inputs,
+                          write_block, write_json)
 
 
 def rope_fp8_hook(checkpoint: Path):
@@ -47,6 +48,15 @@ def cache_bytes(config: dict, rank: int, rope: int, cache: str) -> tuple[int, fl
     source = kv_shape(config)
     n = kv_bytes_per_token(mla_whatif(source, rank, rope), CACHE_FORMATS[cache])
     return n, n / kv_bytes_per_token(source, "bf16")
+
+
+def current_rows(doc: dict, info: dict | None = None, cmd: str | None = None) -> dict:
+    """The quantized rows (k_rope 16-bit and FP8 on the same NVFP4 scales), for docs/BENCHMARKS.md's calibration table."""
+    rows = [(f"SmolLM2-135M MLA {r['shape']} one-shot, {r['cache']} on scales calibrated for nvfp4 "
+             f"({doc.get('calib_tokens', '?')} tokens; essays {doc.get('windows', '?')} x 1024): KL and ppl",
+             f"KL {r['kl']:.4f}, ppl {r['ppl']:.2f} at {r['bytes_per_token']:.0f} KV bytes/token ({r['fraction']:.1%} of bf16)")
+            for r in doc["rows"] if r["cache"] != "bf16"]
+    return {"calibration": bench_rows(rows, info, cmd or doc.get("command"))}
 
 
 def main() -> None:
@@ -88,8 +98,11 @@ def main() -> None:
                              "kl": res[name].kl, "ppl": res[name].ppl, "source_ppl": res["reference"].ppl})
                 print(f"[{time.time() - t0:5.0f} s] MLA {rank}+{rope} {name}: {100 * frac:.1f}% KL {res[name].kl:.4f} "
                       f"ppl {res[name].ppl:.2f}", flush=True)
-    doc = {"command": command(), "threads": args.threads, "seconds": time.time() - t0, "rows": rows}
+    doc = {"command": command(), "threads": args.threads, "seconds": time.time() - t0, "windows": args.windows,
+           "calib_tokens": args.calib_tokens, "rows": rows}
+    doc["bench_rows"] = current_rows(doc)
     write_json(DOCS / "bench_rope_fp8.json", doc, indent=1)
+    publish_rows(doc, DOCS / "bench_rope_fp8.json")
     lines = [f"`{doc['command']}` ({doc['seconds']:.0f} s wall, {args.threads} threads). One-shot conversions, "
              f"essays {args.windows} x 1024; source ppl {rows[0]['source_ppl']:.2f}.", "",
              "| MLA shape | cache | KV bytes/token | of bf16 | KL | ppl |", "|---|---|---:|---:|---:|---:|"]

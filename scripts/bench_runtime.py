@@ -27,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from bench_common import DOCS, parser, write_json
+from bench_common import DOCS, bench_rows, parser, publish_rows, write_json
 
 from kvconvert.checkpoint import read_config
 from kvconvert.kvmath import kv_bytes_per_token, kv_shape, parse_size
@@ -200,6 +200,21 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def current_rows(report: dict, info: dict | None = None, cmd: str | None = None) -> dict:
+    """Each measured decode configuration, with its speed against transformers at the same batch and context,
+    for docs/BENCHMARKS.md's runtime table."""
+    hf = {(r["batch"], r["context"]): r.get("tokens_per_s") for r in report["decode"] if r["engine"] == "transformers"}
+    rows = []
+    for r in report["decode"]:
+        if not r.get("tokens_per_s"):
+            continue
+        ref = hf.get((r["batch"], r["context"])) if r["engine"] != "transformers" else None
+        ratio = f" ({r['tokens_per_s'] / ref:.2f}x transformers)" if ref else ""
+        rows.append((f"{r['model']} decode on {r['engine']} ({r['kv_dtype']} KV), batch {r['batch']} x {r['context']} "
+                     f"context, {report['machine']['torch_threads']} threads: tokens/s", f"{r['tokens_per_s']:.1f}{ratio}"))
+    return {"runtime": bench_rows(rows, info, cmd)}
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
@@ -232,7 +247,9 @@ def main(argv=None):
             if hf is not None:
                 report["decode"].append(transformers_row(hf, batch, context, args, budget))
     report["kv_bytes_per_token"], report["concurrency"] = kv_table(models, args.kv_memory, args.request_tokens)
+    report["bench_rows"] = current_rows(report)
     write_json(args.out, report)
+    publish_rows(report, args.out)
     print(markdown(report))
     print(f"\nwrote {args.out}", file=sys.stderr)
 

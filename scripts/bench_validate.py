@@ -17,7 +17,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import parser, stopwatch, write_json
+from bench_common import bench_rows, parser, publish_rows, stopwatch, write_json
+
+
+def current_rows(result: dict, info: dict | None = None, cmd: str | None = None) -> dict:
+    """The run's time and its largest delta, for docs/BENCHMARKS.md's validation table."""
+    return {"validation": bench_rows([(
+        f"{result.get('source', 'smollm2-135m')} validated against itself, {result['suite']} suite on {result['engine']}, "
+        f"{result['threads']} thread(s): wall and CPU time, largest delta",
+        f"{result['wall_s']} s wall, {result['cpu_s']} CPU-s (load {result['load_before'][0]} at the start); "
+        f"largest delta {result['max_abs_delta']}")], info, cmd)}
 
 
 def main() -> int:
@@ -48,11 +57,13 @@ def main() -> int:
         "cores": os.cpu_count(),
         "samples": {task: len(records) for task, records in report["samples"].items()},
         "max_abs_delta": max(abs(m["delta"]) for m in report["metrics"].values()),
-        "report": str(out / "report.json"),
+        "report": str(out / "report.json"), "source": args.source,
     }
+    result["bench_rows"] = current_rows(result)
     print(json.dumps(result, indent=1))
     if args.json:
         write_json(args.json, result, indent=1)
+        publish_rows(result, args.json)
     return 0 if result["max_abs_delta"] == 0.0 else 1
 
 
