@@ -31,13 +31,13 @@ def section(text: str, name: str) -> str:
     return text.split(f"<!-- bench:{name} -->", 1)[1].split(f"<!-- /bench:{name} -->", 1)[0]
 
 
-def test_the_doc_has_every_stage_table_and_the_empty_kv4bit_section():
+def test_the_doc_has_every_stage_table_and_the_kv4bit_section():
     text = bench_common.DOC.read_text()
     for stage in ("conversion", "healing", "calibration", "validation", "runtime", "memory"):
         rows = bench_common.parse_bench_table(section(text, stage))
         assert rows, stage
         assert all(row["value"] != "-" and row["device"] and row["date"] for row in rows), stage
-    assert section(text, "kv4bit").strip() == ""
+    section(text, "kv4bit")  # its markers exist (the table between them is filled by its own measurements)
 
 
 def test_a_bench_json_refreshes_its_row_and_keeps_the_others(doc, tmp_path):
@@ -67,6 +67,8 @@ def test_a_bench_json_refreshes_its_row_and_keeps_the_others(doc, tmp_path):
 
 
 def test_an_empty_section_gets_a_table_and_a_missing_one_is_appended(doc):
+    text = doc.read_text()
+    doc.write_text(text.replace(section(text, "kv4bit"), "\n"))  # an empty section, whatever the doc holds
     payload = {"bench_rows": {"kv4bit": bench_common.bench_rows([("SmolLM2-135M nvfp4 on runtime", "KL 0.07")], INFO, "x"),
                               "newstage": bench_common.bench_rows([("m", "v")], INFO, "y")}}
     bench_common.write_bench_table("kv4bit", payload, doc)
