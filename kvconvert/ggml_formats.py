@@ -1,0 +1,240 @@
+"""llama.cpp's (ggml's) block formats for the KV cache, as bit-exact pure-PyTorch references.
+
+A floor module (it imports only errors): kvconvert's runtime stores a llama.cpp-format cache through
+it, calibration scores candidates with it, and tests compare it byte for byte with the engine.
+
+What llama.cpp's CPU backend does when it writes a K or V row into a quantized cache (ggml-cpu's
+``set_rows`` calls the type's ``from_float`` on each row of K/V values, fp32):
+
+* Blocks of 32 consecutive values along the row (a row is one token's ``kv_heads x head_dim`` values,
+  heads contiguous, so a block never straddles two heads when head_dim is a multiple of 32).
+* Every block carries an fp16 scale ``d`` (and, for the ``_1`` types, an fp16 minimum ``m``); the codes
+  are computed with the fp32 ``d`` and stored beside ``fp16(d)``; reading gives ``code_value * fp16(d)``
+  (``+ fp16(m)``), each an exact product in fp32.
+* ``q4_0`` (4.5 bits): ``d = max / -8`` where ``max`` is the signed value of largest magnitude (the first
+  one on ties), ``code = min(15, trunc(x / d + 8.5))``, value ``(code - 8) d``: the largest-magnitude value
+  is exact and the other end of the range clips at ``-7/8`` of it.
+* ``q4_1`` (5 bits): ``d = (max - min) / 15``, ``code = min(15, trunc((x - min) / d + 0.5))``, value
+  ``code d + m``.
+* ``q5_0`` (5.5 bits), ``q5_1`` (6 bits): as q4_0 / q4_1 with 32 / 31 levels (the 5th bits packed apart).
+* ``q8_0`` (8.5 bits): the CPU's AVX path (x86_64, the build this project runs): ``d = amax / 127``,
+  ``code = round_half_even(x * (127 / amax))``. (ggml's portable reference instead multiplies by ``1/d``
+  and rounds half away from zero; the two differ on rare ties and last-bit cases.)
+* ``iq4_nl`` (4.5 bits): 16 non-uniform levels ``IQ4_NL_VALUES``; the KV path (``quantize_row_iq4_nl_ref``,
+  no trial scales) picks each value's nearest level at ``d0 = max / -127``, then refits
+  ``d = sum(w q x) / sum(w q^2)`` with ``w = x^2`` and stores ``fp16(d)`` with the first pass's codes.
+
+Byte layout (``ggml_quantize`` returns ``uint8 [..., n_blocks, block_bytes]``, the engine's blocks as
+stored): ``d`` (and ``m``) little-endian fp16 first, then for the 4-bit codes 16 bytes whose low nibble
+is element j and high nibble element j + 16 (``q5_*``: a 4-byte mask of the 5th bits before them,
+bit j for element j); ``q8_0``: 32 int8 codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+GGML_BLOCK = 32
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    name: str
+    block_bytes: int  # bytes of one block of 32 values
+    has_min: bool  # an fp16 minimum after the fp16 scale (q4_1, q5_1)
+    code_bits: int  # 4, 5 or 8
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8 * self.block_bytes / GGML_BLOCK
+
+
+GGML_TYPES = {t.name: t for t in (
+    GGMLType("q8_0", 34, False, 8),
+    GGMLType("q4_0", 18, False, 4),
+    GGMLType("q4_1", 20, True, 4),
+    GGMLType("q5_0", 22, False, 5),
+    GGMLType("q5_1", 24, True, 5),
+    GGMLType("iq4_nl", 18, False, 4),
+)}
+
+
+def ggml_type(name: str) -> GGMLType:
+    try:
+        return GGML_TYPES[name]
+    except KeyError:
+        raise KVConvertError(f"unknown llama.cpp cache type {name!r}: use one of {', '.join(GGML_TYPES)}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# quantize: float [..., D] -> (codes uint8 [..., D/32, 32] as integers, d fp16 [..., D/32], m fp16 or None)
+# ----------------------------------------------------------------------------------------------
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % GGML_BLOCK:
+        raise KVConvertError(f"llama.cpp's block formats need rows that are a multiple of {GGML_BLOCK} values, got "
+                             f"{x.shape[-1]}")
+    if x.is_floating_point() and bool(torch.isnan(x).any()):
+        raise KVConvertError("a K/V row contains NaN: fix the producer of this tensor before quantizing")
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // GGML_BLOCK, GGML_BLOCK)
+
+
+def _signed_max(b: torch.Tensor) -> torch.Tensor:
+    """The value of largest magnitude per block, keeping its sign; the first one on ties (ggml's strict <)."""
+    return b.gather(-1, b.abs().argmax(-1, keepdim=True))  # torch's argmax returns the first maximum
+
+
+def _reciprocal(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+
+
+def _trunc_codes(y: torch.Tensor, top: int) -> torch.Tensor:
+    """ggml's ``MIN(top, (int8_t)(y))`` for y >= 0 (always the case here up to fp32 rounding)."""
+    return torch.trunc(y).clamp(0, top)
+
+
+def _symmetric(b: torch.Tensor, levels: int):
+    """q4_0 (levels 16) / q5_0 (32): d = max / -(levels/2), code = min(levels-1, trunc(x/d + levels/2 + 0.5))."""
+    half = levels // 2
+    mx = _signed_max(b)
+    d = mx / -half
+    codes = _trunc_codes(b * _reciprocal(d) + (half + 0.5), levels - 1)
+    return codes, d, None
+
+
+def _affine(b: torch.Tensor, levels: int):
+    """q4_1 (16) / q5_1 (32): d = (max - min) / (levels - 1), code = trunc((x - min)/d + 0.5)."""
+    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+    d = (hi - lo) / (levels - 1)
+    codes = _trunc_codes((b - lo) * _reciprocal(d) + 0.5, levels - 1)
+    return codes, d, lo
+
+
+def _q8_0(b: torch.Tensor):
+    amax = b.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    inv = torch.where(amax != 0, 127.0 / torch.where(amax != 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    return torch.round(b * inv), d, None  # torch.round: half to even, as _mm256_round_ps(_MM_ROUND_NEAREST)
+
+
+def _nearest_level(y: torch.Tensor) -> torch.Tensor:
+    """ggml's best_index_int8 over IQ4_NL_VALUES: the nearest level, the upper one only when strictly nearer."""
+    levels = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=y.device)
+    upper = torch.searchsorted(levels, y.contiguous(), right=True).clamp(1, len(levels) - 1)  # first level > y
+    lower_value, upper_value = levels[upper - 1], levels[upper]
+    idx = torch.where(y - lower_value < upper_value - y, upper - 1, upper)
+    idx = torch.where(y <= levels[0], torch.zeros_like(idx), idx)
+    return torch.where(y >= levels[-1], torch.full_like(idx, len(levels) - 1), idx)
+
+
+def _iq4_nl(b: torch.Tensor):
+    levels = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=b.device)
+    mx = _signed_max(b)
+    tiny = mx.abs() < 1e-15  # GROUP_MAX_EPS: the block is stored with scale 0
+    d0 = mx / float(IQ4_NL_VALUES[0])
+    codes = _nearest_level(b * (1.0 / torch.where(tiny, torch.ones_like(d0), d0)))
+    q = levels[codes]
+    w = b * b
+    sumqx, sumq2 = (w * q * b).sum(-1, keepdim=True), (w * q * q).sum(-1, keepdim=True)
+    d = torch.where(sumq2 > 0, sumqx / torch.where(sumq2 > 0, sumq2, torch.ones_like(sumq2)), torch.zeros_like(sumq2))
+    d = torch.where(tiny, torch.zeros_like(d), d)
+    return codes.float(), d, None
+
+
+_QUANTIZERS = {
+    "q8_0": _q8_0,
+    "q4_0": lambda b: _symmetric(b, 16),
+    "q5_0": lambda b: _symmetric(b, 32),
+    "q4_1": lambda b: _affine(b, 16),
+    "q5_1": lambda b: _affine(b, 32),
+    "iq4_nl": _iq4_nl,
+}
+
+
+def ggml_codes(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize rows x [..., D] as llama.cpp's CPU backend writes its cache (module docstring).
+
+    Returns (codes int16 [..., D/32, 32]: unsigned level indices, signed for q8_0; d fp16 [..., D/32];
+    m fp16 [..., D/32] for q4_1 / q5_1, else None)."""
+    ggml_type(name)
+    codes, d, m = _QUANTIZERS[name](_blocks(x))
+    return codes.to(torch.int16), d[..., 0].to(torch.float16), None if m is None else m[..., 0].to(torch.float16)
+
+
+def ggml_values(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, name: str,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Read back: codes [..., n, 32], d / m [..., n] -> values [..., n * 32] (ggml's dequantize_row_*)."""
+    t = ggml_type(name)
+    c = codes.float()
+    if name == "iq4_nl":
+        c = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
+    elif not t.has_min and t.code_bits < 8:
+        c = c - 2 ** (t.code_bits - 1)  # q4_0: code - 8, q5_0: code - 16
+    out = c * d.float()[..., None]
+    if m is not None:
+        out = out + m.float()[..., None]
+    return out.reshape(*out.shape[:-2], -1).to(out_dtype)
+
+
+def ggml_fake_quant(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Quantize-dequantize rows x [..., D] (D a multiple of 32) as llama.cpp stores and reads them; x's dtype."""
+    return ggml_values(*ggml_codes(x, name), name).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# bytes: the engine's blocks as stored
+# ----------------------------------------------------------------------------------------------
+
+
+def _fp16_bytes(v: torch.Tensor) -> torch.Tensor:
+    return v.contiguous().view(torch.uint8).reshape(*v.shape, 2)  # little-endian on every platform torch runs
+
+
+def ggml_quantize(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Rows x [..., D] -> uint8 [..., D/32, block_bytes]: the exact bytes llama.cpp's cache holds."""
+    t = ggml_type(name)
+    codes, d, m = ggml_codes(x, name)
+    head = [_fp16_bytes(d)] + ([_fp16_bytes(m)] if m is not None else [])
+    if t.code_bits == 8:
+        body = [codes.to(torch.int8).view(torch.uint8)]
+    else:
+        c = codes.to(torch.int32)
+        low = c & 0xF
+        nibbles = (low[..., :16] | (low[..., 16:] << 4)).to(torch.uint8)
+        body = [nibbles]
+        if t.code_bits == 5:
+            high = ((c >> 4) & 1) << torch.arange(32, dtype=torch.int32, device=c.device)
+            mask = high.sum(-1, keepdim=True).to(torch.int64)  # bit j = 5th bit of element j
+            qh = torch.cat([((mask >> (8 * i)) & 0xFF) for i in range(4)], -1).to(torch.uint8)
+            body = [qh, nibbles]
+    return torch.cat(head + body, -1)
+
+
+def ggml_dequantize(blocks: torch.Tensor, name: str, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 [..., n, block_bytes] (ggml_quantize's) -> values [..., n * 32]."""
+    t = ggml_type(name)
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] != t.block_bytes:
+        raise KVConvertError(f"{name} blocks must be uint8 [..., {t.block_bytes}], got {blocks.dtype} "
+                             f"{tuple(blocks.shape)}")
+    b = blocks.contiguous()
+    d = b[..., 0:2].view(torch.float16)[..., 0]
+    m = b[..., 2:4].view(torch.float16)[..., 0] if t.has_min else None
+    body = b[..., 4 if t.has_min else 2:]
+    if t.code_bits == 8:
+        codes = body.view(torch.int8).to(torch.int16)
+    else:
+        if t.code_bits == 5:
+            qh, body = body[..., :4].to(torch.int64), body[..., 4:]
+            mask = sum(qh[..., i:i + 1] << (8 * i) for i in range(4))
+            fifth = (mask >> torch.arange(32, device=b.device)) & 1
+        nib = body.to(torch.int16)
+        codes = torch.cat([nib & 0xF, nib >> 4], -1)
+        if t.code_bits == 5:
+            codes = codes | (fifth.to(torch.int16) << 4)
+    return ggml_values(codes, d, m, name, out_dtype)
