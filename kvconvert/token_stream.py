@@ -132,14 +132,22 @@ class WindowStream:
         while self.limit is None or start < self.limit:
             start_state = {"index": start, "block": number, "counts": counts.tolist(),
                            "packers": [p.state() for p in packers]}
-            size = self.block if self.limit is None else min(self.block, self.limit - start)
             made = [0]
-            rows = self._rows(packers, counts, size, made)
+            rows = self._rows(packers, counts, self._block_size(start), made)
             if self.shuffle:
                 windows = np.stack(list(rows))
-                rows = iter(windows[np.random.default_rng([self.seed, number]).permutation(len(windows))])
+                rows = iter(windows[block_order(len(windows), self.seed, number).numpy()])
             yield start, start_state, rows
             start, number = start + made[0], number + 1
+
+    def _block_size(self, start: int) -> int:
+        """Windows in the block starting at `start`. One source: up to BLOCK_WINDOWS, the run's limit and the
+        epoch's end, so data smaller than both is one permutation of all its windows per epoch, the last
+        epoch read whole and cut at the limit (the order the distiller had before streaming). A mix: never
+        past the limit (reading ahead could run a small source out)."""
+        if self.limit is None:
+            return self.block
+        return min(self.block, self.limit if len(self.sources) == 1 else self.limit - start)
 
     def _rows(self, packers: list[Packer], counts: np.ndarray, size: int, made: list[int]) -> Iterator[np.ndarray]:
         """Up to `size` windows of the mix (fewer when a single source's epoch ends); counts them in made[0]."""
@@ -173,8 +181,15 @@ class WindowStream:
         skip = position["index"] if position else 0
         for start, state, rows in self.blocks(position["block_state"] if position else None):
             for j, window in enumerate(rows):
+                if self.limit is not None and start + j >= self.limit:
+                    return
                 if start + j >= skip:
                     yield start + j, window, state
+
+
+def block_order(n: int, seed: int, number: int) -> torch.Tensor:
+    """The seeded permutation of block `number` (of epoch `number` for data held whole)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + number))
 
 
 class TensorWindows:
@@ -190,7 +205,7 @@ class TensorWindows:
         n = self.ids.shape[0]
         while True:
             epoch, j = divmod(i, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+            perm = block_order(n, self.seed, epoch)
             for k in range(j, n):
                 yield i, self.ids[perm[k]].numpy(), None
                 i += 1

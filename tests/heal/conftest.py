@@ -32,3 +32,24 @@ def tiny_teacher(tmp_path_factory) -> Path:
 def tiny_student(tiny_teacher, text_file, tmp_path_factory) -> Path:
     """rank 8 + rope 8 (of 2 kv heads x 16 dims): a lossy conversion that healing can improve."""
     return convert_tiny(tiny_teacher, tmp_path_factory.mktemp("student") / "mla", text_file)
+
+
+@pytest.fixture(scope="session")
+def shard_folder(tmp_path_factory) -> Path:
+    """The same ~100 KB of the built-in corpus as text_file, as a folder of streamed shards: its paragraphs
+    as documents over three .jsonl files and a .parquet (kvconvert.text_sources reads them in path order)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kvconvert.data import pydoc_corpus
+
+    paragraphs = [p for p in pydoc_corpus()[200_000:300_000].split("\n\n") if p.strip()]
+    folder = tmp_path_factory.mktemp("shards")
+    quarter = len(paragraphs) // 4
+    for i in range(3):
+        rows = paragraphs[i * quarter:(i + 1) * quarter]
+        (folder / f"part-{i}.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in rows))
+    pq.write_table(pa.table({"text": paragraphs[3 * quarter:]}), folder / "part-3.parquet", row_group_size=64)
+    return folder

@@ -124,3 +124,16 @@ def test_fsdp1_config_is_refused_before_training(tiny_student, tiny_teacher, tex
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
     assert "needs fsdp_version: 2" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_fsdp_two_processes_on_streamed_shards_match_one(tiny_student, tiny_teacher, shard_folder, tmp_path):
+    """The data streamed from a folder of .jsonl and .parquet shards (kvconvert.token_stream): each process
+    tokenizes on its own background thread and takes its own micro-batches of the one window sequence,
+    so the two FSDP processes still log one process's loss at every step and end at its weights."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    heal(tiny_student, tiny_teacher, _recipe(shard_folder, batch_size=2), one, progress=False)
+    _launch(tiny_student, tiny_teacher, _fsdp_recipe(shard_folder, tmp_path), two)
+    report = json.loads((two / "heal_report.json").read_text())
+    assert report["stages"]["heal_distill"]["sharding"]["fsdp"] is True
+    assert report["data"]["distill"]["stream"]["sources"][0]["files"] == 4
+    _assert_same_run(one, two)
