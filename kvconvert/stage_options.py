@@ -110,7 +110,7 @@ def options_as_flags(opts: StageOptions, keep: tuple[str, ...] = ()) -> list[str
         if isinstance(value, bool):
             out.append(flag if value else f"--no-{flag[2:]}")
         elif isinstance(value, tuple):
-            out += [flag, ",".join(value)]
+            out += [flag, ",".join(map(str, value))]
         elif isinstance(value, dict):  # a weighted text mix
             out += [flag, mix_text(value)]
         elif value is not None:

@@ -9,7 +9,7 @@ import click
 
 from kvconvert.commands.options import click_options, no_progress_option, out_option, overwrite_option, threads_option
 from kvconvert.errors import KVConvertError
-from kvconvert.heal.options import DistillOptions, LayerwiseOptions
+from kvconvert.heal.options import DistillOptions, HealPlanOptions, LayerwiseOptions
 from kvconvert.stage_options import build_options, given_options
 
 # recipe block, its options model, the prefix of its flags (--layerwise-steps, --distill-lr)
@@ -25,6 +25,10 @@ HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill
                    "--layerwise-* / --distill-* flags replace single keys of its blocks.")
 @click_options(LayerwiseOptions, prefix="layerwise")
 @click_options(DistillOptions, prefix="distill")
+@click.option("--plan", is_flag=True, help="Instead of healing: distil at a few short budgets (--plan-budgets), fit "
+                                          "KL against tokens and print the tokens and hours to --plan-kl-target; "
+                                          "writes heal_plan.json and heal_plan.png to --out.")
+@click_options(HealPlanOptions, prefix="plan")
 @out_option("Output folder (stock DeepSeek-V3 checkpoint).")
 @overwrite_option
 @click.option("--restart", is_flag=True, help="Discard saved progress instead of resuming it.")
@@ -38,7 +42,7 @@ HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill
 @threads_option
 @no_progress_option
 def heal_cmd(student, teacher, recipe, out, overwrite, restart, allow_other_teacher, max_steps, device, threads,
-             no_progress, **params):
+             no_progress, plan, **params):
     """Recover the quality lost by MLA conversion: layer-wise reconstruction of each attention block,
     then end-to-end distillation (KL to the source). Resumes after an interruption."""
     import torch
@@ -46,8 +50,17 @@ def heal_cmd(student, teacher, recipe, out, overwrite, restart, allow_other_teac
     from kvconvert.recipe import heal
 
     recipe = recipe_with_flags(recipe, params)
+    plan_opts = build_options(HealPlanOptions, params, "plan")
     if threads:
         torch.set_num_threads(threads)
+    if plan:
+        from kvconvert.heal.token_plan import plan_heal
+        from kvconvert.recipe import with_heal_device
+
+        plan_heal(student, teacher, with_heal_device(recipe, device), out, plan_opts, overwrite=overwrite,
+                  progress=not no_progress, echo=click.echo)
+        click.echo(f"wrote {out / 'heal_plan.json'} and {out / 'heal_plan.png'}")
+        return
     report = heal(student, teacher, recipe, out, overwrite=overwrite, progress=not no_progress, restart=restart,
                   max_steps=max_steps, device=device, allow_other_teacher=allow_other_teacher)
     if not report.get("finished", True):

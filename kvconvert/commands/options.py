@@ -32,7 +32,7 @@ def _option(field, name: str, prefix: str):
     help_text = field.description or ""
     default = None if field.is_required() else field.get_default()
     if isinstance(default, tuple):
-        default = ",".join(default)
+        default = ",".join(map(str, default))
     if kind is bool and default is True:
         help_text += f"  [default: {flag[2:]}]"  # as click shows an on/off flag that is on
     elif default is not None and not (kind is bool and default is False):

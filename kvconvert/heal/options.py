@@ -128,3 +128,25 @@ class HealStages(Protocol):
     def distill(self) -> DistillOptions | None: ...
 
     def to_dict(self) -> dict: ...
+
+
+class HealPlanOptions(StageOptions):
+    """`kvconvert heal --plan` (kvconvert.heal.token_plan): short distillations of the recipe's heal_distill
+    block at a few budgets, a power-law fit of held-out KL against tokens, and the tokens and hours to a
+    KL target."""
+
+    budgets: tuple[int, ...] = Field((8192, 16384, 32768), description="Distillation tokens of the short runs "
+                                                                     "(three or more).")
+    kl_target: float = Field(0.05, gt=0, description="KL(source || healed) to reach, nats/token on the held-out "
+                                                     "windows.")
+    devices: int = Field(1, gt=0, description="Devices the real run will use (data-parallel; the hours assume "
+                                              "ideal scaling).")
+    eval_data: str = Field("essays", description="Held-out text the KL is measured on (as --calib-data reads it).")
+    eval_windows: int = Field(8, gt=1, description="Held-out windows (their spread gives each point's error).")
+    eval_window: int = Field(512, gt=1, description="Tokens per held-out window.")
+
+    @model_validator(mode="after")
+    def _three_budgets(self):
+        if len(set(self.budgets)) < 3 or min(self.budgets) <= 0:
+            raise ValueError(f"give three or more distinct positive budgets, got {','.join(map(str, self.budgets))}")
+        return self
