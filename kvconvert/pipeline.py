@@ -308,13 +308,14 @@ def run_pipeline(src: str, recipe_file: Path | None, opts: PipelineOptions, out_
     """The stages (of the flags' `opts`, of the recipe, or of the plan for opts.kv_budget), run in order into
     `out_dir`, their log in out_dir/pipeline.json. `given`: the parameters the command line gave, refused where
     the recipe or the plan sets them. Returns {"src", "stages", "log", "planned" (seconds the plan took)}."""
-    from kvconvert.checkpoint import check_writable
+    from kvconvert.checkpoint import atomic_write_text, check_writable
 
     t0 = time.time()
     if recipe_file is None:  # --out vs --src before any work (the plan of --kv-budget included)
         _check_out(out_dir, src)
+    _check_existing_out(out_dir, overwrite)  # a folder that is not a pipeline's: refused before the plan too
     if opts.kv_budget is not None:
-        src, stages = _from_plan(src, opts.kv_budget, opts.target, opts.device, out_dir, overwrite, given, echo)
+        src, stages = _from_plan(src, opts, out_dir, overwrite, given, echo)
     elif recipe_file is not None:
         src, stages = _from_recipe(recipe_file, src, out_dir, opts.device, given)
     else:
@@ -323,13 +324,42 @@ def run_pipeline(src: str, recipe_file: Path | None, opts: PipelineOptions, out_
         _check_out(out_dir, src)
     check_writable(out_dir)  # before the first stage (kvconvert.checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
+    log_file = out_dir / PIPELINE_LOG
+    atomic_write_text(log_file, json.dumps({"stages": [], "running": True}) + "\n")  # marks --out as this pipeline's
     planned = time.time() - t0  # --kv-budget: the plan (0 when a finished plan was reused)
     log = run_stages(stages, overwrite, echo)
     if opts.kv_budget is not None:
         log.insert(0, {"stage": "plan", "command": f"kvconvert plan --kv-budget {opts.kv_budget} --out {out_dir / 'plan'}",
                        "seconds": round(planned, 1), "exit_code": 0})
-    (out_dir / "pipeline.json").write_text(json.dumps({"stages": log, "seconds": round(time.time() - t0, 1)}, indent=2))
+    atomic_write_text(log_file, json.dumps({"stages": log, "seconds": round(time.time() - t0, 1)}, indent=2))
     return {"src": src, "stages": stages, "log": log, "planned": planned}
+
+
+PIPELINE_LOG = "pipeline.json"  # the stages' log; written first, so an --out holding it is a pipeline's
+
+
+def _check_existing_out(out_dir: Path, overwrite: bool) -> None:
+    """An --out that exists, is not empty and is not a pipeline's own folder is refused as mla and calibrate refuse
+    an existing output, unless --overwrite: the pipeline writes pipeline.json, provenance.json, report/, plan/ and
+    the stages' folders into it. A pipeline's folder (its pipeline.json; an interrupted run's provenance.json, or
+    only the plan/ of --kv-budget) is its own to resume: its stages are reused where their provenance matches."""
+    from kvconvert.checkpoint.provenance import PROVENANCE_FILE
+    from kvconvert.checkpoint.writer import refuse_existing_outputs
+
+    entries = {p.name for p in out_dir.iterdir() if not p.name.startswith(".")} if out_dir.is_dir() else set()
+    log, records = _json_or_none(out_dir / PIPELINE_LOG), _json_or_none(out_dir / PROVENANCE_FILE)
+    ours = (not entries or entries == {"plan"} or (isinstance(log, dict) and isinstance(log.get("stages"), list))
+            or (isinstance(records, dict) and all(isinstance(r, dict) and "format_version" in r
+                                                  for r in records.values())))
+    if not ours:
+        refuse_existing_outputs([out_dir], overwrite)
+
+
+def _json_or_none(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _from_options(src: str, opts: PipelineOptions, out_dir: Path, given: frozenset[str]) -> list[Stage]:
@@ -417,25 +447,78 @@ def _from_recipe(recipe_file: Path, src: str, out_dir: Path, device: str | None 
     return src, recipe_stages(recipe, recipe_file, src, out_dir, device)
 
 
-def _from_plan(src: str, kv_budget: str, target: str, device: str | None, out_dir: Path, overwrite: bool,
-               given: frozenset[str] = frozenset(), echo=to_stderr) -> tuple[str, list[Stage]]:
-    """`kvconvert plan` (its defaults, with --target and --device) into out_dir/plan, reused when a finished
-    plan there has the same budget and options, unless `overwrite`; then the stages of the recipe it chose."""
-    from kvconvert.plan import PlanOptions, finished_plan, parse_budget, run_plan
+def _from_plan(src: str, opts: PipelineOptions, out_dir: Path, overwrite: bool, given: frozenset[str] = frozenset(),
+               echo=to_stderr) -> tuple[str, list[Stage]]:
+    """`kvconvert plan` (its defaults, with --target, --device and --calib-tokens) into out_dir/plan, or the
+    finished plan there when it was made for this source's weights, budget and options and its recipe.yaml is the
+    one it chose (a plan that does not match is refused unless `overwrite`: it plans again); the recipe must build
+    what --target serves. Then the stages of that recipe, validated with --suite and gated with --policy when
+    given."""
+    from kvconvert.plan import PLAN_FILES, PlanOptions, parse_budget, plan_problem, run_plan
     from kvconvert.recipe import load_recipe
+    from kvconvert.sources import resolve_source
 
     _refuse_given(given, ("recipe_file", "mla", "rank", "rope_dim", "kv_dtype", "heal"),
                   "--kv-budget lets `kvconvert plan` choose these; drop them or --kv-budget")
-    budget, plan_dir = parse_budget(kv_budget), out_dir / "plan"
-    opts = build_options(PlanOptions, {"target": target, "device": device})
-    if overwrite or not finished_plan(plan_dir, budget, opts):
-        flags = " ".join(options_as_flags(opts, keep=("target",)))
-        echo(f"\n== plan: kvconvert plan --src {src} --kv-budget {kv_budget} {flags} --out {plan_dir}", "cyan")
-        run_plan(src, budget, opts, plan_dir, echo=echo, overwrite=overwrite)
-    recipe_file = plan_dir / "recipe.yaml"
-    stages = recipe_stages(load_recipe(recipe_file), recipe_file, src, out_dir, device)
+    budget, plan_dir, src_path = parse_budget(opts.kv_budget), out_dir / "plan", resolve_source(src)
+    calib = {"calib_tokens": opts.calib_tokens, "kv_calib_tokens": opts.calib_tokens} if "calib_tokens" in given else {}
+    plan_opts = build_options(PlanOptions, {"target": opts.target, "device": opts.device, **calib})
+    recipe_file, stale = plan_dir / "recipe.yaml", None
+    reuse = not overwrite and any((plan_dir / name).exists() for name in PLAN_FILES)
+    if not reuse:
+        flags = " ".join(options_as_flags(plan_opts, keep=("target",)))
+        echo(f"\n== plan: kvconvert plan --src {src} --kv-budget {opts.kv_budget} {flags} --out {plan_dir}", "cyan")
+        run_plan(src, budget, plan_opts, plan_dir, echo=echo, overwrite=overwrite, rebuild=overwrite)
+    else:
+        stale = plan_problem(plan_dir, budget, plan_opts, src_path)
+    # the plan chooses among what --target serves: a recipe edited behind its back can leave that set
+    problems = [p for p in (_unserved(recipe_file, opts.target), stale) if p]
+    if problems:
+        edited = f"; an edited recipe runs as `kvconvert pipeline --recipe {recipe_file} --out OTHER`" \
+            if "was edited" in (stale or "") else ""
+        raise KVConvertError(f"{plan_dir}: " + "; and ".join(problems) + "; pass --overwrite to plan again (every "
+                             f"stage is rebuilt) or choose another --out{edited}")
+    if reuse:
+        echo(f"\n== plan: reusing {plan_dir}, made for {src}'s weights with this budget and these options "
+             "(--overwrite plans again)", "cyan")
+    recipe = _with_validation(load_recipe(recipe_file), opts, given)
+    stages = recipe_stages(recipe, recipe_file, src, out_dir, opts.device)
     built = json.loads((plan_dir / "plan.json").read_text()).get("artifacts") or {}
     for stage in stages:  # the plan's builds of the chosen candidate, used where their records match (run_stages)
         if built.get(stage.name):
             stage.prebuilt = Path(built[stage.name])
     return src, stages
+
+
+def _unserved(recipe_file: Path, target: str) -> str | None:
+    """Why `target` does not serve what the recipe builds (kvconvert.targets.engines_serving: its MLA shape and KV
+    format), or None (target any: everything is served)."""
+    from kvconvert.recipe import load_recipe
+    from kvconvert.targets import engines_serving
+
+    if target == "any" or not recipe_file.is_file():  # no recipe: plan_problem says the plan is not finished
+        return None
+    recipe = load_recipe(recipe_file)
+    convert, calibrate = recipe.stage("convert"), recipe.stage("calibrate")
+    rank, rope = (convert.rank, convert.rope_dim) if convert is not None else (None, None)
+    kv_dtype = calibrate.kv_dtype if calibrate is not None else "bf16"
+    engines = engines_serving(kv_dtype, rank, rope)
+    if target in engines:
+        return None
+    built = "the source" if rank is None else f"MLA {rank}+{rope}"
+    return (f"{recipe_file} builds {built} with a {kv_dtype} KV cache, which --target {target} does not serve "
+            f"(served by: {', '.join(engines) or 'no engine'}; docs/formats.md)")
+
+
+def _with_validation(recipe, opts: PipelineOptions, given: frozenset[str]):
+    """The recipe with the --suite and --policy the command line gave in its validate block (the plan's recipe
+    validates with the quick suite and the default gate)."""
+    from kvconvert.recipe import parse_recipe
+
+    changes = {**({"suite": opts.suite} if "suite" in given else {}),
+               **({"gate": _policy_path(opts.policy)} if "policy" in given else {})}
+    if not changes:
+        return recipe
+    data = recipe.to_dict()
+    data["validate"] = {**data.get("validate", {}), **changes}
+    return parse_recipe(data, "--suite / --policy")

@@ -39,11 +39,10 @@ from kvconvert.kvmath import MLA, KVShape, kv_bytes_per_token, kv_shape, mla_wha
 from kvconvert.mla.options import DEFAULT_CONVERT_TEXT
 from kvconvert.progress import eta_text
 from kvconvert.stage_options import StageOptions
-from kvconvert.targets import DEFAULT_TARGET, TARGETS, get_target, rope_dims_for, servable_shapes
+from kvconvert.targets import DEFAULT_TARGET, TARGETS, engines_serving, get_target, rope_dims_for, servable_shapes
 
 FORMATS = ("bf16", "fp8", "nvfp4", "nvfp4_fp8rope")  # finest first
 WIDE_ROPE = 64  # RoPE dims the research shapes may reach where k_rope is stored in 8 bits (else 32)
-ENGINES = ("vllm", "tensorrt-llm", "kvconvert")
 
 
 class PlanOptions(StageOptions):
@@ -76,21 +75,59 @@ class PlanOptions(StageOptions):
 
 
 PLAN_FORMAT = 2  # 2: the candidates are built from their recipe's blocks (recipe_blocks), plan.json names them
+PLAN_FILES = ("plan.json", "recipe.yaml", "plan.md", "plan.png")  # what a plan writes into its --out (and artifacts/)
 
 
-def finished_plan(out: Path, budget: float, opts: PlanOptions) -> bool:
-    """Whether `out` holds a finished plan (plan.json and its recipe.yaml) of this PLAN_FORMAT for `budget` made
-    with the same options, the device aside (it moves the work, not what is measured)."""
+def plan_problem(out: Path, budget: float, opts: PlanOptions, source: Path | None = None) -> str | None:
+    """None when `out` holds a finished plan (plan.json and its recipe.yaml) of this PLAN_FORMAT for `budget` made
+    with the same options, the device aside (it moves the work, not what is measured), from `source`'s weights
+    (when given: plan.json's source fingerprint), whose recipe.yaml is still the one it chose; else why not."""
+    from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint
+    from kvconvert.checkpoint.provenance import option_changes
+
     done = out / "plan.json"
     if not (done.is_file() and (out / "recipe.yaml").is_file()):
-        return False
+        return "it holds no finished plan (plan.json and recipe.yaml)"
     try:
         measured = json.loads(done.read_text())
         made_with = PlanOptions(**measured["options"])
     except (ValueError, TypeError, KeyError):  # unreadable, or from another version (ValidationError: a ValueError)
-        return False
-    same = made_with.model_dump(exclude={"device"}) == opts.model_dump(exclude={"device"})
-    return measured.get("format") == PLAN_FORMAT and measured.get("budget") == budget and same
+        return f"{done} is unreadable or from another kvconvert version"
+    was, now = made_with.model_dump(exclude={"device"}), opts.model_dump(exclude={"device"})
+    if measured.get("format") != PLAN_FORMAT:
+        return f"the plan there was made by another kvconvert version (plan format {measured.get('format')})"
+    if measured.get("budget") != budget:
+        return f"the plan there is for --kv-budget {measured.get('budget'):.0%}, not {budget:.0%}"
+    if was != now:
+        return f"the plan there was made with other options ({option_changes(was, now)})"
+    recorded = measured.get("source_fingerprint")
+    if source is not None and recorded is None:
+        return "the plan there records no source fingerprint (an older kvconvert): it may be another model's"
+    if source is not None and recorded != (now_fp := checkpoint_fingerprint(source)):
+        return (f"the plan there was made for other weights ({measured.get('source')}, fingerprint {recorded}; "
+                f"{source} is {now_fp}): its measurements and recipe are not this source's")
+    edited = recipe_edits(out, measured)
+    return f"{out / 'recipe.yaml'} was edited since the plan chose it ({edited}): the plan measured another recipe" \
+        if edited else None
+
+
+def recipe_edits(out: Path, measured: dict) -> str | None:
+    """How `out`/recipe.yaml differs from the recipe plan.json records (`measured`), or None when it does not."""
+    import yaml
+
+    from kvconvert.checkpoint.provenance import option_changes
+
+    try:
+        written = yaml.safe_load((out / "recipe.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return "it is no longer readable YAML"
+    chosen = measured.get("recipe")
+    return None if written == chosen else option_changes(chosen, written)
+
+
+def finished_plan(out: Path, budget: float, opts: PlanOptions, source: Path | None = None) -> bool:
+    """Whether `out` holds a finished plan that stands for this one (plan_problem)."""
+    return plan_problem(out, budget, opts, source) is None
 
 
 @dataclass(frozen=True)
@@ -130,6 +167,10 @@ def parse_budget(text: str) -> float:
         value = -1.0
     if not 0 < value <= 1:
         raise KVConvertError(f"--kv-budget {text!r}: give a share of today's bf16 KV bytes, e.g. 25% or 0.25")
+    if value >= 1 - 1e-9:  # fits() keeps 1e-9 of slack: the source's own bf16 cache would fit and beat every candidate
+        raise KVConvertError(f"--kv-budget {text!r}: 100% is the source's own bf16 KV cache, which loses nothing and "
+                             "so is always chosen: nothing to convert or quantize. Give a budget below 100%, e.g. 50% "
+                             "(the source's KV cache in fp8)")
     return value
 
 
@@ -165,8 +206,6 @@ def shape_candidates(shape, rank: int | None, rope: int | None) -> list[Candidat
     or MLA rank + rope, with bytes per token and engines."""
     baseline = kv_bytes_per_token(shape, "bf16")
     cached = shape if rank is None else mla_whatif(shape, rank, rope)
-    # engines whose kernels take this attention shape (the source's own: all)
-    takes_shape = ENGINES if rank is None else [e for e in ENGINES if TARGETS[e].serves(rank, rope)]
     out = []
     for fmt in FORMATS:
         if kv_format(fmt).mla_only and rank is None:  # nvfp4_fp8rope: the source has no k_rope to keep apart
@@ -174,8 +213,8 @@ def shape_candidates(shape, rank: int | None, rope: int | None) -> list[Candidat
         group = kv_format(fmt).block  # NVFP4 quantizes whole groups of 16: rank (MLA) or head_dim
         if group and (shape.head_dim if rank is None else rank) % group:
             continue
-        engines = tuple(e for e in takes_shape if e in kv_format(fmt).served_by(mla=rank is not None))
-        out.append(Candidate(fmt, kv_bytes_per_token(cached, fmt), baseline, engines, rank, rope))
+        out.append(Candidate(fmt, kv_bytes_per_token(cached, fmt), baseline, engines_serving(fmt, rank, rope), rank,
+                             rope))
     return out
 
 
@@ -466,14 +505,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, overwrite: bool = False) -> dict:
-    """Enumerate, filter, prune, measure, choose; writes plan.json (with `opts`, and under "artifacts" the chosen
-    candidate's builds, which the pipeline reuses), plan.png, plan.md and recipe.yaml to `out`. overwrite: rebuild
-    the candidates' checkpoints even where a matching build is in `out` (the pipeline's --overwrite)."""
+def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, overwrite: bool = False,
+             rebuild: bool = False) -> dict:
+    """Enumerate, filter, prune, measure, choose; writes plan.json (with `opts`, the source's fingerprint, and under
+    "artifacts" the chosen candidate's builds, which the pipeline reuses), plan.png, plan.md and recipe.yaml to
+    `out`. overwrite: replace those files where `out` has them (refused otherwise, before any work); rebuild: the
+    candidates' checkpoints too, even where a matching build is in `out` (the pipeline's --overwrite)."""
     import yaml
 
     from kvconvert.checkpoint import atomic_write_text, check_not_source, check_writable, ensure_free_space, read_config
     from kvconvert.device import resolve_device
+    from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint
+    from kvconvert.checkpoint.writer import refuse_existing_outputs
     from kvconvert.sources import resolve_source
 
     t0 = time.time()
@@ -482,6 +525,8 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
     window_len = min(opts.window_len, opts.quality_eval_tokens)
     src_path = Path(resolve_source(src))
     dtype = weights_dtype(src_path, opts.dtype)
+    check_not_source(out, (src_path,))  # --out inside the source: refused before any work
+    refuse_existing_outputs([out / name for name in PLAN_FILES], overwrite)  # the user's recipe.yaml is not replaced
     everything = enumerate_candidates(read_config(src_path))
     fitting = fits(everything, budget, target)
     if not fitting:
@@ -502,7 +547,6 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
         echo("  (within the budget the plan picks the least damage, not the fewest bytes; --measure-dominated "
              "measures these too)")
     work = out / "artifacts" / f"{dtype}-{calib_tokens}"  # a rerun reuses what its provenance says was built alike
-    check_not_source(out, (src_path,))  # --out inside the source: refused before any work
     check_writable(out)
     ensure_free_space(out, disk_needed(to_measure, src_path, work, dtype))  # up front, not at the second candidate
     out.mkdir(parents=True, exist_ok=True)
@@ -516,7 +560,7 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
             echo(f"[{i}/{len(order)}] {c.name}: build and score")
             started = time.time()  # the seconds building and scoring the candidate took
             blocks = recipe_blocks(c, target, calib_tokens, dtype, opts.kv_calib_tokens)
-            path = build_artifact(c, src_path, work, blocks, device, echo, overwrite)
+            path = build_artifact(c, src_path, work, blocks, device, echo, rebuild)
             m = results[c.name] = {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - started, 1)}
             echo(f"  {c.name}: KL {m['kl']:.4f}, ppl {m['ppl']:.2f} ({m['seconds']} s; plan "
                  f"{eta_text(measured_from, i, len(order))})")
@@ -543,8 +587,9 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
     model, scored = artifact_folders(best, src_path, work)
     artifacts = {"convert": str(model) if best.rank is not None else None,  # the builds the pipeline reuses
                  "calibrate": str(scored) if best.kv_dtype != "bf16" else None}
-    plan = {"format": PLAN_FORMAT, "source": src, "budget": budget, "target": target, "options": opts.model_dump(),
-            "device": device, "chosen": best.name, "verdict": verdict, "protocol": protocol,
+    plan = {"format": PLAN_FORMAT, "source": src, "source_fingerprint": checkpoint_fingerprint(src_path),
+            "budget": budget, "target": target, "options": opts.model_dump(), "device": device, "chosen": best.name,
+            "verdict": verdict, "protocol": protocol,
             "pruning_contradicted": contradicted, "artifacts": artifacts, "seconds": round(time.time() - t0, 1),
             "rows": rows}
     recipe = chosen_recipe(best, src, target, calib_tokens, dtype, opts.kv_calib_tokens)

@@ -44,6 +44,7 @@ TARGETS: dict[str, Target] = {
     "any": Target("any", None, None, "every shape (research; not every engine serves it)"),
 }
 DEFAULT_TARGET = "vllm"
+SERVING_ENGINES = tuple(name for name in TARGETS if name != "any")  # the targets that are engines
 
 
 def get_target(name: str) -> Target:
@@ -51,6 +52,15 @@ def get_target(name: str) -> Target:
         return TARGETS[name]
     except KeyError:
         raise KVConvertError(f"--target {name!r}: choose one of {', '.join(TARGETS)}") from None
+
+
+def engines_serving(kv_dtype: str, rank: int | None = None, rope_dim: int | None = None) -> tuple[str, ...]:
+    """The engines that serve a KV cache in `kv_dtype` (kvconvert.kvformat's engines / served_by) for the source's
+    own attention (rank None) or an MLA latent of rank + rope_dim (the shapes each engine takes, above)."""
+    from kvconvert.kvformat import kv_format
+
+    takes_shape = [e for e in SERVING_ENGINES if rank is None or TARGETS[e].serves(rank, rope_dim)]
+    return tuple(e for e in takes_shape if e in kv_format(kv_dtype).served_by(mla=rank is not None))
 
 
 def rope_dims_for(head_dim: int) -> list[int]:

@@ -172,26 +172,42 @@ def test_device_reaches_every_stage_and_its_printed_command(tmp_path):
 
 
 def test_kv_budget_runs_the_recipe_of_an_existing_plan(tmp_path, monkeypatch):
-    """A plan already measured for this budget with plan's defaults (plan.json) is reused, whatever device it
-    ran on: its recipe's stages run. Another target is planned anew, with the pipeline's --device."""
+    """A plan already measured for this source's weights and budget with plan's defaults (plan.json) is reused,
+    whatever device it ran on: its recipe's stages run. A plan made with other options (another target) is refused
+    unless --overwrite, which plans anew with the pipeline's --device."""
     import kvconvert.plan as plan
+    from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint
+    from kvconvert.pipeline import PipelineOptions
+    from kvconvert.sources import resolve_source
 
     out = tmp_path / "o"
     (out / "plan").mkdir(parents=True)
-    (out / "plan" / "recipe.yaml").write_text(yaml.safe_dump({"source": "smollm2-135m", "calibrate": {"kv_dtype": "fp8"}}))
+    recipe = {"source": "smollm2-135m", "calibrate": {"kv_dtype": "fp8"}}
+    (out / "plan" / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     made_on_a_gpu = plan.PlanOptions(target="vllm", device="cuda")
-    (out / "plan" / "plan.json").write_text(json.dumps({"format": plan.PLAN_FORMAT, "budget": 0.5,
-                                                        "options": made_on_a_gpu.model_dump()}))
+    (out / "plan" / "plan.json").write_text(json.dumps({
+        "format": plan.PLAN_FORMAT, "budget": 0.5, "options": made_on_a_gpu.model_dump(), "recipe": recipe,
+        "source_fingerprint": checkpoint_fingerprint(resolve_source("smollm2-135m"))}))
     planned = []
-    monkeypatch.setattr(plan, "run_plan", lambda src, budget, opts, out, echo, overwrite: planned.append(opts))
-    src, stages = _from_plan("smollm2-135m", "50%", "vllm", None, out, overwrite=False)
+    monkeypatch.setattr(plan, "run_plan", lambda src, budget, opts, out, echo, overwrite, rebuild: planned.append(opts))
+
+    def from_plan(target, device=None, overwrite=False):
+        given = frozenset({"kv_budget", "target"} | ({"device"} if device else set()))
+        opts = PipelineOptions.model_construct(kv_budget="50%", target=target, device=device)  # gpu0: the plan's check
+        return _from_plan("smollm2-135m", opts, out, overwrite, given)
+
+    src, stages = from_plan("vllm")
     assert not planned
     assert [s.name for s in stages] == ["calibrate", "validate", "gate"]
     assert stages[0].options.kv_dtype == "fp8" and stages[0].out == out / "source-fp8"
-    _from_plan("smollm2-135m", "50%", "any", "cpu", out, overwrite=False)
+    with pytest.raises(KVConvertError, match=r"made with other options \(target \"vllm\" -> \"any\"\); pass "
+                                             r"--overwrite to plan again"):
+        from_plan("any", "cpu")
+    assert not planned
+    from_plan("any", "cpu", overwrite=True)
     assert planned == [plan.PlanOptions(target="any", device="cpu")]
     with pytest.raises(KVConvertError, match="--device"):
-        _from_plan("smollm2-135m", "50%", "vllm", "gpu0", out, overwrite=False)
+        from_plan("vllm", "gpu0")
 
 
 # ------------------------------------------------------------------ a real run, interrupted and resumed

@@ -97,13 +97,15 @@ def test_label_drops_stack_only_labels_that_would_overlap():
     assert label_drops([]) == []
 
 
-@pytest.mark.parametrize("text, value", [("25%", 0.25), ("0.5", 0.5), (" 100% ", 1.0)])
+@pytest.mark.parametrize("text, value", [("25%", 0.25), ("0.5", 0.5), (" 99% ", 0.99)])
 def test_parse_budget(text, value):
     assert parse_budget(text) == value
 
 
-@pytest.mark.parametrize("text", ["0", "150%", "a lot", "-5%"])
+@pytest.mark.parametrize("text", ["0", "150%", "a lot", "-5%", "100%", "1.0"])
 def test_parse_budget_refuses(text):
+    """100% is the source's own bf16 cache: the plan would choose it and build nothing (the pipeline then
+    refused its own recipe, which has no convert or calibrate block)."""
     with pytest.raises(KVConvertError, match="--kv-budget"):
         parse_budget(text)
 
@@ -166,13 +168,19 @@ def test_plan_options_are_the_commands_flags():
 
 
 def test_finished_plan_needs_its_recipe_and_readable_options(tmp_path):
-    from kvconvert.plan import PLAN_FORMAT
+    from kvconvert.plan import PLAN_FORMAT, plan_problem
 
-    made = {"format": PLAN_FORMAT, "budget": 0.5, "options": PlanOptions().model_dump()}
+    made = {"format": PLAN_FORMAT, "budget": 0.5, "options": PlanOptions().model_dump(),
+            "recipe": {"calibrate": {"kv_dtype": "fp8"}}}
     (tmp_path / "plan.json").write_text(json.dumps(made))
     assert not finished_plan(tmp_path, 0.5, PlanOptions())  # no recipe.yaml: the run stopped before it
     (tmp_path / "recipe.yaml").write_text("calibrate: {kv_dtype: fp8}\n")
     assert finished_plan(tmp_path, 0.5, PlanOptions())
+    (tmp_path / "recipe.yaml").write_text("calibrate: {kv_dtype: nvfp4}\n")  # edited by hand: not what was measured
+    assert plan_problem(tmp_path, 0.5, PlanOptions()).endswith(
+        "recipe.yaml was edited since the plan chose it (calibrate.kv_dtype \"fp8\" -> \"nvfp4\"): the plan measured "
+        "another recipe")
+    (tmp_path / "recipe.yaml").write_text("calibrate: {kv_dtype: fp8}\n")
     (tmp_path / "plan.json").write_text(json.dumps({**made, "format": 1}))  # candidates built another way
     assert not finished_plan(tmp_path, 0.5, PlanOptions())
     (tmp_path / "plan.json").write_text(json.dumps({"budget": 0.5, "target": "vllm"}))  # before plan kept its options

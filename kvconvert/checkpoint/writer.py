@@ -91,6 +91,14 @@ def _refuse_existing(out_dir: Path, overwrite: bool) -> None:
         raise OutputExistsError(f"{out_dir}: output exists; choose another --out or pass --overwrite")
 
 
+def refuse_existing_outputs(paths, overwrite: bool) -> None:
+    """check_output_path's refusal of an existing output, for commands that write several files into one
+    folder (plan: plan.json, recipe.yaml...; the pipeline: its --out): the first of `paths` that exists is
+    refused, with the same message, unless `overwrite`."""
+    for path in paths:
+        _refuse_existing(Path(path), overwrite)
+
+
 def check_not_source(out_dir: Path, sources: tuple = (), flag: str = "--out", hint: str = "") -> None:
     """Refuse an output folder that is, contains or lies inside one of the `sources` (folders the
     command reads), whatever --overwrite says: writing it would replace or bury the model being

@@ -267,8 +267,9 @@ def _add_vllm(run: ValidateRun, report: dict, vllm_python: str | None) -> None:
         report["notes"].append(f"--engine vllm failed: {section['error']}")
     write_with_vllm(report, run.out)
     if "error" in section:
+        reason = " ".join(section["error"].split())  # vLLM's worker adds its log's last line: one line here
         raise KVConvertError(f"--engine vllm failed, no vLLM numbers (the bundled runtime's are in "
-                             f"{run.out / 'report.json'}, which records the failure): {section['error']}")
+                             f"{run.out / 'report.json'}, which records the failure): {reason}")
 
 
 def check_inputs(run: ValidateRun, vllm_python: str | None) -> None:

@@ -237,10 +237,15 @@ def plan_lines(student: dict, teacher: dict, stage: DistillOptions, device_type:
              f"{stage.tokens_per_step}"]
     speed = measured_speed(teacher, device_type, device_name)
     if speed:
-        lines.append(f"  time ~{stage.tokens / speed[0] / 60:.0f} min at {speed[0]:.0f} tokens/s (measured: {speed[1]})")
+        lines.append(f"  time ~{_duration(stage.tokens / speed[0])} at {speed[0]:.0f} tokens/s (measured: {speed[1]})")
     else:
         lines.append("  time: not estimated (no tokens/s measured for a model of this size on this device)")
     return lines
+
+
+def _duration(seconds: float) -> str:
+    """Minutes up to two hours, then hours (a billions-of-tokens heal runs for days on one GPU)."""
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.0f} h"
 
 
 # --------------------------------------------------------------------------- configs without weights

@@ -115,3 +115,23 @@ def mounts():
     yield mount
     for path in reversed(made):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def silent_faults(faults, tmp_path_factory) -> dict[str, Path]:
+    """name -> folder for tests/faults/test_silent_faults.py. no_kv: config.json without num_key_value_heads
+    over tensors of 2 KV heads; retuned: base with layer 1's q_proj scaled by 1.5 (same shapes, embeddings and
+    MLPs: the heal's shared-tensor check passes, the weights are another model's); student: base converted to
+    MLA 16+8 by kvconvert (its manifest records base and base's fingerprint)."""
+    from kvconvert.mla.convert import MLAOptions, convert_to_mla
+
+    root, base = tmp_path_factory.mktemp("silent_faults"), faults["base"]
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    student = root / "student"
+    convert_to_mla(base, student, MLAOptions(rank=16, rope_dim=8, target="any", calib_tokens=512, calib_window=128,
+                                             dtype="fp32"), source_name=str(base), progress=False)
+    return {
+        "no_kv": _variant(base, root / "no_kv", config=lambda c: c.pop("num_key_value_heads")),
+        "retuned": _variant(base, root / "retuned", tensors=lambda w: w[q_proj].mul_(1.5)),
+        "student": student,
+    }
