@@ -601,6 +601,9 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
     echo(f"\n{table(rows)}\n\nChosen: {best.name} ({best.fraction:.1%} of the bf16 KV bytes, KL "
          f"{results[best.name]['kl']:.4f}): {verdict}.\nRecipe: {out / 'recipe.yaml'} (kvconvert pipeline --recipe "
          f"{out / 'recipe.yaml'} --out OUT)\nPicture: {out / 'plan.png'}\nTotal: {plan['seconds']:.0f} s")
+    if best.kind == "mla":  # one-shot as measured: healing is the way to less KL, sized before it is paid for
+        echo(f"Healing it: `kvconvert heal --plan --plan-kl-target K` on the conversion (recipe + a heal_distill "
+             "block) measures short distillations and prints the tokens and GPU-hours to reach KL K (docs/heal.md)")
     return plan
 
 
