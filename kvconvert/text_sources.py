@@ -246,7 +246,8 @@ def _jsonl_documents(path: Path, at: dict) -> Iterator[tuple[str, dict, bool]]:
 def row_text(row, where: str) -> str:
     """The text of one row (a JSON object or a datasets row): its first ROW_FIELDS field."""
     if not isinstance(row, dict):
-        shown = json.dumps(row)[:40] if isinstance(row, (int, float, str, list, bool, type(None))) else type(row).__name__
+        plain = isinstance(row, (int, float, str, list, bool, type(None)))
+        shown = json.dumps(row)[:40] if plain else type(row).__name__
         raise KVConvertError(f"{where}: a row is {shown} ({type(row).__name__}), not a JSON object; each line must be "
                              "an object with the text in a 'text' field, e.g. {\"text\": \"...\"}")
     for key in ROW_FIELDS:

@@ -86,7 +86,8 @@ def test_a_txt_is_one_document_read_in_pieces_that_resume(tmp_path, monkeypatch)
     import kvconvert.text_sources as ts
 
     monkeypatch.setattr(ts, "PIECE_BYTES", 64)
-    text = "".join(f"line {i} caf\u00e9 na\u00efve\n" for i in range(40)) + "x" * 150 + "\u00e9" * 30  # a long last line
+    # lines with 2-byte characters, then a last line longer than a piece
+    text = "".join(f"line {i} caf\u00e9 na\u00efve\n" for i in range(40)) + "x" * 150 + "\u00e9" * 30
     path = tmp_path / "a.txt"
     path.write_text(text, encoding="utf-8")
     pieces = list(documents(text_source(str(path))))
