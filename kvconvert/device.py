@@ -9,6 +9,8 @@ DEVICE_FIELD.
 
 from __future__ import annotations
 
+import os
+
 from pydantic import Field
 
 from kvconvert.errors import KVConvertError
@@ -47,3 +49,43 @@ def resolve_device(spec=None):
     elif device.type not in ("cpu", "meta"):
         raise KVConvertError(f"--device {spec}: only cpu and cuda are supported")
     return device
+
+
+# --------------------------------------------------------------------------- processes
+
+def launched_world_size() -> int:
+    """How many processes a launcher (`accelerate launch`, torchrun) started this one among, from the
+    variables they set in every process: WORLD_SIZE; without it, at least 2 when RANK or LOCAL_RANK
+    names a process other than the first; else 1 (a plain run)."""
+    def number(name: str) -> int | None:
+        text = os.environ.get(name, "").strip()
+        return int(text) if text.isdigit() else None
+
+    world = number("WORLD_SIZE")
+    if world is not None:
+        return max(world, 1)
+    return 2 if any((number(name) or 0) > 0 for name in ("RANK", "LOCAL_RANK")) else 1
+
+
+# commands that run across the processes of a launcher (heal's distillation: DDP / FSDP, docs/heal.md)
+MULTI_PROCESS_COMMANDS = frozenset({"heal"})
+_INSTEAD = {  # what to run instead of a launched command, when more than "without the launcher"
+    "mla": "; to heal across GPUs, convert without --heal in one process, then launch `kvconvert heal` on its output",
+    "pipeline": "; to heal across GPUs, run the steps yourself: `kvconvert mla` (one process), then `accelerate launch "
+                "... -m kvconvert.cli heal`, then `kvconvert calibrate`, `validate` and `gate` (one process each)",
+}
+
+
+def check_single_process(command: str) -> None:
+    """Refuse a command that runs in one process when a launcher started several: each process would
+    do the whole job and write the same output (two calibrations racing on one --out). `heal`
+    (MULTI_PROCESS_COMMANDS) runs across them."""
+    world = launched_world_size()
+    if world <= 1 or command in MULTI_PROCESS_COMMANDS:
+        return
+    rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "?"
+    raise KVConvertError(
+        f"kvconvert {command} runs in one process, but a launcher (accelerate launch, torchrun) started it as process "
+        f"{rank} of {world} (WORLD_SIZE={os.environ.get('WORLD_SIZE', 'unset')}): every process would do the whole job "
+        f"and write the same output. Run `kvconvert {command} ...` (or `python -m kvconvert.cli {command} ...`) "
+        f"without the launcher; only `kvconvert heal` runs across processes{_INSTEAD.get(command, '')}")

@@ -127,6 +127,17 @@ def head_dim(config: dict) -> int | None:
     return None
 
 
+def kv_heads_held(config: dict, k_proj_shape) -> int | None:
+    """The KV heads a Llama-family k_proj (or v_proj) of `k_proj_shape` [KV heads x head_dim, hidden_size]
+    holds, to compare with what config.json says; None when the shape is not whole heads of head_dim
+    over hidden_size (the checkpoint checks name that mismatch on its own)."""
+    d = head_dim(config)
+    shape = tuple(k_proj_shape)
+    if not d or len(shape) != 2 or shape[1] != config.get("hidden_size") or shape[0] % d:
+        return None
+    return shape[0] // d
+
+
 def kv_shape(config: dict) -> KVShape:
     """The cached shape of a model from its config; UnsupportedModelError names missing fields."""
     config = text_config(config)

@@ -4,16 +4,15 @@ folder. ModelInfo / load_model_info are shared with `kvconvert budget` (kvconver
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvconvert import kvmath
-from kvconvert.errors import CheckpointError, KVConvertError, UnsupportedModelError
+from kvconvert.errors import KVConvertError, UnsupportedModelError
 from kvconvert.kvformat import INSPECT_KV_DTYPES
 from kvconvert.presets import PRESETS, get_preset
-from kvconvert.st_header import safetensors_header, weight_files
+from kvconvert.st_header import read_json_object, safetensors_header, weight_files
 
 # ----------------------------------------------------------------------------------------------
 # model sources: a folder, a config.json, or a preset
@@ -37,13 +36,7 @@ class ModelInfo:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: unreadable JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, path.name)
 
 
 def _add_weight_stats(info: ModelInfo) -> None:
@@ -138,11 +131,10 @@ def config_as_stored(info: ModelInfo) -> tuple[dict, str | None]:
     a GQA checkpoint would otherwise be reported as MHA with twice (or more) its KV bytes."""
     cfg = info.config
     shape, d = info.tensor_shapes.get(K_PROJ), kvmath.head_dim(cfg)
-    if (kvmath.text_config(cfg) is not cfg or cfg.get("kv_lora_rank") is not None or shape is None or not d
-            or len(shape) != 2 or shape[1] != cfg.get("hidden_size") or shape[0] % d):
+    if kvmath.text_config(cfg) is not cfg or cfg.get("kv_lora_rank") is not None or shape is None:
         return cfg, None
-    held, says = shape[0] // d, cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
-    if held == says:
+    held, says = kvmath.kv_heads_held(cfg, shape), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    if held is None or held == says:
         return cfg, None
     given = (f"says num_key_value_heads {cfg['num_key_value_heads']}" if cfg.get("num_key_value_heads")
              else f"has no num_key_value_heads (transformers then takes num_attention_heads, {says})")

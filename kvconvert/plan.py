@@ -378,7 +378,7 @@ class Scorer:
         self.dtype, self.device = dtype, device
         source = LazyRunner(src, "runtime", "bf16", dtype=dtype, device=device)  # loads only if a window is missing
         source.max_len = window_len
-        self.store = source_logits_store(source, list(self.ids), source_results_dir(), scratch)
+        self.store = source_logits_store(source, list(self.ids), source_results_dir(), scratch, say=echo)
         self.hashes = [data_hash(w) for w in self.ids]
         missing = [i for i, h in enumerate(self.hashes) if not self.store.has(h)]
         step = counted("  source logits: window", echo)
@@ -513,7 +513,8 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
     candidates' checkpoints too, even where a matching build is in `out` (the pipeline's --overwrite)."""
     import yaml
 
-    from kvconvert.checkpoint import atomic_write_text, check_not_source, check_writable, ensure_free_space, read_config
+    from kvconvert.checkpoint import (atomic_write_text, check_checkpoint, check_not_source, check_writable,
+                                      ensure_free_space, read_config)
     from kvconvert.device import resolve_device
     from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint
     from kvconvert.checkpoint.writer import refuse_existing_outputs
@@ -524,6 +525,7 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
     windows = max(1, opts.quality_eval_tokens // opts.window_len)
     window_len = min(opts.window_len, opts.quality_eval_tokens)
     src_path = Path(resolve_source(src))
+    check_checkpoint(src_path, finite=False)  # config, tensors and their shapes first; each candidate's build scans
     dtype = weights_dtype(src_path, opts.dtype)
     check_not_source(out, (src_path,))  # --out inside the source: refused before any work
     refuse_existing_outputs([out / name for name in PLAN_FILES], overwrite)  # the user's recipe.yaml is not replaced

@@ -13,6 +13,27 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
+def read_json_object(path: Path, what: str) -> dict:
+    """The JSON object in the file at `path` (`what`: "config.json", ...), or a one-line CheckpointError:
+    unreadable, not UTF-8 (JSON files are UTF-8; a Latin-1 byte or a binary file is refused here, not
+    as a UnicodeDecodeError later), not valid JSON, or valid JSON that is not an object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: {what} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                              f"{exc.start}); save it as UTF-8 or restore the original file") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: unreadable {what} ({exc}); restore the original file") from None
+    if not isinstance(data, dict):
+        kind = {list: "a list", str: "a string", type(None): "null", bool: "true/false"}.get(type(data), "a number")
+        raise CheckpointError(f"{path}: {what} holds {kind}, not a JSON object ({{\"key\": value, ...}}); "
+                              "restore the original file")
+    return data
+
+
 def index_weight_map(folder: Path) -> dict[str, str] | None:
     """{tensor name: shard file} of a sharded HF folder's index, every shard checked present;
     None when the folder has no index (a single model.safetensors, or no weights)."""

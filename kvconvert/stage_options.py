@@ -129,7 +129,12 @@ def read_yaml(path: str | Path, missing: str = "file not found"):
     if not path.is_file():
         raise KVConvertError(f"{path}: {missing}")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise KVConvertError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                             "a recipe or policy is a UTF-8 YAML file: save it as UTF-8 or pass the right file") from None
+    except OSError as exc:
+        raise KVConvertError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -23,6 +23,7 @@ changed or never-seen file (about the time the NaN scan takes to read it).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -53,13 +54,14 @@ def _cached_sha256(path: Path, stat: os.stat_result) -> str:
         pass
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
-    try:  # a cache that cannot be written costs a re-read next time, nothing else
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
+    try:  # a cache that cannot be written (full disk) costs a re-read next time, nothing else
         entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
         tmp.write_text(digest)
         os.replace(tmp, entry)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # no partial entry left behind
     return digest
 
 

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from kvconvert.errors import CheckpointError
-from kvconvert.st_header import INDEX_NAME, SINGLE_NAME, index_weight_map, safetensors_header
+from kvconvert.st_header import INDEX_NAME, SINGLE_NAME, index_weight_map, read_json_object, safetensors_header
 
 # safetensors dtype names -> torch dtypes (those a checkpoint's weights and scales use)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -26,14 +26,12 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 
 
 def read_config(folder: Path) -> dict:
-    """config.json of an HF folder as a dict, with a one-line error when missing or broken."""
+    """config.json of an HF folder as a dict, with a one-line error when missing or broken (not UTF-8,
+    not JSON, not a JSON object). Every command reads a model's config through here."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: config.json not found; point --src at a Hugging Face model folder")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: unreadable config.json ({exc})") from None
+    return read_json_object(path, "config.json")
 
 
 def read_manifest(folder: Path) -> dict:

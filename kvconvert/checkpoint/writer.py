@@ -34,22 +34,50 @@ TOKENIZER_FILES = (
 DEFAULT_SHARD_BYTES = 512 * 2**20  # small shards keep peak memory low while streaming
 
 
-def _atomic(path: Path, write) -> None:
-    """write(temp path beside `path`), then rename: a reader never sees half a file."""
+def _atomic(path: Path, write, nbytes: int) -> None:
+    """write(temp path beside `path`), then rename: a reader never sees half a file. A failed write
+    removes the temp file; a full disk (or another environment error, _ENV_ERRNOS) is one
+    CheckpointError naming the folder and the `nbytes` the file needed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        _raise_file_error(path, nbytes, exc)
+        raise
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write a small text file (report, progress, recipe) whole or not at all."""
-    _atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    data = text.encode("utf-8")
+    _atomic(path, lambda tmp: tmp.write_bytes(data), len(data))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a file (a rendered chart) whole or not at all."""
+    _atomic(path, lambda tmp: tmp.write_bytes(data), len(data))
 
 
 def atomic_save_tensors(tensors: dict, path: Path) -> None:
     """safetensors' save_file, whole or not at all."""
-    _atomic(path, lambda tmp: save_file(tensors, str(tmp)))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    _atomic(path, lambda tmp: _save_file(tensors, tmp), nbytes)
+
+
+def _save_file(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, its failed write (its own error type) as the OSError it was."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except OSError as exc:
+        exc.filename = exc.filename or path.name
+        raise
+    except Exception as exc:
+        for code, text in ((errno.ENOSPC, "No space left on device"), (errno.EDQUOT, "Disk quota exceeded")):
+            if text in str(exc) or f"os error {code})" in str(exc):
+                raise OSError(code, text, path.name) from None
+        raise
 
 
 def sha256_file(path: Path) -> str:
@@ -99,11 +127,36 @@ def refuse_existing_outputs(paths, overwrite: bool) -> None:
         _refuse_existing(Path(path), overwrite)
 
 
+def _loop_link(path: Path) -> Path:
+    """The first symlink on `path` (from the root down) that does not resolve: the loop's entry."""
+    path = Path(path).absolute()
+    for part in reversed([path, *path.parents]):
+        if part.is_symlink():
+            try:
+                part.resolve()
+            except (RuntimeError, OSError):
+                return part
+    return path
+
+
+def resolve_output(out_dir: Path, flag: str = "--out") -> Path:
+    """`out_dir` resolved (symlinks and `..` followed); a symlink loop on the way (a -> b -> a) is a
+    one-line CheckpointError naming the link, not a RuntimeError from pathlib."""
+    try:
+        return Path(out_dir).resolve()
+    except (RuntimeError, OSError) as exc:  # Python 3.11/3.12: RuntimeError; 3.13: OSError ELOOP
+        if isinstance(exc, OSError) and exc.errno != errno.ELOOP:
+            raise
+        link = _loop_link(out_dir)
+        raise CheckpointError(f"{out_dir}: {flag} runs into a symlink loop at {link} (-> {os.readlink(link)}); "
+                              f"remove or fix that link, or choose another {flag}") from None
+
+
 def check_not_source(out_dir: Path, sources: tuple = (), flag: str = "--out", hint: str = "") -> None:
     """Refuse an output folder that is, contains or lies inside one of the `sources` (folders the
     command reads), whatever --overwrite says: writing it would replace or bury the model being
-    read. Paths are compared resolved (symlinks and `..` followed)."""
-    out = Path(out_dir).resolve()
+    read. Paths are compared resolved (symlinks and `..` followed; a symlink loop is refused)."""
+    out = resolve_output(out_dir, flag)
     for src in sources:
         if src is None:
             continue
@@ -145,8 +198,10 @@ def _existing_ancestor(path: Path) -> Path:
 def check_writable(out_dir: Path) -> None:
     """Create and remove a hidden folder where the output will be written: beside it (checkpoints
     are written into a temp folder there and renamed) and, for an existing folder, inside it
-    (reports). Turns EACCES/EROFS/ENOTDIR into one line at start, not a traceback hours later."""
+    (reports). Turns EACCES/EROFS/ENOTDIR and a symlink loop into one line at start, not a
+    traceback hours later."""
     out_dir = Path(out_dir).absolute()
+    resolve_output(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"{out_dir}: exists and is a file, not a folder; choose another --out")
     places = [_existing_ancestor(out_dir.parent)] + ([out_dir] if out_dir.is_dir() else [])
@@ -221,23 +276,44 @@ def estimate_checkpoint_bytes(src: str | Path, itemsize: int | None = None, unti
     return total + others + 2**20
 
 
-def ensure_free_space(folder: Path, needed_bytes: int) -> None:
+def free_space_problem(folder: Path, needed_bytes: int) -> str | None:
+    """"FOLDER: not enough disk space (need N, M free)" when the disk of `folder` (or of its nearest
+    existing parent) has less than `needed_bytes` free; None when it has room."""
     folder = Path(folder)
-    probe = _existing_ancestor(folder)
-    free = shutil.disk_usage(probe).free
-    if free < needed_bytes:
-        from kvconvert.kvmath import format_bytes
+    free = shutil.disk_usage(_existing_ancestor(folder)).free
+    if free >= needed_bytes:
+        return None
+    from kvconvert.kvmath import format_bytes
 
-        raise CheckpointError(
-            f"{folder}: not enough disk space (need {format_bytes(needed_bytes)}, {format_bytes(free)} free); "
-            "free some space or choose another --out"
-        )
+    return f"{folder}: not enough disk space (need {format_bytes(needed_bytes)}, {format_bytes(free)} free)"
+
+
+def ensure_free_space(folder: Path, needed_bytes: int, fix: str = "free some space or choose another --out") -> None:
+    problem = free_space_problem(folder, needed_bytes)
+    if problem is not None:
+        raise CheckpointError(f"{problem}; {fix}")
 
 
 # Write errors that are the environment's, not a bug: each becomes one line and exit 2.
 _ENV_ERRNOS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system",
                errno.EACCES: "permission denied", errno.EPERM: "operation not permitted", errno.EIO: "I/O error",
                errno.ENOTDIR: "a path component is a file"}
+
+
+def _raise_file_error(path: Path, nbytes: int, exc: BaseException) -> None:
+    """A failed write of one file (`nbytes` long) as one CheckpointError line naming its folder, how
+    much it needed and how much is free, when the environment caused it (_ENV_ERRNOS)."""
+    if not isinstance(exc, OSError) or exc.errno not in _ENV_ERRNOS:
+        return
+    from kvconvert.kvmath import format_bytes
+
+    try:
+        free = f", {format_bytes(shutil.disk_usage(path.parent).free)} free"
+    except OSError:
+        free = ""
+    fix = "free some space there" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
+    raise CheckpointError(f"{path.parent}: {_ENV_ERRNOS[exc.errno]} while writing {path.name} (needed "
+                          f"{format_bytes(nbytes)}{free}); nothing was left half-written; {fix} and rerun") from None
 
 
 def _raise_write_error(out_dir: Path, exc: BaseException) -> None:
@@ -326,15 +402,7 @@ class CheckpointWriter:
             return
         shard = f"shard-{len(self._shards) + 1:05d}.safetensors"
         ensure_free_space(self.tmp_dir, self._buffer_bytes + 2**20)
-        try:
-            save_file(self._buffer, str(self.tmp_dir / shard), metadata={"format": "pt"})
-        except OSError as exc:
-            exc.filename = exc.filename or shard
-            raise
-        except Exception as exc:  # safetensors reports a failed write as its own error type
-            if "No space left" in str(exc) or "os error 28" in str(exc):
-                raise OSError(errno.ENOSPC, "No space left on device", shard) from None
-            raise
+        _save_file(self._buffer, self.tmp_dir / shard, metadata={"format": "pt"})
         self._shards.append((shard, list(self._buffer)))
         self.total_bytes += self._buffer_bytes
         self._buffer, self._buffer_bytes = {}, 0

@@ -60,8 +60,12 @@ class LazyGroup(click.Group):
 def cli(ctx, debug):
     """kvconvert: smaller KV caches on the model side (MLA conversion, FP8/NVFP4 KV scales),
     validated in a bundled paged runtime."""
+    from kvconvert.device import check_single_process
+
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    if ctx.invoked_subcommand is not None:  # under accelerate launch / torchrun: heal only, before any work
+        check_single_process(ctx.invoked_subcommand)
 
 
 def main(argv=None):

@@ -13,19 +13,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 from kvconvert.checkpoint import atomic_save_tensors
 from kvconvert.errors import KVConvertError
+from kvconvert.kvmath import format_bytes
 
 
 class ResultCache:
     """resume=False never answers from the cache (every sample is recomputed, even one that an
     identical model computed earlier in the same run); results are still written, newest wins."""
 
-    def __init__(self, folder: Path, resume: bool = True):
+    def __init__(self, folder: Path, resume: bool = True,
+                 fix: str = "free disk space or choose another --out (the cache is OUT/cache)"):
         self.folder = Path(folder)
         self.resume = resume
+        self.fix = fix  # what to do when it cannot be written
         self._tables: dict[tuple[str, str], dict[str, dict]] = {}
         self.hits = 0
         self.misses = 0
@@ -62,18 +66,42 @@ class ResultCache:
         return None
 
     def put(self, fingerprint: str, task: str, sample_id: str, content_hash: str, result: dict) -> None:
+        """Append the sample's line; a write that fails (full disk) is cut off again, so the file never
+        keeps part of an entry, and reported with the bytes it needed."""
         entry = {"id": sample_id, "hash": content_hash, "result": result}
         self._table(fingerprint, task)[sample_id] = entry
         path = self._path(fingerprint, task)
         prefix = "\n" if _ends_mid_line(path) else ""  # never glue a new line onto a torn one
+        line = (prefix + json.dumps(entry) + "\n").encode("utf-8")
         try:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(prefix + json.dumps(entry) + "\n")
-                f.flush()
+            _append(path, line)
         except OSError as exc:
-            raise KVConvertError(f"{path}: cannot write the result cache ({exc.strerror or exc}); free disk space or "
-                                 "choose another --out (the cache is OUT/cache), then rerun with the same --out: "
-                                 "finished samples are reused") from None
+            raise KVConvertError(f"{path}: cannot write the result cache ({exc.strerror or exc}); {self.fix}, then "
+                                 "rerun with the same --out: finished samples are reused (this one needed "
+                                 f"{format_bytes(len(line))}{_free(path.parent)}; nothing of it was kept)") from None
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Append `data` whole or not at all: a write cut short (full disk) is truncated away again."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _free(folder: Path) -> str:
+    try:
+        return f", {format_bytes(shutil.disk_usage(folder).free)} free"
+    except OSError:
+        return ""
 
 
 def _ends_mid_line(path: Path) -> bool:
@@ -97,6 +125,10 @@ def source_results_dir() -> Path:
     return kvconvert_home() / "validate"
 
 
+def _logits_file(folder: Path, content: str) -> Path:
+    return Path(folder) / f"{content}.safetensors"
+
+
 class SourceLogits:
     """The source's fp32 logits of essay windows, one safetensors file per window named by the window's
     content hash, on disk until the candidate has been compared with them: the two models never need
@@ -109,7 +141,7 @@ class SourceLogits:
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def _path(self, content: str) -> Path:
-        return self.folder / f"{content}.safetensors"
+        return _logits_file(self.folder, content)
 
     def has(self, content: str) -> bool:
         return self._path(content).is_file()
@@ -139,16 +171,32 @@ class SourceLogits:
                 f.unlink(missing_ok=True)
 
 
-def source_logits_store(source, windows: list, shared: Path | None, scratch: Path) -> SourceLogits:
+def source_logits_store(source, windows: list, shared: Path | None, scratch: Path, say=lambda msg: None) -> SourceLogits:
     """Where the source's window logits go: the shared folder of this source runner (shared/logits/
-    <fingerprint>) when there is one and the windows' logits fit SHARED_LOGITS_BYTES (4 x 512 tokens of
-    SmolLM2: 0.4 GB), else the scratch folder (removed on close). `source`: a RunnerInfo."""
-    size = sum(len(w) for w in windows) * source.vocab_size * 4
-    if shared is not None and size <= SHARED_LOGITS_BYTES:
-        try:
-            return SourceLogits(Path(shared) / "logits" / source.fingerprint, keep=True)
-        except OSError:  # a read-only KVCONVERT_HOME: this run keeps them to itself
-            pass
+    <fingerprint>) when there is one, the windows' logits fit SHARED_LOGITS_BYTES (4 x 512 tokens of
+    SmolLM2: 0.4 GB) and its disk has room for those not stored yet (else `say` tells why not), else
+    the scratch folder (removed on close), whose disk must have room for all of them: refused before
+    any model runs otherwise. `source`: a RunnerInfo."""
+    from kvconvert.checkpoint import ensure_free_space, free_space_problem
+    from kvconvert.data import data_hash
+
+    def needed(folder: Path | None) -> int:  # fp32 logits + the safetensors header, a page each
+        return sum(len(w) * source.vocab_size * 4 + 8192 for w in windows
+                   if folder is None or not _logits_file(folder, data_hash(w)).is_file())
+
+    if shared is not None and sum(len(w) for w in windows) * source.vocab_size * 4 <= SHARED_LOGITS_BYTES:
+        folder = Path(shared) / "logits" / source.fingerprint
+        problem = free_space_problem(folder, needed(folder))
+        if problem is None:
+            try:
+                return SourceLogits(folder, keep=True)
+            except OSError:  # a read-only KVCONVERT_HOME: this run keeps them to itself
+                pass
+        else:
+            say(f"{problem} for the source's logits: this run keeps them in {scratch} (free space there to keep "
+                "them across runs)")
+    ensure_free_space(scratch, needed(None), fix="free some space or choose another --out (the source's logits "
+                                                 "are kept there while the candidate runs)")
     return SourceLogits(scratch)
 
 

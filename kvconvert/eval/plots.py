@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
@@ -32,9 +33,14 @@ def _grid(records: list[dict], role: str | None) -> tuple[list[int], list[float]
 
 
 def _save(fig, path: Path) -> Path:
+    """The chart rendered in memory, then written whole (a full disk: one line, no half PNG)."""
+    from kvconvert.checkpoint import atomic_write_bytes
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=110, format="png")
     plt.close(fig)
+    atomic_write_bytes(path, png.getvalue())
     return path
 
 

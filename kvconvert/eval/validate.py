@@ -337,7 +337,9 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun
     shared = None
     if run.shared is not None:
         try:
-            shared = ResultCache(run.shared / "cache", resume=run.resume)
+            shared = ResultCache(run.shared / "cache", resume=run.resume,
+                                 fix="free space there or point KVCONVERT_HOME (the source's results kept across "
+                                     "runs) at a disk with room")
         except (KVConvertError, OSError) as exc:  # e.g. a read-only KVCONVERT_HOME: not kept, still measured
             note(run, f"the source's results are not kept across runs: {exc}")
     caches = {"source": SourceResults(cache, shared), "candidate": cache}

@@ -166,12 +166,12 @@ def make_accelerator(stage: DistillOptions):
     processes, each process keeps the GPU accelerate gives it unless the stage says cpu."""
     from accelerate import Accelerator
 
-    from kvconvert.device import resolve_device
+    from kvconvert.device import launched_world_size, resolve_device
 
     from accelerate.state import AcceleratorState, PartialState
 
     device = resolve_device(stage.device)
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launched_world_size() == 1:
         # accelerate keeps its first device and mixed precision for the whole process: an earlier run's
         # (a library caller, the tests) would silently win over this stage's device, or refuse its precision
         if PartialState._shared_state and PartialState().device.type != device.type:

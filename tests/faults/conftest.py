@@ -118,6 +118,43 @@ def mounts():
 
 
 @pytest.fixture(scope="session")
+def input_faults(faults, tmp_path_factory) -> dict[str, Path]:
+    """name -> model folder for tests/faults/test_input_faults.py: the healthy tiny Llama (2 KV heads of 4
+    query heads, head_dim 16, hidden 64) with one config.json field or one tensor broken, as seen on small
+    copies of real checkpoints, and a tiny DeepSeek-V3 MLA with the same kind of faults."""
+    from quant_cases import make_deepseek
+
+    root, base = tmp_path_factory.mktemp("input_faults"), faults["base"]
+    k_proj, v_proj = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"
+    kv_b = "model.layers.1.self_attn.kv_b_proj.weight"
+    latin1 = _variant(base, root / "latin1")  # a Latin-1 editor's save: "café" as one 0xe9 byte
+    text = (latin1 / "config.json").read_bytes()
+    (latin1 / "config.json").write_bytes(text.replace(b'"model_type"', b'"_name": "caf\xe9",\n  "model_type"'))
+    as_list = _variant(base, root / "list")
+    (as_list / "config.json").write_bytes(b"[" + (base / "config.json").read_bytes() + b"]")
+    mla = make_deepseek(root / "mla")
+    return {
+        "latin1": latin1,
+        "list": as_list,
+        "no_hidden": _variant(base, root / "no_hidden", config=lambda c: c.pop("hidden_size")),
+        # transformers' rule: no num_key_value_heads = num_attention_heads (4), but k_proj holds 2 heads
+        "no_kv": _variant(base, root / "no_kv", config=lambda c: c.pop("num_key_value_heads")),
+        "kv0": _variant(base, root / "kv0", config=lambda c: c.update(num_key_value_heads=0)),
+        "layers_str": _variant(base, root / "layers_str", config=lambda c: c.update(num_hidden_layers="2")),
+        # MHA weights (4 KV heads) without num_key_value_heads: the default is right, nothing to refuse
+        "no_kv_mha": _variant(make_llama(root / "mha", kv_heads=4), root / "no_kv_mha",
+                              config=lambda c: c.pop("num_key_value_heads")),
+        "transposed": _variant(base, root / "transposed", tensors=lambda w: w.update({k_proj: w[k_proj].t().contiguous()})),
+        "wrong_size": _variant(base, root / "wrong_size", tensors=lambda w: w.update({v_proj: torch.zeros(32, 32)})),
+        "norm": _variant(base, root / "norm", tensors=lambda w: w.update(
+            {"model.layers.0.input_layernorm.weight": torch.ones(8, 8)})),
+        "mla": mla,
+        "mla_kv_b": _variant(mla, root / "mla_kv_b", tensors=lambda w: w.update({kv_b: w[kv_b].t().contiguous()})),
+        "mla_no_rank": _variant(mla, root / "mla_no_rank", config=lambda c: c.pop("kv_lora_rank")),
+    }
+
+
+@pytest.fixture(scope="session")
 def silent_faults(faults, tmp_path_factory) -> dict[str, Path]:
     """name -> folder for tests/faults/test_silent_faults.py. no_kv: config.json without num_key_value_heads
     over tensors of 2 KV heads; retuned: base with layer 1's q_proj scaled by 1.5 (same shapes, embeddings and
