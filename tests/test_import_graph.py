@@ -181,7 +181,8 @@ def test_no_package_imports_another_back():
 LAYERS = (
     ("kvconvert", "errors", "progress"),
     ("kvformat", "kvmath", "number_formats", "memory", "device", "resources", "stage_options", "targets", "presets",
-     "data", "text_sources", "token_stream", "st_header", "models", "engines"),  # foundations: formats, maths, the architectures, stock vLLM's venv
+     "data", "text_sources", "token_stream", "st_header", "token_stats", "models", "engines"),  # foundations: formats, maths, the architectures,
+    # the engines (stock vLLM's venv, llama.cpp's bindings)
     ("checkpoint",),
     ("sources", "model_info"),
     ("kernels",),

@@ -7,7 +7,7 @@ keys, as in a paged engine that writes the cache and then attends from it.
 Protocol: each window of T tokens predicts tokens 1..T-1; perplexity = exp(mean NLL over all
 predictions); KL = mean over the same positions of KL(reference || candidate) in nats, where the
 reference is the unquantized source model (docs/calibrate.md, "Evaluation API"). The window
-statistics are kvconvert.eval.metrics' (TokenSums, window_sums).
+statistics are kvconvert.token_stats' (TokenSums, window_sums).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvconvert.eval.metrics import TokenSums, window_sums
+from kvconvert.token_stats import TokenSums, window_sums
 from kvconvert.quant.capture import forward_with_hook
 
 

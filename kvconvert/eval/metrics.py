@@ -16,57 +16,11 @@ All scores are floats in [0, 1]; LongBench reports 100 x the task mean.
 from __future__ import annotations
 
 import difflib
-import math
 import re
 import string
 from collections import Counter
-from dataclasses import dataclass
 
-# --------------------------------------------------------------------------- perplexity and KL
-
-
-@dataclass
-class TokenSums:
-    """Sums over next-token predictions (float64): nll = sum of -log p(next token), kl = sum over
-    positions of KL(reference || this model) in nats, tokens = predictions counted. Adds up over windows."""
-
-    nll: float = 0.0
-    kl: float = 0.0
-    tokens: int = 0
-
-    def __add__(self, other: TokenSums) -> TokenSums:
-        return TokenSums(self.nll + other.nll, self.kl + other.kl, self.tokens + other.tokens)
-
-    @property
-    def ppl(self) -> float:
-        """Perplexity: exp(mean NLL)."""
-        return math.exp(self.nll / self.tokens)
-
-    @property
-    def kl_mean(self) -> float:
-        return self.kl / self.tokens
-
-
-def window_sums(logits, ids, ref_logits=None) -> TokenSums:
-    """NLL and KL sums of one window's next-token predictions, in float64.
-
-    logits, ref_logits: [T, V] of this model and of the reference for ids [T] (any float dtype, any
-    device); positions 0..T-2 predict ids 1..T-1, the last row is not used. kl = sum_t sum_v
-    p_ref(v) (log p_ref(v) - log p(v)), 0 without ref_logits; identical logits give exactly 0.
-    """
-    import torch
-
-    targets = ids[1:].to(logits.device)
-    total = TokenSums(tokens=len(targets))
-    for start in range(0, len(targets), 256):  # chunks bound the [chunk, V] float64 temporaries
-        rows = slice(start, min(start + 256, len(targets)))
-        logp = torch.log_softmax(logits[rows].double(), dim=-1)
-        total.nll -= float(logp.gather(-1, targets[rows, None]).sum())
-        if ref_logits is not None:
-            logp_ref = torch.log_softmax(ref_logits[rows].to(logp.device).double(), dim=-1)
-            total.kl += float((logp_ref.exp() * (logp_ref - logp)).sum())
-    return total
-
+from kvconvert.token_stats import window_sums  # the one NLL/KL sum (a floor module the engines use too)
 
 # --------------------------------------------------------------------------- LongBench
 

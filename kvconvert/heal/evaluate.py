@@ -24,7 +24,7 @@ def window_metrics(source, candidates: dict, ids: torch.Tensor, progress: bool =
     """
     from tqdm.auto import tqdm
 
-    from kvconvert.eval.metrics import TokenSums, window_sums
+    from kvconvert.token_stats import TokenSums, window_sums
 
     sums = {name: TokenSums() for name in ["source", *candidates]}
     for row in tqdm(ids, desc="eval: windows", disable=not progress):
