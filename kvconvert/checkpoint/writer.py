@@ -226,9 +226,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def clean_stale_temps(out_dir: Path) -> list[Path]:
-    """Remove hidden `.NAME.tmp-PID` / `.NAME.old-PID` folders that runs killed hard (SIGKILL,
-    power loss) left beside `out_dir`, when process PID no longer exists on this machine; refuse
-    when it still runs (two runs writing one output). Returns the folders removed. PIDs are
+    """Remove hidden `.NAME.tmp-PID` / `.NAME.old-PID` folders (or files: export-gguf writes one file) that
+    runs killed hard (SIGKILL, power loss) left beside `out_dir`, when process PID no longer exists on this
+    machine; refuse when it still runs (two runs writing one output). Returns the folders removed. PIDs are
     checked on this machine only: do not share one output folder between hosts."""
     out_dir = Path(out_dir).absolute()
     parent = out_dir.parent
@@ -244,7 +244,10 @@ def clean_stale_temps(out_dir: Path) -> list[Path]:
                 raise CheckpointError(
                     f"{out_dir}: process {pid_text} is writing this output now ({path.name}); wait for it, "
                     "choose another --out, or delete that folder if the process is not kvconvert")
-            shutil.rmtree(path, ignore_errors=True)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             print(f"kvconvert: removed {path}, left by an interrupted run (process {pid_text} is gone)",
                   file=sys.stderr)
             removed.append(path)

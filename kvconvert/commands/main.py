@@ -20,6 +20,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "fetch": ("kvconvert.commands.fetch:fetch_cmd", "Put a built-in model (default smollm2-135m) into the local cache."),
     "import-gguf": ("kvconvert.commands.fetch:import_gguf_cmd",
                     "Dequantize a GGUF file into a Hugging Face safetensors folder."),
+    "export-gguf": ("kvconvert.commands.export_gguf:export_gguf_cmd",
+                    "Write a Llama source or an MLA conversion as GGUF for stock llama.cpp."),
     "mla": ("kvconvert.commands.mla:mla_cmd", "Convert an MHA/GQA checkpoint to stock DeepSeek-V3 MLA."),
     "heal": ("kvconvert.commands.heal:heal_cmd", "Recover conversion loss: layer-wise reconstruction + distillation."),
     "calibrate": ("kvconvert.commands.calibrate:calibrate_cmd",

@@ -1,0 +1,41 @@
+"""`kvconvert export-gguf`: a Llama-family source or a kvconvert MLA conversion as a GGUF file for stock
+llama.cpp (kvconvert.checkpoint.gguf_export)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from kvconvert.checkpoint.gguf_export import GGUFExportOptions
+from kvconvert.commands.options import click_options
+from kvconvert.stage_options import build_options
+
+
+@click.command("export-gguf")
+@click.option("--src", required=True, help="Model: local HF folder, built-in name (smollm2-135m) or hub id; a "
+                                           "Llama-family source or a `kvconvert mla` output.")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The .gguf file to write.")
+@click_options(GGUFExportOptions)
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def export_gguf_cmd(src, out, overwrite, as_json, **params):
+    """Write a checkpoint as GGUF for stock llama.cpp: Llama sources as LLAMA, MLA conversions as DEEPSEEK2
+    (the latent in llama.cpp's K cache), the tokenizer included."""
+    from kvconvert.checkpoint import check_checkpoint, read_config
+    from kvconvert.checkpoint.gguf_export import check_output_file, export_gguf, gguf_arch
+    from kvconvert.sources import resolve_source
+
+    opts = build_options(GGUFExportOptions, params)
+    src_path = resolve_source(src)
+    check_output_file(out, overwrite, sources=(src_path,))  # before the checkpoint's full read
+    gguf_arch(read_config(src_path))  # an architecture the export does not write: refused before that read
+    check_checkpoint(src_path)
+    summary = export_gguf(src_path, out, opts, overwrite=overwrite, name=str(src)).as_dict()
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    width = max(len(k) for k in summary)
+    click.echo("\n".join(["GGUF written:"] + [f"{k:<{width}}  {v}" for k, v in summary.items()]))
