@@ -43,3 +43,21 @@ def vllm_fp8(vllm_python) -> Path:
     if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
         pytest.skip("this CPU has neither AVX-512 nor AMX: vLLM's CPU build has no FP8 KV cache here")
     return vllm_python
+
+
+REQUIRE_LLAMACPP_ENV = "KVCONVERT_REQUIRE_LLAMACPP"
+
+
+@pytest.fixture(scope="session")
+def llamacpp_ready() -> None:
+    """llama-cpp-python importable in this venv (bash scripts/setup_llamacpp.sh); else the llama.cpp
+    tests skip with the reason, or fail under KVCONVERT_REQUIRE_LLAMACPP=1 (scripts/test.sh, CI)."""
+    from kvconvert.engines.llamacpp import check_installed
+    from kvconvert.errors import KVConvertError
+
+    try:
+        check_installed()
+    except KVConvertError as reason:
+        if os.environ.get(REQUIRE_LLAMACPP_ENV) == "1":
+            pytest.fail(f"{REQUIRE_LLAMACPP_ENV}=1 and llama.cpp is not available: {reason}")
+        pytest.skip(f"llama.cpp not set up: {reason}")
