@@ -8,6 +8,13 @@ sources and the tests that check them here):
   320 only ("Head dimension 192 is not supported by MLA"); its fastest decode kernels (FlashMLA,
   TRTLLM-gen, CPU_MLA) take 576 = 512 + 64 only, the Triton MLA backend serves 320.
 * TensorRT-LLM: DeepSeek's MLA kernels are built for kv_lora_rank 512 and qk_rope_head_dim 64.
+* llama.cpp: its DEEPSEEK2 model (src/models/deepseek2.cpp, as vendored in llama-cpp-python 0.3.36) loads
+  any kv_lora_rank and qk_rope_head_dim (it asserts qk_nope_head_dim >= 1) and caches the row
+  [latent | k_rope] once, in its K cache. Its quantized caches (q8_0, q4_0, ... : blocks of 32 values)
+  need whole blocks in the cached K row (kv_lora_rank + rope) and in the latent V views (kv_lora_rank)
+  under flash attention, which a quantized V requires (src/llama-context.cpp): so kv_lora_rank and
+  qk_rope_head_dim in multiples of 32. The --target keeps to those, so every llama.cpp cache type serves
+  what it writes (kvconvert.engines.llamacpp checks the same at run time).
 * kvconvert: the bundled paged runtime serves every shape (research shapes, per-layer studies).
 
 This module is torch-free (the CLI's `budget`/`plan` import it without loading a model).
@@ -28,10 +35,13 @@ class Target:
     # qk_rope_head_dim the engine's kernels assume; None = any valid rope dim
     rope_dims: tuple[int, ...] | None
     note: str
+    # kv_lora_rank and qk_rope_head_dim must be multiples of this (a cache's block of values); None = any
+    multiple_of: int | None = None
 
     def serves(self, rank: int, rope_dim: int) -> bool:
         return ((self.latent_sizes is None or rank + rope_dim in self.latent_sizes)
-                and (self.rope_dims is None or rope_dim in self.rope_dims))
+                and (self.rope_dims is None or rope_dim in self.rope_dims)
+                and (self.multiple_of is None or (rank % self.multiple_of == 0 and rope_dim % self.multiple_of == 0)))
 
 
 TARGETS: dict[str, Target] = {
@@ -40,6 +50,10 @@ TARGETS: dict[str, Target] = {
                    "TRTLLM-gen / CPU decode kernels: 576 = 512 + 64 only)"),
     "tensorrt-llm": Target("tensorrt-llm", (576,), (64,),
                            "TensorRT-LLM's DeepSeek MLA kernels take kv_lora_rank 512 + qk_rope_head_dim 64"),
+    "llamacpp": Target("llamacpp", None, None,
+                       "llama.cpp's DEEPSEEK2 serves any latent with a float cache; its quantized caches (q8_0, q4_0, "
+                       "...) store blocks of 32 values, so kv_lora_rank and qk_rope_head_dim must be multiples of 32",
+                       multiple_of=32),
     "kvconvert": Target("kvconvert", None, None, "the bundled paged runtime serves every shape"),
     "any": Target("any", None, None, "every shape (research; not every engine serves it)"),
 }
@@ -90,6 +104,11 @@ def check_servable(target_name: str, rank: int, rope_dim: int, kv_heads: int, he
     if target.serves(rank, rope_dim):
         return
     full = 2 * kv_heads * head_dim
+    if target.latent_sizes is None:  # any latent size, in whole blocks
+        raise KVConvertError(
+            f"--rank {rank} --rope-dim {rope_dim}: {target.name} does not serve it: {target.note}. Round both to "
+            f"multiples of {target.multiple_of}, or use --target any (or kvconvert, the bundled runtime) to write it "
+            "anyway as a research shape.")
     shapes = servable_shapes(target, kv_heads, head_dim)
     if shapes:
         fits = "; ".join(f"--rank {r} --rope-dim {p} ({r + p} values, {100 * (r + p) / full:.0f}% of the source K+V)"

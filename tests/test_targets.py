@@ -75,3 +75,17 @@ def test_pipeline_default_shape_is_the_largest_servable_latent():
         _default_shape("smollm2-135m", "tensorrt-llm", None)
     with pytest.raises(KVConvertError, match="give --rank"):
         _default_shape("smollm2-135m", "any", None)
+
+
+def test_llamacpp_takes_any_latent_in_whole_32_value_blocks():
+    """llama.cpp's DEEPSEEK2 loads any latent; its quantized caches need kv_lora_rank and the rope part in
+    blocks of 32 (kvconvert.targets' module docstring), which --target llamacpp keeps to."""
+    llamacpp = TARGETS["llamacpp"]
+    assert llamacpp.serves(256, 64) and llamacpp.serves(160, 32) and llamacpp.serves(64, 32)
+    assert not llamacpp.serves(176, 16) and not llamacpp.serves(100, 28)
+    check_servable("llamacpp", 160, 32, 3, 64)
+    with pytest.raises(KVConvertError, match=r"--rank 176 --rope-dim 16: llamacpp does not serve it: .*multiples of 32"):
+        check_servable("llamacpp", 176, 16, 3, 64)
+    assert candidate_splits(SMOLLM2, 192, "llamacpp") == [(160, 32), (128, 64)]
+    with pytest.raises(KVConvertError, match="no valid rank \\+ rope-dim split.*multiples of 32"):
+        candidate_splits(SMOLLM2, 100, "llamacpp")

@@ -24,17 +24,20 @@ from kvconvert.targets import get_target, rope_dims_for, servable_shapes
 
 def candidate_splits(cfg: dict, budget: int, target: str = "any") -> list[tuple[int, int]]:
     """(rank, rope_dim) pairs to try for a budget of KV values per token and layer. For a research
-    target: rank + rope_dim == budget, rope_dim a valid fold of head_dim (>= 8). For an engine: the
-    shapes it serves at its largest latent size within the budget (kvconvert.targets)."""
+    target (and an engine that takes any latent size, like llama.cpp): rank + rope_dim == budget, rope_dim a
+    valid fold of head_dim (>= 8) that the target serves. For an engine with fixed latent sizes: the shapes it
+    serves at its largest latent size within the budget (kvconvert.targets)."""
     d = kvmath.head_dim(cfg)
     kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     engine = get_target(target)
     if engine.latent_sizes is not None:
         return _servable_within(engine, budget, kv_heads, d)
     out = [(budget - rope, rope) for rope in rope_dims_for(d)
-           if rope >= 8 and 1 <= budget - rope <= max_rank(kv_heads, d, rope)]
+           if rope >= 8 and 1 <= budget - rope <= max_rank(kv_heads, d, rope) and engine.serves(budget - rope, rope)]
     if not out:
-        raise KVConvertError(f"--kv-budget {budget}: no valid rank + rope-dim split (rope-dim must fold head_dim {d})")
+        blocks = f"; {engine.name}: {engine.note}" if engine.multiple_of else ""
+        raise KVConvertError(f"--kv-budget {budget}: no valid rank + rope-dim split (rope-dim must fold head_dim {d}"
+                             f"{blocks})")
     return out
 
 
