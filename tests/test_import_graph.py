@@ -180,7 +180,7 @@ def test_no_package_imports_another_back():
 # so each can be read and tested with what lies below it. A new package or flat module must take its place here.
 LAYERS = (
     ("kvconvert", "errors", "progress"),
-    ("kvformat", "kvmath", "number_formats", "memory", "device", "resources", "stage_options", "targets", "presets",
+    ("kvformat", "kvmath", "number_formats", "ggml_formats", "memory", "device", "resources", "stage_options", "targets", "presets",
      "data", "text_sources", "token_stream", "st_header", "token_stats", "models", "engines"),  # foundations: formats, maths, the architectures,
     # the engines (stock vLLM's venv, llama.cpp's bindings)
     ("checkpoint",),
