@@ -164,8 +164,7 @@ def _hub_source(spec: str, name: str) -> TextSource:
         if path.is_file() and builder is None:
             raise KVConvertError(f"{name}: datasets reads .jsonl, .json, .parquet or .txt files, not {path.suffix!r}")
         return TextSource(name, "hub", builder=builder or "folder")
-    dataset, _, config = spec.partition(":")
-    return TextSource(name, "hub", config=config or None)
+    return TextSource(name, "hub", config=spec.partition(":")[2] or None)
 
 
 # --------------------------------------------------------------------------- reading documents

@@ -196,8 +196,6 @@ def plan_heal(student, teacher, stages, out, opts, overwrite: bool = False, prog
     import time
     from pathlib import Path
 
-    import torch
-
     from kvconvert.checkpoint import atomic_write_text, check_output_path, load_tokenizer, read_config
     from kvconvert.data import eval_windows
     from kvconvert.device import resolve_device
