@@ -41,6 +41,10 @@ def validate_cmd(source, candidate, vllm_python, out, no_resume, no_progress, th
         from kvconvert.eval.report import markdown_section
 
         click.echo("\n".join(markdown_section(report)).strip())
+    if opts.engine == "llamacpp":
+        from kvconvert.eval.report import llamacpp_section
+
+        click.echo("\n".join(llamacpp_section(report)).strip())
     click.echo(f"report: {out / 'report.json'} and {out / 'report.md'}")
 
 

@@ -13,7 +13,8 @@ from kvconvert.eval.suites import SUITES
 from kvconvert.kvformat import AUTO_WEIGHT_DTYPE_NAMES, VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES  # "auto" + the runtime's formats
 from kvconvert.stage_options import StageOptions
 
-ENGINES = ("auto", "runtime", "transformers", "vllm")
+ENGINES = ("auto", "runtime", "transformers", "vllm", "llamacpp")
+SIDE_ENGINES = ("vllm", "llamacpp")  # stock engines that score the windows beside the bundled runtime
 
 
 class ValidateOptions(StageOptions):
@@ -22,7 +23,9 @@ class ValidateOptions(StageOptions):
     engine: Literal[ENGINES] = Field(
         "auto", description="auto = the bundled runtime when it imports, else transformers (with a note). vllm = the "
                             "suite in the bundled runtime, plus perplexity and KL computed by stock vLLM on the same "
-                            "windows, side by side in the report (vLLM from ./.venv-vllm: bash scripts/setup_vllm.sh).")
+                            "windows, side by side in the report (vLLM from ./.venv-vllm: bash scripts/setup_vllm.sh). llamacpp = the "
+                            "same with stock llama.cpp (GGUF exports of both models; its KL and top-1 agreement; "
+                            "llama-cpp-python in ./.venv: bash scripts/setup_llamacpp.sh).")
     kv_dtype: Literal[KV_DTYPE_CHOICES] = Field(
         "auto", description="Candidate's KV-cache format (auto = the engine's unquantized cache: runtime bf16, "
                             "transformers fp32).")
@@ -31,6 +34,9 @@ class ValidateOptions(StageOptions):
         "checkpoint", description="Runtime engine: fp8/nvfp4 scales from the checkpoint or from the first prefill.")
     dtype: Literal[AUTO_WEIGHT_DTYPE_NAMES] = Field(
         "auto", description="Both models' weights/activations: auto = as stored (bf16 checkpoints run in bf16).")
+    llamacpp_rotation: bool = Field(
+        True, description="--engine llamacpp: llama.cpp's Hadamard rotation of quantized K/V caches, on by default as "
+                          "in llama.cpp (off = LLAMA_ATTN_ROT_DISABLE=1); its MLA path never rotates.")
     device: str = DEVICE_FIELD
     longbench_dir: Path | None = Field(None, description="LongBench folder of <task>.jsonl(.gz) files (default: "
                                                         "$KVCONVERT_LONGBENCH_DIR, else the LongBench-mini subset "

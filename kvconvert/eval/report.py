@@ -162,7 +162,8 @@ def render_markdown(report: dict, charts: list[str]) -> str:
     if charts:
         lines += ["", "## Charts", ""] + [f"![{c}]({c})" for c in charts]
     lines += ["", "Per-sample results (prompts' token counts, outputs, scores) are in report.json.", ""]
-    return "\n".join(lines) + "\n".join(markdown_section(report))  # --engine vllm's section, if any
+    # --engine vllm's / llamacpp's section, if any
+    return "\n".join(lines) + "\n".join(markdown_section(report)) + "\n".join(llamacpp_section(report))
 
 
 def print_summary(report: dict) -> None:
@@ -216,4 +217,35 @@ def markdown_section(report: dict) -> list[str]:
                       f"{scales['k_max']:.4g}, v {scales['v_min']:.4g}..{scales['v_max']:.4g}"
                       + (" (all 1.0: none loaded)" if scales["all_one"] else "") + "."]
     lines += [f"- {note}" for note in section["notes"]]
+    return lines + [""]
+
+
+def llamacpp_section(report: dict) -> list[str]:
+    """Lines for report.md: stock llama.cpp's numbers (`validate --engine llamacpp`, eval.engine_llamacpp) next to
+    the bundled engine's on the same windows."""
+    section = report.get("engines", {}).get("llamacpp")
+    if not section:
+        return []
+    lines = ["", "## Stock llama.cpp (same perplexity windows)", ""]
+    if "error" in section:
+        return lines + [f"Not computed: {section['error']}", ""]
+    settings, bundled = section["settings"], section.get("bundled", {})
+    kv = settings["kv_cache"]
+    models = section.get("models", {})
+    lines += [f"llama.cpp through llama-cpp-python {section.get('llama_cpp_python', '?')} (its C API), GGUF weights "
+              f"{settings['weights']} (candidate: {models.get('candidate', '?')}), KV cache source {kv['source']} / candidate {kv['candidate']}, flash attention "
+              f"{settings['flash_attn']['candidate']}, rotation of quantized caches "
+              f"{'on' if settings['rotation'] else 'off'}; {settings['windows']} x {settings['window_len']} tokens. "
+              "KL(source || candidate) and top-1 agreement summed inside llama.cpp's process.", ""]
+    columns = [("llama.cpp", section), (f"{bundled.get('engine', 'bundled')} ({bundled.get('kv_dtype', '?')})", bundled)]
+    lines += ["| metric | " + " | ".join(name for name, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
+    rows = [("source perplexity", "source", 3), ("candidate perplexity", "candidate", 3),
+            ("candidate delta %", "delta_pct", 2), ("KL mean (nats/token)", "kl_mean", 5),
+            ("same top-1 token %", "top1_rate", 2)]
+    for name, field, digits in rows:
+        values = [(column.get(field) if field in ("kl_mean", "top1_rate") else column.get("perplexity", {}).get(field))
+                  for _, column in columns]
+        values = [100 * v if field == "top1_rate" and v is not None else v for v in values]
+        lines.append(f"| {name} | " + " | ".join("-" if v is None else f"{v:.{digits}f}" for v in values) + " |")
+    lines += [f"- {note}" for note in section.get("notes", [])]
     return lines + [""]

@@ -1,0 +1,186 @@
+"""`kvconvert validate --engine llamacpp`: perplexity, KL and top-1 agreement computed by stock llama.cpp.
+
+The suite runs in the bundled runtime as usual (with --kv-dtype q8_0 / q4_0 / ... the runtime emulates
+llama.cpp's cache: its block quantizers, kvconvert.kvformat's llama.cpp entries); then source and
+candidate are exported to GGUF (kvconvert.checkpoint.gguf_export, into a scratch folder under the report,
+removed afterwards) and scored by llama.cpp itself (kvconvert.engines.llamacpp: its C API in a worker
+process) on the SAME perplexity windows: the source with its cache as the reference context, the
+candidate with its cache, both in one process, KL(source || candidate) summed there per window. Each
+window's record is cached like the runtime's. The result goes into report["engines"]["llamacpp"] and a
+"Stock llama.cpp" section of report.md, next to the runtime's numbers.
+
+What llama.cpp computes here: only perplexity, KL and top-1 agreement (every window decoded as one
+prefill, which in llama.cpp already writes K/V to the cache and attends to the cached, quantized rows).
+Weights go into the GGUF as --dtype says (auto: as stored). KV caches: --source-kv-dtype and --kv-dtype
+map to llama.cpp's cache types (auto = f16, llama.cpp's default; fp32/fp16/bf16 = f32/f16/bf16; the
+llama.cpp formats by their own names), flash attention on whenever a cache is quantized (llama.cpp needs
+it for a quantized V), and llama.cpp's Hadamard rotation of quantized caches as --llamacpp-rotation says
+(its MLA path never rotates: kvconvert.engines.llamacpp).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import AUTO, kv_format
+
+TASK = "llamacpp_perplexity"
+FLOAT_CACHES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}  # kvconvert's float formats -> llama.cpp's names
+WEIGHTS = {"auto": "auto", "fp32": "f32", "fp16": "f16", "bf16": "bf16"}  # --dtype -> export-gguf --outtype
+
+
+def llamacpp_cache(kv_dtype: str, role: str) -> str:
+    """kvconvert's --kv-dtype -> llama.cpp's cache type name."""
+    from kvconvert.engines.llamacpp import LLAMA_CACHE_TYPES
+
+    if kv_dtype == AUTO:
+        return "f16"
+    fmt = kv_format(kv_dtype)
+    name = getattr(fmt, "ggml_type", None) or FLOAT_CACHES.get(fmt.name)
+    if name not in LLAMA_CACHE_TYPES:
+        raise KVConvertError(f"--engine llamacpp: the {role}'s KV format {kv_dtype!r} has no llama.cpp cache; "
+                             f"llama.cpp stores {', '.join(LLAMA_CACHE_TYPES)}: pass another --kv-dtype")
+    return name
+
+
+def contexts_for(run, ggufs: dict) -> list:
+    """The two llama.cpp contexts: the source (reference) and the candidate, each with its cache."""
+    from kvconvert.engines.llamacpp import LlamaCppContext, cache_type
+
+    out = []
+    for role, kv in (("source", run.options.source_kv_dtype), ("candidate", run.options.kv_dtype)):
+        cache = llamacpp_cache(kv, role)
+        out.append(LlamaCppContext(name=role, gguf=str(ggufs[role]), cache=cache,
+                                   flash_attn="on" if cache_type(cache).quantized else "auto",
+                                   rotation=run.options.llamacpp_rotation))
+    return out
+
+
+def check_llamacpp(run) -> None:
+    """Before the suite: llama.cpp installed, both caches known, both models exportable, and each cache one
+    llama.cpp takes for that model's cached rows (from config.json, as the GGUF will declare them)."""
+    from kvconvert.checkpoint import read_config
+    from kvconvert.checkpoint.gguf_export import gguf_arch
+    from kvconvert.engines.llamacpp import GGUFShape, check_context, check_installed
+    from kvconvert.kvmath import head_dim
+    from kvconvert.sources import resolve_source
+
+    check_installed()
+    for role, model in (("source", run.source), ("candidate", run.candidate)):
+        cfg = read_config(resolve_source(model))
+        arch = gguf_arch(cfg)
+        if arch == "deepseek2":
+            rank = cfg["kv_lora_rank"]
+            shape = GGUFShape(arch, True, rank + cfg["qk_rope_head_dim"], rank, cfg["vocab_size"])
+        else:
+            shape = GGUFShape(arch, False, head_dim(cfg), head_dim(cfg), cfg["vocab_size"])
+        check_context(next(c for c in contexts_for(run, {"source": model, "candidate": model}) if c.name == role),
+                      shape)
+
+
+def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> dict:
+    """Score the suite's perplexity windows with stock llama.cpp; store and return the section."""
+    from kvconvert.checkpoint import load_tokenizer
+    from kvconvert.data import data_hash, eval_windows
+    from kvconvert.eval.cache import ResultCache
+    from kvconvert.eval.runner import runner_fingerprint
+    from kvconvert.sources import resolve_source
+
+    spec = run.spec
+    if not spec.ppl_windows:
+        return _store(report, {"error": f"the {spec.name} suite has no perplexity windows"})
+    paths = {"source": resolve_source(run.source), "candidate": resolve_source(run.candidate)}
+    outtype = WEIGHTS[run.options.dtype]
+    caches = {c.name: c for c in contexts_for(run, paths)}
+    windows = eval_windows(load_tokenizer(paths["source"]), spec.ppl_windows, spec.ppl_window_len)
+    kv = {"source": run.options.source_kv_dtype, "candidate": run.options.kv_dtype}
+    prints = {role: runner_fingerprint(paths[role], "llamacpp", kv[role], "checkpoint") for role in paths}
+    cache = ResultCache(Path(run.out) / "cache", resume=run.resume)
+    # llama.cpp's settings besides the models and formats: what the cache types, rotation and weights were
+    key = (f"{prints['source']}-{prints['candidate']}-{caches['source'].cache}-{caches['candidate'].cache}"
+           f"-rot{int(run.options.llamacpp_rotation)}-{outtype}")
+    section = {"settings": {"weights": outtype, "kv_cache": {r: c.cache for r, c in caches.items()},
+                            "flash_attn": {r: c.flash_attn for r, c in caches.items()},
+                            "rotation": run.options.llamacpp_rotation, "windows": len(windows),
+                            "window_len": spec.ppl_window_len}, "notes": []}
+    records, todo = [], []
+    for i, ids in enumerate(windows):
+        record = cache.get(key, TASK, f"w{i}", data_hash(ids))
+        records.append(record)
+        if record is None:
+            todo.append(i)
+    try:
+        if todo:
+            _score(run, paths, windows, todo, records, section, threads,
+                   lambda i, r: cache.put(key, TASK, f"w{i}", data_hash(windows[i]), r))
+    except KVConvertError as exc:  # llama.cpp refused or aborted: report it, keep the runtime's report
+        section["error"] = str(exc)
+        print(f"note: --engine llamacpp: {exc}", file=sys.stderr)
+        return _store(report, section)
+    section.update(_summary(records, report))
+    for name, value in records[0].get("engine", {}).items():
+        section.setdefault(name, value)
+    from kvconvert.checkpoint import read_config
+    from kvconvert.engines.llamacpp import cache_type
+
+    quantized = cache_type(caches["candidate"].cache).quantized
+    if quantized and run.options.llamacpp_rotation and read_config(paths["candidate"]).get("kv_lora_rank"):
+        section["notes"].append("llama.cpp's MLA path stores the latent unrotated: its Hadamard rotation applies "
+                                "to per-head K/V caches only (src/llama-graph.cpp)")
+    return _store(report, section)
+
+
+def _score(run, paths: dict, windows, todo: list[int], records: list, section: dict, threads, put) -> None:
+    """Export both models to GGUF in a scratch folder, score the windows `todo`, remove the scratch."""
+    from kvconvert.checkpoint.gguf_export import GGUFExportOptions, export_gguf
+    from kvconvert.engines.llamacpp import LlamaCppScorer
+
+    scratch = Path(run.out) / "cache" / "llamacpp-gguf"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        ggufs = {}
+        for role in ("source", "candidate"):
+            if role == "candidate" and paths["candidate"] == paths["source"]:
+                ggufs[role] = ggufs["source"]
+                continue
+            print(f"llama.cpp: exporting the {role} to GGUF", file=sys.stderr)
+            written = export_gguf(paths[role], scratch / f"{role}.gguf",
+                                  GGUFExportOptions(outtype=WEIGHTS[run.options.dtype]), name=role)
+            ggufs[role] = written.out
+        with LlamaCppScorer(contexts_for(run, ggufs), n_ctx=run.spec.ppl_window_len, threads=threads) as engine:
+            info = engine.info()
+            engine_info = {"llama_cpp_python": info["llama_cpp_python"], "system_info": info["system_info"],
+                           "models": {role: c["model"] for role, c in info["contexts"].items()}}  # desc: arch, type
+            for n, i in enumerate(todo):
+                sums = engine.score(windows[i], reference="source")
+                record = {"source_nll": sums["source"].nll, "candidate_nll": sums["candidate"].nll,
+                          "kl": sums["candidate"].kl, "top1": sums["candidate"].top1,
+                          "n_tokens": sums["candidate"].tokens, "engine": engine_info}
+                put(i, record)
+                records[i] = record
+                print(f"llama.cpp perplexity: window {n + 1}/{len(todo)}", file=sys.stderr)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _summary(records: list[dict], report: dict) -> dict:
+    from kvconvert.eval.report import perplexity_summary
+
+    pooled = perplexity_summary(records)
+    out = {"perplexity": {k: pooled[k] for k in ("source", "candidate", "delta_pct")}, "kl_mean": pooled["kl_mean"],
+           "top1_rate": sum(r["top1"] for r in records) / pooled["tokens"], "tokens": pooled["tokens"]}
+    runtime = report.get("metrics", {})
+    if "perplexity" in runtime:
+        out["bundled"] = {"engine": report["candidate"]["engine"], "kv_dtype": report["candidate"].get("kv_dtype"),
+                          "perplexity": {k: runtime["perplexity"][k] for k in ("source", "candidate", "delta_pct")},
+                          "kl_mean": runtime["kl_mean"]["candidate"]}
+    return out
+
+
+def _store(report: dict, section: dict) -> dict:
+    report.setdefault("engines", {})["llamacpp"] = section
+    return section
