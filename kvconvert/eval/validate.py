@@ -33,7 +33,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.eval import haystack, longbench
 from kvconvert.eval.cache import ResultCache, SourceLogits, SourceResults, source_logits_store, source_results_dir
 from kvconvert.eval.metrics import longbench_sample_score, passkey_score, string_match_all, window_stats
-from kvconvert.eval.options import ValidateOptions
+from kvconvert.eval.options import SIDE_ENGINES, ValidateOptions
 from kvconvert.eval.runner import LazyRunner, check_same_tokenizer, resolve_engine
 from kvconvert.eval.samples import GenSample
 from kvconvert.eval.suites import SUITE_VERSION, SuiteSpec, get_suite
@@ -79,7 +79,7 @@ def prepare(run: ValidateRun) -> Pair:
 
     source_path = resolve_source(run.source)
     candidate_path = resolve_source(run.candidate)
-    engine = resolve_engine("auto" if run.options.engine == "vllm" else run.options.engine)
+    engine = resolve_engine("auto" if run.options.engine in SIDE_ENGINES else run.options.engine)
     source_tok = load_tokenizer(source_path)
     check_same_tokenizer(source_tok, load_tokenizer(candidate_path), source_path, candidate_path)
     opts = run.options
@@ -253,7 +253,24 @@ def run_validate(source: str, candidate: str, out: Path, options: ValidateOption
     write_report(report, run.out)
     if options.engine == "vllm":
         _add_vllm(run, report, vllm_python)
+    if options.engine == "llamacpp":
+        _add_llamacpp(run, report, threads)
     return report
+
+
+def _add_llamacpp(run: ValidateRun, report: dict, threads: int | None) -> None:
+    """Stock llama.cpp's section of the report (--engine llamacpp); a failure is recorded and raised as for vLLM."""
+    from kvconvert.eval.engine_llamacpp import run_llamacpp_perplexity
+    from kvconvert.eval.report import write_report
+
+    section = run_llamacpp_perplexity(run, report, threads)
+    if "error" in section:
+        report["notes"].append(f"--engine llamacpp failed: {section['error']}")
+    write_report(report, run.out)
+    if "error" in section:
+        reason = " ".join(section["error"].split())
+        raise KVConvertError(f"--engine llamacpp failed, no llama.cpp numbers (the bundled runtime's are in "
+                             f"{run.out / 'report.json'}, which records the failure): {reason}")
 
 
 def _add_vllm(run: ValidateRun, report: dict, vllm_python: str | None) -> None:
@@ -289,6 +306,10 @@ def check_inputs(run: ValidateRun, vllm_python: str | None) -> None:
             _check_vllm_serves(role, resolve_source(model))
     elif vllm_python:
         raise KVConvertError("--vllm-python goes with --engine vllm")
+    if run.options.engine == "llamacpp":
+        from kvconvert.eval.engine_llamacpp import check_llamacpp
+
+        check_llamacpp(run)  # installed, both caches llama.cpp's, both models exportable: before the suite
     if run.spec.longbench:  # a folder given and missing is refused like an empty one, before any model loads
         longbench.longbench_files(longbench_folder(run.options), run.spec.longbench_tasks)
     check_writable(run.out)
