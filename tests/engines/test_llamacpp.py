@@ -280,3 +280,36 @@ def test_bad_requests_are_refused_and_the_worker_goes_on(llamacpp_ready, tmp_pat
             engine.score([1, 2, 3], reference="other")
         assert engine.score([1, 2, 3])["reference"].tokens == 2
         assert engine.info()["contexts"]["reference"]["vocab"] == 49152
+
+
+# --------------------------------------------------------------------------- validate --engine llamacpp
+
+def test_validate_refuses_a_cache_llama_cpp_has_not(tmp_path, run_main, tiny_mla, llamacpp_ready):
+    src, mla = tiny_mla
+    code, err = run_main(["validate", "--source", src, "--candidate", mla, "--engine", "llamacpp", "--kv-dtype", "nvfp4",
+                          "--suite", "smoke", "--out", tmp_path / "report"])
+    assert code == 2 and "--engine llamacpp: the candidate's KV format 'nvfp4' has no llama.cpp cache" in err
+    assert not (tmp_path / "report" / "report.json").exists()  # refused before the suite
+
+
+@llamacpp
+def test_validate_engine_llamacpp_scores_the_suites_windows(tmp_path, run_main, tiny_mla, llamacpp_ready):
+    """A tiny Llama against its MLA conversion, the smoke suite: llama.cpp's section sits beside the runtime's in
+    report.json and report.md, on the same windows (same token count), and the source's perplexity agrees with
+    the runtime's (fp32 weights; f32 cache in llama.cpp, fp32 in the runtime)."""
+    src, mla = tiny_mla
+    out = tmp_path / "report"
+    code, err = run_main(["validate", "--source", src, "--candidate", mla, "--engine", "llamacpp", "--suite", "smoke",
+                          "--source-kv-dtype", "fp32", "--kv-dtype", "fp32", "--threads", "1", "--no-progress",
+                          "--out", out])
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    section = report["engines"]["llamacpp"]
+    assert section["settings"]["kv_cache"] == {"source": "f32", "candidate": "f32"}
+    assert section["tokens"] == report["metrics"]["perplexity"]["tokens"]
+    runtime = report["metrics"]["perplexity"]
+    assert abs(section["perplexity"]["source"] / runtime["source"] - 1) < 1e-3
+    assert abs(section["perplexity"]["candidate"] / runtime["candidate"] - 1) < 1e-3
+    assert section["bundled"]["perplexity"] == {k: runtime[k] for k in ("source", "candidate", "delta_pct")}
+    assert "## Stock llama.cpp (same perplexity windows)" in (out / "report.md").read_text()
+    assert not (out / "cache" / "llamacpp-gguf").exists()  # the GGUF exports are scratch
