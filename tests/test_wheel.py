@@ -163,3 +163,18 @@ def test_installed_wheel_runs_from_another_folder(wheel_install, tmp_path):
     unknown = run("-c", kvconvert, "gate", "--report", "report.json", "--policy", "defualt")
     assert unknown.returncode == 2 and "not a built-in policy (default, smoke, strict)" in unknown.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_installed_wheel_has_the_llamacpp_engine(wheel_install, tmp_path):
+    """The llama.cpp worker (started as `python -P -m kvconvert.engines.llamacpp_worker`) and the GGUF export
+    come from the installed files: the worker answers a bad command line with its usage and exit 2."""
+    _, site = wheel_install
+    run = installed_python(site, cwd=tmp_path)
+    done = run("-m", "kvconvert.engines.llamacpp_worker")
+    assert done.returncode == 2 and "usage: python -m kvconvert.engines.llamacpp_worker" in done.stderr, done.stderr
+    probe = run("-c", "import kvconvert.engines.llamacpp as e, kvconvert.engines.llamacpp_worker as w, "
+                      "kvconvert.checkpoint.gguf_export as g, kvconvert.token_stats as t; "
+                      "print('\\n'.join(m.__file__ for m in (e, w, g, t)))")
+    assert probe.returncode == 0, probe.stderr
+    files = probe.stdout.split()
+    assert len(files) == 4 and all(Path(f).resolve().is_relative_to(site.resolve()) for f in files), files
