@@ -34,16 +34,13 @@ These are checked here, before the worker starts, from the GGUF's own metadata.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import select
-import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from kvconvert.engines.worker import WorkerProcess
 from kvconvert.errors import KVConvertError
 from kvconvert.token_stats import TokenSums
 
@@ -161,10 +158,12 @@ def check_installed() -> None:
         raise KVConvertError(f"llama-cpp-python is not installed in {sys.executable}; {SETUP_HINT}")
 
 
-class LlamaCppScorer:
+class LlamaCppScorer(WorkerProcess):
     """llama.cpp contexts in one worker process (module docstring). n_ctx: the longest window scored;
     threads: llama.cpp's threads (None: the CPUs this process may use). The worker's log (llama.cpp's
     output) goes to `log_path`, and its tail into any error. timeout: seconds for any one answer."""
+
+    who = "llama.cpp worker"
 
     def __init__(self, contexts: list[LlamaCppContext], n_ctx: int, threads: int | None = None,
                  log_path: str | os.PathLike | None = None, timeout: float = 1800.0):
@@ -179,93 +178,32 @@ class LlamaCppScorer:
             raise KVConvertError("llama.cpp scorer: the GGUF files have different vocabularies; logits cannot be "
                                  "compared")
         self.contexts = contexts
-        self.config = {"contexts": [{**asdict(c), "gguf": str(Path(c.gguf).resolve())} for c in contexts],
-                       "n_ctx": int(n_ctx), "threads": threads or len(os.sched_getaffinity(0))}
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvconvert-llamacpp-")
-        self.log_path = Path(log_path) if log_path else Path(self._tmp.name) / "llamacpp.log"
-        self.timeout = timeout
-        self.proc: subprocess.Popen | None = None
-        self._log = None
+        super().__init__({"contexts": [{**asdict(c), "gguf": str(Path(c.gguf).resolve())} for c in contexts],
+                          "n_ctx": int(n_ctx), "threads": threads or len(os.sched_getaffinity(0))},
+                         "kvconvert-llamacpp-", "llamacpp.log", log_path, timeout)
         self.ready: dict = {}
 
-    # ------------------------------------------------------------------ process
+    def command(self, config_path: Path) -> list[str]:
+        # -P: the installed kvconvert, never a checkout that happens to be the current folder
+        return [sys.executable, "-P", "-m", "kvconvert.engines.llamacpp_worker", str(config_path)]
+
+    def is_verdict(self, line: str) -> bool:
+        """llama.cpp's last words: its assertion or error lines, or the worker's own."""
+        return "GGML_ASSERT" in line or "error" in line.lower() or line.startswith("llamacpp_worker:")
 
     def start(self) -> LlamaCppScorer:
-        config_path = Path(self._tmp.name) / "config.json"
-        config_path.write_text(json.dumps(self.config))
-        self._log = open(self.log_path, "w")
-        # -P: the installed kvconvert, never a checkout that happens to be the current folder
-        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvconvert.engines.llamacpp_worker", str(config_path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     bufsize=1)
-        try:
-            self.ready = self._read()
-            if "error" in self.ready:
-                raise KVConvertError(f"llama.cpp: {self.ready['error']} {self._log_tail()}")
-        except BaseException:
+        self.ready = self.start_process()
+        if "error" in self.ready:
+            tail = self.log_tail()
             self.close()
-            raise
+            raise KVConvertError(f"llama.cpp: {self.ready['error']} {tail}")
         return self
 
-    def close(self) -> None:
-        if self.proc is not None:
-            if self.proc.stdin and not self.proc.stdin.closed:
-                try:
-                    self.proc.stdin.close()  # EOF: the worker ends its loop and exits
-                except BrokenPipeError:
-                    pass
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        self._tmp.cleanup()
-
-    def __enter__(self) -> LlamaCppScorer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _read(self) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
-        if not ready:
-            tail = self._log_tail()
-            self.proc.kill()
-            self.close()
-            raise KVConvertError(f"llama.cpp worker gave no answer in {self.timeout:.0f} s; killed {tail}")
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait()
-            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-            raise KVConvertError(f"llama.cpp worker ended ({how}) {self._log_tail()}")
-        return json.loads(line)
-
-    def _log_tail(self, lines: int = 12) -> str:
-        """llama.cpp's last words: its assertion or error lines when there are any, else the log's end."""
-        if self._log is not None:
-            self._log.flush()
-        text = self.log_path.read_text(errors="replace").strip().splitlines() if self.log_path.is_file() else []
-        marked = [ln for ln in text if "GGML_ASSERT" in ln or "error" in ln.lower() or ln.startswith("llamacpp_worker:")]
-        tail = marked[-4:] if marked else text[-lines:]
-        return f"(log {self.log_path}):\n" + "\n".join(tail)
-
     def request(self, op: str, **fields) -> dict:
-        if self.proc is None:
-            raise KVConvertError("the llama.cpp worker is not running (not started, or ended after an error)")
         try:
-            self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass  # the worker died; _read says why
-        try:
-            answer = self._read()
+            answer = self.send(op, **fields)
         except KVConvertError:
-            self.close()
+            self.close()  # a dead or silent worker is not reused
             raise
         if "error" in answer:
             raise KVConvertError(f"llama.cpp ({op}): {answer['error']}")

@@ -16,15 +16,13 @@ Which python: the explicit argument (`--vllm-python`), else $KVCONVERT_VLLM_PYTH
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kvconvert.engines.worker import WorkerProcess
 from kvconvert.errors import KVConvertError
 
 # How vLLM rounds K/V into its FP8 cache, per platform (FP8 `rounding` of kvconvert.number_formats):
@@ -78,7 +76,7 @@ def check_vllm_installed(python: Path) -> Path:
     return python
 
 
-class VLLMWorker:
+class VLLMWorker(WorkerProcess):
     """One model loaded in stock vLLM in a subprocess (see the module docstring).
 
     dtype: the model's dtype in vLLM ("float32", "bfloat16"); kv_cache_dtype: vLLM's KV cache
@@ -94,83 +92,24 @@ class VLLMWorker:
         self.model = Path(model).resolve()
         if not (self.model / "config.json").is_file():
             raise KVConvertError(f"{self.model}: not a model folder (no config.json)")
-        self.config = {"model": str(self.model), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
-                       "max_model_len": int(max_model_len), "compile": bool(compile)}
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvconvert-vllm-")
-        self.log_path = Path(log_path) if log_path else Path(self._tmp.name) / "vllm.log"
-        self.proc: subprocess.Popen | None = None
-        self.timeout = timeout
-        self._log = None
+        super().__init__({"model": str(self.model), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
+                          "max_model_len": int(max_model_len), "compile": bool(compile)},
+                         "kvconvert-vllm-", "vllm.log", log_path, timeout)
+        self.who = f"vLLM worker for {self.model}"
 
-    # ------------------------------------------------------------------ process
+    def command(self, config_path: Path) -> list[str]:
+        return [str(self.python), "-P", str(WORKER), str(config_path)]
+
+    def is_verdict(self, line: str) -> bool:
+        return line.startswith("vllm_worker:")  # the worker's own one-line verdict
 
     def start(self) -> VLLMWorker:
-        config_path = Path(self._tmp.name) / "config.json"
-        config_path.write_text(json.dumps(self.config))
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([str(self.python), "-P", str(WORKER), str(config_path)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
-        try:
-            self._read()  # "ready", once the model is loaded
-        except BaseException:
-            self.close()
-            raise
+        self.start_process()  # "ready", once the model is loaded
         return self
-
-    def close(self) -> None:
-        if self.proc is not None:
-            if self.proc.stdin and not self.proc.stdin.closed:
-                self.proc.stdin.close()  # EOF: the worker ends its loop and exits
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        self._tmp.cleanup()
-
-    def __enter__(self) -> VLLMWorker:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _read(self) -> dict:
-        # One answer is outstanding at a time, so nothing is left buffered between answers and
-        # select() on the pipe tells whether the next line has started to arrive.
-        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
-        if not ready:
-            tail = self._log_tail()
-            self.proc.kill()
-            self.close()
-            raise KVConvertError(f"vLLM worker for {self.model} gave no answer in {self.timeout:.0f} s; killed {tail}")
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait()
-            raise KVConvertError(f"vLLM worker for {self.model} exited (code {code}) {self._log_tail()}")
-        return json.loads(line)
-
-    def _log_tail(self, lines: int = 15) -> str:
-        self._log.flush()
-        text = self.log_path.read_text(errors="replace").strip().splitlines()
-        worker_lines = [ln for ln in text if ln.startswith("vllm_worker:")]  # the worker's own verdict
-        tail = worker_lines[-1:] if worker_lines else text[-lines:]
-        return f"(log {self.log_path}):\n" + "\n".join(tail)
 
     def request(self, op: str, **fields) -> dict:
         """Send one request and return its answer; KVConvertError when vLLM answers an error."""
-        if self.proc is None:
-            raise KVConvertError(f"the vLLM worker for {self.model} is not running (not started, or ended "
-                                 "after an error inside vLLM)")
-        try:
-            self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass  # the worker died; _read reports why
-        answer = self._read()
+        answer = self.send(op, **fields)
         if "error" in answer:
             if answer.get("fatal"):
                 self.close()  # the worker has ended: vLLM's engine is not usable after its own error
@@ -185,7 +124,7 @@ class VLLMWorker:
     def score(self, ids, logits: bool = False):
         """Prompt log-probs [T-1] (float64 tensor); with logits=True also vLLM's fp32 logits
         [T-1, vocab] for positions 0..T-2, read back from the file the worker wrote."""
-        path = Path(self._tmp.name) / "logits.safetensors"
+        path = self.scratch / "logits.safetensors"
         answer = self.request("score", prompt_ids=_token_list(ids), **({"logits_file": str(path)} if logits else {}))
         logprobs = torch.tensor(answer["prompt_logprobs"], dtype=torch.float64)
         if not logits:
