@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from kvconvert.checkpoint.gguf_export import GGUFExportOptions, export_gguf
 from kvconvert.commands.main import cli
-from kvconvert.engines.llamacpp import LlamaCppContext, LlamaCppScorer, check_context, gguf_shape
+from kvconvert.engines.llamacpp import GGUFShape, LlamaCppContext, LlamaCppScorer, check_context, gguf_shape
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.runner import TransformersRunner
 from kvconvert.token_stats import TokenSums, window_sums
@@ -94,16 +94,25 @@ def tiny_mla(tmp_path_factory, smollm2_path):
     return src, folder / "mla"
 
 
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory, tiny_mla):
+    """tiny_mla's two checkpoints exported once (weights as stored: f32): {"llama": GGUFExport, "mla": ...}."""
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    src, mla = tiny_mla
+    return {"llama": export_gguf(src, folder / "llama.gguf", GGUFExportOptions(outtype="f32")),
+            "mla": export_gguf(mla, folder / "mla.gguf")}
+
+
 # --------------------------------------------------------------------------- the export (no llama.cpp needed)
 
-def test_llama_export_writes_llamas_keys_and_permuted_q_k(tmp_path, tiny_mla):
+def test_llama_export_writes_llamas_keys_and_permuted_q_k(tiny_mla, tiny_ggufs):
     """LLAMA: q_proj / k_proj rows in llama.cpp's adjacent-pair RoPE order (convert_hf_to_gguf.py's permute),
     the rest as stored; the tokenizer as llama.cpp's converter writes SmolLM2's (pre "smollm")."""
     from safetensors.torch import load_file
 
     src, _ = tiny_mla
-    out = tmp_path / "tiny.gguf"
-    report = export_gguf(src, out, GGUFExportOptions(outtype="f32"))
+    report = tiny_ggufs["llama"]
+    out = report.out
     assert report.arch == "llama" and report.tokenizer_pre == "smollm" and report.types == {"F32": report.tensors}
     fields, tensors = gguf_fields(out)
     assert fields["general.architecture"] == "llama" and fields["llama.attention.head_count_kv"] == 2
@@ -171,12 +180,9 @@ def test_export_refuses_bad_inputs_with_one_line(tmp_path, run_main, tiny_mla):
     assert not list(tmp_path.glob(".*.tmp-*")) and not (tmp_path / "gpt2.gguf").exists()
 
 
-def test_cache_checks_follow_llamas_rules(tmp_path, tiny_mla):
+def test_cache_checks_follow_llamas_rules(tmp_path, tiny_ggufs):
     """What llama.cpp refuses (src/llama-context.cpp) is refused before its worker starts, with the reason."""
-    src, mla = tiny_mla
-    export_gguf(src, tmp_path / "llama.gguf")
-    export_gguf(mla, tmp_path / "mla.gguf")
-    llama, deepseek = gguf_shape(tmp_path / "llama.gguf"), gguf_shape(tmp_path / "mla.gguf")
+    llama, deepseek = gguf_shape(tiny_ggufs["llama"].out), gguf_shape(tiny_ggufs["mla"].out)
     assert (llama.arch, llama.mla, llama.head_k, llama.vocab) == ("llama", False, 32, 49152)
     assert (deepseek.arch, deepseek.mla, deepseek.head_k, deepseek.head_v) == ("deepseek2", True, 64, 32)
     check_context(LlamaCppContext("a", "x", cache="q4_0", cache_v="f16"), llama)
@@ -186,7 +192,7 @@ def test_cache_checks_follow_llamas_rules(tmp_path, tiny_mla):
         check_context(LlamaCppContext("a", "x", cache="q8_0", flash_attn="off"), llama)
     with pytest.raises(KVConvertError, match="unknown; llama.cpp takes f32, f16, bf16, q8_0, q4_0"):
         check_context(LlamaCppContext("a", "x", cache="fp8"), llama)
-    odd = gguf_shape(tmp_path / "llama.gguf").__class__("llama", False, 48, 48, 49152)
+    odd = GGUFShape("llama", False, 48, 48, 49152)
     with pytest.raises(KVConvertError, match="blocks of 32 values, which do not divide the 48 values"):
         check_context(LlamaCppContext("a", "x", cache="q4_0"), odd)
     with pytest.raises(KVConvertError, match="GGUF file not found"):
@@ -268,10 +274,9 @@ def test_an_abort_inside_llama_cpp_is_a_clear_error(llamacpp_ready, tmp_path):
 
 
 @llamacpp
-def test_bad_requests_are_refused_and_the_worker_goes_on(llamacpp_ready, tmp_path, tiny_mla):
-    src, _ = tiny_mla
-    export_gguf(src, tmp_path / "tiny.gguf")
-    with LlamaCppScorer([LlamaCppContext("reference", str(tmp_path / "tiny.gguf"))], n_ctx=64, threads=1) as engine:
+def test_bad_requests_are_refused_and_the_worker_goes_on(llamacpp_ready, tiny_ggufs):
+    gguf = str(tiny_ggufs["llama"].out)
+    with LlamaCppScorer([LlamaCppContext("reference", gguf)], n_ctx=64, threads=1) as engine:
         with pytest.raises(KVConvertError, match="a window of 65 tokens exceeds the context of 64"):
             engine.score(list(range(65)))
         with pytest.raises(KVConvertError, match=r"llama.cpp \(score\): token ids outside the model's vocabulary"):
