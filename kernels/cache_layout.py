@@ -45,6 +45,12 @@ Scales passed to ``allocate`` / ``set_kv_scales`` are the exported kv scales (``
 and NVFP4 alike. ``fp8`` data may also be float8_e5m2 (``allocate(dtype=torch.float8_e5m2)``, scale
 ``amax / 57344``): the runtime's torch backend reads it; the Triton kernels are for e4m3.
 These layer objects are the runtime's paged cache storage too (``kvconvert.runtime.kv_cache``).
+
+``ggml`` (both layouts; no kernel reads it): llama.cpp's cache as the engine stores it, uint8 blocks of 32 values
+``[..., width // 32, block_bytes]`` (GQA: ``[nb, bs, H, D // 32, bytes]`` for k and v, each with its own
+``frames[side]``; MLA: ``data`` ``[nb, bs, (R + P) // 32, bytes]``, the whole row, ``frames["kv"]``). A frame
+(kvconvert.ggml_formats.CacheFrame) holds the type and what the engine does before quantizing (channel order,
+Hadamard rotation); reads map the values back to the model's frame.
 """
 
 from __future__ import annotations
@@ -55,12 +61,16 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.ggml_formats import GGML_BLOCK, CacheFrame
 from kvconvert.kvformat import KERNEL_MODES
 from kvconvert import number_formats as F
 from kvconvert.number_formats import FP8_DTYPE  # the e4m3 storage dtype, defined with the FP8 maths
 
 GQA_MODES = KERNEL_MODES  # none, fp8, nvfp4: the registry formats' kernel modes
 MLA_MODES = (*KERNEL_MODES, "fp8_tile")  # + FlashMLA's dynamic per-tile layout (no checkpoint format)
+# storage the torch backend reads but no kernel does: "ggml", llama.cpp's block formats in its own cache frame
+# (kvconvert.ggml_formats.CacheFrame: channel order, Hadamard, blocks of 32), the engine's bytes as it stores them
+EMULATED_MODES = ("ggml",)
 FP8_DTYPES = (FP8_DTYPE, torch.float8_e5m2)  # fp8 mode's data: e4m3 (the kernels' and the default) or e5m2
 PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -86,6 +96,12 @@ def _expect(t: torch.Tensor | None, name: str, shape: tuple, dtypes: tuple) -> N
         raise KVConvertError(f"{name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}")
     if t.stride(-1) != 1:
         raise KVConvertError(f"{name} must be contiguous in its last dim (call .contiguous())")
+
+
+def _frame(frames: dict[str, CacheFrame] | None, side: str) -> CacheFrame:
+    if not frames or side not in frames:
+        raise KVConvertError(f"a ggml cache needs its frames (kvconvert.ggml_formats.llamacpp_frames), {side!r} missing")
+    return frames[side]
 
 
 def _scale_tensor(scale, n: int, what: str, device) -> torch.Tensor:
@@ -199,15 +215,19 @@ class MLACacheLayer(_PagedLayer):
     scales: torch.Tensor | None = None
     tensor_scale: torch.Tensor | None = None
     rope_scale: torch.Tensor | None = None  # an e4m3 rope's dequant scale: the exported kv scale (nvfp4)
+    frames: dict[str, CacheFrame] | None = None  # ggml: {"kv": frame}
 
     BLOCK_FIELDS = ("data", "rope", "scales")
 
     @staticmethod
-    def layout(mode: str, num_blocks: int, block_size: int, r: int, p: int, n_tiles: int | None = None) -> Layout:
-        """The block tensors of ``mode`` (``n_tiles``: fp8_tile's scales per row)."""
-        if mode not in MLA_MODES:
-            raise KVConvertError(f"unknown MLA cache mode {mode!r}: choose one of {MLA_MODES}")
+    def layout(mode: str, num_blocks: int, block_size: int, r: int, p: int, n_tiles: int | None = None,
+               frames: dict[str, CacheFrame] | None = None) -> Layout:
+        """The block tensors of ``mode`` (``n_tiles``: fp8_tile's scales per row; ``frames``: ggml's)."""
+        if mode not in (*MLA_MODES, *EMULATED_MODES):
+            raise KVConvertError(f"unknown MLA cache mode {mode!r}: choose one of {(*MLA_MODES, *EMULATED_MODES)}")
         nb_bs = (num_blocks, block_size)
+        if mode == "ggml":
+            return {"data": ((*nb_bs, (r + p) // GGML_BLOCK, _frame(frames, "kv").block_bytes), (torch.uint8,))}
         if mode in ("none", "fp8"):
             return {"data": ((*nb_bs, r + p), PLAIN_DTYPES if mode == "none" else FP8_DTYPES)}
         if mode == "fp8_tile":
@@ -220,16 +240,20 @@ class MLACacheLayer(_PagedLayer):
         r, p = self.kv_lora_rank, self.rope_dim
         if r <= 0 or p <= 0:
             raise KVConvertError(f"kv_lora_rank and rope_dim must be positive, got {r} and {p}")
-        if self.data.dim() != 3:
-            raise KVConvertError(f"MLA cache data must be [num_blocks, block_size, width], got {tuple(self.data.shape)}")
+        if self.data.dim() != (4 if self.mode == "ggml" else 3):
+            raise KVConvertError(f"MLA cache data must be [num_blocks, block_size, width] (ggml: [..., blocks, bytes]), "
+                                 f"got {tuple(self.data.shape)}")
         if self.mode == "nvfp4" and r % 16:
             raise KVConvertError(f"NVFP4 needs kv_lora_rank to be a multiple of 16, got {r}")
+        if self.mode == "ggml" and (r + p) % GGML_BLOCK:
+            raise KVConvertError(f"llama.cpp's cache types need kv_lora_rank + rope ({r + p}) to be a multiple of "
+                                 f"{GGML_BLOCK}")
         n_tiles = None
         if self.mode == "fp8_tile":
             n_tiles = 0 if self.scales is None else self.scales.shape[-1]
             if n_tiles == 0 or r % n_tiles or (r // n_tiles) % 16:
                 raise KVConvertError(f"MLA fp8 tile scales must split {r} into tiles of a multiple of 16 values")
-        self._check_tensors(self.layout(self.mode, *self.data.shape[:2], r, p, n_tiles))
+        self._check_tensors(self.layout(self.mode, *self.data.shape[:2], r, p, n_tiles, self.frames))
         if self.mode in ("fp8", "nvfp4"):
             _expect(self.tensor_scale, f"MLA {self.mode} tensor_scale", (1,), (torch.float32,))
         if self.rope_fp8:
@@ -247,9 +271,10 @@ class MLACacheLayer(_PagedLayer):
     @classmethod
     def allocate(cls, mode: str, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, *,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 kv_scale: float | torch.Tensor | None = None, fp8_tile: int | None = None) -> "MLACacheLayer":
+                 kv_scale: float | torch.Tensor | None = None, fp8_tile: int | None = None,
+                 frames: dict[str, CacheFrame] | None = None) -> "MLACacheLayer":
         """Zeroed cache. ``dtype``: the plain / RoPE dtype (nvfp4: float8_e4m3fn stores k_rope in e4m3 with the
-        kv scale). ``kv_scale``: exported amax/448 (fp8, nvfp4)."""
+        kv scale). ``kv_scale``: exported amax/448 (fp8, nvfp4). ``frames``: ggml's {"kv": CacheFrame}."""
         r = kv_lora_rank
         tensor_scale, n_tiles = None, None
         if mode in ("fp8", "nvfp4"):
@@ -261,9 +286,10 @@ class MLACacheLayer(_PagedLayer):
             if r % tile:
                 raise KVConvertError(f"fp8 tile {tile} does not divide kv_lora_rank {r}")
             n_tiles = r // tile
-        tensors = cls._zeros(cls.layout(mode, num_blocks, block_size, r, rope_dim, n_tiles), dtype, device)
+        tensors = cls._zeros(cls.layout(mode, num_blocks, block_size, r, rope_dim, n_tiles, frames), dtype, device)
         layer = cls(mode, r, rope_dim, **tensors, tensor_scale=tensor_scale,
-                    rope_scale=torch.ones(1, device=device) if dtype == FP8_DTYPE and mode == "nvfp4" else None)
+                    rope_scale=torch.ones(1, device=device) if dtype == FP8_DTYPE and mode == "nvfp4" else None,
+                    frames=frames if mode == "ggml" else None)
         if layer.rope_fp8:
             layer.set_kv_scales(kv_scale)  # the e4m3 rope's scale, from the same exported kv scale
         return layer
@@ -294,6 +320,8 @@ class MLACacheLayer(_PagedLayer):
         if self.mode in ("none", "fp8"):  # one row [latent | rope]
             row = torch.cat([latent, rope], -1)
             return [(self.data, _quantize(self.mode, row, self.data.dtype, self.tensor_scale)[0])]
+        if self.mode == "ggml":  # llama.cpp quantizes the whole row
+            return [(self.data, self.frames["kv"].encode(torch.cat([latent.float(), rope.float()], -1)))]
         if self.mode == "fp8_tile":
             latent_rows = F.fp8_tile_quantize(latent, self.fp8_tile)
         else:
@@ -303,12 +331,17 @@ class MLACacheLayer(_PagedLayer):
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache in fp32: latent ``[nb, bs, R]``, rope ``[nb, bs, P]`` (reference path)."""
-        if self.mode in ("none", "fp8"):
-            full = dequantize_rows(self.mode, self.data, self.tensor_scale)
+        if self.mode in ("none", "fp8", "ggml"):
+            full = self.read_rows(self.data) if self.mode == "ggml" else dequantize_rows(self.mode, self.data,
+                                                                                          self.tensor_scale)
             return full[..., : self.kv_lora_rank], full[..., self.kv_lora_rank:]
         if self.mode == "fp8_tile":
             return F.fp8_tile_dequantize(self.data, self.scales), self.rope.float()
         return dequantize_rows(self.mode, self.data, self.tensor_scale, self.scales), self.dequantize_rope(self.rope)
+
+    def read_rows(self, blocks: torch.Tensor, name: str = "kv", out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """ggml: stored blocks (this cache's ``data`` or a gather of it) -> rows [..., R + P] in the model's frame."""
+        return self.frames[name].decode(blocks, out_dtype)
 
     def dequantize_rope(self, rope: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Stored k_rope rows (this cache's ``rope`` or a gather of it) in out_dtype: e4m3 times rope_scale."""
@@ -334,15 +367,19 @@ class GQACacheLayer(_PagedLayer):
     v_scale: torch.Tensor | None = None
     k_block_scales: torch.Tensor | None = None
     v_block_scales: torch.Tensor | None = None
+    frames: dict[str, CacheFrame] | None = None  # ggml: {"k": frame, "v": frame}
 
     BLOCK_FIELDS = ("k", "v", "k_block_scales", "v_block_scales")
 
     @staticmethod
-    def layout(mode: str, num_blocks: int, block_size: int, kv_heads: int, d: int) -> Layout:
-        """The block tensors of ``mode``, k and v alike."""
-        if mode not in GQA_MODES:
-            raise KVConvertError(f"unknown GQA cache mode {mode!r}: choose one of {GQA_MODES}")
+    def layout(mode: str, num_blocks: int, block_size: int, kv_heads: int, d: int,
+               frames: dict[str, CacheFrame] | None = None) -> Layout:
+        """The block tensors of ``mode``, k and v alike (ggml: each in its frame's type)."""
+        if mode not in (*GQA_MODES, *EMULATED_MODES):
+            raise KVConvertError(f"unknown GQA cache mode {mode!r}: choose one of {(*GQA_MODES, *EMULATED_MODES)}")
         rows = (num_blocks, block_size, kv_heads)
+        if mode == "ggml":
+            return {side: ((*rows, d // GGML_BLOCK, _frame(frames, side).block_bytes), (torch.uint8,)) for side in "kv"}
         if mode == "nvfp4":
             codes, block_scales = ((*rows, d // 2), (torch.uint8,)), ((*rows, d // 16), (FP8_DTYPE,))
             return {"k": codes, "v": codes, "k_block_scales": block_scales, "v_block_scales": block_scales}
@@ -350,13 +387,17 @@ class GQACacheLayer(_PagedLayer):
         return {"k": values, "v": values}
 
     def __post_init__(self):
-        if self.k.dim() != 4:
-            raise KVConvertError(f"GQA cache must be [num_blocks, block_size, kv_heads, width], got {tuple(self.k.shape)}")
+        if self.k.dim() != (5 if self.mode == "ggml" else 4):
+            raise KVConvertError(f"GQA cache must be [num_blocks, block_size, kv_heads, width] (ggml: [..., blocks, "
+                                 f"bytes]), got {tuple(self.k.shape)}")
         if self.mode == "nvfp4" and self.head_dim % 16:
             raise KVConvertError(f"NVFP4 needs head_dim to be a multiple of 16, got {self.head_dim}")
+        if self.mode == "ggml" and self.head_dim % GGML_BLOCK:
+            raise KVConvertError(f"llama.cpp's cache types need head_dim to be a multiple of {GGML_BLOCK}, got "
+                                 f"{self.head_dim}")
         h = self.kv_heads
-        self._check_tensors(self.layout(self.mode, *self.k.shape[:3], self.head_dim))
-        for name in ("k_scale", "v_scale") if self.mode != "none" else ():
+        self._check_tensors(self.layout(self.mode, *self.k.shape[:3], self.head_dim, self.frames))
+        for name in ("k_scale", "v_scale") if self.mode not in ("none", "ggml") else ():
             s = getattr(self, name)
             if s is None or s.dtype != torch.float32 or s.dim() != 1 or s.numel() not in (1, h):
                 raise KVConvertError(f"{name} must be fp32 [1] or [kv_heads={h}] for mode {self.mode!r}")
@@ -369,11 +410,14 @@ class GQACacheLayer(_PagedLayer):
     def allocate(cls, mode: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                  k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
-                 ) -> "GQACacheLayer":
-        """Zeroed cache; k_scale / v_scale: exported amax/448, a float or per-head ``[kv_heads]``."""
-        layout = cls.layout(mode, num_blocks, block_size, kv_heads, head_dim)  # rejects an unknown mode first
+                 frames: dict[str, CacheFrame] | None = None) -> "GQACacheLayer":
+        """Zeroed cache; k_scale / v_scale: exported amax/448, a float or per-head ``[kv_heads]``; frames: ggml's
+        {"k", "v"} (kvconvert.ggml_formats.llamacpp_frames)."""
+        layout = cls.layout(mode, num_blocks, block_size, kv_heads, head_dim, frames)  # rejects an unknown mode first
         scales = {}
-        if mode != "none":
+        if mode == "ggml":
+            scales["frames"] = frames
+        elif mode != "none":
             if k_scale is None or v_scale is None:
                 raise KVConvertError(f"GQA mode {mode!r} needs calibrated k_scale and v_scale (amax / 448)")
             for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -402,12 +446,20 @@ class GQACacheLayer(_PagedLayer):
         want = (self.kv_heads, self.head_dim)
         if tuple(k.shape[1:]) != want or tuple(v.shape[1:]) != want or k.shape[0] != v.shape[0]:
             raise KVConvertError(f"new K/V rows {tuple(k.shape)} / {tuple(v.shape)} do not match [T, {want[0]}, {want[1]}]")
+        if self.mode == "ggml":
+            return [(self.k, self.frames["k"].encode(k)), (self.v, self.frames["v"].encode(v))]
         pairs = []
         for (values, block_scales, scale, _), x in zip(map(self.stored, "kv"), (k, v)):
             pairs += zip((values, block_scales), _quantize(self.mode, x, values.dtype, scale))
         return pairs
 
+    def read_rows(self, blocks: torch.Tensor, name: str, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """ggml: stored blocks of ``name`` ("k" / "v"; the cache's or a gather of them) -> [..., H, D], model frame."""
+        return self.frames[name].decode(blocks, out_dtype)
+
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache in fp32: k, v ``[nb, bs, kv_heads, head_dim]`` (reference path)."""
+        if self.mode == "ggml":
+            return self.read_rows(self.k, "k"), self.read_rows(self.v, "v")
         return tuple(dequantize_rows(self.mode, values, scale, block_scales)
                      for values, block_scales, scale, _ in map(self.stored, "kv"))

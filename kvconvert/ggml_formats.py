@@ -238,3 +238,117 @@ def ggml_dequantize(blocks: torch.Tensor, name: str, out_dtype: torch.dtype = to
         if t.code_bits == 5:
             codes = codes | (fifth.to(torch.int16) << 4)
     return ggml_values(codes, d, m, name, out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# llama.cpp's cache frame: what it does to K and V rows before it quantizes them
+# ----------------------------------------------------------------------------------------------
+# Read in the llama.cpp that kvconvert builds and tests (llama-cpp-python 0.3.36's vendor/llama.cpp,
+# src/llama-kv-cache.cpp and src/llama-graph.cpp):
+# * Per-head K/V (LLAMA and the like): with a quantized K cache and head_dim % 64 == 0, q and k are
+#   multiplied by a normalized Walsh-Hadamard matrix over consecutive groups of n values of each head, n the
+#   largest power of two >= 64 dividing head_dim; with a quantized V cache (head_dim % 64 == 0), v by the
+#   64 x 64 one, and the attention output by it again (H = H^T = H^-1). LLAMA_ATTN_ROT_DISABLE=1 turns both
+#   off. So the cache holds Q(H k) and scores read (H q) . deq(Q(H k)) = q . H deq(Q(H k)).
+# * Its LLAMA graph uses interleaved RoPE pairs (2i, 2i+1): its GGUF converter permutes q_proj / k_proj rows
+#   from Hugging Face's rotate-half order (i, i + head_dim/2), so a cached K row holds the channels of each
+#   head in that order, which decides what shares a block of 32 and a Hadamard group.
+# * MLA (DEEPSEEK2 with the absorbed path): the row [latent | k_rope] is cached whole in the K type, the
+#   latent read back as V from the same row; that path applies no rotation.
+# (On the CPU the engine also rounds q to q8_0 for its dot products with a quantized K; an error of the size
+# of a q8_0 cache's, about 1e-4 nats of KL on SmolLM2, not emulated.)
+
+ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp's own switch, honoured by the emulation too
+
+
+def rotation_enabled() -> bool:
+    import os
+
+    value = os.environ.get(ROTATION_ENV)
+    try:
+        return not (value and int(value))
+    except ValueError:
+        return True  # llama.cpp reads it with atoi: a non-number is 0
+
+
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """ggml_gen_hadamard's normalized Sylvester matrix [n, n] (n a power of two), fp32 entries +-1/sqrt(n)."""
+    if n < 1 or n & (n - 1):
+        raise KVConvertError(f"Hadamard size must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / n ** 0.5).float()
+
+
+def key_rotation_size(head_dim: int) -> int:
+    """llama.cpp's K rotation group: the largest power of two >= 64 dividing head_dim."""
+    n = 64
+    while head_dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def rope_halves_to_pairs(head_dim: int) -> torch.Tensor:
+    """Channel order of llama.cpp's K head from Hugging Face's: llama channel 2i holds HF channel i, 2i + 1 holds
+    i + head_dim/2 (its converter's permute of q_proj / k_proj)."""
+    half = head_dim // 2
+    return torch.stack((torch.arange(half), torch.arange(half, head_dim)), -1).reshape(-1)
+
+
+@dataclass(frozen=True)
+class CacheFrame:
+    """What one cached quantity goes through before llama.cpp quantizes it, per head of `head_dim` values:
+    a channel order (None: as given) then a block-diagonal Hadamard of `rotation` values (None: none)."""
+
+    ggml_name: str
+    head_dim: int
+    order: torch.Tensor | None = None
+    rotation: int | None = None
+
+    @property
+    def block_bytes(self) -> int:
+        return ggml_type(self.ggml_name).block_bytes
+
+    def _turn(self, y: torch.Tensor) -> torch.Tensor:
+        """y [..., head_dim] times the block-diagonal Hadamard (symmetric and its own inverse)."""
+        if not self.rotation:
+            return y
+        h = hadamard_matrix(self.rotation).to(y.device)
+        return (y.reshape(*y.shape[:-1], -1, self.rotation) @ h).reshape(y.shape)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows x [..., heads, head_dim] (or [..., width] for one head) in the model's frame -> the engine's
+        stored blocks uint8 [..., heads, head_dim / 32, block_bytes] ([..., width / 32, ...] for one head)."""
+        y = x.float().reshape(*x.shape[:-1], -1, self.head_dim)
+        if self.order is not None:
+            y = y[..., self.order.to(y.device)]
+        blocks = ggml_quantize(self._turn(y), self.ggml_name)
+        return blocks.reshape(*x.shape[:-1], -1, self.block_bytes)
+
+    def decode(self, blocks: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Inverse of :meth:`encode`: what the engine's attention reads, mapped back to the model's frame."""
+        y = ggml_dequantize(blocks, self.ggml_name)  # [..., width]
+        y = self._turn(y.reshape(*y.shape[:-1], -1, self.head_dim))
+        if self.order is not None:
+            y = y[..., torch.argsort(self.order).to(y.device)]
+        return y.reshape(*blocks.shape[:-2], -1).to(out_dtype)
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantize-dequantize rows x [..., width] (width a multiple of head_dim) as the engine stores and reads
+        them, in the model's frame; x's dtype."""
+        return self.decode(self.encode(x), torch.float32).reshape(x.shape).to(x.dtype)
+
+
+def llamacpp_frames(k_type: str, v_type: str, head_dim: int, mla: bool,
+                    rotate: bool | None = None) -> dict[str, CacheFrame]:
+    """The frames of llama.cpp's cache for a model: {"k", "v"} for per-head K/V (head_dim values a head, Hugging
+    Face's rotate-half channel order), {"kv": ...} for an MLA row (head_dim = its width, engine order already).
+    `rotate`: None = as the engine decides (on unless LLAMA_ATTN_ROT_DISABLE=1)."""
+    rotate = rotation_enabled() if rotate is None else rotate
+    if mla:
+        return {"kv": CacheFrame(ggml_type(k_type).name, head_dim)}
+    rot_ok = rotate and head_dim % 64 == 0
+    return {"k": CacheFrame(ggml_type(k_type).name, head_dim, rope_halves_to_pairs(head_dim),
+                            key_rotation_size(head_dim) if rot_ok else None),
+            "v": CacheFrame(ggml_type(v_type).name, head_dim, None, 64 if rot_ok else None)}

@@ -53,7 +53,13 @@ class KVFormat:
     engines: tuple[str, ...] = ()  # kvconvert.targets names that serve it; () = planning only
     mla_engines: tuple[str, ...] | None = None  # those that serve it for an MLA latent (None: as `engines`)
     vllm_cache_dtype: str | None = None  # vLLM's kv_cache_dtype for it ("auto": the model's dtype)
+    ggml_type: str | None = None  # llama.cpp's cache type (kvconvert.ggml_formats); no calibrated scale
     aliases: tuple[str, ...] = ()
+
+    @property
+    def has_kv_scale(self) -> bool:
+        """Stored with a calibrated (or dynamic) kv scale per tensor / head; llama.cpp's types set theirs per block."""
+        return self.quantized and self.amax_divisor is not None
 
     @property
     def bytes_per_value(self) -> float:
@@ -126,6 +132,13 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("nvfp4_fp8rope", "NVFP4 latent + FP8 k_rope", 4, block=NVFP4_BLOCK, block_scale="e4m3",
              block_scale_bytes=1, mla_rope="fp8", mla_only=True, kernel_mode="nvfp4", exports=("modelopt",),
              mla_engines=(_RUNTIME,), **_E4M3_SCALED),
+    # llama.cpp's cache types (kvconvert.ggml_formats): blocks of 32 values along the row with an fp16 scale
+    # (and an fp16 minimum for the _1 types) set as each row is written, so there is no kv scale to calibrate;
+    # an MLA row [latent | k_rope] is quantized whole. llama.cpp serves them for per-head K/V and for MLA.
+    *(KVFormat(name, f"llama.cpp {name}", bits, True, block=32, block_scale="fp16" if scale_bytes == 2 else
+               "fp16 scale + min", block_scale_bytes=scale_bytes, ggml_type=name, engines=("llamacpp", _RUNTIME))
+      for name, bits, scale_bytes in (("q8_0", 8, 2), ("q5_1", 5, 4), ("q5_0", 5, 2), ("q4_1", 4, 4),
+                                      ("q4_0", 4, 2), ("iq4_nl", 4, 2))),
     # planning only (`kvconvert budget`): int8 with per-tensor scales; our int4 convention, symmetric
     # 4-bit integers with one fp16 scale per 32 values (0.5625 bytes/value, as NVFP4)
     KVFormat("int8", "int8", 8, True),

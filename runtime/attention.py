@@ -164,7 +164,11 @@ class TritonAttention(TorchAttention):
     name = "triton"
 
     def __init__(self, kv_dtype: str, device: torch.device | str = "cpu"):
-        if kv_format(kv_dtype).kernel_mode is None:  # fp8_e5m2
+        fmt = kv_format(kv_dtype)
+        if fmt.ggml_type:
+            raise KVConvertError(f"the Triton kernels do not read llama.cpp's cache types ({fmt.name}): the runtime "
+                                 "emulates them with --backend torch")
+        if fmt.kernel_mode is None:  # fp8_e5m2
             raise KVConvertError("the Triton kernels read fp8 e4m3 caches only; use kv_dtype fp8 or --backend torch")
         from kvconvert.kernels import attention as kernels  # imported here: the torch backend never loads Triton
         from kvconvert.kernels._triton_compat import interpreter_enabled, require_triton

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.ggml_formats import llamacpp_frames
 from kvconvert.kernels.cache_layout import GQACacheLayer, MLACacheLayer, dequantize_rows
 from kvconvert.kvformat import RUNTIME_KV_DTYPES, SHARED_SCALE_SUFFIX, KVFormat, kv_format, scale_names
 
@@ -79,6 +80,8 @@ def make_layer(kv_dtype: str, num_blocks: int, block_size: int, specs: dict[str,
         raise KVConvertError(f"kv_dtype {kv_dtype!r} is not supported; choose one of {', '.join(RUNTIME_KV_DTYPES)}")
     fmt = kv_format(kv_dtype)
     fmt.check_cache_kind("kv" in specs)
+    if fmt.ggml_type:  # llama.cpp's cache as the engine stores it, in its frame
+        return _ggml_layer(fmt.ggml_type, num_blocks, block_size, specs, device)
     mode = "fp8" if fmt.quantized and fmt.torch_dtype else fmt.kernel_mode  # fp8 e4m3 or e5m2; none; nvfp4
     # nvfp4: the RoPE tail's dtype (bf16, or e4m3 for nvfp4_fp8rope)
     dtype = getattr(torch, fmt.torch_dtype or kv_format(fmt.mla_rope or "bf16").torch_dtype)
@@ -93,6 +96,20 @@ def make_layer(kv_dtype: str, num_blocks: int, block_size: int, specs: dict[str,
                                        k_scale=scales.get("k", placeholder), v_scale=scales.get("v", placeholder))
     layer.dynamic_format = fmt if dynamic and fmt.quantized else None
     return layer
+
+
+def _ggml_layer(ggml_type: str, num_blocks: int, block_size: int, specs: dict[str, CacheSpec], device):
+    """A llama.cpp-format layer: its type for K and V, and the frame the engine quantizes in (its channel order and
+    Hadamard rotation, on unless LLAMA_ATTN_ROT_DISABLE=1, as in llama.cpp)."""
+    spec = next(iter(specs.values()))
+    if "kv" in specs:
+        width = spec.row_shape[0]
+        frames = llamacpp_frames(ggml_type, ggml_type, width, mla=True)
+        return MLACacheLayer.allocate("ggml", num_blocks, block_size, width - spec.rope_tail, spec.rope_tail,
+                                      device=device, frames=frames)
+    kv_heads, head_dim = spec.row_shape
+    frames = llamacpp_frames(ggml_type, ggml_type, head_dim, mla=False)
+    return GQACacheLayer.allocate("ggml", num_blocks, block_size, kv_heads, head_dim, device=device, frames=frames)
 
 
 def rows_to_write(layer, first: torch.Tensor, second: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -132,6 +149,8 @@ def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, work
     raw = _gather_blocks(values, block_tables, workspace, "raw")
     if layer.mode == "none":
         return out.copy_(raw)
+    if layer.mode == "ggml":
+        return out.copy_(layer.read_rows(raw, name))
     if layer.mode == "fp8":  # every decode step reads the whole context: the table, not per-value casts
         lead = out if rope is None else out[..., : -rope.shape[-1]]
         return lead.copy_(fp8_table_dequantize(raw, scale, out.dtype, workspace))
@@ -216,7 +235,7 @@ def read_kv_scales(reader, layout: list[dict[str, CacheSpec]], kv_dtype: str, so
     "checkpoint" every layer must have them (KVConvertError otherwise); with "dynamic" they are
     computed from the first prefill and a warning says so.
     """
-    if not kv_format(kv_dtype).quantized:
+    if not kv_format(kv_dtype).has_kv_scale:  # unquantized, or llama.cpp's types (scales set per block)
         return [{} for _ in layout], False
     if source == "dynamic":
         warnings.warn(

@@ -15,7 +15,10 @@ from kvconvert.targets import TARGETS
 
 def test_format_bytes_per_value():
     expected = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e5m2": 1, "int8": 1, "nvfp4": 0.5 + 1 / 16,
-                "nvfp4_fp8rope": 0.5 + 1 / 16, "int4": 0.5 + 2 / 32}
+                "nvfp4_fp8rope": 0.5 + 1 / 16, "int4": 0.5 + 2 / 32,
+                # llama.cpp's: 32 values a block with an fp16 scale (+ an fp16 minimum for the _1 types)
+                "q8_0": 1 + 2 / 32, "q5_1": 5 / 8 + 4 / 32, "q5_0": 5 / 8 + 2 / 32, "q4_1": 0.5 + 4 / 32,
+                "q4_0": 0.5 + 2 / 32, "iq4_nl": 0.5 + 2 / 32}
     assert {n: f.bytes_per_value for n, f in KV_FORMATS.items()} == expected
 
 
@@ -33,6 +36,18 @@ def test_format_bytes_per_value():
 ])
 def test_vector_bytes(name, values, rope_tail, expected):
     assert kv_format(name).vector_bytes(values, rope_tail=rope_tail) == expected
+
+
+@pytest.mark.parametrize("name", [n for n, f in KV_FORMATS.items() if f.ggml_type])
+def test_llamacpp_formats_match_the_engines_blocks(name):
+    """A llama.cpp type's bytes are its ggml block's (kvconvert.ggml_formats, byte-exact with the engine), and it
+    has no kv scale: llama.cpp sets one per block as it writes a row."""
+    from kvconvert.ggml_formats import GGML_TYPES
+
+    fmt = kv_format(name)
+    assert fmt.vector_bytes(320) == 10 * GGML_TYPES[fmt.ggml_type].block_bytes
+    assert fmt.vector_bytes(320, rope_tail=64) == fmt.vector_bytes(320)  # an MLA row is quantized whole
+    assert not fmt.has_kv_scale and "llamacpp" in fmt.engines
 
 
 def test_unknown_kv_dtype_lists_the_known_ones():

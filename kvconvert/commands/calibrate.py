@@ -19,7 +19,8 @@ from kvconvert.stage_options import build_options
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def calibrate_cmd(src, out, in_place, overwrite, threads, quiet, **params):
     """Calibrate static FP8 / NVFP4 KV-cache scales, fold them into the weights and write them in vLLM
-    and/or ModelOpt names."""
+    and/or ModelOpt names; for llama.cpp's cache types (q8_0, q4_0, iq4_nl, ...), fold the weight rewrites that
+    suit its rotated block quantizer (kvconvert export-gguf then writes the file llama.cpp loads)."""
     from kvconvert.checkpoint import check_not_source
     from kvconvert.quant.run import CalibrateJob, run_calibrate
     from kvconvert.sources import resolve_source
@@ -30,5 +31,5 @@ def calibrate_cmd(src, out, in_place, overwrite, threads, quiet, **params):
                        overwrite=overwrite, threads=threads)
     echo = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     result = run_calibrate(job, echo=echo)
-    click.echo(f"wrote {result['path']} ({', '.join(result['formats'])} names; "
-               f"{result['tokens']} tokens in {result['time_s']:.1f} s)")
+    names = f"{', '.join(result['formats'])} names" if result["formats"] else "no scales: llama.cpp sets them per block"
+    click.echo(f"wrote {result['path']} ({names}; {result['tokens']} tokens in {result['time_s']:.1f} s)")

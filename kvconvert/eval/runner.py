@@ -37,14 +37,16 @@ from kvconvert.checkpoint import CheckpointReader, read_config
 from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint  # noqa: F401 (the runners' key; re-exported)
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.options import KV_DTYPE_CHOICES  # "auto": the engine's own cache
+from kvconvert.ggml_formats import rotation_enabled
 from kvconvert.kvformat import AUTO, kv_format
 
 PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 — naïve café 東京 <tag>\n\tend."
 
 
 def _quantized(kv_dtype: str) -> bool:
-    """Stored with scales (fp8, fp8_e5m2, nvfp4); "auto" is not."""
-    return kv_dtype != AUTO and kv_format(kv_dtype).quantized
+    """Stored with kv scales read from the checkpoint (fp8, fp8_e5m2, nvfp4); "auto" and llama.cpp's types
+    (block scales set as rows are written) are not."""
+    return kv_dtype != AUTO and kv_format(kv_dtype).has_kv_scale
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -117,6 +119,8 @@ def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str,
         key += "|cuda"
     if engine == "runtime" and _quantized(kv_dtype):
         key += f"|scales={kv_scales}"
+    if kv_dtype != AUTO and kv_format(kv_dtype).ggml_type and not rotation_enabled():  # llama.cpp's switch
+        key += "|rotation=off"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -230,17 +234,21 @@ def _kv_hook(path: Path, config: dict, kv_dtype: str):
     """Cache hook (layer, key, value) -> (key, value) for a KV format, None for fp32.
 
     bf16/fp16: round every cached value to that type and back. fp8/fp8_e5m2/nvfp4:
-    kvconvert.quant's bit-exact quantize-dequantize with the checkpoint's calibrated scales.
+    kvconvert.quant's bit-exact quantize-dequantize with the checkpoint's calibrated scales; llama.cpp's types
+    (q8_0, q4_0, ...) as that engine stores them (kvconvert.quant.hooks.llamacpp_hook).
     """
     if kv_dtype == "fp32":
         return None
     if not kv_format(kv_dtype).quantized:  # bf16, fp16
         low = getattr(torch, kv_format(kv_dtype).torch_dtype)
         return lambda layer, key, value: (key.to(low).to(key.dtype), value.to(low).to(value.dtype))
-    from kvconvert.quant.hooks import fake_quant_hook
+    from kvconvert.quant.hooks import fake_quant_hook, llamacpp_hook
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.scales import read_kv_scales
 
+    if kv_format(kv_dtype).ggml_type:  # llama.cpp's types: block scales set as rows are written, nothing to read
+        with CheckpointReader(path, verify=False) as reader:
+            return llamacpp_hook(detect_kv_layout(config, reader.keys()), kv_dtype)
     scales = read_kv_scales(path)
     if scales.kv_dtype != kv_dtype:
         raise KVConvertError(f"{path}: KV scales were calibrated for {scales.kv_dtype}, not {kv_dtype}; "

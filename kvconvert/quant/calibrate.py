@@ -41,6 +41,7 @@ from kvconvert.quant.rotate import (
     apply_plan_to_model,
     block_hadamard,
     pair_amax_from_channels,
+    pair_balance_scale,
     pair_equalizing_scale,
     pair_noise,
     pair_phase,
@@ -78,16 +79,27 @@ class CalibrationSettings(CalibrateOptions):
 
     def search_windows(self, window_len: int) -> int:
         """Calibration windows of `window_len` tokens the mse search replays (0: no search)."""
-        return max(1, math.ceil(self.search_tokens / window_len)) if self.observer == "mse" else 0
+        if self.observer != "mse" or not kv_format(self.kv_dtype).has_kv_scale:
+            return 0
+        return max(1, math.ceil(self.search_tokens / window_len))
 
     def key_phase_enabled(self, layout: KVShape) -> bool:
-        """Phases only help where the (rope) keys are quantized: not the MLA k_rope under nvfp4 (bf16)."""
-        return self.key_phase and not (layout.is_mla and kv_format(self.kv_dtype).mla_rope == "bf16")
+        """Phases only help where the (rope) keys are quantized: not the MLA k_rope under nvfp4 (bf16), and
+        not under an engine that turns the keys by a Hadamard before its block quantizer (llama.cpp)."""
+        return self.key_phase_on and not (layout.is_mla and kv_format(self.kv_dtype).mla_rope == "bf16")
+
+    def key_balance_for(self, layout: KVShape) -> float:
+        """The key pair balance power for this layout: its default is on only where the engine's rotation spreads
+        each key's rounding over the whole head (llama.cpp's per-head K); its MLA row is not rotated."""
+        return 0.0 if layout.is_mla and self.key_balance is None else self.key_balance_power
+
+    def needs_pair_moments(self, layout: KVShape) -> bool:
+        return self.key_phase_enabled(layout) or self.key_balance_for(layout) > 0
 
 
 @dataclass
 class CalibrationResult:
-    scales: KVScales
+    scales: KVScales | None  # None for llama.cpp's types: their block scales are set as rows are written
     plan: RotationPlan
     observers: list[dict[str, KVObserver]]
     stats: dict = field(default_factory=dict)  # amax per layer, search info, timings
@@ -131,13 +143,15 @@ def plan_rotation(model, layout: KVShape, settings: CalibrationSettings, windows
     if shaping_enabled(layout, settings):
         latent_moments = observe_latent_moments(model, layout, stat_windows, settings.batch_size)
         transforms = [layer_shaping(i, m, layout, settings, desc) for i, m in enumerate(latent_moments)]
-    phase, strength = settings.key_phase_enabled(layout), settings.key_strength
-    moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size) if phase else []
+    phase, strength, balance = settings.key_phase_enabled(layout), settings.key_strength, settings.key_balance_for(layout)
+    need_moments = settings.needs_pair_moments(layout)
+    moments = observe_pair_moments(model, layout, stat_windows, settings.batch_size) if need_moments else []
     key_obs = observe_kv(model, layout, stat_windows, settings.batch_size, histograms=False) if strength > 0 else []
     factors = None
-    if phase or strength > 0:
-        factors = [_key_factor(layout, m, obs, strength) for m, obs in itertools.zip_longest(moments, key_obs)]
-    _describe_key_factors(desc, moments, strength, stat_windows)
+    if need_moments or strength > 0:
+        factors = [_key_factor(layout, m, obs, strength, phase, balance)
+                   for m, obs in itertools.zip_longest(moments, key_obs)]
+    _describe_key_factors(desc, moments, strength, stat_windows, phase, balance)
     return RotationPlan(layout, rot, factors, desc, transforms)
 
 
@@ -187,19 +201,25 @@ def observe_latent_moments(model, layout: KVShape, windows: torch.Tensor, batch_
 
 
 def _key_factor(layout: KVShape, moments: PairMoments | None, key_obs: dict[str, KVObserver] | None,
-                strength: float) -> torch.Tensor:
-    """One layer's key pair factor: the phase from its pair moments times the pair scale from its
-    key observers (each None when off)."""
-    factor = None if moments is None else pair_phase(moments.q_moment, moments.k_moment)
+                strength: float, phase: bool = True, balance: float = 0.0) -> torch.Tensor:
+    """One layer's key pair factor: the phase (`phase`) and the balancing scale (`balance` > 0) from its pair
+    moments, times the equalizing scale from its key observers (each None when off)."""
+    factor = None if moments is None or not phase else pair_phase(moments.q_moment, moments.k_moment)
+    if moments is not None and balance > 0:
+        scale = pair_balance_scale(moments.q_power, moments.k_power, balance)
+        factor = scale if factor is None else factor * scale
     if key_obs is not None:
         scale = _key_pair_scale(layout, key_obs, strength)
         factor = scale if factor is None else factor * scale
     return factor
 
 
-def _describe_key_factors(desc: dict, moments: list[PairMoments], strength: float, windows: torch.Tensor) -> None:
-    if moments:
+def _describe_key_factors(desc: dict, moments: list[PairMoments], strength: float, windows: torch.Tensor,
+                          phase: bool = True, balance: float = 0.0) -> None:
+    if moments and phase:
         desc["key_pair_phase"] = _phase_summary(moments, windows)
+    if moments and balance > 0:
+        desc["key_pair_balance"] = _balance_summary(moments, balance, windows)
     if strength > 0:
         desc["key_pair_scaling"] = {"strength": strength, "source_windows": int(windows.shape[0])}
 
@@ -240,6 +260,19 @@ def _phase_summary(moments: list[PairMoments], windows: torch.Tensor) -> dict:
         after = pair_noise(m.q_moment, m.k_moment, m.q_power, m.k_power, f).sum()
         ratio.append(round(float(after / before), 4) if float(before) > 0 else 1.0)
     return {"source_windows": int(windows.shape[0]), "predicted_noise_ratio_per_layer": ratio,
+            "predicted_noise_ratio_mean": round(sum(ratio) / len(ratio), 4)}
+
+
+def _balance_summary(moments: list[PairMoments], power: float, windows: torch.Tensor) -> dict:
+    """What the balancing scales are predicted to do: the score noise of a rotated block quantizer,
+    E|q'|^2 E|k'|^2, after / before, per layer (rotate.pair_balance_scale)."""
+    ratio = []
+    for m in moments:
+        s = pair_balance_scale(m.q_power, m.k_power, power)
+        before = float(m.q_power.sum() * m.k_power.sum())
+        after = float((m.q_power / s ** 2).sum() * (m.k_power * s ** 2).sum())
+        ratio.append(round(after / before, 4) if before > 0 else 1.0)
+    return {"power": power, "source_windows": int(windows.shape[0]), "predicted_noise_ratio_per_layer": ratio,
             "predicted_noise_ratio_mean": round(sum(ratio) / len(ratio), 4)}
 
 
@@ -307,6 +340,8 @@ def _layer_scales(layout, layer, obs, settings, make_replay):
             raise KVConvertError(
                 f"layer {layer}: the cached {kind} is all zeros or non-finite on the calibration data "
                 f"(amax {a.tolist()}); cannot derive a scale - use more or different --calib-data")
+    if not kv_format(settings.kv_dtype).has_kv_scale:  # llama.cpp's types: nothing to calibrate but the weights
+        return {}, None
     scale = {kind: scale_from_amax(a, settings.kv_dtype).float() for kind, a in amax.items()}
     if settings.observer != "mse":
         return scale, None
@@ -316,9 +351,11 @@ def _layer_scales(layout, layer, obs, settings, make_replay):
 def _result(layout, settings, per_layer: list[tuple[dict, dict | None]], plan, observers, clock: _Clock,
             record: int) -> CalibrationResult:
     """The result from each layer's (kind -> scale, search info or None) (_layer_scales)."""
-    ks = [s["kv"] if layout.is_mla else s["k"] for s, _ in per_layer]
-    vs = [s["kv"] if layout.is_mla else s["v"] for s, _ in per_layer]
-    scales = KVScales(settings.kv_dtype, settings.granularity, layout.kind, ks, vs)
+    scales = None
+    if kv_format(settings.kv_dtype).has_kv_scale:
+        ks = [s["kv"] if layout.is_mla else s["k"] for s, _ in per_layer]
+        vs = [s["kv"] if layout.is_mla else s["v"] for s, _ in per_layer]
+        scales = KVScales(settings.kv_dtype, settings.granularity, layout.kind, ks, vs)
     infos = [info for _, info in per_layer if info is not None]
     stats = {"wall_s": clock.wall, "cpu_s": clock.cpu, "search": infos, "search_windows": record}
     return CalibrationResult(scales, plan, observers, stats)
@@ -341,8 +378,10 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
     desc: dict = {}
     rot = value_rotation(layout, settings, desc) if settings.rotation_enabled else None
     phase = settings.rotation_enabled and settings.key_phase_enabled(layout)
+    balance = settings.key_balance_for(layout) if settings.rotation_enabled else 0.0
+    need_moments = phase or balance > 0
     strength = settings.key_strength if settings.rotation_enabled else 0.0
-    factors, moments = ([] if phase or strength > 0 else None), []
+    factors, moments = ([] if need_moments or strength > 0 else None), []
     transforms = [] if shaping_enabled(layout, settings) else None
     record = settings.search_windows(windows.shape[1])
     observers, per_layer = [], []
@@ -351,9 +390,9 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
         attn, rest = stream.read_layer(i)
         clock.lap("load")
         if factors is not None:  # key factors from this layer's (unrotated) statistics, then folded
-            m, key_obs = stream.statistics(i, attn, rest, phase, strength > 0)
-            factors.append(_key_factor(layout, m, key_obs, strength))
-            moments += [m] if phase else []
+            m, key_obs = stream.statistics(i, attn, rest, need_moments, strength > 0)
+            factors.append(_key_factor(layout, m, key_obs, strength, phase, balance))
+            moments += [m] if need_moments else []
         if transforms is not None:
             transforms.append(layer_shaping(i, stream.latent_moments(i, attn, rest), layout, settings, desc))
         layer_plan = RotationPlan(layout, rot, factors, latent_transform=transforms)
@@ -371,6 +410,6 @@ def calibrate_streamed(reader, layout: KVShape, windows: torch.Tensor, settings:
         release_heap(generation=1)
         if progress is not None:
             progress(i + 1, layout.num_layers)
-    _describe_key_factors(desc, moments, strength, windows[:STAT_WINDOWS])
+    _describe_key_factors(desc, moments, strength, windows[:STAT_WINDOWS], phase, balance)
     return _result(layout, settings, per_layer, RotationPlan(layout, rot, factors, desc, transforms), observers, clock,
                    record)

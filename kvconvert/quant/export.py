@@ -45,6 +45,12 @@ from kvconvert.quant.scales import KVScales, is_kv_scale_name
 def resolve_format(fmt: str, kv_dtype: str, granularity: str) -> tuple[str, ...]:
     """Export formats for a request: ("vllm",), ("modelopt",) or both. Refuses impossible combinations."""
     kv = kv_format(kv_dtype)
+    if not kv.has_kv_scale:  # llama.cpp's types: block scales set as rows are written, none in the checkpoint
+        if fmt != "auto" or granularity != "tensor":
+            raise KVConvertError(f"{kv.title} has no KV scales to export (llama.cpp sets a scale per block of "
+                                 f"{kv.block} as it writes the cache): drop --format / --granularity; the weights are "
+                                 "written for llama.cpp, and `kvconvert export-gguf` makes the file it loads")
+        return ()
     if fmt == "auto":  # every export the format has; per-head scales only under the vLLM names
         fmt = kv.exports[0] if len(kv.exports) == 1 else "vllm" if granularity == "head" else "both"
     formats = tuple(SCALE_SUFFIXES) if fmt == "both" else (fmt,)
@@ -187,30 +193,37 @@ _REWRITTEN = ("config.json", "manifest.json", "hf_quant_config.json", "calibrati
               "model.safetensors.index.json")
 
 
-def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVShape, scales: KVScales, plan: RotationPlan,
+def write_checkpoint(src_dir: Path, out_dir: Path, layout: KVShape, scales: KVScales | None, plan: RotationPlan,
                      formats: tuple[str, ...], report: dict, overwrite: bool = False) -> Path:
     """New checkpoint at out_dir (atomic, via CheckpointWriter): weights copied or rotated and folded,
     the scales, and the source's other files. out_dir may be src_dir itself (--in-place): the new
-    folder is built beside it and swapped in at the end, so a failure leaves the source untouched."""
+    folder is built beside it and swapped in at the end, so a failure leaves the source untouched.
+    scales None (llama.cpp's types): the rotated weights and the report only."""
     from kvconvert.checkpoint import CheckpointReader, CheckpointWriter
 
     reader = CheckpointReader(src_dir)
-    factors, remaining, folding = fold_report(scales)
-    report = {**report, "scale_folding": folding}
-    new_scales = scale_tensors(remaining, layout, formats)
-    calibration = {"kv_dtype": scales.kv_dtype, "formats": list(formats)}
+    if scales is None:
+        factors, new_scales = [None] * layout.num_layers, {}
+    else:
+        factors, remaining, folding = fold_report(scales)
+        report = {**report, "scale_folding": folding}
+        new_scales = scale_tensors(remaining, layout, formats)
+    calibration = {"kv_dtype": report["kv_dtype"], "formats": list(formats)}
     with CheckpointWriter(out_dir, overwrite=overwrite, source=str(src_dir), max_shard_bytes=EXPORT_SHARD_BYTES,
                           manifest_extra={"kv_calibration": calibration}) as w:
         for name, tensor in _export_tensors(reader, layout, plan, factors):
             w.add(name, tensor)
         for name, tensor in new_scales.items():
             w.add(name, tensor)
-        w.write_config(output_config(reader.config, scales, formats))
+        w.write_config(output_config(reader.config, scales, formats) if scales is not None else
+                       {k: v for k, v in reader.config.items() if k != "quantization_config"})
         tokenizer = w.copy_tokenizer(src_dir)
         _carry_other_files(Path(src_dir), w, skip=set(tokenizer))
         if "modelopt" in formats and kv_format(scales.kv_dtype).modelopt_algo:  # nvfp4_fp8rope: no ModelOpt algo
             w.write_json("hf_quant_config.json", hf_quant_config(scales))
         w.write_json("calibration_report.json", report)
+        if scales is None:
+            return out_dir
         with tempfile.TemporaryDirectory() as tmp:
             png = Path(tmp) / "kv_scales.png"
             plot_scales(scales, png, _title(report))

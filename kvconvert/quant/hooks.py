@@ -30,6 +30,24 @@ def fake_quant_hook(layout: KVShape, scales: KVScales, rounding: str = "nearest"
     return cache_hook(layout, row_hook)
 
 
+def llamacpp_hook(layout: KVShape, kv_dtype: str, rotate: bool | None = None) -> CacheHook:
+    """Cache hook that stores every cached tensor as llama.cpp does in a `kv_dtype` cache (one of its types:
+    kvconvert.ggml_formats), in its frame: K's channels in its interleaved RoPE order, the Hadamard rotation
+    (`rotate` None: as llama.cpp decides, on unless LLAMA_ATTN_ROT_DISABLE=1), blocks of 32 with fp16 scales set
+    per block as rows are written (no calibrated scale)."""
+    from kvconvert.ggml_formats import llamacpp_frames
+
+    fmt = kv_format(kv_dtype)
+    if not fmt.ggml_type:
+        raise ValueError(f"{kv_dtype} is not one of llama.cpp's cache types")
+    frames = llamacpp_frames(fmt.ggml_type, fmt.ggml_type, layout.row_dim, layout.is_mla, rotate)
+
+    def row_hook(layer_idx: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+        check_finite(layer_idx, kind, x)
+        return frames[kind].fake_quant(x)
+    return cache_hook(layout, row_hook)
+
+
 def identity_hook(layer_idx, key, value):
     """The cache stored as it is (the unquantized baseline)."""
     return key, value

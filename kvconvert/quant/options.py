@@ -52,6 +52,10 @@ class CalibrateOptions(StageOptions):
                                                      "two dividing the dim, capped at 128).")
     # measured worse for nvfp4, hence off by default
     key_strength: float = Field(0.0, ge=0, le=1, description="RoPE-pair amax equalization of the keys, 0..1.")
+    key_balance: float | None = Field(None, ge=0, le=2, description="Per-RoPE-pair key scales s = (E|q|^2 / "
+                                      "E|k|^2)^(p/4), queries times 1/s (p = this; 1 minimizes the predicted noise): "
+                                      "less score noise where a rotation spreads each key's rounding over its head, "
+                                      "as llama.cpp's does. Default: 1 for llama.cpp's types (per-head K), else 0.")
     latent_shaping: float | None = Field(None, ge=0, le=0.5, description="MLA: fold T = Q Sigma^-p into the latent "
                                          "instead of the Hadamard (p = this, 0 = off): less rounding noise where the "
                                          "latent's spectrum is steep. Default: 0.25 on the layers whose latent norm is "
@@ -63,12 +67,32 @@ class CalibrateOptions(StageOptions):
 
     @property
     def rotation_enabled(self) -> bool:
-        return self.rotate is not False and (self.key_phase or self.value_rotation_enabled
-                                             or self.key_strength > 0 or self.shaping_power > 0)
+        return self.rotate is not False and (self.key_phase_on or self.value_rotation_enabled
+                                             or self.key_strength > 0 or self.key_balance_power > 0
+                                             or self.shaping_power > 0)
+
+    @property
+    def engine_rotates(self) -> bool:
+        """llama.cpp's cache types: the engine turns K and V by a Hadamard itself before quantizing, and sets a
+        block's scale as each row is written: a folded Hadamard or FP8's phase rule adds nothing there."""
+        return kv_format(self.kv_dtype).ggml_type is not None
+
+    @property
+    def key_phase_on(self) -> bool:
+        return self.key_phase and not self.engine_rotates
+
+    @property
+    def key_balance_power(self) -> float:
+        """The key pair balance power in effect (0: off)."""
+        if self.rotate is False:
+            return 0.0
+        return (1.0 if self.engine_rotates else 0.0) if self.key_balance is None else self.key_balance
 
     @property
     def value_rotation_enabled(self) -> bool:
-        return kv_format(self.kv_dtype).bits == 4 if self.value_rotation is None else self.value_rotation
+        if self.value_rotation is None:
+            return kv_format(self.kv_dtype).bits == 4 and not self.engine_rotates
+        return self.value_rotation
 
     @property
     def shaping_auto(self) -> bool:

@@ -244,6 +244,22 @@ def pair_equalizing_scale(pair_amax: torch.Tensor, strength: float, max_ratio: f
     return torch.where(alive, alpha, torch.ones_like(alpha))
 
 
+def pair_balance_scale(q_power: torch.Tensor, k_power: torch.Tensor, power: float = 0.5) -> torch.Tensor:
+    """Real key pair scales s = (E|q|^2 / E|k|^2)^(power / 4), geometric mean 1 per head (queries get 1/s).
+
+    When an engine turns each key by an orthogonal matrix over its head before a block quantizer (llama.cpp's
+    Hadamard), the rounding error is spread evenly over the head, with a variance proportional to |k|^2, and a
+    score q.k picks it up in proportion to |q|^2: the noise is E|q'|^2 E|k'|^2 = sum_i E|q_i|^2 / s_i^2 *
+    sum_i s_i^2 E|k_i|^2, smallest (Cauchy-Schwarz) at s_i^2 = sqrt(E|q_i|^2 / E|k_i|^2), power 1 here; lower
+    powers go part of the way. q_power, k_power: float64 [..., pairs] (pair_stats.PairMoments). Dead pairs get 1."""
+    q, k = q_power.double(), k_power.double()
+    alive = (q > 0) & (k > 0)
+    log_s = torch.where(alive, (q.clamp_min(1e-300).log() - k.clamp_min(1e-300).log()) * power / 4,
+                        torch.zeros_like(q))
+    log_s = log_s - (log_s * alive).sum(-1, keepdim=True) / alive.sum(-1, keepdim=True).clamp_min(1)
+    return torch.where(alive, log_s.exp(), torch.ones_like(q))
+
+
 def pair_amax_from_channels(amax_channel: torch.Tensor, interleave: bool) -> torch.Tensor:
     """[..., dim] per-channel amax -> [..., dim/2] per-pair amax (max of the pair's two channels)."""
     first, second = rope_pairs(amax_channel.shape[-1], interleave)

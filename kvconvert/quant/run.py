@@ -150,9 +150,10 @@ def build_report(job: CalibrateJob, src: Path, layout: KVShape, result: Calibrat
         entry = {"layer": i}
         for kind, o in obs.items():
             entry[f"{kind}_amax"] = o.amax_head.tolist()
-        entry["k_scale"] = result.scales.k[i].tolist()
-        if not layout.is_mla:
-            entry["v_scale"] = result.scales.v[i].tolist()
+        if result.scales is not None:
+            entry["k_scale"] = result.scales.k[i].tolist()
+            if not layout.is_mla:
+                entry["v_scale"] = result.scales.v[i].tolist()
         if result.stats.get("search"):
             entry["search"] = result.stats["search"][i]
         layers.append(entry)
