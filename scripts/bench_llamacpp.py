@@ -73,7 +73,8 @@ def main() -> None:
     args = p.parse_args()
 
     from kvconvert.checkpoint import load_tokenizer
-    from kvconvert.checkpoint.gguf_export import GGUFExportOptions, export_gguf
+    from kvconvert.checkpoint.gguf_export import export_gguf
+    from kvconvert.engines.gguf_options import GGUFExportOptions
     from kvconvert.data import eval_windows
     from kvconvert.sources import resolve_source
 

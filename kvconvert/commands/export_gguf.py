@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from kvconvert.checkpoint.gguf_export import GGUFExportOptions
 from kvconvert.commands.options import click_options
+from kvconvert.engines.gguf_options import GGUFExportOptions
 from kvconvert.stage_options import build_options
 
 

@@ -135,7 +135,8 @@ def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> di
 
 def _score(run, paths: dict, windows, todo: list[int], records: list, section: dict, threads, put) -> None:
     """Export both models to GGUF in a scratch folder, score the windows `todo`, remove the scratch."""
-    from kvconvert.checkpoint.gguf_export import GGUFExportOptions, export_gguf
+    from kvconvert.checkpoint.gguf_export import export_gguf
+    from kvconvert.engines.gguf_options import GGUFExportOptions
     from kvconvert.engines.llamacpp import LlamaCppScorer
 
     scratch = Path(run.out) / "cache" / "llamacpp-gguf"

@@ -18,8 +18,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvconvert.checkpoint.gguf_export import GGUFExportOptions, export_gguf
+from kvconvert.checkpoint.gguf_export import export_gguf
 from kvconvert.commands.main import cli
+from kvconvert.engines.gguf_options import GGUFExportOptions
 from kvconvert.engines.llamacpp import GGUFShape, LlamaCppContext, LlamaCppScorer, check_context, gguf_shape
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.runner import TransformersRunner
