@@ -109,11 +109,11 @@ _E4M3_SCALED = dict(quantized=True, amax_divisor=FP8_E4M3_MAX)
 
 KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("bf16", "bfloat16", 16, False, "bfloat16", kernel_mode="none",
-             engines=("vllm", "tensorrt-llm", _RUNTIME), vllm_cache_dtype="bfloat16"),
+             engines=("vllm", "tensorrt-llm", "llamacpp", _RUNTIME), vllm_cache_dtype="bfloat16"),
     KVFormat("fp16", "IEEE float16", 16, False, "float16", kernel_mode="none",
-             engines=("vllm", "tensorrt-llm", _RUNTIME), vllm_cache_dtype="float16"),
+             engines=("vllm", "tensorrt-llm", "llamacpp", _RUNTIME), vllm_cache_dtype="float16"),
     # vLLM has no fp32 cache dtype: "auto" caches in the model's dtype, fp32 for `validate --engine vllm`
-    KVFormat("fp32", "IEEE float32", 32, False, "float32", kernel_mode="none", engines=("vllm", _RUNTIME),
+    KVFormat("fp32", "IEEE float32", 32, False, "float32", kernel_mode="none", engines=("vllm", "llamacpp", _RUNTIME),
              vllm_cache_dtype="auto"),
     KVFormat("fp8", "FP8 E4M3", 8, torch_dtype="float8_e4m3fn", kernel_mode="fp8", exports=("vllm", "modelopt"),
              compressed_tensors=True, modelopt_algo="FP8", engines=("vllm", "tensorrt-llm", _RUNTIME),

@@ -1,6 +1,7 @@
 """`kvconvert plan`: for a KV byte budget, the artifact with the least measured damage, and its recipe.
 
-    candidates (the source's own attention or an MLA shape, x a KV format bf16/fp8/nvfp4, and for MLA
+    candidates (the source's own attention or an MLA shape, x a KV format bf16/fp8/nvfp4 or one of llama.cpp's
+      q8_0/q5_1/q5_0/q4_1/q4_0/iq4_nl, and for MLA
       nvfp4_fp8rope: its k_rope in 8 bits makes wide RoPE parts cheap, so shapes with up to 64 RoPE dims
       are candidates in that format only)
       -> keep those that fit the budget and that the target engine serves
@@ -9,8 +10,9 @@
       -> choose the least KL; write plan.json, plan.png and the chosen recipe (kvconvert.recipe)
 
 Pruning (`dominated_by`), for two candidates that both fit and are both served:
-  * the same cached values in a finer number format lose less (bf16 < fp8 < nvfp4 < nvfp4_fp8rope): the
-    source in fp8 beats the source in nvfp4, MLA 160+32 in bf16 beats it in fp8;
+  * the same cached values in a finer number format lose less (FINER_CHAINS: bf16 < fp8 < nvfp4 <
+    nvfp4_fp8rope; llama.cpp's bf16 < q8_0 < q5_0 < q4_0, q8_0 < iq4_nl, q5_1 < q4_1): the source in fp8 beats
+    the source in nvfp4, MLA 160+32 in bf16 beats it in fp8; iq4_nl and q4_0 are not ordered;
   * the source in a format at least as fine beats any MLA conversion in that format (MLA caches a
     projection of the same K/V: conversion error on top of the same rounding);
   * among MLA conversions in one format, a shape with at least the rank and at least the RoPE part of
@@ -41,7 +43,18 @@ from kvconvert.progress import eta_text
 from kvconvert.stage_options import StageOptions
 from kvconvert.targets import DEFAULT_TARGET, TARGETS, engines_serving, get_target, rope_dims_for, servable_shapes
 
-FORMATS = ("bf16", "fp8", "nvfp4", "nvfp4_fp8rope")  # finest first
+# Formats a plan considers, in chains where each holds the same cached values with less rounding than the next
+# by construction (finest first): vLLM / TensorRT-LLM's; llama.cpp's symmetric blocks scaled by their largest
+# value (q8_0's step bounds every error below q5_0's, q5_0's below q4_0's, q8_0's below iq4_nl's); its affine
+# blocks (q5_1's levels halve q4_1's steps over the same range). Formats in no common chain are not ordered.
+FINER_CHAINS = (("bf16", "fp8", "nvfp4", "nvfp4_fp8rope"), ("bf16", "q8_0", "q5_0", "q4_0"),
+                ("bf16", "q8_0", "iq4_nl"), ("bf16", "q5_1", "q4_1"))
+FORMATS = tuple(dict.fromkeys(f for chain in FINER_CHAINS for f in chain))
+
+
+def finer(a: str, b: str) -> bool:
+    """Format a rounds the same values less than format b by construction (a chain has a before b)."""
+    return any(a in chain and b in chain and chain.index(a) < chain.index(b) for chain in FINER_CHAINS)
 WIDE_ROPE = 64  # RoPE dims the research shapes may reach where k_rope is stored in 8 bits (else 32)
 
 
@@ -226,13 +239,13 @@ def fits(candidates: list[Candidate], budget: float, target: str) -> list[Candid
 
 def dominated_by(c: Candidate, d: Candidate) -> bool:
     """True when d loses less than c by construction (module docstring); both must fit and be served."""
-    finer_or_same = FORMATS.index(d.kv_dtype) <= FORMATS.index(c.kv_dtype)
+    finer_or_same = d.kv_dtype == c.kv_dtype or finer(d.kv_dtype, c.kv_dtype)
     if c.kind == "source":
-        return d.kind == "source" and FORMATS.index(d.kv_dtype) < FORMATS.index(c.kv_dtype)
+        return d.kind == "source" and finer(d.kv_dtype, c.kv_dtype)
     if d.kind == "source":
         return finer_or_same
     if (d.rank, d.rope_dim) == (c.rank, c.rope_dim):
-        return FORMATS.index(d.kv_dtype) < FORMATS.index(c.kv_dtype)
+        return finer(d.kv_dtype, c.kv_dtype)
     if d.kv_dtype != c.kv_dtype:
         return False
     return d.rank >= c.rank and d.rope_dim >= c.rope_dim  # (the shapes differ, so one is strictly larger)

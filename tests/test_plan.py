@@ -33,7 +33,11 @@ def test_candidates_count_bytes_and_engines():
     assert c["MLA 256+64 nvfp4"].engines == ("kvconvert",)  # vLLM refuses NVFP4 with MLA
     # 4-bit MLA keeps k_rope in 16 bits: 128 + 8 bytes of latent, 128 of k_rope, per layer
     assert c["MLA 256+64 nvfp4"].bytes_per_token == 30 * (128 + 16 + 128)
-    assert c["MLA 160+32 bf16"].fraction == 0.5 and c["MLA 160+32 bf16"].engines == ("kvconvert",)
+    assert c["MLA 160+32 bf16"].fraction == 0.5 and c["MLA 160+32 bf16"].engines == ("llamacpp", "kvconvert")
+    # llama.cpp's types: blocks of 32 with an fp16 scale, the whole MLA row alike, in rank and rope of whole blocks
+    assert c["source q4_0"].fraction == pytest.approx(36 / 128) and c["source q4_0"].engines == ("llamacpp", "kvconvert")
+    assert c["MLA 256+64 q4_0"].bytes_per_token == 30 * 320 // 32 * 18
+    assert "MLA 304+16 q4_0" not in c  # 304 is no whole number of blocks of 32
     assert "MLA 312+8 nvfp4" not in c and "MLA 312+8 fp8" in c  # NVFP4 needs the rank in whole groups of 16
 
 
@@ -63,15 +67,23 @@ def test_pruning_keeps_only_what_no_candidate_beats_by_construction():
     assert pruned["MLA 192+32 nvfp4"] == "MLA 224+32 nvfp4"  # a survivor, not the next shape up
     # no source format fits 25% (nvfp4 is 28.1%); per format the MLA shapes no larger shape contains
     # nvfp4_fp8rope's 8-bit k_rope buys shapes with wide RoPE parts (224+64) at these bytes too
+    # llama.cpp's formats add their own chains (q8_0 < q5_0 < q4_0, q8_0 < iq4_nl, q5_1 < q4_1): not ordered
+    # against the NVIDIA formats, nor iq4_nl against q4_0
     assert {c.name for c in survivors} == {"MLA 64+32 bf16", "MLA 160+32 fp8", "MLA 224+32 nvfp4",
                                            "MLA 224+64 nvfp4_fp8rope", "MLA 272+32 nvfp4_fp8rope",
-                                           "MLA 304+16 nvfp4_fp8rope"}
+                                           "MLA 304+16 nvfp4_fp8rope", "MLA 128+32 q8_0", "MLA 224+32 q5_0",
+                                           "MLA 224+32 q5_1", "MLA 256+32 q4_1", "MLA 256+64 iq4_nl",
+                                           "MLA 256+64 q4_0", "MLA 288+32 iq4_nl", "MLA 288+32 q4_0"}
     names = {c.name for c in enumerate_candidates(SMOLLM2)}
     assert "MLA 224+64 nvfp4_fp8rope" in names and "MLA 224+64 nvfp4" not in names  # wide RoPE: 8-bit k_rope only
     assert not any(n.startswith("source nvfp4_fp8rope") for n in names)  # MLA-only
     survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.5, "any"))
-    assert {c.name for c in survivors} == {"source fp8", "MLA 160+32 bf16"}
-    assert pruned["source nvfp4"] == "source fp8"
+    assert {c.name for c in survivors} == {"source fp8", "MLA 160+32 bf16", "source q5_0", "source q5_1",
+                                           "source iq4_nl", "MLA 256+64 q8_0", "MLA 320+32 q8_0"}
+    assert pruned["source nvfp4"] == "source fp8" and pruned["source q4_0"] == "source q5_0"
+    survivors, _ = prune(fits(enumerate_candidates(SMOLLM2), 0.3, "llamacpp"))  # source 4-bit; MLA in finer types
+    assert {"source q4_0", "source iq4_nl"} <= {c.name for c in survivors}
+    assert not [c for c in survivors if c.kind == "mla" and c.kv_dtype in ("q4_0", "iq4_nl")]  # the source's beat them
 
 
 def test_why_dominated_names_the_rule():
