@@ -34,9 +34,11 @@ class ValidateOptions(StageOptions):
         "checkpoint", description="Runtime engine: fp8/nvfp4 scales from the checkpoint or from the first prefill.")
     dtype: Literal[AUTO_WEIGHT_DTYPE_NAMES] = Field(
         "auto", description="Both models' weights/activations: auto = as stored (bf16 checkpoints run in bf16).")
-    llamacpp_rotation: bool = Field(
-        True, description="--engine llamacpp: llama.cpp's Hadamard rotation of quantized K/V caches, on by default as "
-                          "in llama.cpp (off = LLAMA_ATTN_ROT_DISABLE=1); its MLA path never rotates.")
+    llamacpp_rotation: bool | None = Field(
+        None, description="llama.cpp's Hadamard rotation of its quantized K/V caches (q8_0, q4_0, ...), in the "
+                          "runtime's emulation and in llama.cpp alike: default as LLAMA_ATTN_ROT_DISABLE says (on "
+                          "unless it is 1, as in llama.cpp); off = LLAMA_ATTN_ROT_DISABLE=1 for the run. llama.cpp's "
+                          "MLA path never rotates.")
     device: str = DEVICE_FIELD
     longbench_dir: Path | None = Field(None, description="LongBench folder of <task>.jsonl(.gz) files (default: "
                                                         "$KVCONVERT_LONGBENCH_DIR, else the LongBench-mini subset "

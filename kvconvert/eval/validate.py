@@ -210,17 +210,26 @@ def _progress(items, label: str, run: ValidateRun):
 
 # --------------------------------------------------------------------------- the run
 
-def run_validate(source: str, candidate: str, out: Path, options: ValidateOptions | None = None, *,
-                 spec: SuiteSpec | None = None, resume: bool = True, progress: bool = True, threads: int | None = None,
-                 vllm_python: str | None = None, shared: Path | None = None) -> dict:
+def run_validate(source: str, candidate: str, out: Path, options: ValidateOptions | None = None, **kwargs) -> dict:
     """Run the suite (options.suite, or `spec`), write report.json / report.md / PNGs into `out`,
     return the report. threads: torch CPU threads (None = torch's default; 1 is much faster on a
     CPU that other jobs share). With options.engine vllm, stock vLLM (from `vllm_python`, default
-    $KVCONVERT_VLLM_PYTHON or ./.venv-vllm) also scores the perplexity windows, beside the runtime.
-    shared: the folder of source results kept across runs (source_results_dir(); None: this report only)."""
-    from kvconvert.eval.report import build_report, write_report
+    $KVCONVERT_VLLM_PYTHON or ./.venv-vllm) also scores the perplexity windows, beside the runtime; with
+    llamacpp, stock llama.cpp. shared: the folder of source results kept across runs (source_results_dir();
+    None: this report only). options.llamacpp_rotation, when given, is llama.cpp's rotation switch for the whole
+    run (the runtime's emulation of llama.cpp's caches and llama.cpp itself read the same variable)."""
+    from kvconvert.eval.engine_llamacpp import llamacpp_rotation
 
     options = options or ValidateOptions()
+    with llamacpp_rotation(options.llamacpp_rotation):
+        return _run_validate(source, candidate, out, options, **kwargs)
+
+
+def _run_validate(source: str, candidate: str, out: Path, options: ValidateOptions, *,
+                  spec: SuiteSpec | None = None, resume: bool = True, progress: bool = True, threads: int | None = None,
+                  vllm_python: str | None = None, shared: Path | None = None) -> dict:
+    from kvconvert.eval.report import build_report, write_report
+
     run = ValidateRun(source, candidate, Path(out), options, spec or get_suite(options.suite), resume, progress,
                       shared=Path(shared) if shared is not None else None)
     check_inputs(run, vllm_python)
