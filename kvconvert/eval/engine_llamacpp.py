@@ -14,22 +14,45 @@ prefill, which in llama.cpp already writes K/V to the cache and attends to the c
 Weights go into the GGUF as --dtype says (auto: as stored). KV caches: --source-kv-dtype and --kv-dtype
 map to llama.cpp's cache types (auto = f16, llama.cpp's default; fp32/fp16/bf16 = f32/f16/bf16; the
 llama.cpp formats by their own names), flash attention on whenever a cache is quantized (llama.cpp needs
-it for a quantized V), and llama.cpp's Hadamard rotation of quantized caches as --llamacpp-rotation says
-(its MLA path never rotates: kvconvert.engines.llamacpp).
+it for a quantized V), and llama.cpp's Hadamard rotation of quantized caches as LLAMA_ATTN_ROT_DISABLE says
+(--llamacpp-rotation / --no-llamacpp-rotation set it for the run, so the runtime's emulation agrees; its MLA
+path never rotates: kvconvert.engines.llamacpp).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvconvert.errors import KVConvertError
+from kvconvert.ggml_formats import rotation_enabled
 from kvconvert.kvformat import AUTO, kv_format
 
 TASK = "llamacpp_perplexity"
 FLOAT_CACHES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}  # kvconvert's float formats -> llama.cpp's names
 WEIGHTS = {"auto": "auto", "fp32": "f32", "fp16": "f16", "bf16": "bf16"}  # --dtype -> export-gguf --outtype
+
+
+@contextmanager
+def llamacpp_rotation(enabled: bool | None):
+    """LLAMA_ATTN_ROT_DISABLE for the block: llama.cpp's own rotation switch, which the runtime's emulation of its
+    caches and its result fingerprints read too (kvconvert.ggml_formats). None leaves it as it is."""
+    from kvconvert.ggml_formats import ROTATION_ENV
+
+    before = os.environ.get(ROTATION_ENV)
+    if enabled is not None:
+        os.environ[ROTATION_ENV] = "0" if enabled else "1"
+    try:
+        yield
+    finally:
+        if enabled is not None:
+            if before is None:
+                os.environ.pop(ROTATION_ENV, None)
+            else:
+                os.environ[ROTATION_ENV] = before
 
 
 def llamacpp_cache(kv_dtype: str, role: str) -> str:
@@ -55,7 +78,7 @@ def contexts_for(run, ggufs: dict) -> list:
         cache = llamacpp_cache(kv, role)
         out.append(LlamaCppContext(name=role, gguf=str(ggufs[role]), cache=cache,
                                    flash_attn="on" if cache_type(cache).quantized else "auto",
-                                   rotation=run.options.llamacpp_rotation))
+                                   rotation=rotation_enabled()))
     return out
 
 
@@ -101,10 +124,10 @@ def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> di
     cache = ResultCache(Path(run.out) / "cache", resume=run.resume)
     # llama.cpp's settings besides the models and formats: what the cache types, rotation and weights were
     key = (f"{prints['source']}-{prints['candidate']}-{caches['source'].cache}-{caches['candidate'].cache}"
-           f"-rot{int(run.options.llamacpp_rotation)}-{outtype}")
+           f"-rot{int(rotation_enabled())}-{outtype}")
     section = {"settings": {"weights": outtype, "kv_cache": {r: c.cache for r, c in caches.items()},
                             "flash_attn": {r: c.flash_attn for r, c in caches.items()},
-                            "rotation": run.options.llamacpp_rotation, "windows": len(windows),
+                            "rotation": rotation_enabled(), "windows": len(windows),
                             "window_len": spec.ppl_window_len}, "notes": []}
     records, todo = [], []
     for i, ids in enumerate(windows):
@@ -127,7 +150,7 @@ def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> di
     from kvconvert.engines.llamacpp import cache_type
 
     quantized = cache_type(caches["candidate"].cache).quantized
-    if quantized and run.options.llamacpp_rotation and read_config(paths["candidate"]).get("kv_lora_rank"):
+    if quantized and rotation_enabled() and read_config(paths["candidate"]).get("kv_lora_rank"):
         section["notes"].append("llama.cpp's MLA path stores the latent unrotated: its Hadamard rotation applies "
                                 "to per-head K/V caches only (src/llama-graph.cpp)")
     return _store(report, section)
