@@ -46,6 +46,11 @@ and NVFP4 alike. ``fp8`` data may also be float8_e5m2 (``allocate(dtype=torch.fl
 ``amax / 57344``): the runtime's torch backend reads it; the Triton kernels are for e4m3.
 These layer objects are the runtime's paged cache storage too (``kvconvert.runtime.kv_cache``).
 
+``int8`` (both layouts; no kernel reads it): TensorRT-LLM's INT8 cache, int8 codes of ``x * (1 / scale)``
+(kvconvert.number_formats.int8_quantize) where ``fp8`` has e4m3 ones: GQA ``k``/``v`` int8 ``[nb, bs, H, D]`` with
+``k_scale``/``v_scale`` fp32 ``[1]`` or ``[H]`` (the exported amax / 127, the dequant scale); MLA ``data`` int8
+``[nb, bs, R + P]`` with ``tensor_scale`` fp32 ``[1]``, the whole row at one scale.
+
 ``ggml`` (both layouts; no kernel reads it): llama.cpp's cache as the engine stores it, uint8 blocks of 32 values
 ``[..., width // 32, block_bytes]`` (GQA: ``[nb, bs, H, D // 32, bytes]`` for k and v, each with its own
 ``frames[side]``; MLA: ``data`` ``[nb, bs, (R + P) // 32, bytes]``, the whole row, ``frames["kv"]``). A frame
@@ -70,9 +75,12 @@ GQA_MODES = KERNEL_MODES  # none, fp8, nvfp4: the registry formats' kernel modes
 MLA_MODES = (*KERNEL_MODES, "fp8_tile")  # + FlashMLA's dynamic per-tile layout (no checkpoint format)
 # storage the torch backend reads but no kernel does: "ggml", llama.cpp's block formats in its own cache frame
 # (kvconvert.ggml_formats.CacheFrame: channel order, Hadamard, blocks of 32), the engine's bytes as it stores them
-EMULATED_MODES = ("ggml",)
+# and "int8", TensorRT-LLM's INT8 cache (kvconvert.number_formats.int8_quantize), read by the runtime's torch backend
+EMULATED_MODES = ("ggml", "int8")
 FP8_DTYPES = (FP8_DTYPE, torch.float8_e5m2)  # fp8 mode's data: e4m3 (the kernels' and the default) or e5m2
 PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SCALED_MODES = ("fp8", "int8")  # one code per value at a kv scale (per tensor, per head, or the MLA row's)
+VALUE_DTYPES = {"none": PLAIN_DTYPES, "fp8": FP8_DTYPES, "int8": (torch.int8,)}  # a value-per-element mode's data
 
 # a mode's block tensors: {field: (shape, allowed dtypes)}; allocated in the requested dtype where allowed
 # (PLAIN_DTYPES: the plain / RoPE dtype; FP8_DTYPES: e4m3 or e5m2), else in the first allowed
@@ -122,12 +130,14 @@ def _stored_scale(mode: str, kv_scale, n: int, what: str, device) -> torch.Tenso
 
 
 def _quantize(mode: str, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> list[torch.Tensor]:
-    """New rows x in a mode's stored form: [values] ("none": cast to dtype; "fp8": in fp8 dtype) or
-    [packed codes, block scales] ("nvfp4", scale = the global scale)."""
+    """New rows x in a mode's stored form: [values] ("none": cast to dtype; "fp8": in fp8 dtype; "int8": int8
+    codes) or [packed codes, block scales] ("nvfp4", scale = the global scale)."""
     if mode == "none":
         return [x.to(dtype)]
     if mode == "fp8":
         return [F.fp8_quantize(x, scale, dtype)]
+    if mode == "int8":
+        return [F.int8_quantize(x, scale)]
     return list(F.nvfp4_quantize(x, scale))
 
 
@@ -139,6 +149,8 @@ def dequantize_rows(mode: str, values: torch.Tensor, scale: torch.Tensor | None 
         return values.to(out_dtype)
     if mode == "fp8":
         return F.fp8_dequantize(values, scale, out_dtype)
+    if mode == "int8":
+        return F.int8_dequantize(values, scale, out_dtype)
     return F.nvfp4_dequantize(values, block_scales, scale, out_dtype)
 
 
@@ -228,8 +240,8 @@ class MLACacheLayer(_PagedLayer):
         nb_bs = (num_blocks, block_size)
         if mode == "ggml":
             return {"data": ((*nb_bs, (r + p) // GGML_BLOCK, _frame(frames, "kv").block_bytes), (torch.uint8,))}
-        if mode in ("none", "fp8"):
-            return {"data": ((*nb_bs, r + p), PLAIN_DTYPES if mode == "none" else FP8_DTYPES)}
+        if mode in ("none", *SCALED_MODES):
+            return {"data": ((*nb_bs, r + p), VALUE_DTYPES[mode])}
         if mode == "fp8_tile":
             return {"data": ((*nb_bs, r), (FP8_DTYPE,)), "scales": ((*nb_bs, n_tiles), (torch.float32,)),
                     "rope": ((*nb_bs, p), PLAIN_DTYPES)}
@@ -254,7 +266,7 @@ class MLACacheLayer(_PagedLayer):
             if n_tiles == 0 or r % n_tiles or (r // n_tiles) % 16:
                 raise KVConvertError(f"MLA fp8 tile scales must split {r} into tiles of a multiple of 16 values")
         self._check_tensors(self.layout(self.mode, *self.data.shape[:2], r, p, n_tiles, self.frames))
-        if self.mode in ("fp8", "nvfp4"):
+        if self.mode in (*SCALED_MODES, "nvfp4"):
             _expect(self.tensor_scale, f"MLA {self.mode} tensor_scale", (1,), (torch.float32,))
         if self.rope_fp8:
             _expect(self.rope_scale, "MLA nvfp4 rope_scale (an e4m3 rope's)", (1,), (torch.float32,))
@@ -277,9 +289,9 @@ class MLACacheLayer(_PagedLayer):
         kv scale). ``kv_scale``: exported amax/448 (fp8, nvfp4). ``frames``: ggml's {"kv": CacheFrame}."""
         r = kv_lora_rank
         tensor_scale, n_tiles = None, None
-        if mode in ("fp8", "nvfp4"):
+        if mode in (*SCALED_MODES, "nvfp4"):
             if kv_scale is None:
-                raise KVConvertError(f"MLA mode {mode!r} needs a calibrated kv_scale (amax / 448)")
+                raise KVConvertError(f"MLA mode {mode!r} needs a calibrated kv_scale (amax / 448; int8: amax / 127)")
             tensor_scale = _stored_scale(mode, kv_scale, 1, "MLA kv_scale", device)
         if mode == "fp8_tile":
             tile = fp8_tile or mla_fp8_tile(r)
@@ -317,7 +329,7 @@ class MLACacheLayer(_PagedLayer):
                 f"new MLA rows {tuple(latent.shape)} / {tuple(rope.shape)} do not match "
                 f"kv_lora_rank {self.kv_lora_rank} / rope_dim {self.rope_dim}"
             )
-        if self.mode in ("none", "fp8"):  # one row [latent | rope]
+        if self.mode in ("none", *SCALED_MODES):  # one row [latent | rope]
             row = torch.cat([latent, rope], -1)
             return [(self.data, _quantize(self.mode, row, self.data.dtype, self.tensor_scale)[0])]
         if self.mode == "ggml":  # llama.cpp quantizes the whole row
@@ -331,7 +343,7 @@ class MLACacheLayer(_PagedLayer):
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache in fp32: latent ``[nb, bs, R]``, rope ``[nb, bs, P]`` (reference path)."""
-        if self.mode in ("none", "fp8", "ggml"):
+        if self.mode in ("none", *SCALED_MODES, "ggml"):
             full = self.read_rows(self.data) if self.mode == "ggml" else dequantize_rows(self.mode, self.data,
                                                                                           self.tensor_scale)
             return full[..., : self.kv_lora_rank], full[..., self.kv_lora_rank:]
@@ -383,7 +395,7 @@ class GQACacheLayer(_PagedLayer):
         if mode == "nvfp4":
             codes, block_scales = ((*rows, d // 2), (torch.uint8,)), ((*rows, d // 16), (FP8_DTYPE,))
             return {"k": codes, "v": codes, "k_block_scales": block_scales, "v_block_scales": block_scales}
-        values = ((*rows, d), PLAIN_DTYPES if mode == "none" else FP8_DTYPES)
+        values = ((*rows, d), VALUE_DTYPES[mode])
         return {"k": values, "v": values}
 
     def __post_init__(self):

@@ -7,8 +7,11 @@ docs/formats.md ("The format registry") has the table :func:`markdown_table` wri
 Conventions (docs/formats.md, "KV-cache number formats and scales"):
 
 * A quantized format is stored with scales; the checkpoint's exported ``k_scale`` / ``v_scale`` is
-  ``amax / amax_divisor``: 448 (the E4M3 max) for FP8 E4M3 and for NVFP4, 57344 for FP8 E5M2.
+  ``amax / amax_divisor``: 448 (the E4M3 max) for FP8 E4M3 and for NVFP4, 57344 for FP8 E5M2, 127 for
+  INT8 (TensorRT-LLM's: ``q = rne_sat(x * (1 / scale))``, docs/engines.md "INT8 KV cache").
   Those scales are per tensor (or per KV head), fp32, a few bytes per layer: not counted in bytes.
+* ``shared_kv_scale``: the engine stores K and V of a layer with one scale, ``max(k_scale, v_scale)``
+  (TensorRT-LLM's INT8 cache: one kv_cache_scaling_factor per layer); calibrate writes them equal.
 * NVFP4: E2M1 codes, one E4M3 scale per block of 16 values along head_dim (the latent for MLA),
   plus an fp32 global scale = kv_scale / 6.
 * Under a 4-bit format MLA stores k_rope (the last qk_rope_head_dim values of its cached row) in the
@@ -27,6 +30,7 @@ from kvconvert.errors import KVConvertError
 
 FP8_E4M3_MAX = 448.0
 FP8_E5M2_MAX = 57344.0
+INT8_MAX = 127.0  # symmetric INT8: amax maps to 127 (the engine saturates at -128 / 127)
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
 
@@ -54,12 +58,18 @@ class KVFormat:
     mla_engines: tuple[str, ...] | None = None  # those that serve it for an MLA latent (None: as `engines`)
     vllm_cache_dtype: str | None = None  # vLLM's kv_cache_dtype for it ("auto": the model's dtype)
     ggml_type: str | None = None  # llama.cpp's cache type (kvconvert.ggml_formats); no calibrated scale
+    shared_kv_scale: bool = False  # K and V stored with one scale per layer, max(k_scale, v_scale)
     aliases: tuple[str, ...] = ()
 
     @property
     def has_kv_scale(self) -> bool:
         """Stored with a calibrated (or dynamic) kv scale per tensor / head; llama.cpp's types set theirs per block."""
         return self.quantized and self.amax_divisor is not None
+
+    @property
+    def integer(self) -> bool:
+        """Stored as integer codes of x * (1 / kv scale) (int8), not as a float format."""
+        return self.torch_dtype is not None and self.torch_dtype.startswith("int")
 
     @property
     def bytes_per_value(self) -> float:
@@ -93,11 +103,20 @@ class KVFormat:
         if self.amax_divisor is None:
             return "-"
         nvfp4 = f"; NVFP4 global scale = scale / {E2M1_MAX:g}" if self.block_scale == "e4m3" else ""
-        return f"amax / {self.amax_divisor:g}{nvfp4}"
+        shared = "; K and V stored with max(k_scale, v_scale)" if self.shared_kv_scale else ""
+        return f"amax / {self.amax_divisor:g}{nvfp4}{shared}"
 
     def served_by(self, mla: bool = False) -> tuple[str, ...]:
         """Engines that serve this cache format, for an MLA latent or for per-head K/V."""
         return self.mla_engines if mla and self.mla_engines is not None else self.engines
+
+    def engine_scales(self, k_scale, v_scale):
+        """(K, V) scales the engine stores with, from a checkpoint's k_scale / v_scale (floats or tensors): both
+        max(k_scale, v_scale) where it keeps one scale per layer (shared_kv_scale; tensors elementwise)."""
+        if not self.shared_kv_scale:
+            return k_scale, v_scale
+        shared = k_scale.maximum(v_scale) if hasattr(k_scale, "maximum") else max(k_scale, v_scale)
+        return shared, shared
 
     def scale_from_amax(self, amax):
         """Exported kv scale for an amax (float or tensor): amax / amax_divisor."""
@@ -139,9 +158,14 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
                "fp16 scale + min", block_scale_bytes=scale_bytes, ggml_type=name, engines=("llamacpp", _RUNTIME))
       for name, bits, scale_bytes in (("q8_0", 8, 2), ("q5_1", 5, 4), ("q5_0", 5, 2), ("q4_1", 4, 4),
                                       ("q4_0", 4, 2), ("iq4_nl", 4, 2))),
-    # planning only (`kvconvert budget`): int8 with per-tensor scales; our int4 convention, symmetric
-    # 4-bit integers with one fp16 scale per 32 values (0.5625 bytes/value, as NVFP4)
-    KVFormat("int8", "int8", 8, True),
+    # TensorRT-LLM's INT8 cache (GPUs without FP8): int8 codes of x * (1 / scale), scale = amax / 127 per tensor,
+    # one scale for K and V (max); hf_quant_config.json kv_cache_quant_algo INT8. No Triton kernel reads it (the
+    # runtime's torch backend does); TensorRT-LLM's MLA + INT8: not verified. vLLM has no static INT8 cache
+    # (its int8_per_token_head is dynamic: docs/engines.md)
+    KVFormat("int8", "INT8", 8, True, "int8", amax_divisor=INT8_MAX, exports=("modelopt",), modelopt_algo="INT8",
+             engines=("tensorrt-llm", _RUNTIME), mla_engines=(_RUNTIME,), shared_kv_scale=True),
+    # planning only (`kvconvert budget`): our int4 convention, symmetric 4-bit integers with one fp16 scale per
+    # 32 values (0.5625 bytes/value, as NVFP4)
     KVFormat("int4", "int4", 4, True, block=32, block_scale="fp16", block_scale_bytes=2, mla_rope="bf16"),
 )}
 ALIASES = {alias: f.name for f in KV_FORMATS.values() for alias in f.aliases}

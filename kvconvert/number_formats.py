@@ -1,4 +1,4 @@
-"""KV-cache number formats: FP8 (E4M3 / E5M2) and NVFP4, as bit-exact pure-PyTorch references.
+"""KV-cache number formats: FP8 (E4M3 / E5M2), NVFP4 and INT8, as bit-exact pure-PyTorch references.
 
 A floor module (it imports only errors and kvformat): calibration's fake quantization
 (kvconvert.quant.fake_quant), the runtime's cache and the kernels' references all round through it.
@@ -19,8 +19,13 @@ Conventions (docs/formats.md, "KV-cache number formats and scales"):
   Codes are 4 bits: bit 3 = sign (IEEE sign bit of x, so -0.0 and tiny negatives give 0x8),
   bits 0-2 = index into E2M1_VALUES. Two codes per byte: element 2i in the LOW nibble, 2i+1 in the
   HIGH nibble. Packed ``uint8 [..., D // 2]``, block scales ``float8_e4m3fn [..., D // 16]``.
+* INT8, static scale (TensorRT-LLM's cache write, docs/engines.md "INT8 KV cache"):
+  ``q = sat_s8(rne(x * fp32(1 / scale)))``: the product in fp32 with the scale's fp32 reciprocal (the
+  kernel multiplies by kv_scale_orig_quant = 1 / kv_cache_scaling_factor; ``x / scale`` rounds differently
+  near ties), then PTX ``cvt.rni.sat.s8.f32``: round half to even, saturating to [-128, 127].
+  ``x_hat = float(q) * scale`` in fp32. ``scale = amax / 127``.
 * Exported checkpoint scales (``k_scale`` / ``v_scale``) are ``amax / 448`` for both FP8 and NVFP4
-  (ModelOpt >= 0.42 / TensorRT-LLM); the NVFP4 global scale is that divided by 6.
+  (ModelOpt >= 0.42 / TensorRT-LLM); the NVFP4 global scale is that divided by 6; ``amax / 127`` for INT8.
 
 Every quantizer rejects NaN input with KVConvertError. Scales must be positive and finite.
 """
@@ -162,6 +167,34 @@ def fp8_tile_dequantize(
         raise KVConvertError(f"fp8 tile scales {tuple(scales.shape)} do not tile a last dim of {d}")
     tiles = q.float().reshape(*q.shape[:-1], n_tiles, d // n_tiles)
     return (tiles * scales.float()[..., None]).reshape(q.shape).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# INT8
+# ----------------------------------------------------------------------------------------------
+
+INT8_MIN, INT8_MAX = -128, 127  # cvt.rni.sat.s8's range: a clipped negative value may reach -128
+
+
+def int8_quantize(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """``sat_s8(rne(x * fp32(1 / scale)))`` -> int8, as TensorRT-LLM's INT8 cache stores x. x any float ``[...]``;
+    scale float or broadcastable (e.g. ``[heads, 1]`` for x ``[tokens, heads, D]``)."""
+    _reject_nan(x, "int8_quantize input")
+    s = _as_scale(scale, x.device, "int8 scale")
+    # the kernel's quant scale is the reciprocal, one correctly rounded fp32 division, then one fp32 product;
+    # torch.round is half-to-even; an infinite product (tiny scale) saturates like cvt.sat
+    y = x.float() * (1.0 / s)
+    return torch.round(y).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+def int8_dequantize(
+    q: torch.Tensor, scale: float | torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``float(q) * scale`` in fp32 (exact codes, one rounding), then cast to ``out_dtype``. q int8 ``[...]``."""
+    if q.dtype != torch.int8:
+        raise KVConvertError(f"INT8 codes must be torch.int8, got {q.dtype}")
+    s = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
+    return (q.float() * s).to(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

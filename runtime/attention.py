@@ -168,6 +168,9 @@ class TritonAttention(TorchAttention):
         if fmt.ggml_type:
             raise KVConvertError(f"the Triton kernels do not read llama.cpp's cache types ({fmt.name}): the runtime "
                                  "emulates them with --backend torch")
+        if fmt.integer:
+            raise KVConvertError(f"the Triton kernels do not read an {fmt.title} cache ({fmt.name}): the runtime "
+                                 "reads it with --backend torch")
         if fmt.kernel_mode is None:  # fp8_e5m2
             raise KVConvertError("the Triton kernels read fp8 e4m3 caches only; use kv_dtype fp8 or --backend torch")
         from kvconvert.kernels import attention as kernels  # imported here: the torch backend never loads Triton

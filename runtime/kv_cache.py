@@ -13,11 +13,14 @@ Storage formats (kv_dtype):
     k_rope tail stays bf16 ([num_blocks, block_size, rope]) like FlashMLA's layout, since it is a
     small part of the row and carries the position signal.
   * nvfp4_fp8rope (MLA only): the latent as nvfp4, the k_rope tail e4m3 with the row's kv scale.
+  * int8: TensorRT-LLM's INT8 cache, int8 codes of x * (1 / scale) (round half to even, saturating), read back
+    as float(q) * scale; scale = amax / 127 per tensor (per KV head accepted), and one scale for K and V,
+    max(k_scale, v_scale), as TensorRT-LLM applies (kvformat's shared_kv_scale). The torch backend reads it.
 The storage is kvconvert.kernels.cache_layout's layer objects (one per layer), so the Triton
 kernels read the runtime's cache as is and the torch backend gathers from the same tensors.
 Formats, scale conventions and scale names are kvconvert.kvformat's: the checkpoint's kv_scale is
-amax / 448 for FP8 E4M3 and NVFP4, amax / 57344 for FP8 E5M2 (what kv_scales="dynamic" derives
-too), under the vLLM / compressed-tensors name (model.layers.N.self_attn.k_scale, .v_scale), the
+amax / 448 for FP8 E4M3 and NVFP4, amax / 57344 for FP8 E5M2, amax / 127 for INT8 (what kv_scales="dynamic"
+derives too), under the vLLM / compressed-tensors name (model.layers.N.self_attn.k_scale, .v_scale), the
 ModelOpt / TensorRT-LLM one (self_attn.k_proj.k_scale, .v_proj.v_scale) or vLLM's shared kv_scale.
 An MLA checkpoint has one scale for the whole cached row: self_attn.k_scale (v_scale equal), or
 the ModelOpt-style self_attn.kv_a_proj_with_mqa.k_scale.
@@ -82,7 +85,8 @@ def make_layer(kv_dtype: str, num_blocks: int, block_size: int, specs: dict[str,
     fmt.check_cache_kind("kv" in specs)
     if fmt.ggml_type:  # llama.cpp's cache as the engine stores it, in its frame
         return _ggml_layer(fmt.ggml_type, num_blocks, block_size, specs, device)
-    mode = "fp8" if fmt.quantized and fmt.torch_dtype else fmt.kernel_mode  # fp8 e4m3 or e5m2; none; nvfp4
+    # int8; fp8 e4m3 or e5m2; none; nvfp4
+    mode = "int8" if fmt.integer else "fp8" if fmt.quantized and fmt.torch_dtype else fmt.kernel_mode
     # nvfp4: the RoPE tail's dtype (bf16, or e4m3 for nvfp4_fp8rope)
     dtype = getattr(torch, fmt.torch_dtype or kv_format(fmt.mla_rope or "bf16").torch_dtype)
     placeholder = 1.0 if fmt.quantized else None
@@ -119,6 +123,8 @@ def rows_to_write(layer, first: torch.Tensor, second: torch.Tensor) -> list[tupl
     if fmt is not None:
         if isinstance(layer, MLACacheLayer):  # one scale for the whole row [latent | k_rope]
             layer.set_kv_scales(_dynamic_scale(fmt, first, second))
+        elif fmt.shared_kv_scale:  # K and V at one scale, as the engine stores them
+            layer.set_kv_scales(*[_dynamic_scale(fmt, first, second)] * 2)
         else:
             layer.set_kv_scales(_dynamic_scale(fmt, first), _dynamic_scale(fmt, second))
         layer.dynamic_format = None
@@ -151,9 +157,9 @@ def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, work
         return out.copy_(raw)
     if layer.mode == "ggml":
         return out.copy_(layer.read_rows(raw, name))
-    if layer.mode == "fp8":  # every decode step reads the whole context: the table, not per-value casts
+    if layer.mode in ("fp8", "int8"):  # every decode step reads the whole context: the table, not per-value casts
         lead = out if rope is None else out[..., : -rope.shape[-1]]
-        return lead.copy_(fp8_table_dequantize(raw, scale, out.dtype, workspace))
+        return lead.copy_(code_table_dequantize(raw, scale, out.dtype, workspace))
     if block_scales is not None:
         block_scales = _gather_blocks(block_scales, block_tables, workspace, "raw_scales")
     lead = out if rope is None else out[..., : -rope.shape[-1]]
@@ -164,11 +170,11 @@ def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, work
     return out
 
 
-def fp8_table_dequantize(raw: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-                         workspace: Workspace) -> torch.Tensor:
-    """FP8 codes raw [..., H, D] (or MLA rows [..., W]) times scale ([1, 1], [H, 1] or [1]) in out_dtype: bit for bit
-    kvconvert.number_formats.fp8_dequantize (each value float(code) * scale in fp32, then rounded once to
-    out_dtype), read from a table of the 256 codes' products instead. A byte has 256 values, so the table holds
+def code_table_dequantize(raw: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+                          workspace: Workspace) -> torch.Tensor:
+    """8-bit codes raw [..., H, D] (or MLA rows [..., W]; FP8 or INT8) times scale ([1, 1], [H, 1] or [1]) in
+    out_dtype: bit for bit kvconvert.number_formats.fp8_dequantize / int8_dequantize (each value float(code) * scale
+    in fp32, then rounded once to out_dtype), read from a table of the 256 codes' products instead. A byte has 256 values, so the table holds
     every product the per-value path can form; the lookup is one integer gather, about 4x faster on a CPU than
     PyTorch's per-value float8 cast, which dominated an FP8 cache's decode step (docs/BENCHMARKS.md)."""
     codes = torch.arange(256, dtype=torch.int32, device=raw.device).to(torch.uint8).view(raw.dtype).float()
@@ -233,18 +239,21 @@ def read_kv_scales(reader, layout: list[dict[str, CacheSpec]], kv_dtype: str, so
 
     A scale is a 0-d fp32 tensor (per tensor) or [kv_heads, 1] (per head). With source
     "checkpoint" every layer must have them (KVConvertError otherwise); with "dynamic" they are
-    computed from the first prefill and a warning says so.
+    computed from the first prefill and a warning says so. A format whose engine stores K and V at one
+    scale (int8: kvformat's shared_kv_scale) gets max(k_scale, v_scale) for both.
     """
     if not kv_format(kv_dtype).has_kv_scale:  # unquantized, or llama.cpp's types (scales set per block)
         return [{} for _ in layout], False
     if source == "dynamic":
         warnings.warn(
             f"kv_scales='dynamic': {kv_dtype} KV scales are computed from the amax of the first prefill step "
-            "(amax/448 per tensor, amax/57344 for e5m2); later, larger values are clipped. Calibrated checkpoint "
+            f"({kv_format(kv_dtype).scale_rule}, per tensor); later, larger values are clipped. Calibrated checkpoint "
             "scales are the reliable source (kvconvert calibrate).", stacklevel=3)
         return [{} for _ in layout], True
-    return [{name: _read_scale(reader, i, name, spec.row_shape, kv_dtype) for name, spec in layer.items()}
-            for i, layer in enumerate(layout)], False
+    scales = [{name: _read_scale(reader, i, name, spec.row_shape, kv_dtype) for name, spec in layer.items()}
+              for i, layer in enumerate(layout)]
+    fmt = kv_format(kv_dtype)  # int8: K and V at the larger of the two, as TensorRT-LLM stores them
+    return [dict(zip("kv", fmt.engine_scales(s["k"], s["v"]))) if "v" in s else s for s in scales], False
 
 
 def _read_scale(reader, layer: int, name: str, row_shape: tuple[int, ...], kv_dtype: str) -> torch.Tensor:

@@ -34,7 +34,7 @@ def test_planner_bytes_equal_runtime_allocated_bytes(config, kv_dtype):
                 count()
         return
     planned = kv_bytes_per_token(kv_shape(config), kv_dtype)
-    if kv_dtype not in RUNTIME_KV_DTYPES:  # planning-only formats (int8, int4): the runtime refuses them
+    if kv_dtype not in RUNTIME_KV_DTYPES:  # planning-only formats (int4): the runtime refuses them
         with pytest.raises(KVConvertError, match="not supported; choose one of"):
             PagedKVCache(kv_layout(config), 1, 1, kv_dtype, dynamic=True)
         return

@@ -57,10 +57,23 @@ def test_unknown_kv_dtype_lists_the_known_ones():
 
 
 @pytest.mark.parametrize("name", [n for n, f in KV_FORMATS.items() if f.torch_dtype and f.quantized])
-def test_fp8_scale_divisor_is_the_torch_dtype_max(name):
+def test_scale_divisor_is_the_torch_dtype_max(name):
+    """FP8's amax maps to its largest finite value, INT8's to 127 (symmetric: -128 is left to saturation)."""
     fmt = kv_format(name)
-    assert fmt.amax_divisor == torch.finfo(getattr(torch, fmt.torch_dtype)).max
+    dtype = getattr(torch, fmt.torch_dtype)
+    assert fmt.integer == (not dtype.is_floating_point)
+    assert fmt.amax_divisor == (torch.iinfo if fmt.integer else torch.finfo)(dtype).max
     assert fmt.scale_from_amax(fmt.amax_divisor) == 1.0
+
+
+def test_int8_is_tensorrt_llms_cache():
+    """INT8: ModelOpt's names and kv_cache_quant_algo, served by TensorRT-LLM (per-head K/V) and the runtime, no
+    Triton kernel mode, one scale for K and V (the report's scale convention says so)."""
+    fmt = kv_format("int8")
+    assert (fmt.exports, fmt.modelopt_algo, fmt.kernel_mode) == (("modelopt",), "INT8", None)
+    assert fmt.served_by() == ("tensorrt-llm", "kvconvert") and fmt.served_by(mla=True) == ("kvconvert",)
+    assert fmt.has_kv_scale and fmt.shared_kv_scale and fmt.scale_rule.startswith("amax / 127;")
+    assert kv_format("int4").engines == () and not kv_format("int4").has_kv_scale  # planning only
 
 
 def test_engines_are_target_names():

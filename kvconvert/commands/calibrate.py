@@ -18,7 +18,7 @@ from kvconvert.stage_options import build_options
 @threads_option
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def calibrate_cmd(src, out, in_place, overwrite, threads, quiet, **params):
-    """Calibrate static FP8 / NVFP4 KV-cache scales, fold them into the weights and write them in vLLM
+    """Calibrate static FP8 / INT8 / NVFP4 KV-cache scales, fold them into the weights and write them in vLLM
     and/or ModelOpt names; for llama.cpp's cache types (q8_0, q4_0, iq4_nl, ...), fold the weight rewrites that
     suit its rotated block quantizer (kvconvert export-gguf then writes the file llama.cpp loads)."""
     from kvconvert.checkpoint import check_not_source

@@ -41,7 +41,8 @@ def vllm_kv_dtype(kv_dtype: str, role: str) -> str:
     value = AUTO if kv_dtype == AUTO else kv_format(kv_dtype).vllm_cache_dtype
     if value is None:
         raise KVConvertError(f"--engine vllm: the {role}'s KV format {kv_dtype!r} has no vLLM cache here "
-                             "(vLLM's NVFP4 KV needs a Blackwell GPU and is refused for MLA); pass another --kv-dtype")
+                             "(vLLM has no static INT8 cache; its NVFP4 KV needs a Blackwell GPU and is refused for MLA); "
+                             "pass another --kv-dtype")
     return value
 
 

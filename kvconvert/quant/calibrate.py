@@ -1,4 +1,4 @@
-"""`kvconvert calibrate`: static FP8 / NVFP4 KV-cache scales from calibration data.
+"""`kvconvert calibrate`: static FP8 / INT8 / NVFP4 KV-cache scales from calibration data.
 
 Pipeline (all on CPU, fp32). `kvconvert calibrate` runs it layer by layer (calibrate_streamed,
 stream.py: one decoder layer's weights in memory at a time); calibrate_model runs the same steps on a
@@ -8,8 +8,9 @@ blocks do not cover: biases, qk-norm, MoE, sliding windows):
 2. optionally fold rotations into the weights (rotate.py) - planned from a short statistics pass;
 3. one pass over ALL calibration windows with a cache hook: streaming observers (observers.py),
    NaN/inf checked per layer; the attention inputs of the first windows are recorded for (4);
-4. scales = observer statistic / 448 (amax, percentile), or the attention-output MSE search
-   (search.py) started from the amax scales;
+4. scales = observer statistic / 448 (amax, percentile; INT8: / 127), or the attention-output MSE search
+   (search.py) started from the amax scales; where the engine stores K and V at one scale (INT8), the two are
+   tied a power of two apart (fold.tied_candidates), so they fold to one written scale;
 5. export (export.py): weights (copied or rotated) + k/v scales in vLLM and/or ModelOpt names,
    config, calibration_report.json and a PNG, written atomically.
 """
@@ -30,6 +31,7 @@ from kvconvert.quant.capture import (
     AttentionRecorder, decoder_layers, run_with_hook,
 )
 from kvconvert.quant.fake_quant import scale_from_amax
+from kvconvert.quant.fold import tied_candidates
 from kvconvert.quant.latent_shape import (
     LatentMoments, check_linear_norm, norm_is_linear, predicted_noise_ratio, shaping_transform,
 )
@@ -47,7 +49,7 @@ from kvconvert.quant.rotate import (
     pair_phase,
 )
 from kvconvert.quant.scales import KVScales
-from kvconvert.quant.search import LayerReplay, search_replay_scales
+from kvconvert.quant.search import LayerReplay, argmin_prefer_last, search_replay_scales
 
 
 class CalibrationSettings(CalibrateOptions):
@@ -76,6 +78,9 @@ class CalibrationSettings(CalibrateOptions):
         if layout.is_mla and self.granularity == "head":
             raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): "
                                  "use --granularity tensor")
+        if kv_format(self.kv_dtype).shared_kv_scale and self.granularity == "head":
+            raise KVConvertError(f"{self.kv_dtype}: the engine stores K and V of a layer at one scale (TensorRT-LLM's "
+                                 "INT8 cache), per tensor: use --granularity tensor")
 
     def search_windows(self, window_len: int) -> int:
         """Calibration windows of `window_len` tokens the mse search replays (0: no search)."""
@@ -343,9 +348,33 @@ def _layer_scales(layout, layer, obs, settings, make_replay):
     if not kv_format(settings.kv_dtype).has_kv_scale:  # llama.cpp's types: nothing to calibrate but the weights
         return {}, None
     scale = {kind: scale_from_amax(a, settings.kv_dtype).float() for kind, a in amax.items()}
+    tie = kv_format(settings.kv_dtype).shared_kv_scale and not layout.is_mla  # MLA: one row scale already
     if settings.observer != "mse":
-        return scale, None
-    return search_replay_scales(make_replay(), layout, settings.kv_dtype, scale)
+        return (tie_kv_scales(scale)[0] if tie else scale), None
+    replay = make_replay()
+    scale, info = search_replay_scales(replay, layout, settings.kv_dtype, scale)
+    return tie_kv_scales(scale, info, replay) if tie else (scale, info)
+
+
+def tie_kv_scales(scale: dict, info: dict | None = None, replay=None) -> tuple[dict, dict | None]:
+    """K and V scales a power of two apart (fold.tied_candidates), which fold to one written scale: the one an
+    engine storing K and V at max(k_scale, v_scale) applies to both (TensorRT-LLM's INT8). With the search's
+    replay the pair with the smallest attention-output error wins (near-ties: the larger scales); without one
+    (amax, percentile) the pair that raises a scale least, clipping nothing the observer kept. info gets
+    "tied": each scale's ratio to its untied one and, with a replay, the tied pair's relative output error."""
+    k, v = scale["k"], scale["v"]
+    candidates = tied_candidates(k, v)
+    if replay is None:
+        kept = [c for c in candidates if float(c[0]) >= float(k) and float(c[1]) >= float(v)]
+        best = min(kept, key=lambda c: max(float(c[0] / k), float(c[1] / v)))
+        return {"k": best[0], "v": best[1]}, info
+    errors = torch.tensor([replay.errors({"k": ck, "v": cv}, full=True)[0] for ck, cv in candidates],
+                          dtype=torch.float64)
+    i = argmin_prefer_last(errors)
+    best = {"k": candidates[i][0], "v": candidates[i][1]}
+    info["tied"] = {"k": float(best["k"] / k), "v": float(best["v"] / v),
+                    "rel_error": float(errors[i]) / replay.reference_energy()}
+    return best, info
 
 
 def _result(layout, settings, per_layer: list[tuple[dict, dict | None]], plan, observers, clock: _Clock,

@@ -12,7 +12,9 @@ vLLM / compressed-tensors (``--format vllm``):
 ModelOpt / TensorRT-LLM (``--format modelopt``):
   ``self_attn.k_proj.k_scale`` / ``self_attn.v_proj.v_scale`` float32 scalars (per tensor only),
   plus hf_quant_config.json {"producer": {"name": "kvconvert", "version"}, "quantization":
-  {"quant_algo": null, "kv_cache_quant_algo": "FP8"|"NVFP4"}}.
+  {"quant_algo": null, "kv_cache_quant_algo": "FP8"|"NVFP4"|"INT8"}}. INT8 (amax/127) is TensorRT-LLM's INT8
+  cache: the engine stores K and V at one scale, max(k_scale, v_scale), so calibrate writes the two equal
+  (calibrate.tie_kv_scales); ModelOpt's own HF export refuses an INT8 KV cache (docs/engines.md).
 MLA (DeepSeek-V3): the engine caches one [latent | k_rope] row and vLLM applies ``k_scale`` to the
 whole row; kvconvert writes that one row scale as both ``self_attn.k_scale`` and ``.v_scale`` (vLLM)
 and as ``self_attn.kv_a_proj_with_mqa.k_scale`` (ModelOpt-style name SGLang remaps for MLA).

@@ -1,8 +1,9 @@
 """Quantize-dequantize ("fake quant") of what the engine caches, bit-exact with kvconvert.number_formats.
 
 Scale convention (kvconvert.kvformat): the exported ``k_scale`` / ``v_scale`` is ``amax / 448`` for
-FP8 E4M3 and NVFP4 (``amax / 57344`` for FP8 E5M2). FP8 stores ``fp8(x / scale)``; NVFP4 uses the global
-dequant scale ``scale / 6`` and E4M3 block scales over blocks of 16 along the last dim.
+FP8 E4M3 and NVFP4 (``amax / 57344`` for FP8 E5M2, ``amax / 127`` for INT8). FP8 stores ``fp8(x / scale)``;
+INT8 ``sat_s8(rne(x * (1 / scale)))`` (TensorRT-LLM's); NVFP4 uses the global dequant scale ``scale / 6`` and
+E4M3 block scales over blocks of 16 along the last dim.
 
 Tensor layout here is transformers' cache layout ``[batch, heads, tokens, dim]``; a per-head scale
 is ``[heads]`` and is broadcast as ``[heads, 1, 1]``.
@@ -24,14 +25,14 @@ from kvconvert import number_formats as F
 
 
 def check_kv_dtype(kv_dtype: str) -> KVFormat:
-    """The format of a calibrated kv_dtype (fp8, fp8_e5m2, nvfp4); KVConvertError for any other."""
+    """The format of a calibrated kv_dtype (fp8, fp8_e5m2, int8, nvfp4, ...); KVConvertError for any other."""
     if kv_dtype not in CALIBRATE_KV_DTYPES:
         raise KVConvertError(f"unknown kv-dtype {kv_dtype!r}: use one of {', '.join(CALIBRATE_KV_DTYPES)}")
     return kv_format(kv_dtype)
 
 
 def scale_from_amax(amax: torch.Tensor | float, kv_dtype: str):
-    """Exported scale for a KV amax: amax/448 for fp8 (E4M3) and nvfp4, amax/57344 for fp8_e5m2."""
+    """Exported scale for a KV amax: amax/448 for fp8 (E4M3) and nvfp4, amax/57344 for fp8_e5m2, amax/127 for int8."""
     return check_kv_dtype(kv_dtype).scale_from_amax(amax)
 
 
@@ -50,10 +51,13 @@ def fake_quant(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | float, roun
 
     scale: exported scale (python float, 0-d tensor, or [heads] per head). FP8 rounds x/scale to the
     format (saturating; `rounding`: "nearest" = RNE, "toward_zero" = vLLM's CPU cache write, see
-    formats.fp8_quantize); NVFP4 quantizes blocks of 16 along dim with global scale scale/6.
+    formats.fp8_quantize); INT8 as number_formats.int8_quantize; NVFP4 quantizes blocks of 16 along dim with
+    global scale scale/6.
     """
     fmt = check_kv_dtype(kv_dtype)
     s = _head_broadcast(scale, x)
+    if fmt.integer:  # int8: one code per value, the engine's reciprocal product
+        return F.int8_dequantize(F.int8_quantize(x, s), s).to(x.dtype)
     if fmt.torch_dtype:  # fp8: one code per value
         q = F.fp8_quantize(x, s, getattr(torch, fmt.torch_dtype), rounding)
         return F.fp8_dequantize(q, s).to(x.dtype)

@@ -13,7 +13,15 @@ weights that read it are multiplied by f, so every full-precision output is unch
 * an engine that reads the remaining scale r = s / f (in (0.5, 1], written under every name as
   before) stores q((x / f) / r) = q(x / s) exactly: both divisions are by powers of two apart.
 
-Powers of two keep bf16/fp16 weights exact (only the exponent changes). Producers and readers:
+Powers of two keep bf16/fp16 weights exact (only the exponent changes).
+
+An engine that stores K and V of a layer at one scale, max(k_scale, v_scale) (TensorRT-LLM's INT8 cache:
+kvformat's shared_kv_scale), would coarsen the smaller of the two by up to their ratio (SmolLM2 layer 0: K's
+amax 10.8, V's 0.6). With K and V scales a power of two apart (:func:`tied_candidates`: one of them moved by
+less than a factor 2, a factor sqrt(2) at most when the nearer candidate wins) both fold to the same remaining
+scale, so the one scale the engine applies is each one's own.
+
+Producers and readers:
 
 * Llama GQA, K (post-RoPE; RoPE is linear): k_proj (and its bias) / f_k, q_proj (and bias) * f_k.
 * Llama GQA, V: v_proj (and bias) / f_v, o_proj * f_v (its input is linear in V).
@@ -36,6 +44,20 @@ def fold_factor(scale: torch.Tensor) -> float:
     """2^ceil(log2(max scale)): the power of two folded into the weights (per tensor; for per-head
     scales the largest head's, so every head's remaining scale is <= 1)."""
     return 2.0 ** math.ceil(math.log2(float(scale.max())))
+
+
+def tied_candidates(k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-tensor (k, v) scale pairs a power of two apart, each with one of the two moved to the nearest power of
+    two times the other, below or above (module docstring); smallest product first, no duplicates."""
+    if k.numel() != 1 or v.numel() != 1:
+        raise ValueError("one scale for K and V per layer: per-tensor scales only")
+    ratio = math.log2(float(v) / float(k))  # Python's libm: the same choice on every CPU
+    pairs = {}
+    for m in sorted({math.floor(ratio), math.ceil(ratio)}):
+        f = torch.tensor(2.0 ** m, dtype=torch.float32)
+        for pair in ((k, k * f), (v / f, v)):  # a power of two: exact in fp32
+            pairs.setdefault((float(pair[0]), float(pair[1])), pair)
+    return sorted(pairs.values(), key=lambda kv: float(kv[0]) * float(kv[1]))
 
 
 def fold_plan(scales: KVScales) -> tuple[list[tuple[float, float]], KVScales]:

@@ -81,7 +81,8 @@ def _check_scale(s: torch.Tensor, layer: int, name: str) -> None:
 
 
 def read_kv_scales(folder: str | Path) -> KVScales:
-    """KVScales of a checkpoint written by ``kvconvert calibrate`` (either naming; vLLM names win).
+    """KVScales of a checkpoint written by ``kvconvert calibrate`` (either naming; vLLM names win), as the engine
+    applies them (kvformat's engine_scales: int8's K and V both at the larger).
 
     kv_dtype/granularity/layout come from calibration_report.json.
     """
@@ -99,6 +100,7 @@ def read_kv_scales(folder: str | Path) -> KVScales:
         return None if name is None else reader.get(name, torch.float32).reshape(-1)
 
     granularity = report["granularity"]
+    fmt = check_kv_dtype(report["kv_dtype"])
     ks, vs = [], []
     for layer in range(int(report["num_layers"])):
         k = first(scale_names("k", layer) + scale_names("kv", layer))
@@ -106,6 +108,7 @@ def read_kv_scales(folder: str | Path) -> KVScales:
             raise CheckpointError(f"{folder}: no k_scale for layer {layer}; recalibrate")
         v = first(scale_names("v", layer))
         v = k if v is None else v  # MLA ModelOpt export writes k_scale only
+        k, v = fmt.engine_scales(k, v)  # int8: one scale for K and V, as the engine stores them
         ks.append(k if granularity == "head" else k.reshape(()))
         vs.append(v if granularity == "head" else v.reshape(()))
     # reports written before the layout names were KVShape's say "gqa" (any Llama attention) or "mla"

@@ -38,10 +38,10 @@ def test_per_head_equals_head_by_head(kv, kv_dtype):
         assert torch.equal(got[:, h], fake_quant(kv[:, h:h + 1], kv_dtype, scales[h])[:, 0])
 
 
-def test_scale_conventions():  # fp8 / fp8_e5m2 (amax / dtype max): tests/test_kvformat.py
-    assert scale_from_amax(448.0, "nvfp4") == 1.0
+def test_scale_conventions():  # fp8 / fp8_e5m2 / int8 (amax / dtype max): tests/test_kvformat.py
+    assert scale_from_amax(448.0, "nvfp4") == 1.0 == scale_from_amax(127.0, "int8")
     with pytest.raises(KVConvertError, match="unknown kv-dtype"):
-        scale_from_amax(1.0, "int8")
+        scale_from_amax(1.0, "int4")  # planning only: no calibration
 
 
 def test_fake_quant_refuses_bad_scales_and_nan(kv):

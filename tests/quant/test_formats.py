@@ -286,3 +286,88 @@ def test_nvfp4_rejects_bad_input():
         F.nvfp4_quantize(torch.ones(16), 0.0)
     with pytest.raises(KVConvertError, match="D/16"):
         F.nvfp4_dequantize(torch.zeros(8, dtype=torch.uint8), torch.zeros(2, dtype=torch.float8_e4m3fn), 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# INT8 (TensorRT-LLM's cache write: cvt.rni.sat.s8.f32 of x * fp32(1 / scale))
+# ----------------------------------------------------------------------------------------------
+
+
+def _int8_oracle(x: float, scale: float) -> int:
+    """One value by the engine's steps in exact arithmetic: fp32(1 / scale) and the fp32 product (float64 then one
+    rounding to fp32: exact, as float64 holds 2 x 24 bits), Python's round (half to even), saturation."""
+    inv = torch.tensor(1.0 / scale, dtype=torch.float64).float().item()
+    y = torch.tensor(x * inv, dtype=torch.float64).float().item()
+    return 127 if y == math.inf else -128 if y == -math.inf else max(-128, min(127, round(y)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(FINITE, min_size=1, max_size=64), st.floats(min_value=2.0 ** -13, max_value=1024.0, width=32))
+def test_int8_matches_oracle_and_half_step(xs, scale):
+    x = torch.tensor(xs, dtype=torch.float32)
+    q = F.int8_quantize(x, scale)
+    assert q.dtype == torch.int8
+    assert q.tolist() == [_int8_oracle(v, scale) for v in x.tolist()]
+    inrange = x.abs() <= 127 * scale
+    err = (F.int8_dequantize(q, scale) - x).abs()
+    assert bool((err[inrange] <= 0.5 * scale * (1 + 1e-5)).all())
+
+
+def test_int8_ties_to_even_and_saturates_by_hand():
+    x = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.49, 127.5, -127.5, -128.5, -200.0, 1e9,
+                      float("inf"), float("-inf")])
+    assert F.int8_quantize(x, 1.0).tolist() == [0, 2, 2, 0, -2, -2, 126, 127, 127, -128, -128, -128, 127, 127, -128]
+    # with scale amax / 127 the amax itself lands on +-127: -128 is reached only past -amax (a clipping scale)
+    amax = 3.7
+    assert F.int8_quantize(torch.tensor([amax, -amax]), kv_format("int8").scale_from_amax(amax)).tolist() == [127, -127]
+
+
+def test_int8_multiplies_by_the_reciprocal_as_the_engine():
+    """x * fp32(1 / s) and x / s round apart near ties: the reference takes the engine's product (found by search:
+    x / s = -59.4999..., x * (1 / s) = -59.5000... -> -60 by half to even)."""
+    s, x = 0.15887698531150818, -9.453180313110352
+    assert torch.round(torch.tensor([x]) / s).item() == -59.0
+    assert F.int8_quantize(torch.tensor([x]), s).item() == -60
+    # and on a batch of near-ties: the oracle (product) everywhere, the division rule not
+    g = torch.Generator().manual_seed(0)
+    xs = (torch.randint(-127, 127, (4096,), generator=g).float() + 0.5) * s
+    q = F.int8_quantize(xs, s)
+    assert q.tolist() == [_int8_oracle(v, s) for v in xs.tolist()]
+    assert not torch.equal(q, torch.round(xs / s).clamp(-128, 127).to(torch.int8))
+
+
+def test_int8_per_head_scale_broadcast_and_dequant():
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 8) * torch.tensor([0.1, 1.0, 10.0]).reshape(1, 3, 1)
+    scale = (x.abs().amax(dim=(0, 2)) / 127).reshape(3, 1)
+    q = F.int8_quantize(x, scale)
+    for h in range(3):
+        assert torch.equal(q[:, h], F.int8_quantize(x[:, h], float(scale[h])))
+        assert int(q[:, h].abs().max()) == 127  # each head's amax on the last code
+    deq = F.int8_dequantize(q, scale, torch.bfloat16)
+    assert deq.dtype == torch.bfloat16 and torch.equal(deq, (q.float() * scale).bfloat16())
+    assert torch.equal(F.int8_quantize(x.bfloat16(), scale), F.int8_quantize(x.bfloat16().float(), scale))
+    assert torch.equal(F.int8_dequantize(F.int8_quantize(torch.zeros(7), 0.5), 0.5), torch.zeros(7))
+
+
+def test_int8_rejects_nan_bad_scales_and_other_codes():
+    with pytest.raises(KVConvertError, match="NaN"):
+        F.int8_quantize(torch.tensor([1.0, float("nan")]), 1.0)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(KVConvertError, match="int8 scale"):
+            F.int8_quantize(torch.ones(4), bad)
+    with pytest.raises(KVConvertError, match="torch.int8"):
+        F.int8_dequantize(torch.zeros(4, dtype=torch.uint8), 1.0)
+
+
+def test_int8_fake_quant_is_the_reference():
+    """kvconvert.quant.fake_quant's int8 (calibration, the transformers engine) is quantize-dequantize of the
+    reference, per tensor and per head ([heads] scales on [batch, heads, tokens, dim])."""
+    from kvconvert.quant.fake_quant import fake_quant
+
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 5, 8)
+    for scale in (torch.tensor(0.01), torch.tensor([0.004, 0.02, 0.01])):
+        s = scale.reshape(-1, 1, 1) if scale.dim() else scale
+        expected = F.int8_dequantize(F.int8_quantize(x, s), s)
+        assert torch.equal(fake_quant(x, "int8", scale), expected)

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import shutil
 
 import pytest
@@ -244,3 +245,79 @@ def test_fp8_e5m2_scales_without_engine_config(tiny_llama, calib_text, tmp_path,
     k = load_file(out / "model.safetensors")["model.layers.0.self_attn.k_scale"]
     f_k = report["scale_folding"]["f_k"][0]
     assert k.item() * f_k == pytest.approx(max(report["layers"][0]["k_amax"]) / 57344, rel=1e-6)
+
+
+def test_int8_export_names_values_and_report(tiny_llama, calib_text, tmp_path, calibrate):
+    """INT8 (TensorRT-LLM's cache): ModelOpt names only, hf_quant_config INT8, no compressed-tensors config; K and V
+    tied a power of two apart (the engine stores both at max(k_scale, v_scale)), so the written k and v scales are
+    equal, each times its folded power of two the tied scale: amax / 127 with one of the two raised < sqrt(2)."""
+    out = calibrate(tiny_llama, tmp_path / "int8", "--kv-dtype", "int8", "--observer", "amax",
+                    "--calib-data", str(calib_text))
+    report = read_json(out / "calibration_report.json")
+    assert report["formats"] == ["modelopt"] and report["scale_convention"].startswith("amax / 127;")
+    assert "quantization_config" not in read_json(out / "config.json")
+    hq = read_json(out / "hf_quant_config.json")
+    assert hq["quantization"] == {"quant_algo": None, "kv_cache_quant_algo": "INT8"}
+    tensors = load_file(out / "model.safetensors")
+    assert not any(n.endswith(("self_attn.k_scale", "self_attn.v_scale")) for n in tensors)  # no vLLM names
+    fold = report["scale_folding"]
+    for layer, entry in enumerate(report["layers"]):
+        k = tensors[f"model.layers.{layer}.self_attn.k_proj.k_scale"]
+        v = tensors[f"model.layers.{layer}.self_attn.v_proj.v_scale"]
+        assert k.dtype == torch.float32 and k.shape == () and torch.equal(k, v) and 0.5 < k.item() <= 1.0
+        assert k.item() * fold["f_k"][layer] == entry["k_scale"] and v.item() * fold["f_v"][layer] == entry["v_scale"]
+        raised = sorted((entry["k_scale"] / (max(entry["k_amax"]) / 127), entry["v_scale"] / (max(entry["v_amax"]) / 127)))
+        assert raised[0] == pytest.approx(1.0, rel=1e-6) and 1.0 <= raised[1] <= 2 ** 0.5 * (1 + 1e-6)
+    assert_same_logits(out, tiny_llama)
+    scales = read_kv_scales(out)
+    assert scales.kv_dtype == "int8" and torch.equal(scales.k[1], scales.v[1])
+
+
+def test_int8_mse_search_ties_scales_and_serves_in_the_runtime(tiny_llama, tiny_deepseek, calib_text, tmp_path,
+                                                               calibrate):
+    """The mse search's pick, tied: the report names each scale's move (a factor < 2 for one of the two) and the
+    tied pair's replayed error; the runtime serves the checkpoint (Llama and an MLA row) from its scales."""
+    from kvconvert.runtime import LLM
+
+    out = calibrate(tiny_llama, tmp_path / "int8", "--kv-dtype", "int8", "--calib-data", str(calib_text))
+    for entry in read_json(out / "calibration_report.json")["layers"]:
+        tied = entry["search"]["tied"]
+        assert 1 in (tied["k"], tied["v"]) and 0.5 < tied["k"] * tied["v"] < 2 and tied["rel_error"] >= 0
+        assert math.log2(entry["k_scale"] / entry["v_scale"]).is_integer()
+    mla = calibrate(tiny_deepseek, tmp_path / "mla", "--kv-dtype", "int8", "--calib-data", str(calib_text))
+    assert "kv_a_proj_with_mqa.k_scale" in " ".join(load_file(mla / "model.safetensors"))
+    for path in (out, mla):
+        llm = LLM(path, kv_dtype="int8", block_size=4)
+        assert llm.cache.layers[0].stored("k" if path == out else "kv")[0].dtype == torch.int8
+        assert torch.isfinite(llm.score(list(range(1, 20)))).all()
+
+
+def test_int8_per_head_is_refused(tiny_llama, tmp_path, run_main):
+    code, err = run_main(["calibrate", "--src", tiny_llama, "--out", tmp_path / "o", "--kv-dtype", "int8",
+                          "--granularity", "head"])
+    assert code == 2 and "per-tensor KV scales only" in err and not (tmp_path / "o").exists()
+
+
+def test_int8_both_engines_store_k_and_v_at_the_larger_scale(tiny_llama, calib_text, tmp_path, calibrate):
+    """validate's two engines (transformers + the fake-quant hook, the runtime's INT8 cache) read a checkpoint's
+    k_scale / v_scale as TensorRT-LLM does, both at the larger: halving every v_scale changes nothing, and the
+    engines agree bit for bit (to fp32 rounding) with each other; INT8 does change the logits."""
+    from kvconvert.eval import runner as R
+
+    out = calibrate(tiny_llama, tmp_path / "int8", "--kv-dtype", "int8", "--observer", "amax",
+                    "--calib-data", str(calib_text))
+    halved = tmp_path / "halved"
+    shutil.copytree(out, halved)
+    tensors = load_file(halved / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("v_proj.v_scale")]:
+        tensors[name] = tensors[name] / 2
+    save_file(tensors, str(halved / "model.safetensors"), metadata={"format": "pt"})
+    ids = torch.arange(3, 120)
+    logits = {}
+    for path in (out, halved):
+        hf, rt = R.TransformersRunner(path, "int8"), R.RuntimeRunner(path, "int8")
+        logits[path] = hf.logits(ids)
+        torch.testing.assert_close(logits[path], rt.logits(ids), rtol=1e-5, atol=1e-5)
+        assert hf.greedy(ids, 6, (0,)) == rt.greedy(ids, 6, (0,))
+    assert torch.equal(logits[out], logits[halved])
+    assert (logits[out] - R.TransformersRunner(out, "fp32").logits(ids)).abs().max() > 1e-4

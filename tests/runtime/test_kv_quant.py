@@ -1,12 +1,13 @@
-"""Quantized KV storage (fp8 e4m3 / e5m2, nvfp4) against transformers with fake-quantized K/V.
+"""Quantized KV storage (fp8 e4m3 / e5m2, int8, nvfp4) against transformers with fake-quantized K/V.
 
 The reference runs transformers' model with kvconvert.quant's hook cache (KVHookCache +
 fake_quant_hook: the quantize-dequantize of kvconvert.number_formats applied to what an engine
 caches; Llama: post-RoPE k and v per head; DeepSeek: the row [latent | k_rope], k_rope kept bf16 by
 nvfp4). Attention then reads only quantized values on both sides, so fp32 logits agree to rounding
 (atol 1e-4; a K/V value sitting on a rounding boundary could flip one code, which the greedy check
-would expose) and greedy tokens are identical. Scales are calibrated amax/448 shrunk by 0.7 so some
-values saturate.
+would expose) and greedy tokens are identical. Scales are calibrated amax / the format's divisor (448,
+57344, 127) shrunk by 0.7 so some values saturate. INT8 is stored as TensorRT-LLM stores it: K and V of a
+layer at one scale, max(k_scale, v_scale), whatever the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def fake_quant_cache(ref, path, kv_dtype: str, scales) -> KVHookCache:
     return KVHookCache(fake_quant_hook(shape, kv_scales), config=ref.config)
 
 
-def _calibrate(ref, prompt, per_head: bool, mla: bool):
-    """Per-layer kv scales = 0.7 * amax / 448 of the K/V (MLA: the whole cached row)."""
+def _calibrate(ref, prompt, per_head: bool, mla: bool, kv_dtype: str = "fp8"):
+    """Per-layer kv scales = 0.7 * amax / the format's divisor of the K/V (MLA: the whole cached row)."""
+    kv_scale_from_amax = kv_format(kv_dtype).scale_from_amax
     cache = DynamicCache(config=ref.config)
     with torch.no_grad():
         ref(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
@@ -87,7 +89,17 @@ CASES = [
     ("deepseek", "nvfp4", "vllm", False),
     ("deepseek", "nvfp4_fp8rope", "vllm", False),
     ("deepseek", "nvfp4_fp8rope", "modelopt", False),
+    ("llama", "int8", "modelopt", False),
+    ("llama", "int8", "vllm", True),  # per-head scales: the runtime reads them (TensorRT-LLM does not)
+    ("deepseek", "int8", "modelopt", False),
 ]
+
+
+def _engine_scales(scales, kv_dtype: str):
+    """The scales the engine stores K and V with: one per layer, max(k, v), for a shared-scale format (int8)."""
+    if not kv_format(kv_dtype).shared_kv_scale:
+        return scales
+    return [(torch.maximum(k, v),) * 2 for k, v in scales]
 
 
 @pytest.mark.parametrize("arch, kv_dtype, naming, per_head", CASES, ids=["-".join(map(str, c)) for c in CASES])
@@ -97,10 +109,10 @@ def test_quantized_cache_matches_fake_quant_reference(arch, kv_dtype, naming, pe
     mla = arch == "deepseek"
     ref = load_reference(src)
     prompt = random_ids(20)
-    scales = _calibrate(ref, random_ids(40, seed=1), per_head, mla)
+    scales = _calibrate(ref, random_ids(40, seed=1), per_head, mla, kv_dtype)
     path = _with_scales(src, tmp_path / "scaled", scales, naming, mla)
     ref_logits, ref_tokens = transformers_reference(
-        ref, prompt, 24, lambda: fake_quant_cache(ref, src, kv_dtype, scales))
+        ref, prompt, 24, lambda: fake_quant_cache(ref, src, kv_dtype, _engine_scales(scales, kv_dtype)))
     with torch.no_grad():
         exact = ref(torch.tensor([prompt])).logits[0]
     assert (ref_logits - exact).abs().max() > 10 * ATOL, "quantization too weak for this test to see it"
@@ -150,3 +162,27 @@ def test_bad_scales_are_rejected(llama_gqa, deepseek_mla, tmp_path, arch, value,
     extra = {f"model.layers.{i}.self_attn.{n}_scale": value.clone() for i in range(2) for n in "kv"}
     with pytest.raises(KVConvertError, match=match):
         LLM(add_tensors(llama_gqa if arch == "llama" else deepseek_mla, tmp_path / "bad", extra), kv_dtype="fp8")
+
+
+def test_triton_backend_refuses_an_int8_cache(llama_gqa):
+    """No Triton kernel reads INT8 codes: refused before any weight is read, naming the backend that does."""
+    with pytest.raises(KVConvertError, match=r"Triton kernels do not read an INT8 cache \(int8\).*--backend torch"):
+        LLM(llama_gqa, kv_dtype="int8", kv_scales="dynamic", attention_backend="triton")
+
+
+def test_int8_dynamic_scales_are_one_per_layer(llama_gqa):
+    """kv_scales='dynamic' under int8: K and V of layer 0 at one scale, amax of both / 127 (layer 0's K/V do
+    not depend on the cache), as the engine stores them."""
+    ref = load_reference(llama_gqa)
+    prompt = random_ids(30, seed=2)
+    cache = DynamicCache(config=ref.config)
+    with torch.no_grad():
+        ref(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    with pytest.warns(UserWarning, match=r"amax / 127; K and V stored with max"):
+        llm = LLM(llama_gqa, kv_dtype="int8", kv_scales="dynamic")
+    llm.generate([prompt], greedy(4))
+    amax = torch.maximum(cache.layers[0].keys.abs().amax(), cache.layers[0].values.abs().amax())
+    layer0 = llm.cache.layers[0]
+    assert layer0.k.dtype == torch.int8
+    torch.testing.assert_close(layer0.k_scale, (amax / 127).reshape(1))
+    assert torch.equal(layer0.k_scale, layer0.v_scale)
