@@ -11,7 +11,7 @@ from quant_cases import make_deepseek, make_llama
 from kvconvert.quant.calibrate import observe_kv
 from kvconvert.quant.capture import forward_with_hook, load_hf_model
 from kvconvert.quant.fake_quant import scale_from_amax
-from kvconvert.quant.fold import fold_factor, fold_layer, fold_plan
+from kvconvert.quant.fold import fold_factor, fold_layer, fold_plan, tied_candidates
 from kvconvert.quant.hooks import fake_quant_hook, identity_hook
 from kvconvert.quant.layout import checkpoint_kv_layout, detect_kv_layout
 from kvconvert.quant.scales import KVScales
@@ -64,6 +64,24 @@ def test_fold_factor_is_the_next_power_of_two():
     assert float(remaining.v[0].max()) <= 1.0 and float(remaining.v[0].max()) > 0.5
 
 
+def test_tied_candidates_fold_to_one_written_scale():
+    """For an engine that stores K and V at one scale (int8): every candidate pair is a power of two apart, keeps
+    one of the two scales and moves the other by less than 2x, and folds to equal written scales (bit for bit)."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        k, v = (2.0 ** (torch.rand((), generator=g) * 16 - 12) for _ in range(2))
+        candidates = tied_candidates(k, v)
+        assert len(candidates) == 4 and [float(a * b) for a, b in candidates] == sorted(float(a * b) for a, b in candidates)
+        for ck, cv in candidates:
+            assert torch.equal(ck, k) or torch.equal(cv, v)
+            assert 0.5 < float(ck / k) * float(cv / v) < 2
+            _, remaining = fold_plan(KVScales("int8", "tensor", "GQA", [ck], [cv]))
+            assert torch.equal(remaining.k[0], remaining.v[0])
+    assert [(float(a), float(b)) for a, b in tied_candidates(torch.tensor(0.5), torch.tensor(0.125))] == [(0.5, 0.125)]
+    with pytest.raises(ValueError, match="per-tensor"):
+        tied_candidates(torch.ones(2), torch.ones(2))
+
+
 @pytest.mark.parametrize("make", CASES)
 def test_folding_keeps_full_precision_logits(make, tmp_path):
     path = make(tmp_path / "m")
@@ -89,7 +107,7 @@ def test_folding_is_exact_in_bf16():
     assert torch.equal(folded["o_proj.weight"] / 2.0 ** 5, local["o_proj.weight"])
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4", "int8"])
 @pytest.mark.parametrize("make", CASES)
 def test_remaining_scale_on_folded_model_quantizes_like_the_calibrated_one(make, kv_dtype, tmp_path):
     path = make(tmp_path / "m")
