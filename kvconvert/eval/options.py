@@ -33,7 +33,8 @@ class ValidateOptions(StageOptions):
     kv_scales: Literal["checkpoint", "dynamic"] = Field(
         "checkpoint", description="Runtime engine: fp8/nvfp4 scales from the checkpoint or from the first prefill.")
     dtype: Literal[AUTO_WEIGHT_DTYPE_NAMES] = Field(
-        "auto", description="Both models' weights/activations: auto = as stored (bf16 checkpoints run in bf16).")
+        "auto", description="Both models' weights/activations: auto = as stored, except on a CPU without native bf16 "
+                            "(AVX2 only), where 16-bit weights run in fp32 when that copy fits in half the free memory.")
     llamacpp_rotation: bool | None = Field(
         None, description="llama.cpp's Hadamard rotation of its quantized K/V caches (q8_0, q4_0, ...), in the "
                           "runtime's emulation and in llama.cpp alike: default as LLAMA_ATTN_ROT_DISABLE says (on "

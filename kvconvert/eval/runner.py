@@ -4,9 +4,10 @@
     runner.logits(ids)                  # ids: LongTensor [T]  -> fp32 logits [T, vocab]
     runner.greedy(ids, max_new_tokens, stop_ids, min_new_tokens=0)  # -> new token ids, stop excluded
 
-Weights run in `dtype`: "auto" = as stored (a bf16 checkpoint runs in bf16, the runtime maps its
-weights from the files), or bf16/fp16/fp32 on request. `close()` frees a model before the next
-one loads; `check_memory()` refuses up front when one model cannot fit (kvconvert.memory).
+Weights run in `dtype` (compute_dtype): "auto" = as stored (a bf16 checkpoint runs in bf16, the runtime
+maps its weights from the files), except on a CPU without native bf16 (AVX2 only: cpu_kind), where 16-bit
+weights run in fp32 (upcast exactly, when that copy fits), or bf16/fp16/fp32 on request. `close()` frees a model before the next one loads;
+`check_memory()` refuses up front when one model cannot fit (kvconvert.memory).
 
 - TransformersRunner: AutoModelForCausalLM from the folder (stored dtype), no remote code, its own
   greedy loop (argmax, KV cache, no generation_config knobs such as repetition penalty).
@@ -28,6 +29,7 @@ import gc
 import hashlib
 import sys
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -124,6 +126,73 @@ def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str,
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class CPUKind:
+    """The CPU's vector units as torch uses them. name: "AMX", "AVX-512", "AVX2" or "other"; capability: torch's
+    kernel level (torch.backends.cpu.get_cpu_capability(), which ATEN_CPU_CAPABILITY lowers); flags: the vector
+    flags /proc/cpuinfo lists; emulated: torch runs below what the CPU has (e.g. AVX2 kernels on AVX-512);
+    native_bf16: bf16 matmuls run on bf16 instructions (AMX or AVX512_BF16, with AVX-512 kernels), not emulated."""
+
+    name: str
+    capability: str
+    flags: tuple[str, ...]
+    emulated: bool
+    native_bf16: bool
+
+    def describe(self) -> str:
+        units = ", ".join(self.flags) or "none listed"
+        run = f"torch runs {self.capability} kernels" + (" (lowered by ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA)"
+                                                          if self.emulated else "")
+        return f"{self.name} ({run}; /proc/cpuinfo: {units})"
+
+
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_kind() -> CPUKind:
+    """This machine's CPUKind (Linux /proc/cpuinfo; elsewhere torch's capability alone)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    try:
+        words = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        words = []
+    flags = tuple(f for f in VECTOR_FLAGS if f in words)
+    has = {"AMX": "amx_bf16" in flags, "AVX-512": "avx512f" in flags, "AVX2": "avx2" in flags}
+    runs = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(capability, "other")
+    name = "AMX" if runs == "AVX-512" and has["AMX"] else runs
+    best = next((k for k in ("AMX", "AVX-512", "AVX2") if has[k]), runs)
+    onednn_bf16 = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    native = runs == "AVX-512" and onednn_bf16 and ("amx_bf16" in flags or "avx512_bf16" in flags)
+    return CPUKind(name, capability, flags, emulated=bool(words) and best != name, native_bf16=native)
+
+
+def compute_dtype(dtype: str | torch.dtype, stored: torch.dtype, path: Path, device: torch.device,
+                  native_bf16: bool | None = None) -> torch.dtype:
+    """The weights' compute dtype of a validation runner: `dtype` when given; for "auto" what the checkpoint
+    stores, except on a CPU without native bf16 (native_bf16, default cpu_kind()'s; fp16 is never native here),
+    where 16-bit weights are computed in fp32 (an exact upcast) unless that copy would take more than half the
+    available memory.
+
+    Measured (docs/performance.md): with AVX2 only, bf16 matmuls run about 3x slower than fp32 (SmolLM2's MLA
+    256+64, prefill of 512 tokens on one core: 8.7 s against 2.7 s), and the main job's MLA candidate took most
+    of its 17 minutes there; with AVX512_BF16 bf16 is 1.2-1.4x faster. bf16 compute moves the logits by a KL
+    of 0.0007-0.0008 nats/token against fp32 on the same weights (the quick suite's windows), far inside the
+    gate's 0.05, so a checkpoint's numbers differ by about that between the two kinds of CPU; the fingerprint
+    names the dtype, so their results never mix. A GPU keeps the stored dtype."""
+    from kvconvert.memory import available_memory, resolve_dtype
+
+    chosen = resolve_dtype(dtype, stored)
+    if dtype not in ("auto", None) or device.type != "cpu" or chosen == torch.float32:
+        return chosen
+    if chosen == torch.bfloat16 and (cpu_kind().native_bf16 if native_bf16 is None else native_bf16):
+        return chosen
+    from kvconvert.checkpoint import estimate_checkpoint_bytes
+
+    fits = 2 * estimate_checkpoint_bytes(path, itemsize=4) <= available_memory(device)
+    return torch.float32 if fits else chosen
+
+
 class RunnerInfo:
     """What a runner is, known before any model loads: path, engine, kv_dtype (resolved), kv_scales,
     config, max_context (longest sequence it can run), vocab_size, dtype (weights), device, fingerprint."""
@@ -139,10 +208,8 @@ class RunnerInfo:
         self.config = read_config(self.path)
         self.max_context = int(self.config.get("max_position_embeddings") or 2048)
         self.vocab_size = int(self.config["vocab_size"])
-        from kvconvert.memory import resolve_dtype
-
-        with CheckpointReader(self.path, verify=False) as reader:  # --dtype auto: as stored
-            self.dtype = resolve_dtype(dtype, reader.stored_dtype("model.embed_tokens.weight"))
+        with CheckpointReader(self.path, verify=False) as reader:
+            self.dtype = compute_dtype(dtype, reader.stored_dtype("model.embed_tokens.weight"), self.path, self.device)
         self.fingerprint = runner_fingerprint(self.path, self.engine, self.kv_dtype, kv_scales, self.dtype, self.device)
 
     def describe(self) -> dict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from eval_fixtures import save_tiny_model, train_tokenizer
 
-from kvconvert.checkpoint import load_tokenizer
+from kvconvert.checkpoint import estimate_checkpoint_bytes, load_tokenizer
 from kvconvert.data import eval_windows
 from kvconvert.errors import KVConvertError
 from kvconvert.eval import runner as R
@@ -168,12 +168,14 @@ def bf16_llama(tiny_llama, tmp_path_factory):
     return folder
 
 
-def test_both_engines_run_bf16_checkpoints_in_bf16(bf16_llama):
-    """dtype auto = as stored. Both engines compute in bf16 from the same bf16 weights; their fp32
-    logits agree to bf16 rounding of the activations (measured max |d| ~0.03 at logit std ~0.5)."""
+def test_bf16_checkpoints_run_in_fp32_without_native_bf16_and_in_bf16_on_request(bf16_llama, monkeypatch):
+    """dtype auto on the CPU: bf16 weights stay bf16 where the CPU has native bf16, and are upcast to fp32
+    (exact) where it has not (AVX2), unless that copy would take more than half the available memory. Asked for
+    bf16, both engines compute in bf16 from the same weights; their fp32 logits agree to bf16 rounding of the
+    activations (measured max |d| ~0.03 at logit std ~0.5), and the fp32 run agrees with them to that rounding."""
     ids = torch.arange(3, 60)
-    hf = R.TransformersRunner(bf16_llama, "bf16")
-    rt = R.RuntimeRunner(bf16_llama, "bf16")
+    hf = R.TransformersRunner(bf16_llama, "bf16", dtype="bf16")
+    rt = R.RuntimeRunner(bf16_llama, "bf16", dtype="bf16")
     assert hf.dtype == rt.dtype == torch.bfloat16
     assert next(hf.model.parameters()).dtype == torch.bfloat16 and rt.llm.model.dtype == torch.bfloat16
     a, b = hf.logits(ids), rt.logits(ids)
@@ -182,6 +184,28 @@ def test_both_engines_run_bf16_checkpoints_in_bf16(bf16_llama):
     fp32 = R.RuntimeRunner(bf16_llama, "bf16", dtype="fp32")
     assert fp32.llm.model.dtype == torch.float32 and fp32.fingerprint != rt.fingerprint
     assert float((fp32.logits(ids) - b).abs().max()) < 0.25 * float(a.std())
+    cpu = torch.device("cpu")
+    auto = R.RuntimeRunner(bf16_llama, "bf16")  # this machine's choice
+    assert auto.dtype == (torch.bfloat16 if R.cpu_kind().native_bf16 else torch.float32)
+    choose = lambda native: R.compute_dtype("auto", torch.bfloat16, bf16_llama, cpu, native_bf16=native)
+    assert (choose(True), choose(False)) == (torch.bfloat16, torch.float32)
+    assert R.compute_dtype("bf16", torch.bfloat16, bf16_llama, cpu, native_bf16=False) == torch.bfloat16  # as asked
+    fp32_bytes = estimate_checkpoint_bytes(bf16_llama, itemsize=4)
+    monkeypatch.setenv("KVCONVERT_AVAILABLE_MEMORY", str(2 * fp32_bytes - 1))  # the fp32 copy would not fit
+    assert choose(False) == torch.bfloat16
+    monkeypatch.setenv("KVCONVERT_AVAILABLE_MEMORY", str(2 * fp32_bytes))
+    assert choose(False) == torch.float32
+
+
+def test_cpu_kind_names_the_vector_units_torch_uses():
+    """The kind follows torch's kernel level (which ATEN_CPU_CAPABILITY lowers), named from /proc/cpuinfo."""
+    kind = R.cpu_kind()
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert kind.capability == capability
+    assert kind.name == {"AVX512": "AMX" if "amx_bf16" in kind.flags else "AVX-512", "AVX2": "AVX2"}.get(capability,
+                                                                                                         "other")
+    assert not kind.native_bf16 or kind.name in ("AMX", "AVX-512")
+    assert kind.name in kind.describe() and capability in kind.describe()
 
 
 def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path, tiny_llama, calibrated_fp8,
