@@ -1,24 +1,31 @@
-"""MSE-optimal KV scales: search scale ratios minimizing what the model sees.
+"""MSE-optimal KV scales: search the scales minimizing what the model sees.
 
 The objective (:func:`search_replay_scales`) is the squared error of the attention block's output
 (o_proj applied), with the block replayed on recorded calibration inputs (LayerReplay on what
 capture.AttentionRecorder recorded, or BlockReplay on the layer-streamed path's records). Keys are
 judged through the queries that read them and values through o_proj.
 
-Candidates are ``amax_scale * ratio``. For FP8 (floating point) a ratio below 1 clips the top and
-ratios in (1, 2] re-align the grid without clipping; for NVFP4 the ratio moves the global scale,
-which sets the clipping of the largest blocks and the E4M3 rounding of every block scale.
-The grid is coarse-to-fine: 2^(j/4) over the range, then 2^(k/16) steps around the best.
+Candidates lie on one absolute grid, ``2^(n / GRID)`` for integer n, so that two machines whose
+amax differ in the last bits (fp32 forwards on AVX2 and AVX-512 kernels sum in different orders)
+still try the same scales: the search starts at the amax scale rounded up to the grid. For FP8
+(floating point) a scale below amax's clips the top and scales up to 2x above it re-align the grid
+without clipping; for NVFP4 the scale moves the global scale, which sets the clipping of the largest
+blocks and the E4M3 rounding of every block scale. The grid is coarse-to-fine: steps of 2^(1/4)
+over the range, then steps of 2^(1/16) around the best. Errors within TIE_RTOL of the smallest are a
+tie, won by the largest scale (least clipping): FP8's scales a factor 2 apart round every normal
+value alike and differ only in the subnormals, so their errors nearly tie and the plain argmin
+flipped between CPUs on such pairs (measured on SmolLM2: one V scale of 30 layers, 2x apart).
 
 The objective is split by KV-head group (query heads h with h // group == g read KV head g): each
 group's error is measured through its own o_proj columns, ``|| (x_g - ref_g) @ W_o[:, cols_g]^T ||^2``,
 and summed. That ignores the (small, zero-mean) cross terms between groups, so every head's ratio
 comes from the same trials as the per-tensor search. The joint result is checked with the full
-output error, and a layer whose searched scales do worse than amax there keeps amax.
+output error, and a layer whose searched scales do worse than that start there keeps the start.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -28,19 +35,37 @@ from kvconvert.quant.capture import AttentionRecorder, cache_hook
 from kvconvert.kvformat import kv_format
 from kvconvert.quant.fake_quant import fake_quant_row
 
-COARSE_STEP = 4  # coarse grid 2^(j/4)
-FINE = tuple(2.0 ** (k / 16) for k in range(-3, 4))  # fine offsets around the coarse best
+GRID = 16  # candidate scales are 2^(n / GRID), n an integer
+COARSE_STEP = 4  # coarse grid: every 4th point (2^(j/4))
+FINE = tuple(range(-3, 4))  # fine offsets (grid points) around the coarse best
+TIE_RTOL = 1e-4  # errors this close (relative) are a tie: far above the run-to-run noise of fp32 (~1e-6)
 
 
-def coarse_ratios(kv_dtype: str) -> torch.Tensor:
-    """Coarse grid (float64): 2^(j/4) from 1/4 (nvfp4, nvfp4_fp8rope) or 1/2 (fp8) up to 2."""
+def coarse_offsets(kv_dtype: str) -> list[int]:
+    """Coarse grid, in grid points from the start: 2^(j/4) from 1/4 (nvfp4, nvfp4_fp8rope) or 1/2 (fp8) up to 2."""
     low = -8 if kv_format(kv_dtype).bits == 4 else -4  # NVFP4's block scales absorb more clipping
-    return torch.tensor([2.0 ** (j / COARSE_STEP) for j in range(low, COARSE_STEP + 1)], dtype=torch.float64)
+    return [j * COARSE_STEP for j in range(low, COARSE_STEP + 1)]
+
+
+def grid_index(scale: torch.Tensor, up: bool = False) -> torch.Tensor:
+    """The nearest grid point n of each scale ([] or [heads]), or with `up` the nearest at or above it, int64;
+    Python's libm, not torch's vectorized log2, so the same value gives the same n on every CPU."""
+    step = math.ceil if up else round
+    return torch.tensor([step(GRID * math.log2(v) - (1e-9 if up else 0.0)) for v in scale.double().reshape(-1).tolist()],
+                        dtype=torch.int64).reshape(scale.shape)
+
+
+def grid_scale(index: torch.Tensor) -> torch.Tensor:
+    """float32 2^(n / GRID) of each grid point (Python's pow: the same bits on every CPU)."""
+    return torch.tensor([2.0 ** (n / GRID) for n in index.reshape(-1).tolist()],
+                        dtype=torch.float32).reshape(index.shape)
 
 
 def argmin_prefer_last(errors: torch.Tensor) -> int:
-    """Index of the smallest error; ties go to the later (larger-ratio, less clipping) candidate."""
-    return int(torch.nonzero(errors <= errors.min()).max())
+    """Index of the smallest error; errors within TIE_RTOL of it tie, and ties go to the later
+    (larger-scale, less clipping) candidate."""
+    errors = errors.double()
+    return int(torch.nonzero(errors <= errors.min() * (1.0 + TIE_RTOL)).max())
 
 
 class _Replay(ABC):
@@ -164,9 +189,8 @@ class BlockReplay(_Replay):
 
 class _Trials:
     """replay.errors, each distinct set of scales replayed once. A trial is a pure function of its scales, and
-    the grids repeat some: the fine grid's offset 1 is the coarse best, K's ratio 1 is the amax start, and V's
-    ratio 1 repeats that start when K kept ratio 1. full=True results (cross-group terms too) also give the
-    per-group ones."""
+    the grids repeat some: the fine grid's offset 0 is the coarse best. full=True results (cross-group terms
+    too) also give the per-group ones."""
 
     def __init__(self, replay: _Replay):
         self.replay, self.done, self.done_full = replay, {}, {}
@@ -185,18 +209,18 @@ class _Trials:
         return (self.done_full if full else self.done)[key]
 
 
-def _search_kind(trials: _Trials, current: dict, kind: str, base: torch.Tensor, kv_dtype: str) -> torch.Tensor:
-    """Chosen ratio for `kind` ([] per tensor or [heads]); other kinds held at `current`."""
-    def pick(ratios_per_candidate: list[torch.Tensor]) -> torch.Tensor:
-        results = [trials.errors({**current, kind: (base.double() * r).float()}) for r in ratios_per_candidate]
-        if base.dim() == 1:  # per head
+def _search_kind(trials: _Trials, current: dict, kind: str, start: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """Chosen grid points for `kind` (int64 [] per tensor or [heads]) from `start`; other kinds held at `current`."""
+    def pick(candidates: list[torch.Tensor]) -> torch.Tensor:
+        results = [trials.errors({**current, kind: grid_scale(n)}) for n in candidates]
+        if start.dim() == 1:  # per head
             errs = torch.stack([g for _, g in results])  # [candidates, heads]
             best = [argmin_prefer_last(errs[:, h]) for h in range(errs.shape[1])]
-            return torch.stack([ratios_per_candidate[b][h] for h, b in enumerate(best)])
-        return ratios_per_candidate[argmin_prefer_last(torch.tensor([t for t, _ in results]))]
+            return torch.stack([candidates[b][h] for h, b in enumerate(best)])
+        return candidates[argmin_prefer_last(torch.tensor([t for t, _ in results], dtype=torch.float64))]
 
-    best = pick([torch.full(base.shape, float(r), dtype=torch.float64) for r in coarse_ratios(kv_dtype)])
-    return pick([best * f for f in FINE])
+    best = pick([start + offset for offset in coarse_offsets(kv_dtype)])
+    return pick([best + offset for offset in FINE])
 
 
 @torch.no_grad()
@@ -204,25 +228,31 @@ def search_replay_scales(replay: _Replay, layout: KVShape, kv_dtype: str,
                          amax_scales: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     """Scales for one layer minimizing the attention-output error on the replayed inputs.
 
-    amax_scales: kind -> float32 [] or [heads] (the amax scales, the search's starting point).
-    Kinds are searched in order (K with V quantized at its amax scale, then V with the chosen K).
-    Returns (scales, info): info[kind] = chosen ratios, and the relative output error with amax
-    scales and with the chosen ones.
+    amax_scales: kind -> float32 [] or [heads]. The search starts from them rounded up to the grid ("amax" below:
+    no value clips, and two CPUs whose amax differ in the last bits start alike). Kinds are searched in order (K
+    with V at its start, then V with the chosen K). Returns (scales, info): info[kind] = the chosen scales as
+    ratios to amax_scales, info["grid"][kind] their grid points n (scale = 2^(n / GRID)), and the relative
+    output error with the start and with the chosen scales. Where the chosen scales do worse than the start on
+    the full output error (cross-group terms included), the layer keeps the start (info["fallback"]).
     """
     energy = replay.reference_energy()
-    start = {k: s.clone() for k, s in amax_scales.items()}
+    start_index = {k: grid_index(s, up=True) for k, s in amax_scales.items()}
+    start = {k: grid_scale(n) for k, n in start_index.items()}
     trials = _Trials(replay)
     before, _ = trials.errors(start, full=True)
     current = dict(start)
-    info = {}
+    info, grid = {}, {}
     for kind in layout.cached_names:
-        ratio = _search_kind(trials, current, kind, amax_scales[kind], kv_dtype)
-        current[kind] = (amax_scales[kind].double() * ratio).float()
-        info[kind] = ratio.tolist()
+        chosen = _search_kind(trials, current, kind, start_index[kind], kv_dtype)
+        current[kind], grid[kind] = grid_scale(chosen), chosen.tolist()
     after, _ = trials.errors(current, full=True)
-    if after > before:  # cross-head terms made the per-head choice worse on the replay: keep amax
+    if after > before:  # cross-head terms made the per-head choice worse on the replay: keep the start
         current, after = start, before
-        info = {kind: 1.0 for kind in layout.cached_names} | {"fallback": "amax"}
+        grid = {kind: n.tolist() for kind, n in start_index.items()}
+        info["fallback"] = "amax"
+    for kind in layout.cached_names:
+        info[kind] = (current[kind].double() / amax_scales[kind].double()).tolist()
+    info["grid"] = grid  # the chosen scales are 2^(n / GRID): n per kind, the same on every CPU
     info["rel_error_amax"] = before / energy
     info["rel_error_search"] = after / energy
     return current, info

@@ -70,9 +70,9 @@ def test_evaluate_matches_manual_cross_entropy_and_identity_has_zero_kl(tiny_lla
 
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 def test_search_replays_each_distinct_trial_once(tiny_llama, granularity):
-    """The fine grid's offset 1 repeats the coarse best, and K's ratio 1 is the amax start: both are taken from
-    trials already replayed (a trial is a pure function of its scales). fp8, K then V: 9 coarse + 7 fine trials
-    per kind, less those repeats, plus the amax start and the final check."""
+    """The fine grid's offset 0 repeats the coarse best, and the coarse offset 0 is the start (amax rounded up to
+    the grid): both are taken from trials already replayed (a trial is a pure function of its scales). fp8, K
+    then V: 9 coarse + 7 fine trials per kind, less those repeats, plus the start and the final check."""
     layout, _, _, recorder, observers = setup(tiny_llama)
     amax = {k: scale_from_amax(o.statistic("amax", granularity), "fp8").float() for k, o in observers[1].items()}
     replay = LayerReplay(recorder, layout, 1, "fp8")
@@ -87,9 +87,33 @@ def test_search_replays_each_distinct_trial_once(tiny_llama, granularity):
     trials = [key for full, key in seen if not full]
     assert len(trials) == len(set(trials)) and seen[0][1] not in trials  # no trial replayed twice, nor the start
     assert [full for full, _ in seen].count(True) == 2  # the amax start and the final check (with cross terms)
-    # repeats: K's ratio 1 (the start) and, per tensor, each fine offset 1 (per head the fine trials mix the
-    # heads' bests, which no coarse trial did); V's ratio 1 is the start again when K kept ratio 1
+    # repeats: K's offset 0 (the start) and, per tensor, each fine offset 0 (per head the fine trials mix the
+    # heads' bests, which no coarse trial did); V's offset 0 is the start again when K kept its start
     fine_repeat = 1 if granularity == "tensor" else 0
     assert len(seen) <= 1 + (9 + 7 - 1 - fine_repeat) + (9 + 7 - fine_repeat) + 1
     assert info["rel_error_search"] <= info["rel_error_amax"]
     recorder.remove()
+
+
+def test_searched_scales_lie_on_the_grid_and_ties_go_to_the_larger_scale(tiny_llama):
+    """Every scale the search returns is exactly 2^(n/16), the start amax rounded up to it (so amax differing in
+    its last bits, as fp32 forwards on two CPUs give, leads to the same candidates and the same bits): an amax
+    one ulp away gives the same scales, and errors within TIE_RTOL of the smallest tie to the last (largest)
+    candidate."""
+    from kvconvert.quant.search import GRID, TIE_RTOL, argmin_prefer_last, grid_index, grid_scale
+
+    layout, _, _, recorder, observers = setup(tiny_llama)
+    amax = {k: scale_from_amax(o.statistic("amax", "tensor"), "fp8").float() for k, o in observers[1].items()}
+    scales, info = search_replay_scales(LayerReplay(recorder, layout, 1, "fp8"), layout, "fp8", amax)
+    for s in scales.values():  # the fallback too: the start is on the grid
+        assert torch.equal(grid_scale(grid_index(s)), s)
+        assert abs(math.log2(float(s)) * GRID - int(grid_index(s))) < 1e-5
+    nudged = {k: torch.nextafter(a, torch.tensor(float("inf"))) for k, a in amax.items()}  # one ulp up
+    again, _ = search_replay_scales(LayerReplay(recorder, layout, 1, "fp8"), layout, "fp8", nudged)
+    assert all(torch.equal(again[k], scales[k]) for k in scales)
+    recorder.remove()
+    on_grid = grid_scale(torch.tensor([-70, 0, 33]))
+    assert grid_index(on_grid, up=True).tolist() == [-70, 0, 33]  # a scale on the grid stays where it is
+    assert grid_index(on_grid * 1.001, up=True).tolist() == [-69, 1, 34]
+    assert argmin_prefer_last(torch.tensor([2.0, 1.0, 1.0 + 0.5 * TIE_RTOL, 3.0])) == 2
+    assert argmin_prefer_last(torch.tensor([2.0, 1.0, 1.0 + 2 * TIE_RTOL, 3.0])) == 1

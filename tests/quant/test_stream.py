@@ -64,7 +64,7 @@ def test_streamed_equals_whole_model_llama(tiny_llama, settings):
     whole, streamed = both_paths(tiny_llama, settings, 512, 64)
     assert_same_calibration(whole, streamed)
     if settings.observer == "mse":
-        assert [i["k"] for i in whole.stats["search"]] == [i["k"] for i in streamed.stats["search"]]
+        assert [i["grid"]["k"] for i in whole.stats["search"]] == [i["grid"]["k"] for i in streamed.stats["search"]]
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
@@ -86,7 +86,7 @@ def test_streamed_equals_whole_model_mla(tmp_path, interleave, kv_dtype):
     path = make_deepseek(tmp_path / "d", rope_interleave=interleave)
     whole, streamed = both_paths(path, CalibrationSettings(kv_dtype, key_strength=0.5), 512, 64)
     assert_same_calibration(whole, streamed)
-    assert [i["kv"] for i in whole.stats["search"]] == [i["kv"] for i in streamed.stats["search"]]
+    assert [i["grid"]["kv"] for i in whole.stats["search"]] == [i["grid"]["kv"] for i in streamed.stats["search"]]
 
 
 @pytest.mark.slow
