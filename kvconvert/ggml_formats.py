@@ -32,6 +32,7 @@ bit j for element j); ``q8_0``: 32 int8 codes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -271,8 +272,9 @@ def rotation_enabled() -> bool:
         return True  # llama.cpp reads it with atoi: a non-number is 0
 
 
+@functools.lru_cache(maxsize=8)
 def hadamard_matrix(n: int) -> torch.Tensor:
-    """ggml_gen_hadamard's normalized Sylvester matrix [n, n] (n a power of two), fp32 entries +-1/sqrt(n)."""
+    """(Cached; do not modify it.) ggml_gen_hadamard's normalized Sylvester matrix [n, n] (n a power of two), fp32 entries +-1/sqrt(n)."""
     if n < 1 or n & (n - 1):
         raise KVConvertError(f"Hadamard size must be a power of two, got {n}")
     h = torch.ones(1, 1, dtype=torch.float64)

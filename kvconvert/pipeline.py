@@ -89,7 +89,7 @@ def convert_stage(src_path: Path, opts: MLAOptions, out: Path, heal=None, *, sou
 
 @dataclass
 class Stage:
-    name: str  # convert | calibrate | validate | gate
+    name: str  # convert | calibrate | export | validate | gate
     argv: list[str]  # the equivalent command line, after `kvconvert`
     out: Path | None  # output folder, reused when it holds a manifest; None: the stage always runs
     options: StageOptions | None  # what the stage runs with (argv is built from it)
@@ -149,6 +149,31 @@ def _validate(src: str, candidate: str, opts: ValidateOptions, report_dir: Path)
     return Stage("validate", argv, None, opts, run)
 
 
+def _export_gguf(model: str, out: Path, kv_dtype: str) -> Stage:
+    """The model as a GGUF file for stock llama.cpp (kvconvert export-gguf), with the cache flags to serve it."""
+    def run():
+        from kvconvert.checkpoint.gguf_export import export_gguf
+        from kvconvert.engines.gguf_options import GGUFExportOptions
+        from kvconvert.sources import resolve_source
+
+        export_gguf(resolve_source(model), out, GGUFExportOptions(), overwrite=True, name=Path(model).name)
+        to_stderr(f"llama.cpp serves it with: {llamacpp_flags(kv_dtype, out)}")
+
+    return Stage("export", ["export-gguf", "--src", model, "--out", str(out), "--overwrite"], None, None, run)
+
+
+def llamacpp_flags(kv_dtype: str, gguf: Path | str) -> str:
+    """How stock llama.cpp serves a GGUF with a kvconvert KV format: its cache type flags (flash attention on for
+    a quantized cache, which llama.cpp needs for a quantized V)."""
+    fmt = kv_format(kv_dtype)
+    cache = fmt.ggml_type or {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}.get(fmt.name)
+    if cache is None:
+        raise KVConvertError(f"llama.cpp has no {fmt.title} cache: its caches are f32, f16, bf16, q8_0, q5_1, q5_0, "
+                             "q4_1, q4_0 and iq4_nl")
+    flags = f"-ctk {cache} -ctv {cache}" + (" -fa on" if fmt.ggml_type else "")
+    return f"llama-cli -m {gguf} {flags}"
+
+
 def _gate(report_dir: Path, policy_file: str) -> Stage:
     def run():
         from kvconvert.eval.gate import run_gate
@@ -159,9 +184,10 @@ def _gate(report_dir: Path, policy_file: str) -> Stage:
 
 
 def build_stages(src: str, convert: MLAOptions | None, heal, heal_shown: str, calibrate: CalibrateOptions | None,
-                 validate: ValidateOptions, policy_file: str, out_dir: Path) -> list[Stage]:
+                 validate: ValidateOptions, policy_file: str, out_dir: Path, gguf: bool = False) -> list[Stage]:
     """convert into out_dir/mla (convert given), then (calibrate given) calibrate that (or the source
-    itself: "don't convert, just quantize") into out_dir/<mla|source>-<kv_dtype>, validate the last
+    itself: "don't convert, just quantize") into out_dir/<mla|source>-<kv_dtype>, then (gguf, or a cache in one of
+    llama.cpp's types) write that as out_dir/<mla|source>-<kv_dtype>.gguf for stock llama.cpp, validate the last
     model against the source into out_dir/report, gate the report."""
     if convert is None and calibrate is None:
         raise KVConvertError("nothing to build: no MLA conversion and no KV calibration (give one of them)")
@@ -177,6 +203,9 @@ def build_stages(src: str, convert: MLAOptions | None, heal, heal_shown: str, ca
     if calibrate is not None:
         stages.append(_calibrate(model, calibrate, out_dir / f"{name}-{calibrate.kv_dtype}"))
         model = str(stages[-1].out)
+    kv = calibrate.kv_dtype if calibrate is not None else "bf16"
+    if gguf or kv_format(kv).ggml_type:
+        stages.append(_export_gguf(model, out_dir / f"{name}-{kv}.gguf", kv))
     return stages + [_validate(src, model, validate, out_dir / "report"), _gate(out_dir / "report", policy_file)]
 
 
@@ -212,7 +241,9 @@ def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path, device: st
     policy = _policy_path(block.gate if block is not None and block.gate else DEFAULT_POLICY, recipe_path.parent)
     heal = recipe if recipe.heals() else None
     convert, calibrate, validate = (with_device(o, device) for o in (convert, calibrate, validate))
-    return build_stages(src, convert, heal, str(recipe_path) if heal else "none", calibrate, validate, policy, out_dir)
+    gguf = convert is not None and convert.target == "llamacpp"  # (a llama.cpp cache type exports in any case)
+    return build_stages(src, convert, heal, str(recipe_path) if heal else "none", calibrate, validate, policy, out_dir,
+                        gguf)
 
 
 def run_stages(stages: list[Stage], overwrite: bool, echo=to_stderr) -> list[dict]:
@@ -366,13 +397,23 @@ def _from_options(src: str, opts: PipelineOptions, out_dir: Path, given: frozens
     """The stages of the flags: --no-mla skips the conversion; no --rank: the largest shape --target serves."""
     rank, rope_dim = opts.rank, opts.rope_dim
     if not opts.mla:
-        _refuse_given(given, ("rank", "rope_dim", "target", "heal"),
+        _refuse_given(given, ("rank", "rope_dim", "heal"),
                       "belong to the MLA conversion, which --no-mla skips; drop them or --no-mla")
+        if "target" in given:
+            _check_served(opts.kv_dtype, opts.target)
         rank = None
     elif rank is None:
         rank, rope_dim = _default_shape(src, opts.target, rope_dim)
     return _from_flags(src, rank, rope_dim, opts.target, opts.heal if opts.mla else "none", opts.calib_tokens,
                        opts.kv_dtype, opts.suite, opts.policy, out_dir, opts.device)
+
+
+def _check_served(kv_dtype: str, target: str) -> None:
+    """--target names an engine that does not hold the source's cache in --kv-dtype: refused before any work."""
+    served = kv_format(kv_dtype).served_by(mla=False)
+    if target != "any" and target not in served:
+        raise KVConvertError(f"--kv-dtype {kv_dtype}: {target} does not serve it (served by {', '.join(served)}); "
+                             f"pick a format {target} serves (`kvconvert plan --target {target}` measures them)")
 
 
 def _check_out(out_dir: Path, src: str) -> None:
@@ -396,7 +437,7 @@ def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite
                                                                    "target": target, **calib})
     validate = build_options(ValidateOptions, {"suite": suite, "kv_dtype": kv_dtype, "device": device})
     return build_stages(src, convert, heal_recipe(heal) if convert else None, heal, calibrate, validate,
-                        _policy_path(policy), out_dir)
+                        _policy_path(policy), out_dir, gguf=target == "llamacpp")
 
 
 FLAG_OF = {"recipe_file": "--recipe"}  # parameters whose flag is not --<name>

@@ -284,3 +284,21 @@ def test_the_plans_build_stands_for_the_stage_only_when_its_record_matches(tiny_
     log = run_stages([other], overwrite=True)
     assert not log[0].get("reused") and (tmp_path / "out2" / "source-fp8" / "manifest.json").is_file()
     assert next((tmp_path / "out2" / "source-fp8").glob("*.safetensors")).stat().st_ino != weights.stat().st_ino
+
+
+def test_a_llamacpp_cache_ships_a_gguf_with_the_flags_that_serve_it(tmp_path):
+    """--kv-dtype in one of llama.cpp's types: the calibrated model is also written as GGUF for stock llama.cpp
+    (kvconvert export-gguf), before validation; --target names the engine and must serve the format."""
+    from kvconvert.pipeline import PipelineOptions, _from_options, llamacpp_flags
+
+    opts = PipelineOptions(mla=False, kv_dtype="iq4_nl", target="llamacpp")
+    stages = _from_options("smollm2-135m", opts, tmp_path, frozenset({"mla", "kv_dtype", "target"}))
+    assert [s.name for s in stages] == ["calibrate", "export", "validate", "gate"]
+    assert stages[1].argv == ["export-gguf", "--src", str(tmp_path / "source-iq4_nl"), "--out",
+                              str(tmp_path / "source-iq4_nl.gguf"), "--overwrite"]
+    assert llamacpp_flags("iq4_nl", "m.gguf") == "llama-cli -m m.gguf -ctk iq4_nl -ctv iq4_nl -fa on"
+    with pytest.raises(KVConvertError, match="vllm does not serve it"):
+        _from_options("smollm2-135m", PipelineOptions(mla=False, kv_dtype="q4_0", target="vllm"), tmp_path,
+                      frozenset({"mla", "kv_dtype", "target"}))
+    with pytest.raises(KVConvertError, match="llama.cpp has no NVFP4 cache"):
+        llamacpp_flags("nvfp4", "m.gguf")
