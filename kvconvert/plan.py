@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvconvert.device import DEVICE_FIELD
 from kvconvert.errors import KVConvertError
@@ -70,11 +70,23 @@ class PlanOptions(StageOptions):
                                                         "scales: calibrate's defaults, as the recipe ships them).")
     kv_calib_tokens: int | None = Field(None, ge=512, description="Calibration tokens of the KV scales, which the "
                                         "recipe carries (default: calibrate's own, 16384).")
+    kv_dtypes: tuple[str, ...] | None = Field(None, description="KV formats to consider (e.g. "
+                                              "fp8,nvfp4); default: every format the target serves.")
     measure_dominated: bool = Field(False, description="Also measure the candidates the pruning rules drop.")
     dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Weights of the quick conversions, of scoring and of the recipe's conversion: auto = as "
                             "the source stores them (a bf16 checkpoint stays bf16; the built-in SmolLM2 is fp32).")
     device: str = DEVICE_FIELD
+
+    @field_validator("kv_dtypes")
+    @classmethod
+    def _known_formats(cls, value):
+        unknown = [v for v in value or () if v not in FORMATS]
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a KV format plan measures; choose from {', '.join(FORMATS)}")
+        if value is not None and not value:
+            raise ValueError("give at least one KV format, or leave the option out for every format")
+        return value
 
     @model_validator(mode="after")
     def _whole_windows(self):
@@ -223,12 +235,23 @@ def shape_candidates(shape, rank: int | None, rope: int | None) -> list[Candidat
     for fmt in FORMATS:
         if kv_format(fmt).mla_only and rank is None:  # nvfp4_fp8rope: the source has no k_rope to keep apart
             continue
-        group = kv_format(fmt).block  # NVFP4 quantizes whole groups of 16: rank (MLA) or head_dim
-        if group and (shape.head_dim if rank is None else rank) % group:
+        if not _whole_blocks(shape, fmt, rank, rope):
             continue
         out.append(Candidate(fmt, kv_bytes_per_token(cached, fmt), baseline, engines_serving(fmt, rank, rope), rank,
                              rope))
     return out
+
+
+def _whole_blocks(shape, fmt: str, rank: int | None, rope: int | None) -> bool:
+    """True when `fmt`'s blocks tile what it quantizes: NVFP4 groups of 16 along head_dim or the latent (k_rope
+    apart); llama.cpp's blocks of 32 along head_dim or the MLA row, whose latent and k_rope llama.cpp takes in
+    whole blocks each (targets.TARGETS["llamacpp"]: a shape it cannot load is no candidate for its formats)."""
+    spec = kv_format(fmt)
+    if not spec.block:
+        return True
+    if rank is None:
+        return shape.head_dim % spec.block == 0
+    return rank % spec.block == 0 and (not spec.ggml_type or rope % spec.block == 0)
 
 
 def fits(candidates: list[Candidate], budget: float, target: str) -> list[Candidate]:
@@ -542,10 +565,15 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
     dtype = weights_dtype(src_path, opts.dtype)
     check_not_source(out, (src_path,))  # --out inside the source: refused before any work
     refuse_existing_outputs([out / name for name in PLAN_FILES], overwrite)  # the user's recipe.yaml is not replaced
-    everything = enumerate_candidates(read_config(src_path))
+    everything = [c for c in enumerate_candidates(read_config(src_path))
+                  if opts.kv_dtypes is None or c.kv_dtype in opts.kv_dtypes]
     fitting = fits(everything, budget, target)
     if not fitting:
-        smallest = min((c for c in everything if target == "any" or target in c.engines), key=lambda c: c.fraction)
+        served = [c for c in everything if target == "any" or target in c.engines]
+        if not served:
+            raise KVConvertError(f"{target} serves none of --kv-dtypes {','.join(opts.kv_dtypes or ())} for this "
+                                 "model: add a format it serves, or leave --kv-dtypes out")
+        smallest = min(served, key=lambda c: c.fraction)
         raise KVConvertError(f"nothing {target} serves fits {budget:.1%} of the bf16 KV bytes: the smallest is "
                              f"{smallest.name} at {smallest.fraction:.1%}; raise --kv-budget or use --target any")
     survivors, pruned = prune(fitting)

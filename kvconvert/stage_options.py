@@ -121,8 +121,9 @@ def options_as_flags(opts: StageOptions, keep: tuple[str, ...] = ()) -> list[str
 # --------------------------------------------------------------------------- YAML files (recipes, gate policies)
 
 def read_yaml(path: str | Path, missing: str = "file not found"):
-    """The parsed YAML file at `path`. A missing file is a KVConvertError "PATH: `missing`", bad
-    YAML one that names the line."""
+    """The parsed YAML file at `path`. A missing file is a KVConvertError "PATH: `missing`", a file
+    that is not UTF-8 text (a binary file, a stray Latin-1 byte) one that names the byte, bad YAML
+    one that names the line."""
     import yaml
 
     path = Path(path)

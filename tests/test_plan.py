@@ -6,6 +6,7 @@ import json
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from kvconvert.errors import KVConvertError
 from kvconvert.pipeline import recipe_stages
@@ -163,7 +164,10 @@ def test_already_mla_source_is_refused():
         enumerate_candidates(mla)
 
 
-QUICK = PlanOptions(target="any", quality_eval_tokens=256, window_len=128, calib_tokens=512, kv_calib_tokens=1024)
+# The formats vLLM and the runtime serve (llama.cpp's are planned in test_plan_llamacpp_target_*): what these
+# end-to-end plans measure stays two candidates.
+QUICK = PlanOptions(target="any", kv_dtypes=("bf16", "fp8", "nvfp4", "nvfp4_fp8rope"), quality_eval_tokens=256,
+                    window_len=128, calib_tokens=512, kv_calib_tokens=1024)
 
 
 def test_plan_options_are_the_commands_flags():
@@ -273,3 +277,16 @@ def test_plan_end_to_end_on_smollm2(tmp_path):
     assert load_recipe(tmp_path / "recipe.yaml").calibrate.calib_tokens == 1024  # what the plan calibrated with
     assert plan["artifacts"] == {"convert": None, "calibrate": str(tmp_path / "artifacts" / "fp32-512" / "source-fp8")}
     assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_kv_dtypes_limits_the_formats_and_names_the_known_ones(tmp_path):
+    """--kv-dtypes fp8,q4_0 plans among those formats only; an unknown one is refused naming every known format, and
+    a set the target serves none of says so before any work."""
+    with pytest.raises(ValidationError, match=r"fp9: not a KV format plan measures; choose from bf16, fp8, nvfp4"):
+        PlanOptions(kv_dtypes=("fp9",))
+    with pytest.raises(ValidationError, match="at least one KV format"):
+        PlanOptions(kv_dtypes=())
+    with pytest.raises(KVConvertError, match="vllm serves none of --kv-dtypes q4_0,iq4_nl"):
+        run_plan("smollm2-135m", 0.3, QUICK.model_copy(update={"target": "vllm", "kv_dtypes": ("q4_0", "iq4_nl")}),
+                 tmp_path, echo=lambda m: None)
+    assert not (tmp_path / "plan.json").exists()

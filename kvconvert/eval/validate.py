@@ -363,7 +363,8 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun
     lap("build_samples")
     outputs = {}
     store = source_logits_store(pair.source, windows, run.shared if run.resume else None,
-                                Path(run.out) / "cache" / f"source-logits-{pair.source.fingerprint}")
+                                Path(run.out) / "cache" / f"source-logits-{pair.source.fingerprint}",
+                                say=lambda text: note(run, text))
     shared = None
     if run.shared is not None:
         try:
