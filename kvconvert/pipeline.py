@@ -34,6 +34,7 @@ from kvconvert.eval.options import ValidateOptions
 from kvconvert.eval.suites import SUITES
 from kvconvert.kvformat import CALIBRATE_KV_DTYPES, kv_format
 from kvconvert.mla.options import MLAOptions
+from kvconvert.plan import PlanOptions
 from kvconvert.quant.options import CalibrateOptions
 from kvconvert.stage_options import StageOptions, build_options, field_like, options_as_flags
 from kvconvert.targets import TARGETS
@@ -330,6 +331,8 @@ class PipelineOptions(StageOptions):
     kv_budget: str | None = Field(None, description=(
         "Let `kvconvert plan` measure what fits this share of the source's bf16 KV bytes (e.g. 50%) and the --target "
         "engine, then build and validate the winner from its recipe (OUT/plan)."))
+    kv_dtypes: tuple[str, ...] | None = field_like(PlanOptions.model_fields["kv_dtypes"], description=(
+        "With --kv-budget: the KV formats the plan considers (e.g. q4_0,iq4_nl); default: every format."))
     device: str | None = field_like(DEVICE_FIELD, default=None, description=(
         "Where every stage runs: auto (cuda when visible), cpu, cuda[:N] (default: each stage's own, auto)."))
 
@@ -345,6 +348,9 @@ def run_pipeline(src: str, recipe_file: Path | None, opts: PipelineOptions, out_
     if recipe_file is None:  # --out vs --src before any work (the plan of --kv-budget included)
         _check_out(out_dir, src)
     _check_existing_out(out_dir, overwrite)  # a folder that is not a pipeline's: refused before the plan too
+    if opts.kv_budget is None:
+        _refuse_given(given, ("kv_dtypes",), "the formats a plan considers: give it with --kv-budget, or one "
+                                             "format with --kv-dtype")
     if opts.kv_budget is not None:
         src, stages = _from_plan(src, opts, out_dir, overwrite, given, echo)
     elif recipe_file is not None:
@@ -495,7 +501,7 @@ def _from_plan(src: str, opts: PipelineOptions, out_dir: Path, overwrite: bool, 
     one it chose (a plan that does not match is refused unless `overwrite`: it plans again); the recipe must build
     what --target serves. Then the stages of that recipe, validated with --suite and gated with --policy when
     given."""
-    from kvconvert.plan import PLAN_FILES, PlanOptions, parse_budget, plan_problem, run_plan
+    from kvconvert.plan import PLAN_FILES, parse_budget, plan_problem, run_plan
     from kvconvert.recipe import load_recipe
     from kvconvert.sources import resolve_source
 
@@ -503,7 +509,8 @@ def _from_plan(src: str, opts: PipelineOptions, out_dir: Path, overwrite: bool, 
                   "--kv-budget lets `kvconvert plan` choose these; drop them or --kv-budget")
     budget, plan_dir, src_path = parse_budget(opts.kv_budget), out_dir / "plan", resolve_source(src)
     calib = {"calib_tokens": opts.calib_tokens, "kv_calib_tokens": opts.calib_tokens} if "calib_tokens" in given else {}
-    plan_opts = build_options(PlanOptions, {"target": opts.target, "device": opts.device, **calib})
+    plan_opts = build_options(PlanOptions, {"target": opts.target, "device": opts.device, "kv_dtypes": opts.kv_dtypes,
+                                            **calib})
     recipe_file, stale = plan_dir / "recipe.yaml", None
     reuse = not overwrite and any((plan_dir / name).exists() for name in PLAN_FILES)
     if not reuse:

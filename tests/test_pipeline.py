@@ -114,6 +114,8 @@ RECIPE_25 = str(ROOT / "recipes" / "smollm2-135m-25pct.yaml")
     *[(["--kv-budget", "50%", *flags], "--kv-budget lets `kvconvert plan` choose these")
       for flags in (["--rank", "64"], ["--no-mla"], ["--kv-dtype", "nvfp4"], ["--recipe", RECIPE_25])],
     (["--kv-budget", "150%"], "--kv-budget '150%'"),
+    (["--no-mla", "--kv-dtypes", "q4_0"], "--kv-dtypes: the formats a plan considers: give it with --kv-budget"),
+    (["--kv-budget", "30%", "--kv-dtypes", "q4_0,q9"], "--kv-dtypes: q9: not a KV format plan measures"),
 ])
 def test_conflicting_flags_are_refused_before_any_work(args, message, tmp_path):
     result = CliRunner().invoke(cli, ["pipeline", *args, "--out", str(tmp_path / "o")])
