@@ -3,10 +3,15 @@ per token, quality against the source, the engines that serve them, the gate), a
 sentence that says what was shipped and what was traded.
 
     python scripts/demo_summary.py --policy default --png out/demo/summary.png \
-        "MLA 256+64 + FP8=out/demo/mla320-fp8" "FP8 KV=out/demo/fp8"
+        "kvconvert plan, 50%, vLLM=out/demo/plan50" "kvconvert plan, 30%, llama.cpp=out/demo/plan30"
 
-Each candidate is LABEL=PIPELINE_OUT (a `kvconvert pipeline --out` folder: its report/report.json
-and the validated model). The last candidate whose gate passes is the one shipped.
+Each candidate is LABEL=PIPELINE_OUT (a `kvconvert pipeline --out` folder: its report/report.json, the
+validated model and, for llama.cpp, the GGUF). The smallest candidate whose gate passes is the one shipped.
+
+    python scripts/demo_summary.py --machine
+
+prints, before the job starts, the vector units torch uses on this CPU (AVX2 / AVX-512 / AMX:
+kvconvert.eval.runner.cpu_kind) and the time the job is expected to take on that kind (EXPECTED_SECONDS).
 """
 
 from __future__ import annotations
@@ -21,8 +26,30 @@ from pathlib import Path
 from kvconvert.eval.gate import load_policy
 from kvconvert.kvformat import kv_format
 from kvconvert.kvmath import kv_bytes_per_token, kv_shape
-from kvconvert.pipeline import _policy_path
+from kvconvert.pipeline import _policy_path, llamacpp_flags
 from kvconvert.targets import TARGETS
+
+
+# The main job's time after setup on 2 cores, per CPU kind (cpu_kind().name): (seconds, how it was measured).
+# docs/BENCHMARKS.md, "The README's main job" has the stages behind each number; update both together.
+EXPECTED_SECONDS = {
+    "AMX": (265, "measured on a quiet 2-core Xeon with AVX-512 and AMX, from a fresh clone"),
+    "AVX-512": (None, "not measured on a quiet machine; expect between the AMX and AVX2 rows"),
+    "AVX2": (None, "estimated from CPU-seconds under AVX2 emulation (ATEN_CPU_CAPABILITY=avx2 "
+                   "ONEDNN_MAX_CPU_ISA=AVX2) on a shared machine; 1029 s measured before the per-CPU weight dtype"),
+}
+
+
+def machine_banner() -> str:
+    """What the CPU runs (cpu_kind) and the main job's expected time on it (EXPECTED_SECONDS)."""
+    from kvconvert.eval.runner import cpu_kind
+
+    kind = cpu_kind()
+    seconds, how = EXPECTED_SECONDS.get(kind.name, (None, "no measurement for this kind"))
+    expected = f"about {seconds} s ({seconds / 60:.1f} min)" if seconds else "not known"
+    bf16 = "bf16 weights run in bf16" if kind.native_bf16 else "bf16 weights run in fp32 (no native bf16)"
+    return (f"  This machine: {kind.describe()}; {bf16}.\n"
+            f"  Expected time after setup on 2 cores of this kind: {expected}: {how}.")
 
 
 def _config(report: dict, model: str) -> dict:
@@ -57,11 +84,24 @@ def summarize(label: str, out: Path, policy_file: str) -> dict:
     # KV bytes per token of the candidate and of the source in bf16, from the models' configs
     cand = kv_bytes_per_token(kv_shape(_config(report, "candidate")), report["candidate"]["kv_dtype"])
     src = kv_bytes_per_token(kv_shape(_config(report, "source")), "bf16")
+    est = report["estimates"]
     return {"label": label, "bytes": cand, "fraction": cand / src, "ppl_pct": m["perplexity"]["delta_pct"],
-            "kl": m["kl_mean"]["candidate"], "passkey_drop": _drop(m, "passkey_accuracy"),
+            "ppl_low": est["perplexity_increase_pct"]["low"], "ppl_high": est["perplexity_increase_pct"]["high"],
+            "kl": m["kl_mean"]["candidate"], "kl_low": est["kl_mean"]["low"], "kl_high": est["kl_mean"]["high"],
+            "serve": _serve(out, report), "passkey_drop": _drop(m, "passkey_accuracy"),
             "niah_drop": _drop(m, "niah_accuracy"), "longbench_drop": _drop(m, "longbench_avg"),
             "engines": _engines(report),
             "gate": _gate(report_path, policy_file), "suite": report["suite"]["name"]}
+
+
+def _serve(out: Path, report: dict) -> str | None:
+    """The llama-cli command that serves the pipeline's GGUF (its export stage), or None."""
+    log = json.loads((out / "pipeline.json").read_text()).get("stages", []) if (out / "pipeline.json").is_file() else []
+    for stage in log:
+        if stage["stage"] == "export":
+            words = stage["command"].split()
+            return llamacpp_flags(report["candidate"]["kv_dtype"], words[words.index("--out") + 1])
+    return None
 
 
 def _drop(metrics: dict, name: str) -> float | None:
@@ -123,21 +163,44 @@ def plot(rows: list[dict], path: Path, kl_limit: float | None) -> None:
     plt.close(fig)
 
 
-def verdict(rows: list[dict]) -> str:
+def verdict(rows: list[dict], thresholds=None) -> str:
+    """The candidate shipped (the smallest whose gate passes), how it is served, and what it traded: against each
+    larger candidate that passes (the quality given up for the bytes) and the smallest that fails (what a
+    smaller cache would cost). A point estimate past a threshold is said, with the gate's rule."""
     shipped = [r for r in rows if r["gate"]]
     if not shipped:
         return "No candidate passed the gate: nothing is shipped; see the reports for what failed."
-    best = shipped[-1]
+    best = min(shipped, key=lambda r: r["fraction"])
     text = (f"Shipped: {best['label']} - the KV cache at {best['fraction']:.0%} of the source's bf16 bytes "
-            f"({best['bytes']} B/token), perplexity {sig(best['ppl_pct'], sign=True)}%, KL {sig(best['kl'])}"
-            f"{_longbench_text(best)}: the gate passes.")
+            f"({best['bytes']} B/token), perplexity {sig(best['ppl_pct'], sign=True)}% "
+            f"[{sig(best['ppl_low'], sign=True)}, {sig(best['ppl_high'], sign=True)}], KL {sig(best['kl'])} "
+            f"[{sig(best['kl_low'])}, {sig(best['kl_high'])}]{_longbench_text(best)}: the gate passes"
+            f"{_margin(best, thresholds)}.")
+    if best.get("serve"):
+        text += f" Serve it with: {best['serve']}."
+    for r in [r for r in shipped if r["fraction"] > best["fraction"]]:
+        text += (f" Traded against {r['label']} ({r['fraction']:.0%}, KL {sig(r['kl'])}, perplexity "
+                 f"{sig(r['ppl_pct'], sign=True)}%): {1 - best['fraction'] / r['fraction']:.0%} fewer KV bytes for "
+                 f"KL {sig(best['kl'] / r['kl'], 2)}x as large.")
     smaller = [r for r in rows if r["fraction"] < best["fraction"] and not r["gate"]]
     if smaller:
         s = min(smaller, key=lambda r: r["fraction"])
-        text += (f" Traded: {s['label']} would cut it to {s['fraction']:.0%} but costs perplexity "
-                 f"{sig(s['ppl_pct'], sign=True)}% and KL {sig(s['kl'])}{_longbench_text(s)} one-shot, past the gate; "
-                 "healing it needs a GPU (recipes/*-gpu.yaml, docs/BENCHMARKS.md).")
+        text += (f" Smaller: {s['label']} would cut it to {s['fraction']:.0%} but costs perplexity "
+                 f"{sig(s['ppl_pct'], sign=True)}% and KL {sig(s['kl'])}{_longbench_text(s)}, past the gate.")
     return text
+
+
+def _margin(row: dict, thresholds) -> str:
+    """'' when both point estimates are inside the thresholds, else the gate's rule that lets it pass."""
+    if thresholds is None:
+        return ""
+    over = [name for name, value, limit in (("perplexity", row["ppl_pct"], thresholds.perplexity_increase_pct),
+                                            ("KL", row["kl"], thresholds.kl_mean))
+            if limit is not None and value > limit]
+    if not over:
+        return " (both point estimates inside the thresholds)"
+    return (f" on the gate's rule (it fails a metric when its 95% interval lies wholly past the threshold): the "
+            f"{' and '.join(over)} point estimate{'s are' if len(over) > 1 else ' is'} past the threshold")
 
 
 def _longbench_text(row: dict) -> str:
@@ -148,17 +211,24 @@ def _longbench_text(row: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("candidates", nargs="+", help="LABEL=PIPELINE_OUT, in the order to show them")
+    ap.add_argument("candidates", nargs="*", help="LABEL=PIPELINE_OUT, in the order to show them")
     ap.add_argument("--policy", default="default")
-    ap.add_argument("--png", type=Path, required=True)
+    ap.add_argument("--png", type=Path)
+    ap.add_argument("--machine", action="store_true", help="print the CPU kind and the expected time, then exit")
     args = ap.parse_args()
+    if args.machine:
+        print(machine_banner())
+        return 0
+    if not args.candidates or args.png is None:
+        ap.error("give the candidates (LABEL=PIPELINE_OUT) and --png, or --machine")
     policy_file = _policy_path(args.policy)
     rows = [summarize(label, Path(folder), policy_file)
             for label, _, folder in (item.partition("=") for item in args.candidates)]
     print_table(rows, args.policy)
-    plot(rows, args.png, load_policy(Path(policy_file)).thresholds.kl_mean)
+    thresholds = load_policy(Path(policy_file)).thresholds
+    plot(rows, args.png, thresholds.kl_mean)
     print(f"\nPicture: {args.png}")
-    print("\n" + verdict(rows))
+    print("\n" + verdict(rows, thresholds))
     return 0 if any(r["gate"] for r in rows) else 1
 
 

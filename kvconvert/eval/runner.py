@@ -174,8 +174,8 @@ def compute_dtype(dtype: str | torch.dtype, stored: torch.dtype, path: Path, dev
     where 16-bit weights are computed in fp32 (an exact upcast) unless that copy would take more than half the
     available memory.
 
-    Measured (docs/performance.md): with AVX2 only, bf16 matmuls run about 3x slower than fp32 (SmolLM2's MLA
-    256+64, prefill of 512 tokens on one core: 8.7 s against 2.7 s), and the main job's MLA candidate took most
+    Measured (docs/BENCHMARKS.md, "The README's main job"): with AVX2 only, bf16 matmuls run about 3x slower
+    than fp32 (SmolLM2's MLA 256+64, prefill of 512 tokens on one core: 8.7 s against 2.7 s), and the main job's MLA candidate took most
     of its 17 minutes there; with AVX512_BF16 bf16 is 1.2-1.4x faster. bf16 compute moves the logits by a KL
     of 0.0007-0.0008 nats/token against fp32 on the same weights (the quick suite's windows), far inside the
     gate's 0.05, so a checkpoint's numbers differ by about that between the two kinds of CPU; the fingerprint
