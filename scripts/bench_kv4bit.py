@@ -62,9 +62,19 @@ def rows_for(mla: str) -> list[Row]:
         Row("MLA 256+64 + q4_0", "q4_0", "llama.cpp", "mla", what="one-shot MLA, no rewrite",
             commands=[f"kvconvert mla --src {src} --rank 256 --rope-dim 64 --out mla"]),
         Row("MLA 256+64 + q4_0", "q4_0", "llama.cpp", "mla-q4_0", {"kv_dtype": "q4_0"},
-            what="one-shot MLA, latent shaping, k_rope pair equalization",
+            what="one-shot MLA, latent shaping",
             commands=[f"kvconvert mla --src {src} --rank 256 --rope-dim 64 --out mla",
                       cal.format(src="mla", kv="q4_0", out="mla-q4_0")]),
+        Row("MLA 256+64 + q4_0", "q4_0", "llama.cpp", "mla-q4_0-ks1", {"kv_dtype": "q4_0", "key_strength": 1.0},
+            what="one-shot MLA, latent shaping, k_rope pair amax equalization (--key-strength 1)",
+            commands=[f"kvconvert mla --src {src} --rank 256 --rope-dim 64 --out mla",
+                      cal.format(src="mla", kv="q4_0", out="mla-q4_0-ks1") + " --key-strength 1"]),
+        Row("MLA 256+64 + iq4_nl", "iq4_nl", "llama.cpp", "mla-iq4_nl", {"kv_dtype": "iq4_nl", "key_strength": 1.0},
+            what="one-shot MLA, latent shaping, k_rope pair amax equalization (--key-strength 1)",
+            commands=[f"kvconvert mla --src {src} --rank 256 --rope-dim 64 --out mla",
+                      cal.format(src="mla", kv="iq4_nl", out="mla-iq4_nl") + " --key-strength 1"]),
+        Row("MLA 256+64, 16-bit", "bf16", "llama.cpp", "mla", what="one-shot MLA, the reference of the MLA rows' "
+            "4-bit cost"),
     ]
 
 
@@ -101,6 +111,8 @@ def hook(row: Row, path: Path):
     from kvconvert.quant.scales import read_kv_scales
 
     layout = checkpoint_kv_layout(path)
+    if not kv_format(row.kv_dtype).quantized:  # a 16-bit row: the cache as computed (fp32 here), no rounding
+        return lambda layer, key, value: (key, value)
     if kv_format(row.kv_dtype).ggml_type:
         return llamacpp_hook(layout, row.kv_dtype, rotate=row.rotation)
     return fake_quant_hook(layout, read_kv_scales(path))
