@@ -331,15 +331,33 @@ class CacheFrame:
     def decode(self, blocks: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Inverse of :meth:`encode`: what the engine's attention reads, mapped back to the model's frame."""
         y = ggml_dequantize(blocks, self.ggml_name)  # [..., width]
-        y = self._turn(y.reshape(*y.shape[:-1], -1, self.head_dim))
-        if self.order is not None:
-            y = y[..., torch.argsort(self.order).to(y.device)]
+        back = self._back_to_model()
+        if back is not None:  # the inverse turn and channel order in one product (a runtime reads every step)
+            y = y.reshape(*y.shape[:-1], -1, self.head_dim) @ back.to(y.device)
         return y.reshape(*blocks.shape[:-2], -1).to(out_dtype)
+
+    def _back_to_model(self) -> torch.Tensor | None:
+        """[head_dim, head_dim] fp32 map from the engine's frame to the model's: the block-diagonal Hadamard (its
+        own inverse), columns in the inverse channel order; None when the frame is the model's. Cached."""
+        if self.order is None and not self.rotation:
+            return None
+        return _frame_inverse(self.head_dim, self.rotation, None if self.order is None else tuple(self.order.tolist()))
 
     def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
         """Quantize-dequantize rows x [..., width] (width a multiple of head_dim) as the engine stores and reads
         them, in the model's frame; x's dtype."""
         return self.decode(self.encode(x), torch.float32).reshape(x.shape).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _frame_inverse(head_dim: int, rotation: int | None, order: tuple[int, ...] | None) -> torch.Tensor:
+    """CacheFrame._back_to_model's matrix (cached per frame shape; do not modify it)."""
+    m = torch.eye(head_dim)
+    if rotation:
+        m = torch.block_diag(*[hadamard_matrix(rotation)] * (head_dim // rotation))
+    if order is not None:
+        m = m[:, torch.argsort(torch.tensor(order))]
+    return m.contiguous()
 
 
 def llamacpp_frames(k_type: str, v_type: str, head_dim: int, mla: bool,
