@@ -211,6 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--rows", default=None, help="comma-separated row numbers to run (default: all)")
+    p.add_argument("--no-llamacpp", action="store_true", help="score with the emulation only, not stock llama.cpp "
+                   "(scripts/bench_llamacpp.py scores its caches on its own)")
     args = p.parse_args(argv)
     import torch
 
@@ -232,7 +234,7 @@ def main(argv=None) -> int:
     windows = eval_windows(load_tokenizer(src), args.windows, args.window_len)
     baseline = kv_bytes_per_token(checkpoint_kv_layout(src), "bf16")
     scored = score_transformers(rows, args.work, list(windows))
-    engine = score_llamacpp(rows, args.work, list(windows), args.threads)
+    engine = {} if args.no_llamacpp else score_llamacpp(rows, args.work, list(windows), args.threads)
     results, table = [], []
     for i, (row, s) in enumerate(zip(rows, scored)):
         kv_bytes = kv_bytes_per_token(checkpoint_kv_layout(model_path(row, args.work)), row.kv_dtype)

@@ -80,7 +80,8 @@ def test_refusal_is_a_function_of_the_capacity():
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-12pct-gpu", "smollm2-135m-25pct-gpu", "smollm2-135m-33pct-gpu",
-                                  "smollm2-135m-50pct-gpu", "llama-2-7b-mla512", "llama-3.1-8b-mla512"])
+                                  "smollm2-135m-50pct-gpu", "smollm2-135m-mla320-fp8-gpu", "llama-2-7b-mla512",
+                                  "llama-3.1-8b-mla512"])
 def test_shipped_gpu_recipes_fit_an_80gb_gpu(name):
     """The shipped GPU recipes pass the check on an 80 GB GPU (an estimate that counted eager attention
     probabilities and fp32 vocabulary copies claimed 118 GB for SmolLM2 b8s2048 and refused them all)."""
@@ -96,7 +97,7 @@ def test_every_gpu_recipe_is_listed():
 
     names = {p.stem for p in (Path(__file__).resolve().parents[2] / "recipes").glob("*-gpu.yaml")}
     assert names <= {"smollm2-135m-12pct-gpu", "smollm2-135m-25pct-gpu", "smollm2-135m-33pct-gpu",
-                     "smollm2-135m-50pct-gpu"}, "add the new GPU recipe to test_shipped_gpu_recipes_fit_an_80gb_gpu"
+                     "smollm2-135m-50pct-gpu", "smollm2-135m-mla320-fp8-gpu"}, "add the new GPU recipe to test_shipped_gpu_recipes_fit_an_80gb_gpu"
 
 
 def test_refused_up_front_with_the_multi_gpu_path(monkeypatch):
