@@ -8,6 +8,7 @@ KVConvertError that ends with the worker's own last words from its log.
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import select
@@ -18,7 +19,7 @@ from pathlib import Path
 from kvconvert.errors import KVConvertError
 
 
-class WorkerProcess:
+class WorkerProcess(abc.ABC):
     """One worker process. Subclasses give `command(config_path)`, `who` (how messages name the worker, e.g.
     "vLLM worker for MODEL") and `is_verdict(line)` (the log lines that say why it failed, e.g. its own
     "vllm_worker: ..." line or llama.cpp's GGML_ASSERT). The log (the engine's output) goes to `log_path`.
@@ -35,12 +36,13 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
         self._log = None
 
+    @abc.abstractmethod
     def command(self, config_path: Path) -> list[str]:
-        raise NotImplementedError
+        """The worker's command line (its engine's python, reading `config_path`)."""
 
+    @abc.abstractmethod
     def start(self):
         """Start the worker (start_process) and check its "ready" answer; returns self."""
-        raise NotImplementedError
 
     def __enter__(self):
         return self.start()
