@@ -180,7 +180,19 @@ def make_accelerator(stage: DistillOptions):
             AcceleratorState._reset_state()
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # accelerate's single-process device is the current one
-    return Accelerator(mixed_precision=stage.mixed_precision, cpu=device.type == "cpu")
+    accelerator = Accelerator(mixed_precision=stage.mixed_precision, cpu=device.type == "cpu")
+    check_accelerator_device(accelerator.device, device)
+    return accelerator
+
+
+def check_accelerator_device(chosen: torch.device, resolved: torch.device) -> None:
+    """accelerate picks its device by its own probe (torch.accelerator in accelerate >= 1.16, torch.cuda
+    before), not by ours: a disagreement would run the heal silently somewhere else than `--device` said
+    (a GPU asked for and trained on the CPU). Refuse it by name instead."""
+    if chosen.type != resolved.type:
+        raise KVConvertError(f"heal_distill: --device resolved to {resolved}, but accelerate chose {chosen} "
+                             f"(its own probe of the machine disagrees with torch.cuda); pass --device "
+                             f"{chosen.type} to run there, or fix the torch/accelerate install")
 
 
 class Distiller:

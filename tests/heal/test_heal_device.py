@@ -17,14 +17,31 @@ class CudaTouched(RuntimeError):
 
 @pytest.fixture
 def cuda_visible_but_forbidden(monkeypatch):
-    """torch says one GPU is there (so `auto` means cuda), and initialising or allocating on it raises."""
+    """torch says one GPU is there (so `auto` means cuda), and initialising or allocating on it raises.
+    accelerate is told so too: from 1.16 it asks torch.accelerator (not torch.cuda) which device to train
+    on, and torch.accelerator cannot be faked without breaking torch's own CPU optimizers, so its probe
+    is. The fake GPU is then seen by kvconvert and accelerate alike, on any CPU and accelerate version."""
     def forbidden(*args, **kwargs):
         raise CudaTouched("CUDA was touched")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    import accelerate.state
+
+    monkeypatch.setattr(accelerate.state, "get_torch_accelerator_backend", lambda *a, **k: ("cuda", torch.cuda),
+                        raising=False)  # accelerate < 1.16 asks torch.cuda.is_available, faked above
     for name in ("_lazy_init", "set_device", "mem_get_info", "synchronize", "current_device"):
         monkeypatch.setattr(torch.cuda, name, forbidden)
+    fresh_accelerate_state()
+    yield
+    fresh_accelerate_state()  # no fake-GPU state left for the next test
+
+
+def fresh_accelerate_state():
+    """accelerate keeps its device for the process: forget it, so each test's fake machine is seen."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _recipe(text_file, tmp_path):
@@ -55,8 +72,26 @@ def test_pipeline_device_cpu_heals_without_touching_cuda(tiny_teacher, text_file
 
 def test_heal_on_auto_would_use_the_visible_gpu(tiny_student, tiny_teacher, text_file, tmp_path,
                                                  cuda_visible_but_forbidden):
-    """The control: the same fake GPU does stop a heal left on `auto` (so the test above can fail)."""
+    """The control: the same fake GPU does stop a heal left on `auto` (so the test above can fail): the
+    heal goes to CUDA and touches it, nothing else stops it."""
     from kvconvert.recipe import heal
 
-    with pytest.raises((CudaTouched, AssertionError, RuntimeError)):
+    with pytest.raises(CudaTouched):
+        heal(tiny_student, tiny_teacher, distill_recipe(text_file, tokens=2 * 2 * 128), tmp_path / "out", progress=False)
+
+
+def test_heal_refuses_when_accelerate_disagrees_with_the_device(tiny_student, tiny_teacher, text_file, tmp_path,
+                                                               monkeypatch):
+    """torch.cuda sees a GPU but accelerate's probe (torch.accelerator) does not: `auto` resolves to cuda
+    and accelerate would train on the CPU. The heal refuses by name instead of running somewhere else."""
+    from kvconvert.errors import KVConvertError
+    from kvconvert.recipe import heal
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    import accelerate.state
+
+    monkeypatch.setattr(accelerate.state, "get_torch_accelerator_backend", lambda *a, **k: (None, None), raising=False)
+    fresh_accelerate_state()
+    with pytest.raises(KVConvertError, match="accelerate chose cpu"):
         heal(tiny_student, tiny_teacher, distill_recipe(text_file, tokens=2 * 2 * 128), tmp_path / "out", progress=False)
