@@ -237,7 +237,8 @@ def _jsonl_documents(path: Path, at: dict) -> Iterator[tuple[str, dict, bool]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise KVConvertError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be "
+                what = exc.msg.removesuffix(" at")  # json's "Unterminated string starting at" names a position
+                raise KVConvertError(f"{where}: not valid JSON ({what} at column {exc.colno}); each line must be "
                                      "one JSON object like {\"text\": \"...\"}: fix or delete that line") from None
             yield row_text(row, where), {"line": line_no, "offset": offset}, True
 

@@ -24,7 +24,7 @@ ROWS = "".join(LINES)
 # name -> (file name, bytes, what the one-line error says; {path} is the file)
 FILES = {
     "broken-line": ("broken.jsonl", ("".join(LINES[:3]) + '{"text": "no closing quote}\n' + ROWS).encode(),
-                    ("{path}:4: not valid JSON", "fix or delete that line")),
+                    ("{path}:4: not valid JSON (Invalid control character at column 28)", "fix or delete that line")),
     "numbers": ("numbers.jsonl", b"5\n6\n7\n",
                 ("{path}:1: a row is 5 (int), not a JSON object", "with the text in a 'text' field")),
     "latin-1": ("latin1.jsonl", "".join(LINES[:2]).encode() + json.dumps({"text": "caf\u00e9"}, ensure_ascii=False)
