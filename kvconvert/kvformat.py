@@ -194,6 +194,152 @@ def kv_dtype_names(engine: str | None = None, quantized: bool | None = None, ali
     return tuple(names)
 
 
+# ----------------------------------------------------------------------------------------------
+# K and V apart: a cache whose K and V halves are stored in two formats, written KTYPE/VTYPE
+# ----------------------------------------------------------------------------------------------
+
+PAIR_SEP = "/"
+PAIR_ENGINES = ("llamacpp", _RUNTIME)  # engines that take a K type and a V type apart (-ctk / -ctv)
+
+
+@dataclass(frozen=True)
+class KVPair:
+    """The K format and the V format of one KV cache. Written ``KTYPE/VTYPE`` (``q5_0/iq4_nl``); one name
+    means both halves. Bytes per token are the sum of both halves' bytes.
+
+    A mixed pair is llama.cpp's: its K and V caches take any two of its block types (-ctk / -ctv), and
+    kvconvert's runtime emulates each half bit-exactly. Engines with one cache dtype for both (vLLM,
+    TensorRT-LLM) refuse it. An MLA model caches one row [latent | k_rope] in llama.cpp's K cache and reads
+    its V as a view of that row, so it has no V half of its own: a mixed pair is refused for MLA."""
+
+    k: KVFormat
+    v: KVFormat
+
+    @property
+    def mixed(self) -> bool:
+        return self.k != self.v
+
+    @property
+    def name(self) -> str:
+        """The canonical spelling: one name when both halves agree, else ``k/v``."""
+        return f"{self.k.name}{PAIR_SEP}{self.v.name}" if self.mixed else self.k.name
+
+    @property
+    def title(self) -> str:
+        return f"K {self.k.title}, V {self.v.title}" if self.mixed else self.k.title
+
+    def side(self, quantity: str) -> KVFormat:
+        """The format of a cached quantity: "k", "v", or "kv" (an MLA row, in the K cache)."""
+        return self.v if quantity == "v" else self.k
+
+    @property
+    def quantized(self) -> bool:
+        return self.k.quantized or self.v.quantized
+
+    @property
+    def bits(self) -> float:
+        """Mean bits per stored value over a K and a V of equal size."""
+        return (self.k.bits + self.v.bits) / 2
+
+    @property
+    def bytes_per_value(self) -> float:
+        """Mean bytes per value over a K and a V of equal size (whole blocks)."""
+        return (self.k.bytes_per_value + self.v.bytes_per_value) / 2
+
+    @property
+    def ggml_types(self) -> tuple[str, str] | None:
+        """llama.cpp's (-ctk, -ctv) types, or None when either half is not a llama.cpp block type."""
+        return (self.k.ggml_type, self.v.ggml_type) if self.k.ggml_type and self.v.ggml_type else None
+
+    def token_bytes(self, k_values: int, v_values: int, rope_tail: int = 0) -> int:
+        """Bytes of one cached K vector of `k_values` plus one V vector of `v_values` (kvformat's vector_bytes)."""
+        return self.k.vector_bytes(k_values, rope_tail) + self.v.vector_bytes(v_values)
+
+    def check_cache_kind(self, is_mla: bool) -> None:
+        """Refuse what the model's cache cannot hold: an MLA-only layout for per-head K/V, a mixed pair for MLA."""
+        if self.mixed and is_mla:
+            raise KVConvertError(
+                f"KV dtype {self.name}: an MLA model caches one row [latent | k_rope] per token, in llama.cpp's K "
+                f"cache, and reads V as a view of that row, so it has no V half to store apart; give one format "
+                f"for the row (--kv-dtype {self.k.name} or {self.v.name})")
+        self.k.check_cache_kind(is_mla)
+
+    def served_by(self, mla: bool = False) -> tuple[str, ...]:
+        """Engines that serve this cache: both halves' engines; a mixed pair only where K and V are apart."""
+        if not self.mixed:
+            return self.k.served_by(mla)
+        if mla:
+            return ()
+        v_engines = self.v.served_by(mla)
+        return tuple(e for e in self.k.served_by(mla) if e in v_engines and e in PAIR_ENGINES)
+
+    def check_engine(self, engine: str) -> None:
+        """Refuse a mixed pair on an engine that takes one cache dtype for K and V (vLLM, TensorRT-LLM)."""
+        if self.mixed and engine not in PAIR_ENGINES:
+            raise KVConvertError(
+                f"KV dtype {self.name}: {engine} stores K and V in one cache dtype and cannot take a K/V pair; give "
+                f"one format (--kv-dtype {self.k.name}), or serve the pair with llama.cpp (--engine llamacpp: "
+                f"-ctk {self.k.name} -ctv {self.v.name})")
+
+
+def kv_pair(name: str) -> KVPair:
+    """The pair written `name`: ``KTYPE/VTYPE``, or one format name for both (aliases and any case accepted).
+    A mixed pair's halves must both be llama.cpp block types (KVPair)."""
+    parts = [p.strip() for p in str(name).split(PAIR_SEP)]
+    if len(parts) > 2 or not all(parts):
+        raise KVConvertError(f"KV dtype {name!r}: write one format (q4_0) or a K/V pair KTYPE/VTYPE (q5_0/iq4_nl)")
+    pair = KVPair(kv_format(parts[0]), kv_format(parts[-1]))
+    if pair.mixed and not pair.ggml_types:
+        raise KVConvertError(
+            f"KV dtype {name!r}: K and V in two formats is llama.cpp's cache (-ctk / -ctv), whose halves are its block "
+            f"types: {', '.join(ggml_type_names())}; for other formats give one name for both")
+    return pair
+
+
+def ggml_type_names() -> tuple[str, ...]:
+    """The llama.cpp block types in the registry (q8_0, q5_1, ...)."""
+    return tuple(f.name for f in KV_FORMATS.values() if f.ggml_type)
+
+
+def is_pair(name: str) -> bool:
+    """`name` spells a mixed K/V pair (``q5_0/iq4_nl``), not one format."""
+    return name != AUTO and kv_pair(name).mixed
+
+
+def check_kv_dtype(name: str, choices: tuple[str, ...]) -> str:
+    """`name` (a format, an alias, "auto" or a K/V pair) when each half is one of `choices`; a pair in its canonical
+    spelling (``Q5_0/IQ4_NL`` -> ``q5_0/iq4_nl``, ``q4_0/q4_0`` -> ``q4_0``). ValueError (pydantic's) otherwise."""
+    value = str(name).strip().lower()
+    if value in choices:
+        return value
+    try:
+        pair = kv_pair(value)
+    except KVConvertError as exc:
+        raise ValueError(str(exc)) from None
+    if pair.name in choices:
+        return pair.name
+    outside = [h for h in (pair.k.name, pair.v.name) if h not in choices]
+    if outside or not pair.mixed:
+        raise ValueError(f"KV dtype {name!r}: {', '.join(outside) or value} is not one of {', '.join(choices)}")
+    return pair.name
+
+
+def kv_dtype_type(choices: tuple[str, ...]):
+    """The annotation of an option that takes a KV dtype from `choices` or a K/V pair of them (``q5_0/iq4_nl``):
+    a str, checked and canonicalized by check_kv_dtype (pydantic imported here only)."""
+    from typing import Annotated
+
+    from pydantic import AfterValidator
+
+    return Annotated[str, AfterValidator(lambda v: check_kv_dtype(v, choices))]
+
+
+def pair_help(choices: tuple[str, ...]) -> str:
+    """The choices of a KV dtype option, for its help text."""
+    return (f"One of {', '.join(choices)}; or K and V apart as KTYPE/VTYPE of llama.cpp's block types "
+            f"(q5_0/iq4_nl: -ctk q5_0 -ctv iq4_nl).")
+
+
 RUNTIME_KV_DTYPES = kv_dtype_names(_RUNTIME, aliases=True)  # kvconvert.runtime's kv_dtype choices
 CALIBRATE_KV_DTYPES = kv_dtype_names(_RUNTIME, quantized=True)  # `kvconvert calibrate --kv-dtype`
 VALIDATE_KV_DTYPES = kv_dtype_names(_RUNTIME, aliases=True, auto=True)  # `kvconvert validate`, recipes

@@ -109,3 +109,65 @@ def test_weight_dtypes_are_one_table():
     for name, d in WEIGHT_DTYPES.items():
         assert torch_dtype(name).itemsize == d.bytes == stored_bytes(d.torch_name) == stored_bytes(f"torch.{d.torch_name}")
     assert torch_dtype("bf16") is torch.bfloat16 and stored_bytes(None) == 4 and stored_bytes("int8", 1) == 1
+
+
+# ---------------------------------------------------------------------------------------------- K/V pairs
+
+def test_a_pair_is_written_k_slash_v_and_one_name_means_both():
+    from kvconvert.kvformat import kv_pair
+
+    pair = kv_pair("Q5_0/IQ4_NL")
+    assert (pair.k.name, pair.v.name, pair.name, pair.mixed) == ("q5_0", "iq4_nl", "q5_0/iq4_nl", True)
+    assert pair.ggml_types == ("q5_0", "iq4_nl") and pair.side("kv") is pair.k and pair.side("v") is pair.v
+    one = kv_pair("q4_0")
+    assert one.k is one.v and not one.mixed and one.name == "q4_0" == kv_pair("q4_0/q4_0").name
+    assert kv_pair("fp8_e4m3").name == "fp8"
+
+
+def test_pair_bytes_are_the_sum_of_both_halves():
+    from kvconvert.kvformat import kv_pair
+
+    pair = kv_pair("q5_0/iq4_nl")
+    # 64 values: two blocks of 32; q5_0 22 bytes a block, iq4_nl 18
+    assert pair.token_bytes(64, 64) == 2 * 22 + 2 * 18 == kv_format("q5_0").vector_bytes(64) + kv_format(
+        "iq4_nl").vector_bytes(64)
+    assert pair.bytes_per_value == (22 + 18) / 2 / 32 and pair.bits == 4.5
+    assert kv_pair("fp8").token_bytes(64, 64) == 128
+
+
+@pytest.mark.parametrize("text", ["fp8/iq4_nl", "q5_0/bf16", "nvfp4/fp8", "q5_0/", "/q4_0", "a/b/c", "q5_0/zz"])
+def test_pairs_outside_llamacpps_block_types_are_refused(text):
+    from kvconvert.kvformat import kv_pair
+
+    with pytest.raises(KVConvertError, match="KV dtype|unknown KV dtype"):
+        kv_pair(text)
+
+
+def test_mixed_pairs_are_refused_by_one_type_engines_and_for_mla():
+    from kvconvert.kvformat import kv_pair
+
+    pair = kv_pair("q8_0/iq4_nl")
+    assert pair.served_by() == ("llamacpp", "kvconvert") and pair.served_by(mla=True) == ()
+    pair.check_engine("llamacpp")
+    for engine in ("vllm", "tensorrt-llm"):
+        with pytest.raises(KVConvertError, match=f"{engine} stores K and V in one cache dtype"):
+            pair.check_engine(engine)
+    with pytest.raises(KVConvertError, match="MLA model caches one row"):
+        pair.check_cache_kind(is_mla=True)
+    pair.check_cache_kind(is_mla=False)
+    kv_pair("q4_0").check_cache_kind(is_mla=True)
+
+
+def test_kv_dtype_option_type_takes_pairs_of_its_choices():
+    from pydantic import BaseModel, ValidationError
+
+    from kvconvert.kvformat import RUNTIME_KV_DTYPES, kv_dtype_type
+
+    class Opts(BaseModel):
+        kv_dtype: kv_dtype_type(RUNTIME_KV_DTYPES) = "bf16"
+
+    assert Opts(kv_dtype="Q5_0/IQ4_NL").kv_dtype == "q5_0/iq4_nl"
+    assert Opts(kv_dtype="fp8_e4m3").kv_dtype == "fp8_e4m3" and Opts(kv_dtype="q4_0/q4_0").kv_dtype == "q4_0"
+    for bad in ("fp8/q4_0", "int4", "q4_0/int4"):
+        with pytest.raises(ValidationError):
+            Opts(kv_dtype=bad)
