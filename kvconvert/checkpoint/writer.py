@@ -173,19 +173,35 @@ def check_not_source(out_dir: Path, sources: tuple = (), flag: str = "--out", hi
                               f"(--overwrite does not change that); choose an {flag} outside {source}{hint}")
 
 
-def check_output_path(out_dir: Path, overwrite: bool, needed_bytes: int | None = None, sources: tuple = ()) -> None:
+def check_output_path(out_dir: Path, overwrite: bool, needed_bytes: int | None = None, sources: tuple = (),
+                      managed_ok: bool = False) -> None:
     """Every check on an output path that can run before any work, in one place: refuse an output
-    that is, holds or lies in one of `sources` (the folders the command reads), refuse an existing
-    output, clean temp folders that dead runs left beside it, prove the folder can be
+    that is, holds or lies in one of `sources` (the folders the command reads) or in a cache kvconvert
+    manages (check_not_managed; managed_ok: kvconvert's own import of a built-in model), refuse an
+    existing output, clean temp folders that dead runs left beside it, prove the folder can be
     written (a real probe: root ignores permission bits, a read-only mount does not), and with
     `needed_bytes` check the free space. Writing commands call it first thing."""
     out_dir = Path(out_dir).absolute()
     check_not_source(out_dir, sources)
+    if not managed_ok:
+        check_not_managed(out_dir)
     _refuse_existing(out_dir, overwrite)
     clean_stale_temps(out_dir)
     check_writable(out_dir)
     if needed_bytes is not None:
         ensure_free_space(out_dir, needed_bytes)
+
+
+def check_not_managed(out_dir: Path, flag: str = "--out") -> None:
+    """Refuse to write into a cache that every later command reads as a source (the built-in model's
+    import, the hub cache), whatever --overwrite says (kvconvert.resources.managed_folder)."""
+    from kvconvert.resources import managed_folder
+
+    where = managed_folder(out_dir)
+    if where:
+        raise CheckpointError(f"{out_dir}: {flag} is, holds or lies in {where}, which later commands read as their "
+                              f"source; kvconvert never writes there (--overwrite does not change that): choose an "
+                              f"{flag} of your own")
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -341,13 +357,14 @@ class CheckpointWriter:
     """
 
     def __init__(self, out_dir: str | Path, overwrite: bool = False, source: str | None = None,
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, manifest_extra: dict | None = None):
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, manifest_extra: dict | None = None,
+                 managed_ok: bool = False):
         self.out_dir = Path(out_dir).absolute()
         self.overwrite = overwrite
         self.source = source
         self.max_shard_bytes = max_shard_bytes
         self.manifest_extra = dict(manifest_extra or {})
-        check_output_path(self.out_dir, overwrite)
+        check_output_path(self.out_dir, overwrite, managed_ok=managed_ok)
         self.tmp_dir = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}"
         self._buffer: dict[str, torch.Tensor] = {}
         self._buffer_bytes = 0

@@ -74,8 +74,8 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     out = Path(src if job.in_place else job.out).absolute()
     if not job.in_place:
         check_output_path(out, job.overwrite, needed_bytes=estimate_checkpoint_bytes(src))
-    elif not os.access(out, os.W_OK):
-        raise CheckpointError(f"{out}: not writable; use --out DIR instead of --in-place")
+    else:
+        check_in_place(job.src, out)
     unshaped = keep_heal_basis(job, src)
     if unshaped:
         echo(f"  {unshaped}")
@@ -109,6 +109,20 @@ def run_calibrate(job: CalibrateJob, echo=print) -> dict:
     write_checkpoint(source, out, layout, result.scales, result.plan, job.formats, written,
                      job.overwrite or job.in_place)
     return {"path": out, "formats": job.formats, "tokens": int(windows.numel()), "time_s": elapsed, "report": report}
+
+
+def check_in_place(name: str, src: Path) -> None:
+    """--in-place rewrites only a user's own writable folder: never a built-in model's import or the hub
+    cache (kvconvert.resources.managed_folder), which every later command reads as that model."""
+    from kvconvert.resources import managed_folder
+
+    managed = managed_folder(src)
+    if managed:
+        raise CheckpointError(f"--in-place on {name!r} ({src}) would rewrite {managed}: later commands naming "
+                              f"{name!r} would measure against the calibrated weights. Write a calibrated copy "
+                              "with --out DIR instead")
+    if not os.access(src, os.W_OK):
+        raise CheckpointError(f"{src}: not writable; use --out DIR instead of --in-place")
 
 
 def keep_heal_basis(job: CalibrateJob, src: Path) -> str | None:
