@@ -262,14 +262,26 @@ def ggml_dequantize(blocks: torch.Tensor, name: str, out_dtype: torch.dtype = to
 ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp's own switch, honoured by the emulation too
 
 
+def c_atoi(text: str) -> int:
+    """C's atoi as glibc has it ((int) strtol(text, NULL, 10)): leading white space, an optional sign, then the
+    longest run of digits ("1.5" -> 1, "1abc" -> 1, "abc" -> 0, "-1" -> -1); an overflow clamps to a long's range,
+    then the int keeps the low 32 bits."""
+    import re
+
+    found = re.match(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)", text)
+    if not found:
+        return 0
+    value = int(found.group(2)) * (-1 if found.group(1) == "-" else 1)
+    value = max(-2**63, min(2**63 - 1, value)) & 0xFFFFFFFF
+    return value - 2**32 if value >= 2**31 else value
+
+
 def rotation_enabled() -> bool:
+    """llama.cpp's switch as llama.cpp reads it (src/llama-kv-cache.cpp: atoi(getenv(LLAMA_ATTN_ROT_DISABLE)), off
+    when that is not 0): unset, "0", "" or "abc" leave it on; "1", "2", "1.5", "1abc" or "-1" turn it off."""
     import os
 
-    value = os.environ.get(ROTATION_ENV)
-    try:
-        return not (value and int(value))
-    except ValueError:
-        return True  # llama.cpp reads it with atoi: a non-number is 0
+    return c_atoi(os.environ.get(ROTATION_ENV) or "") == 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -364,7 +376,8 @@ def llamacpp_frames(k_type: str, v_type: str, head_dim: int, mla: bool,
                     rotate: bool | None = None) -> dict[str, CacheFrame]:
     """The frames of llama.cpp's cache for a model: {"k", "v"} for per-head K/V (head_dim values a head, Hugging
     Face's rotate-half channel order), {"kv": ...} for an MLA row (head_dim = its width, engine order already).
-    `rotate`: None = as the engine decides (on unless LLAMA_ATTN_ROT_DISABLE=1)."""
+    `rotate`: None = as the engine decides (rotation_enabled: on unless LLAMA_ATTN_ROT_DISABLE reads as a non-zero
+    number)."""
     rotate = rotation_enabled() if rotate is None else rotate
     if mla:
         return {"kv": CacheFrame(ggml_type(k_type).name, head_dim)}

@@ -161,3 +161,30 @@ def test_bytes_equal_the_engine(engine_from_float, name):
         assert bool((ref_blocks[~live][..., :2] == 0).all())
     else:
         np.testing.assert_array_equal(ours.reshape(256, -1).numpy(), ref)
+
+
+@pytest.mark.parametrize("value, on", [(None, True), ("", True), ("0", True), ("abc", True), ("0x1", True),
+                                       ("1", False), ("2", False), ("1.5", False), ("1abc", False), (" -1", False)])
+def test_the_rotation_switch_reads_as_llama_cpps_atoi(monkeypatch, value, on):
+    """llama.cpp turns its rotation off when atoi(LLAMA_ATTN_ROT_DISABLE) is not 0; the emulation follows the same
+    reading, so "1.5" or "1abc" (atoi: 1) is off in both, not on in one of them."""
+    from kvconvert.ggml_formats import ROTATION_ENV, c_atoi, llamacpp_frames, rotation_enabled
+
+    if value is None:
+        monkeypatch.delenv(ROTATION_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ROTATION_ENV, value)
+        assert c_atoi(value) == ctypes.CDLL(None).atoi(value.encode())  # the C library's own atoi
+    assert rotation_enabled() is on
+    assert (llamacpp_frames("q4_0", "q4_0", 64, False)["k"].rotation is not None) is on
+
+
+def test_the_rotation_help_says_how_the_switch_is_read(capsys):
+    from kvconvert.commands.main import main
+
+    try:
+        main(["validate", "--help"])
+    except SystemExit:
+        pass
+    text = " ".join(capsys.readouterr().out.split())
+    assert "unless it is 1" not in text and "with C's atoi" in text and "multiple of 64" in text

@@ -37,9 +37,10 @@ class ValidateOptions(StageOptions):
                             "(AVX2 only), where 16-bit weights run in fp32 when that copy fits in half the free memory.")
     llamacpp_rotation: bool | None = Field(
         None, description="llama.cpp's Hadamard rotation of its quantized K/V caches (q8_0, q4_0, ...), in the "
-                          "runtime's emulation and in llama.cpp alike: default as LLAMA_ATTN_ROT_DISABLE says (on "
-                          "unless it is 1, as in llama.cpp); off = LLAMA_ATTN_ROT_DISABLE=1 for the run. llama.cpp's "
-                          "MLA path never rotates.")
+                          "runtime's emulation and in llama.cpp alike: default as LLAMA_ATTN_ROT_DISABLE says (read "
+                          "as llama.cpp reads it, with C's atoi: on when unset or 0, off for any other number, e.g. 1, "
+                          "2 or 1.5); off = LLAMA_ATTN_ROT_DISABLE=1 for the run. llama.cpp rotates only a quantized "
+                          "cache whose head size is a multiple of 64, and its MLA path never.")
     device: str = DEVICE_FIELD
     longbench_dir: Path | None = Field(None, description="LongBench folder of <task>.jsonl(.gz) files (default: "
                                                         "$KVCONVERT_LONGBENCH_DIR, else the LongBench-mini subset "

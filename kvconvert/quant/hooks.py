@@ -31,9 +31,9 @@ def fake_quant_hook(layout: KVShape, scales: KVScales, rounding: str = "nearest"
 
 
 def llamacpp_hook(layout: KVShape, kv_dtype: str, rotate: bool | None = None) -> CacheHook:
-    """Cache hook that stores every cached tensor as llama.cpp does in a `kv_dtype` cache (one of its types:
-    kvconvert.ggml_formats), in its frame: K's channels in its interleaved RoPE order, the Hadamard rotation
-    (`rotate` None: as llama.cpp decides, on unless LLAMA_ATTN_ROT_DISABLE=1), blocks of 32 with fp16 scales set
+    """Cache hook that stores every cached tensor as llama.cpp does in a `kv_dtype` cache (one of its types, or a
+    K/V pair of them, q5_0/iq4_nl: kvconvert.ggml_formats), in its frame: K's channels in its interleaved RoPE order, the Hadamard rotation
+    (`rotate` None: as llama.cpp decides, on unless LLAMA_ATTN_ROT_DISABLE reads as a non-zero number), blocks of 32 with fp16 scales set
     per block as rows are written (no calibrated scale)."""
     from kvconvert.ggml_formats import llamacpp_frames
 
