@@ -59,13 +59,22 @@ def _config(report: dict, model: str) -> dict:
     return json.loads((Path(report[model]["path"]) / "config.json").read_text())
 
 
-def _gate(report_path: Path, policy_file: str) -> bool:
-    """The real `kvconvert gate` (exit 0 = pass, 1 = fail; anything else is an error, not a verdict)."""
+def _gate(report_path: Path, policy_file: str) -> tuple[bool, str]:
+    """The real `kvconvert gate` (exit 0 = pass, 1 = fail; anything else is an error, not a verdict) and its
+    verdict line, which says which kind of pass it is (every metric shown within its threshold, or
+    INCONCLUSIVE metrics let through by the policy's on_inconclusive: pass)."""
     proc = subprocess.run([sys.executable, "-m", "kvconvert.cli", "gate", "--report", str(report_path),
                            "--policy", policy_file], capture_output=True, text=True)
     if proc.returncode not in (0, 1):
         raise SystemExit(f"kvconvert gate failed on {report_path}:\n{proc.stderr}")
-    return proc.returncode == 0
+    return proc.returncode == 0, proc.stdout.strip().splitlines()[-1]
+
+
+def _gate_word(row: dict) -> str:
+    """PASS, PASS+INCONCL. (a pass with undecided metrics the policy allows) or FAIL."""
+    if not row["gate"]:
+        return "FAIL"
+    return "PASS+INCONCL." if "INCONCLUSIVE" in row["gate_line"] else "PASS"
 
 
 def _engines(report: dict) -> str:
@@ -93,7 +102,7 @@ def summarize(label: str, out: Path, policy_file: str) -> dict:
             "serve": _serve(out, report), "passkey_drop": _drop(m, "passkey_accuracy"),
             "niah_drop": _drop(m, "niah_accuracy"), "longbench_drop": _drop(m, "longbench_avg"),
             "engines": _engines(report),
-            "gate": _gate(report_path, policy_file), "suite": report["suite"]["name"]}
+            **dict(zip(("gate", "gate_line"), _gate(report_path, policy_file))), "suite": report["suite"]["name"]}
 
 
 def _serve(out: Path, report: dict) -> str | None:
@@ -130,7 +139,7 @@ def print_table(rows: list[dict], policy: str) -> None:
     for r in rows:
         print(f"{r['label']:<26} {r['bytes']:>10d} {r['fraction']:>7.0%} {sig(r['ppl_pct'], sign=True):>7}% "
               f"{sig(r['kl']):>7} {_fmt(r['passkey_drop'], '+.0f'):>6}pp {_fmt(r['niah_drop'], '+.0f'):>5}pp "
-              f"{_fmt(r['longbench_drop'], '+.1f'):>8}pt  {'PASS' if r['gate'] else 'FAIL':<16} {r['engines']}")
+              f"{_fmt(r['longbench_drop'], '+.1f'):>8}pt  {_gate_word(r):<16} {r['engines']}")
     print("(ppl: perplexity increase on the essays; KL: mean token KL(source || candidate); passkey / NIAH: "
           "accuracy drop in points; LongBench: drop of the mean task score (0-100) on the suite's subset; all against "
           "the source on identical inputs)")
@@ -177,7 +186,7 @@ def verdict(rows: list[dict], thresholds=None) -> str:
             f"({best['bytes']} B/token), perplexity {sig(best['ppl_pct'], sign=True)}% "
             f"[{sig(best['ppl_low'], sign=True)}, {sig(best['ppl_high'], sign=True)}], KL {sig(best['kl'])} "
             f"[{sig(best['kl_low'])}, {sig(best['kl_high'])}]{_longbench_text(best)}: the gate passes"
-            f"{_margin(best, thresholds)}.")
+            f"{_margin(best, thresholds)}. The gate's verdict: {best['gate_line']}.")
     if best.get("serve"):
         text += f" Serve it with: {best['serve']}."
     for r in [r for r in shipped if r["fraction"] > best["fraction"]]:

@@ -54,10 +54,10 @@ def validate_cmd(source, candidate, vllm_python, out, no_resume, no_progress, th
 @click.option("--policy", "policy_path", required=True, type=click.Path(path_type=Path),
               help="Policy YAML, e.g. recipes/gates/default.yaml.")
 def gate_cmd(report_path, policy_path):
-    """Exit 0 when every threshold of the POLICY holds for the REPORT, 1 when one fails.
+    """Exit 0 when the REPORT passes the POLICY, 1 when a metric blocks.
 
-    Degradations are compared on the policy's bootstrap interval bound (decide_on), so noise on
-    small sample counts alone does not fail the gate.
+    Each metric is PASS (its bootstrap interval wholly within the threshold), FAIL (wholly past it)
+    or INCONCLUSIVE (straddling it; the policy's on_inconclusive says whether that blocks).
     """
     from kvconvert.eval.gate import run_gate
 

@@ -3,37 +3,38 @@
 Policy (YAML, validated with pydantic, unknown keys or metrics are errors):
 
     description: free text
-    decide_on: ci_low          # ci_low (default) | point | ci_high
+    decide_on: interval        # interval (default) | point
+    on_inconclusive: fail      # fail (default) | pass: whether an INCONCLUSIVE metric blocks
     bootstrap: {samples: 2000, confidence: 0.95, seed: 0}
     require: [longbench_avg_drop]      # metrics that must be in the report (else: fail); each needs a threshold
     thresholds:                        # maximum allowed degradation per gated metric
       perplexity_increase_pct: 5.0     # %
       kl_mean: 0.05                    # nats/token
+      answer_nll_increase: 0.05        # nats per answer token
       passkey_accuracy_drop: 10        # percentage points
-      niah_accuracy_drop: 10
-      ruler_accuracy_drop: 10
-      longbench_avg_drop: 3.0          # LongBench points (0-100)
+      ...
 
-decide_on says which number is compared with the threshold. ci_low: the lower bound of the
-paired-bootstrap interval of the degradation, so a metric fails only when the candidate is
-worse than allowed with the stated confidence (noise on a handful of samples cannot fail it).
-point: the plain estimate. ci_high: the upper bound (pass only when the candidate is shown to be
-within the threshold). A metric the report does not measure (e.g. RULER in the quick suite) is
-shown as "n/a" and passes unless it is listed under `require`; one the report's suite is defined
-to run but skipped (LongBench data missing, windows longer than the context) fails: a skipped
-measurement is no evidence. A metric measured on too few
-samples for an interval (one LongBench sample per task) is "undecided" under ci_low / ci_high:
-the gate claims no confidence it does not have; it passes unless listed under `require` (then it
-fails), and `decide_on: point` (a declared non-statistical rule) decides it on the estimate.
+Three verdicts per metric (decide_on: interval), on the paired-bootstrap interval of its degradation:
+PASS when the whole interval is within the threshold (high <= threshold), FAIL when the whole interval is
+past it (low > threshold), INCONCLUSIVE when it straddles the threshold: the suite is too small to tell, and
+the row says roughly how many samples would decide (an interval's width shrinks as 1/sqrt(n)). A metric
+measured on too few samples for an interval (one LongBench sample per task) is INCONCLUSIVE too.
+on_inconclusive says whether INCONCLUSIVE blocks the gate; a metric listed under `require` always needs a
+decided PASS. decide_on: point gates on the plain estimate (a declared non-statistical rule: PASS or FAIL).
+
+A metric the report does not measure (e.g. RULER in the quick suite) is shown as "n/a" and passes unless it
+is listed under `require`; one the report's suite is defined to run but skipped (LongBench data missing,
+windows longer than the context) fails: a skipped measurement is no evidence.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.stats import GATE_METRICS, estimate
@@ -58,10 +59,24 @@ class Bootstrap(BaseModel):
 class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
     description: str = ""
-    decide_on: Literal["ci_low", "point", "ci_high"] = "ci_low"
+    decide_on: Literal["interval", "point"] = "interval"
+    on_inconclusive: Literal["fail", "pass"] = "fail"
     bootstrap: Bootstrap = Bootstrap()
     require: list[str] = []
     thresholds: Thresholds
+
+    @field_validator("decide_on", mode="before")
+    @classmethod
+    def _replaced_bounds(cls, value):
+        if value in RETIRED_DECIDE_ON:  # the one-sided rules the three verdicts replaced
+            raise ValueError(f"decide_on: {value} was replaced by the three verdicts; write decide_on: interval "
+                             f"with {RETIRED_DECIDE_ON[value]}")
+        return value
+
+
+# decide_on values of older policies -> the setting that gives the same pass/fail.
+RETIRED_DECIDE_ON = {"ci_low": "on_inconclusive: pass (fail only when shown worse than the threshold)",
+                     "ci_high": "on_inconclusive: fail (pass only when shown within the threshold)"}
 
 
 def load_policy(path: Path) -> Policy:
@@ -125,32 +140,79 @@ def suite_runs(suite: dict, family: str) -> bool:
 
 
 def evaluate(report: dict, policy: Policy) -> list[dict]:
-    """One row per gated metric: source, candidate, estimate, CI, threshold, decided value, status."""
+    """One row per gated metric: source, candidate, estimate, CI, threshold, status (pass, fail,
+    inconclusive, n/a), blocks (whether the row fails the gate) and, where needed, reason."""
     rows = []
     settings = policy.bootstrap
     for name, threshold in policy.thresholds.model_dump().items():
         if threshold is None:
             continue
         found = estimate(report["samples"], name, settings.samples, settings.confidence, settings.seed)
-        if found is None:
-            family = GATE_METRICS[name].family
-            why = report.get("skipped", {}).get(family, "not measured by this suite")
-            skipped = family in report.get("skipped", {}) and suite_runs(report["suite"], family)
-            if skipped:
-                why = f"the {report['suite'].get('name')} suite runs {family}, this report skipped it: {why}"
-            status = "fail" if name in policy.require or skipped else "n/a"
-            rows.append({"metric": name, "unit": GATE_METRICS[name].unit, "threshold": threshold, "status": status,
-                         "reason": why})
-            continue
-        row = {**found.as_dict(), "unit": GATE_METRICS[name].unit, "threshold": threshold}
-        decided = {"ci_low": found.low, "point": found.point, "ci_high": found.high}[policy.decide_on]
-        if decided is None:
-            rows.append({**row, "status": "fail" if name in policy.require else "undecided",
-                         "reason": f"not enough samples to decide: {found.no_interval}; "
-                                   "run a larger suite, or gate on the estimate with decide_on: point"})
-            continue
-        rows.append({**row, "decided": decided, "status": "pass" if decided <= threshold else "fail"})
+        row = _unmeasured_row(report, policy, name, threshold) if found is None else _verdict_row(found, policy, threshold)
+        required = name in policy.require
+        row["blocks"] = row["status"] == "fail" or (row["status"] == "inconclusive"
+                                                    and (required or policy.on_inconclusive == "fail"))
+        rows.append(row)
     return rows
+
+
+def _unmeasured_row(report: dict, policy: Policy, name: str, threshold: float) -> dict:
+    family = GATE_METRICS[name].family
+    why = report.get("skipped", {}).get(family, "not measured by this suite")
+    skipped = family in report.get("skipped", {}) and suite_runs(report["suite"], family)
+    if skipped:
+        why = f"the {report['suite'].get('name')} suite runs {family}, this report skipped it: {why}"
+    status = "fail" if name in policy.require or skipped else "n/a"
+    return {"metric": name, "unit": GATE_METRICS[name].unit, "threshold": threshold, "status": status, "reason": why}
+
+
+def _verdict_row(found, policy: Policy, threshold: float) -> dict:
+    row = {**found.as_dict(), "unit": GATE_METRICS[found.metric].unit, "threshold": threshold}
+    if policy.decide_on == "point":
+        return {**row, "status": "pass" if found.point <= threshold else "fail"}
+    if found.low is None:
+        return {**row, "status": "inconclusive",
+                "reason": f"not enough samples for an interval: {found.no_interval}; run a larger suite, "
+                          "or gate on the estimate with decide_on: point"}
+    if found.high <= threshold:
+        return {**row, "status": "pass"}
+    if found.low > threshold:
+        return {**row, "status": "fail"}
+    return {**row, "status": "inconclusive", "reason": inconclusive_reason(found, threshold)}
+
+
+def samples_to_decide(point: float, low: float, high: float, n: int, threshold: float) -> float:
+    """Roughly how many samples would put the interval wholly on one side of the threshold, if the estimate
+    stayed where it is: the interval's width scales as 1/sqrt(n), so the half-width on the threshold's
+    side must shrink by (distance to the threshold) / (half-width now): n x that ratio's inverse squared.
+    inf when the estimate sits on the threshold (no sample count decides it)."""
+    gap = threshold - point
+    half = high - point if gap > 0 else point - low  # the side of the interval that crosses the threshold
+    if gap == 0 or half <= 0:
+        return math.inf
+    return n * (half / abs(gap)) ** 2
+
+
+def inconclusive_reason(found, threshold: float) -> str:
+    needed = samples_to_decide(found.point, found.low, found.high, found.n, threshold)
+    lean = "within" if found.point <= threshold else "past"
+    about = ("no sample count decides it: the estimate sits on the threshold" if math.isinf(needed)
+             else f"about {math.ceil(needed)} samples (now {found.n}) would decide it if the estimate held")
+    return f"the interval straddles the threshold {threshold:g} (estimate {lean} it); {about}"
+
+
+def gate_summary(rows: list[dict], policy: Policy) -> str:
+    """The verdict line: which metrics block, or which kind of pass it is (every gated interval within its
+    threshold, or a pass that the policy's on_inconclusive: pass lets through with undecided metrics)."""
+    failed = [r["metric"] for r in rows if r["blocks"]]
+    if failed:
+        return f"gate FAILED: {', '.join(failed)}"
+    open_rows = [r["metric"] for r in rows if r["status"] == "inconclusive"]
+    if open_rows:
+        return (f"gate passed with INCONCLUSIVE metrics ({', '.join(open_rows)}): not shown within their "
+                "thresholds, allowed by the policy's on_inconclusive: pass")
+    rule = "on the estimate (decide_on: point)" if policy.decide_on == "point" else "whole interval within"
+    return f"gate passed: PASS on every gated metric ({rule})"
 
 
 def print_gate_table(rows: list[dict], policy: Policy, report: dict, policy_path: Path) -> None:
@@ -170,13 +232,15 @@ def print_gate_table(rows: list[dict], policy: Policy, report: dict, policy_path
             continue
         digits = 5 if row["unit"] == "nats/token" else 3
         ci = "-" if row["low"] is None else escape(f"[{row['low']:+.{digits}f}, {row['high']:+.{digits}f}]")
-        style = {"pass": "green", "undecided": "yellow"}.get(row["status"], "red")
-        result = f"[{style}]{row['status'].upper()}[/]"  # an undecided row's reason follows the table
+        style = {"pass": "green", "inconclusive": "yellow"}.get(row["status"], "red")
+        blocks = " (blocks)" if row["status"] == "inconclusive" and row["blocks"] else ""
+        result = f"[{style}]{row['status'].upper()}[/]{blocks}"  # an inconclusive row's reason follows the table
         table.add_row(f"{row['metric']} ({row['unit']})", f"{row['source']:.{digits}f}", f"{row['candidate']:.{digits}f}",
                       f"{row['point']:+.{digits}f}", ci, f"{row['threshold']:g}", result)
-    rule = {"ci_low": f"the {conf}% CI's lower bound", "point": "the estimate",
-            "ci_high": f"the {conf}% CI's upper bound"}[policy.decide_on]
-    table.caption = f"degradation = candidate worse than source (positive = worse); FAIL when {rule} > threshold"
+    rule = ("on the estimate: FAIL when it is > threshold" if policy.decide_on == "point" else
+            f"PASS: whole {conf}% CI <= threshold; FAIL: whole CI > threshold; INCONCLUSIVE: it straddles "
+            f"(on_inconclusive: {policy.on_inconclusive})")
+    table.caption = f"degradation = candidate worse than source (positive = worse); {rule}"
     console = Console(width=max(Console().width, 132))
     console.print(table)
     for row in rows:
@@ -190,6 +254,5 @@ def run_gate(report_path: Path, policy_path: Path) -> bool:
     report = load_report(report_path)
     rows = evaluate(report, policy)
     print_gate_table(rows, policy, report, Path(policy_path))
-    failed = [r["metric"] for r in rows if r["status"] == "fail"]
-    print(f"gate FAILED: {', '.join(failed)}" if failed else "gate passed")
-    return not failed
+    print(gate_summary(rows, policy))
+    return not any(r["blocks"] for r in rows)

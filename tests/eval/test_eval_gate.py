@@ -96,17 +96,53 @@ def test_gate_passes_identical_and_fails_clear_degradation(tmp_path):
     assert rows["kl_mean"]["status"] == "fail"
 
 
-def test_noise_on_few_samples_does_not_fail_on_ci_low_but_does_on_point(tmp_path):
-    # 5 samples, one flipped: point drop 20 pp > 10, but the 95% interval reaches 0.
+def test_noise_on_few_samples_is_inconclusive_not_fail_but_fails_on_point(tmp_path):
+    # 5 samples, one flipped: point drop 20 pp > 10, but the 95% interval reaches 0: it straddles 10.
     report = make_report({"passkey": gen_records([1.0] * 5, [1.0, 1.0, 0.0, 1.0, 1.0])})
     row = G.evaluate(report, policy(tmp_path, "  passkey_accuracy_drop: 10"))[0]
     assert row["point"] == pytest.approx(20.0) and row["low"] == 0.0
-    assert row["status"] == "pass" and row["decided"] == row["low"]
+    assert row["status"] == "inconclusive" and row["blocks"]  # on_inconclusive defaults to fail
+    assert "straddles the threshold 10 (estimate past it)" in row["reason"] and "samples (now 5)" in row["reason"]
+    lenient = G.evaluate(report, policy(tmp_path, "  passkey_accuracy_drop: 10", "on_inconclusive: pass"))[0]
+    assert lenient["status"] == "inconclusive" and not lenient["blocks"]
+    required = policy(tmp_path, "  passkey_accuracy_drop: 10", "on_inconclusive: pass\nrequire: [passkey_accuracy_drop]")
+    assert G.evaluate(report, required)[0]["blocks"]  # a required metric needs a decided PASS
     point = G.evaluate(report, policy(tmp_path, "  passkey_accuracy_drop: 10", "decide_on: point"))[0]
     assert point["status"] == "fail"
     # with many samples the same 20 pp drop is no longer noise
     many = make_report({"passkey": gen_records([1.0] * 100, ([1.0] * 4 + [0.0]) * 20)})
     assert G.evaluate(many, policy(tmp_path, "  passkey_accuracy_drop: 10"))[0]["status"] == "fail"
+
+
+def test_three_verdicts_on_the_interval(tmp_path):
+    """PASS: the whole interval within the threshold; FAIL: the whole interval past it; INCONCLUSIVE: between."""
+    rng = np.random.default_rng(0)
+    src = [200.0] * 40
+    def kl_report(mean_kl):  # 40 windows x 100 tokens, per-window KL around mean_kl (spread 20%)
+        kl = list(100 * mean_kl * (1 + 0.2 * rng.standard_normal(40)))
+        return make_report({"perplexity": ppl_records(src, src, kl)})
+    verdicts = {k: G.evaluate(kl_report(k), policy(tmp_path, "  kl_mean: 0.05"))[0] for k in (0.02, 0.05, 0.09)}
+    assert [verdicts[k]["status"] for k in (0.02, 0.05, 0.09)] == ["pass", "inconclusive", "fail"]
+    assert verdicts[0.02]["high"] <= 0.05 < verdicts[0.09]["low"]
+    assert verdicts[0.05]["low"] <= 0.05 <= verdicts[0.05]["high"]
+
+
+def test_samples_to_decide_scales_with_the_squared_width():
+    # estimate 4, interval [3, 5], threshold 4.5: the upper half-width 1 must shrink to 0.5 -> 4x the samples
+    assert G.samples_to_decide(4.0, 3.0, 5.0, 10, 4.5) == pytest.approx(40.0)
+    assert G.samples_to_decide(5.0, 4.0, 6.0, 10, 4.5) == pytest.approx(40.0)  # past it: the lower side
+    assert G.samples_to_decide(4.5, 4.0, 5.0, 10, 4.5) == float("inf")
+
+
+def test_gate_summary_says_which_kind_of_pass(tmp_path):
+    straddle = make_report({"passkey": gen_records([1.0] * 5, [1.0, 1.0, 0.0, 1.0, 1.0])})
+    clean = make_report({"passkey": gen_records([1.0] * 5, [1.0] * 5)})
+    lenient = policy(tmp_path, "  passkey_accuracy_drop: 10", "on_inconclusive: pass")
+    assert G.gate_summary(G.evaluate(clean, lenient), lenient).startswith("gate passed: PASS on every gated metric")
+    assert G.gate_summary(G.evaluate(straddle, lenient), lenient).startswith(
+        "gate passed with INCONCLUSIVE metrics (passkey_accuracy_drop)")
+    strict = policy(tmp_path, "  passkey_accuracy_drop: 10")
+    assert G.gate_summary(G.evaluate(straddle, strict), strict) == "gate FAILED: passkey_accuracy_drop"
 
 
 def test_missing_metric_is_na_unless_required(tmp_path):
@@ -146,7 +182,7 @@ def test_builtin_policy_by_name(tmp_path, monkeypatch):
 def test_shipped_policies_load():
     for name in ("default.yaml", "strict.yaml", "smoke.yaml"):
         pol = G.load_policy(RECIPES / name)
-        assert pol.decide_on == "ci_low"
+        assert pol.decide_on == "interval"
         assert all(v is not None for v in pol.thresholds.model_dump().values())
 
 
@@ -159,6 +195,8 @@ def test_shipped_policies_load():
     ("description: no thresholds\n", "missing key 'thresholds'"),
     ("thresholds: {}\n", "no thresholds set"),
     ("decide_on: median\nthresholds:\n  kl_mean: 0.1\n", "decide_on"),
+    ("decide_on: ci_low\nthresholds:\n  kl_mean: 0.1\n", "decide_on: interval with on_inconclusive: pass"),
+    ("on_inconclusive: warn\nthresholds:\n  kl_mean: 0.1\n", "on_inconclusive"),
     ("require: [passkey_acc]\nthresholds:\n  kl_mean: 0.1\n", "unknown metric(s) passkey_acc in require"),
     ("thresholds: [1, 2\n", "not valid YAML"),
     ("- just a list\n", "must be a mapping"),
