@@ -152,10 +152,30 @@ def check_context(spec: LlamaCppContext, shape: GGUFShape) -> None:
                                      "cache, or an MLA latent whose kv_lora_rank and rope are multiples of 32)")
 
 
+_LOADS: dict[str, str | None] = {}  # python -> why llama.cpp does not load there (None: it loads), probed once
+
+
 def check_installed() -> None:
-    """llama-cpp-python importable in this python (kvconvert's venv), without loading llama.cpp here."""
+    """llama-cpp-python installed in this python (kvconvert's venv) and its llama.cpp library loading, probed in a
+    child process (the worker's own import, `python -P -c "import llama_cpp.llama_cpp"`) so that a broken install
+    (a missing or mismatched libllama, an unresolved symbol) is refused before any work, not after it; llama.cpp
+    is never loaded into this process."""
+    import subprocess
+
     if importlib.util.find_spec("llama_cpp") is None:
         raise KVConvertError(f"llama-cpp-python is not installed in {sys.executable}; {SETUP_HINT}")
+    if sys.executable not in _LOADS:
+        try:
+            done = subprocess.run([sys.executable, "-P", "-c", "import llama_cpp.llama_cpp"], capture_output=True,
+                                  text=True, timeout=300)
+            lines = [ln.strip() for ln in done.stderr.splitlines() if ln.strip()]
+            _LOADS[sys.executable] = None if done.returncode == 0 else (
+                lines[-1] if lines else f"exit code {done.returncode}")
+        except subprocess.TimeoutExpired:
+            _LOADS[sys.executable] = "its import did not finish in 300 s"
+    if _LOADS[sys.executable]:
+        raise KVConvertError(f"llama-cpp-python in {sys.executable} is installed but does not load "
+                             f"({_LOADS[sys.executable]}); reinstall it: {SETUP_HINT}")
 
 
 class LlamaCppScorer(WorkerProcess):

@@ -112,7 +112,9 @@ class WorkerProcess(abc.ABC):
         text = self.log_path.read_text(errors="replace").strip().splitlines() if self.log_path.is_file() else []
         verdicts = [ln for ln in text if self.is_verdict(ln)]
         tail = verdicts[-4:] if verdicts else text[-lines:]
-        return f"(log {self.log_path}):\n" + "\n".join(tail)
+        # a log in this client's scratch folder is gone once the client closes: quote it, do not name it
+        where = f"{self.who}'s log" if self.log_path.parent == self.scratch else f"log {self.log_path}"
+        return f"({where}):\n" + "\n".join(tail)
 
     def send(self, op: str, **fields) -> dict:
         """Send one request and return the worker's answer as it is (it may hold "error")."""

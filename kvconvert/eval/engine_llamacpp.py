@@ -82,6 +82,27 @@ def contexts_for(run, ggufs: dict) -> list:
     return out
 
 
+def rotation_applied(cfg: dict, cache: str) -> str:
+    """What llama.cpp's Hadamard rotation does to a model's `cache` (llama.cpp's type name), as its source decides
+    (src/llama-kv-cache.cpp: attn_rot_k / attn_rot_v when the switch is on, the cache type is quantized and the
+    head size is a multiple of 64; src/llama-graph.cpp: the MLA path never rotates). The runtime's emulation
+    (kvconvert.ggml_formats.llamacpp_frames) follows the same rule."""
+    from kvconvert.engines.llamacpp import cache_type
+    from kvconvert.ggml_formats import key_rotation_size
+    from kvconvert.kvmath import head_dim
+
+    if not cache_type(cache).quantized:
+        return f"none ({cache} is not quantized)"
+    if not rotation_enabled():
+        return "off (LLAMA_ATTN_ROT_DISABLE)"
+    if cfg.get("kv_lora_rank"):
+        return "none (llama.cpp's MLA path stores the latent unrotated)"
+    size = head_dim(cfg)
+    if size % 64:
+        return f"none (llama.cpp rotates only head sizes that are multiples of 64; this one is {size})"
+    return f"on (K in Hadamard groups of {key_rotation_size(size)}, V of 64)"
+
+
 def check_llamacpp(run) -> None:
     """Before the suite: llama.cpp installed, both caches known, both models exportable, and each cache one
     llama.cpp takes for that model's cached rows (from config.json, as the GGUF will declare them)."""
@@ -106,7 +127,7 @@ def check_llamacpp(run) -> None:
 
 def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> dict:
     """Score the suite's perplexity windows with stock llama.cpp; store and return the section."""
-    from kvconvert.checkpoint import load_tokenizer
+    from kvconvert.checkpoint import load_tokenizer, read_config
     from kvconvert.data import data_hash, eval_windows
     from kvconvert.eval.cache import ResultCache
     from kvconvert.eval.runner import runner_fingerprint
@@ -128,6 +149,8 @@ def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> di
     section = {"settings": {"weights": outtype, "kv_cache": {r: c.cache for r, c in caches.items()},
                             "flash_attn": {r: c.flash_attn for r, c in caches.items()},
                             "rotation": rotation_enabled(), "windows": len(windows),
+                            "rotation_applied": {r: rotation_applied(read_config(paths[r]), c.cache)
+                                                 for r, c in caches.items()},
                             "window_len": spec.ppl_window_len}, "notes": []}
     records, todo = [], []
     for i, ids in enumerate(windows):

@@ -220,6 +220,17 @@ def markdown_section(report: dict) -> list[str]:
     return lines + [""]
 
 
+def _rotation_words(settings: dict) -> str:
+    """llama.cpp's Hadamard rotation as it applied to each model's cache (engine_llamacpp.rotation_applied); a
+    report from before that was recorded says only how the switch stood."""
+    applied = settings.get("rotation_applied")
+    if not applied:
+        return f"rotation of quantized caches {'on' if settings['rotation'] else 'off'}"
+    if applied["source"] == applied["candidate"]:
+        return f"Hadamard rotation of the caches: {applied['candidate']}"
+    return f"Hadamard rotation: source cache {applied['source']}, candidate cache {applied['candidate']}"
+
+
 def llamacpp_section(report: dict) -> list[str]:
     """Lines for report.md: stock llama.cpp's numbers (`validate --engine llamacpp`, eval.engine_llamacpp) next to
     the bundled engine's on the same windows."""
@@ -234,8 +245,8 @@ def llamacpp_section(report: dict) -> list[str]:
     models = section.get("models", {})
     lines += [f"llama.cpp through llama-cpp-python {section.get('llama_cpp_python', '?')} (its C API), GGUF weights "
               f"{settings['weights']} (candidate: {models.get('candidate', '?')}), KV cache source {kv['source']} / candidate {kv['candidate']}, flash attention "
-              f"{settings['flash_attn']['candidate']}, rotation of quantized caches "
-              f"{'on' if settings['rotation'] else 'off'}; {settings['windows']} x {settings['window_len']} tokens. "
+              f"{settings['flash_attn']['candidate']}, {_rotation_words(settings)}; {settings['windows']} x "
+              f"{settings['window_len']} tokens. "
               "KL(source || candidate) and top-1 agreement summed inside llama.cpp's process.", ""]
     columns = [("llama.cpp", section), (f"{bundled.get('engine', 'bundled')} ({bundled.get('kv_dtype', '?')})", bundled)]
     lines += ["| metric | " + " | ".join(name for name, _ in columns) + " |", "|---|" + "---:|" * len(columns)]

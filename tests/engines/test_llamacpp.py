@@ -336,3 +336,30 @@ def test_validate_q4_0_runtime_emulation_beside_llama_cpp(tmp_path, run_main, ti
     engine, runtime = report["engines"]["llamacpp"]["kl_mean"], report["metrics"]["kl_mean"]["candidate"]
     assert report["engines"]["llamacpp"]["settings"]["kv_cache"] == {"source": "f32", "candidate": "q4_0"}
     assert engine > 0 and runtime > 0 and 0.7 < runtime / engine < 1.4, (runtime, engine)
+    # head size 32: llama.cpp does not rotate it (nor does the emulation), and the report says so, not "on"
+    applied = report["engines"]["llamacpp"]["settings"]["rotation_applied"]
+    assert applied == {"source": "none (f32 is not quantized)",
+                       "candidate": "none (llama.cpp rotates only head sizes that are multiples of 64; this one is 32)"}
+    markdown = (out / "report.md").read_text()
+    assert "rotation of quantized caches on" not in markdown and "this one is 32" in markdown
+
+
+def test_the_report_says_what_llama_cpps_rotation_does_to_each_shape(monkeypatch):
+    """llama.cpp's rule (src/llama-kv-cache.cpp): a quantized cache, a head size that is a multiple of 64, the switch
+    on; never the MLA latent. The runtime's emulation follows it shape by shape."""
+    from kvconvert.eval.engine_llamacpp import rotation_applied
+    from kvconvert.ggml_formats import ROTATION_ENV, llamacpp_frames
+
+    monkeypatch.delenv(ROTATION_ENV, raising=False)
+    llama = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert rotation_applied({**llama, "head_dim": 128}, "q4_0") == "on (K in Hadamard groups of 128, V of 64)"
+    assert rotation_applied({**llama, "head_dim": 64}, "q8_0") == "on (K in Hadamard groups of 64, V of 64)"
+    assert "this one is 32" in rotation_applied({**llama, "head_dim": 32}, "q4_0")
+    assert "this one is 96" in rotation_applied({**llama, "head_dim": 96}, "q4_0")
+    assert rotation_applied({**llama, "head_dim": 64}, "f16") == "none (f16 is not quantized)"
+    assert "MLA path" in rotation_applied({"kv_lora_rank": 256, "qk_rope_head_dim": 64}, "q4_0")
+    for size, rotated in ((32, False), (48, False), (64, True), (128, True)):
+        frames = llamacpp_frames("q4_0", "q4_0", size, False)
+        assert (frames["k"].rotation is not None, frames["v"].rotation is not None) == (rotated, rotated)
+    monkeypatch.setenv(ROTATION_ENV, "1.5")
+    assert rotation_applied({**llama, "head_dim": 64}, "q4_0") == "off (LLAMA_ATTN_ROT_DISABLE)"
