@@ -60,6 +60,9 @@ PRE_TOKENIZERS = {  # hash -> llama.cpp pre-tokenizer (the entries of get_vocab_
     "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
 }
 Q8_BLOCK = 32
+# Tensor names of calibrated KV-cache scales (vLLM's self_attn.k_scale, ModelOpt's k_proj.k_scale, ...): GGUF has
+# no place for them, llama.cpp quantizes its cache itself, per block, without a calibrated scale.
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale")
 
 
 @dataclass
@@ -84,11 +87,12 @@ class GGUFExport:
     tokenizer_pre: str
     seconds: float
     types: dict[str, int] = field(default_factory=dict)  # storage type -> tensor count
+    notes: list[str] = field(default_factory=list)  # what the export did other than asked (q8_0's f16 fallback)
 
     def as_dict(self) -> dict:
         return {"out": str(self.out), "arch": self.arch, "outtype": self.outtype, "tensors": self.tensors,
                 "bytes": self.bytes, "tokenizer_pre": self.tokenizer_pre, "seconds": round(self.seconds, 1),
-                "types": self.types}
+                "types": self.types, **({"notes": self.notes} if self.notes else {})}
 
 
 # --------------------------------------------------------------------------- checks before any work
@@ -96,7 +100,7 @@ class GGUFExport:
 def check_output_file(out: Path, overwrite: bool, sources: tuple = ()) -> None:
     """Refuse an --out that is a folder, lies in a source, or exists without --overwrite; prove its folder is
     writable; remove temp files dead runs left beside it."""
-    from kvconvert.checkpoint.writer import check_not_source, check_writable, clean_stale_temps
+    from kvconvert.checkpoint.writer import check_not_source, clean_stale_temps
 
     out = Path(out).absolute()
     check_not_source(out, sources)
@@ -107,7 +111,25 @@ def check_output_file(out: Path, overwrite: bool, sources: tuple = ()) -> None:
     if out.suffix.lower() != ".gguf":
         raise CheckpointError(f"{out}: --out must name a .gguf file (llama.cpp's loaders expect the suffix)")
     clean_stale_temps(out)
-    check_writable(out.parent / f".{out.name}.dir")  # a probe in the output's folder
+    _check_folder_writable(out)
+
+
+def _check_folder_writable(out: Path) -> None:
+    """Create and remove a hidden probe where the temp file will be written (the folder of `out`, or its nearest
+    existing parent); a read-only mount or a missing permission is one line naming --out, not the probe."""
+    import tempfile
+
+    from kvconvert.checkpoint.writer import _existing_ancestor, resolve_output
+
+    resolve_output(out)  # a symlink loop on the way: named
+    where = _existing_ancestor(out.parent)
+    if not where.is_dir():
+        raise CheckpointError(f"{out}: --out lies under {where}, which is a file, not a folder; choose another --out")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=where))
+    except OSError as exc:
+        raise CheckpointError(f"{out}: --out cannot be written: {where} does not take new files ({exc.strerror}); "
+                              "choose a writable --out (read-only mount or no permission)") from None
 
 
 def gguf_arch(cfg: dict) -> str:
@@ -182,11 +204,29 @@ def _llama_permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def check_no_kv_scales(reader) -> None:
+    """Refuse a checkpoint that holds calibrated KV-cache scales (`kvconvert calibrate`'s output), naming the model
+    to export instead: its manifest's source, when kvconvert wrote it."""
+    from kvconvert.checkpoint.reader import read_manifest
+
+    scales = [n for n in reader.keys() if n.endswith(KV_SCALE_SUFFIXES)]
+    if not scales:
+        return
+    source = read_manifest(reader.path).get("source")
+    which = f" ({source})" if isinstance(source, str) and source else ""
+    more = f" and {len(scales) - 1} more" if len(scales) > 1 else ""
+    raise CheckpointError(
+        f"{reader.path}: holds calibrated KV-cache scales ({scales[0]!r}{more}), which GGUF cannot hold: llama.cpp "
+        f"quantizes its cache itself, per block, without a calibrated scale (the cache type is chosen when serving: "
+        f"-ctk / -ctv). Export the model it was calibrated from{which} instead")
+
+
 def plan_tensors(reader, arch: str, outtype: str) -> list[PlannedTensor]:
     """Every tensor of the GGUF, in writing order, with its producer reading the checkpoint lazily."""
     import gguf
     import torch
 
+    check_no_kv_scales(reader)
     cfg = reader.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.DEEPSEEK2,
                                      cfg["num_hidden_layers"])
@@ -423,6 +463,43 @@ def _encode(tensor, qtype):
     return gguf.quants.quantize(data, qtype)
 
 
+def needed_bytes(folder: Path, planned: list[PlannedTensor]) -> int:
+    """Disk space a GGUF of the `planned` tensors takes, sized to it: the tensors' bytes, plus the metadata
+    (the tokenizer's vocabulary and merges, at most twice its files' size), the tensor infos and alignment
+    (256 bytes a tensor), 1% and 1 MiB for the file system."""
+    from kvconvert.checkpoint.writer import TOKENIZER_FILES
+
+    tensors = sum(_nbytes(t.shape, t.qtype) for t in planned)
+    tokenizer = sum((folder / n).stat().st_size for n in TOKENIZER_FILES if (folder / n).is_file())
+    return tensors + 2 * tokenizer + 256 * len(planned) + tensors // 100 + 2**20
+
+
+def export_bytes(src: str | os.PathLike, outtype: str = "auto") -> int:
+    """needed_bytes of `src` exported with --outtype `outtype`, from its headers (no tensor read); refuses what
+    export_gguf refuses in its plan (an architecture or tensors GGUF cannot hold)."""
+    from kvconvert.checkpoint.reader import CheckpointReader
+
+    with CheckpointReader(src) as reader:
+        arch = gguf_arch(reader.config)
+        return needed_bytes(Path(src), plan_tensors(reader, arch, _resolve_outtype(reader.config, outtype)))
+
+
+def _fallback_note(planned: list[PlannedTensor], outtype: str) -> list[str]:
+    """q8_0 asked for, f16 written for the 2-D weights whose rows are not whole blocks of 32 (as llama.cpp's
+    converter does): said, not left to the types summary."""
+    from gguf import GGMLQuantizationType as Q
+
+    if outtype != "q8_0":
+        return []
+    fell = [t for t in planned if t.qtype == Q.F16]
+    if not fell:
+        return []
+    rows = sorted({t.shape[-1] for t in fell})
+    return [f"--outtype q8_0: {len(fell)} of {len(planned)} tensors are F16 instead ({fell[0].name}"
+            f"{' and others' if len(fell) > 1 else ''}): their rows of {', '.join(map(str, rows))} values are not "
+            f"whole q8_0 blocks of {Q8_BLOCK}, which llama.cpp's converter also writes as F16"]
+
+
 def export_gguf(src: str | os.PathLike, out: str | os.PathLike, options: GGUFExportOptions | None = None,
                 overwrite: bool = False, name: str | None = None) -> GGUFExport:
     """Write `src` (a checkpoint folder) as the GGUF file `out` (module docstring)."""
@@ -441,8 +518,7 @@ def export_gguf(src: str | os.PathLike, out: str | os.PathLike, options: GGUFExp
         arch = gguf_arch(cfg)
         outtype = _resolve_outtype(cfg, options.outtype)
         planned = plan_tensors(reader, arch, outtype)
-        total = sum(_nbytes(t.shape, t.qtype) for t in planned)
-        ensure_free_space(out.parent, total + 64 * 2**20)
+        ensure_free_space(out.parent, needed_bytes(src, planned))
         writer = gguf.GGUFWriter(None, arch=arch)
         write_hparams(writer, cfg, arch, outtype, name or src.name)
         pre = write_tokenizer(writer, src, cfg["vocab_size"])
@@ -470,4 +546,5 @@ def export_gguf(src: str | os.PathLike, out: str | os.PathLike, options: GGUFExp
     types: dict[str, int] = {}
     for t in planned:
         types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
-    return GGUFExport(out, arch, outtype, len(planned), out.stat().st_size, pre, time.time() - started, types)
+    return GGUFExport(out, arch, outtype, len(planned), out.stat().st_size, pre, time.time() - started, types,
+                      _fallback_note(planned, outtype))

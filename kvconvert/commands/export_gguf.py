@@ -24,16 +24,20 @@ from kvconvert.stage_options import build_options
 def export_gguf_cmd(src, out, overwrite, as_json, **params):
     """Write a checkpoint as GGUF for stock llama.cpp: Llama sources as LLAMA, MLA conversions as DEEPSEEK2
     (the latent in llama.cpp's K cache), the tokenizer included."""
-    from kvconvert.checkpoint import check_checkpoint, read_config
-    from kvconvert.checkpoint.gguf_export import check_output_file, export_gguf, gguf_arch
+    from kvconvert.checkpoint import CheckpointReader, check_checkpoint, read_config
+    from kvconvert.checkpoint.gguf_export import check_no_kv_scales, check_output_file, export_gguf, gguf_arch
     from kvconvert.sources import resolve_source
 
     opts = build_options(GGUFExportOptions, params)
     src_path = resolve_source(src)
     check_output_file(out, overwrite, sources=(src_path,))  # before the checkpoint's full read
     gguf_arch(read_config(src_path))  # an architecture the export does not write: refused before that read
+    with CheckpointReader(src_path) as reader:
+        check_no_kv_scales(reader)  # a calibrated checkpoint: the source to export instead, before that read too
     check_checkpoint(src_path)
     summary = export_gguf(src_path, out, opts, overwrite=overwrite, name=str(src)).as_dict()
+    for note in summary.get("notes", []):
+        click.echo(f"note: {note}", err=True)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

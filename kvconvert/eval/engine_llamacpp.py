@@ -104,10 +104,13 @@ def rotation_applied(cfg: dict, cache: str) -> str:
 
 
 def check_llamacpp(run) -> None:
-    """Before the suite: llama.cpp installed, both caches known, both models exportable, and each cache one
-    llama.cpp takes for that model's cached rows (from config.json, as the GGUF will declare them)."""
+    """Before the suite: llama.cpp installed and loading, both caches known, both models exportable (their
+    tensors too: a calibrated checkpoint's KV scales are refused here), room under --out for both GGUF exports,
+    and each cache one llama.cpp takes for that model's cached rows (from config.json, as the GGUF will declare
+    them)."""
     from kvconvert.checkpoint import read_config
-    from kvconvert.checkpoint.gguf_export import gguf_arch
+    from kvconvert.checkpoint.gguf_export import export_bytes, gguf_arch
+    from kvconvert.checkpoint.writer import ensure_free_space
     from kvconvert.engines.llamacpp import GGUFShape, check_context, check_installed
     from kvconvert.kvmath import head_dim
     from kvconvert.sources import resolve_source
@@ -123,6 +126,10 @@ def check_llamacpp(run) -> None:
             shape = GGUFShape(arch, False, head_dim(cfg), head_dim(cfg), cfg["vocab_size"])
         check_context(next(c for c in contexts_for(run, {"source": model, "candidate": model}) if c.name == role),
                       shape)
+    paths = {resolve_source(run.source), resolve_source(run.candidate)}  # one export when both are one model
+    needed = sum(export_bytes(path, WEIGHTS[run.options.dtype]) for path in paths)
+    ensure_free_space(Path(run.out), needed, "free some space or choose another --out (--engine llamacpp exports "
+                                             "the models to GGUF under OUT/cache for the run)")
 
 
 def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> dict:

@@ -44,3 +44,80 @@ def test_validate_probes_a_broken_llama_cpp_before_the_suite(faults, tmp_path):
     assert "log " not in line  # no log file named, let alone a deleted one
     assert "llama.cpp perplexity" not in done.stderr and "Suite" not in done.stderr
     assert time.time() - started < 60, "refused only after work"
+
+
+# ------------------------------------------------------------------ export-gguf and the engine's exports
+
+def needs_llama_cpp() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (bash scripts/setup_llamacpp.sh)")
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory, smollm2_path) -> dict[str, Path]:
+    """Tiny Llamas with SmolLM2's tokenizer (export-gguf writes its byte-level BPE): "tiny" (4 heads of 32, hidden
+    128, tied embeddings: a 27 MB f32 GGUF), "h80" (5 heads of 16: hidden 80, rows of 80 values that are not
+    whole q8_0 blocks) and "fp8" (tiny calibrated for an FP8 cache: k_scale / v_scale tensors)."""
+    sys.path.insert(0, str(ROOT / "tests" / "mla"))
+    from mla_tiny_models import make_tiny_llama
+    from test_faults import TINY_CAL
+
+    root = tmp_path_factory.mktemp("gguf_models")
+    tiny = make_tiny_llama(root / "tiny", smollm2_path, kv_heads=2, heads=4, head_dim=32)
+    h80 = make_tiny_llama(root / "h80", smollm2_path, kv_heads=1, heads=5, head_dim=16)
+    done = kvconvert("calibrate", "--src", tiny, *TINY_CAL, "--out", root / "fp8")
+    assert done.returncode == 0, done.stderr
+    return {"tiny": tiny, "h80": h80, "fp8": root / "fp8"}
+
+
+def test_export_margin_is_sized_to_the_export(gguf_models, tmp_path, mounts):
+    """A 27 MB export fits a 40 MiB disk (a fixed 64 MiB margin refused it); a 20 MiB disk is refused up front."""
+    disk = mounts(tmp_path / "disk", "size=40m")
+    done = kvconvert("export-gguf", "--src", gguf_models["tiny"], "--out", disk / "tiny.gguf", "--outtype", "f32")
+    assert done.returncode == 0, done.stderr
+    assert 25e6 < (disk / "tiny.gguf").stat().st_size < 30e6
+    small = mounts(tmp_path / "small", "size=20m")
+    refused(kvconvert("export-gguf", "--src", gguf_models["tiny"], "--out", small / "tiny.gguf", "--outtype", "f32"),
+            small / "tiny.gguf", "not enough disk space")
+
+
+def test_validate_checks_the_disk_for_the_engines_exports_before_the_suite(gguf_models, tmp_path, mounts):
+    needs_llama_cpp()
+    out = mounts(tmp_path / "small", "size=20m") / "report"
+    done = kvconvert("validate", "--source", gguf_models["tiny"], "--candidate", gguf_models["tiny"], "--engine",
+                     "llamacpp", "--suite", "smoke", "--no-progress", "--out", out)
+    refused(done, out, "not enough disk space", "--engine llamacpp exports the models to GGUF")
+
+
+def test_export_of_a_calibrated_checkpoint_names_the_source_to_export(gguf_models, tmp_path):
+    out = tmp_path / "fp8.gguf"
+    line = refused(kvconvert("export-gguf", "--src", gguf_models["fp8"], "--out", out), out,
+                   "holds calibrated KV-cache scales", "GGUF cannot hold",
+                   f"Export the model it was calibrated from ({gguf_models['tiny']}) instead")
+    assert "no GGUF name" not in line
+
+
+def test_validate_refuses_a_calibrated_candidate_for_llama_cpp_before_the_suite(gguf_models, tmp_path):
+    needs_llama_cpp()
+    out = tmp_path / "report"
+    refused(kvconvert("validate", "--source", gguf_models["tiny"], "--candidate", gguf_models["fp8"], "--engine",
+                      "llamacpp", "--kv-dtype", "q8_0", "--suite", "smoke", "--no-progress", "--out", out),
+            out, "holds calibrated KV-cache scales")
+
+
+def test_export_into_a_read_only_folder_names_out_not_a_probe(gguf_models, tmp_path, mounts):
+    folder = mounts(tmp_path / "ro", "ro,size=1m")
+    out = folder / "x.gguf"
+    line = refused(kvconvert("export-gguf", "--src", gguf_models["tiny"], "--out", out), None,
+                   f"{out}: --out cannot be written", "read-only")
+    assert ".x.gguf." not in line and "probe" not in line
+
+
+def test_q8_0_fallback_to_f16_is_noted(gguf_models, tmp_path):
+    out = tmp_path / "h80.gguf"
+    done = kvconvert("export-gguf", "--src", gguf_models["h80"], "--out", out, "--outtype", "q8_0")
+    assert done.returncode == 0, done.stderr
+    notes = [ln for ln in done.stderr.splitlines() if ln.startswith("note: --outtype q8_0")]
+    assert len(notes) == 1 and "13 of 20 tensors are F16 instead" in notes[0] and "rows of 80 values" in notes[0]
