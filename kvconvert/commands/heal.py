@@ -18,7 +18,8 @@ HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill
 
 @click.command("heal")
 @click.option("--student", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Converted MLA checkpoint folder (output of `kvconvert mla`).")
+              help="Converted MLA checkpoint folder (output of `kvconvert mla`), or a model of the teacher's own "
+                   "architecture to heal for its KV cache (--distill-kv-dtype; e.g. the source itself).")
 @click.option("--teacher", required=True, help="The source it was converted from: HF folder or built-in name.")
 @click.option("--recipe", required=True,
               help="Recipe YAML (heal_layerwise / heal_distill blocks) or a preset: layerwise, layerwise+distill. "
@@ -44,7 +45,8 @@ HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill
 def heal_cmd(student, teacher, recipe, out, overwrite, restart, allow_other_teacher, max_steps, device, threads,
              no_progress, plan, **params):
     """Recover the quality lost by MLA conversion: layer-wise reconstruction of each attention block,
-    then end-to-end distillation (KL to the source). Resumes after an interruption."""
+    then end-to-end distillation (KL to the source); with --distill-kv-dtype the student reads its KV cache as the
+    engine stores it (any student, the source itself included). Resumes after an interruption."""
     import torch
 
     from kvconvert.recipe import heal

@@ -149,6 +149,7 @@ def heal_stages(student: str | Path, teacher: str | Path, stages: HealStages, ou
     for reader in (s_reader, t_reader):
         check_checkpoint(reader)  # config, missing tensors, tokenizer files, NaN/inf: before any work
     notes = compat.check_pair(s_reader, t_reader)
+    check_stages_for(s_reader.config, t_reader.config, stages)
     teacher_fp = checkpoint_fingerprint(teacher)
     other = other_teacher(student, teacher, teacher_fp)
     if other and not allow_other_teacher:
@@ -191,6 +192,32 @@ def heal_stages(student: str | Path, teacher: str | Path, stages: HealStages, ou
     report["seconds"] = round(time.time() - t0, 1)
     shutil.rmtree(state, ignore_errors=True)
     return report
+
+
+def check_stages_for(student_cfg: dict, teacher_cfg: dict, stages: HealStages) -> None:
+    """What a stage asks of this student, refused before any stage runs: sequences beyond its positions,
+    layer-wise reconstruction of a student
+    with the teacher's own attention (nothing converted to reconstruct), a cache format the student's cache
+    cannot be stored in (heal.quant_aware)."""
+    from kvconvert.kvmath import kv_shape
+
+    limit = student_cfg.get("max_position_embeddings")
+    for flag, opts, length in (("--layerwise-window", stages.layerwise, "window"),
+                               ("--distill-seq-len", stages.distill, "seq_len")):
+        if opts is not None and limit and getattr(opts, length) > limit:
+            raise KVConvertError(f"{flag} {getattr(opts, length)} is beyond the student's max_position_embeddings "
+                                 f"{limit} (positions it was never trained at): use {limit} or less")
+    if stages.layerwise is not None and compat.same_architecture(student_cfg, teacher_cfg):
+        raise KVConvertError("heal_layerwise fits converted attention blocks to the teacher's; this student has the "
+                             "teacher's own architecture (nothing converted): heal it with heal_distill alone "
+                             "(--recipe distill)")
+    if stages.distill is not None and stages.distill.kv_dtype is not None:
+        from kvconvert.heal.quant_aware import check_quant_aware_dtype
+
+        try:
+            check_quant_aware_dtype(stages.distill.kv_dtype, kv_shape(student_cfg))
+        except KVConvertError as exc:
+            raise KVConvertError(f"heal_distill.kv_dtype: {exc}") from None
 
 
 def other_teacher(student: Path, teacher: Path, teacher_fp: str) -> str | None:

@@ -23,15 +23,36 @@ def check_student_config(cfg: dict, where: Path) -> None:
     if cfg.get("model_type") != TARGET_MODEL_TYPE:
         raise UnsupportedModelError(
             f"{where}: student model_type is {cfg.get('model_type')!r}, not {TARGET_MODEL_TYPE!r}; "
-            "heal a checkpoint written by `kvconvert mla`")
+            "heal a checkpoint written by `kvconvert mla`, or a model of the teacher's own architecture")
     if cfg.get("first_k_dense_replace", 0) < cfg.get("num_hidden_layers", 0):
         raise UnsupportedModelError(f"{where}: MoE layers found (first_k_dense_replace < num_hidden_layers); "
                                     "only all-dense MLA conversions can be healed")
 
 
+# A student with the teacher's own architecture (healed for its KV cache): these must match too.
+SAME_ARCH_KEYS = ("model_type", "num_key_value_heads", "head_dim")
+
+
+def same_architecture(s_cfg: dict, t_cfg: dict) -> bool:
+    """The student keeps the teacher's architecture (a source healed for its cache, e.g. --student SRC
+    --teacher SRC), rather than being an MLA conversion of it."""
+    return s_cfg.get("model_type") == t_cfg.get("model_type") != TARGET_MODEL_TYPE
+
+
 def check_pair(student: CheckpointReader, teacher: CheckpointReader) -> list[str]:
-    """Raise unless `student` is an MLA conversion of `teacher`. Returns notes (soft findings)."""
+    """Raise unless `student` is an MLA conversion of `teacher`, or a model of the teacher's own architecture
+    and shape (its own copy or an earlier heal of it). Returns notes (soft findings)."""
     s_cfg, t_cfg = student.config, teacher.config
+    if same_architecture(s_cfg, t_cfg):
+        for key in (*MATCHING_KEYS, *SAME_ARCH_KEYS):
+            if s_cfg.get(key) != t_cfg.get(key):
+                raise KVConvertError(f"student {key}={s_cfg.get(key)} but teacher {key}={t_cfg.get(key)}: a student "
+                                     "of the teacher's own architecture must have its shape; pass the model it came "
+                                     "from as --teacher")
+        for name in SHARED_TENSORS:
+            _check_shared_tensor(student, teacher, name)
+        check_tokenizers(student.path, teacher.path)
+        return []
     check_student_config(s_cfg, student.path)
     try:
         fmt.check_source_config(t_cfg)

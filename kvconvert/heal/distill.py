@@ -66,7 +66,7 @@ def attach_trainable(model, stage: DistillOptions) -> list[str]:
     parametrizations. Returns the checkpoint names of the parametrized weights."""
     for p in model.parameters():
         p.requires_grad_(False)
-    rank = model.config.kv_lora_rank  # row_scales splits kv_a_proj_with_mqa's latent / RoPE rows
+    rank = getattr(model.config, "kv_lora_rank", None)  # row_scales splits kv_a_proj_with_mqa's latent / RoPE rows
     lora = stage.lora_rank if stage.train == "lora" else 0
     names = []
     for i, layer in enumerate(model.model.layers):

@@ -53,8 +53,25 @@ LOADER_ATTENTION = "sdpa"
 LOSS_CHUNK_TEMPORARIES = 4
 
 
+def per_head_dims(student: dict) -> dict:
+    """A student that keeps per-head K/V (the teacher's own architecture, healed for its cache) in the MLA terms
+    the estimates use: no latent, q/k and v heads of head_dim (an MLA config is returned as it is)."""
+    if "kv_lora_rank" in student:
+        return student
+    head_dim = student.get("head_dim") or student["hidden_size"] // student["num_attention_heads"]
+    return {**student, "kv_lora_rank": 0, "qk_nope_head_dim": head_dim, "qk_rope_head_dim": 0,
+            "v_head_dim": head_dim, "num_key_value_heads": student.get("num_key_value_heads") or
+            student["num_attention_heads"]}
+
+
 def attention_shapes(student: dict) -> dict[str, tuple[int, int]]:
     """[out, in] of each trainable attention weight one student layer has."""
+    student = per_head_dims(student)
+    if student["kv_lora_rank"] == 0:  # per-head K/V
+        hidden, heads, d = student["hidden_size"], student["num_attention_heads"], student["v_head_dim"]
+        kv = student["num_key_value_heads"] * d
+        return {"q_proj": (heads * d, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+                "o_proj": (hidden, heads * d)}
     hidden, heads = student["hidden_size"], student["num_attention_heads"]
     rank, rope = student["kv_lora_rank"], student["qk_rope_head_dim"]
     nope, v = student["qk_nope_head_dim"], student["v_head_dim"]
@@ -80,6 +97,7 @@ def trainable_parameters(student: dict, stage: DistillOptions) -> int:
 
 def keeps_attention_probs(student: dict, attention: str, device_type: str) -> bool:
     """Whether the student's attention saves its [heads, T, T] probabilities for the backward."""
+    student = per_head_dims(student)
     if attention == "eager":
         return True
     qk = student["qk_nope_head_dim"] + student["qk_rope_head_dim"]
@@ -89,13 +107,14 @@ def keeps_attention_probs(student: dict, attention: str, device_type: str) -> bo
 def activation_bytes_per_token(student: dict, stage: DistillOptions, device_type: str,
                                attention: str = LOADER_ATTENTION) -> int:
     """Bytes autograd saves per token in one student layer (without the T x T probabilities)."""
+    student = per_head_dims(student)
     a = 2 if stage.mixed_precision != "no" else 4
     hidden, inter, heads = student["hidden_size"], student["intermediate_size"], student["num_attention_heads"]
     rank, v = student["kv_lora_rank"], student["v_head_dim"]
     qk = student["qk_nope_head_dim"] + student["qk_rope_head_dim"]
     q_lora = student.get("q_lora_rank") or 0
     trained = trained_weights(student, stage)
-    reads_x = [n for n in ("q_proj", "q_a_proj", "kv_a_proj_with_mqa") if n in trained]
+    reads_x = [n for n in ("q_proj", "q_a_proj", "kv_a_proj_with_mqa", "k_proj", "v_proj") if n in trained]
     inputs = (len(reads_x) * 2 * hidden if a == 2 else 4 * hidden) if reads_x else 0
     inputs += a * (rank * ("kv_b_proj" in trained) + heads * v * ("o_proj" in trained)
                    + q_lora * ("q_b_proj" in trained))

@@ -9,12 +9,14 @@ from typing import Literal, Protocol, get_args
 from pydantic import Field, model_validator
 
 from kvconvert.device import DEVICE_FIELD
-from kvconvert.kvformat import CALIBRATE_KV_DTYPES
+from kvconvert.kvformat import CALIBRATE_KV_DTYPES, kv_dtype_type
 from kvconvert.stage_options import StageOptions, TextMix, text_source_help
 
 # Attention projections that can train; those a checkpoint lacks are skipped (q_proj, or the
-# low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank).
-AttentionName = Literal["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+# low-rank query pair q_a_proj / q_b_proj when the conversion used q_lora_rank; k_proj / v_proj where the
+# student keeps the teacher's per-head K/V, the MLA projections where it is a conversion).
+AttentionName = Literal["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "k_proj", "v_proj",
+                        "o_proj"]
 TRAINABLE_ATTENTION = get_args(AttentionName)
 DATA_HELP = text_source_help("teacher (text sampled from the teacher)")
 MAX_LAYERWISE_STEPS = 10_000
@@ -69,9 +71,11 @@ class DistillOptions(StageOptions):
     lm_weight: float = Field(0.0, ge=0, description="Weight of the next-token cross-entropy.")
     hidden_weight: float = Field(0.0, ge=0, description="Weight of the relative residual-stream error.")
     temperature: float = Field(1.0, gt=0, description="Softmax temperature of the KL.")
-    kv_dtype: Literal[CALIBRATE_KV_DTYPES] | None = Field(
-        None, description="Quantization-aware: the student reads its KV cache rounded in this format, as calibrate "
-                          "will store it (straight-through gradient); calibrate with the same format afterwards.")
+    kv_dtype: kv_dtype_type(CALIBRATE_KV_DTYPES) | None = Field(
+        None, description="Cache-aware: the student reads its KV cache rounded as the engine stores it in this format "
+                          "(straight-through gradient); llama.cpp's types as llama.cpp stores the healed checkpoint "
+                          "(K/V pairs KTYPE/VTYPE too), the scaled ones (fp8, int8, nvfp4) as calibrate with the "
+                          "same format will store it.")
     train: Literal["full", "lora"] = Field("full", description="Train the attention weights themselves, or "
                                                                "low-rank deltas merged at the end.")
     lora_rank: int = Field(16, gt=0, description="Rank of the LoRA deltas (--distill-train lora).")

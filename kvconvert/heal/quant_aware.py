@@ -1,6 +1,21 @@
 """Quantization-aware distillation: the student attends to its KV cache rounded as the engine will store
 it, so healing also teaches it to live with the cache format's rounding noise.
 
+Any student: an MLA conversion or a model with the teacher's own per-head K/V (a Llama/GQA source healed
+for its cache). Three kinds of format:
+
+* llama.cpp's block types (q8_0, q4_0, q5_0, iq4_nl, ...; kvconvert.ggml_formats), one for both halves or a
+  K/V pair KTYPE/VTYPE (q5_0/iq4_nl: -ctk q5_0 -ctv iq4_nl; per-head K/V only): the cache as the engine
+  stores the checkpoint it is given, through the runtime's own bit-exact frames (kvconvert.quant.hooks.
+  llamacpp_hook: per-head K in llama.cpp's interleaved RoPE order and Hadamard, V's Hadamard, the MLA row
+  [latent | k_rope] whole and unrotated). Each block's fp16 scale follows the data, so nothing is calibrated
+  afterwards: the healed checkpoint (or its GGUF) is what llama.cpp serves with the stock flags.
+* Per-head K/V in a scaled format (fp8, int8, nvfp4): each tensor at its amax scale per forward, as calibrate
+  stores it per tensor (int8: K and V at one shared scale; nvfp4: V turned by calibrate's Hadamard).
+* An MLA row in a scaled format, below.
+
+MLA in a scaled format:
+
 What the engine caches per MLA token after `kvconvert calibrate --kv-dtype F`: the row [latent | k_rope]
 (engine order, kvconvert.quant.fake_quant.mla_row_to_engine), except that where F rotates the latent
 (4-bit formats) calibrate folds kv_a_layernorm's weight w into kv_b_proj and turns the rest by a block
@@ -30,10 +45,11 @@ from __future__ import annotations
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import kv_format
+from kvconvert.kvformat import KVPair, kv_format, kv_pair
 from kvconvert.kvmath import KVShape
-from kvconvert.quant.capture import ReplayCache, cache_hook, decoder_layers
-from kvconvert.quant.fake_quant import fake_quant_row, scale_from_amax
+from kvconvert.quant.capture import CacheHook, ReplayCache, cache_hook, decoder_layers
+from kvconvert.quant.fake_quant import check_kv_dtype, fake_quant_row, scale_from_amax
+from kvconvert.quant.hooks import llamacpp_hook
 
 
 def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
@@ -42,7 +58,7 @@ def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
 
 
 def latent_rotation(layout: KVShape, kv_dtype: str) -> torch.Tensor | None:
-    """The Hadamard `kvconvert calibrate` folds into the MLA latent for kv_dtype with its default
+    """The Hadamard `kvconvert calibrate` folds into the MLA latent (per-head V) for kv_dtype with its default
     settings on a checkpoint healed this way (no latent shaping: kvconvert.quant.run.keep_heal_basis),
     [rank, rank] float64, or None where it folds none."""
     from kvconvert.quant.calibrate import CalibrationSettings, hadamard
@@ -69,11 +85,13 @@ def engine_rounding(row: torch.Tensor, norm_weight: torch.Tensor, rotation: torc
     return rounded.to(row.dtype)
 
 
-def quant_aware_hook(model, layout: KVShape, kv_dtype: str):
-    """CacheHook (transformers' update(latent, k_rope) arguments) that rounds each MLA row as the engine
-    stores it in kv_dtype, with a straight-through gradient."""
+def quant_aware_hook(model, layout: KVShape, kv_dtype: str) -> CacheHook:
+    """CacheHook (transformers' update(key, value) arguments) that rounds what the engine caches as it stores it
+    in kv_dtype, with a straight-through gradient (module docstring for the three kinds of format)."""
+    if check_quant_aware_dtype(kv_dtype, layout).ggml_types:  # llama.cpp's K and V types (one or a pair)
+        return straight_through_hook(llamacpp_hook(layout, kv_dtype))
     if not layout.is_mla:
-        raise KVConvertError("quantization-aware distillation emulates an MLA cache; the student is not MLA")
+        return straight_through_hook(scaled_per_head_hook(layout, kv_dtype))
     rope_tail = kv_format(kv_dtype).rope_tail(layout.is_mla, layout.qk_rope_head_dim)
     weights = [layer.self_attn.kv_a_layernorm.weight for layer in decoder_layers(model)]
     rotation = latent_rotation(layout, kv_dtype)
@@ -83,6 +101,53 @@ def quant_aware_hook(model, layout: KVShape, kv_dtype: str):
         r = None if rotation is None else rotation.to(device=row.device, dtype=torch.float32)
         return straight_through(row, engine_rounding(row, w, r, kv_dtype, rope_tail))
     return cache_hook(layout, row_hook)
+
+
+def check_quant_aware_dtype(kv_dtype: str, layout: KVShape | None = None) -> KVPair:
+    """The K/V formats of a heal_distill.kv_dtype, refused by name where the student cannot be served with them (an
+    MLA-only layout or a mixed pair for the cache kind; llama.cpp's blocks of 32 across a row that is not a
+    multiple of 32)."""
+    from kvconvert.ggml_formats import GGML_BLOCK
+
+    pair = kv_pair(kv_dtype)  # one format, or llama.cpp's K/V pair KTYPE/VTYPE
+    for half in {pair.k.name, pair.v.name}:
+        check_kv_dtype(half)  # a format calibrate stores (quantized)
+    if layout is not None:
+        pair.check_cache_kind(layout.is_mla)
+        if pair.ggml_types and layout.row_dim % GGML_BLOCK:
+            raise KVConvertError(f"heal_distill.kv_dtype {kv_dtype}: llama.cpp stores its cache in blocks of "
+                                 f"{GGML_BLOCK} values, and this student caches rows of {layout.row_dim}")
+    return pair
+
+
+def straight_through_hook(rounding: CacheHook) -> CacheHook:
+    """`rounding`'s cache in the forward pass (computed without a graph), the identity in the backward pass."""
+    def hook(layer_idx, key, value):
+        with torch.no_grad():
+            k_q, v_q = rounding(layer_idx, key.detach(), value.detach())
+        return straight_through(key, k_q), straight_through(value, v_q)
+    return hook
+
+
+def scaled_per_head_hook(layout: KVShape, kv_dtype: str) -> CacheHook:
+    """Per-head K/V [b, kv_heads, T, head_dim] rounded in a scaled format at this forward's amax per tensor (calibrate's
+    default granularity); int8 stores K and V at one scale (their max); nvfp4's V is turned by the Hadamard calibrate
+    folds into v_proj / o_proj (stored R v, read back R^T)."""
+    fmt = kv_format(kv_dtype)
+    rotation = latent_rotation(layout, kv_dtype)  # the value Hadamard for per-head K/V
+
+    def hook(layer_idx, key, value):
+        k_scale = scale_from_amax(key.float().abs().amax(), kv_dtype)
+        v_scale = scale_from_amax(value.float().abs().amax() if rotation is None else
+                                  (value.float() @ rotation.to(value.device, torch.float32).T).abs().amax(), kv_dtype)
+        k_scale, v_scale = fmt.engine_scales(k_scale, v_scale)
+        k_q = fake_quant_row(key, kv_dtype, k_scale)
+        if rotation is None:
+            return k_q, fake_quant_row(value, kv_dtype, v_scale)
+        r = rotation.to(value.device, torch.float32)
+        v_q = fake_quant_row(value.float() @ r.T, kv_dtype, v_scale) @ r
+        return k_q, v_q.to(value.dtype)
+    return hook
 
 
 def attach_cache_rounding(model, layout: KVShape, kv_dtype: str) -> list:

@@ -140,7 +140,7 @@ def plot_fit(points: list[dict], fit: PowerLawFit, target: float, reach: dict, p
     ax.axhline(target, color="C3", lw=0.8, ls="--", label=f"target KL {target:g}")
     if fit.c > 0:
         ax.axhline(fit.c, color="C1", lw=0.6, ls=":", label=f"fitted floor c = {fit.c:.3g}")
-    if math.isfinite(reach["p50"]):
+    if math.isfinite(reach["p50"]) and reach["p50"] > 0:  # 0: reached before distillation (no point on log axes)
         lo = reach["p16"] if math.isfinite(reach["p16"]) else reach["p50"]
         hi = reach["p84"] if math.isfinite(reach["p84"]) else grid.max()
         ax.axvspan(lo, hi, color="C3", alpha=0.12, label="tokens to target (16-84%)")
@@ -168,6 +168,35 @@ class _Stages:
                                                           ("heal_distill", self.distill)) if opts is not None}
 
 
+def run_tokens(distill, tokens: int) -> int:
+    """The tokens a short run of `tokens` trains on: whole optimizer steps of distill.tokens_per_step (one at least)."""
+    return max(1, tokens // distill.tokens_per_step) * distill.tokens_per_step
+
+
+def distinct_run_budgets(distill, budgets) -> tuple[int, ...]:
+    """The budgets as the short runs will train them, refused before any run unless three or more stay distinct
+    (the power law with a floor has three parameters)."""
+    from kvconvert.errors import KVConvertError
+
+    runs = tuple(dict.fromkeys(run_tokens(distill, t) for t in budgets))
+    if len(runs) < 3:
+        rounded = ", ".join(f"{t} -> {run_tokens(distill, t)}" for t in budgets)
+        raise KVConvertError(f"heal --plan: the budgets round to whole steps of {distill.tokens_per_step} tokens "
+                             f"(batch_size x seq_len x grad_accum): {rounded}, {len(runs)} distinct; give three or "
+                             f"more budgets that differ by at least one step")
+    return runs
+
+
+def check_eval_window(student_cfg: dict, window: int) -> None:
+    """Refuse held-out windows longer than the model's positions (its RoPE was never trained there)."""
+    from kvconvert.errors import KVConvertError
+
+    limit = student_cfg.get("max_position_embeddings")
+    if limit and window > limit:
+        raise KVConvertError(f"--plan-eval-window {window} is beyond the model's max_position_embeddings {limit}: "
+                             f"use {limit} or less")
+
+
 def budget_stage(distill, tokens: int):
     """The recipe's distillation at `tokens`: a whole run with its own schedule, the warm-up the same share
     of its steps as the recipe's, no intermediate snapshots."""
@@ -176,12 +205,18 @@ def budget_stage(distill, tokens: int):
     return type(distill)(**{**distill.model_dump(), "tokens": tokens, "warmup_steps": warmup, "checkpoint_every": 0})
 
 
-def window_kls(teacher_model, candidate, ids) -> np.ndarray:
-    """Mean KL(teacher || candidate) per held-out window (equal tokens per window)."""
+def window_kls(teacher_model, candidate, ids, kv_dtype: str | None = None) -> np.ndarray:
+    """Mean KL(teacher || candidate) per held-out window (equal tokens per window); `kv_dtype`: the candidate
+    reads its cache rounded as the engine stores it in that format (heal.quant_aware), the teacher its exact one."""
     from kvconvert.heal.evaluate import window_metrics
     from kvconvert.quant.capture import load_hf_model
 
     model = load_hf_model(candidate).to(next(teacher_model.parameters()).device)
+    if kv_dtype is not None:
+        from kvconvert.heal.quant_aware import attach_cache_rounding
+        from kvconvert.kvmath import kv_shape
+
+        attach_cache_rounding(model, kv_shape(model.config.to_dict()), kv_dtype)
     return np.array([window_metrics(teacher_model, {"c": model}, ids[i:i + 1])["c"]["kl_mean"]
                      for i in range(ids.shape[0])])
 
@@ -200,7 +235,7 @@ def plan_heal(student, teacher, stages, out, opts, overwrite: bool = False, prog
     from kvconvert.data import eval_windows
     from kvconvert.device import resolve_device
     from kvconvert.errors import KVConvertError
-    from kvconvert.heal.api import heal_stages
+    from kvconvert.heal.api import check_stages_for, heal_stages
     from kvconvert.heal.memory import MEASURED_SPEEDS, measured_speed
     from kvconvert.quant.capture import load_hf_model
     from kvconvert.sources import resolve_source
@@ -208,8 +243,11 @@ def plan_heal(student, teacher, stages, out, opts, overwrite: bool = False, prog
     if stages.distill is None:
         raise KVConvertError("heal --plan measures the recipe's heal_distill block, and this recipe has none")
     t0 = time.time()
+    budgets = distinct_run_budgets(stages.distill, opts.budgets)
     student, teacher, out = Path(student), resolve_source(teacher), Path(out)
     check_output_path(out, overwrite, sources=(student, teacher))
+    check_eval_window(read_config(student), opts.eval_window)
+    check_stages_for(read_config(student), read_config(teacher), stages)  # before the layer-wise stage runs
     work = out.parent / f".{out.name}.heal-plan"
     ids = eval_windows(load_tokenizer(teacher), opts.eval_windows, opts.eval_window, opts.eval_data)
     device = resolve_device(stages.distill.device)
@@ -219,15 +257,16 @@ def plan_heal(student, teacher, stages, out, opts, overwrite: bool = False, prog
         echo(f"heal --plan: the recipe's layer-wise stage first ({stages.layerwise.tokens} tokens)")
         heal_stages(student, teacher, _Stages(stages.layerwise, None), start, overwrite=True, progress=progress)
     teacher_model = load_hf_model(teacher).to(device)
-    before = window_kls(teacher_model, start, ids)
+    kv_dtype = stages.distill.kv_dtype
+    before = window_kls(teacher_model, start, ids, kv_dtype)
     echo(f"heal --plan: KL(source || model) on {ids.shape[0]} x {ids.shape[1]} tokens of {opts.eval_data}; "
          f"before distillation {before.mean():.4f}")
     points = []
-    for tokens in opts.budgets:
+    for tokens in budgets:
         stage = budget_stage(stages.distill, tokens)
         run = work / f"distill-{tokens}"
         report = heal_stages(start, teacher, _Stages(None, stage), run, overwrite=True, progress=progress)
-        kls = window_kls(teacher_model, run, ids)
+        kls = window_kls(teacher_model, run, ids, kv_dtype)
         d = report["stages"]["heal_distill"]
         points.append({"tokens": int(d["tokens"]), "kl": float(kls.mean()),
                        "kl_se": float(kls.std(ddof=1) / math.sqrt(len(kls))), "tokens_per_s": d["tokens_per_s"],
@@ -237,6 +276,9 @@ def plan_heal(student, teacher, stages, out, opts, overwrite: bool = False, prog
     del teacher_model
     fit = fit_power_law([p["tokens"] for p in points], [p["kl"] for p in points], [p["kl_se"] for p in points])
     reach = fit.interval(opts.kl_target)
+    if (measured := reached_at(float(before.mean()), points, opts.kl_target)) is not None:
+        # a fit cannot extrapolate back to a target the runs already passed (it is flat there, or below it)
+        reach = {"p16": measured, "p50": measured, "p84": measured, "reachable": 1.0, "already_reached": True}
     speed = float(np.median([p["tokens_per_s"] for p in points]))
     speeds = [{"device": f"{device.type} (measured here)", "tokens_per_s": speed, "source": "the short runs"}]
     teacher_cfg = read_config(teacher)
@@ -257,9 +299,29 @@ def plan_heal(student, teacher, stages, out, opts, overwrite: bool = False, prog
     title = f"tokens to KL {opts.kl_target:g}: {student.name}"
     plot_fit(points, fit, opts.kl_target, reach, work / "heal_plan.png", title)
     shutil.move(str(work / "heal_plan.png"), out / "heal_plan.png")
-    atomic_write_text(out / "heal_plan.json", json.dumps(plan, indent=1, default=float) + "\n")
+    atomic_write_text(out / "heal_plan.json", json.dumps(finite_json(plan), indent=1, default=float,
+                                                         allow_nan=False) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return plan
+
+
+def reached_at(kl_before: float, points: list[dict], target: float) -> int | None:
+    """The fewest tokens at which a measured KL is already at or below `target` (0: before distillation), or None."""
+    if kl_before <= target:
+        return 0
+    return min((p["tokens"] for p in points if p["kl"] <= target), default=None)
+
+
+def finite_json(value):
+    """`value` with every non-finite float (a target never reached: inf tokens, inf hours) as None: JSON has no
+    Infinity, and strict readers refuse it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def _tokens_text(t: float) -> str:
@@ -278,8 +340,12 @@ def plan_summary(plan: dict) -> list[str]:
     err = (lambda k: f" ± {se[k]:.3g}") if se else (lambda k: "")
     reach = target["tokens"]
     lines = [f"fit: KL(T) = a T^-b + c, a = {fit['a']:.4g}{err('a')}, b = {fit['b']:.3f}{err('b')}, "
-             f"c = {fit['c']:.4f}{err('c')} ({len(plan['points'])} budgets)",
-             f"to KL {target['kl']:g}: {_tokens_text(reach['p50'])} tokens (16-84%: {_tokens_text(reach['p16'])} - "
+             f"c = {fit['c']:.4f}{err('c')} ({len(plan['points'])} budgets)"]
+    if reach.get("already_reached"):
+        where = "before distillation" if reach["p50"] == 0 else f"at {_tokens_text(reach['p50'])} tokens"
+        return lines + [f"to KL {target['kl']:g}: already reached (measured {where}); no further distillation "
+                        "is needed for this target"]
+    lines += [f"to KL {target['kl']:g}: {_tokens_text(reach['p50'])} tokens (16-84%: {_tokens_text(reach['p16'])} - "
              f"{_tokens_text(reach['p84'])}; {100 * reach['reachable']:.0f}% of the fit's draws reach it)"]
     for s in target["speeds"]:
         h = s["hours"]["p50"]

@@ -101,13 +101,99 @@ def test_rounding_also_under_gradient_checkpointing(deepseek):
     torch.testing.assert_close(grad_b, grad_a, rtol=1e-4, atol=1e-6)
 
 
-def test_refuses_a_per_head_cache():
+def test_refuses_what_the_cache_cannot_hold():
+    """An MLA-only layout for per-head K/V, and llama.cpp's blocks of 32 across rows of 16, by name."""
     from kvconvert.errors import KVConvertError
     from kvconvert.kvmath import GQA, KVShape
 
     llama = KVShape(GQA, 2, 4, num_kv_heads=2, head_dim=16)
-    with pytest.raises(KVConvertError, match="not MLA"):
-        quant_aware.quant_aware_hook(torch.nn.Module(), llama, "fp8")
+    with pytest.raises(KVConvertError, match="per-head K and V"):
+        quant_aware.quant_aware_hook(torch.nn.Module(), llama, "nvfp4_fp8rope")
+    with pytest.raises(KVConvertError, match="blocks of 32 values.*rows of 16"):
+        quant_aware.quant_aware_hook(torch.nn.Module(), llama, "q4_0")
+
+
+@pytest.fixture(scope="module")
+def llama64(tmp_path_factory) -> Path:
+    """head_dim 64: llama.cpp turns K (and V) by its Hadamard before its 4-bit blocks."""
+    from quant_cases import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("qat") / "llama64", head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def llama64_one_layer(tmp_path_factory) -> Path:
+    """As `one_layer`: calibration's amax and the hook's agree only in the first layer."""
+    from quant_cases import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("qat") / "llama64-1", head_dim=64, layers=1)
+
+
+@pytest.fixture(scope="module")
+def mla32(tiny_teacher, text_file, tmp_path_factory) -> Path:
+    """A real conversion whose cached row [latent 24 | k_rope 8] is one llama.cpp block."""
+    from heal_cases import convert_tiny
+
+    return convert_tiny(tiny_teacher, tmp_path_factory.mktemp("qat") / "mla32", text_file, rank=24, rope_dim=8)
+
+
+@pytest.mark.parametrize("kv_dtype", ["q4_0", "iq4_nl", "q8_0"])
+@pytest.mark.parametrize("student", ["llama64", "mla32"])
+def test_training_forward_reads_llamacpps_cache(student, kv_dtype, request):
+    """The hooked training forward reads the cache exactly as the runtime's llama.cpp emulation stores it (its
+    Hadamard and channel order for per-head K/V, the MLA row whole and unrotated): equal to fp32 rounding, a
+    millionth of the rounding's own effect. With the rotation left out (a mutation), far from it."""
+    from kvconvert.quant.hooks import llamacpp_hook
+
+    folder = request.getfixturevalue(student)
+    model = load_hf_model(folder)
+    layout = kv_shape(model.config.to_dict())
+    ids = IDS % model.config.vocab_size
+    engine = forward_with_hook(model, ids, llamacpp_hook(layout, kv_dtype))
+    with torch.no_grad():
+        exact = model(input_ids=ids).logits
+        attach_cache_rounding(model, layout, kv_dtype)
+        trained = model(input_ids=ids).logits
+    effect = (engine - exact).abs().max()
+    assert effect > 1e-3
+    assert (trained - engine).abs().max() <= 1e-5 * effect + 1e-6, (float((trained - engine).abs().max()), float(effect))
+    if student == "llama64":
+        unrotated = forward_with_hook(load_hf_model(folder), ids, llamacpp_hook(layout, kv_dtype, rotate=False))
+        assert (unrotated - engine).abs().max() > 0.05 * effect
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "nvfp4"])
+def test_per_head_training_forward_reads_the_calibrated_cache(llama64_one_layer, kv_dtype, monkeypatch):
+    """A per-head student in a scaled format: the training forward equals the calibrated model (amax scales on
+    the same windows, no phases or pair balance, which the hook does not emulate) with its cache fake-quantized,
+    nvfp4's folded value Hadamard included."""
+    from kvconvert.quant.calibrate import CalibrationSettings, calibrate_model
+    from kvconvert.quant.hooks import fake_quant_hook
+
+    model = load_hf_model(llama64_one_layer)
+    layout = kv_shape(model.config.to_dict())
+    exact = forward_with_hook(model, IDS, lambda layer, k, v: (k, v))
+    result = calibrate_model(model, layout, IDS, CalibrationSettings(kv_dtype, observer="amax", key_phase=False,
+                                                                     key_balance=0.0, batch_size=2))
+    engine = forward_with_hook(model, IDS, fake_quant_hook(layout, result.scales))
+    effect = (engine - exact).abs().max()
+    assert effect > 1e-3
+    gap = (_training_logits(llama64_one_layer, kv_dtype) - engine).abs().max()
+    assert gap <= 1e-4 * effect + 1e-5, (float(gap), float(effect))
+    if kv_dtype == "nvfp4":  # without V's Hadamard (a mutation) the training forward reads another cache
+        monkeypatch.setattr(quant_aware, "latent_rotation", lambda layout, kv_dtype: None)
+        assert (_training_logits(llama64_one_layer, kv_dtype) - engine).abs().max() > 0.1 * effect
+
+
+def test_gradient_goes_straight_through_llamacpps_rounding(llama64):
+    """d loss / d k_proj through a q4_0 cache: the rounding's own gradient is zero almost everywhere; the
+    straight-through one is that of the rounded forward with the rounding taken as identity (non-zero)."""
+    model = load_hf_model(llama64)
+    model.train()
+    attach_cache_rounding(model, kv_shape(model.config.to_dict()), "q4_0")
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    grad = model.model.layers[0].self_attn.k_proj.weight.grad
+    assert grad is not None and float(grad.abs().max()) > 0
 
 
 def test_distill_trains_through_the_rounded_cache(tiny_student, tiny_teacher, text_file, tmp_path):
@@ -132,3 +218,78 @@ def test_distill_trains_through_the_rounded_cache(tiny_student, tiny_teacher, te
     assert abs(rounded[0] - plain[0]) > 1e-4 * plain[0]
     name = "model.layers.0.self_attn.kv_b_proj.weight"
     assert not torch.equal(healed.get(name), CheckpointReader(tiny_student).get(name))
+
+
+def test_a_source_heals_for_its_llamacpp_cache(llama64, text_file, tmp_path):
+    """`heal --student SRC --teacher SRC --distill-kv-dtype q4_0`: with an exact cache the student is the teacher
+    (first KL 0); with llama.cpp's rounding it is not, and a few steps of attention-only training lower the KL
+    the rounded cache costs on windows it did not train on, leaving the MLP as it was."""
+    from heal_cases import distill_recipe
+
+    from kvconvert.checkpoint import CheckpointReader, load_tokenizer
+    from kvconvert.data import eval_windows
+    from kvconvert.heal.token_plan import window_kls
+    from kvconvert.recipe import heal
+
+    def run(kv_dtype, steps):
+        out = tmp_path / str(kv_dtype)
+        heal(llama64, llama64, distill_recipe(text_file, tokens=steps * 2 * 128, kv_dtype=kv_dtype, lr=0.002,
+                                              warmup_steps=0), out, progress=False)
+        return [json.loads(line)["loss"] for line in (out / "distill_history.jsonl").read_text().splitlines()], out
+
+    plain, _ = run(None, 1)
+    assert plain[0] < 1e-6
+    rounded, healed = run("q4_0", 8)
+    assert rounded[0] > 1e-5 and rounded[0] > 100 * plain[0]
+    ids = eval_windows(load_tokenizer(llama64), 4, 128, "essays")
+    teacher = load_hf_model(llama64)
+    before, after = window_kls(teacher, llama64, ids, "q4_0"), window_kls(teacher, healed, ids, "q4_0")
+    assert after.mean() < 0.9 * before.mean(), (after.mean(), before.mean())
+    reader, source = CheckpointReader(healed), CheckpointReader(llama64)
+    assert not torch.equal(reader.get("model.layers.0.self_attn.k_proj.weight"),
+                           source.get("model.layers.0.self_attn.k_proj.weight"))
+    assert torch.equal(reader.get("model.layers.0.mlp.up_proj.weight"), source.get("model.layers.0.mlp.up_proj.weight"))
+
+
+def test_a_format_the_student_cannot_hold_is_refused_before_any_stage(tiny_student, tiny_teacher, text_file, tmp_path):
+    """q4_0 for a row of 16 values (rank 8 + rope 8): refused by name before the layer-wise stage runs."""
+    from heal_cases import distill_recipe, layerwise_recipe
+
+    from kvconvert.errors import KVConvertError
+    from kvconvert.heal.api import state_dir_for
+    from kvconvert.recipe import heal
+
+    recipe = {**layerwise_recipe(text_file), **distill_recipe(text_file, kv_dtype="q4_0")}
+    with pytest.raises(KVConvertError, match="heal_distill.kv_dtype: .*blocks of 32 values.*rows of 16"):
+        heal(tiny_student, tiny_teacher, recipe, tmp_path / "out", progress=False)
+    assert not state_dir_for(tmp_path / "out").exists()  # nothing ran
+
+
+def test_layerwise_on_the_teachers_own_architecture_is_refused(tiny_teacher, text_file, tmp_path):
+    from heal_cases import layerwise_recipe
+
+    from kvconvert.errors import KVConvertError
+    from kvconvert.recipe import heal
+
+    with pytest.raises(KVConvertError, match="teacher's own architecture.*heal_distill alone"):
+        heal(tiny_teacher, tiny_teacher, layerwise_recipe(text_file), tmp_path / "out", progress=False)
+
+
+def test_a_kv_pair_rounds_keys_and_values_apart(llama64, mla32):
+    """q5_0/iq4_nl: K in q5_0 and V in iq4_nl, as the runtime's llama.cpp emulation stores them (-ctk / -ctv), and
+    not as either format for both; an MLA row has no V half and the pair is refused for it by name."""
+    from kvconvert.errors import KVConvertError
+    from kvconvert.quant.hooks import llamacpp_hook
+
+    model = load_hf_model(llama64)
+    layout = kv_shape(model.config.to_dict())
+    engine = {kv: forward_with_hook(model, IDS, llamacpp_hook(layout, kv)) for kv in ("q5_0/iq4_nl", "q5_0", "iq4_nl")}
+    with torch.no_grad():
+        attach_cache_rounding(model, layout, "q5_0/iq4_nl")
+        trained = model(input_ids=IDS).logits
+    gap = (trained - engine["q5_0/iq4_nl"]).abs().max()
+    assert gap <= 1e-6 + 1e-5 * (trained - engine["q5_0"]).abs().max()
+    assert (trained - engine["q5_0"]).abs().max() > 100 * gap and (trained - engine["iq4_nl"]).abs().max() > 100 * gap
+    mla = load_hf_model(mla32)
+    with pytest.raises(KVConvertError, match="no V half"):
+        attach_cache_rounding(mla, kv_shape(mla.config.to_dict()), "q5_0/iq4_nl")
