@@ -8,6 +8,7 @@ dequantized into an fp32 safetensors folder under $KVCONVERT_HOME, and reused fr
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,10 +56,33 @@ def resolve_source(src: str | os.PathLike, dtype: str = DEFAULT_IMPORT_DTYPE) ->
     name = str(src).lower()
     if name in BUILTIN_MODELS:
         return builtin_model(name, dtype)
-    if "/" in str(src) and not str(src).startswith((".", "/")):
+    problem = _not_a_hub_id(str(src))
+    if problem is None:
         return _from_hub(str(src))
     known = ", ".join(sorted(BUILTIN_MODELS))
+    if problem:
+        raise KVConvertError(f"{src}: no such folder ({problem}); check the path")
     raise KVConvertError(f"{src}: no such folder, built-in model ({known}) or hub id (org/name)")
+
+
+HUB_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a hub user/org or repo name (no "/", "..", spaces)
+
+
+def _not_a_hub_id(src: str) -> str | None:
+    """None when `src` can be a Hugging Face hub id (org/name) and no local folder says it is a path; "" when it
+    has no "/" at all (a name, not a path); else why it is taken for a mistyped local path: its first part is a
+    folder here (g1/typo beside a folder g1), or it has a path's shape (./x, ~/x, a/b/c, a trailing /, a space)."""
+    if "/" not in src:
+        return ""
+    first = src.split("/", 1)[0]
+    if src.startswith(("/", "./", "../", "~")):
+        return "a path, and nothing is there"
+    if first and Path(first).expanduser().is_dir():
+        return f"{Path(first).absolute()} is a folder here, with no {src.split('/', 1)[1]!r} in it"
+    parts = src.split("/")
+    if len(parts) != 2 or not all(HUB_PART.fullmatch(p) and ".." not in p for p in parts):
+        return "a path, and nothing is there; a Hugging Face hub id is org/name"
+    return None
 
 
 def builtin_model(name: str, dtype: str = DEFAULT_IMPORT_DTYPE) -> Path:

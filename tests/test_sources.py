@@ -142,3 +142,17 @@ def test_smollm2_cache_is_complete(smollm2_path):
     assert smollm2_path.name == "smollm2-135m-fp32"
     assert (smollm2_path / "manifest.json").is_file() and (smollm2_path / "tokenizer.json").is_file()
     assert sources.resolve_source("smollm2-135m") == smollm2_path
+
+
+@pytest.mark.parametrize("src, hub", [("some-org/some-model", True), ("HuggingFaceTB/SmolLM2-135M", True),
+                                      ("g1/typo", False), ("a/b/c", False), ("org/", False), ("org/my model", False),
+                                      ("./org/name", False), ("org/../name", False)])
+def test_only_org_name_is_taken_for_a_hub_id(monkeypatch, tmp_path, src, hub):
+    """A relative path whose first part is a folder here (g1), or that has a path's shape, is a missing folder;
+    org/name with no such folder stays a hub id."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "g1").mkdir()
+    assert (sources._not_a_hub_id(src) is None) is hub
+    if not hub:
+        with pytest.raises(KVConvertError, match="no such folder"):
+            sources.resolve_source(src)

@@ -121,3 +121,24 @@ def test_q8_0_fallback_to_f16_is_noted(gguf_models, tmp_path):
     assert done.returncode == 0, done.stderr
     notes = [ln for ln in done.stderr.splitlines() if ln.startswith("note: --outtype q8_0")]
     assert len(notes) == 1 and "13 of 20 tensors are F16 instead" in notes[0] and "rows of 80 values" in notes[0]
+
+
+# ------------------------------------------------------------------ mistyped paths
+
+@pytest.mark.parametrize("command", ["calibrate", "export-gguf", "mla"])
+def test_a_mistyped_relative_path_is_no_such_folder_not_a_hub_id(faults, tmp_path, command):
+    """`--src g1/typo` beside a folder g1 (and a path of three parts) is a local path that is missing, not a hub id
+    fetched with a "no network?" guess."""
+    from test_faults import TINY_CAL, TINY_MLA
+
+    (tmp_path / "g1").mkdir()
+    for src in ("g1/typo", "models/g1/typo"):
+        args = {"calibrate": ["calibrate", "--src", src, *TINY_CAL, "--out", "out"],
+                "export-gguf": ["export-gguf", "--src", src, "--out", "out.gguf"],
+                "mla": ["mla", "--src", src, *TINY_MLA, "--out", "out"]}[command]
+        line = refused(kvconvert_in(tmp_path, *args, env=dict(ENV, HF_HUB_OFFLINE="1")), None,
+                       f"{src}: no such folder")
+        assert "hub" not in line.split(";")[0] or "hub id is org/name" in line
+        assert "cannot fetch" not in line and "no network" not in line
+    assert "is a folder here" in refused(kvconvert_in(tmp_path, *args[:2], "g1/typo", *args[3:]), None)
+    assert not [p for p in tmp_path.iterdir() if p.name != "g1"]  # nothing written
