@@ -126,7 +126,19 @@ def load_report(path: Path) -> dict:
         raise KVConvertError(
             f"{path}: made with suite version {suite['version']} of the {suite.get('name')} suite, this kvconvert "
             f"uses version {SUITE_VERSION}; re-run kvconvert validate to get comparable numbers")
+    _check_engine_results(path, report)
     return report
+
+
+def _check_engine_results(path: Path, report: dict) -> None:
+    """A report whose stock engine (validate --engine vllm / llamacpp) was asked for and gave no result (its phase
+    killed: "pending"; failed: "error") is not gated on the runtime's numbers alone."""
+    for engine, section in (report.get("engines") or {}).items():
+        if isinstance(section, dict) and ("pending" in section or "error" in section):
+            why = " ".join(str(section.get("pending") or section["error"]).split())
+            raise KVConvertError(f"{path}: validate --engine {engine} has no result in this report ({why[:300]}); "
+                                 f"rerun validate with the same --out to finish it, or without --engine {engine} if "
+                                 "its numbers are not needed")
 
 
 # The SuiteSpec field (report["suite"]["spec"]) that says whether a suite measures each task family.

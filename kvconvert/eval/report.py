@@ -185,8 +185,8 @@ def markdown_section(report: dict) -> list[str]:
     if not section:
         return []
     lines = ["", "## Stock vLLM (same perplexity windows)", ""]
-    if "error" in section:
-        return lines + [f"Not computed: {section['error']}", ""]
+    if "error" in section or "pending" in section:
+        return lines + [f"Not computed: {section.get('error') or section['pending']}", ""]
     bundled = section.get("bundled", {})
     engine = bundled.get("engine", "bundled")
     kv = section["settings"]["kv_cache_dtype"]
@@ -238,8 +238,8 @@ def llamacpp_section(report: dict) -> list[str]:
     if not section:
         return []
     lines = ["", "## Stock llama.cpp (same perplexity windows)", ""]
-    if "error" in section:
-        return lines + [f"Not computed: {section['error']}", ""]
+    if "error" in section or "pending" in section:
+        return lines + [f"Not computed: {section.get('error') or section['pending']}", ""]
     settings, bundled = section["settings"], section.get("bundled", {})
     kv = settings["kv_cache"]
     models = section.get("models", {})

@@ -259,12 +259,19 @@ def _run_validate(source: str, candidate: str, out: Path, options: ValidateOptio
         "skipped": skipped,
     }
     report = build_report(header, samples)
+    if options.engine in STOCK_ENGINES:  # asked for: recorded before its phase, so a run killed in it says so
+        report.setdefault("engines", {})[options.engine] = {
+            "pending": f"validate --engine {options.engine} was asked for and its phase did not finish (interrupted "
+                       "or killed); rerun validate with the same --out to finish it"}
     write_report(report, run.out)
     if options.engine == "vllm":
         _add_vllm(run, report, vllm_python)
     if options.engine == "llamacpp":
         _add_llamacpp(run, report, threads)
     return report
+
+
+STOCK_ENGINES = ("vllm", "llamacpp")  # engines whose results go into report["engines"], beside the runtime's
 
 
 def _add_llamacpp(run: ValidateRun, report: dict, threads: int | None) -> None:

@@ -142,3 +142,33 @@ def test_a_mistyped_relative_path_is_no_such_folder_not_a_hub_id(faults, tmp_pat
         assert "cannot fetch" not in line and "no network" not in line
     assert "is a folder here" in refused(kvconvert_in(tmp_path, *args[:2], "g1/typo", *args[3:]), None)
     assert not [p for p in tmp_path.iterdir() if p.name != "g1"]  # nothing written
+
+
+# ------------------------------------------------------------------ reports and what was asked of them
+
+def test_sigterm_in_the_llama_cpp_phase_leaves_a_report_gate_refuses(gguf_models, tmp_path):
+    """SIGTERM once the runtime's suite is written and llama.cpp's phase has begun: report.json records that llama.cpp
+    was asked for and did not finish, and gate does not pass the runtime's numbers alone."""
+    import json
+    import signal
+
+    needs_llama_cpp()
+    out = tmp_path / "report"
+    args = ["validate", "--source", gguf_models["tiny"], "--candidate", gguf_models["tiny"], "--engine", "llamacpp",
+            "--kv-dtype", "q8_0", "--suite", "smoke", "--no-progress", "--threads", "1", "--out", out]
+    proc = subprocess.Popen([sys.executable, "-m", "kvconvert.cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("llama.cpp: exporting"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.communicate(timeout=300)
+    assert proc.returncode != 0, "".join(seen)
+    assert any(line.startswith("llama.cpp: exporting") for line in seen), "".join(seen)
+    report = json.loads((out / "report.json").read_text())
+    assert "did not finish" in report["engines"]["llamacpp"]["pending"]
+    assert "Not computed: validate --engine llamacpp was asked for" in (out / "report.md").read_text()
+    gate = kvconvert("gate", "--report", out, "--policy", ROOT / "recipes" / "gates" / "smoke.yaml")
+    refused(gate, None, "validate --engine llamacpp has no result in this report", "did not finish")
