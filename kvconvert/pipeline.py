@@ -366,7 +366,7 @@ def run_pipeline(src: str, recipe_file: Path | None, opts: PipelineOptions, out_
     planned = time.time() - t0  # --kv-budget: the plan (0 when a finished plan was reused)
     log = run_stages(stages, overwrite, echo)
     if opts.kv_budget is not None:
-        log.insert(0, {"stage": "plan", "command": f"kvconvert plan --kv-budget {opts.kv_budget} --out {out_dir / 'plan'}",
+        log.insert(0, {"stage": "plan", "command": _plan_command(src, opts, out_dir, given)[1],
                        "seconds": round(planned, 1), "exit_code": 0})
     atomic_write_text(log_file, json.dumps({"stages": log, "seconds": round(time.time() - t0, 1)}, indent=2))
     return {"src": src, "stages": stages, "log": log, "planned": planned}
@@ -508,14 +508,11 @@ def _from_plan(src: str, opts: PipelineOptions, out_dir: Path, overwrite: bool, 
     _refuse_given(given, ("recipe_file", "mla", "rank", "rope_dim", "kv_dtype", "heal"),
                   "--kv-budget lets `kvconvert plan` choose these; drop them or --kv-budget")
     budget, plan_dir, src_path = parse_budget(opts.kv_budget), out_dir / "plan", resolve_source(src)
-    calib = {"calib_tokens": opts.calib_tokens, "kv_calib_tokens": opts.calib_tokens} if "calib_tokens" in given else {}
-    plan_opts = build_options(PlanOptions, {"target": opts.target, "device": opts.device, "kv_dtypes": opts.kv_dtypes,
-                                            **calib})
+    plan_opts, command = _plan_command(src, opts, out_dir, given)
     recipe_file, stale = plan_dir / "recipe.yaml", None
     reuse = not overwrite and any((plan_dir / name).exists() for name in PLAN_FILES)
     if not reuse:
-        flags = " ".join(options_as_flags(plan_opts, keep=("target",)))
-        echo(f"\n== plan: kvconvert plan --src {src} --kv-budget {opts.kv_budget} {flags} --out {plan_dir}", "cyan")
+        echo(f"\n== plan: {command}", "cyan")
         run_plan(src, budget, plan_opts, plan_dir, echo=echo, overwrite=overwrite, rebuild=overwrite)
     else:
         stale = plan_problem(plan_dir, budget, plan_opts, src_path)
@@ -536,6 +533,18 @@ def _from_plan(src: str, opts: PipelineOptions, out_dir: Path, overwrite: bool, 
         if built.get(stage.name):
             stage.prebuilt = Path(built[stage.name])
     return src, stages
+
+
+def _plan_command(src: str, opts: PipelineOptions, out_dir: Path, given: frozenset[str]) -> tuple[PlanOptions, str]:
+    """The options `pipeline --kv-budget` plans with (its --target, --device, --kv-dtypes and, when given,
+    --calib-tokens for both calibrations) and the `kvconvert plan` command line that runs that plan: what is
+    printed and what pipeline.json records, so that rerunning it plans the same model the same way."""
+    calib = {"calib_tokens": opts.calib_tokens, "kv_calib_tokens": opts.calib_tokens} if "calib_tokens" in given else {}
+    plan_opts = build_options(PlanOptions, {"target": opts.target, "device": opts.device, "kv_dtypes": opts.kv_dtypes,
+                                            **calib})
+    argv = ["plan", "--src", str(src), "--kv-budget", str(opts.kv_budget), *options_as_flags(plan_opts, keep=("target",)),
+            "--out", str(out_dir / "plan")]
+    return plan_opts, "kvconvert " + shlex.join(argv)
 
 
 def _unserved(recipe_file: Path, target: str) -> str | None:

@@ -212,6 +212,41 @@ def test_kv_budget_runs_the_recipe_of_an_existing_plan(tmp_path, monkeypatch):
         from_plan("vllm", "gpu0")
 
 
+def test_pipeline_json_records_the_plan_command_that_ran(tmp_path, monkeypatch):
+    """pipeline --kv-budget with --target, --calib-tokens and --kv-dtypes: pipeline.json's plan stage is the whole
+    `kvconvert plan` command (--src and every option the plan ran with), which plan's own parser reads back into
+    the same options."""
+    import shlex
+
+    import kvconvert.pipeline as pipeline
+    import kvconvert.plan as plan
+    from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint
+    from kvconvert.commands.plan import plan_cmd
+    from kvconvert.pipeline import PipelineOptions, run_pipeline
+    from kvconvert.sources import resolve_source
+
+    out = tmp_path / "o"
+    (out / "plan").mkdir(parents=True)
+    recipe = {"source": "smollm2-135m", "calibrate": {"kv_dtype": "fp8"}}
+    (out / "plan" / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    planned = plan.PlanOptions(target="vllm", calib_tokens=1024, kv_calib_tokens=1024, kv_dtypes=("fp8",))
+    (out / "plan" / "plan.json").write_text(json.dumps({
+        "format": plan.PLAN_FORMAT, "budget": 0.55, "options": planned.model_dump(), "recipe": recipe,
+        "source_fingerprint": checkpoint_fingerprint(resolve_source("smollm2-135m"))}))
+    monkeypatch.setattr(pipeline, "run_stages", lambda stages, overwrite, echo: [])  # the plan's record only
+    opts = PipelineOptions(kv_budget="55%", target="vllm", calib_tokens=1024, kv_dtypes=("fp8",))
+    run_pipeline("smollm2-135m", None, opts, out, given=frozenset({"kv_budget", "target", "calib_tokens", "kv_dtypes"}),
+                 echo=lambda *a: None)
+    command = json.loads((out / "pipeline.json").read_text())["stages"][0]["command"]
+    argv = shlex.split(command)
+    assert argv[:6] == ["kvconvert", "plan", "--src", "smollm2-135m", "--kv-budget", "55%"]
+    for flag in ("--target vllm", "--calib-tokens 1024", "--kv-calib-tokens 1024", "--kv-dtypes fp8",
+                 f"--out {out / 'plan'}"):
+        assert flag in command, command
+    params = plan_cmd.make_context("plan", argv[2:]).params
+    assert build_options(plan.PlanOptions, params) == planned
+
+
 # ------------------------------------------------------------------ a real run, interrupted and resumed
 
 @pytest.fixture(scope="module")
