@@ -541,6 +541,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def dropped_kv_dtypes(candidates: list, kv_dtypes: tuple[str, ...] | None, target: str) -> list[str]:
+    """The formats --kv-dtypes names that `target` serves in none of the candidates (the plan leaves them out: said,
+    not silent)."""
+    if not kv_dtypes or target == "any":
+        return []
+    served = {c.kv_dtype for c in candidates if target in c.engines}
+    return [d for d in kv_dtypes if d not in served]
+
+
 def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, overwrite: bool = False,
              rebuild: bool = False) -> dict:
     """Enumerate, filter, prune, measure, choose; writes plan.json (with `opts`, the source's fingerprint, and under
@@ -567,6 +576,11 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
     refuse_existing_outputs([out / name for name in PLAN_FILES], overwrite)  # the user's recipe.yaml is not replaced
     everything = [c for c in enumerate_candidates(read_config(src_path))
                   if opts.kv_dtypes is None or c.kv_dtype in opts.kv_dtypes]
+    for kv_dtype in dropped_kv_dtypes(everything, opts.kv_dtypes, target):
+        engines = sorted({e for c in everything if c.kv_dtype == kv_dtype for e in c.engines},
+                         key=lambda e: (e == "kvconvert", e))  # a stock engine first
+        echo(f"note: --kv-dtypes {kv_dtype} left out: {target} serves no candidate with it"
+             + (f" (served by {', '.join(engines)}: --target {engines[0]}, or --target any)" if engines else ""))
     fitting = fits(everything, budget, target)
     if not fitting:
         served = [c for c in everything if target == "any" or target in c.engines]

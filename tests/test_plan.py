@@ -290,3 +290,14 @@ def test_kv_dtypes_limits_the_formats_and_names_the_known_ones(tmp_path):
         run_plan("smollm2-135m", 0.3, QUICK.model_copy(update={"target": "vllm", "kv_dtypes": ("q4_0", "iq4_nl")}),
                  tmp_path, echo=lambda m: None)
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_kv_dtype_the_target_does_not_serve_is_named_not_dropped(tmp_path):
+    """--kv-dtypes "fp8, q4_0" --target vllm: vLLM has no q4_0 cache, so the plan leaves q4_0 out, and says so."""
+    said = []
+    with pytest.raises(KVConvertError, match="nothing vllm serves fits"):  # 30%: the note comes first
+        run_plan("smollm2-135m", 0.3, QUICK.model_copy(update={"target": "vllm", "kv_dtypes": ("fp8", "q4_0")}),
+                 tmp_path, echo=said.append)
+    assert said[0] == ("note: --kv-dtypes q4_0 left out: vllm serves no candidate with it (served by llamacpp, "
+                       "kvconvert: --target llamacpp, or --target any)")
+    assert not [s for s in said if "fp8 left out" in s]
