@@ -18,11 +18,23 @@ from typing import Literal
 
 import click
 
+from kvconvert.errors import KVConvertError
 from kvconvert.stage_options import StageOptions, base_type, option_flag, option_param
 
 
 def _split_list(ctx, param, value):
     return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _one_switch(ctx, param, value):
+    """An on/off pair given once (or the same way twice): its value, None when not given; both ways is refused, not
+    settled by whichever came last."""
+    if not value:
+        return None
+    if len(set(value)) > 1:
+        flag = param.opts[0]
+        raise KVConvertError(f"{flag} and --no-{flag[2:]} were both given: pass one of them")
+    return value[0]
 
 
 def _option(field, name: str, prefix: str):
@@ -38,7 +50,8 @@ def _option(field, name: str, prefix: str):
     elif default is not None and not (kind is bool and default is False):
         help_text += f"  [default: {default}]"
     if kind is bool:
-        return click.option(f"{flag}/--no-{flag[2:]}", param, default=None, help=help_text)
+        return click.option(f"{flag}/--no-{flag[2:]}", param, multiple=True, default=None, callback=_one_switch,
+                            help=help_text)
     if typing.get_origin(kind) is Literal:
         choices = click.Choice([str(a) for a in typing.get_args(kind)], case_sensitive=False)  # FP8 reads as fp8
         return click.option(flag, param, type=choices, default=None, help=help_text)

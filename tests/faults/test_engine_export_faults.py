@@ -172,3 +172,24 @@ def test_sigterm_in_the_llama_cpp_phase_leaves_a_report_gate_refuses(gguf_models
     assert "Not computed: validate --engine llamacpp was asked for" in (out / "report.md").read_text()
     gate = kvconvert("gate", "--report", out, "--policy", ROOT / "recipes" / "gates" / "smoke.yaml")
     refused(gate, None, "validate --engine llamacpp has no result in this report", "did not finish")
+
+
+@pytest.mark.parametrize("args", [
+    ["validate", "--source", "smollm2-135m", "--candidate", "smollm2-135m", "--llamacpp-rotation",
+     "--no-llamacpp-rotation", "--suite", "smoke"],
+    ["mla", "--src", "smollm2-135m", "--no-refit-o-proj", "--refit-o-proj", "--rank", "64"],
+])
+def test_both_ways_of_an_on_off_flag_are_refused(tmp_path, args):
+    """--x --no-x together: refused (the last one used to win silently); either one alone is taken."""
+    out = tmp_path / "out"
+    flag = next(a for a in args if a.startswith("--no-"))
+    refused(kvconvert(*args, "--out", out), out, f"--{flag[5:]} and {flag} were both given: pass one of them")
+
+
+def test_one_way_of_an_on_off_flag_is_taken():
+    from kvconvert.commands.validate import validate_cmd
+
+    for given, value in (([], None), (["--llamacpp-rotation"], True), (["--no-llamacpp-rotation"], False),
+                         (["--no-llamacpp-rotation", "--no-llamacpp-rotation"], False)):
+        ctx = validate_cmd.make_context("validate", ["--source", "s", "--candidate", "c", "--out", "o", *given])
+        assert ctx.params["llamacpp_rotation"] is value
