@@ -247,6 +247,11 @@ class KVPair:
         return (self.k.bytes_per_value + self.v.bytes_per_value) / 2
 
     @property
+    def has_kv_scale(self) -> bool:
+        """Either half stored with a calibrated (or dynamic) kv scale (a mixed pair never: llama.cpp's blocks)."""
+        return self.k.has_kv_scale or self.v.has_kv_scale
+
+    @property
     def ggml_types(self) -> tuple[str, str] | None:
         """llama.cpp's (-ctk, -ctv) types, or None when either half is not a llama.cpp block type."""
         return (self.k.ggml_type, self.v.ggml_type) if self.k.ggml_type and self.v.ggml_type else None

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from kvconvert.errors import KVConvertError, UnsupportedModelError
-from kvconvert.kvformat import KVFormat, kv_format
+from kvconvert.kvformat import KVFormat, KVPair, kv_pair
 
 MHA, GQA, MQA, MLA = "MHA", "GQA", "MQA", "MLA"
 
@@ -108,12 +108,14 @@ class KVShape:
     def values_per_token_per_layer(self) -> int:
         return sum(self.cached_vectors)
 
-    def layer_bytes(self, fmt: KVFormat | str) -> int:
-        """Bytes one token caches in one layer (MLA: k_rope is the row's tail, see KVFormat.vector_bytes)."""
-        fmt = kv_format(fmt) if isinstance(fmt, str) else fmt
-        fmt.check_cache_kind(self.kind == MLA)
+    def layer_bytes(self, fmt: KVFormat | KVPair | str) -> int:
+        """Bytes one token caches in one layer (MLA: k_rope is the row's tail, see KVFormat.vector_bytes); a K/V
+        pair (q5_0/iq4_nl) counts K's vectors in its K format and V's in its V format."""
+        pair = kv_pair(fmt) if isinstance(fmt, str) else KVPair(fmt, fmt) if isinstance(fmt, KVFormat) else fmt
+        pair.check_cache_kind(self.kind == MLA)
         rope_tail = self.qk_rope_head_dim if self.kind == MLA else 0
-        return sum(fmt.vector_bytes(n, rope_tail) for n in self.cached_vectors)
+        return sum(pair.side(name).vector_bytes(self.row_dim, rope_tail)
+                   for name in self.cached_names for _ in range(self.cached_heads))
 
 
 def head_dim(config: dict) -> int | None:
@@ -167,7 +169,7 @@ def mla_whatif(shape: KVShape, kv_lora_rank: int, rope_dim: int) -> KVShape:
     return KVShape(MLA, shape.num_layers, shape.num_heads, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope_dim)
 
 
-def kv_bytes_per_token(shape: KVShape, fmt: KVFormat | str) -> int:
+def kv_bytes_per_token(shape: KVShape, fmt: KVFormat | KVPair | str) -> int:
     """Bytes one token occupies in the cache, all layers together."""
     return shape.num_layers * shape.layer_bytes(fmt)
 

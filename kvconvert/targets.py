@@ -27,6 +27,42 @@ from dataclasses import dataclass
 from kvconvert.errors import KVConvertError
 
 
+LLAMACPP_BLOCK = 32  # values in one block of llama.cpp's quantized cache types (q8_0, q4_0, iq4_nl, ...)
+
+
+def llamacpp_shape_problem(head_k: int, head_v: int, k_quantized: bool = True, v_quantized: bool = True) -> str | None:
+    """llama.cpp's servable-shape rule for its caches, the one every command asks (calibrate, the runtime, validate,
+    plan, export-gguf, the engine's own check): a quantized cache type stores blocks of 32 values, which must divide
+    the head size it stores (src/llama-context.cpp, under flash attention, which a quantized V requires). The head
+    sizes: per-head K/V, head_dim for K and for V; MLA (DEEPSEEK2), the K row kv_lora_rank + rope and the V view
+    kv_lora_rank, i.e. both kv_lora_rank and rope in multiples of 32. None when served, else why not."""
+    for kind, size, quantized in (("K", head_k, k_quantized), ("V", head_v, v_quantized)):
+        if quantized and size % LLAMACPP_BLOCK:
+            return (f"llama.cpp's quantized cache types store blocks of {LLAMACPP_BLOCK} values, which do not divide "
+                    f"the {size} values of a cached {kind} head")
+    return None
+
+
+def check_llamacpp_shape(kv_dtype: str, mla: bool, head_dim: int = 0, rank: int = 0, rope_dim: int = 0) -> None:
+    """Refuse, before any work, a cache in llama.cpp's block types (`kv_dtype`, a format or a K/V pair) for a model
+    llama.cpp cannot serve it for (llamacpp_shape_problem): per-head K/V of `head_dim`, or an MLA row rank + rope_dim.
+    Other formats pass."""
+    from kvconvert.kvformat import kv_pair
+
+    pair = kv_pair(kv_dtype)
+    k_q, v_q = (bool(pair.side(s).ggml_type) for s in ("k", "v"))
+    if not (k_q or v_q):
+        return
+    heads = (rank + rope_dim, rank) if mla else (head_dim, head_dim)
+    problem = llamacpp_shape_problem(*heads, k_q, k_q if mla else v_q)  # MLA: V is a view of the K row
+    if problem:
+        shape = f"MLA {rank}+{rope_dim}" if mla else f"head_dim {head_dim}"
+        fix = ("convert to a latent whose kv_lora_rank and rope are multiples of 32 (kvconvert mla --target llamacpp)"
+               if mla else "use a float cache (bf16, fp16) or a format of another engine (fp8, nvfp4)")
+        raise KVConvertError(f"KV dtype {kv_dtype} on this model ({shape}): {problem}, so llama.cpp refuses the "
+                             f"cache and nothing here would measure what it serves; {fix}")
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -35,13 +71,14 @@ class Target:
     # qk_rope_head_dim the engine's kernels assume; None = any valid rope dim
     rope_dims: tuple[int, ...] | None
     note: str
-    # kv_lora_rank and qk_rope_head_dim must be multiples of this (a cache's block of values); None = any
+    # a quantized cache's block of values, which must tile the MLA row and its latent (llamacpp_shape_problem:
+    # kv_lora_rank and qk_rope_head_dim in multiples of it); None = any
     multiple_of: int | None = None
 
     def serves(self, rank: int, rope_dim: int) -> bool:
         return ((self.latent_sizes is None or rank + rope_dim in self.latent_sizes)
                 and (self.rope_dims is None or rope_dim in self.rope_dims)
-                and (self.multiple_of is None or (rank % self.multiple_of == 0 and rope_dim % self.multiple_of == 0)))
+                and (self.multiple_of is None or llamacpp_shape_problem(rank + rope_dim, rank) is None))
 
 
 TARGETS: dict[str, Target] = {
@@ -53,7 +90,7 @@ TARGETS: dict[str, Target] = {
     "llamacpp": Target("llamacpp", None, None,
                        "llama.cpp's DEEPSEEK2 serves any latent with a float cache; its quantized caches (q8_0, q4_0, "
                        "...) store blocks of 32 values, so kv_lora_rank and qk_rope_head_dim must be multiples of 32",
-                       multiple_of=32),
+                       multiple_of=LLAMACPP_BLOCK),
     "kvconvert": Target("kvconvert", None, None, "the bundled paged runtime serves every shape"),
     "any": Target("any", None, None, "every shape (research; not every engine serves it)"),
 }

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import kv_format
+from kvconvert.kvformat import kv_pair
 from kvconvert.runtime import kv_cache
 from kvconvert.runtime.kv_cache import Workspace
 
@@ -164,7 +164,7 @@ class TritonAttention(TorchAttention):
     name = "triton"
 
     def __init__(self, kv_dtype: str, device: torch.device | str = "cpu"):
-        fmt = kv_format(kv_dtype)
+        fmt = kv_pair(kv_dtype).k  # a mixed pair is llama.cpp's types, refused below
         if fmt.ggml_type:
             raise KVConvertError(f"the Triton kernels do not read llama.cpp's cache types ({fmt.name}): the runtime "
                                  "emulates them with --backend torch")

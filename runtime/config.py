@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import RUNTIME_KV_DTYPES
+from kvconvert.kvformat import RUNTIME_KV_DTYPES, check_kv_dtype
 
 KV_SCALE_SOURCES = ("checkpoint", "dynamic")
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -59,7 +59,13 @@ class EngineConfig:
             _positive_int(name, getattr(self, name), allow_none=True)
         if self.num_blocks is not None and self.kv_memory is not None:
             raise KVConvertError("give num_blocks or kv_memory, not both")
-        for name, choices in (("kv_dtype", RUNTIME_KV_DTYPES), ("kv_scales", KV_SCALE_SOURCES),
+        try:  # a format, or a K/V pair of llama.cpp's types (q5_0/iq4_nl), kept in its canonical spelling
+            self.kv_dtype = check_kv_dtype(self.kv_dtype, RUNTIME_KV_DTYPES)
+        except ValueError as exc:
+            raise KVConvertError(f"kv_dtype {self.kv_dtype!r} is not supported; choose one of "
+                                 f"{', '.join(RUNTIME_KV_DTYPES)}, or a K/V pair KTYPE/VTYPE of llama.cpp's types ({exc})"
+                                 ) from None
+        for name, choices in (("kv_scales", KV_SCALE_SOURCES),
                               ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in choices:
                 raise KVConvertError(

@@ -38,7 +38,8 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.ggml_formats import llamacpp_frames
 from kvconvert.kernels.cache_layout import GQACacheLayer, MLACacheLayer, dequantize_rows
-from kvconvert.kvformat import RUNTIME_KV_DTYPES, SHARED_SCALE_SUFFIX, KVFormat, kv_format, scale_names
+from kvconvert.kvformat import RUNTIME_KV_DTYPES, SHARED_SCALE_SUFFIX, KVFormat, check_kv_dtype, kv_format, kv_pair, scale_names
+from kvconvert.targets import check_llamacpp_shape
 
 
 class Workspace:
@@ -79,12 +80,10 @@ def make_layer(kv_dtype: str, num_blocks: int, block_size: int, specs: dict[str,
                scales: dict[str, torch.Tensor], dynamic: bool = False, device: torch.device | str = "cpu"):
     """One layer's storage, a kvconvert.kernels cache layer: MLACacheLayer for a {"kv": row} layout,
     GQACacheLayer for {"k", "v"}. Dynamic scales start as placeholders, set by the first write."""
-    if kv_dtype not in RUNTIME_KV_DTYPES:
-        raise KVConvertError(f"kv_dtype {kv_dtype!r} is not supported; choose one of {', '.join(RUNTIME_KV_DTYPES)}")
-    fmt = kv_format(kv_dtype)
-    fmt.check_cache_kind("kv" in specs)
-    if fmt.ggml_type:  # llama.cpp's cache as the engine stores it, in its frame
-        return _ggml_layer(fmt.ggml_type, num_blocks, block_size, specs, device)
+    pair = checked_pair(kv_dtype, [specs])
+    if pair.ggml_types:  # llama.cpp's cache as the engine stores it, in its frames (K's type, V's type)
+        return _ggml_layer(*pair.ggml_types, num_blocks, block_size, specs, device)
+    fmt = pair.k
     # int8; fp8 e4m3 or e5m2; none; nvfp4
     mode = "int8" if fmt.integer else "fp8" if fmt.quantized and fmt.torch_dtype else fmt.kernel_mode
     # nvfp4: the RoPE tail's dtype (bf16, or e4m3 for nvfp4_fp8rope)
@@ -102,17 +101,39 @@ def make_layer(kv_dtype: str, num_blocks: int, block_size: int, specs: dict[str,
     return layer
 
 
-def _ggml_layer(ggml_type: str, num_blocks: int, block_size: int, specs: dict[str, CacheSpec], device):
-    """A llama.cpp-format layer: its type for K and V, and the frame the engine quantizes in (its channel order and
-    Hadamard rotation, on unless LLAMA_ATTN_ROT_DISABLE=1, as in llama.cpp)."""
+def checked_pair(kv_dtype: str, layout: list[dict[str, CacheSpec]]):
+    """The KVPair of `kv_dtype` (one of RUNTIME_KV_DTYPES or a K/V pair of them), refused before any work when the
+    model's cache cannot hold it: an MLA-only layout for per-head K/V, a mixed pair for MLA, or a shape llama.cpp
+    does not serve its block types for (kvconvert.targets' one rule: the runtime measures only what it serves)."""
+    try:
+        pair = kv_pair(check_kv_dtype(kv_dtype, RUNTIME_KV_DTYPES))
+    except ValueError as exc:
+        raise KVConvertError(f"kv_dtype {kv_dtype!r} is not supported; choose one of {', '.join(RUNTIME_KV_DTYPES)}, "
+                             f"or a K/V pair KTYPE/VTYPE of llama.cpp's types ({exc})") from None
+    spec = next(iter(layout[0].values())) if layout and layout[0] else None
+    if spec is None:
+        return pair
+    mla = "kv" in layout[0]
+    pair.check_cache_kind(mla)
+    if mla:
+        rank = spec.row_shape[0] - spec.rope_tail
+        check_llamacpp_shape(pair.name, True, rank=rank, rope_dim=spec.rope_tail)
+    else:
+        check_llamacpp_shape(pair.name, False, head_dim=spec.row_shape[-1])
+    return pair
+
+
+def _ggml_layer(k_type: str, v_type: str, num_blocks: int, block_size: int, specs: dict[str, CacheSpec], device):
+    """A llama.cpp-format layer: its K type and V type (one type for an MLA row), and the frames the engine
+    quantizes in (its channel order and Hadamard rotation, on unless LLAMA_ATTN_ROT_DISABLE=1, as in llama.cpp)."""
     spec = next(iter(specs.values()))
     if "kv" in specs:
         width = spec.row_shape[0]
-        frames = llamacpp_frames(ggml_type, ggml_type, width, mla=True)
+        frames = llamacpp_frames(k_type, k_type, width, mla=True)
         return MLACacheLayer.allocate("ggml", num_blocks, block_size, width - spec.rope_tail, spec.rope_tail,
                                       device=device, frames=frames)
     kv_heads, head_dim = spec.row_shape
-    frames = llamacpp_frames(ggml_type, ggml_type, head_dim, mla=False)
+    frames = llamacpp_frames(k_type, v_type, head_dim, mla=False)
     return GQACacheLayer.allocate("ggml", num_blocks, block_size, kv_heads, head_dim, device=device, frames=frames)
 
 
@@ -199,10 +220,11 @@ def _gather_blocks(t: torch.Tensor, block_tables: torch.Tensor, workspace: Works
 
 def bytes_per_token(layout: list[dict[str, CacheSpec]], kv_dtype: str) -> int:
     """Exact cache bytes one token takes over all layers (constant per-tensor scales excluded):
-    kvconvert.kvformat's vector_bytes per cached row, as the planner (kvconvert.kvmath) counts."""
-    fmt = kv_format(kv_dtype)
-    return sum(math.prod(spec.row_shape[:-1]) * fmt.vector_bytes(spec.row_shape[-1], spec.rope_tail)
-               for layer in layout for spec in layer.values())
+    kvconvert.kvformat's vector_bytes per cached row, as the planner (kvconvert.kvmath) counts; a K/V pair counts
+    each quantity in its half's format (an MLA row: K's)."""
+    pair = checked_pair(kv_dtype, layout)
+    return sum(math.prod(spec.row_shape[:-1]) * pair.side(name).vector_bytes(spec.row_shape[-1], spec.rope_tail)
+               for layer in layout for name, spec in layer.items())
 
 
 class PagedKVCache:
@@ -242,7 +264,7 @@ def read_kv_scales(reader, layout: list[dict[str, CacheSpec]], kv_dtype: str, so
     computed from the first prefill and a warning says so. A format whose engine stores K and V at one
     scale (int8: kvformat's shared_kv_scale) gets max(k_scale, v_scale) for both.
     """
-    if not kv_format(kv_dtype).has_kv_scale:  # unquantized, or llama.cpp's types (scales set per block)
+    if not kv_pair(kv_dtype).has_kv_scale:  # unquantized, or llama.cpp's types (scales set per block)
         return [{} for _ in layout], False
     if source == "dynamic":
         warnings.warn(

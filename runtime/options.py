@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from kvconvert.device import DEVICE_FIELD
-from kvconvert.kvformat import AUTO_WEIGHT_DTYPE_NAMES, RUNTIME_KV_DTYPES
+from kvconvert.kvformat import AUTO_WEIGHT_DTYPE_NAMES, RUNTIME_KV_DTYPES, kv_dtype_type, pair_help
 from kvconvert.runtime.config import (
     ATTENTION_BACKENDS, DEFAULT_KV_MEMORY, KV_SCALE_SOURCES, EngineConfig, SamplingParams,
 )
@@ -24,7 +24,7 @@ class GenerateOptions(StageOptions):
     temperature: float = SamplingParams.temperature
     top_p: float = SamplingParams.top_p
     seed: int | None = Field(None, description="Seed for sampling (reproducible tokens).")
-    kv_dtype: Literal[RUNTIME_KV_DTYPES] = EngineConfig.kv_dtype
+    kv_dtype: kv_dtype_type(RUNTIME_KV_DTYPES) = Field(EngineConfig.kv_dtype, description=pair_help(RUNTIME_KV_DTYPES))
     kv_scales: Literal[KV_SCALE_SOURCES] = Field(
         EngineConfig.kv_scales,
         description="fp8/nvfp4 scales: from the checkpoint, or from the first prefill's amax (dynamic).")

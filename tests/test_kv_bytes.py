@@ -59,3 +59,20 @@ def test_absent_rope_interleave_reads_as_transformers_does():
 
     assert "rope_interleave" not in DEEPSEEK
     assert kv_shape(DEEPSEEK).rope_interleave == DeepseekV3Config().rope_interleave
+
+
+@CONFIGS
+@pytest.mark.parametrize("kv_dtype", ["q5_0/iq4_nl", "q8_0/q4_0"])
+def test_a_pairs_planned_bytes_are_the_runtimes_and_each_halfs(config, kv_dtype):
+    """K and V apart (KTYPE/VTYPE): the sum of K's vectors in K's format and V's in V's; refused for MLA by both."""
+    shape = kv_shape(config)
+    if shape.kind == MLA:
+        for count in (lambda: kv_bytes_per_token(shape, kv_dtype),
+                      lambda: PagedKVCache(kv_layout(config), 1, 1, kv_dtype)):
+            with pytest.raises(KVConvertError, match="MLA model caches one row"):
+                count()
+        return
+    k, v = kv_dtype.split("/")
+    planned = kv_bytes_per_token(shape, kv_dtype)
+    assert 2 * planned == kv_bytes_per_token(shape, k) + kv_bytes_per_token(shape, v)
+    assert planned == PagedKVCache(kv_layout(config), 1, 1, kv_dtype).bytes_per_token

@@ -42,6 +42,7 @@ from typing import Literal
 
 from kvconvert.engines.worker import WorkerProcess
 from kvconvert.errors import KVConvertError
+from kvconvert.targets import llamacpp_shape_problem
 from kvconvert.token_stats import TokenSums
 
 SETUP_HINT = "run `bash scripts/setup_llamacpp.sh` in the kvconvert checkout (builds llama-cpp-python into ./.venv)"
@@ -144,12 +145,10 @@ def check_context(spec: LlamaCppContext, shape: GGUFShape) -> None:
     if v.quantized and spec.flash_attn == "off":
         raise KVConvertError(f"{where}: a quantized V cache needs flash attention; llama.cpp refuses it with "
                              "flash attention off: use flash_attn auto or on")
-    if spec.flash_attn != "off":
-        for kind, t, size in (("K", k, shape.head_k), ("V", v, shape.head_v)):
-            if t.quantized and size % t.block:
-                raise KVConvertError(f"{where}: {t.name} stores blocks of {t.block} values, which do not divide the "
-                                     f"{size} values of a cached {kind} head; llama.cpp refuses it (choose a float "
-                                     "cache, or an MLA latent whose kv_lora_rank and rope are multiples of 32)")
+    problem = llamacpp_shape_problem(shape.head_k, shape.head_v, k.quantized, v.quantized)
+    if spec.flash_attn != "off" and problem:
+        raise KVConvertError(f"{where}: {problem}; llama.cpp refuses it (choose a float cache, or an MLA latent whose "
+                             "kv_lora_rank and rope are multiples of 32)")
 
 
 _LOADS: dict[str, str | None] = {}  # python -> why llama.cpp does not load there (None: it loads), probed once

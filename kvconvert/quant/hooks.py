@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvconvert.kvformat import kv_format
+from kvconvert.kvformat import kv_format, kv_pair
 from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import CacheHook, cache_hook, check_finite
 from kvconvert.quant.fake_quant import fake_quant_row
@@ -37,10 +37,11 @@ def llamacpp_hook(layout: KVShape, kv_dtype: str, rotate: bool | None = None) ->
     per block as rows are written (no calibrated scale)."""
     from kvconvert.ggml_formats import llamacpp_frames
 
-    fmt = kv_format(kv_dtype)
-    if not fmt.ggml_type:
+    pair = kv_pair(kv_dtype)
+    if not pair.ggml_types:
         raise ValueError(f"{kv_dtype} is not one of llama.cpp's cache types")
-    frames = llamacpp_frames(fmt.ggml_type, fmt.ggml_type, layout.row_dim, layout.is_mla, rotate)
+    pair.check_cache_kind(layout.is_mla)
+    frames = llamacpp_frames(*pair.ggml_types, layout.row_dim, layout.is_mla, rotate)
 
     def row_hook(layer_idx: int, kind: str, x: torch.Tensor) -> torch.Tensor:
         check_finite(layer_idx, kind, x)

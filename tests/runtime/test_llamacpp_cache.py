@@ -38,7 +38,8 @@ def mla64(tmp_path_factory):
 
 
 CASES = [("llama", "q4_0", True), ("llama", "q4_0", False), ("llama", "q8_0", True), ("llama", "iq4_nl", True),
-         ("llama", "q5_1", True), ("deepseek", "q4_0", True), ("deepseek", "q5_0", True)]
+         ("llama", "q5_1", True), ("deepseek", "q4_0", True), ("deepseek", "q5_0", True),
+         ("llama", "q5_0/iq4_nl", True), ("llama", "iq4_nl/q8_0", False)]  # K and V in two types (-ctk / -ctv)
 
 
 @pytest.mark.parametrize("arch, kv_dtype, rotate", CASES, ids=["-".join(map(str, c)) for c in CASES])
@@ -87,5 +88,27 @@ def test_triton_backend_refuses_a_llamacpp_cache(llama64):
 
 def test_heads_not_in_whole_blocks_are_refused(llama_gqa):
     """head_dim 16: llama.cpp's blocks of 32 would straddle two heads; the engine refuses it, so does the runtime."""
-    with pytest.raises(KVConvertError, match="multiple of 32"):
+    with pytest.raises(KVConvertError, match="blocks of 32 values, which do not divide the 16 values"):
         LLM(llama_gqa, kv_dtype="q4_0")
+
+
+def test_a_pair_stores_k_and_v_each_in_its_type(llama64):
+    """q5_0/iq4_nl: K rows in q5_0's 22-byte blocks, V rows in iq4_nl's 18; the bytes the sum of both halves."""
+    shape = kv_shape(read_config(llama64))
+    llm = LLM(llama64, kv_dtype="Q5_0/IQ4_NL", block_size=4)
+    layer = llm.cache.layers[0]
+    assert (layer.frames["k"].ggml_name, layer.frames["v"].ggml_name) == ("q5_0", "iq4_nl")
+    assert llm.config.kv_dtype == "q5_0/iq4_nl"
+    per_head = shape.head_dim // 32 * (22 + 18)
+    assert llm.cache.bytes_per_token == shape.num_layers * shape.num_kv_heads * per_head
+
+
+def test_mla_refuses_a_pair_and_shapes_llamacpp_cannot_serve(mla64, tmp_path):
+    """MLA caches one row in llama.cpp's K cache: no V half. And llama.cpp needs kv_lora_rank itself (the V view) in
+    whole blocks, not only the row: 48 + 16 is refused though the row is 64 values."""
+    with pytest.raises(KVConvertError, match="MLA model caches one row"):
+        LLM(mla64, kv_dtype="q5_0/iq4_nl")
+    odd = build(tmp_path, "deepseek_v3", kv_lora_rank=48, qk_rope_head_dim=16)
+    with pytest.raises(KVConvertError, match="do not divide the 48 values of a cached V head"):
+        LLM(odd, kv_dtype="q4_0")
+    LLM(odd, kv_dtype="bf16", block_size=4)  # a float cache serves every shape
