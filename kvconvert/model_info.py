@@ -4,6 +4,7 @@ folder. ModelInfo / load_model_info are shared with `kvconvert budget` (kvconver
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,15 +134,35 @@ def config_as_stored(info: ModelInfo) -> tuple[dict, str | None]:
     shape, d = info.tensor_shapes.get(K_PROJ), kvmath.head_dim(cfg)
     if kvmath.text_config(cfg) is not cfg or cfg.get("kv_lora_rank") is not None or shape is None:
         return cfg, None
-    held, says = kvmath.kv_heads_held(cfg, shape), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    stated = cfg.get("num_key_value_heads")  # 0 is stated (and wrong), not missing
+    held, says = kvmath.kv_heads_held(cfg, shape), cfg.get("num_attention_heads") if stated is None else stated
     if held is None or held == says:
         return cfg, None
-    given = (f"says num_key_value_heads {cfg['num_key_value_heads']}" if cfg.get("num_key_value_heads")
+    given = (f"says num_key_value_heads {json.dumps(stated)}" if stated is not None
              else f"has no num_key_value_heads (transformers then takes num_attention_heads, {says})")
     return {**cfg, "num_key_value_heads": held}, (
         f"config.json {given}, but {K_PROJ} is {shape} = {held} KV heads x head_dim {d}: the KV figures above are "
         f"the weights' ({held} KV heads); set \"num_key_value_heads\": {held} in config.json (kvconvert's other "
         "commands refuse the folder until config.json and its weights agree)")
+
+
+def _refusal(info: ModelInfo) -> str | None:
+    """What mla, calibrate, generate and validate would refuse in this folder, by the same checks (config fields,
+    tensors present, their shapes from the safetensors headers; kvconvert.checkpoint.checks), or None. inspect
+    still describes what it can."""
+    from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.checkpoint.checks import check_config, check_tensor_shapes, check_tensors_present
+
+    if info.path is None:
+        return None
+    try:
+        check_config(info.config, str(info.path / "config.json"))
+        reader = CheckpointReader(info.path)
+        check_tensors_present(reader)
+        check_tensor_shapes(reader)
+    except KVConvertError as exc:
+        return str(exc)
+    return None
 
 
 def inspect_report(info: ModelInfo) -> dict:
@@ -151,6 +172,9 @@ def inspect_report(info: ModelInfo) -> dict:
     report = {"name": info.name, "path": str(info.path) if info.path else None, "origin": info.origin,
               **_architecture_fields(config)}
     notes = list(info.notes) + ([mismatch] if mismatch else [])
+    refusal = _refusal(info)
+    if refusal:
+        notes.append(f"kvconvert's other commands refuse this folder: {refusal}")
     try:
         report["attention_kind"] = kvmath.attention_kind(config)
         shape = kvmath.kv_shape(config)

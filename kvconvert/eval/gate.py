@@ -37,7 +37,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from kvconvert.errors import KVConvertError
-from kvconvert.eval.stats import GATE_METRICS, estimate
+from kvconvert.eval.stats import GATE_METRICS, estimate, uninformative_tasks
 from kvconvert.eval.suites import SUITE_VERSION
 from kvconvert.stage_options import read_yaml, validation_problems
 
@@ -171,6 +171,11 @@ def evaluate(report: dict, policy: Policy) -> list[dict]:
 def _unmeasured_row(report: dict, policy: Policy, name: str, threshold: float) -> dict:
     family = GATE_METRICS[name].family
     why = report.get("skipped", {}).get(family, "not measured by this suite")
+    left_out = uninformative_tasks(report["samples"], GATE_METRICS[name])
+    if left_out:  # measured, and every task uninformative on this model: no evidence either way
+        return {"metric": name, "unit": GATE_METRICS[name].unit, "threshold": threshold,
+                "status": "fail" if name in policy.require else "n/a",
+                "reason": "every task left out: " + "; ".join(f"{t}: {r}" for t, r in left_out.items())}
     skipped = family in report.get("skipped", {}) and suite_runs(report["suite"], family)
     if skipped:
         why = f"the {report['suite'].get('name')} suite runs {family}, this report skipped it: {why}"
@@ -258,6 +263,8 @@ def print_gate_table(rows: list[dict], policy: Policy, report: dict, policy_path
     for row in rows:
         if "point" in row and "reason" in row:
             console.print(f"{row['metric']}: {row['status'].upper()}, {escape(row['reason'])}", soft_wrap=True)
+        for task, why in (row.get("left_out") or {}).items():
+            console.print(f"{row['metric']}: {task} left out of the verdict: {escape(why)}", soft_wrap=True)
 
 
 def run_gate(report_path: Path, policy_path: Path) -> bool:

@@ -33,6 +33,11 @@ from kvconvert.errors import KVConvertError
 from kvconvert.eval.samples import GenSample
 
 
+def reference_ids(tokenizer, text: str, max_tokens: int) -> tuple[int, ...]:
+    """A reference answer as the token ids that continue a prompt (no special tokens), its first max_tokens."""
+    return tuple(tokenizer(text, add_special_tokens=False).input_ids[:max_tokens])
+
+
 def encode(tokenizer, text: str) -> list[int]:
     """Prompt token ids the way every generation task tokenizes: the tokenizer's defaults
     (special tokens such as BOS added when the tokenizer adds them)."""
@@ -159,7 +164,9 @@ def passkey_sample(tokenizer, length: int, depth: float, repeat: int, seed: int)
     units = lambda k: " " + PASSKEY_FILLER  # every unit carries its separator
     hay = build_haystack(tokenizer, PASSKEY_INTRO, PASSKEY_QUESTION, units, [(depth, passkey_line(passkey))], length)
     max_new = len(tokenizer(" " + passkey, add_special_tokens=False).input_ids) + 2  # the key and a period
-    return GenSample("passkey", sample_id, tuple(hay.ids), max_new, (passkey,), meta=_needle_meta(length, depth, hay))
+    return GenSample("passkey", sample_id, tuple(hay.ids), max_new, (passkey,),
+                     reference_ids=reference_ids(tokenizer, f" {passkey}.", max_new),
+                     meta=_needle_meta(length, depth, hay))
 
 
 # --------------------------------------------------------------------------- NIAH (essays)
@@ -168,6 +175,7 @@ NIAH_NEEDLE = " The best thing to do in San Francisco is eat a sandwich and sit 
 NIAH_QUESTION = ("\n\nBased on the text above, answer the question.\nQuestion: What is the best thing to do in "
                  "San Francisco?\nAnswer: The best thing to do in San Francisco is")
 NIAH_KEY_PHRASES = ("eat a sandwich", "dolores park")
+NIAH_REFERENCE = NIAH_NEEDLE.removeprefix(" The best thing to do in San Francisco is")  # the needle's answer
 NIAH_MAX_NEW = 24
 
 
@@ -190,6 +198,7 @@ def niah_sample(tokenizer, length: int, depth: float) -> GenSample:
     """Kamradt's needle in the essays at `depth`, prompt of at most `length` tokens."""
     hay = build_haystack(tokenizer, "", NIAH_QUESTION, essay_unit, [(depth, NIAH_NEEDLE)], length)
     return GenSample("niah", f"L{length}-d{depth:.2f}", tuple(hay.ids), NIAH_MAX_NEW, NIAH_KEY_PHRASES,
+                     reference_ids=reference_ids(tokenizer, NIAH_REFERENCE, NIAH_MAX_NEW),
                      meta=_needle_meta(length, depth, hay))
 
 

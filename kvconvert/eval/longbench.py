@@ -8,9 +8,11 @@ Files: <dir>/<task>.jsonl or <task>.jsonl.gz with fields task, id, prompt (LongB
 already applied, not truncated), answers (list), all_classes (trec only). Prompts are truncated
 in the middle to fit the context, as LongBench's pred.py does; here the cut is made on the token
 ids (first half + last half) instead of decoding both halves and re-tokenizing, so source and
-candidate get exactly the same ids. Generation is greedy with LongBench's dataset2maxlen budget;
-samsum also stops at a newline but must produce one token first, as pred.py's min_length does. No chat template (both models see the same plain
-prompt; the gate compares deltas, never absolute scores).
+candidate get exactly the same ids. A model with a chat template (an instruct model) gets its prompt wrapped
+in it, as pred.py's build_chat does, except on the few-shot and code tasks (NO_CHAT_TASKS), where pred.py keeps
+the plain completion prompt; the truncation leaves room for the template's tokens. Generation is greedy with
+LongBench's dataset2maxlen budget; samsum also stops at a newline but must produce one token first, as pred.py's
+min_length does. Each sample also carries its first gold answer as reference ids (answer likelihood).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 from pathlib import Path
 
 from kvconvert.errors import KVConvertError
-from kvconvert.eval.haystack import encode
+from kvconvert.eval.haystack import encode, reference_ids
 from kvconvert.eval.metrics import LONGBENCH_TASKS
 from kvconvert.eval.samples import GenSample
 
@@ -130,26 +132,57 @@ def truncate_middle(ids: list[int], max_len: int) -> list[int]:
     return list(ids[:half]) + list(ids[-half:])
 
 
+def reference_text(prompt: str, answer: str) -> str:
+    """The gold answer as the prompt's continuation: after "Answer:" a space, after a newline nothing."""
+    return answer if not prompt or prompt[-1].isspace() else " " + answer
+
+
+# LongBench's pred.py builds a chat prompt for chat models except on these tasks (few-shot and code: the
+# prompt is a completion the model continues as is).
+NO_CHAT_TASKS = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
+
+
+def chat_wrapper(tokenizer) -> tuple[list[int], list[int]] | None:
+    """The token ids before and after a user message in the tokenizer's chat template (generation prompt
+    included), or None when it has no template (a base model: LongBench's plain prompt)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "\x00LONGBENCH_PROMPT\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                         add_generation_prompt=True)
+    before, after = text.split(marker)
+    return (tokenizer(before, add_special_tokens=False).input_ids, tokenizer(after, add_special_tokens=False).input_ids)
+
+
 def longbench_samples(tokenizer, rows_by_task: dict[str, list[dict]], context: int, per_task: int | None,
                       max_new_cap: int | None) -> list[GenSample]:
-    """Samples for every task: prompt truncated to context - max_new_tokens, LongBench budgets
-    (capped at max_new_cap when given), the first `per_task` rows of each task (all if None)."""
+    """Samples for every task, by LongBench's pred.py: the prompt truncated in the middle to what the context
+    leaves after the task's budget (dataset2maxlen, capped at max_new_cap when given) and the chat template's
+    own tokens, then wrapped in the chat template (chat models, tasks outside NO_CHAT_TASKS); the first
+    `per_task` rows of each task (all if None)."""
     newline = tokenizer.encode("\n", add_special_tokens=False)[-1:]
+    chat = chat_wrapper(tokenizer)
     samples = []
     for task, rows in rows_by_task.items():
         _, max_new, category = LONGBENCH_TASKS[task]
         if max_new_cap is not None:
             max_new = min(max_new, max_new_cap)
-        budget = context - max_new
+        wrap = chat if chat is not None and task not in NO_CHAT_TASKS else None
+        budget = context - max_new - (len(wrap[0]) + len(wrap[1]) if wrap else 0)
         if budget < 64:
-            raise KVConvertError(f"LongBench context {context} leaves {budget} prompt tokens for {task}; use a longer one")
+            raise KVConvertError(f"LongBench context {context} leaves {budget} prompt tokens for {task} "
+                                 f"({max_new} new tokens); use a longer one")
         for row in rows[:per_task]:
-            ids = encode(tokenizer, row["prompt"])
+            ids = encode(tokenizer, row["prompt"]) if wrap is None else tokenizer(row["prompt"], add_special_tokens=False).input_ids
             prompt = truncate_middle(ids, budget)
+            if wrap is not None:
+                prompt = wrap[0] + prompt + wrap[1]
+            ends = "\n" if wrap is not None else row["prompt"]  # the assistant turn starts on a new line
             samples.append(GenSample(
                 f"longbench/{task}", str(row["id"]), tuple(prompt), max_new, tuple(row["answers"]),
                 stop_ids=tuple(newline) if task == "samsum" else (),
                 min_new_tokens=1 if task == "samsum" else 0,
+                reference_ids=reference_ids(tokenizer, reference_text(ends, row["answers"][0]), max_new),
                 meta={"task": task, "category": category, "tokens": len(prompt), "full_tokens": len(ids),
-                      "all_classes": row.get("all_classes")}))
+                      "chat": wrap is not None, "all_classes": row.get("all_classes")}))
     return samples

@@ -66,6 +66,11 @@ def build_metrics(samples: dict[str, list[dict]]) -> dict[str, dict]:
         metrics["ruler_accuracy"] = _score_entry([r for records in ruler.values() for r in records], "%")
         metrics.update({task: _score_entry(records, "%") for task, records in sorted(ruler.items())})
     metrics.update(_longbench_metrics(samples))
+    answers = [r for t, records in samples.items() if GATE_METRICS["answer_nll_increase"].tasks(t)
+               for r in records if "answer_nll" in r["source"]]
+    if answers:  # mean over samples of the reference answer's NLL per token (lower is better)
+        metrics["answer_nll"] = _entry(*(float(np.mean([r[role]["answer_nll"] for r in answers]))
+                                         for role in ("source", "candidate")), "nats/token", False, len(answers))
     return metrics
 
 
@@ -150,11 +155,18 @@ def render_markdown(report: dict, charts: list[str]) -> str:
     if report["estimates"]:
         conf = int(100 * report["bootstrap"]["confidence"])
         lines += ["", f"## Degradations gated by `kvconvert gate` ({conf}% paired bootstrap CI)", "",
-                  "| quantity | estimate | CI low | CI high | n |", "|---|---:|---:|---:|---:|"]
+                  "| quantity | estimate | CI low | CI high | n | smallest detectable |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for name, e in report["estimates"].items():
             unit = GATE_METRICS[name].unit
             ci = ("too few samples", "") if e.get("low") is None else (f"{e['low']:.4f}", f"{e['high']:.4f}")
-            lines.append(f"| {name} [{unit}] | {e['point']:.4f} | {ci[0]} | {ci[1]} | {e['n']} |")
+            found = "unknown" if e.get("detectable") is None else f"{e['detectable']:.4f}"
+            lines.append(f"| {name} [{unit}] | {e['point']:.4f} | {ci[0]} | {ci[1]} | {e['n']} | {found} |")
+        lines += ["", "smallest detectable: the degradation whose interval would clear 0 at this suite's size "
+                      "(accuracies: exact, for a source right on every sample; continuous metrics: z x the "
+                      "bootstrap's standard error here)."]
+        lines += [f"- {name}: {task} left out of the verdict: {why}" for name, e in report["estimates"].items()
+                  for task, why in (e.get("left_out") or {}).items()]
     if report["skipped"] or report["notes"]:
         lines += ["", "## Notes", ""]
         lines += [f"- skipped {k}: {v}" for k, v in report["skipped"].items()]
@@ -176,7 +188,27 @@ def print_summary(report: dict) -> None:
         table.add_column(column, justify=justify)
     for row in summary_rows(report):
         table.add_row(*row)
-    Console(width=max(Console().width, 100)).print(table)
+    console = Console(width=max(Console().width, 100))
+    console.print(table)
+    console.print("\n".join(detectable_lines(report)), highlight=False)
+
+
+def detectable_lines(report: dict) -> list[str]:
+    """Per gated metric, the smallest degradation this suite's size can detect (stats.detectable_degradation)."""
+    conf = int(100 * report["bootstrap"]["confidence"])
+    lines = [f"smallest degradation this suite can detect (its {conf}% interval clears 0):"]
+    for name, e in report["estimates"].items():
+        unit = GATE_METRICS[name].unit
+        if e.get("detectable") is None:
+            how = "unknown: no spread between the models on these samples (a damaged candidate shows it)"
+        else:
+            how = f"{_fmt(e['detectable'], unit)} {unit}"
+            if unit == "pp":
+                how += f" ({round(e['detectable'] * e['n'] / 100)} of {e['n']} samples flipping)"
+            else:
+                how += f" (z x the bootstrap's standard error on {e['n']} samples)"
+        lines.append(f"  {name}: {how}")
+    return lines
 
 
 def markdown_section(report: dict) -> list[str]:

@@ -20,7 +20,9 @@ class GenSample:
     sample_id: unique within the task. prompt_ids: token ids fed to both models.
     max_new_tokens: decoding budget. stop_ids: extra stop tokens (the models' EOS ids always stop).
     min_new_tokens: steps at which stop tokens are masked out (LongBench's min_length for samsum).
-    answers: gold strings the scorer compares against. meta: plotting/grouping data
+    answers: gold strings the scorer compares against. reference_ids: the reference answer as token ids
+    that continue the prompt (at most max_new_tokens of them), whose likelihood both models score
+    teacher-forced (answer_nll); empty = the task has none (RULER). meta: plotting/grouping data
     (length, depth, all_classes, ...), JSON-serializable.
     """
 
@@ -31,6 +33,7 @@ class GenSample:
     answers: tuple[str, ...]
     stop_ids: tuple[int, ...] = ()
     min_new_tokens: int = 0
+    reference_ids: tuple[int, ...] = ()
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -45,6 +48,13 @@ class GenSample:
         if self.min_new_tokens:  # the runtime decodes forced tokens in the engine now (min_tokens), no longer by a
             fields.append("min_tokens in the engine")  # second prefill: results of the old way are recomputed
         payload = json.dumps(fields)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    @property
+    def answer_hash(self) -> str:
+        """Names the teacher-forced answer scoring: the prompt and the reference ids (not the decoding budget,
+        so a changed budget keeps the answer scores and a changed reference recomputes them)."""
+        payload = json.dumps([list(self.prompt_ids), list(self.reference_ids)])
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     @property

@@ -190,6 +190,32 @@ def generate_all(runner: LazyRunner, role: str, samples: list[GenSample], pair: 
     return results
 
 
+def score_answers(runner: LazyRunner, role: str, samples: list[GenSample], cache, run: ValidateRun
+                  ) -> dict[tuple[str, str], dict]:
+    """Teacher-forced likelihood of each sample's reference answer given its prompt, through this runner (its
+    engine and KV cache format): {(task, id): {"nll": sum of -log p over the answer tokens, "tokens": n}}.
+    Cached like generation results, under the task "<task>#answer" and the sample's answer_hash."""
+    results = {}
+    for sample in _progress([s for s in samples if s.reference_ids], f"{role} answer likelihood", run):
+        task = f"{sample.task}#answer"
+        result = cache.get(runner.fingerprint, task, sample.sample_id, sample.answer_hash)
+        if result is None:
+            result = answer_nll(runner, sample)
+            cache.put(runner.fingerprint, task, sample.sample_id, sample.answer_hash, result)
+        results[(sample.task, sample.sample_id)] = result
+    return results
+
+
+def answer_nll(runner: LazyRunner, sample: GenSample) -> dict:
+    """One forward pass of prompt + reference: the rows that predict the reference tokens, summed in float64
+    (an answer is a handful to a few hundred tokens; fp32 sums would be fine, float64 keeps it exact for reuse)."""
+    prompt, reference = list(sample.prompt_ids), list(sample.reference_ids)
+    logits = runner.logits(torch.tensor(prompt + reference, dtype=torch.long))
+    rows = logits[len(prompt) - 1: len(prompt) + len(reference) - 1].double()  # row t predicts token t + 1
+    nll = torch.nn.functional.cross_entropy(rows, torch.tensor(reference), reduction="sum")
+    return {"nll": float(nll), "tokens": len(reference)}
+
+
 def score_sample(sample: GenSample, text: str) -> float:
     """The task's score of one continuation, in [0, 1]."""
     if sample.task == "passkey":
@@ -368,7 +394,7 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun
     windows = perplexity_windows(pair, spec, run, skipped)
     size_runners(pair, windows, gen_samples)
     lap("build_samples")
-    outputs = {}
+    outputs, answers = {}, {}
     store = source_logits_store(pair.source, windows, run.shared if run.resume else None,
                                 Path(run.out) / "cache" / f"source-logits-{pair.source.fingerprint}",
                                 say=lambda text: note(run, text))
@@ -389,9 +415,12 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun
                     samples["perplexity"] = records
                 lap(f"{role}_perplexity")
             outputs[role] = generate_all(runner, role, gen_samples, pair, caches[role], run)
+            generated = getattr(caches[role], "reused", 0)
+            answers[role] = score_answers(runner, role, gen_samples, caches[role], run)
             if role == "source" and (store.reused or caches["source"].reused):
-                note(run, f"the source's results of {store.reused} essay windows and {caches['source'].reused} "
-                          f"samples were measured by an earlier run (kept in {run.shared}), not recomputed")
+                note(run, f"the source's results of {store.reused} essay windows, {generated} samples and "
+                          f"{caches['source'].reused - generated} answer likelihoods were measured by an earlier run "
+                          f"(kept in {run.shared}), not recomputed")
             runner.close()
             lap(f"{role}_generation")
     finally:
@@ -401,10 +430,18 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun
         samples.setdefault(sample.task, []).append({
             "id": sample.sample_id, "meta": sample.meta, "answers": list(sample.answers),
             "prompt_tokens": sample.prompt_len, "max_new_tokens": sample.max_new_tokens,
-            **{role: {**outputs[role][key], "score": score_sample(sample, outputs[role][key]["text"])}
+            **{role: {**outputs[role][key], "score": score_sample(sample, outputs[role][key]["text"]),
+                      **answer_fields(answers[role].get(key))}
                for role in ("source", "candidate")},
         })
     return samples, skipped, phases
+
+
+def answer_fields(result: dict | None) -> dict:
+    """A record's answer likelihood: answer_nll (mean nats per reference token) and answer_tokens; {} without."""
+    if result is None:
+        return {}
+    return {"answer_nll": result["nll"] / result["tokens"], "answer_tokens": result["tokens"]}
 
 
 def size_runners(pair: Pair, windows: list, gen_samples: list[GenSample]) -> None:

@@ -151,6 +151,50 @@ def test_longbench_samples_truncated_with_budgets(tmp_path, tiny_tokenizer):
     assert [s.max_new_tokens for s in capped] == [8, 8]
 
 
+def test_longbench_chat_template_as_pred_py(tmp_path, tiny_tokenizer):
+    """An instruct model (a chat template) gets the truncated prompt wrapped in it, room left for the template's
+    tokens; few-shot and code tasks keep the plain prompt; the reference answer starts the assistant turn."""
+    import copy
+
+    chat = copy.deepcopy(tiny_tokenizer)
+    chat.chat_template = ("{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}"
+                          "{% if add_generation_prompt %}\n<bot>\n{% endif %}")
+    prompt = ("Answer the question based on the given passages. Only give me the answer and do not output any "
+              "other words.\n\nThe following are given passages.\n" + "Passage text. " * 400 + "\nAnswer:")
+    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps({"id": "h", "prompt": prompt, "answers": ["Paris"]}))
+    (tmp_path / "trec.jsonl").write_text(json.dumps({"id": "t", "answers": ["Date"], "all_classes": ["Date"],
+                                                     "prompt": "Please determine the type of the question below. " * 3}))
+    data = LB.load_longbench(tmp_path, ("hotpotqa", "trec"))
+    hotpot, trec = LB.longbench_samples(chat, data, context=300, per_task=None, max_new_cap=None)
+    before, after = LB.chat_wrapper(chat)
+    assert len(hotpot.prompt_ids) == 300 - 32  # template tokens counted in the budget
+    body = chat(prompt, add_special_tokens=False).input_ids
+    half = (300 - 32 - len(before) - len(after)) // 2
+    assert list(hotpot.prompt_ids) == before + body[:half] + body[-half:] + after
+    assert hotpot.meta["chat"] and chat.decode(hotpot.reference_ids) == "Paris"  # no space after the turn's newline
+    assert not trec.meta["chat"] and "<user>" not in chat.decode(trec.prompt_ids)  # pred.py: no chat on trec
+    assert LB.chat_wrapper(tiny_tokenizer) is None  # a base model: the plain prompt
+    plain = LB.longbench_samples(tiny_tokenizer, data, context=300, per_task=None, max_new_cap=None)[0]
+    assert tiny_tokenizer.decode(plain.reference_ids) == " Paris"  # after "Answer:" a space
+
+
+def test_longbench_task_at_the_floor_is_left_out_with_its_reason():
+    from eval_fixtures import gen_records, make_report
+
+    from kvconvert.eval.stats import estimate
+
+    samples = {"longbench/trec": gen_records([0.6, 0.4], [0.2, 0.2]),
+               "longbench/passage_count": gen_records([0.0, 0.0], [1.0, 0.0])}  # "improved" at the floor
+    e = estimate(samples, "longbench_avg_drop")
+    assert e.point == pytest.approx(30.0) and e.n == 2  # trec alone
+    assert "source scores 0.0 points (< 5): at the floor" in e.left_out["longbench/passage_count"]
+    report = make_report({"longbench/passage_count": samples["longbench/passage_count"]})
+    from kvconvert.eval import gate as G
+
+    row = G.evaluate(report, G.Policy.model_validate({"thresholds": {"longbench_avg_drop": 2}}))[0]
+    assert row["status"] == "n/a" and row["reason"].startswith("every task left out: longbench/passage_count")
+
+
 def test_packaged_longbench_mini_is_the_default(monkeypatch):
     """The default LongBench copy ships in the package (every user has it; tests/test_wheel.py checks
     an installed wheel): 16 tasks, the 187 samples its README lists, each task's rows in order."""

@@ -84,7 +84,27 @@ def test_tiny_model_vs_itself_reports_exact_zero_deltas(tiny_report):
     assert on_disk["metrics"] == report["metrics"]
     record = report["samples"]["passkey"][0]
     assert set(record) >= {"id", "meta", "answers", "prompt_tokens", "source", "candidate"}
-    assert set(record["candidate"]) == {"tokens", "text", "score"}
+    assert set(record["candidate"]) == {"tokens", "text", "score", "answer_nll", "answer_tokens"}
+    assert record["candidate"]["answer_tokens"] > 0 and record["candidate"]["answer_nll"] > 0
+    assert "ruler/vt" in report["samples"] and "answer_nll" not in report["samples"]["ruler/vt"][0]["source"]
+    assert report["estimates"]["answer_nll_increase"]["n"] == sum(
+        len(report["samples"][t]) for t in report["samples"] if t in ("passkey", "niah") or t.startswith("longbench/"))
+
+
+def test_answer_nll_is_the_teacher_forced_likelihood_of_the_reference(tiny_llama):
+    """The rows that predict the reference tokens, not one off: checked against a plain forward pass."""
+    import torch
+
+    from kvconvert.eval.runner import LazyRunner
+    from kvconvert.eval.samples import GenSample
+    from kvconvert.eval.validate import answer_nll
+
+    runner = LazyRunner(tiny_llama, "transformers")
+    sample = GenSample("passkey", "x", tuple(range(5, 40)), 4, ("7",), reference_ids=(11, 12, 13))
+    ids = torch.tensor(sample.prompt_ids + sample.reference_ids)
+    logp = torch.log_softmax(runner.logits(ids).double(), -1)
+    expected = -sum(float(logp[34 + i, tok]) for i, tok in enumerate((11, 12, 13)))  # row t predicts token t + 1
+    assert answer_nll(runner, sample) == {"nll": pytest.approx(expected, rel=1e-6), "tokens": 3}
 
 
 def test_rerun_resumes_from_cache_and_recomputes_torn_lines(tmp_path, tiny_report, tiny_llama):
@@ -190,6 +210,7 @@ def test_the_source_is_measured_once_for_every_candidate(tmp_path, tiny_llama, t
     reused = run(tiny_llama, second, "b")
     note = next(n for n in reused["notes"] if "earlier run" in n)
     gen_samples = sum(len(v) for k, v in reused["samples"].items() if k != "perplexity")
-    assert f"{TINY.ppl_windows} essay windows and {gen_samples} samples" in note
+    answered = reused["estimates"]["answer_nll_increase"]["n"]
+    assert f"{TINY.ppl_windows} essay windows, {gen_samples} samples and {answered} answer likelihoods" in note
     assert reused["metrics"] == run(tiny_llama, second, "c", None)["metrics"]  # the same numbers as measured afresh
     assert not any("earlier run" in n for n in run(first, second, "d")["notes"])  # another source: nothing reused
