@@ -38,9 +38,34 @@ def parse_corpora(specs: list[str] | None, windows: int) -> dict[str, int]:
     return corpora
 
 
-def command() -> str:
-    """This run's command line as the docs show it: `python scripts/NAME.py ARGS`."""
-    return " ".join([f"python scripts/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+def command(argv: list[str] | None = None) -> str:
+    """This run's command line as the docs show it: `python scripts/NAME.py ARGS`, with this machine's scratch
+    folders in relative names a reader can reuse (portable_args)."""
+    argv = sys.argv if argv is None else argv
+    return " ".join([f"python scripts/{Path(argv[0]).name}", *portable_args(argv[1:])])
+
+
+WORK_FLAGS = ("--work", "--workdir", "--work-dir")  # the benchmarks' scratch folder
+_ABSOLUTE = re.compile(r"(?<![\w.~])/[^\s:=,]+")  # an absolute path inside an argument (NAME=/x, /x:16, /x)
+
+
+def portable_args(args: list[str], scratch: tuple[str, ...] = ()) -> list[str]:
+    """Arguments with absolute paths made reusable: the scratch folder a --work / --workdir flag names (or one of
+    `scratch`) becomes WORK (and a path under it WORK/...), a file of the checkout its path from the checkout's
+    root, any other absolute path OUT/<its name> (a file the run wrote or read on that machine)."""
+    work = [args[i + 1] for i, a in enumerate(args[:-1]) if a in WORK_FLAGS and args[i + 1].startswith("/")]
+    work += sorted(scratch, key=len, reverse=True)
+
+    def portable(match: re.Match) -> str:
+        path = match.group(0)
+        for folder in work:
+            if path == folder or path.startswith(folder.rstrip("/") + "/"):
+                return "WORK" + path[len(folder.rstrip("/")):]
+        if Path(path).is_relative_to(ROOT):
+            return str(Path(path).relative_to(ROOT)) or "."
+        return f"OUT/{Path(path).name}"
+
+    return [_ABSOLUTE.sub(portable, a) for a in args]
 
 
 @contextmanager

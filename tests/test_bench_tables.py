@@ -90,3 +90,19 @@ def test_only_results_written_to_docs_are_published(doc, tmp_path):
 def test_run_info_names_this_machine():
     info = bench_common.run_info()
     assert info["device"] and info["commit"] and len(info["date"]) == 10
+
+
+def test_recorded_commands_name_scratch_folders_relatively():
+    """A run's command line goes into the docs with its scratch folder as WORK, other outside files as OUT/<name> and
+    the checkout's files relative to it; no command in docs/BENCHMARKS.md names a machine's absolute folder."""
+    import re
+
+    argv = ["/x/scripts/bench_heal.py", "--work", "/tmp/run7", "--healed", "a=/tmp/run7/a/healed", "--corpus",
+            "/data/lb/gov.jsonl:16", "--json", str(ROOT / "docs" / "bench_heal.json"), "--windows", "8"]
+    assert bench_common.command(argv) == ("python scripts/bench_heal.py --work WORK --healed a=WORK/a/healed "
+                                          "--corpus OUT/gov.jsonl:16 --json docs/bench_heal.json --windows 8")
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    commands = [c for c in re.findall(r"`([^`]*)`", text) if "python scripts/" in c or "git clone" in c]
+    assert commands
+    absolute = [c for c in commands if re.search(r"(?<![\w.~])/(tmp|work|root|home|mnt)/", c)]
+    assert not absolute, absolute[:3]

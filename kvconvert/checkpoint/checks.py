@@ -232,14 +232,23 @@ def _stored_shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _kv_heads_problem(cfg: dict, name: str, stored: tuple[int, ...]) -> str | None:
+def _kv_heads_problem(cfg: dict, name: str, stored: tuple[int, ...], shapes: dict | None = None) -> str | None:
     """For a k_proj / v_proj whose rows are whole heads of head_dim: the heads it holds against the
-    heads config.json says (or transformers' default when it says nothing)."""
+    heads config.json says (or transformers' default when it says nothing). When the same layer's other
+    projection (`shapes`: every stored shape) holds another number of heads, config.json is not what to change:
+    one of the two tensors is damaged."""
     if not name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")) or _family(cfg) != "llama":
         return None
     held = kv_heads_held(cfg, stored)
     if held is None:
         return None
+    mine, other = ("k_proj", "v_proj") if ".k_proj." in name else ("v_proj", "k_proj")
+    partner = kv_heads_held(cfg, (shapes or {}).get(name.replace(f".{mine}.", f".{other}."), ()))
+    if partner is not None and partner != held:
+        said = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        agree = " (as config.json says)" if partner == said else ""
+        return (f"holds {held} KV heads of head_dim {head_dim(cfg)}, but the same layer's {other} holds "
+                f"{partner}{agree}: the tensor is damaged or from another checkpoint; re-download the checkpoint")
     says = (f"says num_key_value_heads {cfg['num_key_value_heads']}" if cfg.get("num_key_value_heads")
             else f"has no num_key_value_heads, so {cfg['num_attention_heads']} (transformers' default: "
                  "num_attention_heads)")
@@ -259,7 +268,7 @@ def check_tensor_shapes(reader: CheckpointReader) -> None:
     (shape, formula), found = expected[name], stored[name]
     more = f" ({len(wrong) - 1} more tensors disagree too)" if len(wrong) > 1 else ""
     head = f"{reader.path / reader.weight_map[name]}: tensor {name!r} has shape {list(found)}"
-    kv = _kv_heads_problem(reader.config, name, found)
+    kv = _kv_heads_problem(reader.config, name, found, stored)
     if kv is not None:
         raise CheckpointError(f"{head}: it {kv}{more}")
     turned = "; it is stored transposed" if tuple(reversed(found)) == shape else ""
