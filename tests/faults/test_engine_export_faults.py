@@ -193,3 +193,44 @@ def test_one_way_of_an_on_off_flag_is_taken():
                          (["--no-llamacpp-rotation", "--no-llamacpp-rotation"], False)):
         ctx = validate_cmd.make_context("validate", ["--source", "s", "--candidate", "c", "--out", "o", *given])
         assert ctx.params["llamacpp_rotation"] is value
+
+
+# ------------------------------------------------------------------ inspect and the checks of the other commands
+
+@pytest.mark.parametrize("fault, says", [("no_hidden", "hidden_size is missing"),
+                                         ("transposed", "it is stored transposed"),
+                                         ("wrong_size", "v_proj.weight' has shape [32, 32]"),
+                                         ("kv0", "num_key_value_heads is 0; it must be a positive integer")])
+def test_inspect_notes_what_every_other_command_refuses(input_faults, fault, says):
+    """inspect still describes the folder (exit 0) and notes, in generate's own words, why the others refuse it."""
+    folder = input_faults[fault]
+    done = kvconvert("inspect", folder)
+    assert done.returncode == 0, done.stderr
+    other = error_line_of(kvconvert("generate", "--model", folder, "--prompt", "x", "--max-new-tokens", "1"))
+    assert says in other
+    assert f"note          kvconvert's other commands refuse this folder: {other}" in done.stdout.splitlines()
+    if fault == "kv0":  # 0 is stated and wrong, not missing
+        assert "has no num_key_value_heads" not in done.stdout and "says num_key_value_heads 0" in done.stdout
+    assert "kvconvert's other commands refuse" not in kvconvert("inspect", input_faults["no_kv_mha"]).stdout
+
+
+def error_line_of(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 2, done.stderr
+    return next(line for line in done.stderr.splitlines() if line.startswith("error: "))[len("error: "):]
+
+
+def test_a_v_proj_of_other_heads_than_k_proj_is_damage_not_a_config_to_change(faults, tmp_path):
+    """v_proj with 1 KV head where k_proj and config.json have 2: the fix is the tensor, not "num_key_value_heads": 1."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "v1"
+    shutil.copytree(faults["base"], folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(16, 64)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    line = error_line_of(kvconvert("generate", "--model", folder, "--prompt", "x", "--max-new-tokens", "1"))
+    assert ("holds 1 KV heads of head_dim 16, but the same layer's k_proj holds 2 (as config.json says): the tensor "
+            "is damaged or from another checkpoint") in line
+    assert '"num_key_value_heads": 1' not in line
+    assert line in kvconvert("inspect", folder).stdout
