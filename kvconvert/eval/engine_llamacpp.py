@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvconvert.errors import KVConvertError
 from kvconvert.ggml_formats import rotation_enabled
-from kvconvert.kvformat import AUTO, kv_format
+from kvconvert.kvformat import AUTO, kv_pair
 
 TASK = "llamacpp_perplexity"
 FLOAT_CACHES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}  # kvconvert's float formats -> llama.cpp's names
@@ -55,35 +55,44 @@ def llamacpp_rotation(enabled: bool | None):
                 os.environ[ROTATION_ENV] = before
 
 
-def llamacpp_cache(kv_dtype: str, role: str) -> str:
-    """kvconvert's --kv-dtype -> llama.cpp's cache type name."""
+def llamacpp_cache(kv_dtype: str, role: str) -> tuple[str, str]:
+    """kvconvert's --kv-dtype (a format, or a K/V pair q5_0/iq4_nl) -> llama.cpp's (-ctk, -ctv) type names."""
     from kvconvert.engines.llamacpp import LLAMA_CACHE_TYPES
 
     if kv_dtype == AUTO:
-        return "f16"
-    fmt = kv_format(kv_dtype)
-    name = getattr(fmt, "ggml_type", None) or FLOAT_CACHES.get(fmt.name)
-    if name not in LLAMA_CACHE_TYPES:
-        raise KVConvertError(f"--engine llamacpp: the {role}'s KV format {kv_dtype!r} has no llama.cpp cache; "
-                             f"llama.cpp stores {', '.join(LLAMA_CACHE_TYPES)}: pass another --kv-dtype")
-    return name
+        return "f16", "f16"
+    names = []
+    for fmt in (kv_pair(kv_dtype).k, kv_pair(kv_dtype).v):
+        name = fmt.ggml_type or FLOAT_CACHES.get(fmt.name)
+        if name not in LLAMA_CACHE_TYPES:
+            raise KVConvertError(f"--engine llamacpp: the {role}'s KV format {kv_dtype!r} has no llama.cpp cache; "
+                                 f"llama.cpp stores {', '.join(LLAMA_CACHE_TYPES)}: pass another --kv-dtype")
+        names.append(name)
+    return names[0], names[1]
 
 
 def contexts_for(run, ggufs: dict) -> list:
-    """The two llama.cpp contexts: the source (reference) and the candidate, each with its cache."""
+    """The two llama.cpp contexts: the source (reference) and the candidate, each with its K and V caches
+    (-ctk / -ctv), flash attention on when either is quantized (-fa on)."""
     from kvconvert.engines.llamacpp import LlamaCppContext, cache_type
 
     out = []
     for role, kv in (("source", run.options.source_kv_dtype), ("candidate", run.options.kv_dtype)):
-        cache = llamacpp_cache(kv, role)
-        out.append(LlamaCppContext(name=role, gguf=str(ggufs[role]), cache=cache,
-                                   flash_attn="on" if cache_type(cache).quantized else "auto",
-                                   rotation=rotation_enabled()))
+        k, v = llamacpp_cache(kv, role)
+        quantized = cache_type(k).quantized or cache_type(v).quantized
+        out.append(LlamaCppContext(name=role, gguf=str(ggufs[role]), cache=k, cache_v=v,
+                                   flash_attn="on" if quantized else "auto", rotation=rotation_enabled()))
     return out
 
 
-def rotation_applied(cfg: dict, cache: str) -> str:
-    """What llama.cpp's Hadamard rotation does to a model's `cache` (llama.cpp's type name), as its source decides
+def cache_flags(context) -> str:
+    """A context's cache as llama.cpp's command-line flags (-ctk K -ctv V -fa ...)."""
+    return f"-ctk {context.cache} -ctv {context.type_v} -fa {context.flash_attn}"
+
+
+def rotation_applied(cfg: dict, cache: str, cache_v: str | None = None) -> str:
+    """What llama.cpp's Hadamard rotation does to a model's K `cache` and V `cache_v` (llama.cpp's type names; V
+    None: as K), as its source decides
     (src/llama-kv-cache.cpp: attn_rot_k / attn_rot_v when the switch is on, the cache type is quantized and the
     head size is a multiple of 64; src/llama-graph.cpp: the MLA path never rotates). The runtime's emulation
     (kvconvert.ggml_formats.llamacpp_frames) follows the same rule."""
@@ -91,8 +100,10 @@ def rotation_applied(cfg: dict, cache: str) -> str:
     from kvconvert.ggml_formats import key_rotation_size
     from kvconvert.kvmath import head_dim
 
-    if not cache_type(cache).quantized:
-        return f"none ({cache} is not quantized)"
+    cache_v = cache_v or cache
+    k_q, v_q = cache_type(cache).quantized, cache_type(cache_v).quantized
+    if not (k_q or v_q):
+        return f"none ({cache if cache == cache_v else f'{cache}/{cache_v}'} is not quantized)"
     if not rotation_enabled():
         return "off (LLAMA_ATTN_ROT_DISABLE)"
     if cfg.get("kv_lora_rank"):
@@ -100,7 +111,8 @@ def rotation_applied(cfg: dict, cache: str) -> str:
     size = head_dim(cfg)
     if size % 64:
         return f"none (llama.cpp rotates only head sizes that are multiples of 64; this one is {size})"
-    return f"on (K in Hadamard groups of {key_rotation_size(size)}, V of 64)"
+    turned = [f"K in Hadamard groups of {key_rotation_size(size)}"] * k_q + ["V of 64" if k_q else "V in groups of 64"] * v_q
+    return f"on ({', '.join(turned)})"
 
 
 def check_llamacpp(run) -> None:
@@ -151,12 +163,14 @@ def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> di
     prints = {role: runner_fingerprint(paths[role], "llamacpp", kv[role], "checkpoint") for role in paths}
     cache = ResultCache(Path(run.out) / "cache", resume=run.resume)
     # llama.cpp's settings besides the models and formats: what the cache types, rotation and weights were
-    key = (f"{prints['source']}-{prints['candidate']}-{caches['source'].cache}-{caches['candidate'].cache}"
+    types = {r: c.cache if c.type_v == c.cache else f"{c.cache}/{c.type_v}" for r, c in caches.items()}
+    key = (f"{prints['source']}-{prints['candidate']}-{types['source']}-{types['candidate']}"
            f"-rot{int(rotation_enabled())}-{outtype}")
-    section = {"settings": {"weights": outtype, "kv_cache": {r: c.cache for r, c in caches.items()},
+    section = {"settings": {"weights": outtype, "kv_cache": types,
+                            "flags": {r: cache_flags(c) for r, c in caches.items()},
                             "flash_attn": {r: c.flash_attn for r, c in caches.items()},
                             "rotation": rotation_enabled(), "windows": len(windows),
-                            "rotation_applied": {r: rotation_applied(read_config(paths[r]), c.cache)
+                            "rotation_applied": {r: rotation_applied(read_config(paths[r]), c.cache, c.type_v)
                                                  for r, c in caches.items()},
                             "window_len": spec.ppl_window_len}, "notes": []}
     records, todo = [], []
@@ -179,7 +193,7 @@ def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> di
     from kvconvert.checkpoint import read_config
     from kvconvert.engines.llamacpp import cache_type
 
-    quantized = cache_type(caches["candidate"].cache).quantized
+    quantized = cache_type(caches["candidate"].cache).quantized or cache_type(caches["candidate"].type_v).quantized
     if quantized and rotation_enabled() and read_config(paths["candidate"]).get("kv_lora_rank"):
         section["notes"].append("llama.cpp's MLA path stores the latent unrotated: its Hadamard rotation applies "
                                 "to per-head K/V caches only (src/llama-graph.cpp)")

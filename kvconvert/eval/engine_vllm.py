@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import AUTO, kv_format
+from kvconvert.kvformat import AUTO, kv_pair
 
 TASK = "vllm_perplexity"
 EMULATION_TASK = "vllm_quantizer_emulation"
@@ -38,7 +38,9 @@ EMULATION_TASK = "vllm_quantizer_emulation"
 
 def vllm_kv_dtype(kv_dtype: str, role: str) -> str:
     """kvconvert's --kv-dtype -> vLLM's kv_cache_dtype (kvconvert.kvformat)."""
-    value = AUTO if kv_dtype == AUTO else kv_format(kv_dtype).vllm_cache_dtype
+    if kv_dtype != AUTO:
+        kv_pair(kv_dtype).check_engine("vllm")  # one kv_cache_dtype for K and V: a mixed pair is refused by name
+    value = AUTO if kv_dtype == AUTO else kv_pair(kv_dtype).k.vllm_cache_dtype
     if value is None:
         raise KVConvertError(f"--engine vllm: the {role}'s KV format {kv_dtype!r} has no vLLM cache here "
                              "(vLLM has no static INT8 cache; its NVFP4 KV needs a Blackwell GPU and is refused for MLA); "

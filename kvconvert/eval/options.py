@@ -10,7 +10,9 @@ from pydantic import Field
 
 from kvconvert.device import DEVICE_FIELD
 from kvconvert.eval.suites import SUITES
-from kvconvert.kvformat import AUTO_WEIGHT_DTYPE_NAMES, VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES  # "auto" + the runtime's formats
+from kvconvert.kvformat import (  # "auto" + the runtime's formats, and K/V pairs of llama.cpp's types
+    AUTO_WEIGHT_DTYPE_NAMES, VALIDATE_KV_DTYPES as KV_DTYPE_CHOICES, kv_dtype_type, pair_help,
+)
 from kvconvert.stage_options import StageOptions
 
 ENGINES = ("auto", "runtime", "transformers", "vllm", "llamacpp")
@@ -26,10 +28,10 @@ class ValidateOptions(StageOptions):
                             "windows, side by side in the report (vLLM from ./.venv-vllm: bash scripts/setup_vllm.sh). llamacpp = the "
                             "same with stock llama.cpp (GGUF exports of both models; its KL and top-1 agreement; "
                             "llama-cpp-python in ./.venv: bash scripts/setup_llamacpp.sh).")
-    kv_dtype: Literal[KV_DTYPE_CHOICES] = Field(
+    kv_dtype: kv_dtype_type(KV_DTYPE_CHOICES) = Field(
         "auto", description="Candidate's KV-cache format (auto = the engine's unquantized cache: runtime bf16, "
-                            "transformers fp32).")
-    source_kv_dtype: Literal[KV_DTYPE_CHOICES] = Field("auto", description="Source's KV-cache format.")
+                            "transformers fp32). " + pair_help(KV_DTYPE_CHOICES))
+    source_kv_dtype: kv_dtype_type(KV_DTYPE_CHOICES) = Field("auto", description="Source's KV-cache format.")
     kv_scales: Literal["checkpoint", "dynamic"] = Field(
         "checkpoint", description="Runtime engine: fp8/nvfp4 scales from the checkpoint or from the first prefill.")
     dtype: Literal[AUTO_WEIGHT_DTYPE_NAMES] = Field(

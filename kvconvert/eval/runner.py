@@ -40,7 +40,7 @@ from kvconvert.checkpoint.fingerprint import checkpoint_fingerprint  # noqa: F40
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.options import KV_DTYPE_CHOICES  # "auto": the engine's own cache
 from kvconvert.ggml_formats import rotation_enabled
-from kvconvert.kvformat import AUTO, kv_format
+from kvconvert.kvformat import AUTO, check_kv_dtype, kv_pair
 
 PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 — naïve café 東京 <tag>\n\tend."
 
@@ -48,7 +48,7 @@ PROBE_TEXT = "KV caches: 128K tokens in FP8 & NVFP4, see https://x.io/a_b?c=1 �
 def _quantized(kv_dtype: str) -> bool:
     """Stored with kv scales read from the checkpoint (fp8, fp8_e5m2, nvfp4); "auto" and llama.cpp's types
     (block scales set as rows are written) are not."""
-    return kv_dtype != AUTO and kv_format(kv_dtype).has_kv_scale
+    return kv_dtype != AUTO and kv_pair(kv_dtype).has_kv_scale
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -80,13 +80,16 @@ def argmax_allowed(logits: torch.Tensor, banned: tuple[int, ...]) -> int:
 def resolve_kv_dtype(engine: str, kv_dtype: str, kv_scales: str = "checkpoint") -> str:
     """The KV format a runner will really use ("auto": runtime bf16, transformers fp32); errors for
     combinations an engine cannot run."""
-    if kv_dtype not in KV_DTYPE_CHOICES:
-        raise KVConvertError(f"--kv-dtype {kv_dtype!r} is unknown; choose one of {', '.join(KV_DTYPE_CHOICES)}")
+    try:  # a format, or a K/V pair of llama.cpp's types (q5_0/iq4_nl)
+        kv_dtype = check_kv_dtype(kv_dtype, KV_DTYPE_CHOICES)
+    except ValueError as exc:
+        raise KVConvertError(f"--kv-dtype {kv_dtype!r} is unknown; choose one of {', '.join(KV_DTYPE_CHOICES)}, or "
+                             f"a K/V pair KTYPE/VTYPE of llama.cpp's types ({exc})") from None
     if engine != "transformers":
         return "bf16" if kv_dtype == "auto" else kv_dtype
     if kv_dtype in ("auto", "fp32"):
         return "fp32"
-    kv_dtype = kv_format(kv_dtype).name  # the transformers hook knows canonical names only (fp8_e4m3 -> fp8)
+    kv_dtype = kv_pair(kv_dtype).name  # the transformers hook knows canonical names only (fp8_e4m3 -> fp8)
     if _quantized(kv_dtype) and kv_scales != "checkpoint":
         raise KVConvertError("--kv-scales dynamic is a runtime-engine option; with --engine transformers the "
                              "scales come from the calibrated checkpoint")
@@ -121,7 +124,7 @@ def runner_fingerprint(path: Path, engine: str, kv_dtype: str, kv_scales: str,
         key += "|cuda"
     if engine == "runtime" and _quantized(kv_dtype):
         key += f"|scales={kv_scales}"
-    if kv_dtype != AUTO and kv_format(kv_dtype).ggml_type and not rotation_enabled():  # llama.cpp's switch
+    if kv_dtype != AUTO and kv_pair(kv_dtype).ggml_types and not rotation_enabled():  # llama.cpp's switch
         key += "|rotation=off"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -306,14 +309,14 @@ def _kv_hook(path: Path, config: dict, kv_dtype: str):
     """
     if kv_dtype == "fp32":
         return None
-    if not kv_format(kv_dtype).quantized:  # bf16, fp16
-        low = getattr(torch, kv_format(kv_dtype).torch_dtype)
+    if not kv_pair(kv_dtype).quantized:  # bf16, fp16
+        low = getattr(torch, kv_pair(kv_dtype).k.torch_dtype)
         return lambda layer, key, value: (key.to(low).to(key.dtype), value.to(low).to(value.dtype))
     from kvconvert.quant.hooks import fake_quant_hook, llamacpp_hook
     from kvconvert.quant.layout import detect_kv_layout
     from kvconvert.quant.scales import read_kv_scales
 
-    if kv_format(kv_dtype).ggml_type:  # llama.cpp's types: block scales set as rows are written, nothing to read
+    if kv_pair(kv_dtype).ggml_types:  # llama.cpp's types (a K/V pair too): block scales set as rows are written
         with CheckpointReader(path, verify=False) as reader:
             return llamacpp_hook(detect_kv_layout(config, reader.keys()), kv_dtype)
     scales = read_kv_scales(path)

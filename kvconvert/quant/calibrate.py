@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import kv_format
+from kvconvert.kvformat import kv_pair
+from kvconvert.targets import check_llamacpp_shape
 from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import (
     AttentionRecorder, decoder_layers, run_with_hook,
@@ -71,27 +72,29 @@ class CalibrationSettings(CalibrateOptions):
         super().__init__(**(fields if kv_dtype is None else {**fields, "kv_dtype": kv_dtype}))
 
     def check_layout(self, layout: KVShape) -> None:
-        kv_format(self.kv_dtype).check_cache_kind(layout.is_mla)
+        kv_pair(self.kv_dtype).check_cache_kind(layout.is_mla)
+        check_llamacpp_shape(self.kv_dtype, layout.is_mla, head_dim=layout.head_dim, rank=layout.kv_lora_rank,
+                             rope_dim=layout.qk_rope_head_dim)
         if not self.shaping_auto and self.latent_shaping > 0 and not layout.is_mla:
             raise KVConvertError("--latent-shaping transforms an MLA latent; this checkpoint caches per-head K/V "
                                  "(use the Hadamard of --value-rotation there)")
         if layout.is_mla and self.granularity == "head":
             raise KVConvertError("MLA caches one [latent | k_rope] row per token (no KV heads): "
                                  "use --granularity tensor")
-        if kv_format(self.kv_dtype).shared_kv_scale and self.granularity == "head":
+        if kv_pair(self.kv_dtype).k.shared_kv_scale and self.granularity == "head":
             raise KVConvertError(f"{self.kv_dtype}: the engine stores K and V of a layer at one scale (TensorRT-LLM's "
                                  "INT8 cache), per tensor: use --granularity tensor")
 
     def search_windows(self, window_len: int) -> int:
         """Calibration windows of `window_len` tokens the mse search replays (0: no search)."""
-        if self.observer != "mse" or not kv_format(self.kv_dtype).has_kv_scale:
+        if self.observer != "mse" or not kv_pair(self.kv_dtype).has_kv_scale:
             return 0
         return max(1, math.ceil(self.search_tokens / window_len))
 
     def key_phase_enabled(self, layout: KVShape) -> bool:
         """Phases only help where the (rope) keys are quantized: not the MLA k_rope under nvfp4 (bf16), and
         not under an engine that turns the keys by a Hadamard before its block quantizer (llama.cpp)."""
-        return self.key_phase_on and not (layout.is_mla and kv_format(self.kv_dtype).mla_rope == "bf16")
+        return self.key_phase_on and not (layout.is_mla and kv_pair(self.kv_dtype).k.mla_rope == "bf16")
 
     def key_balance_for(self, layout: KVShape) -> float:
         """The key pair balance power for this layout: its default is on only where the engine's rotation spreads
@@ -345,10 +348,10 @@ def _layer_scales(layout, layer, obs, settings, make_replay):
             raise KVConvertError(
                 f"layer {layer}: the cached {kind} is all zeros or non-finite on the calibration data "
                 f"(amax {a.tolist()}); cannot derive a scale - use more or different --calib-data")
-    if not kv_format(settings.kv_dtype).has_kv_scale:  # llama.cpp's types: nothing to calibrate but the weights
+    if not kv_pair(settings.kv_dtype).has_kv_scale:  # llama.cpp's types: nothing to calibrate but the weights
         return {}, None
     scale = {kind: scale_from_amax(a, settings.kv_dtype).float() for kind, a in amax.items()}
-    tie = kv_format(settings.kv_dtype).shared_kv_scale and not layout.is_mla  # MLA: one row scale already
+    tie = kv_pair(settings.kv_dtype).k.shared_kv_scale and not layout.is_mla  # MLA: one row scale already
     if settings.observer != "mse":
         return (tie_kv_scales(scale)[0] if tie else scale), None
     replay = make_replay()
@@ -381,7 +384,7 @@ def _result(layout, settings, per_layer: list[tuple[dict, dict | None]], plan, o
             record: int) -> CalibrationResult:
     """The result from each layer's (kind -> scale, search info or None) (_layer_scales)."""
     scales = None
-    if kv_format(settings.kv_dtype).has_kv_scale:
+    if kv_pair(settings.kv_dtype).has_kv_scale:
         ks = [s["kv"] if layout.is_mla else s["k"] for s, _ in per_layer]
         vs = [s["kv"] if layout.is_mla else s["v"] for s, _ in per_layer]
         scales = KVScales(settings.kv_dtype, settings.granularity, layout.kind, ks, vs)

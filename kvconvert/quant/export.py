@@ -36,7 +36,7 @@ import torch
 
 from kvconvert import __version__
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import SCALE_SUFFIXES, kv_format, scale_name
+from kvconvert.kvformat import SCALE_SUFFIXES, kv_format, kv_pair, scale_name
 from kvconvert.kvmath import MLA, KVShape
 from kvconvert.quant.fold import fold_layer, fold_plan
 from kvconvert.quant.rotate import RotationPlan
@@ -46,7 +46,7 @@ from kvconvert.quant.scales import KVScales, is_kv_scale_name
 
 def resolve_format(fmt: str, kv_dtype: str, granularity: str) -> tuple[str, ...]:
     """Export formats for a request: ("vllm",), ("modelopt",) or both. Refuses impossible combinations."""
-    kv = kv_format(kv_dtype)
+    kv = kv_pair(kv_dtype).k  # a mixed pair is two llama.cpp block types: no scale, as its K half
     if not kv.has_kv_scale:  # llama.cpp's types: block scales set as rows are written, none in the checkpoint
         if fmt != "auto" or granularity != "tensor":
             raise KVConvertError(f"{kv.title} has no KV scales to export (llama.cpp sets a scale per block of "

@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kvconvert.device import DEVICE_FIELD
-from kvconvert.kvformat import CALIBRATE_KV_DTYPES as KV_DTYPES, kv_format
+from kvconvert.kvformat import CALIBRATE_KV_DTYPES as KV_DTYPES, kv_dtype_type, kv_pair, pair_help
 from kvconvert.stage_options import StageOptions, text_source_help
 
 OBSERVERS = ("amax", "percentile", "mse")
@@ -33,7 +33,9 @@ def check_whole_windows(tokens: int, window: int, window_flag: str, tokens_flag:
 
 
 class CalibrateOptions(StageOptions):
-    kv_dtype: Literal[KV_DTYPES] = Field("fp8", description="KV cache format.")
+    kv_dtype: kv_dtype_type(KV_DTYPES) = Field(
+        "fp8", description="KV cache format. " + pair_help(KV_DTYPES) + " With a pair the key options (--key-balance, "
+                           "--key-phase) shape the K half and the value options the V half.")
     observer: Literal[OBSERVERS] = Field("mse", description="Scale statistic (mse = attention-output error search).")
     granularity: Literal[GRANULARITIES] = Field("tensor", description="One scale per tensor or per KV head.")
     percentile: float = Field(99.99, gt=0, le=100, description="Percentile for --observer percentile.")
@@ -75,7 +77,7 @@ class CalibrateOptions(StageOptions):
     def engine_rotates(self) -> bool:
         """llama.cpp's cache types: the engine turns K and V by a Hadamard itself before quantizing, and sets a
         block's scale as each row is written: a folded Hadamard or FP8's phase rule adds nothing there."""
-        return kv_format(self.kv_dtype).ggml_type is not None
+        return kv_pair(self.kv_dtype).ggml_types is not None
 
     @property
     def key_phase_on(self) -> bool:
@@ -91,7 +93,7 @@ class CalibrateOptions(StageOptions):
     @property
     def value_rotation_enabled(self) -> bool:
         if self.value_rotation is None:
-            return kv_format(self.kv_dtype).bits == 4 and not self.engine_rotates
+            return kv_pair(self.kv_dtype).v.bits == 4 and not self.engine_rotates
         return self.value_rotation
 
     @property

@@ -19,7 +19,7 @@ import torch
 from kvconvert import __version__
 from kvconvert.device import resolve_device
 from kvconvert.errors import CheckpointError, KVConvertError
-from kvconvert.kvformat import kv_format
+from kvconvert.kvformat import kv_pair
 from kvconvert.kvmath import KVShape
 from kvconvert.quant.calibrate import (
     CalibrationResult,
@@ -185,7 +185,7 @@ def build_report(job: CalibrateJob, src: Path, layout: KVShape, result: Calibrat
         "percentile": job.options.percentile if job.options.observer == "percentile" else None,
         "granularity": job.options.granularity,
         "formats": list(job.formats),
-        "scale_convention": kv_format(job.options.kv_dtype).scale_rule,
+        "scale_convention": kv_pair(job.options.kv_dtype).k.scale_rule,  # "-" for llama.cpp's types and their pairs
         "mla_row": ("one scale for the cached [latent | k_rope] row, written as k_scale and v_scale"
                     if layout.is_mla else None),
         "calibration": {"data": job.options.calib_data, "tokens": tokens, "windows": int(windows.shape[0]),

@@ -53,20 +53,20 @@ def make_llama(folder: Path, seed: int = 0, vocab_size: int = 512, layers: int =
 
 
 def make_deepseek(folder: Path, seed: int = 0, vocab_size: int = 512, layers: int = 2,
-                  rope_interleave: bool = True) -> Path:
+                  rope_interleave: bool = True, kv_lora_rank: int = 32, rope_dim: int = 16) -> Path:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = DeepseekV3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                           kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                           kv_lora_rank=kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=rope_dim, qk_nope_head_dim=16,
                            v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                            first_k_dense_replace=layers, max_position_embeddings=512,
                            rope_interleave=rope_interleave, tie_word_embeddings=False)
     model = DeepseekV3ForCausalLM(cfg)
     with torch.no_grad():  # a non-uniform latent norm weight: rotation must fold it first
         for layer in model.model.layers:
-            layer.self_attn.kv_a_layernorm.weight.copy_(0.5 + torch.rand(32))
+            layer.self_attn.kv_a_layernorm.weight.copy_(0.5 + torch.rand(kv_lora_rank))
     return _save(model, folder, vocab_size)
 
 

@@ -42,7 +42,7 @@ def test_q4_0_folds_the_key_balance_and_writes_no_scales(llama64, calib_text, tm
 
 
 def test_mla_q4_0_shapes_the_latent(tmp_path, calib_text, run_main):
-    src = make_deepseek(tmp_path / "mla")
+    src = make_deepseek(tmp_path / "mla", rope_dim=32)  # 32 + 32: whole blocks of 32, as llama.cpp serves
     out = tmp_path / "q4"
     code, err = run_main(["calibrate", "--src", src, "--out", out, "--kv-dtype", "q4_0", "--calib-data", calib_text,
                           *TINY])
@@ -73,3 +73,38 @@ def test_pair_balance_scale_is_the_cauchy_schwarz_optimum():
         assert bool((noise(torch.rand(3, 32, generator=g, dtype=torch.float64) + 0.1) >= best - 1e-9).all())
     assert torch.equal(pair_balance_scale(q, k, 0.0), torch.ones_like(q))
     assert torch.allclose(pair_balance_scale(q, k, 1.0).log().mean(-1), torch.zeros(3, dtype=torch.float64))
+
+
+def test_a_pair_calibrates_for_its_k_and_v_types(llama64, calib_text, tmp_path, run_main):
+    """q5_0/iq4_nl: llama.cpp's K in q5_0 and V in iq4_nl; both are its rotated block types, so the keys get the pair
+    balance and nothing is exported, as for one type; the report names the pair."""
+    out = tmp_path / "pair"
+    code, err = run_main(["calibrate", "--src", llama64, "--out", out, "--kv-dtype", "Q5_0/IQ4_NL", "--calib-data",
+                          calib_text, *TINY])
+    assert code == 0, err
+    report = read_json(out / "calibration_report.json")
+    assert report["kv_dtype"] == "q5_0/iq4_nl" and report["formats"] == []
+    assert set(report["rotation"]) == {"key_pair_balance"}
+    assert_same_logits(out, llama64)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8/q4_0", "q5_0/nvfp4"])
+def test_pairs_outside_llamacpps_types_are_refused(kv_dtype, llama64, tmp_path, run_main):
+    code, err = run_main(["calibrate", "--src", llama64, "--out", tmp_path / "x", "--kv-dtype", kv_dtype, *TINY])
+    assert code == 2 and "llama.cpp" in err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("model, kv_dtype, message", [
+    (dict(head_dim=48), "q4_0", "do not divide the 48 values of a cached K head"),
+    (dict(head_dim=16), "q5_0/iq4_nl", "do not divide the 16 values of a cached K head"),
+    (dict(kv_lora_rank=32, rope_dim=16), "q4_0", "do not divide the 48 values of a cached K head"),  # MLA 32+16
+    (dict(kv_lora_rank=48, rope_dim=16), "q8_0", "do not divide the 48 values of a cached V head"),  # row 64, view 48
+    (dict(kv_lora_rank=32, rope_dim=32), "q5_0/iq4_nl", "MLA model caches one row"),
+])
+def test_shapes_llamacpp_cannot_serve_are_refused_up_front(model, kv_dtype, message, tmp_path, run_main):
+    """llama.cpp refuses a quantized cache whose blocks of 32 do not tile each cached head (the MLA row and its
+    latent V view): calibrate refuses it before any work, with the one rule the engine check uses."""
+    src = make_deepseek(tmp_path / "m", **model) if "rope_dim" in model else make_llama(tmp_path / "m", **model)
+    code, err = run_main(["calibrate", "--src", src, "--out", tmp_path / "x", "--kv-dtype", kv_dtype, *TINY])
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "x").exists()
