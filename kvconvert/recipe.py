@@ -38,6 +38,9 @@ HEAL_PRESETS: dict[str, dict] = {
     "layerwise": {"name": "layerwise", "heal_layerwise": {}},
     # Layer-wise, then a short distillation.
     "layerwise+distill": {"name": "layerwise+distill", "heal_layerwise": {}, "heal_distill": {}},
+    # Distillation alone: a model of the teacher's own architecture healed for its KV cache (--distill-kv-dtype),
+    # which has no converted block to reconstruct.
+    "distill": {"name": "distill", "heal_distill": {}},
 }
 
 

@@ -20,9 +20,12 @@ naming the file and line and what to do, raised when that line is reached.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import math
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,11 +89,13 @@ def parse_mix(data: str | dict) -> dict[str, float]:
         raise ValueError(f"{data!r}: a mix names its texts joined by '+' (pydoc+wiki) or with weights "
                          "(0.7*A+0.3*B, or {A: 0.7, B: 0.3} in a recipe)")
     for name, weight in items:
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
-            raise ValueError(f"{data!r}: the weight of {name!r} must be a positive number, got {weight!r}")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight < math.inf:
+            raise ValueError(f"{data!r}: the weight of {name!r} must be a positive number (finite), got {weight!r}")
     if len({name for name, _ in items}) < len(items):
         raise ValueError(f"{data!r}: a text is named twice in the mix")
     total = sum(w for _, w in items)
+    if not math.isfinite(total):  # each finite, their sum not (1e308*A+1e308*B): every share would read as 0
+        raise ValueError(f"{data!r}: the weights sum beyond a float's range; give them as shares such as 0.5*A+0.5*B")
     return {name: w / total for name, w in items}
 
 
@@ -208,8 +213,16 @@ def documents(source: TextSource, cursor: dict | None = None) -> Iterator[Doc]:
             yield Doc(text, {"file": i, **position}, ends)
 
 
+@contextlib.contextmanager
 def _open(path: Path):
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    """The file, binary; a .gz file decompressed. A compressed file that ends early (truncated: gzip's EOFError,
+    which would otherwise read as Ctrl-C) or holds damaged data is named as such."""
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
+            yield f
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise KVConvertError(f"{path}: the compressed file is truncated or damaged ({type(exc).__name__}: {exc}); "
+                             "write or download it again, or leave it out of the data") from None
 
 
 def _jsonl_documents(path: Path, at: dict) -> Iterator[tuple[str, dict, bool]]:

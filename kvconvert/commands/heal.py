@@ -22,7 +22,8 @@ HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill
                    "architecture to heal for its KV cache (--distill-kv-dtype; e.g. the source itself).")
 @click.option("--teacher", required=True, help="The source it was converted from: HF folder or built-in name.")
 @click.option("--recipe", required=True,
-              help="Recipe YAML (heal_layerwise / heal_distill blocks) or a preset: layerwise, layerwise+distill. "
+              help="Recipe YAML (heal_layerwise / heal_distill blocks) or a preset: layerwise, layerwise+distill, "
+                   "distill (a model of the teacher's own architecture healed for its cache). "
                    "--layerwise-* / --distill-* flags replace single keys of its blocks.")
 @click_options(LayerwiseOptions, prefix="layerwise")
 @click_options(DistillOptions, prefix="distill")

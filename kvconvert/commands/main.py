@@ -76,7 +76,12 @@ def main(argv=None):
     record_sigint()
     try:
         cli.main(args=argv, standalone_mode=False)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:
+        # click turns an EOFError into Abort, as if it were Ctrl-C: a file that ended early is not an interrupt
+        if isinstance(exc.__cause__, EOFError) and not interrupted_by_signal():
+            if debug:
+                raise exc.__cause__ from None
+            _exit_truncated(exc.__cause__)
         _exit_interrupted()
     except click.ClickException as exc:
         exc.show()
@@ -90,6 +95,13 @@ def main(argv=None):
             raise
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+
+
+def _exit_truncated(exc: EOFError):
+    """An EOFError no reader named a file for: some input (a data or state file) ended before its end."""
+    click.echo(f"error: a file ended before its end (EOFError: {exc or 'no more data'}): an input or saved-state file "
+               "is truncated or empty; rerun with --debug to see which read failed", err=True)
+    sys.exit(KVConvertError.exit_code)
 
 
 def _exit_interrupted():

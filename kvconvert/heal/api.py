@@ -251,11 +251,11 @@ def check_saved_run(state: Path, run: dict, overwrite: bool) -> None:
     from kvconvert.checkpoint import atomic_write_text
     from kvconvert.checkpoint.provenance import option_changes
 
-    try:
-        saved = json.loads((state / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        saved = None
+    from kvconvert.heal.state import read_json_state
+
     progress = state.is_dir() and any(p.name != RUN_FILE for p in state.iterdir())
+    # progress without a readable record of its run cannot be matched to this one: named, not silently restarted
+    saved = read_json_state(state / RUN_FILE) if progress and (state / RUN_FILE).exists() else None
     if progress and isinstance(saved, dict) and saved != run:
         changes = option_changes(saved, json.loads(json.dumps(run, default=str)))
         if not overwrite:
@@ -312,7 +312,9 @@ def _layerwise_stage(s_reader, t_reader, data: HealData, stage: LayerwiseOptions
 
     done_flag = state / "layerwise.done"
     if not final and done_flag.is_file() and done_flag.read_text() == fp and (target / "config.json").is_file():
-        return json.loads((state / "layerwise-report.json").read_text())
+        from kvconvert.heal.state import read_json_state
+
+        return read_json_state(state / "layerwise-report.json")
     t0 = time.time()
     lw_state = LayerwiseState(state / "layerwise", fp)
     with _stage_writer(target, s_reader, report, {"stage": "heal_layerwise"}, overwrite or not final) as writer:

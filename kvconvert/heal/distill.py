@@ -38,6 +38,7 @@ from kvconvert.heal.fused_loss import fused_distill_loss, next_token_targets
 from kvconvert.heal.memory import LOADER_ATTENTION, distill_memory, distill_memory_problem  # noqa: F401 (public here too)
 from kvconvert.heal.reparam import ScaledWeight, row_scales, scheduled_lr
 from kvconvert.heal.options import TRAINABLE_ATTENTION, DistillOptions
+from kvconvert.heal.state import damaged_state, load_torch_state
 from kvconvert.kvformat import torch_dtype
 from kvconvert.token_stream import Batches, DataExhausted, TensorWindows
 
@@ -195,6 +196,16 @@ def check_accelerator_device(chosen: torch.device, resolved: torch.device) -> No
                              f"{chosen.type} to run there, or fix the torch/accelerate install")
 
 
+def data_fix_note(saved: bool) -> str:
+    """What fixing the data means for the progress (said before the user fixes it): the saved progress is keyed to the
+    data's files as they are (names and sizes, heal.api's run record), so a fixed file cannot resume it."""
+    if not saved:
+        return "No progress was saved yet: fix it and rerun."
+    return ("Note: the progress saved so far is keyed to the data as it is (its files' names and sizes), so once the "
+            "file is fixed it cannot be resumed: rerun with --restart after fixing it (the heal starts again from "
+            "step 0).")
+
+
 class Distiller:
     """One distillation run. Call run(); `max_steps` stops early (state saved) for resumption."""
 
@@ -292,10 +303,18 @@ class Distiller:
         """Load a saved state with the same fingerprint; True when resumed."""
         if not self.state_path.is_file():
             return False
-        state = torch.load(self.state_path, map_location="cpu", weights_only=True)  # tensors, numbers, strings: nothing unpickled
+        state = load_torch_state(self.state_path)  # tensors, numbers, strings: nothing unpickled; damaged: named
         layout = "fsdp" if is_sharded(self.student) else "whole"
         if state.get("fingerprint") != self.fingerprint or state.get("layout", "whole") != layout:
             return False
+        try:
+            self._restore(state, layout)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # a dict, but not the one save() writes
+            raise damaged_state(self.state_path, exc) from None
+        return True
+
+    def _restore(self, state: dict, layout: str) -> None:
+        """Weights, optimizer, schedule, history and data position from a saved state (try_resume)."""
         if layout == "fsdp":
             load_full_training_state(self.student, self.optimizer, state["trainable"], state["optimizer"])
         else:
@@ -309,7 +328,6 @@ class Distiller:
         self.step, self.history = state["step"], state["history"]
         # a state without a data position replays the data from its start to the step's window
         self.batches.seek(state.get("data") or {"index": self._windows_before(self.step), "block_state": None})
-        return True
 
     # ------------------------------------------------------------------ training
     def _windows_before(self, step: int) -> int:
@@ -320,7 +338,15 @@ class Distiller:
     def _micro_batch(self) -> torch.Tensor:
         """This process's next micro-batch: global micro-batch g = (step x grad_accum + micro) x world + rank
         of the window sequence (token_stream.Batches hands them out in that order)."""
-        return self.batches.get().to(self.accelerator.device)
+        try:
+            batch = self.batches.get()
+        except DataExhausted:
+            raise
+        except KVConvertError as exc:  # a broken line or file met mid-run (the data is read as the run goes)
+            every = self.stage.checkpoint_every
+            note = data_fix_note(bool(every) and self.step >= every)
+            raise KVConvertError(f"heal_distill stopped at step {self.step + 1}: {exc}. {note}") from None
+        return batch.to(self.accelerator.device)
 
     def _loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
         s = self.stage

@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from kvconvert.checkpoint import CheckpointReader, CheckpointWriter, atomic_save_tensors, atomic_write_text
 from kvconvert.heal.options import LayerwiseOptions
+from kvconvert.heal.state import load_tensor_state, read_json_state
 from kvconvert.heal.reparam import row_scales, scheduled_lr
 from kvconvert.mla import factorize as fz
 from kvconvert.mla.convert_layer import LayerResult
@@ -238,7 +238,7 @@ class LayerwiseState:
 
     def _progress(self) -> dict:
         path = self.folder / "progress.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        return read_json_state(path) if path.is_file() else {}
 
     def done(self) -> int:
         """Number of finished layers that can be reused (0 when the state is absent or stale)."""
@@ -257,10 +257,10 @@ class LayerwiseState:
         return self._progress().get("reports", [])
 
     def load_layer(self, i: int) -> dict:
-        return load_file(str(self.folder / f"layer_{i:05d}.safetensors"))
+        return load_tensor_state(self.folder / f"layer_{i:05d}.safetensors")
 
     def load_stream(self):
-        s = load_file(str(self.folder / "stream.safetensors"))
+        s = load_tensor_state(self.folder / "stream.safetensors")
         return s["h_t"], s["h_s"]
 
 

@@ -274,7 +274,12 @@ def plan_heal(student, teacher, stages, out, opts, overwrite: bool = False, prog
         echo(f"  {points[-1]['tokens']:>9,} tokens: KL {points[-1]['kl']:.4f} ± {points[-1]['kl_se']:.4f} "
              f"({d['tokens_per_s']:.0f} tokens/s on {device.type}, {report['seconds']:.0f} s)")
     del teacher_model
-    fit = fit_power_law([p["tokens"] for p in points], [p["kl"] for p in points], [p["kl_se"] for p in points])
+    try:
+        fit = fit_power_law([p["tokens"] for p in points], [p["kl"] for p in points], [p["kl_se"] for p in points])
+    except ValueError as exc:  # a KL of 0: the student reads exactly what the teacher does (nothing to heal)
+        kls = ", ".join(f"{p['kl']:.3g}" for p in points)
+        raise KVConvertError(f"heal --plan: {exc} (measured KL {kls}); a KL of 0 means the student already matches "
+                             "the teacher exactly: nothing to plan") from None
     reach = fit.interval(opts.kl_target)
     if (measured := reached_at(float(before.mean()), points, opts.kl_target)) is not None:
         # a fit cannot extrapolate back to a target the runs already passed (it is flat there, or below it)

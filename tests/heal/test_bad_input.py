@@ -28,8 +28,11 @@ def _file(tmp_path, name: str, text: str):
 
 # case: (student, teacher, recipe) from (tiny_student, tiny_teacher, text_file, tmp_path), error, message
 CASES = {
-    "student-is-not-mla": (lambda s, t, text, tmp: (t, t, layerwise_recipe(text)),
-                           UnsupportedModelError, "not 'deepseek_v3'"),
+    # the teacher's own architecture heals (for its cache) by distillation; it has no converted block to reconstruct
+    "layerwise-on-an-unconverted-student": (lambda s, t, text, tmp: (t, t, layerwise_recipe(text)),
+                                            KVConvertError, "teacher's own architecture.*heal_distill alone"),
+    "student-is-neither-mla-nor-the-teachers": (lambda s, t, text, tmp: (t, s, layerwise_recipe(text)),
+                                                UnsupportedModelError, "not 'deepseek_v3'"),
     "student-of-another-teacher": (  # same shapes and tokenizer, other weights
         lambda s, t, text, tmp: (s, build_llama(tmp / "other", seed=1), layerwise_recipe(text)),
         KVConvertError, "not converted from this teacher"),

@@ -265,16 +265,6 @@ def test_a_format_the_student_cannot_hold_is_refused_before_any_stage(tiny_stude
     assert not state_dir_for(tmp_path / "out").exists()  # nothing ran
 
 
-def test_layerwise_on_the_teachers_own_architecture_is_refused(tiny_teacher, text_file, tmp_path):
-    from heal_cases import layerwise_recipe
-
-    from kvconvert.errors import KVConvertError
-    from kvconvert.recipe import heal
-
-    with pytest.raises(KVConvertError, match="teacher's own architecture.*heal_distill alone"):
-        heal(tiny_teacher, tiny_teacher, layerwise_recipe(text_file), tmp_path / "out", progress=False)
-
-
 def test_a_kv_pair_rounds_keys_and_values_apart(llama64, mla32):
     """q5_0/iq4_nl: K in q5_0 and V in iq4_nl, as the runtime's llama.cpp emulation stores them (-ctk / -ctv), and
     not as either format for both; an MLA row has no V half and the pair is refused for it by name."""
@@ -283,7 +273,8 @@ def test_a_kv_pair_rounds_keys_and_values_apart(llama64, mla32):
 
     model = load_hf_model(llama64)
     layout = kv_shape(model.config.to_dict())
-    engine = {kv: forward_with_hook(model, IDS, llamacpp_hook(layout, kv)) for kv in ("q5_0/iq4_nl", "q5_0", "iq4_nl")}
+    engine = {kv: forward_with_hook(model, IDS, llamacpp_hook(layout, kv))
+              for kv in ("q5_0/iq4_nl", "q5_0", "iq4_nl")}
     with torch.no_grad():
         attach_cache_rounding(model, layout, "q5_0/iq4_nl")
         trained = model(input_ids=IDS).logits
