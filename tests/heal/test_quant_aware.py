@@ -284,3 +284,20 @@ def test_a_kv_pair_rounds_keys_and_values_apart(llama64, mla32):
     mla = load_hf_model(mla32)
     with pytest.raises(KVConvertError, match="no V half"):
         attach_cache_rounding(mla, kv_shape(mla.config.to_dict()), "q5_0/iq4_nl")
+
+
+@pytest.mark.parametrize("kv_dtype", ["q4_0", "iq4_nl"])
+def test_an_mla_conversion_heals_for_llamacpps_cache(mla32, tiny_teacher, text_file, tmp_path, kv_dtype):
+    """`heal --student MLA --teacher SRC --distill-kv-dtype q4_0` (once a TypeError in the scaled formats' scale
+    rule): the row goes through llama.cpp's blocks, the run trains and writes the checkpoint."""
+    from heal_cases import distill_recipe
+
+    from kvconvert.checkpoint import CheckpointReader
+    from kvconvert.recipe import heal
+
+    out = tmp_path / "healed"
+    rep = heal(mla32, tiny_teacher, distill_recipe(text_file, tokens=2 * 2 * 128, kv_dtype=kv_dtype), out,
+               progress=False)
+    assert rep["stages"]["heal_distill"]["finished"]
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    assert not torch.equal(CheckpointReader(out).get(name), CheckpointReader(mla32).get(name))
