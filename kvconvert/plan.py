@@ -36,12 +36,13 @@ from pydantic import Field, field_validator, model_validator
 
 from kvconvert.device import DEVICE_FIELD
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import kv_format
+from kvconvert.kvformat import kv_format, kv_pair
 from kvconvert.kvmath import MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
 from kvconvert.mla.options import DEFAULT_CONVERT_TEXT
 from kvconvert.progress import eta_text
 from kvconvert.stage_options import StageOptions
-from kvconvert.targets import DEFAULT_TARGET, TARGETS, engines_serving, get_target, rope_dims_for, servable_shapes
+from kvconvert.targets import (DEFAULT_TARGET, TARGETS, engines_serving, get_target, llamacpp_shape_problem,
+                               rope_dims_for, servable_shapes)
 
 # Formats a plan considers, in chains where each holds the same cached values with less rounding than the next
 # by construction (finest first): vLLM / TensorRT-LLM's; llama.cpp's symmetric blocks scaled by their largest
@@ -50,12 +51,38 @@ from kvconvert.targets import DEFAULT_TARGET, TARGETS, engines_serving, get_targ
 FINER_CHAINS = (("bf16", "fp8", "nvfp4", "nvfp4_fp8rope"), ("bf16", "q8_0", "q5_0", "q4_0"),
                 ("bf16", "q8_0", "iq4_nl"), ("bf16", "q5_1", "q4_1"))
 FORMATS = tuple(dict.fromkeys(f for chain in FINER_CHAINS for f in chain))
+# K and V apart in llama.cpp's types (-ctk / -ctv; kvformat.KVPair), for the source's own attention (an MLA row has
+# no V half): the pairs whose K has more bits than its V, since the keys carry most of a 4-bit cache's loss
+# (measured in llama.cpp on SmolLM2: q5_0/iq4_nl KL 0.014 against iq4_nl/q5_0's 0.036 at the same bytes). Any
+# other pair is planned when --kv-dtypes names it.
+PAIRS = tuple(f"{k}/{v}" for k in FORMATS for v in FORMATS
+              if kv_format(k).ggml_type and kv_format(v).ggml_type and kv_format(k).bits > kv_format(v).bits)
+
+
+def _finer_one(a: str, b: str) -> bool:
+    return any(a in chain and b in chain and chain.index(a) < chain.index(b) for chain in FINER_CHAINS)
 
 
 def finer(a: str, b: str) -> bool:
-    """Format a rounds the same values less than format b by construction (a chain has a before b)."""
-    return any(a in chain and b in chain and chain.index(a) < chain.index(b) for chain in FINER_CHAINS)
+    """Format a rounds the same values less than format b by construction (a chain has a before b); K/V pairs half
+    by half (one name is both halves): each half finer or the same, and not the same pair."""
+    pa, pb = kv_pair(a), kv_pair(b)
+    if not (pa.mixed or pb.mixed):
+        return _finer_one(pa.name, pb.name)
+
+    def at_most(x: str, y: str) -> bool:
+        return x == y or _finer_one(x, y)
+    return pa.name != pb.name and at_most(pa.k.name, pb.k.name) and at_most(pa.v.name, pb.v.name)
 WIDE_ROPE = 64  # RoPE dims the research shapes may reach where k_rope is stored in 8 bits (else 32)
+
+
+def _plan_format(name: str) -> str | None:
+    """A --kv-dtypes entry's canonical name (q5_0/iq4_nl; q4_0/q4_0 -> q4_0), None when plan does not measure it."""
+    try:
+        pair = kv_pair(name)
+    except KVConvertError:
+        return None
+    return pair.name if pair.name in FORMATS or pair.mixed else None
 
 
 class PlanOptions(StageOptions):
@@ -70,8 +97,9 @@ class PlanOptions(StageOptions):
                                                         "scales: calibrate's defaults, as the recipe ships them).")
     kv_calib_tokens: int | None = Field(None, ge=512, description="Calibration tokens of the KV scales, which the "
                                         "recipe carries (default: calibrate's own, 16384).")
-    kv_dtypes: tuple[str, ...] | None = Field(None, description="KV formats to consider (e.g. "
-                                              "fp8,nvfp4); default: every format the target serves.")
+    kv_dtypes: tuple[str, ...] | None = Field(None, description="KV formats to consider (e.g. fp8,nvfp4, or "
+                                              "llama.cpp's K/V pairs q5_0/iq4_nl); default: every format the target "
+                                              "serves, and for llama.cpp the pairs whose K has more bits than V.")
     measure_dominated: bool = Field(False, description="Also measure the candidates the pruning rules drop.")
     dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Weights of the quick conversions, of scoring and of the recipe's conversion: auto = as "
@@ -81,12 +109,13 @@ class PlanOptions(StageOptions):
     @field_validator("kv_dtypes")
     @classmethod
     def _known_formats(cls, value):
-        unknown = [v for v in value or () if v not in FORMATS]
+        unknown = [v for v in value or () if _plan_format(v) is None]
         if unknown:
-            raise ValueError(f"{', '.join(unknown)}: not a KV format plan measures; choose from {', '.join(FORMATS)}")
+            raise ValueError(f"{', '.join(unknown)}: not a KV format plan measures; choose from {', '.join(FORMATS)}, "
+                             "or a K/V pair KTYPE/VTYPE of llama.cpp's types (q5_0/iq4_nl)")
         if value is not None and not value:
             raise ValueError("give at least one KV format, or leave the option out for every format")
-        return value
+        return None if value is None else tuple(_plan_format(v) for v in value)
 
     @model_validator(mode="after")
     def _whole_windows(self):
@@ -232,8 +261,8 @@ def shape_candidates(shape, rank: int | None, rope: int | None) -> list[Candidat
     baseline = kv_bytes_per_token(shape, "bf16")
     cached = shape if rank is None else mla_whatif(shape, rank, rope)
     out = []
-    for fmt in FORMATS:
-        if kv_format(fmt).mla_only and rank is None:  # nvfp4_fp8rope: the source has no k_rope to keep apart
+    for fmt in FORMATS + (PAIRS if rank is None else ()):  # an MLA row has no V half to store apart
+        if kv_pair(fmt).k.mla_only and rank is None:  # nvfp4_fp8rope: the source has no k_rope to keep apart
             continue
         if not _whole_blocks(shape, fmt, rank, rope):
             continue
@@ -246,12 +275,14 @@ def _whole_blocks(shape, fmt: str, rank: int | None, rope: int | None) -> bool:
     """True when `fmt`'s blocks tile what it quantizes: NVFP4 groups of 16 along head_dim or the latent (k_rope
     apart); llama.cpp's blocks of 32 along head_dim or the MLA row, whose latent and k_rope llama.cpp takes in
     whole blocks each (targets.TARGETS["llamacpp"]: a shape it cannot load is no candidate for its formats)."""
-    spec = kv_format(fmt)
+    pair = kv_pair(fmt)
+    if pair.ggml_types:  # llama.cpp's one rule (kvconvert.targets)
+        heads = (shape.head_dim, shape.head_dim) if rank is None else (rank + rope, rank)
+        return llamacpp_shape_problem(*heads) is None
+    spec = pair.k
     if not spec.block:
         return True
-    if rank is None:
-        return shape.head_dim % spec.block == 0
-    return rank % spec.block == 0 and (not spec.ggml_type or rope % spec.block == 0)
+    return (shape.head_dim if rank is None else rank) % spec.block == 0
 
 
 def fits(candidates: list[Candidate], budget: float, target: str) -> list[Candidate]:
@@ -322,7 +353,8 @@ def artifact_folders(c: Candidate, src: Path, work: Path) -> tuple[Path, Path]:
     """(the model under the candidate's cache: `src` or its MLA conversion in `work`, the checkpoint scored:
     that model for bf16, its calibrated copy in `work` for fp8/nvfp4)."""
     model = src if c.rank is None else work / f"mla-{c.rank}-{c.rope_dim}"
-    scored = model if c.kv_dtype == "bf16" else work / f"{'source' if c.rank is None else model.name}-{c.kv_dtype}"
+    fmt = c.kv_dtype.replace("/", "+")  # a K/V pair names a folder: q5_0+iq4_nl
+    scored = model if c.kv_dtype == "bf16" else work / f"{'source' if c.rank is None else model.name}-{fmt}"
     return model, scored
 
 

@@ -108,10 +108,10 @@ def get_target(name: str) -> Target:
 def engines_serving(kv_dtype: str, rank: int | None = None, rope_dim: int | None = None) -> tuple[str, ...]:
     """The engines that serve a KV cache in `kv_dtype` (kvconvert.kvformat's engines / served_by) for the source's
     own attention (rank None) or an MLA latent of rank + rope_dim (the shapes each engine takes, above)."""
-    from kvconvert.kvformat import kv_format
+    from kvconvert.kvformat import kv_pair
 
     takes_shape = [e for e in SERVING_ENGINES if rank is None or TARGETS[e].serves(rank, rope_dim)]
-    return tuple(e for e in takes_shape if e in kv_format(kv_dtype).served_by(mla=rank is not None))
+    return tuple(e for e in takes_shape if e in kv_pair(kv_dtype).served_by(mla=rank is not None))
 
 
 def rope_dims_for(head_dim: int) -> list[int]:

@@ -79,9 +79,12 @@ def test_pruning_keeps_only_what_no_candidate_beats_by_construction():
     assert "MLA 224+64 nvfp4_fp8rope" in names and "MLA 224+64 nvfp4" not in names  # wide RoPE: 8-bit k_rope only
     assert not any(n.startswith("source nvfp4_fp8rope") for n in names)  # MLA-only
     survivors, pruned = prune(fits(enumerate_candidates(SMOLLM2), 0.5, "any"))
-    assert {c.name for c in survivors} == {"source fp8", "MLA 160+32 bf16", "source q5_0", "source q5_1",
-                                           "source iq4_nl", "MLA 256+64 q8_0", "MLA 320+32 q8_0"}
-    assert pruned["source nvfp4"] == "source fp8" and pruned["source q4_0"] == "source q5_0"
+    # llama.cpp's K/V pairs, half by half: q8_0/q5_0 beats q5_0 (a finer K, the same V), q8_0/iq4_nl beats iq4_nl
+    assert {c.name for c in survivors} == {"source fp8", "MLA 160+32 bf16", "source q5_1", "MLA 256+64 q8_0",
+                                           "MLA 320+32 q8_0", "source q8_0/q5_0", "source q8_0/q5_1",
+                                           "source q8_0/iq4_nl", "source q5_1/q4_0", "source q5_1/iq4_nl"}
+    assert pruned["source nvfp4"] == "source fp8" and pruned["source q4_0"] == "source q8_0/q5_0"
+    assert pruned["source q5_0"] == "source q8_0/q5_0" and pruned["source iq4_nl"] == "source q8_0/iq4_nl"
     survivors, _ = prune(fits(enumerate_candidates(SMOLLM2), 0.3, "llamacpp"))  # source 4-bit; MLA in finer types
     assert {"source q4_0", "source iq4_nl"} <= {c.name for c in survivors}
     assert not [c for c in survivors if c.kind == "mla" and c.kv_dtype in ("q4_0", "iq4_nl")]  # the source's beat them
@@ -301,3 +304,28 @@ def test_a_kv_dtype_the_target_does_not_serve_is_named_not_dropped(tmp_path):
     assert said[0] == ("note: --kv-dtypes q4_0 left out: vllm serves no candidate with it (served by llamacpp, "
                        "kvconvert: --target llamacpp, or --target any)")
     assert not [s for s in said if "fp8 left out" in s]
+
+
+def test_llamacpp_plans_k_and_v_apart_for_the_source():
+    """K/V pairs (q5_0/iq4_nl: -ctk q5_0 -ctv iq4_nl) are llama.cpp candidates for the source's own attention, their
+    bytes the sum of both halves; no MLA pair (one row in the K cache); a pair is pruned half by half."""
+    c = by_name(enumerate_candidates(SMOLLM2))
+    pair = c["source q5_0/iq4_nl"]
+    assert pair.fraction == pytest.approx((22 + 18) / 2 / 32 / 2) and pair.engines == ("llamacpp", "kvconvert")
+    assert "source iq4_nl/q5_0" not in c  # default pairs: K with more bits than V; --kv-dtypes may name any
+    assert not any("/" in name for name in c if name.startswith("MLA"))
+    assert "source q5_0/iq4_nl" not in by_name(fits(list(c.values()), 0.5, "vllm"))
+    survivors, pruned = prune(fits(list(c.values()), 0.32, "llamacpp"))
+    assert {"source q5_0/iq4_nl", "source q5_0/q4_0", "source iq4_nl"} <= {s.name for s in survivors}
+    assert pruned["source q4_0"] == "source q5_0/q4_0"  # the same V, a finer K
+    assert dominated_by(c["source q8_0/q4_0"], c["source q8_0/q5_0"])
+    assert not dominated_by(c["source q5_0/iq4_nl"], c["source q8_0/q4_0"])  # iq4_nl and q4_0: not ordered
+    assert PlanOptions(kv_dtypes=("IQ4_NL/Q5_0", "q4_0/q4_0")).kv_dtypes == ("iq4_nl/q5_0", "q4_0")
+    with pytest.raises(ValidationError, match="not a KV format plan measures"):
+        PlanOptions(kv_dtypes=("fp8/q4_0",))
+
+
+def test_llamacpp_candidates_keep_to_its_one_shape_rule():
+    """A head_dim llama.cpp's blocks of 32 do not tile is no candidate for its types (plan asks targets' rule)."""
+    c = by_name(enumerate_candidates({**SMOLLM2, "head_dim": 48, "hidden_size": 432}))
+    assert "source q4_0" not in c and "source q5_0/iq4_nl" not in c and "source fp8" in c

@@ -164,7 +164,8 @@ def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> di
     cache = ResultCache(Path(run.out) / "cache", resume=run.resume)
     # llama.cpp's settings besides the models and formats: what the cache types, rotation and weights were
     types = {r: c.cache if c.type_v == c.cache else f"{c.cache}/{c.type_v}" for r, c in caches.items()}
-    key = (f"{prints['source']}-{prints['candidate']}-{types['source']}-{types['candidate']}"
+    names = {r: t.replace("/", "+") for r, t in types.items()}  # the key names a file: K+V for a pair
+    key = (f"{prints['source']}-{prints['candidate']}-{names['source']}-{names['candidate']}"
            f"-rot{int(rotation_enabled())}-{outtype}")
     section = {"settings": {"weights": outtype, "kv_cache": types,
                             "flags": {r: cache_flags(c) for r, c in caches.items()},
