@@ -301,6 +301,11 @@ def kv_pair(name: str) -> KVPair:
     return pair
 
 
+def kv_dtype_slug(name: str) -> str:
+    """A KV dtype as part of a file or folder name: a pair's K+V (q5_0+iq4_nl), a format as it is."""
+    return name.replace(PAIR_SEP, "+")
+
+
 def ggml_type_names() -> tuple[str, ...]:
     """The llama.cpp block types in the registry (q8_0, q5_1, ...)."""
     return tuple(f.name for f in KV_FORMATS.values() if f.ggml_type)
@@ -323,7 +328,7 @@ def check_kv_dtype(name: str, choices: tuple[str, ...]) -> str:
         raise ValueError(str(exc)) from None
     if pair.name in choices:
         return pair.name
-    outside = [h for h in (pair.k.name, pair.v.name) if h not in choices]
+    outside = [h for h in dict.fromkeys((pair.k.name, pair.v.name)) if h not in choices]
     if outside or not pair.mixed:
         raise ValueError(f"KV dtype {name!r}: {', '.join(outside) or value} is not one of {', '.join(choices)}")
     return pair.name

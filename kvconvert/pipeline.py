@@ -32,7 +32,7 @@ from kvconvert.device import DEVICE_FIELD
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.options import ValidateOptions
 from kvconvert.eval.suites import SUITES
-from kvconvert.kvformat import CALIBRATE_KV_DTYPES, kv_format
+from kvconvert.kvformat import CALIBRATE_KV_DTYPES, kv_dtype_slug, kv_dtype_type, kv_pair, pair_help
 from kvconvert.mla.options import MLAOptions
 from kvconvert.plan import PlanOptions
 from kvconvert.quant.options import CalibrateOptions
@@ -166,12 +166,12 @@ def _export_gguf(model: str, out: Path, kv_dtype: str) -> Stage:
 def llamacpp_flags(kv_dtype: str, gguf: Path | str) -> str:
     """How stock llama.cpp serves a GGUF with a kvconvert KV format: its cache type flags (flash attention on for
     a quantized cache, which llama.cpp needs for a quantized V)."""
-    fmt = kv_format(kv_dtype)
-    cache = fmt.ggml_type or {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}.get(fmt.name)
-    if cache is None:
-        raise KVConvertError(f"llama.cpp has no {fmt.title} cache: its caches are f32, f16, bf16, q8_0, q5_1, q5_0, "
+    pair = kv_pair(kv_dtype)
+    caches = [fmt.ggml_type or {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}.get(fmt.name) for fmt in (pair.k, pair.v)]
+    if None in caches:
+        raise KVConvertError(f"llama.cpp has no {pair.title} cache: its caches are f32, f16, bf16, q8_0, q5_1, q5_0, "
                              "q4_1, q4_0 and iq4_nl")
-    flags = f"-ctk {cache} -ctv {cache}" + (" -fa on" if fmt.ggml_type else "")
+    flags = f"-ctk {caches[0]} -ctv {caches[1]}" + (" -fa on" if pair.quantized else "")
     return f"llama-cli -m {gguf} {flags}"
 
 
@@ -197,16 +197,18 @@ def build_stages(src: str, convert: MLAOptions | None, heal, heal_shown: str, ca
     problem = heal_cache_mismatch(heal.distill if heal is not None else None, calibrate)
     if problem:  # a recipe checks itself; --heal RECIPE with --kv-dtype composes two sources
         raise KVConvertError(f"{heal_shown}: {problem}")
+    if calibrate is not None:  # a K/V pair for the MLA row the conversion writes: refused before it runs
+        kv_pair(calibrate.kv_dtype).check_cache_kind(is_mla=convert is not None)
     stages, model, name = [], src, "source"
     if convert is not None:
         model, name = str(out_dir / "mla"), "mla"
         stages.append(_convert(src, convert, heal, heal_shown, Path(model)))
     if calibrate is not None:
-        stages.append(_calibrate(model, calibrate, out_dir / f"{name}-{calibrate.kv_dtype}"))
+        stages.append(_calibrate(model, calibrate, out_dir / f"{name}-{kv_dtype_slug(calibrate.kv_dtype)}"))
         model = str(stages[-1].out)
     kv = calibrate.kv_dtype if calibrate is not None else "bf16"
-    if gguf or kv_format(kv).ggml_type:
-        stages.append(_export_gguf(model, out_dir / f"{name}-{kv}.gguf", kv))
+    if gguf or kv_pair(kv).ggml_types:
+        stages.append(_export_gguf(model, out_dir / f"{name}-{kv_dtype_slug(kv)}.gguf", kv))
     return stages + [_validate(src, model, validate, out_dir / "report"), _gate(out_dir / "report", policy_file)]
 
 
@@ -324,8 +326,9 @@ class PipelineOptions(StageOptions):
     heal: str = Field("layerwise", description="none, layerwise or a recipe YAML.")
     calib_tokens: int | None = field_like(MLAOptions.model_fields["calib_tokens"], default=None, description=(
         "Calibration tokens for both convert and calibrate (default: each command's own default)."))
-    kv_dtype: Literal[(*CALIBRATE_KV_DTYPES, "bf16")] = field_like(
-        CalibrateOptions.model_fields["kv_dtype"], description="KV cache format (bf16: not quantized, no calibration).")
+    kv_dtype: kv_dtype_type((*CALIBRATE_KV_DTYPES, "bf16")) = Field(  # calibrate's default; its checks take no bf16
+        CalibrateOptions.model_fields["kv_dtype"].default, description="KV cache format (bf16: not quantized, no calibration). "
+        + pair_help((*CALIBRATE_KV_DTYPES, "bf16")) + " A pair is llama.cpp's, for the source's own attention (--no-mla).")
     suite: Literal[tuple(SUITES)] = field_like(ValidateOptions.model_fields["suite"])
     policy: str = Field(DEFAULT_POLICY, description="Gate policy: a YAML file or a built-in name.")
     kv_budget: str | None = Field(None, description=(
@@ -416,7 +419,10 @@ def _from_options(src: str, opts: PipelineOptions, out_dir: Path, given: frozens
 
 def _check_served(kv_dtype: str, target: str) -> None:
     """--target names an engine that does not hold the source's cache in --kv-dtype: refused before any work."""
-    served = kv_format(kv_dtype).served_by(mla=False)
+    pair = kv_pair(kv_dtype)
+    if target != "any":
+        pair.check_engine(target)  # vLLM, TensorRT-LLM: one cache dtype for K and V, a pair refused by name
+    served = pair.served_by(mla=False)
     if target != "any" and target not in served:
         raise KVConvertError(f"--kv-dtype {kv_dtype}: {target} does not serve it (served by {', '.join(served)}); "
                              f"pick a format {target} serves (`kvconvert plan --target {target}` measures them)")
@@ -437,7 +443,7 @@ def _check_out(out_dir: Path, src: str) -> None:
 def _from_flags(src, rank, rope_dim, target, heal, calib_tokens, kv_dtype, suite, policy, out_dir: Path,
                 device: str | None = None) -> list[Stage]:
     calib = {"calib_tokens": calib_tokens, "device": device}  # None: not given, the stage's default
-    quantized = kv_format(kv_dtype).quantized
+    quantized = kv_pair(kv_dtype).quantized
     calibrate = build_options(CalibrateOptions, {"kv_dtype": kv_dtype, **calib}) if quantized else None
     convert = None if rank is None else build_options(MLAOptions, {"rank": rank, "rope_dim": rope_dim,
                                                                    "target": target, **calib})

@@ -36,7 +36,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kvconvert.device import DEVICE_FIELD
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import kv_format, kv_pair
+from kvconvert.kvformat import kv_dtype_slug, kv_format, kv_pair
 from kvconvert.kvmath import MLA, KVShape, kv_bytes_per_token, kv_shape, mla_whatif
 from kvconvert.mla.options import DEFAULT_CONVERT_TEXT
 from kvconvert.progress import eta_text
@@ -353,8 +353,8 @@ def artifact_folders(c: Candidate, src: Path, work: Path) -> tuple[Path, Path]:
     """(the model under the candidate's cache: `src` or its MLA conversion in `work`, the checkpoint scored:
     that model for bf16, its calibrated copy in `work` for fp8/nvfp4)."""
     model = src if c.rank is None else work / f"mla-{c.rank}-{c.rope_dim}"
-    fmt = c.kv_dtype.replace("/", "+")  # a K/V pair names a folder: q5_0+iq4_nl
-    scored = model if c.kv_dtype == "bf16" else work / f"{'source' if c.rank is None else model.name}-{fmt}"
+    scored = model if c.kv_dtype == "bf16" else \
+        work / f"{'source' if c.rank is None else model.name}-{kv_dtype_slug(c.kv_dtype)}"
     return model, scored
 
 

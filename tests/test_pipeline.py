@@ -339,3 +339,24 @@ def test_a_llamacpp_cache_ships_a_gguf_with_the_flags_that_serve_it(tmp_path):
                       frozenset({"mla", "kv_dtype", "target"}))
     with pytest.raises(KVConvertError, match="llama.cpp has no NVFP4 cache"):
         llamacpp_flags("nvfp4", "m.gguf")
+
+
+def test_a_llamacpp_pair_ships_a_gguf_with_its_k_and_v_flags(tmp_path):
+    """--kv-dtype q5_0/iq4_nl: calibrated and written as GGUF under a K+V name, served with -ctk q5_0 -ctv iq4_nl;
+    refused up front for an MLA conversion (its row lives in llama.cpp's K cache) and by vLLM, by name."""
+    from kvconvert.pipeline import PipelineOptions, _from_options, llamacpp_flags
+
+    opts = PipelineOptions(mla=False, kv_dtype="q5_0/iq4_nl", target="llamacpp")
+    stages = _from_options("smollm2-135m", opts, tmp_path, frozenset({"mla", "kv_dtype", "target"}))
+    assert [s.name for s in stages] == ["calibrate", "export", "validate", "gate"]
+    assert stages[0].options.kv_dtype == "q5_0/iq4_nl" and stages[0].out == tmp_path / "source-q5_0+iq4_nl"
+    assert stages[1].argv[-2] == str(tmp_path / "source-q5_0+iq4_nl.gguf")
+    assert stages[2].options.kv_dtype == "q5_0/iq4_nl"
+    assert llamacpp_flags("q5_0/iq4_nl", "m.gguf") == "llama-cli -m m.gguf -ctk q5_0 -ctv iq4_nl -fa on"
+    with pytest.raises(KVConvertError, match="vllm stores K and V in one cache dtype"):
+        _from_options("smollm2-135m", PipelineOptions(mla=False, kv_dtype="q5_0/iq4_nl", target="vllm"), tmp_path,
+                      frozenset({"mla", "kv_dtype", "target"}))
+    with pytest.raises(KVConvertError, match="MLA model caches one row"):
+        _from_options("smollm2-135m", PipelineOptions(kv_dtype="q5_0/iq4_nl", target="llamacpp", rank=256,
+                                                      rope_dim=64), tmp_path,
+                      frozenset({"kv_dtype", "target", "rank", "rope_dim"}))

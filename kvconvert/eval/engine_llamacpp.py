@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvconvert.errors import KVConvertError
 from kvconvert.ggml_formats import rotation_enabled
-from kvconvert.kvformat import AUTO, kv_pair
+from kvconvert.kvformat import AUTO, kv_dtype_slug, kv_pair
 
 TASK = "llamacpp_perplexity"
 FLOAT_CACHES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}  # kvconvert's float formats -> llama.cpp's names
@@ -164,7 +164,7 @@ def run_llamacpp_perplexity(run, report: dict, threads: int | None = None) -> di
     cache = ResultCache(Path(run.out) / "cache", resume=run.resume)
     # llama.cpp's settings besides the models and formats: what the cache types, rotation and weights were
     types = {r: c.cache if c.type_v == c.cache else f"{c.cache}/{c.type_v}" for r, c in caches.items()}
-    names = {r: t.replace("/", "+") for r, t in types.items()}  # the key names a file: K+V for a pair
+    names = {r: kv_dtype_slug(t) for r, t in types.items()}  # the key names a file: K+V for a pair
     key = (f"{prints['source']}-{prints['candidate']}-{names['source']}-{names['candidate']}"
            f"-rot{int(rotation_enabled())}-{outtype}")
     section = {"settings": {"weights": outtype, "kv_cache": types,
