@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from kvconvert import kvmath
 from kvconvert.errors import KVConvertError
-from kvconvert.kvformat import KV_FORMATS, kv_format
+from kvconvert.kvformat import KV_FORMATS, kv_dtype_type, kv_format, kv_pair, pair_help
 from kvconvert.model_info import ModelInfo
 from kvconvert.stage_options import StageOptions
 
@@ -24,7 +24,8 @@ class BudgetOptions(StageOptions):
 
     context: int | None = Field(None, description="Tokens per request [default: max_position_embeddings].")
     batch: int = Field(1, description="Concurrent requests.")  # checked below, with the message that names it
-    kv_dtype: Literal[tuple(KV_FORMATS)] = Field("bf16", description="KV-cache format.")
+    kv_dtype: kv_dtype_type(tuple(KV_FORMATS)) = Field("bf16", description="KV-cache format. " + pair_help(
+        tuple(KV_FORMATS)) + " Bytes: K's in its format plus V's in its own.")
     mla_rank: int | None = Field(None, description="What-if: convert to MLA with this kv_lora_rank.")
     rope_dim: int | None = Field(None, description="What-if: shared RoPE key dims [default with --mla-rank: "
                                                    f"{DEEPSEEK_ROPE_DIM}].")
@@ -43,7 +44,7 @@ def budget_report(info: ModelInfo, opts: BudgetOptions) -> dict:
     """KV bytes per token / request / batch and, with gpu_mem, how many requests fit."""
     context, batch, mla_rank, gpu_mem = opts.context, opts.batch, opts.mla_rank, opts.gpu_mem
     rope_dim = DEEPSEEK_ROPE_DIM if opts.rope_dim is None else opts.rope_dim
-    fmt, config = kv_format(opts.kv_dtype), info.config
+    fmt, config = kv_pair(opts.kv_dtype), info.config  # a format, or K and V apart (q5_0/iq4_nl)
     shape = kvmath.kv_shape(config)
     if context is None:
         context = kvmath.text_config(config).get("max_position_embeddings")
@@ -55,7 +56,8 @@ def budget_report(info: ModelInfo, opts: BudgetOptions) -> dict:
               "bytes_per_value": fmt.bytes_per_value, "context": context, "batch": batch}
     windows = kvmath.layer_windows(config)
     if mla_rank is not None:
-        original = kv_format("bf16") if fmt.mla_only else fmt  # an MLA-only format: against today's bf16 cache
+        fmt.check_cache_kind(is_mla=True)  # a K/V pair: the MLA row has no V half
+        original = kv_pair("bf16") if fmt.k.mla_only else fmt  # an MLA-only format: against today's bf16 cache
         report["original_kv_dtype"] = original.name
         report["original_bytes_per_token"] = kvmath.kv_bytes_per_token(shape, original)
         shape, windows = kvmath.mla_whatif(shape, mla_rank, rope_dim), [None] * shape.num_layers

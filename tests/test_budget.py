@@ -277,3 +277,19 @@ def test_budget_never_imports_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["bytes_per_token"] == 327680
+
+
+def test_a_kv_pair_counts_k_and_v_each_in_its_format():
+    """--kv-dtype q5_0/iq4_nl (llama.cpp's -ctk / -ctv): K's bytes in q5_0 plus V's in iq4_nl; refused for an MLA
+    what-if, whose row lives in llama.cpp's K cache."""
+    from kvconvert.budget import BudgetOptions, budget_report
+    from kvconvert.model_info import load_model_info
+
+    info = load_model_info("smollm2-135m", prefer_preset=True)
+    report = budget_report(info, BudgetOptions(kv_dtype="Q5_0/IQ4_NL", context=1024))
+    halves = [budget_report(info, BudgetOptions(kv_dtype=d, context=1024))["bytes_per_token"] for d in ("q5_0", "iq4_nl")]
+    assert report["kv_dtype"] == "q5_0/iq4_nl" and 2 * report["bytes_per_token"] == sum(halves)
+    assert report["bytes_per_token"] == 30 * 3 * 2 * (22 + 18)  # layers x KV heads x 2 blocks of 32 x (K + V) bytes
+    assert report["bytes_per_value"] == (22 + 18) / 2 / 32
+    with pytest.raises(KVConvertError, match="MLA model caches one row"):
+        budget_report(info, BudgetOptions(kv_dtype="q5_0/iq4_nl", mla_rank=256))
