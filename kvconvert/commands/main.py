@@ -33,6 +33,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
              "Pass/fail a validation report against a policy (exit 1 on failure)."),
     "pipeline": ("kvconvert.commands.pipeline:pipeline_cmd", "Convert -> heal -> calibrate -> validate -> gate on one model."),
     "plan": ("kvconvert.commands.plan:plan_cmd", "The least-damage KV artifact for a byte budget, measured; writes its recipe."),
+    "sensitivity": ("kvconvert.commands.sensitivity:sensitivity_cmd",
+                    "Where a llama.cpp cache's loss sits: KL of K-only and V-only rounding, per layer."),
 }
 
 
