@@ -171,3 +171,20 @@ def test_kv_dtype_option_type_takes_pairs_of_its_choices():
     for bad in ("fp8/q4_0", "int4", "q4_0/int4"):
         with pytest.raises(ValidationError):
             Opts(kv_dtype=bad)
+
+
+def test_validate_takes_a_pair_and_vllm_refuses_it_by_name():
+    from kvconvert.eval.engine_llamacpp import llamacpp_cache
+    from kvconvert.eval.engine_vllm import vllm_kv_dtype
+    from kvconvert.eval.options import ValidateOptions
+    from kvconvert.eval.runner import resolve_kv_dtype
+
+    assert ValidateOptions(kv_dtype="Q5_0/IQ4_NL").kv_dtype == "q5_0/iq4_nl"
+    assert resolve_kv_dtype("transformers", "q5_0/iq4_nl") == "q5_0/iq4_nl" == resolve_kv_dtype("runtime", "q5_0/iq4_nl")
+    assert llamacpp_cache("q5_0/iq4_nl", "candidate") == ("q5_0", "iq4_nl")
+    assert llamacpp_cache("bf16", "source") == ("bf16", "bf16") and llamacpp_cache("auto", "source") == ("f16", "f16")
+    assert vllm_kv_dtype("fp8", "candidate") == "fp8"
+    with pytest.raises(KVConvertError, match="vllm stores K and V in one cache dtype"):
+        vllm_kv_dtype("q5_0/iq4_nl", "candidate")
+    with pytest.raises(KVConvertError, match="unknown"):
+        resolve_kv_dtype("runtime", "fp8/q4_0")

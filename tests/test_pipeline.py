@@ -360,3 +360,14 @@ def test_a_llamacpp_pair_ships_a_gguf_with_its_k_and_v_flags(tmp_path):
         _from_options("smollm2-135m", PipelineOptions(kv_dtype="q5_0/iq4_nl", target="llamacpp", rank=256,
                                                       rope_dim=64), tmp_path,
                       frozenset({"kv_dtype", "target", "rank", "rope_dim"}))
+
+
+def test_a_recipe_names_a_kv_pair(tmp_path):
+    """A recipe's calibrate block takes K and V apart; validation runs the same pair; with an MLA conversion the pair
+    is refused before any stage (the row lives in llama.cpp's K cache)."""
+    stages = _stages({"calibrate": {"kv_dtype": "q8_0/iq4_nl"}}, tmp_path)
+    assert [s.name for s in stages] == ["calibrate", "export", "validate", "gate"]
+    assert stages[0].options.kv_dtype == stages[2].options.kv_dtype == "q8_0/iq4_nl"
+    assert _params(stages[2])["candidate"] == str(tmp_path / "source-q8_0+iq4_nl")
+    with pytest.raises(KVConvertError, match="MLA model caches one row"):
+        _stages({"convert": {"rank": 64}, "calibrate": {"kv_dtype": "q8_0/iq4_nl"}}, tmp_path)
