@@ -31,9 +31,9 @@ with the row's scale from its amax (scale_from_amax, recomputed each forward: NV
 follow the data and its global scale only sets their range). The backward pass is straight through
 (d row_q / d row = identity): the rounding is noise the other weights learn to absorb.
 
-Not emulated: calibrate's mse scale search (it picks a slightly smaller scale than the amax) and its
-per-RoPE-pair phases of k_rope (they reduce the FP8 k_rope's score noise a little); both only lower
-the noise the engine sees.
+Not emulated: calibrate's mse scale search (it picks a slightly smaller scale than the amax), its
+per-RoPE-pair phases of the keys (they reduce the FP8 keys' score noise a little) and, for llama.cpp's
+per-head K, the key pair balance it may fold (exact in 16 bits); all only lower the noise the engine sees.
 
 The hook goes in through a forward pre-hook on every attention module (a stateless cache handed to
 the attention as ``past_key_values``), so it also runs under gradient checkpointing, which drops
