@@ -173,7 +173,9 @@ def longbench_samples(tokenizer, rows_by_task: dict[str, list[dict]], context: i
             raise KVConvertError(f"LongBench context {context} leaves {budget} prompt tokens for {task} "
                                  f"({max_new} new tokens); use a longer one")
         for row in rows[:per_task]:
-            ids = encode(tokenizer, row["prompt"]) if wrap is None else tokenizer(row["prompt"], add_special_tokens=False).input_ids
+            # a chat prompt's special tokens come from the template; a plain one gets the tokenizer's (BOS)
+            text = row["prompt"]
+            ids = tokenizer(text, add_special_tokens=False).input_ids if wrap else encode(tokenizer, text)
             prompt = truncate_middle(ids, budget)
             if wrap is not None:
                 prompt = wrap[0] + prompt + wrap[1]
