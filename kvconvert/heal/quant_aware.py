@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import torch
 
-from kvconvert.errors import KVConvertError
 from kvconvert.kvformat import KVPair, kv_format, kv_pair
 from kvconvert.kvmath import KVShape
 from kvconvert.quant.capture import CacheHook, ReplayCache, cache_hook, decoder_layers
@@ -105,18 +104,19 @@ def quant_aware_hook(model, layout: KVShape, kv_dtype: str) -> CacheHook:
 
 def check_quant_aware_dtype(kv_dtype: str, layout: KVShape | None = None) -> KVPair:
     """The K/V formats of a heal_distill.kv_dtype, refused by name where the student cannot be served with them (an
-    MLA-only layout or a mixed pair for the cache kind; llama.cpp's blocks of 32 across a row that is not a
-    multiple of 32)."""
-    from kvconvert.ggml_formats import GGML_BLOCK
+    MLA-only layout or a mixed pair for the cache kind; a shape llama.cpp refuses for its block types:
+    targets.llamacpp_shape_problem)."""
+    from kvconvert.targets import check_llamacpp_shape
 
     pair = kv_pair(kv_dtype)  # one format, or llama.cpp's K/V pair KTYPE/VTYPE
     for half in {pair.k.name, pair.v.name}:
         check_kv_dtype(half)  # a format calibrate stores (quantized)
     if layout is not None:
         pair.check_cache_kind(layout.is_mla)
-        if pair.ggml_types and layout.row_dim % GGML_BLOCK:
-            raise KVConvertError(f"heal_distill.kv_dtype {kv_dtype}: llama.cpp stores its cache in blocks of "
-                                 f"{GGML_BLOCK} values, and this student caches rows of {layout.row_dim}")
+        # llama.cpp's servable shapes, the one rule every command asks: a heal for a cache it refuses would teach
+        # the model a cache no engine serves
+        check_llamacpp_shape(pair.name, layout.is_mla, head_dim=layout.head_dim or 0,
+                             rank=layout.kv_lora_rank or 0, rope_dim=layout.qk_rope_head_dim or 0)
     return pair
 
 

@@ -109,7 +109,7 @@ def test_refuses_what_the_cache_cannot_hold():
     llama = KVShape(GQA, 2, 4, num_kv_heads=2, head_dim=16)
     with pytest.raises(KVConvertError, match="per-head K and V"):
         quant_aware.quant_aware_hook(torch.nn.Module(), llama, "nvfp4_fp8rope")
-    with pytest.raises(KVConvertError, match="blocks of 32 values.*rows of 16"):
+    with pytest.raises(KVConvertError, match="blocks of 32 values, which do not divide the 16 values"):
         quant_aware.quant_aware_hook(torch.nn.Module(), llama, "q4_0")
 
 
@@ -130,11 +130,11 @@ def llama64_one_layer(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mla32(tiny_teacher, text_file, tmp_path_factory) -> Path:
-    """A real conversion whose cached row [latent 24 | k_rope 8] is one llama.cpp block."""
+def mla32(llama64, text_file, tmp_path_factory) -> Path:
+    """A real conversion llama.cpp serves in its block types: latent 32 and k_rope 32, a block each."""
     from heal_cases import convert_tiny
 
-    return convert_tiny(tiny_teacher, tmp_path_factory.mktemp("qat") / "mla32", text_file, rank=24, rope_dim=8)
+    return convert_tiny(llama64, tmp_path_factory.mktemp("qat") / "mla32", text_file, rank=32, rope_dim=32)
 
 
 @pytest.mark.parametrize("kv_dtype", ["q4_0", "iq4_nl", "q8_0"])
@@ -252,7 +252,8 @@ def test_a_source_heals_for_its_llamacpp_cache(llama64, text_file, tmp_path):
 
 
 def test_a_format_the_student_cannot_hold_is_refused_before_any_stage(tiny_student, tiny_teacher, text_file, tmp_path):
-    """q4_0 for a row of 16 values (rank 8 + rope 8): refused by name before the layer-wise stage runs."""
+    """q4_0 for a row of 16 values (rank 8 + rope 8): refused by name (llama.cpp's shape rule) before the layer-wise
+    stage runs."""
     from heal_cases import distill_recipe, layerwise_recipe
 
     from kvconvert.errors import KVConvertError
@@ -260,7 +261,7 @@ def test_a_format_the_student_cannot_hold_is_refused_before_any_stage(tiny_stude
     from kvconvert.recipe import heal
 
     recipe = {**layerwise_recipe(text_file), **distill_recipe(text_file, kv_dtype="q4_0")}
-    with pytest.raises(KVConvertError, match="heal_distill.kv_dtype: .*blocks of 32 values.*rows of 16"):
+    with pytest.raises(KVConvertError, match="heal_distill.kv_dtype: .*blocks of 32 values, which do not divide the 16 "):
         heal(tiny_student, tiny_teacher, recipe, tmp_path / "out", progress=False)
     assert not state_dir_for(tmp_path / "out").exists()  # nothing ran
 
@@ -287,7 +288,7 @@ def test_a_kv_pair_rounds_keys_and_values_apart(llama64, mla32):
 
 
 @pytest.mark.parametrize("kv_dtype", ["q4_0", "iq4_nl"])
-def test_an_mla_conversion_heals_for_llamacpps_cache(mla32, tiny_teacher, text_file, tmp_path, kv_dtype):
+def test_an_mla_conversion_heals_for_llamacpps_cache(mla32, llama64, text_file, tmp_path, kv_dtype):
     """`heal --student MLA --teacher SRC --distill-kv-dtype q4_0` (once a TypeError in the scaled formats' scale
     rule): the row goes through llama.cpp's blocks, the run trains and writes the checkpoint."""
     from heal_cases import distill_recipe
@@ -296,7 +297,7 @@ def test_an_mla_conversion_heals_for_llamacpps_cache(mla32, tiny_teacher, text_f
     from kvconvert.recipe import heal
 
     out = tmp_path / "healed"
-    rep = heal(mla32, tiny_teacher, distill_recipe(text_file, tokens=2 * 2 * 128, kv_dtype=kv_dtype), out,
+    rep = heal(mla32, llama64, distill_recipe(text_file, tokens=2 * 2 * 128, kv_dtype=kv_dtype), out,
                progress=False)
     assert rep["stages"]["heal_distill"]["finished"]
     name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
