@@ -328,9 +328,11 @@ def check_kv_dtype(name: str, choices: tuple[str, ...]) -> str:
         raise ValueError(str(exc)) from None
     if pair.name in choices:
         return pair.name
-    outside = [h for h in dict.fromkeys((pair.k.name, pair.v.name)) if h not in choices]
-    if outside or not pair.mixed:
-        raise ValueError(f"KV dtype {name!r}: {', '.join(outside) or value} is not one of {', '.join(choices)}")
+    if not pair.mixed:
+        raise ValueError(f"{name!r} is not one of {', '.join(choices)} (or a K/V pair KTYPE/VTYPE of llama.cpp's types)")
+    outside = [h for h in (pair.k.name, pair.v.name) if h not in choices]
+    if outside:
+        raise ValueError(f"KV dtype {name!r}: {', '.join(outside)} is not one of {', '.join(choices)}")
     return pair.name
 
 

@@ -183,7 +183,7 @@ def overflowing_keys(tiny_llama, folder):
 
 
 @pytest.mark.parametrize("make_src, args, message", [
-    (None, ["--kv-dtype", "int4"], "Invalid value for '--kv-dtype': 'int4' is not one of 'fp8', 'fp8_e5m2', 'nvfp4'"),
+    (None, ["--kv-dtype", "int4"], "--kv-dtype: 'int4' is not one of fp8, fp8_e5m2, nvfp4"),
     (None, ["--calib-data", "CALIB", "--calib-tokens", "99968", "--window-len", "64"], "data too short"),
     (None, ["--kv-dtype", "nvfp4", "--format", "vllm"], "no static NVFP4 KV-cache scheme"),
     (None, ["--kv-dtype", "nvfp4_fp8rope", *TINY], "per-head K and V (no k_rope): use --kv-dtype nvfp4"),
