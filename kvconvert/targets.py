@@ -43,6 +43,16 @@ def llamacpp_shape_problem(head_k: int, head_v: int, k_quantized: bool = True, v
     return None
 
 
+def llamacpp_config_problem(config: dict) -> str | None:
+    """Why llama.cpp cannot serve a model (its config.json) with a quantized cache, or None (llamacpp_shape_problem)."""
+    from kvconvert.kvmath import kv_shape
+
+    shape = kv_shape(config)
+    if shape.is_mla:
+        return llamacpp_shape_problem(shape.kv_lora_rank + shape.qk_rope_head_dim, shape.kv_lora_rank)
+    return llamacpp_shape_problem(shape.head_dim, shape.head_dim)
+
+
 def check_llamacpp_shape(kv_dtype: str, mla: bool, head_dim: int = 0, rank: int = 0, rope_dim: int = 0) -> None:
     """Refuse, before any work, a cache in llama.cpp's block types (`kv_dtype`, a format or a K/V pair) for a model
     llama.cpp cannot serve it for (llamacpp_shape_problem): per-head K/V of `head_dim`, or an MLA row rank + rope_dim.

@@ -27,6 +27,7 @@ def export_gguf_cmd(src, out, overwrite, as_json, **params):
     from kvconvert.checkpoint import CheckpointReader, check_checkpoint, read_config
     from kvconvert.checkpoint.gguf_export import check_no_kv_scales, check_output_file, export_gguf, gguf_arch
     from kvconvert.sources import resolve_source
+    from kvconvert.targets import llamacpp_config_problem
 
     opts = build_options(GGUFExportOptions, params)
     src_path = resolve_source(src)
@@ -36,7 +37,10 @@ def export_gguf_cmd(src, out, overwrite, as_json, **params):
         check_no_kv_scales(reader)  # a calibrated checkpoint: the source to export instead, before that read too
     check_checkpoint(src_path)
     summary = export_gguf(src_path, out, opts, overwrite=overwrite, name=str(src)).as_dict()
-    for note in summary.get("notes", []):
+    problem = llamacpp_config_problem(read_config(src_path))  # the one rule calibrate, validate and plan ask
+    notes = [*summary.get("notes", []), *([f"llama.cpp serves this model with a float cache only (-ctk / -ctv f32, "
+                                            f"f16, bf16): {problem}"] if problem else [])]
+    for note in notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
         click.echo(json.dumps(summary, indent=2))

@@ -365,3 +365,14 @@ def test_the_report_says_what_llama_cpps_rotation_does_to_each_shape(monkeypatch
         assert (frames["k"].rotation is not None, frames["v"].rotation is not None) == (rotated, rotated)
     monkeypatch.setenv(ROTATION_ENV, "1.5")
     assert rotation_applied({**llama, "head_dim": 64}, "q4_0") == "off (LLAMA_ATTN_ROT_DISABLE)"
+
+
+def test_export_says_when_llama_cpp_serves_only_a_float_cache(tmp_path, run_main, smollm2_path):
+    """head_dim 16: llama.cpp's quantized caches (blocks of 32) cannot hold it; export-gguf writes the model and says
+    so, with the rule calibrate, validate and plan refuse it by."""
+    src = make_tiny_llama(tmp_path / "src", smollm2_path, kv_heads=2, heads=4, head_dim=16)
+    code, err = run_main(["export-gguf", "--src", src, "--out", tmp_path / "m.gguf"])
+    assert code == 0, err
+    assert "float cache only" in err and "do not divide the 16 values of a cached K head" in err
+    smollm2 = run_main(["export-gguf", "--src", smollm2_path, "--out", tmp_path / "s.gguf"])
+    assert smollm2[0] == 0 and "float cache only" not in smollm2[1]
