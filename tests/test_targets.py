@@ -89,3 +89,26 @@ def test_llamacpp_takes_any_latent_in_whole_32_value_blocks():
     assert candidate_splits(SMOLLM2, 192, "llamacpp") == [(160, 32), (128, 64)]
     with pytest.raises(KVConvertError, match="no valid rank \\+ rope-dim split.*multiples of 32"):
         candidate_splits(SMOLLM2, 100, "llamacpp")
+
+
+def test_llamacpps_shape_rule_is_one_function():
+    """Blocks of 32 must tile each cached head: per-head K/V head_dim; MLA's K row rank + rope and its V view rank.
+    --target llamacpp, calibrate, the runtime, plan and export-gguf all ask this one rule."""
+    from kvconvert.targets import check_llamacpp_shape, llamacpp_config_problem, llamacpp_shape_problem
+
+    assert llamacpp_shape_problem(64, 64) is None and llamacpp_shape_problem(48, 48, False, False) is None
+    assert "48 values of a cached K head" in llamacpp_shape_problem(48, 48)
+    assert "16 values of a cached V head" in llamacpp_shape_problem(64, 16)  # MLA 16 + 48: the row tiles, V does not
+    assert llamacpp_shape_problem(48, 48, k_quantized=False, v_quantized=True).endswith("cached V head")
+    for rank, rope in ((33, 16), (40, 32), (16, 2), (48, 16)):
+        assert not TARGETS["llamacpp"].serves(rank, rope)
+        with pytest.raises(KVConvertError, match="llama.cpp refuses the cache"):
+            check_llamacpp_shape("q4_0", True, rank=rank, rope_dim=rope)
+        check_llamacpp_shape("bf16", True, rank=rank, rope_dim=rope)  # a float cache serves any shape
+    assert TARGETS["llamacpp"].serves(256, 64) and TARGETS["llamacpp"].serves(32, 32)
+    for head_dim in (48, 16):
+        with pytest.raises(KVConvertError, match=f"head_dim {head_dim}"):
+            check_llamacpp_shape("q5_0/iq4_nl", False, head_dim=head_dim)
+    check_llamacpp_shape("fp8", False, head_dim=48)
+    assert llamacpp_config_problem({"num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                    "hidden_size": 576}) is None
