@@ -19,8 +19,8 @@ PASS when the whole interval is within the threshold (high <= threshold), FAIL w
 past it (low > threshold), INCONCLUSIVE when it straddles the threshold: the suite is too small to tell, and
 the row says roughly how many samples would decide (an interval's width shrinks as 1/sqrt(n)). A metric
 measured on too few samples for an interval (one LongBench sample per task) is INCONCLUSIVE too.
-on_inconclusive says whether INCONCLUSIVE blocks the gate; a metric listed under `require` always needs a
-decided PASS. decide_on: point gates on the plain estimate (a declared non-statistical rule: PASS or FAIL).
+on_inconclusive says whether INCONCLUSIVE blocks the gate; a metric listed under `require` with too few
+samples for an interval blocks either way (required means measured). decide_on: point gates on the plain estimate (a declared non-statistical rule: PASS or FAIL).
 
 A metric the report does not measure (e.g. RULER in the quick suite) is shown as "n/a" and passes unless it
 is listed under `require`; one the report's suite is defined to run but skipped (LongBench data missing,
@@ -161,9 +161,11 @@ def evaluate(report: dict, policy: Policy) -> list[dict]:
             continue
         found = estimate(report["samples"], name, settings.samples, settings.confidence, settings.seed)
         row = _unmeasured_row(report, policy, name, threshold) if found is None else _verdict_row(found, policy, threshold)
-        required = name in policy.require
+        # a required metric must be measured: with too few samples for an interval it blocks whatever
+        # on_inconclusive says; an interval straddling the threshold blocks as the policy says
+        unmeasured = name in policy.require and row.get("point") is not None and row.get("low") is None
         row["blocks"] = row["status"] == "fail" or (row["status"] == "inconclusive"
-                                                    and (required or policy.on_inconclusive == "fail"))
+                                                    and (unmeasured or policy.on_inconclusive == "fail"))
         rows.append(row)
     return rows
 

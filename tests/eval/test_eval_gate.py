@@ -145,7 +145,9 @@ def test_noise_on_few_samples_is_inconclusive_not_fail_but_fails_on_point(tmp_pa
     lenient = G.evaluate(report, policy(tmp_path, "  passkey_accuracy_drop: 10", "on_inconclusive: pass"))[0]
     assert lenient["status"] == "inconclusive" and not lenient["blocks"]
     required = policy(tmp_path, "  passkey_accuracy_drop: 10", "on_inconclusive: pass\nrequire: [passkey_accuracy_drop]")
-    assert G.evaluate(report, required)[0]["blocks"]  # a required metric needs a decided PASS
+    assert not G.evaluate(report, required)[0]["blocks"]  # measured, undecided: as the policy says (smoke's case)
+    one = make_report({"passkey": gen_records([1.0], [0.0])})  # required, and no interval at all: blocks
+    assert G.evaluate(one, required)[0]["blocks"]
     point = G.evaluate(report, policy(tmp_path, "  passkey_accuracy_drop: 10", "decide_on: point"))[0]
     assert point["status"] == "fail"
     # with many samples the same 20 pp drop is no longer noise
