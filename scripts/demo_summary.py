@@ -3,7 +3,7 @@ per token, quality against the source, the engines that serve them, the gate), a
 sentence that says what was shipped and what was traded.
 
     python scripts/demo_summary.py --policy default --png out/demo/summary.png \
-        "kvconvert plan, 50%, vLLM=out/demo/plan50" "kvconvert plan, 30%, llama.cpp=out/demo/plan30"
+        "kvconvert plan, 50%, vLLM=out/demo/plan50" "kvconvert plan, 33%, llama.cpp=out/demo/plan33"
 
 Each candidate is LABEL=PIPELINE_OUT (a `kvconvert pipeline --out` folder: its report/report.json, the
 validated model and, for llama.cpp, the GGUF). The smallest candidate whose gate passes is the one shipped.
