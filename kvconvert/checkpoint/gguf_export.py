@@ -117,19 +117,13 @@ def check_output_file(out: Path, overwrite: bool, sources: tuple = ()) -> None:
 def _check_folder_writable(out: Path) -> None:
     """Create and remove a hidden probe where the temp file will be written (the folder of `out`, or its nearest
     existing parent); a read-only mount or a missing permission is one line naming --out, not the probe."""
-    import tempfile
-
-    from kvconvert.checkpoint.writer import _existing_ancestor, resolve_output
+    from kvconvert.checkpoint.writer import _existing_ancestor, probe_new_files, resolve_output
 
     resolve_output(out)  # a symlink loop on the way: named
     where = _existing_ancestor(out.parent)
     if not where.is_dir():
         raise CheckpointError(f"{out}: --out lies under {where}, which is a file, not a folder; choose another --out")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=where))
-    except OSError as exc:
-        raise CheckpointError(f"{out}: --out cannot be written: {where} does not take new files ({exc.strerror}); "
-                              "choose a writable --out (read-only mount or no permission)") from None
+    probe_new_files(out, where)
 
 
 def gguf_arch(cfg: dict) -> str:

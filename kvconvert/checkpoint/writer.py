@@ -224,11 +224,17 @@ def check_writable(out_dir: Path) -> None:
     for where in places:
         if not where.is_dir():
             raise CheckpointError(f"{out_dir}: {where} is a file, not a folder; choose another --out")
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=f".{out_dir.name}.probe-", dir=where))
-        except OSError as exc:
-            raise CheckpointError(f"{out_dir}: cannot write in {where} ({exc.strerror}); "
-                                  "choose a writable --out (read-only mount or no permission)") from None
+        probe_new_files(out_dir, where)
+
+
+def probe_new_files(out: Path, where: Path) -> None:
+    """Create and remove a hidden folder in `where`, on the way to writing `out` (a real probe: root ignores
+    permission bits, a read-only mount does not); a refusal names `out` as --out, never the probe."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=where))
+    except OSError as exc:
+        raise CheckpointError(f"{out}: cannot write in {where} ({exc.strerror}); "
+                              "choose a writable --out (read-only mount or no permission)") from None
 
 
 def _pid_alive(pid: int) -> bool:

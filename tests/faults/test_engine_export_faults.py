@@ -111,7 +111,7 @@ def test_export_into_a_read_only_folder_names_out_not_a_probe(gguf_models, tmp_p
     folder = mounts(tmp_path / "ro", "ro,size=1m")
     out = folder / "x.gguf"
     line = refused(kvconvert("export-gguf", "--src", gguf_models["tiny"], "--out", out), None,
-                   f"{out}: --out cannot be written", "read-only")
+                   f"{out}: cannot write in {folder}", "read-only")
     assert ".x.gguf." not in line and "probe" not in line
 
 
