@@ -97,8 +97,9 @@ def write_report(folder: Path, longbench: bool) -> Path:
                                "kl": 0.0} for i in range(4)]}
     skipped = {"ruler": "the quick suite does not run RULER"}
     if longbench:
-        samples.update({f"longbench/{task}": [{"id": f"{task}-{i}", "source": {"score": 0.25 * i},
-                                               "candidate": {"score": 0.25 * i}} for i in range(2)]
+        samples.update({f"longbench/{task}": [{"id": f"{task}-{i}", "source": {"score": 0.25 * i, "answer_nll": 1.0 + i},
+                                               "candidate": {"score": 0.25 * i, "answer_nll": 1.0 + i}}
+                                              for i in range(2)]
                         for task in LONGBENCH_TASKS})
     else:
         skipped["longbench"] = "LongBench-mini data not found at /nowhere; pass --longbench-dir DIR"
@@ -148,13 +149,14 @@ def test_installed_wheel_runs_from_another_folder(wheel_install, tmp_path):
 
     gate = run("-c", kvconvert, "gate", "--report", str(write_report(tmp_path, longbench=True)), "--policy", "default")
     assert gate.returncode == 0, gate.stdout + gate.stderr
-    assert "gate passed" in gate.stdout and "longbench_avg_drop" in gate.stdout
+    assert "gate passed" in gate.stdout and "answer_nll_increase" in gate.stdout
 
-    # the default policy fails a report whose suite runs LongBench but skipped it
+    # the default policy fails a report whose suite runs LongBench but skipped it: the answer likelihoods it
+    # gates were not measured
     skipped = run("-c", kvconvert, "gate", "--report", str(write_report(tmp_path, longbench=False)), "--policy",
                   "default")
     assert skipped.returncode == 1, skipped.stdout + skipped.stderr
-    assert "gate FAILED: longbench_avg_drop" in skipped.stdout
+    assert "gate FAILED: answer_nll_increase" in skipped.stdout
 
     # the recipe is found by name and read (its source, smollm2-135m, conflicts with --src) before any work
     pipeline = run("-c", kvconvert, "pipeline", "--recipe", RECIPE, "--src", "other-model", "--out", "o")
