@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from kvconvert.eval.gate import load_policy
-from kvconvert.kvformat import kv_format
+from kvconvert.kvformat import kv_pair
 from kvconvert.kvmath import kv_bytes_per_token, kv_shape
 from kvconvert.pipeline import _policy_path, llamacpp_flags
 from kvconvert.targets import TARGETS
@@ -81,7 +81,7 @@ def _engines(report: dict) -> str:
     """The engines serving the candidate's KV format (kvconvert.kvformat) and, for MLA, its latent shape."""
     arch, kv = report["candidate"]["architecture"], report["candidate"]["kv_dtype"]
     mla = arch.startswith("Deepseek")
-    engines = kv_format(kv).served_by(mla=mla)
+    engines = kv_pair(kv).served_by(mla=mla)  # one format or a K/V pair (q5_0/iq4_nl)
     if mla:
         cfg = _config(report, "candidate")
         engines = [e for e in engines if TARGETS[e].serves(cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])]
