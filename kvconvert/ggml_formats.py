@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import GGML_BLOCK
 
-GGML_BLOCK = 32
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 

@@ -33,6 +33,7 @@ FP8_E5M2_MAX = 57344.0
 INT8_MAX = 127.0  # symmetric INT8: amax maps to 127 (the engine saturates at -128 / 127)
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
+GGML_BLOCK = 32  # values in one block of llama.cpp's quantized types (q8_0, q5_0, q4_0, iq4_nl, ...)
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvconvert.errors import KVConvertError
+from kvconvert.kvformat import GGML_BLOCK as LLAMACPP_BLOCK  # the values in one block of llama.cpp's types
 
-
-LLAMACPP_BLOCK = 32  # values in one block of llama.cpp's quantized cache types (q8_0, q4_0, iq4_nl, ...)
 
 
 def llamacpp_shape_problem(head_k: int, head_v: int, k_quantized: bool = True, v_quantized: bool = True) -> str | None:
