@@ -137,16 +137,14 @@ def scaled_per_head_hook(layout: KVShape, kv_dtype: str) -> CacheHook:
     rotation = latent_rotation(layout, kv_dtype)  # the value Hadamard for per-head K/V
 
     def hook(layer_idx, key, value):
-        k_scale = scale_from_amax(key.float().abs().amax(), kv_dtype)
-        v_scale = scale_from_amax(value.float().abs().amax() if rotation is None else
-                                  (value.float() @ rotation.to(value.device, torch.float32).T).abs().amax(), kv_dtype)
-        k_scale, v_scale = fmt.engine_scales(k_scale, v_scale)
+        r = None if rotation is None else rotation.to(value.device, torch.float32)
+        stored_v = value.float() if r is None else value.float() @ r.T  # what the cache holds (R v)
+        k_scale, v_scale = fmt.engine_scales(scale_from_amax(key.float().abs().amax(), kv_dtype),
+                                             scale_from_amax(stored_v.abs().amax(), kv_dtype))
         k_q = fake_quant_row(key, kv_dtype, k_scale)
-        if rotation is None:
+        if r is None:
             return k_q, fake_quant_row(value, kv_dtype, v_scale)
-        r = rotation.to(value.device, torch.float32)
-        v_q = fake_quant_row(value.float() @ r.T, kv_dtype, v_scale) @ r
-        return k_q, v_q.to(value.dtype)
+        return k_q, (fake_quant_row(stored_v, kv_dtype, v_scale) @ r).to(value.dtype)
     return hook
 
 
