@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -50,12 +51,19 @@ def heal_cmd(student, teacher, recipe, out, overwrite, restart, allow_other_teac
     engine stores it (any student, the source itself included). Resumes after an interruption."""
     import torch
 
-    from kvconvert.recipe import heal
-
     recipe = recipe_with_flags(recipe, params)
     plan_opts = build_options(HealPlanOptions, params, "plan")
     if threads:
         torch.set_num_threads(threads)
+    with process_group_released():
+        _heal(student, teacher, recipe, out, overwrite, restart, allow_other_teacher, max_steps, device, no_progress,
+              plan, plan_opts)
+
+
+def _heal(student, teacher, recipe, out, overwrite, restart, allow_other_teacher, max_steps, device, no_progress, plan,
+          plan_opts) -> None:
+    from kvconvert.recipe import heal
+
     if plan:
         from kvconvert.heal.token_plan import plan_heal
         from kvconvert.recipe import with_heal_device
@@ -78,6 +86,19 @@ def heal_cmd(student, teacher, recipe, out, overwrite, restart, allow_other_teac
                    f"{ds.get('loss_first', float('nan')):.4f} -> {ds.get('loss_last', float('nan')):.4f}, "
                    f"{ds.get('tokens_per_s', 0):.0f} tok/s")
     click.echo(f"wrote {out} ({json.dumps(report.get('seconds'))} s)")
+
+
+@contextmanager
+def process_group_released():
+    """Under `accelerate launch`, destroy the process group once the heal has returned on this process. Left to
+    interpreter exit, gloo's worker threads can still hold tensors while Python tears down, and the process ends in
+    SIGABRT ("terminate called without an active exception") after a heal that succeeded. Only on success: a
+    process that raised may leave its peers inside a collective, where a collective teardown would hang."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def recipe_with_flags(recipe: str, params: dict):

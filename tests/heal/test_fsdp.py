@@ -137,3 +137,29 @@ def test_fsdp_two_processes_on_streamed_shards_match_one(tiny_student, tiny_teac
     assert report["stages"]["heal_distill"]["sharding"]["fsdp"] is True
     assert report["data"]["distill"]["stream"]["sources"][0]["files"] == 4
     _assert_same_run(one, two)
+
+
+def _one_process_group(rendezvous: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+
+
+def test_heal_command_destroys_the_process_group_it_ran_under(tmp_path):
+    """A launched heal that returned destroys its process group (left to interpreter exit, gloo's threads can
+    abort the process after a heal that succeeded); one that raised leaves it (its peers may be mid-collective)."""
+    import torch.distributed as dist
+
+    from kvconvert.commands.heal import process_group_released
+
+    _one_process_group(tmp_path / "first")
+    with process_group_released():
+        assert dist.is_initialized()
+    assert not dist.is_initialized()
+    _one_process_group(tmp_path / "second")
+    try:
+        with pytest.raises(RuntimeError), process_group_released():
+            raise RuntimeError("a failed heal")
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
