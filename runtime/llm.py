@@ -141,13 +141,18 @@ class LLM:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    want_prompt_logits: bool = False) -> int:
-        """Queue one request (it joins the next step); returns its request id."""
+                    want_prompt_logits: bool = False, logits_from: int = 0) -> int:
+        """Queue one request (it joins the next step); returns its request id. want_prompt_logits: keep the logits
+        of the prompt positions from logits_from on (the positions before it may come from the prefix cache)."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and prompt else prompt
         if isinstance(token_ids, str):  # the empty string
             token_ids = []
-        seq = Sequence(self._next_id, list(token_ids), params, want_prompt_logits=want_prompt_logits)
+        try:
+            seq = Sequence(self._next_id, list(token_ids), params, want_prompt_logits=want_prompt_logits,
+                           logits_from=logits_from)
+        except ValueError as exc:
+            raise KVConvertError(str(exc)) from None
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self._next_id += 1
@@ -170,6 +175,13 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def prompt_computed(self, request_id: int) -> bool:
+        """True once the request's whole prompt is in the cache (it decodes) or it finished."""
+        if request_id in self._finished:
+            return True
+        seq = next((s for s in self.scheduler.running if s.seq_id == request_id), None)
+        return seq is not None and seq.num_computed_tokens >= seq.num_prompt_tokens
 
     def take_output(self, request_id: int) -> Output | None:
         """The Output of a finished request (added with add_request), once; None if not finished."""
@@ -203,18 +215,28 @@ class LLM:
                 yield from new
         return self._output(self._finished.pop(rid))
 
-    def score(self, token_ids) -> torch.Tensor:
-        """fp32 logits [T, vocab] of every position of token_ids, computed through the paged cache
-        (chunked prefill, same KV storage as generation). Raises KVConvertError if it cannot run."""
-        if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.reshape(-1).tolist()
-        rid = self.add_request(list(token_ids), SamplingParams(max_tokens=0), want_prompt_logits=True)
-        while rid not in self._finished:
-            self.step()
-        seq = self._finished.pop(rid)
+    def take_scores(self, request_id: int) -> torch.Tensor | None:
+        """The prompt logits [T - logits_from, vocab] fp32 of a finished want_prompt_logits request, once; None if
+        not finished. Raises KVConvertError if it could not run."""
+        seq = self._finished.pop(request_id, None)
+        if seq is None:
+            return None
         if seq.error:
             raise KVConvertError(seq.error)
         return torch.cat(seq.prompt_logits)
+
+    def score(self, token_ids, logits_from: int = 0) -> torch.Tensor:
+        """fp32 logits [T - logits_from, vocab] of the positions of token_ids from logits_from on (row i predicts
+        token logits_from + i + 1), computed through the paged cache (chunked prefill, same KV storage as
+        generation; with prefix caching on, positions before logits_from may be cache hits). Raises
+        KVConvertError if it cannot run."""
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.reshape(-1).tolist()
+        rid = self.add_request(list(token_ids), SamplingParams(max_tokens=0), want_prompt_logits=True,
+                               logits_from=logits_from)
+        while rid not in self._finished:
+            self.step()
+        return self.take_scores(rid)
 
     def _output(self, seq: Sequence) -> Output:
         text = None

@@ -85,39 +85,42 @@ class ModelRunner:
         if not rows:
             return {}
         logits = self.model.logits(hidden[self._tensor(rows)])
-        for it, lo, hi in scored:
-            self._keep_prompt_logits(it, logits[lo:hi])
+        for it, lo, hi, first in scored:
+            self._keep_prompt_logits(it, logits[lo:hi], first)
         seqs = [it.seq for it, _ in sampled]
         picked = mask_banned(logits[[row for _, row in sampled]], seqs, self.eos_token_ids)
         tokens = sample(picked, seqs, self.default_generator)
         return {it.seq.seq_id: tok for (it, _), tok in zip(sampled, tokens)}
 
     def _logit_rows(self, items):
-        """Rows of hidden to project: last row of each sampling sequence, every row of scored ones.
+        """Rows of hidden to project: last row of each sampling sequence, the rows of scored ones from their
+        logits_from on.
 
-        Returns (hidden rows, [(item, index into logits)], [(item, lo, hi) logits slices]).
+        Returns (hidden rows, [(item, index into logits)], [(item, lo, hi, first position) logits slices]).
         """
         rows, sampled, scored, offset = [], [], [], 0
         for it in items:
-            if it.seq.want_prompt_logits:
-                scored.append((it, len(rows), len(rows) + it.num_new_tokens))
-                rows.extend(range(offset, offset + it.num_new_tokens))
+            first = max(it.start, it.seq.logits_from) if it.seq.want_prompt_logits else it.end
+            if first < it.end:  # ends with the chunk's last row
+                scored.append((it, len(rows), len(rows) + it.end - first, first))
+                rows.extend(range(offset + first - it.start, offset + it.num_new_tokens))
             if it.needs_sample:
-                if not it.seq.want_prompt_logits:
+                if first == it.end:
                     rows.append(offset + it.num_new_tokens - 1)
                 sampled.append((it, len(rows) - 1))
             offset += it.num_new_tokens
         return rows, sampled, scored
 
     @staticmethod
-    def _keep_prompt_logits(it: ScheduledSeq, logits: torch.Tensor) -> None:
-        """Append logits of prompt positions not kept yet (a preempted sequence recomputes some)."""
+    def _keep_prompt_logits(it: ScheduledSeq, logits: torch.Tensor, first: int) -> None:
+        """Append the logits of prompt positions not kept yet (a preempted sequence recomputes some).
+        logits: rows of positions [first, it.end)."""
         seq = it.seq
-        lo = max(seq.num_prompt_logits - it.start, 0)  # scoring requests take no prefix hits: start <= kept
-        hi = min(it.end, seq.num_prompt_tokens) - it.start
+        lo = max(seq.next_logit_pos, first)
+        hi = min(it.end, seq.num_prompt_tokens)
         if hi > lo:
-            seq.prompt_logits.append(logits[lo:hi].to("cpu", copy=True))  # kept on the host
-            seq.num_prompt_logits += hi - lo
+            seq.prompt_logits.append(logits[lo - first:hi - first].to("cpu", copy=True))  # kept on the host
+            seq.next_logit_pos = hi
 
 
 # ------------------------------------------------------------------------------ sampling

@@ -131,8 +131,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not bm.has_table(seq.seq_id):
-                if seq.want_prompt_logits:
-                    seq.num_computed_tokens = 0
+                if seq.want_prompt_logits:  # cached below logits_from at most: the prefix covers those positions
+                    seq.num_computed_tokens = bm.allocate_prefix(seq.seq_id, seq.token_ids[:seq.logits_from + 1])
                 else:
                     seq.num_computed_tokens = bm.allocate_prefix(seq.seq_id, seq.token_ids)
                     if seq.num_preemptions == 0:

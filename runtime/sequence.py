@@ -16,14 +16,15 @@ class Sequence:
     token_ids = prompt + generated tokens. num_computed_tokens = how many leading tokens have their
     KV in the paged cache (prefix-cache hits count). The last token is computed one step after it
     is sampled, so a decoding sequence has exactly one token left to compute.
-    want_prompt_logits: keep the logits of every prompt position (LLM.score); such a request does
-    not take prefix-cache hits, since a hit skips the positions whose logits it needs.
+    want_prompt_logits: keep the logits of the prompt positions from logits_from on (LLM.score); such a
+    request takes prefix-cache hits only below logits_from, since a hit skips the positions it covers.
     """
 
     seq_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     want_prompt_logits: bool = False
+    logits_from: int = 0
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "error"
@@ -31,7 +32,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hit on first admission
     num_preemptions: int = 0
     prompt_logits: list = field(default_factory=list)  # chunks of [n, vocab] fp32, in order
-    num_prompt_logits: int = 0  # positions whose logits are in prompt_logits
+    next_logit_pos: int = field(init=False)  # the first prompt position whose logits are not kept yet
     generator: object = None  # torch.Generator for seeded sampling
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -40,6 +41,9 @@ class Sequence:
     def __post_init__(self):
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         self.token_ids = list(self.prompt_token_ids)
+        if not 0 <= self.logits_from < max(self.num_prompt_tokens, 1):
+            raise ValueError(f"logits_from {self.logits_from} is outside the {self.num_prompt_tokens}-token prompt")
+        self.next_logit_pos = self.logits_from
 
     @property
     def num_tokens(self) -> int:

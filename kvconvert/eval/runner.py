@@ -221,9 +221,38 @@ class RunnerInfo:
                 "architecture": (self.config.get("architectures") or ["?"])[0]}
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """One task sample's measurements through a runner. Greedy generation: at most max_new_tokens after prompt
+    (token ids; 0 = none wanted), ended by any of stop_ids (the stop token excluded from the result), which are
+    masked for the first min_new_tokens. Answer likelihood: the teacher-forced NLL of `reference` after prompt
+    (empty = none wanted)."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+    reference: tuple[int, ...] = ()
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]  # the greedy continuation ([] when none was wanted)
+    answer: dict | None  # answer_nll of the reference (None when none was wanted)
+
+
+def answer_nll(rows: torch.Tensor, reference) -> dict:
+    """rows [len(reference), vocab]: the logits that predict each reference token (row t, after prompt and
+    reference[:t]) -> {"nll": sum of -log p over the reference tokens, "tokens": its length}. Summed in float64 (an
+    answer is a handful to a few hundred tokens; fp32 would do, float64 keeps it exact for reuse)."""
+    target = torch.tensor(list(reference), dtype=torch.long)
+    nll = torch.nn.functional.cross_entropy(rows.double(), target, reduction="sum")
+    return {"nll": float(nll), "tokens": len(target)}
+
+
 class ModelRunner(RunnerInfo, ABC):
     """Interface shared by the engines: RunnerInfo's attributes, max_len (the longest sequence this
-    run needs), and the methods logits, greedy, close."""
+    run needs), and the methods logits, greedy, run_samples, close."""
 
     def __init__(self, path: Path, kv_dtype: str = "auto", kv_scales: str = "checkpoint",
                  dtype: str | torch.dtype = "auto", max_len: int | None = None, device: str | torch.device = "auto"):
@@ -240,6 +269,20 @@ class ModelRunner(RunnerInfo, ABC):
                min_new_tokens: int = 0) -> list[int]:
         """Greedy continuation of ids [T]: at most max_new_tokens ids, ending before a stop id;
         stop ids cannot be chosen for the first min_new_tokens steps."""
+
+    def run_samples(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        """Each request's greedy continuation and answer likelihood, in order. Engines that decode several
+        sequences at once override it; the default runs them one by one."""
+        return [SampleResult(self._greedy_of(r), self._answer_of(r)) for r in requests]
+
+    def _greedy_of(self, r: SampleRequest) -> list[int]:
+        return self.greedy(torch.tensor(r.prompt, dtype=torch.long), r.max_new_tokens, r.stop_ids, r.min_new_tokens)
+
+    def _answer_of(self, r: SampleRequest) -> dict | None:
+        if not r.reference:
+            return None
+        logits = self.logits(torch.tensor(r.prompt + r.reference, dtype=torch.long))
+        return answer_nll(logits[len(r.prompt) - 1: -1], r.reference)  # row t predicts token t + 1
 
     def close(self) -> None:
         """Release the model's memory."""
@@ -329,6 +372,11 @@ def _kv_hook(path: Path, config: dict, kv_dtype: str):
 
 
 RUNTIME_BLOCK = 16
+# Greedy generation decodes up to GENERATION_SEQS sequences together (one decode step costs about as much for 1 as
+# for 28 sequences of a small model on a CPU), in a KV pool of GENERATION_KV_BYTES, or of one max_len sequence when
+# that is larger: the pool, not the suite, bounds the memory; requests that do not fit wait for blocks (FCFS).
+GENERATION_SEQS = 32
+GENERATION_KV_BYTES = 256 << 20
 
 
 def runtime_blocks(max_len: int) -> int:
@@ -336,34 +384,47 @@ def runtime_blocks(max_len: int) -> int:
     return -(-max_len // RUNTIME_BLOCK) + 1
 
 
+def generation_blocks(max_len: int, kv_bytes_per_token: int) -> int:
+    """The runtime runner's pool: GENERATION_KV_BYTES of blocks, at least one sequence of max_len tokens."""
+    return max(runtime_blocks(max_len), GENERATION_KV_BYTES // (kv_bytes_per_token * RUNTIME_BLOCK))
+
+
 def memory_need(config: dict, engine: str, kv_dtype: str, dtype: torch.dtype, max_len: int):
-    """MemoryEstimate of one runner holding one sequence of max_len tokens (config.json only)."""
+    """MemoryEstimate of one runner: the model, its KV pool and one step (config.json only)."""
     from kvconvert.memory import dtype_name
     from kvconvert.runtime.kv_cache import bytes_per_token
     from kvconvert.runtime.memory import estimate_memory
     from kvconvert.runtime.models import kv_layout
 
     if engine == "runtime":  # its paged pool, prefilled in steps of at most 2048 tokens
-        kv_tokens, step = runtime_blocks(max_len) * RUNTIME_BLOCK, min(2048, max_len)
+        per_token = bytes_per_token(kv_layout(config), kv_dtype)
+        kv = generation_blocks(max_len, per_token) * RUNTIME_BLOCK * per_token
+        step = min(2048, max_len)
     else:  # transformers: the whole sequence in one forward, its K/V cached in the model's dtype
-        kv_tokens, step, kv_dtype = max_len, max_len, dtype_name(dtype)
-    kv = kv_tokens * bytes_per_token(kv_layout(config), kv_dtype)
+        kv, step = max_len * bytes_per_token(kv_layout(config), dtype_name(dtype)), max_len
     return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=step, context=max_len)
 
 
 class RuntimeRunner(ModelRunner):
-    """kvconvert.runtime.LLM: the bundled paged-KV engine. Prefix caching is off and one
-    sequence runs at a time, so every sample is computed the same way whatever ran before it."""
+    """kvconvert.runtime.LLM: the bundled paged-KV engine, with prefix caching. Perplexity windows are scored one
+    at a time (logits); task samples run together (run_samples): their greedy continuations decode in one batch
+    (up to GENERATION_SEQS sequences per step), and each answer likelihood is scored once its prompt's K/V is in the
+    cache, so only the answer's own positions are computed again. A cached block holds the same K/V as a recomputed
+    one up to the rounding of a product over another number of rows (fp32: last bits), so a sample's result does
+    not depend on what runs with it beyond that (tests/eval/test_eval_batched.py)."""
 
     engine = "runtime"
 
     def _load(self) -> None:
         from kvconvert.runtime import LLM
+        from kvconvert.runtime.kv_cache import bytes_per_token
+        from kvconvert.runtime.models import kv_layout
 
+        blocks = generation_blocks(self.max_len, bytes_per_token(kv_layout(self.config), self.kv_dtype))
         self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=self.kv_scales, block_size=RUNTIME_BLOCK,
-                       num_blocks=runtime_blocks(self.max_len),  # one sequence of max_len tokens
-                       max_model_len=self.max_len, attention_backend="torch",
-                       enable_prefix_caching=False, max_num_seqs=1, dtype=self.dtype, device=self.device)
+                       num_blocks=blocks, max_model_len=self.max_len, attention_backend="torch",
+                       enable_prefix_caching=True, max_num_seqs=GENERATION_SEQS, dtype=self.dtype,
+                       device=self.device)
         self.max_context = int(self.llm.max_model_len)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -371,19 +432,64 @@ class RuntimeRunner(ModelRunner):
 
     def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
                min_new_tokens: int = 0) -> list[int]:
-        if max_new_tokens <= 0:
-            return []
+        request = SampleRequest(tuple(ids.reshape(-1).tolist()), max_new_tokens, tuple(stop_ids), min_new_tokens)
+        return self.run_samples([request])[0].tokens
+
+    def run_samples(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        results = []
+        for chunk in self._chunks(requests):
+            results += self._run_chunk(chunk)
+        return results
+
+    def _chunks(self, requests: list[SampleRequest]):
+        """Consecutive requests whose sequences fit the KV pool together (their prompts stay cached until their
+        answers are scored), at most GENERATION_SEQS of them."""
+        pool, chunk, used = self.llm.num_blocks * RUNTIME_BLOCK, [], 0
+        for r in requests:
+            need = len(r.prompt) + r.max_new_tokens + len(r.reference) + 2 * RUNTIME_BLOCK  # + copy-on-write blocks
+            if chunk and (used + need > pool or len(chunk) == GENERATION_SEQS):
+                yield chunk
+                chunk, used = [], 0
+            chunk.append(r)
+            used += need
+        if chunk:
+            yield chunk
+
+    def _run_chunk(self, chunk: list[SampleRequest]) -> list[SampleResult]:
         from kvconvert.runtime import SamplingParams
 
-        prompt = ids.reshape(-1).tolist()
+        llm = self.llm
         # min_tokens masks the stop ids for the first steps, in the engine (one prefill, then decode steps)
-        params = SamplingParams(max_tokens=max_new_tokens, min_tokens=min(min_new_tokens, max_new_tokens),
-                                greedy=True, ignore_eos=True, stop_token_ids=tuple(stop_ids))
-        (out,) = self.llm.generate([prompt], params)
+        generating = {i: llm.add_request(list(r.prompt), SamplingParams(
+            max_tokens=r.max_new_tokens, min_tokens=min(r.min_new_tokens, r.max_new_tokens), greedy=True,
+            ignore_eos=True, stop_token_ids=tuple(r.stop_ids))) for i, r in enumerate(chunk) if r.max_new_tokens > 0}
+        while not all(llm.prompt_computed(rid) for rid in generating.values()):
+            llm.step()
+        # row len(prompt) - 1 predicts the reference's first token: computed again, the prompt before it cached
+        scoring = {i: llm.add_request(list(r.prompt + r.reference), SamplingParams(max_tokens=0),
+                                      want_prompt_logits=True, logits_from=len(r.prompt) - 1)
+                   for i, r in enumerate(chunk) if r.reference}
+        results = [SampleResult([], None) for _ in chunk]
+        pending = {**{("gen", i): rid for i, rid in generating.items()},
+                   **{("score", i): rid for i, rid in scoring.items()}}
+        while pending:
+            llm.step()
+            for (kind, i), rid in list(pending.items()):
+                if kind == "gen" and (out := llm.take_output(rid)) is not None:
+                    results[i].tokens = self._tokens(out, chunk[i])
+                elif kind == "score" and (logits := llm.take_scores(rid)) is not None:
+                    results[i].answer = answer_nll(logits[:-1].float(), chunk[i].reference)
+                else:
+                    continue
+                del pending[(kind, i)]
+        return results
+
+    def _tokens(self, out, request: SampleRequest) -> list[int]:
         if out.error:
-            raise KVConvertError(f"{self.path}: the runtime could not run a {len(prompt)}-token prompt: {out.error}")
+            raise KVConvertError(f"{self.path}: the runtime could not run a {len(request.prompt)}-token prompt: "
+                                 f"{out.error}")
         tokens = list(out.token_ids)
-        while tokens and tokens[-1] in stop_ids:  # the engine may return the stop token itself
+        while tokens and tokens[-1] in request.stop_ids:  # the engine may return the stop token itself
             tokens.pop()
         return tokens
 
@@ -458,6 +564,9 @@ class LazyRunner(RunnerInfo):
     def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
                min_new_tokens: int = 0) -> list[int]:
         return self.loaded.greedy(ids, max_new_tokens, stop_ids, min_new_tokens)
+
+    def run_samples(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        return self.loaded.run_samples(requests)
 
     def close(self) -> None:
         if self._runner is not None:

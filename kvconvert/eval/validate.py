@@ -34,7 +34,7 @@ from kvconvert.eval import haystack, longbench
 from kvconvert.eval.cache import ResultCache, SourceLogits, SourceResults, source_logits_store, source_results_dir
 from kvconvert.eval.metrics import longbench_sample_score, passkey_score, string_match_all, window_stats
 from kvconvert.eval.options import SIDE_ENGINES, ValidateOptions
-from kvconvert.eval.runner import LazyRunner, check_same_tokenizer, resolve_engine
+from kvconvert.eval.runner import GENERATION_SEQS, LazyRunner, SampleRequest, check_same_tokenizer, resolve_engine
 from kvconvert.eval.samples import GenSample
 from kvconvert.eval.suites import SUITE_VERSION, SuiteSpec, get_suite
 
@@ -175,45 +175,51 @@ def _longbench_samples(pair: Pair, spec: SuiteSpec, run: ValidateRun) -> list[Ge
     return longbench.longbench_samples(pair.tokenizer, rows, context, spec.longbench_per_task, spec.longbench_max_new)
 
 
-def generate_all(runner: LazyRunner, role: str, samples: list[GenSample], pair: Pair, cache: ResultCache,
-                 run: ValidateRun) -> dict[tuple[str, str], dict]:
-    """Greedy outputs of one model for every sample: {(task, id): {"tokens", "text"}}."""
-    results = {}
-    for sample in _progress(samples, f"{role} generation", run):
-        result = cache.get(runner.fingerprint, sample.task, sample.sample_id, sample.content_hash)
-        if result is None:
-            ids = torch.tensor(sample.prompt_ids, dtype=torch.long)
-            tokens = runner.greedy(ids, sample.max_new_tokens, pair.stop_ids + sample.stop_ids, sample.min_new_tokens)
-            result = {"tokens": tokens, "text": pair.tokenizer.decode(tokens, skip_special_tokens=True)}
-            cache.put(runner.fingerprint, sample.task, sample.sample_id, sample.content_hash, result)
-        results[(sample.task, sample.sample_id)] = result
-    return results
+def run_samples(runner: LazyRunner, role: str, samples: list[GenSample], pair: Pair, cache, run: ValidateRun
+                ) -> tuple[dict[tuple[str, str], dict], dict[tuple[str, str], dict], int]:
+    """One model's greedy output of every sample ({(task, id): {"tokens", "text"}}) and its teacher-forced
+    likelihood of each sample's reference answer given the prompt, through this runner's engine and KV cache format
+    ({(task, id): {"nll": sum of -log p over the answer tokens, "tokens": n}}). Each is cached under the runner's
+    fingerprint (answers under the task "<task>#answer" and the sample's answer_hash); what is not cached runs
+    together, GENERATION_SEQS samples at a time in the suite's order (LazyRunner.run_samples). Also returns how many
+    generations the cache's shared part held (the source's results of an earlier run)."""
+    outputs, answers = {}, {}
+    for sample in samples:
+        if (out := cache.get(runner.fingerprint, sample.task, sample.sample_id, sample.content_hash)) is not None:
+            outputs[(sample.task, sample.sample_id)] = out
+    reused_generations = getattr(cache, "reused", 0)  # read from the shared cache (the source's; see the note)
+    for sample in samples:
+        if sample.reference_ids and (ans := cache.get(runner.fingerprint, f"{sample.task}#answer", sample.sample_id,
+                                                      sample.answer_hash)) is not None:
+            answers[(sample.task, sample.sample_id)] = ans
+    todo = [s for s in samples if (s.task, s.sample_id) not in outputs
+            or (s.reference_ids and (s.task, s.sample_id) not in answers)]
+    bar = _progress(None, f"{role} generation and answer likelihood", run, total=len(samples),
+                    initial=len(samples) - len(todo))
+    for start in range(0, len(todo), GENERATION_SEQS):
+        batch = todo[start:start + GENERATION_SEQS]
+        requests = [_request(s, pair, generate=(s.task, s.sample_id) not in outputs,
+                             score=(s.task, s.sample_id) not in answers) for s in batch]
+        for sample, result in zip(batch, runner.run_samples(requests)):
+            key = (sample.task, sample.sample_id)
+            if key not in outputs:
+                outputs[key] = {"tokens": result.tokens,
+                                "text": pair.tokenizer.decode(result.tokens, skip_special_tokens=True)}
+                cache.put(runner.fingerprint, sample.task, sample.sample_id, sample.content_hash, outputs[key])
+            if result.answer is not None:
+                answers[key] = result.answer
+                cache.put(runner.fingerprint, f"{sample.task}#answer", sample.sample_id, sample.answer_hash,
+                          result.answer)
+        bar.update(len(batch))
+    bar.close()
+    return outputs, answers, reused_generations
 
 
-def score_answers(runner: LazyRunner, role: str, samples: list[GenSample], cache, run: ValidateRun
-                  ) -> dict[tuple[str, str], dict]:
-    """Teacher-forced likelihood of each sample's reference answer given its prompt, through this runner (its
-    engine and KV cache format): {(task, id): {"nll": sum of -log p over the answer tokens, "tokens": n}}.
-    Cached like generation results, under the task "<task>#answer" and the sample's answer_hash."""
-    results = {}
-    for sample in _progress([s for s in samples if s.reference_ids], f"{role} answer likelihood", run):
-        task = f"{sample.task}#answer"
-        result = cache.get(runner.fingerprint, task, sample.sample_id, sample.answer_hash)
-        if result is None:
-            result = answer_nll(runner, sample)
-            cache.put(runner.fingerprint, task, sample.sample_id, sample.answer_hash, result)
-        results[(sample.task, sample.sample_id)] = result
-    return results
-
-
-def answer_nll(runner: LazyRunner, sample: GenSample) -> dict:
-    """One forward pass of prompt + reference: the rows that predict the reference tokens, summed in float64
-    (an answer is a handful to a few hundred tokens; fp32 sums would be fine, float64 keeps it exact for reuse)."""
-    prompt, reference = list(sample.prompt_ids), list(sample.reference_ids)
-    logits = runner.logits(torch.tensor(prompt + reference, dtype=torch.long))
-    rows = logits[len(prompt) - 1: len(prompt) + len(reference) - 1].double()  # row t predicts token t + 1
-    nll = torch.nn.functional.cross_entropy(rows, torch.tensor(reference), reduction="sum")
-    return {"nll": float(nll), "tokens": len(reference)}
+def _request(sample: GenSample, pair: Pair, generate: bool, score: bool) -> SampleRequest:
+    """What a sample still needs from a runner: its greedy continuation, its reference answer's likelihood."""
+    return SampleRequest(tuple(sample.prompt_ids), sample.max_new_tokens if generate else 0,
+                         pair.stop_ids + sample.stop_ids, sample.min_new_tokens,
+                         tuple(sample.reference_ids) if score else ())
 
 
 def score_sample(sample: GenSample, text: str) -> float:
@@ -227,11 +233,11 @@ def score_sample(sample: GenSample, text: str) -> float:
     raise KVConvertError(f"no scorer for task {sample.task!r}")
 
 
-def _progress(items, label: str, run: ValidateRun):
+def _progress(items, label: str, run: ValidateRun, **bar):
     from tqdm import tqdm
 
     return tqdm(items, desc=label, unit="sample", file=sys.stderr, leave=False, dynamic_ncols=True,
-                disable=not run.progress)
+                disable=not run.progress, **bar)
 
 
 # --------------------------------------------------------------------------- the run
@@ -414,9 +420,7 @@ def run_suite(pair: Pair, spec: SuiteSpec, cache: ResultCache, run: ValidateRun
                 if records is not None:
                     samples["perplexity"] = records
                 lap(f"{role}_perplexity")
-            outputs[role] = generate_all(runner, role, gen_samples, pair, caches[role], run)
-            generated = getattr(caches[role], "reused", 0)
-            answers[role] = score_answers(runner, role, gen_samples, caches[role], run)
+            outputs[role], answers[role], generated = run_samples(runner, role, gen_samples, pair, caches[role], run)
             if role == "source" and (store.reused or caches["source"].reused):
                 note(run, f"the source's results of {store.reused} essay windows, {generated} samples and "
                           f"{caches['source'].reused - generated} answer likelihoods were measured by an earlier run "

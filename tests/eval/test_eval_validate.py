@@ -91,20 +91,22 @@ def test_tiny_model_vs_itself_reports_exact_zero_deltas(tiny_report):
         len(report["samples"][t]) for t in report["samples"] if t in ("passkey", "niah") or t.startswith("longbench/"))
 
 
-def test_answer_nll_is_the_teacher_forced_likelihood_of_the_reference(tiny_llama):
-    """The rows that predict the reference tokens, not one off: checked against a plain forward pass."""
+@pytest.mark.parametrize("engine", ["transformers", "runtime"])
+def test_answer_nll_is_the_teacher_forced_likelihood_of_the_reference(tiny_llama, engine):
+    """The rows that predict the reference tokens, not one off: checked against a plain forward pass. The runtime
+    scores the answer over its prompt's cached K/V (fp32 cache here: equal to 1e-5)."""
     import torch
 
-    from kvconvert.eval.runner import LazyRunner
-    from kvconvert.eval.samples import GenSample
-    from kvconvert.eval.validate import answer_nll
+    from kvconvert.eval.runner import LazyRunner, SampleRequest
 
-    runner = LazyRunner(tiny_llama, "transformers")
-    sample = GenSample("passkey", "x", tuple(range(5, 40)), 4, ("7",), reference_ids=(11, 12, 13))
-    ids = torch.tensor(sample.prompt_ids + sample.reference_ids)
-    logp = torch.log_softmax(runner.logits(ids).double(), -1)
-    expected = -sum(float(logp[34 + i, tok]) for i, tok in enumerate((11, 12, 13)))  # row t predicts token t + 1
-    assert answer_nll(runner, sample) == {"nll": pytest.approx(expected, rel=1e-6), "tokens": 3}
+    prompt, reference = tuple(range(5, 40)), (11, 12, 13)
+    plain = LazyRunner(tiny_llama, "transformers")
+    logp = torch.log_softmax(plain.logits(torch.tensor(prompt + reference)).double(), -1)
+    expected = -sum(float(logp[34 + i, tok]) for i, tok in enumerate(reference))  # row t predicts token t + 1
+    runner = LazyRunner(tiny_llama, engine, kv_dtype="fp32" if engine == "runtime" else "auto")
+    (result,) = runner.run_samples([SampleRequest(prompt, 4, (), 0, reference)])
+    assert result.answer == {"nll": pytest.approx(expected, rel=1e-5), "tokens": 3}
+    assert len(result.tokens) == 4
 
 
 def test_rerun_resumes_from_cache_and_recomputes_torn_lines(tmp_path, tiny_report, tiny_llama):
