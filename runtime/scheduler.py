@@ -131,12 +131,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not bm.has_table(seq.seq_id):
-                if seq.want_prompt_logits:  # cached below logits_from at most: the prefix covers those positions
-                    seq.num_computed_tokens = bm.allocate_prefix(seq.seq_id, seq.token_ids[:seq.logits_from + 1])
-                else:
-                    seq.num_computed_tokens = bm.allocate_prefix(seq.seq_id, seq.token_ids)
-                    if seq.num_preemptions == 0:
-                        seq.num_cached_tokens = seq.num_computed_tokens
+                # a scoring request: cached below logits_from at most (a hit skips the positions it covers)
+                wanted = seq.token_ids[:seq.logits_from + 1] if seq.want_prompt_logits else seq.token_ids
+                seq.num_computed_tokens = bm.allocate_prefix(seq.seq_id, wanted)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             copies = self._allocate(seq, n)
             if copies is None:  # wait for blocks; later requests do not overtake (FCFS)

@@ -98,6 +98,26 @@ def test_scored_request_survives_preemption(deepseek_mla):
     torch.testing.assert_close(logits, _contiguous(deepseek_mla).score(prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_score_from_a_position_reads_the_prefix_from_the_cache(tiny_model, cached):
+    """score(ids, logits_from=k): the logits of positions k.. only; with the prompt's first blocks cached (a
+    generation of the prefix ran before), those positions are hits and not computed again, the logits equal."""
+    ids = random_ids(30, seed=8)
+    llm = LLM(tiny_model, kv_dtype="fp32", block_size=4)
+    if cached:
+        llm.generate([ids[:21]], greedy(3))
+    rid = llm.add_request(ids, SamplingParams(max_tokens=0), want_prompt_logits=True, logits_from=20)
+    while llm.has_unfinished():
+        llm.step()
+    seq = llm._finished[rid]
+    assert seq.num_cached_tokens == (20 if cached else 0)
+    rows = llm.take_scores(rid)
+    assert rows.shape == (10, VOCAB)
+    torch.testing.assert_close(rows, _contiguous(tiny_model).score(ids)[20:], atol=ATOL, rtol=0)
+    with pytest.raises(KVConvertError, match="logits_from 30 is outside the 30-token prompt"):
+        llm.score(ids, logits_from=30)
+
+
 def test_continuous_batching_new_requests_join_between_steps(tiny_model):
     llm = LLM(tiny_model, kv_dtype="fp32", block_size=4)
     first = llm.add_request(random_ids(10, seed=6), greedy(20))
