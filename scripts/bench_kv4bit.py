@@ -302,8 +302,11 @@ def interval_text(gate: dict, fmt: str) -> str:
     """"ppl +x% [lo, hi], KL y [lo, hi]; gate VERDICT" of a gate block (gate_verdict)."""
     ppl, kl = gate["perplexity_increase_pct"], gate["kl_mean"]
     verdict = gate.get("verdict") or ("PASS" if gate["pass"] else "FAIL") + " (its ci_low rule)"  # an older row
-    return (f"ppl {ppl['point']:+.2f}% [{ppl['low']:+.2f}, {ppl['high']:+.2f}], KL {kl['point']:{fmt}} "
-            f"[{kl['low']:{fmt}}, {kl['high']:{fmt}}]; gate {verdict}")
+
+    def bounds(m: dict, f: str) -> str:  # too few windows for an interval: none shown
+        return "" if m["low"] is None else f" [{m['low']:{f}}, {m['high']:{f}}]"
+    return (f"ppl {ppl['point']:+.2f}%{bounds(ppl, '+.2f')}, KL {kl['point']:{fmt}}{bounds(kl, fmt)}; "
+            f"gate {verdict}")
 
 
 def table_row(entry: dict) -> dict:
