@@ -218,27 +218,48 @@ def ggml_quantize(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def ggml_dequantize(blocks: torch.Tensor, name: str, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 [..., n, block_bytes] (ggml_quantize's) -> values [..., n * 32]."""
+    """uint8 [..., n, block_bytes] (ggml_quantize's) -> values [..., n * 32]: ggml_values of the codes the bytes
+    hold, bit for bit (tests/test_ggml_formats.py), read through per-byte tables (a runtime reads its whole cache
+    every step: the codes are never unpacked one field at a time)."""
     t = ggml_type(name)
     if blocks.dtype != torch.uint8 or blocks.shape[-1] != t.block_bytes:
         raise KVConvertError(f"{name} blocks must be uint8 [..., {t.block_bytes}], got {blocks.dtype} "
                              f"{tuple(blocks.shape)}")
     b = blocks.contiguous()
-    d = b[..., 0:2].view(torch.float16)[..., 0]
-    m = b[..., 2:4].view(torch.float16)[..., 0] if t.has_min else None
+    d = b[..., 0:2].view(torch.float16).float()  # [..., n, 1]
+    m = b[..., 2:4].view(torch.float16).float() if t.has_min else None
     body = b[..., 4 if t.has_min else 2:]
     if t.code_bits == 8:
-        codes = body.view(torch.int8).to(torch.int16)
+        values = body.view(torch.int8).float()
     else:
         if t.code_bits == 5:
-            qh, body = body[..., :4].to(torch.int64), body[..., 4:]
-            mask = sum(qh[..., i:i + 1] << (8 * i) for i in range(4))
-            fifth = (mask >> torch.arange(32, device=b.device)) & 1
-        nib = body.to(torch.int16)
-        codes = torch.cat([nib & 0xF, nib >> 4], -1)
-        if t.code_bits == 5:
-            codes = codes | (fifth.to(torch.int16) << 4)
-    return ggml_values(codes, d, m, name, out_dtype)
+            qh, body = body[..., :4], body[..., 4:]
+        # byte j of the body holds element j (low nibble) and element j + 16 (high nibble)
+        values = _nibble_values(name, str(b.device))[body.long()].transpose(-1, -2).reshape(*body.shape[:-1], 32)
+        if t.code_bits == 5:  # bit j of the little-endian qh word is element j's fifth bit, worth 16
+            values = values + _bit_values(str(b.device))[qh.long()].reshape(*qh.shape[:-1], 32)
+    out = values * d
+    if m is not None:
+        out = out + m
+    return out.reshape(*out.shape[:-2], -1).to(out_dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _nibble_values(name: str, device: str) -> torch.Tensor:
+    """[256, 2] fp32: the values (before the block scale) of a byte's low and high nibble: iq4_nl's levels, q4_0's
+    code - 8, q5_0's code - 16 before its fifth bit, q4_1 / q5_1's code (their minimum added after the scale)."""
+    nibbles = torch.stack([torch.arange(256) & 0xF, torch.arange(256) >> 4], -1)
+    if name == "iq4_nl":
+        return torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)[nibbles].to(device)
+    t = ggml_type(name)
+    offset = 0 if t.has_min else 2 ** (t.code_bits - 1)
+    return (nibbles - offset).float().to(device)
+
+
+@functools.lru_cache(maxsize=4)
+def _bit_values(device: str) -> torch.Tensor:
+    """[256, 8] fp32: 16 x bit b of a byte (q5_0 / q5_1's fifth bits)."""
+    return (((torch.arange(256)[:, None] >> torch.arange(8)) & 1) * 16).float().to(device)
 
 
 # ----------------------------------------------------------------------------------------------

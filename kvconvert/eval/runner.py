@@ -436,21 +436,26 @@ class RuntimeRunner(ModelRunner):
         return self.run_samples([request])[0].tokens
 
     def run_samples(self, requests: list[SampleRequest]) -> list[SampleResult]:
-        results = []
+        results: list[SampleResult | None] = [None] * len(requests)
         for chunk in self._chunks(requests):
-            results += self._run_chunk(chunk)
+            for i, result in zip(chunk, self._run_chunk([requests[i] for i in chunk])):
+                results[i] = result
         return results
 
     def _chunks(self, requests: list[SampleRequest]):
-        """Consecutive requests whose sequences fit the KV pool together (their prompts stay cached until their
-        answers are scored), at most GENERATION_SEQS of them."""
+        """Indices of requests that run together, shortest first: their sequences fit the KV pool together (their
+        prompts stay cached until their answers are scored), at most GENERATION_SEQS of them, the longest at most
+        twice the shortest (a decode step reads every sequence's blocks padded to the longest context: a 4K prompt
+        among 500-token ones would make each of their steps read 4K)."""
         pool, chunk, used = self.llm.num_blocks * RUNTIME_BLOCK, [], 0
-        for r in requests:
+        length = [len(r.prompt) + max(r.max_new_tokens, len(r.reference)) for r in requests]
+        for i in sorted(range(len(requests)), key=lambda i: length[i]):  # stable: the suite's order among equals
+            r = requests[i]
             need = len(r.prompt) + r.max_new_tokens + len(r.reference) + 2 * RUNTIME_BLOCK  # + copy-on-write blocks
-            if chunk and (used + need > pool or len(chunk) == GENERATION_SEQS):
+            if chunk and (used + need > pool or len(chunk) == GENERATION_SEQS or length[i] > 2 * length[chunk[0]]):
                 yield chunk
                 chunk, used = [], 0
-            chunk.append(r)
+            chunk.append(i)
             used += need
         if chunk:
             yield chunk

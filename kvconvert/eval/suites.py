@@ -18,7 +18,8 @@ from kvconvert.errors import KVConvertError
 from kvconvert.eval.haystack import RULER_TASKS
 from kvconvert.eval.metrics import LONGBENCH_TASKS
 
-SUITE_VERSION = 3  # 3: answer likelihoods; LongBench by its protocol (chat template, dataset2maxlen); 2: quick 8 x 2
+SUITE_VERSION = 4  # 4: quick's passkey/NIAH at 512 and 4096 tokens (long_lengths); 3: answer likelihoods, LongBench by
+# its protocol (chat template, dataset2maxlen); 2: quick 8 x 2
 SEED = 20240611
 
 # The quick suite's LongBench-mini subset: 2 samples (the fewest that give an interval) of 8 tasks on which
@@ -37,6 +38,8 @@ class SuiteSpec:
 
     ppl_windows x ppl_window_len: essay windows for perplexity and KL (0 windows = skip).
     passkey_*: grid lengths x depths x repeats (different keys). niah_*: grid lengths x depths.
+    long_lengths x long_depths: a sparser grid at long context, for passkey and NIAH both (a 4-bit cache's error
+    grows with the tokens it holds; a prompt of 4096 tokens costs a CPU about as much as eight of 512).
     ruler_*: tasks x lengths x samples, generation budget capped at ruler_max_new (None = RULER's).
     longbench_*: first `longbench_per_task` rows of each task (None = all), prompts truncated to
     longbench_context tokens (None = the models' context), budget capped at longbench_max_new. A suite that
@@ -52,6 +55,8 @@ class SuiteSpec:
     passkey_repeats: int = 1
     niah_lengths: tuple[int, ...] = ()
     niah_depths: tuple[float, ...] = ()
+    long_lengths: tuple[int, ...] = ()
+    long_depths: tuple[float, ...] = (0.5,)
     ruler_tasks: tuple[str, ...] = ()
     ruler_lengths: tuple[int, ...] = ()
     ruler_samples: int = 0
@@ -66,10 +71,10 @@ class SuiteSpec:
     def __post_init__(self):
         if self.ppl_windows < 0 or (self.ppl_windows and self.ppl_window_len < 16):
             raise KVConvertError(f"suite {self.name}: perplexity windows need >= 16 tokens")
-        for depth in self.passkey_depths + self.niah_depths:
+        for depth in self.passkey_depths + self.niah_depths + self.long_depths:
             if not 0.0 <= depth <= 1.0:
                 raise KVConvertError(f"suite {self.name}: depth {depth} outside [0, 1]")
-        for length in self.passkey_lengths + self.niah_lengths + self.ruler_lengths:
+        for length in self.passkey_lengths + self.niah_lengths + self.ruler_lengths + self.long_lengths:
             if length < 64:
                 raise KVConvertError(f"suite {self.name}: length {length} is too short (>= 64 tokens)")
         unknown = [t for t in self.ruler_tasks if t not in RULER_TASKS]
@@ -95,11 +100,12 @@ SUITES: dict[str, SuiteSpec] = {
         longbench_context=256, longbench_max_new=8,
     ),
     "quick": SuiteSpec(
-        name="quick", description="pre-merge check (SmolLM2-135M: minutes per model on 2 CPU cores); no RULER; "
+        name="quick", description="pre-merge check (SmolLM2-135M: minutes per model on 2 CPU cores); passkey and "
+                                  "NIAH at 512 tokens x 3 depths and at 4096 tokens (half depth); no RULER; "
                                   "LongBench-mini: 8 tasks x 2 samples at 512 tokens, LongBench's budgets",
         ppl_windows=4, ppl_window_len=512,
-        passkey_lengths=(512, 1024), passkey_depths=(0.0, 0.5, 1.0),
-        niah_lengths=(512, 1024), niah_depths=(0.0, 0.5, 1.0),
+        passkey_lengths=(512,), passkey_depths=(0.0, 0.5, 1.0),
+        niah_lengths=(512,), niah_depths=(0.0, 0.5, 1.0), long_lengths=(4096,), long_depths=(0.5,),
         longbench_tasks=QUICK_LONGBENCH_TASKS, longbench_per_task=2, longbench_context=512, longbench_max_new=None,
     ),
     "standard": SuiteSpec(

@@ -156,6 +156,10 @@ def build_samples(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[s
     for length in spec.niah_lengths:
         if fits(length, haystack.NIAH_MAX_NEW, "niah"):
             samples += [haystack.niah_sample(tok, length, d) for d in spec.niah_depths]
+    for length in spec.long_lengths:  # the sparser grid at long context, both retrieval tasks
+        if fits(length, haystack.NIAH_MAX_NEW, "long-context passkey and NIAH"):
+            samples += [haystack.passkey_sample(tok, length, d, 0, spec.seed) for d in spec.long_depths]
+            samples += [haystack.niah_sample(tok, length, d) for d in spec.long_depths]
     if spec.ruler_tasks:
         for length in spec.ruler_lengths:
             budget = max(haystack.ruler_budget(t, spec.ruler_max_new) for t in spec.ruler_tasks)

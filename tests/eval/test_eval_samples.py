@@ -222,3 +222,27 @@ def test_longbench_reads_jsonl_and_gzip_alike(tmp_path):
     (tmp_path / "lcc.jsonl.gz").write_bytes(gzip.compress(b'{"id": 1}')[:-6])  # torn
     with pytest.raises(KVConvertError, match="lcc.jsonl.gz: not a readable gzip file"):
         LB.load_longbench(tmp_path, ("lcc",))
+
+
+def test_quick_suite_asks_passkey_and_niah_at_4096_tokens(tiny_tokenizer, tmp_path):
+    """The quick suite's long grid: a passkey and a NIAH prompt of 4096 tokens at half depth, beside the 512-token
+    grid; a model whose context cannot hold them drops them with a note instead."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from kvconvert.eval.suites import SUITES
+    from kvconvert.eval.validate import ValidateOptions, ValidateRun, build_samples
+
+    spec = dataclasses.replace(SUITES["quick"], longbench=False)
+    run = ValidateRun("s", "c", tmp_path, ValidateOptions(), spec)
+
+    def lengths(context: int) -> dict[str, list[int]]:
+        samples = build_samples(SimpleNamespace(tokenizer=tiny_tokenizer, context=context), spec, run, {})
+        out = {}
+        for s in samples:
+            out.setdefault(s.task, []).append(s.meta["length"])
+        return out
+
+    assert lengths(8192) == {"passkey": [512, 512, 512, 4096], "niah": [512, 512, 512, 4096]}
+    assert lengths(2048) == {"passkey": [512, 512, 512], "niah": [512, 512, 512]}
+    assert any("long-context passkey and NIAH: length 4096" in n for n in run.notes)
