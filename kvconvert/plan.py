@@ -437,17 +437,19 @@ class Scorer:
     def __init__(self, src: Path, windows: int, window_len: int, dtype: str, device: str, scratch: Path,
                  echo=lambda msg: None):
         from kvconvert.checkpoint import load_tokenizer
-        from kvconvert.data import data_hash, eval_windows
-        from kvconvert.eval.runner import LazyRunner
+        from kvconvert.data import eval_windows
         from kvconvert.eval.cache import source_logits_store, source_results_dir
+        from kvconvert.eval.runner import LazyRunner
+        from kvconvert.eval.samples import EssayWindow
         from kvconvert.progress import counted
 
         self.ids = eval_windows(load_tokenizer(src), windows, window_len)
         self.dtype, self.device = dtype, device
         source = LazyRunner(src, "runtime", "bf16", dtype=dtype, device=device)  # loads only if a window is missing
         source.max_len = window_len
-        self.store = source_logits_store(source, list(self.ids), source_results_dir(), scratch, say=echo)
-        self.hashes = [data_hash(w) for w in self.ids]
+        essay = [EssayWindow(w) for w in self.ids]
+        self.store = source_logits_store(source, essay, source_results_dir(), scratch, say=echo)
+        self.hashes = [w.key for w in essay]  # validate's names for the same windows
         missing = [i for i, h in enumerate(self.hashes) if not self.store.has(h)]
         step = counted("  source logits: window", echo)
         for n, i in enumerate(missing, 1):

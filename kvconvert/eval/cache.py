@@ -178,13 +178,12 @@ def source_logits_store(source, windows: list, shared: Path | None, scratch: Pat
     the scratch folder (removed on close), whose disk must have room for all of them: refused before
     any model runs otherwise. `source`: a RunnerInfo."""
     from kvconvert.checkpoint import ensure_free_space, free_space_problem
-    from kvconvert.data import data_hash
 
     def needed(folder: Path | None) -> int:  # fp32 logits + the safetensors header, a page each
-        return sum(len(w) * source.vocab_size * 4 + 8192 for w in windows
-                   if folder is None or not _logits_file(folder, data_hash(w)).is_file())
+        return sum(w.rows * source.vocab_size * 4 + 8192 for w in windows
+                   if folder is None or not _logits_file(folder, w.key).is_file())
 
-    if shared is not None and sum(len(w) for w in windows) * source.vocab_size * 4 <= SHARED_LOGITS_BYTES:
+    if shared is not None and sum(w.rows for w in windows) * source.vocab_size * 4 <= SHARED_LOGITS_BYTES:
         folder = Path(shared) / "logits" / source.fingerprint
         problem = free_space_problem(folder, needed(folder))
         if problem is None:

@@ -58,6 +58,10 @@ def build_metrics(samples: dict[str, list[dict]]) -> dict[str, dict]:
         metrics["perplexity"] = {**_entry(pooled["source"], pooled["candidate"], "ppl", False, len(ppl)),
                                  "delta_pct": pooled["delta_pct"], "tokens": pooled["tokens"]}
         metrics["kl_mean"] = _entry(0.0, pooled["kl_mean"], "nats/token", False, len(ppl))
+        long = [r for r in ppl if r.get("context")]
+        if long:  # the long window alone: KL where the cache already holds `context` tokens (shown, not gated)
+            metrics[f"kl_mean_after_{long[0]['context']}"] = _entry(0.0, perplexity_summary(long)["kl_mean"],
+                                                                    "nats/token", False, len(long))
     for family in ("passkey", "niah"):
         if samples.get(family):
             metrics[f"{family}_accuracy"] = _score_entry(samples[family], "%")

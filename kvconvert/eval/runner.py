@@ -261,8 +261,9 @@ class ModelRunner(RunnerInfo, ABC):
         self._load()  # each engine's model, from self.path in self.dtype on self.device
 
     @abstractmethod
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: int64 [T] -> fp32 logits [T, vocab]; row t predicts token t+1."""
+    def logits(self, ids: torch.Tensor, logits_from: int = 0) -> torch.Tensor:
+        """ids: int64 [T] -> fp32 logits [T - logits_from, vocab] of positions logits_from..; row i predicts token
+        logits_from + i + 1."""
 
     @abstractmethod
     def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
@@ -311,12 +312,13 @@ class TransformersRunner(ModelRunner):
         return KVHookCache(self.kv_hook, config=self.model.config)
 
     @torch.inference_mode()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, logits_from: int = 0) -> torch.Tensor:
         ids = ids.reshape(1, -1).to(self.device)
+        keep = ids.shape[1] - logits_from  # logits_to_keep: only the last rows go through lm_head
         if self.kv_hook is None:
-            out = self.model(input_ids=ids, use_cache=False)
+            out = self.model(input_ids=ids, use_cache=False, logits_to_keep=keep)
         else:  # the hook cache hands the attention quantized K/V, as an engine's cache would
-            out = self.model(input_ids=ids, past_key_values=self._cache(), use_cache=True)
+            out = self.model(input_ids=ids, past_key_values=self._cache(), use_cache=True, logits_to_keep=keep)
         return out.logits[0].float().cpu()
 
     @torch.inference_mode()
@@ -427,8 +429,8 @@ class RuntimeRunner(ModelRunner):
                        device=self.device)
         self.max_context = int(self.llm.max_model_len)
 
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.llm.score(ids.reshape(-1).tolist()).float()
+    def logits(self, ids: torch.Tensor, logits_from: int = 0) -> torch.Tensor:
+        return self.llm.score(ids.reshape(-1).tolist(), logits_from).float()
 
     def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
                min_new_tokens: int = 0) -> list[int]:
@@ -563,8 +565,8 @@ class LazyRunner(RunnerInfo):
         check_memory(self.memory_need(), f"validate's {role} ({self.path.name}, {self.engine} engine, "
                                          f"{str(self.dtype).removeprefix('torch.')})", hints, self.device)
 
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.loaded.logits(ids)
+    def logits(self, ids: torch.Tensor, logits_from: int = 0) -> torch.Tensor:
+        return self.loaded.logits(ids, logits_from)
 
     def greedy(self, ids: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...],
                min_new_tokens: int = 0) -> list[int]:

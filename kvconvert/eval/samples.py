@@ -60,3 +60,26 @@ class GenSample:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class EssayWindow:
+    """One perplexity / KL window: ids [T] int64 of the essays, its positions scored_from.. T - 1 scored (row t
+    predicts token t + 1). scored_from > 0: a long window whose scored tokens come after the cache holds
+    scored_from others. key: the content hash that names its cached results and stored logits."""
+
+    ids: object  # torch.Tensor [T] (samples.py stays torch-free)
+    scored_from: int = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def rows(self) -> int:
+        """Logit rows kept per model: T - scored_from."""
+        return len(self.ids) - self.scored_from
+
+    @property
+    def key(self) -> str:
+        content = hashlib.sha256(self.ids.numpy().tobytes()).hexdigest()[:16]  # kvconvert.data.data_hash's
+        return content if not self.scored_from else f"{content}-from{self.scored_from}"

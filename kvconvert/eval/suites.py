@@ -18,7 +18,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.eval.haystack import RULER_TASKS
 from kvconvert.eval.metrics import LONGBENCH_TASKS
 
-SUITE_VERSION = 4  # 4: quick's passkey/NIAH at 512 and 4096 tokens (long_lengths); 3: answer likelihoods, LongBench by
+SUITE_VERSION = 4  # 4: quick's passkey/NIAH at 512 and 4096 tokens (long_lengths), KL at 4096 (long_window_len); 3: answer likelihoods, LongBench by
 # its protocol (chat template, dataset2maxlen); 2: quick 8 x 2
 SEED = 20240611
 
@@ -37,6 +37,8 @@ class SuiteSpec:
     """One suite. Lengths are prompt lengths in tokens; depths are fractions of the haystack.
 
     ppl_windows x ppl_window_len: essay windows for perplexity and KL (0 windows = skip).
+    long_window_len: one more essay window of this many tokens (0 = none), after the others in the essays, whose
+    last ppl_window_len positions are scored: perplexity and KL where the cache already holds the tokens before them.
     passkey_*: grid lengths x depths x repeats (different keys). niah_*: grid lengths x depths.
     long_lengths x long_depths: a sparser grid at long context, for passkey and NIAH both (a 4-bit cache's error
     grows with the tokens it holds; a prompt of 4096 tokens costs a CPU about as much as eight of 512).
@@ -50,6 +52,7 @@ class SuiteSpec:
     description: str
     ppl_windows: int
     ppl_window_len: int
+    long_window_len: int = 0
     passkey_lengths: tuple[int, ...] = ()
     passkey_depths: tuple[float, ...] = ()
     passkey_repeats: int = 1
@@ -71,6 +74,9 @@ class SuiteSpec:
     def __post_init__(self):
         if self.ppl_windows < 0 or (self.ppl_windows and self.ppl_window_len < 16):
             raise KVConvertError(f"suite {self.name}: perplexity windows need >= 16 tokens")
+        if self.long_window_len and (not self.ppl_windows or self.long_window_len <= self.ppl_window_len):
+            raise KVConvertError(f"suite {self.name}: the long window ({self.long_window_len} tokens) scores its last "
+                                 f"ppl_window_len positions: it needs perplexity windows and more tokens than they have")
         for depth in self.passkey_depths + self.niah_depths + self.long_depths:
             if not 0.0 <= depth <= 1.0:
                 raise KVConvertError(f"suite {self.name}: depth {depth} outside [0, 1]")
@@ -100,10 +106,11 @@ SUITES: dict[str, SuiteSpec] = {
         longbench_context=256, longbench_max_new=8,
     ),
     "quick": SuiteSpec(
-        name="quick", description="pre-merge check (SmolLM2-135M: minutes per model on 2 CPU cores); passkey and "
+        name="quick", description="pre-merge check (SmolLM2-135M: minutes per model on 2 CPU cores); KL on 4 x 512 "
+                                  "essay tokens and on the last 512 of a 4096-token window; passkey and "
                                   "NIAH at 512 tokens x 3 depths and at 4096 tokens (half depth); no RULER; "
                                   "LongBench-mini: 8 tasks x 2 samples at 512 tokens, LongBench's budgets",
-        ppl_windows=4, ppl_window_len=512,
+        ppl_windows=4, ppl_window_len=512, long_window_len=4096,
         passkey_lengths=(512,), passkey_depths=(0.0, 0.5, 1.0),
         niah_lengths=(512,), niah_depths=(0.0, 0.5, 1.0), long_lengths=(4096,), long_depths=(0.5,),
         longbench_tasks=QUICK_LONGBENCH_TASKS, longbench_per_task=2, longbench_context=512, longbench_max_new=None,

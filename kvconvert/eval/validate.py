@@ -35,7 +35,7 @@ from kvconvert.eval.cache import ResultCache, SourceLogits, SourceResults, sourc
 from kvconvert.eval.metrics import longbench_sample_score, passkey_score, string_match_all, window_stats
 from kvconvert.eval.options import SIDE_ENGINES, ValidateOptions
 from kvconvert.eval.runner import GENERATION_SEQS, LazyRunner, SampleRequest, check_same_tokenizer, resolve_engine
-from kvconvert.eval.samples import GenSample
+from kvconvert.eval.samples import EssayWindow, GenSample
 from kvconvert.eval.suites import SUITE_VERSION, SuiteSpec, get_suite
 
 REPORT_FORMAT = 1
@@ -96,8 +96,10 @@ def prepare(run: ValidateRun) -> Pair:
 
 # --------------------------------------------------------------------------- perplexity and KL
 
-def perplexity_windows(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[str, str]) -> list:
-    """The suite's essay windows ([T] id tensors), or [] (with the reason in `skipped`)."""
+def perplexity_windows(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[str, str]) -> list[EssayWindow]:
+    """The suite's essay windows, the long one last (its first long_window_len - ppl_window_len tokens fill the
+    cache, its last ppl_window_len are scored; taken after the short windows in the essays, so no token is
+    scored twice), or [] (with the reason in `skipped`)."""
     from kvconvert.data import eval_windows
 
     if not spec.ppl_windows:
@@ -106,33 +108,40 @@ def perplexity_windows(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: d
         skipped["perplexity"] = f"windows of {spec.ppl_window_len} tokens exceed the context {pair.context}"
         note(run, f"perplexity skipped: {skipped['perplexity']}")
         return []
-    return list(eval_windows(pair.tokenizer, spec.ppl_windows, spec.ppl_window_len))
+    windows = [EssayWindow(ids) for ids in eval_windows(pair.tokenizer, spec.ppl_windows, spec.ppl_window_len)]
+    long = spec.long_window_len
+    if long and long > pair.context:
+        note(run, f"the long perplexity window ({long} tokens) exceeds the context {pair.context}; dropped")
+    elif long:
+        short = spec.ppl_windows * spec.ppl_window_len  # the essays' tokens the short windows take
+        ids = eval_windows(pair.tokenizer, 1, short + long)[0][short:]
+        windows.append(EssayWindow(ids, scored_from=long - spec.ppl_window_len))
+    return windows
 
 
-def run_perplexity(pair: Pair, windows: list, role: str, store: SourceLogits, cache: ResultCache,
+def run_perplexity(pair: Pair, windows: list[EssayWindow], role: str, store: SourceLogits, cache: ResultCache,
                    run: ValidateRun) -> list[dict] | None:
     """One model's pass over the windows whose results are not cached yet.
 
     role "source": keep its logits in `store`. role "candidate": compare with the stored source
-    logits and cache each window's result. Returns the per-window records after the candidate pass."""
-    from kvconvert.data import data_hash
-
+    logits and cache each window's result. Returns the per-window records after the candidate pass
+    (a long window's record names the tokens its scored ones came after: "context")."""
     key = f"{pair.source.fingerprint}-{pair.candidate.fingerprint}"
     runner = pair.source if role == "source" else pair.candidate
     records = []
     for i in _progress(range(len(windows)), f"{role} perplexity", run):
-        ids = windows[i]
-        sample_id, content = f"w{i}", data_hash(ids)
-        result = cache.get(key, "perplexity", sample_id, content)
+        w = windows[i]
+        sample_id = f"w{i}" if not w.scored_from else f"long{i}"
+        result = cache.get(key, "perplexity", sample_id, w.key)
         if result is None and role == "source":
-            if store.keep and run.resume and store.has(content):  # measured by an earlier run
+            if store.keep and run.resume and store.has(w.key):  # measured by an earlier run
                 store.reused += 1
             else:
-                store.put(content, runner.logits(ids))
+                store.put(w.key, runner.logits(w.ids, w.scored_from))
         elif result is None:
-            result = window_stats(store.get(content), runner.logits(ids), ids)
-            cache.put(key, "perplexity", sample_id, content, result)
-        records.append({"id": sample_id, **(result or {})})
+            result = window_stats(store.get(w.key), runner.logits(w.ids, w.scored_from), w.ids[w.scored_from:])
+            cache.put(key, "perplexity", sample_id, w.key, result)
+        records.append({"id": sample_id, **({"context": w.scored_from} if w.scored_from else {}), **(result or {})})
     return records if role == "candidate" else None
 
 

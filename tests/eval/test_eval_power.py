@@ -19,7 +19,8 @@ from kvconvert.eval.validate import ValidateOptions, run_validate
 
 POWER = dataclasses.replace(
     SUITES["quick"], name="power", ppl_windows=3, ppl_window_len=256,
-    passkey_lengths=(512,), passkey_depths=(0.0, 0.5, 1.0), niah_lengths=(512,), niah_depths=(0.25, 0.75), long_lengths=(),
+    passkey_lengths=(512,), passkey_depths=(0.0, 0.5, 1.0), niah_lengths=(512,), niah_depths=(0.25, 0.75),
+    long_lengths=(), long_window_len=0,
     longbench_tasks=("trec", "2wikimqa", "triviaqa"), longbench_per_task=2, longbench_context=512, longbench_max_new=8)
 
 

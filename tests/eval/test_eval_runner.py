@@ -251,6 +251,30 @@ def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path,
     assert kl["transformers"] == pytest.approx(kl["runtime"], rel=1e-4)
 
 
+@pytest.mark.parametrize("engine", ["runtime", "transformers"])
+def test_long_window_scores_its_last_positions_after_the_cache_holds_the_rest(tmp_path, tiny_llama, calibrated_fp8,
+                                                                               tiny_tokenizer, engine):
+    """The suite's long window: taken from the essays after the short windows, its last ppl_window_len positions
+    scored (KL and NLL over ppl_window_len - 1 predictions) with the tokens before them in the cache; the record
+    equals window_stats on the two models' logits of those positions, computed directly."""
+    spec = dataclasses.replace(SUITES["smoke"], name="long", ppl_windows=2, ppl_window_len=32, long_window_len=160,
+                               passkey_lengths=(), niah_lengths=(), ruler_tasks=(), longbench=False)
+    report = run_validate(str(tiny_llama), str(calibrated_fp8), tmp_path / "out", spec=spec, progress=False,
+                          threads=1, options=ValidateOptions(engine=engine, kv_dtype="fp8", source_kv_dtype="fp32"))
+    records = report["samples"]["perplexity"]
+    assert [r["id"] for r in records] == ["w0", "w1", "long2"] and records[2]["context"] == 128
+    assert report["metrics"]["kl_mean_after_128"]["candidate"] == pytest.approx(records[2]["kl"] / 31)
+    ids = eval_windows(tiny_tokenizer, 1, 64 + 160)[0][64:]
+    direct = R.RUNNERS[engine]
+    src, cand = direct(tiny_llama, "fp32"), direct(calibrated_fp8, "fp8")
+    assert src.logits(ids, 128).shape[0] == 32
+    torch.testing.assert_close(src.logits(ids, 128), src.logits(ids)[128:], rtol=0, atol=1e-4)
+    expected = window_stats(src.logits(ids)[128:], cand.logits(ids)[128:], ids[128:])
+    assert records[2]["n_tokens"] == 31
+    assert records[2]["kl"] == pytest.approx(expected["kl"], rel=1e-4)
+    assert records[2]["candidate_nll"] == pytest.approx(expected["candidate_nll"], rel=1e-5)
+
+
 def test_validate_refuses_up_front_when_a_model_cannot_fit(tmp_path, tiny_llama, monkeypatch):
     from kvconvert.memory import AVAILABLE_ENV
 
