@@ -357,6 +357,8 @@ RUNTIME_KV_DTYPES = kv_dtype_names(_RUNTIME, aliases=True)  # kvconvert.runtime'
 CALIBRATE_KV_DTYPES = kv_dtype_names(_RUNTIME, quantized=True)  # `kvconvert calibrate --kv-dtype`
 VALIDATE_KV_DTYPES = kv_dtype_names(_RUNTIME, aliases=True, auto=True)  # `kvconvert validate`, recipes
 INSPECT_KV_DTYPES = ("bf16", "fp8", "nvfp4")  # `kvconvert inspect` lists one format per width: 16, 8, 4 bits
+# and llama.cpp's cache types it serves the model with (-ctk / -ctv): 8 bits, 5-bit keys with 4-bit values, 4 bits
+INSPECT_LLAMACPP_KV_DTYPES = ("q8_0", "q5_0/iq4_nl", "iq4_nl")
 
 # ----------------------------------------------------------------------------------------------
 # checkpoint names of the KV scales: "model.layers.{i}.self_attn." + suffix, per export format and

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvconvert import kvmath
 from kvconvert.errors import KVConvertError, UnsupportedModelError
-from kvconvert.kvformat import INSPECT_KV_DTYPES
+from kvconvert.kvformat import INSPECT_KV_DTYPES, INSPECT_LLAMACPP_KV_DTYPES
 from kvconvert.presets import PRESETS, get_preset
 from kvconvert.st_header import read_json_object, safetensors_header, weight_files
 
@@ -184,6 +184,7 @@ def inspect_report(info: ModelInfo) -> dict:
         notes.append(f"KV cache size unknown: {exc}")
     report["kv_values_per_token_per_layer"] = shape.values_per_token_per_layer if shape else None
     report["kv_bytes_per_token"] = {d: kvmath.kv_bytes_per_token(shape, d) for d in INSPECT_KV_DTYPES} if shape else {}
+    report["llamacpp_kv_bytes_per_token"] = _llamacpp_bytes(config, shape, notes) if shape else {}
     windows = kvmath.layer_windows(info.config) if shape else []
     if any(w is not None for w in windows):
         report["sliding_window"] = max(w for w in windows if w is not None)
@@ -199,3 +200,17 @@ def inspect_report(info: ModelInfo) -> dict:
     report.update(parameters=info.parameters, parameters_source=info.parameters_source,
                   weights_bytes=info.weights_bytes, tensor_dtypes=info.tensor_dtypes, notes=notes)
     return report
+
+
+def _llamacpp_bytes(config: dict, shape, notes: list[str]) -> dict[str, int]:
+    """KV bytes per token in llama.cpp's cache types (INSPECT_LLAMACPP_KV_DTYPES, keys and values apart), {} with
+    a note when llama.cpp cannot serve the shape quantized; an MLA row is one type (no K/V pair)."""
+    from kvconvert.kvformat import kv_pair
+    from kvconvert.targets import llamacpp_config_problem
+
+    problem = llamacpp_config_problem(config)
+    if problem:
+        notes.append(f"llama.cpp serves this model with a 16-bit cache only: {problem}")
+        return {}
+    return {d: kvmath.kv_bytes_per_token(shape, d) for d in INSPECT_LLAMACPP_KV_DTYPES
+            if not (shape.is_mla and kv_pair(d).mixed)}

@@ -28,6 +28,9 @@ def test_smollm2_inspect(smollm2_path):
             report["head_dim"]) == (30, 9, 3, 64)
     # 30 layers x 2 x 3 heads x 64 x 2 bytes; fp8 half; nvfp4 30 x 6 x (32 + 4)
     assert report["kv_bytes_per_token"] == {"bf16": 23040, "fp8": 11520, "nvfp4": 6480}
+    # llama.cpp's blocks of 32: q8_0 34 bytes, q5_0 22, iq4_nl 18; 30 layers x 3 heads x 2 blocks per K or V head
+    assert report["llamacpp_kv_bytes_per_token"] == {"q8_0": 180 * 68, "q5_0/iq4_nl": 180 * (22 + 18),
+                                                     "iq4_nl": 180 * 36}
     assert report["parameters"] == 134_515_008 and report["parameters_source"] == "safetensors headers"
     assert report["tensor_dtypes"] == {"F32": 134_515_008}
     result = CliRunner().invoke(cli, ["inspect", str(smollm2_path)])  # the same, as text
@@ -60,6 +63,10 @@ def test_sharded_folder_parameters_from_headers(tmp_path):
     assert report["kv_bytes_per_token"]["bf16"] == 3 * 2 * 2 * 8 * 2
     # nvfp4 on head_dim 8: 4 code bytes + one scale for the (partial) block of 16
     assert report["kv_bytes_per_token"]["nvfp4"] == 3 * 2 * 2 * (4 + 1)
+    # llama.cpp's blocks of 32 do not divide a head of 8: no quantized llama.cpp cache, and the note says why
+    assert report["llamacpp_kv_bytes_per_token"] == {}
+    assert any("llama.cpp serves this model with a 16-bit cache only" in n and "8 values of a cached K head" in n
+               for n in report["notes"])
     assert report["weights_bytes"] == sum(p.stat().st_size for p in (tmp_path / "m").glob("*.safetensors"))
 
 
@@ -81,6 +88,8 @@ def test_deepseek_config_file(tmp_path):
     assert report["attention_kind"] == "MLA" and report["path"] is None
     assert (report["kv_lora_rank"], report["qk_rope_head_dim"], report["head_dim"]) == (512, 64, None)
     assert report["kv_bytes_per_token"] == {"bf16": 61 * 576 * 2, "fp8": 61 * 576, "nvfp4": 61 * (288 + 128)}
+    # one row [latent | k_rope] of 576 values in one type: no K/V pair
+    assert report["llamacpp_kv_bytes_per_token"] == {"q8_0": 61 * 18 * 34, "iq4_nl": 61 * 18 * 18}
     assert report["parameters"] == 671_026_419_200 and report["parameters_source"] == "config"
 
 

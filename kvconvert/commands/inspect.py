@@ -28,6 +28,9 @@ def human_inspect(r: dict) -> str:
         per = ", ".join(f"{d} {b:,} B" for d, b in r["kv_bytes_per_token"].items())
         lines.append(f"KV per token  {per}  ({r['kv_values_per_token_per_layer']} values/layer; "
                      "nvfp4 includes its E4M3 block scales)")
+    if r.get("llamacpp_kv_bytes_per_token"):
+        per = ", ".join(f"{d} {b:,} B" for d, b in r["llamacpp_kv_bytes_per_token"].items())
+        lines.append(f"llama.cpp     {per}  (-ctk/-ctv: keys and values apart; block scales included)")
     lines += [f"note          {n}" for n in r["notes"]]
     return "\n".join(lines)
 
