@@ -1,7 +1,10 @@
 """KV caches of SmolLM2-135M by format and engine: bytes, perplexity, KL and the default gate's verdict on the
 essays, for the formats vLLM / TensorRT-LLM and llama.cpp serve, with and without kvconvert's model-side rewrites.
 
-    python scripts/bench_kv4bit.py --windows 32 --window-len 1024 --work out/bench-kv4bit --json docs/bench_kv4bit.json
+    python scripts/bench_kv4bit.py --windows 8 --window-len 1024 --work out/bench-kv4bit --json docs/bench_kv4bit.json
+
+(docs/bench_kv4bit.json: 8 windows, rows measured by the runs each row records; --rows N,M runs some; row 20, the
+source healed for its q5_0/iq4_nl cache on HEAL_TOKENS tokens, runs `kvconvert heal` first: minutes on a CPU.)
 
 Every row runs the real commands' code: `kvconvert calibrate` (kvconvert.quant.run) and `kvconvert mla` write the
 checkpoints; kvconvert.eval.kv_quant scores them in transformers fp32 with the cache quantize-dequantized as the
