@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
+import random
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,8 @@ def _stopped_heal(student, teacher, text_file, out: Path) -> Path:
 def test_damaged_distill_state_is_named(tiny_student, tiny_teacher, text_file, tmp_path, damage):
     state = _stopped_heal(tiny_student, tiny_teacher, text_file, tmp_path / "out") / "distill" / "distill_state.pt"
     data = state.read_bytes()
-    state.write_bytes({"truncated": data[:len(data) // 2], "random": os.urandom(4096), "empty": b""}[damage])
+    noise = random.Random(0).randbytes(4096)
+    state.write_bytes({"truncated": data[:len(data) // 2], "random": noise, "empty": b""}[damage])
     with pytest.raises(KVConvertError, match=r"distill_state\.pt: saved progress of an interrupted heal is damaged "
                                              r".*--restart"):
         heal(tiny_student, tiny_teacher, distill_recipe(text_file, checkpoint_every=1), tmp_path / "out",
@@ -38,6 +39,19 @@ def test_damaged_distill_state_is_named(tiny_student, tiny_teacher, text_file, t
     rep = heal(tiny_student, tiny_teacher, distill_recipe(text_file, checkpoint_every=1), tmp_path / "out",
                progress=False, max_steps=3, restart=True)
     assert rep["stages"]["heal_distill"]["resumed_at_step"] == 0
+
+
+def test_any_damage_to_a_torch_state_file_is_named(tmp_path):
+    """Random bytes trip the weights-only unpickler in many ways (UnpicklingError, EOFError, but also IndexError,
+    KeyError, ...): every one is named as damaged saved progress, never a traceback. 300 seeded byte strings."""
+    from kvconvert.heal.state import load_torch_state
+
+    path = tmp_path / "distill_state.pt"
+    for seed in range(300):
+        rng = random.Random(seed)
+        path.write_bytes(rng.randbytes(rng.randint(1, 4096)))
+        with pytest.raises(KVConvertError, match=r"distill_state\.pt: saved progress of an interrupted heal is damaged"):
+            load_torch_state(path)
 
 
 def test_corrupt_run_record_is_named_not_restarted(tiny_student, tiny_teacher, text_file, tmp_path):
