@@ -33,12 +33,11 @@ from kvconvert.targets import TARGETS
 # The main job's time after setup on 2 cores, per CPU kind (cpu_kind().name): (seconds, how it was measured).
 # docs/BENCHMARKS.md, "The README's main job" has the stages behind each number; update both together.
 EXPECTED_SECONDS = {
-    "AMX": (None, "not measured for this job; the previous main job (an MLA candidate in place of the llama.cpp "
-                  "one) took 265 s on a quiet 2-core Xeon with AMX"),
-    "AVX-512": (344, "measured on a quiet 2-core AMD EPYC (Zen 4) from a fresh clone"),
-    "AVX2": (310, "measured with torch's AVX2 kernels forced (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) on "
-                  "the quiet 2-core Zen 4, not on an AVX2-only CPU, whose cores can be slower; the previous main job "
-                  "(an MLA candidate, bf16 compute) took 1029 s on a 2-core AVX2-only EPYC"),
+    "AMX": (None, "not measured with this suite; the main job before the 4096-token prompts took 265 s on a quiet "
+                  "2-core Xeon with AMX"),
+    "AVX-512": (392, "measured on a quiet 2-core AMD EPYC (Zen 4) with every source result measured in the run"),
+    "AVX2": (None, "not measured with this suite; an earlier main job (bf16 compute) took 1029 s on a 2-core "
+                   "AVX2-only EPYC"),
 }
 
 
