@@ -282,8 +282,9 @@ class ModelRunner(RunnerInfo, ABC):
     def _answer_of(self, r: SampleRequest) -> dict | None:
         if not r.reference:
             return None
-        logits = self.logits(torch.tensor(r.prompt + r.reference, dtype=torch.long))
-        return answer_nll(logits[len(r.prompt) - 1: -1], r.reference)  # row t predicts token t + 1
+        # rows from the prompt's last position: row t predicts the reference's token t (the last row is not used)
+        logits = self.logits(torch.tensor(r.prompt + r.reference, dtype=torch.long), len(r.prompt) - 1)
+        return answer_nll(logits[:-1], r.reference)
 
     def close(self) -> None:
         """Release the model's memory."""

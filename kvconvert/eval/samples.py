@@ -81,5 +81,7 @@ class EssayWindow:
 
     @property
     def key(self) -> str:
-        content = hashlib.sha256(self.ids.numpy().tobytes()).hexdigest()[:16]  # kvconvert.data.data_hash's
+        from kvconvert.data import data_hash  # imported here: samples.py stays torch-free
+
+        content = data_hash(self.ids)
         return content if not self.scored_from else f"{content}-from{self.scored_from}"
