@@ -125,13 +125,21 @@ def _q8_0(b: torch.Tensor):
 
 
 def _nearest_level(y: torch.Tensor) -> torch.Tensor:
-    """ggml's best_index_int8 over IQ4_NL_VALUES: the nearest level, the upper one only when strictly nearer."""
-    levels = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=y.device)
-    upper = torch.searchsorted(levels, y.contiguous(), right=True).clamp(1, len(levels) - 1)  # first level > y
-    lower_value, upper_value = levels[upper - 1], levels[upper]
-    idx = torch.where(y - lower_value < upper_value - y, upper - 1, upper)
-    idx = torch.where(y <= levels[0], torch.zeros_like(idx), idx)
-    return torch.where(y >= levels[-1], torch.full_like(idx, len(levels) - 1), idx)
+    """ggml's best_index_int8 over IQ4_NL_VALUES: the nearest level, the upper one unless the lower is strictly
+    nearer (its fp32 test ``y - lower < upper - y``). One bucketize against the midpoints gives the same index:
+    the test can only disagree with ``y < (lower + upper) / 2`` where the two differences round, and within a few
+    ulps of any midpoint they are exact (the midpoints' magnitudes are >= 4.5, so y's ulp there is >= 2^-21, and
+    half the gap between neighbouring levels is <= 12: each difference is a multiple of y's ulp below 2^24 of
+    them). The level index is then the number of midpoints <= y (tests/test_ggml_formats.py checks it against the
+    two-difference form around every midpoint)."""
+    return torch.bucketize(y, _iq4_nl_midpoints(str(y.device)), right=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _iq4_nl_midpoints(device: str) -> torch.Tensor:
+    """[15] fp32: (level i + level i + 1) / 2 of IQ4_NL_VALUES (exact: half-integers)."""
+    v = IQ4_NL_VALUES
+    return torch.tensor([(a + b) / 2 for a, b in zip(v, v[1:])], dtype=torch.float32, device=device)
 
 
 def _iq4_nl(b: torch.Tensor):
@@ -209,11 +217,9 @@ def ggml_quantize(x: torch.Tensor, name: str) -> torch.Tensor:
         low = c & 0xF
         nibbles = (low[..., :16] | (low[..., 16:] << 4)).to(torch.uint8)
         body = [nibbles]
-        if t.code_bits == 5:
-            high = ((c >> 4) & 1) << torch.arange(32, dtype=torch.int32, device=c.device)
-            mask = high.sum(-1, keepdim=True).to(torch.int64)  # bit j = 5th bit of element j
-            qh = torch.cat([((mask >> (8 * i)) & 0xFF) for i in range(4)], -1).to(torch.uint8)
-            body = [qh, nibbles]
+        if t.code_bits == 5:  # bit j of the little-endian qh word = 5th bit of element j: byte i holds 8i..8i+7
+            high = ((c >> 4) & 1).reshape(*c.shape[:-1], 4, 8) << torch.arange(8, dtype=torch.int32, device=c.device)
+            body = [high.sum(-1).to(torch.uint8), nibbles]
     return torch.cat(head + body, -1)
 
 

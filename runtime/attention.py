@@ -72,7 +72,7 @@ class TorchAttention:
     def write(self, layer, first: torch.Tensor, second: torch.Tensor, meta: AttentionMetadata) -> None:
         """New tokens (GQA: k, v [T, kv_heads, head_dim]; MLA: latent [T, R], k_rope [T, P]) -> the
         layer's cache at meta.slot_mapping."""
-        kv_cache.write(layer, first, second, meta.slot_mapping)
+        kv_cache.write(layer, first, second, meta.slot_mapping, self.workspace)
 
     def read_rows(self, layer, chunk: PrefillChunk, dtype: torch.dtype) -> torch.Tensor:
         """The chunk's sequence context of an MLA layer, dequantized: [context_len, R + P] (a

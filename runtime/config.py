@@ -39,6 +39,10 @@ class EngineConfig:
     scales come from: "checkpoint" (k_scale / v_scale tensors, required) or "dynamic" (amax of the
     first prefill).
     attention_backend: "torch" (reference, CPU) or "triton" (kvconvert.kernels).
+    decoded_copy: keep each quantized layer's rows also decoded, in the weights' dtype, as they are written
+    (kv_cache.add_decoded_copy), so the torch backend's steps copy them instead of dequantizing the whole context
+    again; the same values, for that dtype's bytes per cached value more memory. The Triton kernels read the
+    stored cache itself.
     """
 
     block_size: int = 16
@@ -51,6 +55,7 @@ class EngineConfig:
     kv_scales: str = "checkpoint"
     attention_backend: str = "torch"
     enable_prefix_caching: bool = True
+    decoded_copy: bool = False
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -65,6 +70,9 @@ class EngineConfig:
             raise KVConvertError(f"kv_dtype {self.kv_dtype!r} is not supported; choose one of "
                                  f"{', '.join(RUNTIME_KV_DTYPES)}, or a K/V pair KTYPE/VTYPE of llama.cpp's types ({exc})"
                                  ) from None
+        if self.decoded_copy and self.attention_backend != "torch":
+            raise KVConvertError("decoded_copy is the torch attention backend's: the Triton kernels read the stored "
+                                 "cache itself; use attention_backend='torch' or leave decoded_copy off")
         for name, choices in (("kv_scales", KV_SCALE_SOURCES),
                               ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in choices:

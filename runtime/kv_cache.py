@@ -160,34 +160,75 @@ def _dynamic_scale(fmt: KVFormat, *parts: torch.Tensor) -> float:
     return fmt.scale_from_amax(amax) if amax > 0 else 1.0  # an all-zero tensor leaves any positive scale exact
 
 
-def write(layer, first: torch.Tensor, second: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store new tokens (as rows_to_write) at flat slots [T] (slot = block * block_size + offset)."""
+def write(layer, first: torch.Tensor, second: torch.Tensor, slots: torch.Tensor,
+          workspace: Workspace | None = None) -> None:
+    """Store new tokens (as rows_to_write) at flat slots [T] (slot = block * block_size + offset); a layer with a
+    decoded copy (add_decoded_copy) also gets the rows read back from what was stored, at the same slots."""
     for dst, rows in rows_to_write(layer, first, second):
         if dst.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # CPU index_copy_ lacks float8: copy bytes
             dst, rows = dst.view(torch.uint8), rows.view(torch.uint8)
         dst.view(dst.shape[0] * dst.shape[1], *dst.shape[2:]).index_copy_(0, slots, rows)
+    for name, copy in (getattr(layer, "decoded", None) or {}).items():
+        flat = copy.view(copy.shape[0] * copy.shape[1], *copy.shape[2:])
+        flat.index_copy_(0, slots, _read_slots(layer, name, slots, copy.dtype, workspace or Workspace(copy.device)))
+
+
+def add_decoded_copy(layer, dtype: torch.dtype) -> None:
+    """Give a quantized layer a decoded copy of its cache: per quantity ("k", "v"; MLA "kv") a tensor
+    [num_blocks, block_size, *row_shape] in `dtype`, filled as rows are written (write) with what reading them back
+    from the stored cache gives. gather then copies from it instead of dequantizing every block of the context
+    again at each step (llama.cpp's types: a table lookup and the inverse Hadamard per value, most of a 4K-context
+    decode step's time). Costs dtype's bytes per cached value beside the stored cache; an unquantized layer needs
+    none (its storage is the values)."""
+    if layer.mode == "none":
+        return
+    names = ("kv",) if isinstance(layer, MLACacheLayer) else ("k", "v")
+    nb, bs = layer.block_tensors()[0].shape[:2]
+    layer.decoded = {n: torch.zeros(nb, bs, *layer.row_shape, dtype=dtype, device=layer.device) for n in names}
+
+
+def decoded_bytes_per_token(layout: list[dict[str, CacheSpec]], dtype: torch.dtype) -> int:
+    """Bytes a decoded copy (add_decoded_copy) takes per token over all layers: every cached value in dtype."""
+    return sum(math.prod(spec.row_shape) for layer in layout for spec in layer.values()) * dtype.itemsize
+
+
+def _read_slots(layer, name: str, slots: torch.Tensor, dtype: torch.dtype, workspace: Workspace) -> torch.Tensor:
+    """Rows at flat slots [T] of quantity `name`, read back from the stored cache as gather reads them: [T, *row]."""
+    values, block_scales, scale, rope = layer.stored(name)
+    rows = lambda t: None if t is None else t.view(t.shape[0] * t.shape[1], *t.shape[2:]).index_select(0, slots)[None]
+    out = torch.empty(1, len(slots), *layer.row_shape, dtype=dtype, device=slots.device)
+    return _dequantize(layer, name, rows(values), rows(block_scales), scale, rows(rope), out, workspace)[0]
 
 
 def gather(layer, name: str, block_tables: torch.Tensor, out: torch.Tensor, workspace: Workspace) -> torch.Tensor:
     """Read quantity `name` ("k", "v" or MLA's "kv") of blocks block_tables [B, n] back, dequantized
-    (kvconvert.kernels.cache_layout's reference dequant), into out [B, n * block_size, *row_shape]
-    (any float dtype and strides, e.g. a transposed view of a heads-first buffer); returns out."""
+    (kvconvert.kernels.cache_layout's reference dequant; from the decoded copy when the layer has one), into
+    out [B, n * block_size, *row_shape] (any float dtype and strides, e.g. a transposed view of a heads-first
+    buffer); returns out."""
+    copy = getattr(layer, "decoded", None)
+    if copy is not None:
+        return out.copy_(_gather_blocks(copy[name], block_tables, workspace, "decoded"))
     values, block_scales, scale, rope = layer.stored(name)
-    raw = _gather_blocks(values, block_tables, workspace, "raw")
+    gathered = lambda t, key: None if t is None else _gather_blocks(t, block_tables, workspace, key)
+    return _dequantize(layer, name, gathered(values, "raw"), gathered(block_scales, "raw_scales"), scale,
+                       gathered(rope, "raw_rope"), out, workspace)
+
+
+def _dequantize(layer, name: str, raw: torch.Tensor, block_scales: torch.Tensor | None, scale: torch.Tensor | None,
+                rope: torch.Tensor | None, out: torch.Tensor, workspace: Workspace) -> torch.Tensor:
+    """Stored rows raw [B, S, ...] (their block scales and MLA rope tail gathered alike) -> values in
+    out [B, S, *row_shape]; returns out."""
     if layer.mode == "none":
         return out.copy_(raw)
     if layer.mode == "ggml":
         return out.copy_(layer.read_rows(raw, name))
-    if layer.mode in ("fp8", "int8"):  # every decode step reads the whole context: the table, not per-value casts
-        lead = out if rope is None else out[..., : -rope.shape[-1]]
-        return lead.copy_(code_table_dequantize(raw, scale, out.dtype, workspace))
-    if block_scales is not None:
-        block_scales = _gather_blocks(block_scales, block_tables, workspace, "raw_scales")
     lead = out if rope is None else out[..., : -rope.shape[-1]]
-    lead.copy_(dequantize_rows(layer.mode, raw, scale, block_scales, out.dtype))
+    if layer.mode in ("fp8", "int8"):  # every decode step reads the whole context: the table, not per-value casts
+        lead.copy_(code_table_dequantize(raw, scale, out.dtype, workspace))
+    else:
+        lead.copy_(dequantize_rows(layer.mode, raw, scale, block_scales, out.dtype))
     if rope is not None:
-        out[..., -rope.shape[-1]:].copy_(layer.dequantize_rope(_gather_blocks(rope, block_tables, workspace, "raw_rope"),
-                                                               out.dtype))
+        out[..., -rope.shape[-1]:].copy_(layer.dequantize_rope(rope, out.dtype))
     return out
 
 
@@ -230,16 +271,20 @@ def bytes_per_token(layout: list[dict[str, CacheSpec]], kv_dtype: str) -> int:
 class PagedKVCache:
     """All layers' storage: layers[i] is a kvconvert.kernels cache layer (GQACacheLayer: k and v;
     MLACacheLayer: the [latent | k_rope] row), the layout the Triton kernels read and the torch
-    backend gathers from. Every storage tensor and kv scale lives on `device`."""
+    backend gathers from. Every storage tensor and kv scale lives on `device`. decoded_dtype: give each quantized
+    layer a decoded copy in that dtype (add_decoded_copy; the torch backend reads it)."""
 
     def __init__(self, layout: list[dict[str, CacheSpec]], num_blocks: int, block_size: int,
                  kv_dtype: str, scales: list[dict[str, torch.Tensor]] | None = None, dynamic: bool = False,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", decoded_dtype: torch.dtype | None = None):
         self.num_blocks, self.block_size, self.kv_dtype = num_blocks, block_size, kv_dtype
         self.device = torch.device(device)
         scales = scales or [{} for _ in layout]
         self.layers = [make_layer(kv_dtype, num_blocks, block_size, specs, scales[i], dynamic, self.device)
                        for i, specs in enumerate(layout)]
+        if decoded_dtype is not None:  # read back from a decoded copy (add_decoded_copy)
+            for layer in self.layers:
+                add_decoded_copy(layer, decoded_dtype)
 
     @property
     def bytes_per_token(self) -> int:
@@ -250,7 +295,7 @@ class PagedKVCache:
             return
         src, dst = (torch.tensor(i, dtype=torch.long, device=self.device) for i in zip(*copies))
         for layer in self.layers:
-            for t in layer.block_tensors():
+            for t in [*layer.block_tensors(), *(getattr(layer, "decoded", None) or {}).values()]:
                 t[dst] = t[src]
 
 

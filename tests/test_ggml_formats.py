@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.ggml_formats import (GGML_TYPES, IQ4_NL_VALUES, ggml_codes, ggml_dequantize, ggml_fake_quant,
-                                    ggml_quantize)
+from kvconvert.ggml_formats import (GGML_TYPES, IQ4_NL_VALUES, _nearest_level, ggml_codes, ggml_dequantize,
+                                    ggml_fake_quant, ggml_quantize)
 
 GGUF_PY = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # types gguf-py can quantize
 GGML_TYPE_IDS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20}  # enum ggml_type
@@ -188,3 +188,29 @@ def test_the_rotation_help_says_how_the_switch_is_read(capsys):
         pass
     text = " ".join(capsys.readouterr().out.split())
     assert "unless it is 1" not in text and "with C's atoi" in text and "multiple of 64" in text
+
+
+def _two_difference_level(y: torch.Tensor) -> torch.Tensor:
+    """ggml's best_index_int8 as it is written: bracket by the levels, then ``y - lower < upper - y`` in fp32."""
+    levels = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
+    upper = torch.searchsorted(levels, y, right=True).clamp(1, len(levels) - 1)
+    idx = torch.where(y - levels[upper - 1] < levels[upper] - y, upper - 1, upper)
+    idx = torch.where(y <= levels[0], torch.zeros_like(idx), idx)
+    return torch.where(y >= levels[-1], torch.full_like(idx, len(levels) - 1), idx)
+
+
+def test_iq4_nl_level_search_is_ggmls_around_every_midpoint():
+    """The bucketize over midpoints picks ggml's level on values 0-64 ulps either side of each midpoint (where the
+    two forms could part), at the midpoint itself (a tie: the upper level), and on 10^6 values across the range."""
+    levels = IQ4_NL_VALUES
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(levels, levels[1:])], dtype=torch.float32)
+    near = [mids]
+    for direction in (float("inf"), float("-inf")):
+        y = mids.clone()
+        for _ in range(64):
+            y = torch.nextafter(y, torch.full_like(y, direction))
+            near.append(y)
+    spread = torch.rand(1_000_000, generator=torch.Generator().manual_seed(0)) * 300 - 150
+    for y in (torch.cat(near), spread, torch.tensor([-127.0, 113.0, 0.0, -1e-30, 1e-30, 1e9, -1e9])):
+        assert torch.equal(_nearest_level(y), _two_difference_level(y))
+    assert _nearest_level(mids).tolist() == list(range(1, 16))  # ties go up, as ggml's strict < sends them

@@ -395,13 +395,14 @@ def generation_blocks(max_len: int, kv_bytes_per_token: int) -> int:
 def memory_need(config: dict, engine: str, kv_dtype: str, dtype: torch.dtype, max_len: int):
     """MemoryEstimate of one runner: the model, its KV pool and one step (config.json only)."""
     from kvconvert.memory import dtype_name
-    from kvconvert.runtime.kv_cache import bytes_per_token
+    from kvconvert.runtime.kv_cache import bytes_per_token, decoded_bytes_per_token
     from kvconvert.runtime.memory import estimate_memory
     from kvconvert.runtime.models import kv_layout
 
-    if engine == "runtime":  # its paged pool, prefilled in steps of at most 2048 tokens
+    if engine == "runtime":  # its paged pool (with the decoded copy of a quantized one), prefilled in 2048-token steps
         per_token = bytes_per_token(kv_layout(config), kv_dtype)
-        kv = generation_blocks(max_len, per_token) * RUNTIME_BLOCK * per_token
+        decoded = decoded_bytes_per_token(kv_layout(config), dtype) if kv_pair(kv_dtype).quantized else 0
+        kv = generation_blocks(max_len, per_token) * RUNTIME_BLOCK * (per_token + decoded)
         step = min(2048, max_len)
     else:  # transformers: the whole sequence in one forward, its K/V cached in the model's dtype
         kv, step = max_len * bytes_per_token(kv_layout(config), dtype_name(dtype)), max_len
@@ -409,7 +410,9 @@ def memory_need(config: dict, engine: str, kv_dtype: str, dtype: torch.dtype, ma
 
 
 class RuntimeRunner(ModelRunner):
-    """kvconvert.runtime.LLM: the bundled paged-KV engine, with prefix caching. Perplexity windows are scored one
+    """kvconvert.runtime.LLM: the bundled paged-KV engine, with prefix caching and a quantized cache's decoded copy
+    (EngineConfig.decoded_copy: each step copies the context instead of dequantizing it again). Perplexity windows
+    are scored one
     at a time (logits); task samples run together (run_samples): their greedy continuations decode in one batch
     (up to GENERATION_SEQS sequences per step), and each answer likelihood is scored once its prompt's K/V is in the
     cache, so only the answer's own positions are computed again. A cached block holds the same K/V as a recomputed
@@ -427,7 +430,7 @@ class RuntimeRunner(ModelRunner):
         self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=self.kv_scales, block_size=RUNTIME_BLOCK,
                        num_blocks=blocks, max_model_len=self.max_len, attention_backend="torch",
                        enable_prefix_caching=True, max_num_seqs=GENERATION_SEQS, dtype=self.dtype,
-                       device=self.device)
+                       device=self.device, decoded_copy=True)
         self.max_context = int(self.llm.max_model_len)
 
     def logits(self, ids: torch.Tensor, logits_from: int = 0) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The runtime's shortcuts for CPU speed compute exactly what the plain paths compute (bit for bit):
-the FP8 / INT8 cache read through a table of the 256 codes, and a small 16-bit lm_head upcast once."""
+the FP8 / INT8 cache read through a table of the 256 codes, a quantized cache read from its decoded copy, and a
+small 16-bit lm_head upcast once."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from kvconvert.kernels.cache_layout import dequantize_rows
-from kvconvert.runtime.kv_cache import CacheSpec, Workspace, code_table_dequantize, gather, make_layer, write
+from kvconvert.runtime.kv_cache import (CacheSpec, Workspace, add_decoded_copy, code_table_dequantize, gather, make_layer,
+                                        write)
 from kvconvert.runtime.layers import LOGIT_CHUNK, fp32_logits, upcast_chunks
 
 
@@ -52,3 +54,78 @@ def test_kept_fp32_lm_head_gives_the_same_logits():
     assert [c.shape[0] for c in chunks] == [LOGIT_CHUNK, 100]
     assert torch.equal(fp32_logits(hidden, head, chunks), fp32_logits(hidden, head))
     assert upcast_chunks(head.float()) is None  # fp32 weights go straight through
+
+
+# A quantized layer's decoded copy (add_decoded_copy): rows decoded once, as written, read by gather instead of the
+# stored cache. GQA [3 heads x 64] and MLA [32 latent + 32 rope] rows; scales where the format has them.
+DECODED_CASES = [("fp8", False), ("int8", False), ("nvfp4", False), ("q4_0", False), ("q5_0/iq4_nl", False),
+                 ("fp8", True), ("nvfp4", True), ("nvfp4_fp8rope", True), ("q8_0", True)]
+
+
+def _layers(kv_dtype: str, mla: bool):
+    specs = {"kv": CacheSpec((64,), rope_tail=32)} if mla else {"k": CacheSpec((3, 64)), "v": CacheSpec((3, 64))}
+    scales = {"kv": torch.tensor(0.05)} if mla else {"k": torch.tensor([[0.02], [0.1], [0.5]]), "v": torch.tensor(0.03)}
+    stored, decoded = (make_layer(kv_dtype, 8, 4, specs, scales) for _ in range(2))
+    add_decoded_copy(decoded, torch.float32)
+    return stored, decoded
+
+
+@pytest.mark.parametrize("kv_dtype, mla", DECODED_CASES)
+def test_decoded_copy_reads_what_the_stored_cache_reads(kv_dtype, mla):
+    """Written in two steps at scattered slots, a block copied (copy-on-write), then gathered in fp32 and bf16:
+    the copy gives the stored cache's values bit for bit."""
+    stored, decoded = _layers(kv_dtype, mla)
+    g = torch.Generator().manual_seed(0)
+    shape = (12, 32) if mla else (12, 3, 64)
+    first, second = torch.randn(*shape, generator=g) * 3, torch.randn(*shape, generator=g)
+    for slots in (torch.tensor([0, 1, 2, 3, 8, 9, 10]), torch.tensor([11, 20, 21, 22, 23])):
+        n = len(slots)
+        for layer in (stored, decoded):
+            write(layer, first[:n], second[:n], slots, Workspace())
+        first, second = first[n:], second[n:]
+    for layer in (stored, decoded):  # block 2 -> block 6, as PagedKVCache.copy_blocks does
+        for t in [*layer.block_tensors(), *(getattr(layer, "decoded", None) or {}).values()]:
+            t[6] = t[2]
+    tables = torch.tensor([[0, 2, 5, 6], [6, 0, 0, 2]])
+    for name in ("kv",) if mla else ("k", "v"):
+        for dtype in (torch.float32, torch.bfloat16):
+            want, got = (gather(layer, name, tables, torch.empty(2, 16, *layer.row_shape, dtype=dtype), Workspace())
+                         for layer in (stored, decoded))
+            assert torch.equal(_bits(got), _bits(want)), (name, dtype)
+    assert not hasattr(stored, "decoded")
+
+
+def test_an_unquantized_layer_has_no_decoded_copy():
+    layer = make_layer("bf16", 2, 4, {"k": CacheSpec((1, 32)), "v": CacheSpec((1, 32))}, {})
+    add_decoded_copy(layer, torch.float32)
+    assert getattr(layer, "decoded", None) is None
+
+
+@pytest.mark.filterwarnings("ignore:kv_scales='dynamic'")
+@pytest.mark.parametrize("kv_dtype", ["q5_0/iq4_nl", "fp8"])
+def test_engine_with_a_decoded_copy_gives_the_same_logits_and_tokens(kv_dtype, tmp_path):
+    """Through LLM (chunked prefill, prefix caching, a batch of decodes): decoded_copy changes nothing but speed."""
+    from runtime_cases import build, greedy, random_ids
+
+    from kvconvert.runtime import LLM
+
+    model = build(tmp_path / "m", "llama", head_dim=64, tie_word_embeddings=True)
+    ids = random_ids(70, seed=3)
+    runs = []
+    for copy in (False, True):
+        llm = LLM(model, kv_dtype=kv_dtype, kv_scales="dynamic", block_size=4, num_blocks=120, max_num_seqs=4,
+                  max_num_batched_tokens=24, dtype="fp32", decoded_copy=copy)
+        assert hasattr(llm.cache.layers[0], "decoded") == copy
+        scores = llm.score(ids, 40)
+        outs = llm.generate([ids[:50], ids[:61], ids[:33]], greedy(8))  # the first two share 12 cached blocks
+        runs.append((scores, [o.token_ids for o in outs], outs[1].num_cached_tokens))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1:] == runs[1][1:] and runs[1][2] > 0
+
+
+def test_decoded_copy_is_the_torch_backends():
+    from kvconvert.errors import KVConvertError
+    from kvconvert.runtime.config import EngineConfig
+
+    with pytest.raises(KVConvertError, match="decoded_copy is the torch attention backend's"):
+        EngineConfig(kv_dtype="fp8", attention_backend="triton", decoded_copy=True)
