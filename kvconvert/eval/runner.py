@@ -378,8 +378,13 @@ RUNTIME_BLOCK = 16
 # Greedy generation decodes up to GENERATION_SEQS sequences together (one decode step costs about as much for 1 as
 # for 28 sequences of a small model on a CPU), in a KV pool of GENERATION_KV_BYTES, or of one max_len sequence when
 # that is larger: the pool, not the suite, bounds the memory; requests that do not fit wait for blocks (FCFS).
+# 512 MiB holds the quick suite's 22 short samples of SmolLM2-135M in one group in a bf16 cache (256 MiB split them
+# in two, and each group decodes its longest answer's steps).
 GENERATION_SEQS = 32
-GENERATION_KV_BYTES = 256 << 20
+GENERATION_KV_BYTES = 512 << 20
+# Prompts are prefilled in steps of up to PREFILL_TOKENS: a 4096-token prompt in one causal step, whose attention
+# skips the masked half, where two 2048-token steps compute the second one's 2048 x 4096 scores in full.
+PREFILL_TOKENS = 4096
 
 
 def runtime_blocks(max_len: int) -> int:
@@ -399,11 +404,11 @@ def memory_need(config: dict, engine: str, kv_dtype: str, dtype: torch.dtype, ma
     from kvconvert.runtime.memory import estimate_memory
     from kvconvert.runtime.models import kv_layout
 
-    if engine == "runtime":  # its paged pool (with the decoded copy of a quantized one), prefilled in 2048-token steps
+    if engine == "runtime":  # its paged pool (with the decoded copy of a quantized one), prefilled in PREFILL_TOKENS steps
         per_token = bytes_per_token(kv_layout(config), kv_dtype)
         decoded = decoded_bytes_per_token(kv_layout(config), dtype) if kv_pair(kv_dtype).quantized else 0
         kv = generation_blocks(max_len, per_token) * RUNTIME_BLOCK * (per_token + decoded)
-        step = min(2048, max_len)
+        step = min(PREFILL_TOKENS, max_len)
     else:  # transformers: the whole sequence in one forward, its K/V cached in the model's dtype
         kv, step = max_len * bytes_per_token(kv_layout(config), dtype_name(dtype)), max_len
     return estimate_memory(config, dtype, kv_cache_bytes=kv, tokens_per_step=step, context=max_len)
@@ -429,9 +434,11 @@ class RuntimeRunner(ModelRunner):
         blocks = generation_blocks(self.max_len, bytes_per_token(kv_layout(self.config), self.kv_dtype))
         self.llm = LLM(str(self.path), kv_dtype=self.kv_dtype, kv_scales=self.kv_scales, block_size=RUNTIME_BLOCK,
                        num_blocks=blocks, max_model_len=self.max_len, attention_backend="torch",
-                       enable_prefix_caching=True, max_num_seqs=GENERATION_SEQS, dtype=self.dtype,
+                       enable_prefix_caching=True, max_num_seqs=GENERATION_SEQS, max_num_batched_tokens=PREFILL_TOKENS,
+                       dtype=self.dtype,
                        device=self.device, decoded_copy=True)
         self.max_context = int(self.llm.max_model_len)
+        self.cached_prompt_tokens = 0  # prompt tokens of generated samples the prefix cache held (Output's count)
 
     def logits(self, ids: torch.Tensor, logits_from: int = 0) -> torch.Tensor:
         return self.llm.score(ids.reshape(-1).tolist(), logits_from).float()
@@ -449,16 +456,17 @@ class RuntimeRunner(ModelRunner):
         return results
 
     def _chunks(self, requests: list[SampleRequest]):
-        """Indices of requests that run together, shortest first: their sequences fit the KV pool together (their
-        prompts stay cached until their answers are scored), at most GENERATION_SEQS of them, the longest at most
-        twice the shortest (a decode step reads every sequence's blocks padded to the longest context: a 4K prompt
-        among 500-token ones would make each of their steps read 4K)."""
+        """Indices of requests that run together, longest first: their sequences fit the KV pool together (their
+        prompts stay cached until their answers are scored), at most GENERATION_SEQS of them, the shortest at least
+        half the longest (a decode step reads every sequence's blocks padded to the longest context: a 4K prompt
+        among 500-token ones would make each of their steps read 4K). Longest first, because the longest prompts
+        are the likeliest to share blocks with what the runner scored just before (the suite's long window)."""
         pool, chunk, used = self.llm.num_blocks * RUNTIME_BLOCK, [], 0
         length = [len(r.prompt) + max(r.max_new_tokens, len(r.reference)) for r in requests]
-        for i in sorted(range(len(requests)), key=lambda i: length[i]):  # stable: the suite's order among equals
+        for i in sorted(range(len(requests)), key=lambda i: -length[i]):  # stable: the suite's order among equals
             r = requests[i]
             need = len(r.prompt) + r.max_new_tokens + len(r.reference) + 2 * RUNTIME_BLOCK  # + copy-on-write blocks
-            if chunk and (used + need > pool or len(chunk) == GENERATION_SEQS or length[i] > 2 * length[chunk[0]]):
+            if chunk and (used + need > pool or len(chunk) == GENERATION_SEQS or 2 * length[i] < length[chunk[0]]):
                 yield chunk
                 chunk, used = [], 0
             chunk.append(i)
@@ -488,6 +496,7 @@ class RuntimeRunner(ModelRunner):
             for (kind, i), rid in list(pending.items()):
                 if kind == "gen" and (out := llm.take_output(rid)) is not None:
                     results[i].tokens = self._tokens(out, chunk[i])
+                    self.cached_prompt_tokens += out.num_cached_tokens
                 elif kind == "score" and (logits := llm.take_scores(rid)) is not None:
                     results[i].answer = answer_nll(logits[:-1].float(), chunk[i].reference)
                 else:

@@ -18,8 +18,10 @@ from kvconvert.errors import KVConvertError
 from kvconvert.eval.haystack import RULER_TASKS
 from kvconvert.eval.metrics import LONGBENCH_TASKS
 
-SUITE_VERSION = 4  # 4: quick's passkey/NIAH at 512 and 4096 tokens (long_lengths), KL at 4096 (long_window_len); 3: answer likelihoods, LongBench by
-# its protocol (chat template, dataset2maxlen); 2: quick 8 x 2
+# 5: the long window is the long NIAH prompt (its K/V shared through the prefix cache); 4: quick's passkey/NIAH at
+# 512 and 4096 tokens (long_lengths), KL at 4096 (long_window_len); 3: answer likelihoods, LongBench by its protocol
+# (chat template, dataset2maxlen); 2: quick 8 x 2
+SUITE_VERSION = 5
 SEED = 20240611
 
 # The quick suite's LongBench-mini subset: 2 samples (the fewest that give an interval) of 8 tasks on which
@@ -37,8 +39,9 @@ class SuiteSpec:
     """One suite. Lengths are prompt lengths in tokens; depths are fractions of the haystack.
 
     ppl_windows x ppl_window_len: essay windows for perplexity and KL (0 windows = skip).
-    long_window_len: one more essay window of this many tokens (0 = none), after the others in the essays, whose
-    last ppl_window_len positions are scored: perplexity and KL where the cache already holds the tokens before them.
+    long_window_len: one more window of this many tokens (0 = none), the NIAH prompt of that length (the essays, the
+    needle at the first of long_depths), whose last ppl_window_len positions are scored: perplexity and KL where the
+    cache already holds the tokens before them (a long NIAH sample of the same length reuses its K/V).
     passkey_*: grid lengths x depths x repeats (different keys). niah_*: grid lengths x depths.
     long_lengths x long_depths: a sparser grid at long context, for passkey and NIAH both (a 4-bit cache's error
     grows with the tokens it holds; a prompt of 4096 tokens costs a CPU about as much as eight of 512).
@@ -107,7 +110,7 @@ SUITES: dict[str, SuiteSpec] = {
     ),
     "quick": SuiteSpec(
         name="quick", description="pre-merge check (SmolLM2-135M: minutes per model on 2 CPU cores); KL on 4 x 512 "
-                                  "essay tokens and on the last 512 of a 4096-token window; passkey and "
+                                  "essay tokens and on the last 512 of the 4096-token NIAH prompt; passkey and "
                                   "NIAH at 512 tokens x 3 depths and at 4096 tokens (half depth); no RULER; "
                                   "LongBench-mini: 8 tasks x 2 samples at 512 tokens, LongBench's budgets",
         ppl_windows=4, ppl_window_len=512, long_window_len=4096,

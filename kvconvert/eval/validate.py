@@ -97,9 +97,11 @@ def prepare(run: ValidateRun) -> Pair:
 # --------------------------------------------------------------------------- perplexity and KL
 
 def perplexity_windows(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: dict[str, str]) -> list[EssayWindow]:
-    """The suite's essay windows, the long one last (its first long_window_len - ppl_window_len tokens fill the
-    cache, its last ppl_window_len are scored; taken after the short windows in the essays, so no token is
-    scored twice), or [] (with the reason in `skipped`)."""
+    """The suite's essay windows, the long one last, or [] (with the reason in `skipped`). The long window is the
+    NIAH prompt of long_window_len tokens (the essays from their start, the needle at the long grid's first depth,
+    the question at the end): its first tokens fill the cache and its last ppl_window_len are scored (essay tokens
+    past the short windows', so none is scored twice), and the NIAH sample of that length, when the suite runs it,
+    reads the window's K/V from the runtime's prefix cache instead of computing them again."""
     from kvconvert.data import eval_windows
 
     if not spec.ppl_windows:
@@ -113,9 +115,8 @@ def perplexity_windows(pair: Pair, spec: SuiteSpec, run: ValidateRun, skipped: d
     if long and long > pair.context:
         note(run, f"the long perplexity window ({long} tokens) exceeds the context {pair.context}; dropped")
     elif long:
-        short = spec.ppl_windows * spec.ppl_window_len  # the essays' tokens the short windows take
-        ids = eval_windows(pair.tokenizer, 1, short + long)[0][short:]
-        windows.append(EssayWindow(ids, scored_from=long - spec.ppl_window_len))
+        ids = torch.tensor(haystack.niah_sample(pair.tokenizer, long, spec.long_depths[0]).prompt_ids)
+        windows.append(EssayWindow(ids, scored_from=len(ids) - spec.ppl_window_len))
     return windows
 
 

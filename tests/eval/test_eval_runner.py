@@ -12,6 +12,7 @@ from eval_fixtures import save_tiny_model, train_tokenizer
 from kvconvert.checkpoint import estimate_checkpoint_bytes, load_tokenizer
 from kvconvert.data import eval_windows
 from kvconvert.errors import KVConvertError
+from kvconvert.eval import haystack
 from kvconvert.eval import runner as R
 from kvconvert.eval.suites import SUITES
 from kvconvert.eval.validate import ValidateOptions, run_validate, window_stats
@@ -254,22 +255,23 @@ def test_validate_holds_one_model_at_a_time_and_matches_direct_metrics(tmp_path,
 @pytest.mark.parametrize("engine", ["runtime", "transformers"])
 def test_long_window_scores_its_last_positions_after_the_cache_holds_the_rest(tmp_path, tiny_llama, calibrated_fp8,
                                                                                tiny_tokenizer, engine):
-    """The suite's long window: taken from the essays after the short windows, its last ppl_window_len positions
-    scored (KL and NLL over ppl_window_len - 1 predictions) with the tokens before them in the cache; the record
-    equals window_stats on the two models' logits of those positions, computed directly."""
-    spec = dataclasses.replace(SUITES["smoke"], name="long", ppl_windows=2, ppl_window_len=32, long_window_len=160,
+    """The suite's long window: the NIAH prompt of its length, its last ppl_window_len positions scored (KL and NLL
+    over ppl_window_len - 1 predictions) with the tokens before them in the cache; the record equals window_stats
+    on the two models' logits of those positions, computed directly."""
+    spec = dataclasses.replace(SUITES["smoke"], name="long", ppl_windows=2, ppl_window_len=32, long_window_len=400,
                                passkey_lengths=(), niah_lengths=(), ruler_tasks=(), longbench=False)
     report = run_validate(str(tiny_llama), str(calibrated_fp8), tmp_path / "out", spec=spec, progress=False,
                           threads=1, options=ValidateOptions(engine=engine, kv_dtype="fp8", source_kv_dtype="fp32"))
     records = report["samples"]["perplexity"]
-    assert [r["id"] for r in records] == ["w0", "w1", "long2"] and records[2]["context"] == 128
-    assert report["metrics"]["kl_mean_after_128"]["candidate"] == pytest.approx(records[2]["kl"] / 31)
-    ids = eval_windows(tiny_tokenizer, 1, 64 + 160)[0][64:]
+    ids = torch.tensor(haystack.niah_sample(tiny_tokenizer, 400, 0.5).prompt_ids)
+    start = len(ids) - 32
+    assert [r["id"] for r in records] == ["w0", "w1", "long2"] and records[2]["context"] == start > 100
+    assert report["metrics"][f"kl_mean_after_{start}"]["candidate"] == pytest.approx(records[2]["kl"] / 31)
     direct = R.RUNNERS[engine]
     src, cand = direct(tiny_llama, "fp32"), direct(calibrated_fp8, "fp8")
-    assert src.logits(ids, 128).shape[0] == 32
-    torch.testing.assert_close(src.logits(ids, 128), src.logits(ids)[128:], rtol=0, atol=1e-4)
-    expected = window_stats(src.logits(ids)[128:], cand.logits(ids)[128:], ids[128:])
+    assert src.logits(ids, start).shape[0] == 32
+    torch.testing.assert_close(src.logits(ids, start), src.logits(ids)[start:], rtol=0, atol=1e-4)
+    expected = window_stats(src.logits(ids)[start:], cand.logits(ids)[start:], ids[start:])
     assert records[2]["n_tokens"] == 31
     assert records[2]["kl"] == pytest.approx(expected["kl"], rel=1e-4)
     assert records[2]["candidate_nll"] == pytest.approx(expected["candidate_nll"], rel=1e-5)
@@ -299,3 +301,19 @@ def test_runners_take_a_device(tiny_llama, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(KVConvertError, match="torch sees none"):
         R.LazyRunner(tiny_llama, "runtime", "fp32", device="cuda")
+
+
+def test_long_samples_read_the_window_scored_before_them_from_the_prefix_cache(tiny_llama, tiny_tokenizer):
+    """The runtime runner keeps the blocks of what it scored: a sample whose prompt is the long window (the suite's
+    long NIAH sample) finds all of the window's full blocks cached, and gives what a fresh runner gives."""
+    ids = torch.tensor(haystack.niah_sample(tiny_tokenizer, 400, 0.5).prompt_ids)
+    runner = R.RuntimeRunner(tiny_llama, "fp32")
+    runner.logits(ids, len(ids) - 32)
+    short = R.SampleRequest(tuple(ids[:40].tolist()), 4, ())
+    long = R.SampleRequest(tuple(ids.tolist()), 4, (), reference=(5, 6))
+    before = runner.cached_prompt_tokens
+    results = runner.run_samples([short, long])
+    assert runner.cached_prompt_tokens - before >= len(ids) // R.RUNTIME_BLOCK * R.RUNTIME_BLOCK - R.RUNTIME_BLOCK
+    alone = R.RuntimeRunner(tiny_llama, "fp32").run_samples([long])[0]
+    assert results[1].tokens == alone.tokens
+    assert results[1].answer["nll"] == pytest.approx(alone.answer["nll"], rel=1e-5)
