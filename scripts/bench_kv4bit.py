@@ -12,7 +12,8 @@ serving engine stores it (FP8 / NVFP4: kvconvert.number_formats with the calibra
 kvconvert.ggml_formats in llama.cpp's frame, byte-exact with its CPU backend, Hadamard rotation included), against
 the unquantized source on the same windows. With llama-cpp-python installed (scripts/setup_llamacpp.sh), the
 llama.cpp rows are scored again by stock llama.cpp itself (kvconvert.engines.llamacpp) on the same windows: the
-source's f32 GGUF with an f32 cache as the reference, the row's GGUF with its cache.
+source's f32 GGUF with an f32 cache as the reference, the row's GGUF with its cache (a 16-bit row: llama.cpp's
+default f16 cache, the engine's own reference for the MLA rows' 4-bit cost).
 
 K/V pairs (KTYPE/VTYPE, q5_0/iq4_nl: `-ctk q5_0 -ctv iq4_nl`) are llama.cpp's own mixed caches: stock, as its
 flag gives them, and calibrated for the pair (`kvconvert calibrate --kv-dtype q5_0/iq4_nl`), both scored by llama.cpp
@@ -244,7 +245,8 @@ def score_transformers(rows: list[Row], work: Path, windows) -> list[dict]:
 
 
 def score_llamacpp(rows: list[Row], work: Path, windows, threads: int | None) -> tuple[dict[int, dict], float]:
-    """Rows in llama.cpp's types (one, or a K/V pair) scored by stock llama.cpp (GGUF exports under work/gguf):
+    """Rows in llama.cpp's types (one, or a K/V pair), and 16-bit rows (with llama.cpp's f16 cache, its default),
+    scored by stock llama.cpp (GGUF exports under work/gguf):
     ({row index: its result}, the scoring's wall seconds). One llama.cpp worker holds the reference (the
     source's f32 GGUF with an f32 cache, as the emulation's reference is the fp32 source, MLA rows included) and
     a context per row, so each window runs the reference once; per window the same records as the emulation's
@@ -271,13 +273,19 @@ def score_llamacpp(rows: list[Row], work: Path, windows, threads: int | None) ->
                 export_gguf(path, ggufs[path], GGUFExportOptions(outtype="f32"), overwrite=True)
         return ggufs[path]
 
-    picked = [i for i, row in enumerate(rows) if kv_pair(row.kv_dtype).ggml_types]
+    def cache_types(row: Row) -> tuple[str, str] | None:  # llama.cpp's -ctk / -ctv for the row, None: not served
+        pair = kv_pair(row.kv_dtype)
+        if pair.ggml_types:
+            return pair.ggml_types
+        return None if pair.quantized else ("f16", "f16")  # a 16-bit row: llama.cpp's default 16-bit cache
+
+    picked = [i for i, row in enumerate(rows) if cache_types(row)]
     if not picked:
         return {}, 0.0
     contexts = [LlamaCppContext(name="reference", gguf=str(gguf(Row("ref", "fp32", "", "source"))), cache="f32",
                                 flash_attn="on")]
     for i in picked:
-        k, v = kv_pair(rows[i].kv_dtype).ggml_types
+        k, v = cache_types(rows[i])
         contexts.append(LlamaCppContext(name=f"row{i}", gguf=str(gguf(rows[i])), cache=k, cache_v=v, flash_attn="on",
                                         rotation=rows[i].rotation))
     records: dict[int, list[dict]] = {i: [] for i in picked}
