@@ -2,8 +2,8 @@
 # The README's main job: set up (scripts/setup.sh), then on the embedded default model
 # (SmolLM2-135M-Instruct) let `kvconvert plan` pick a KV cache for two budgets and engines, build each
 # pick and measure it against the source in the bundled runtime (quick suite: essays perplexity/KL, also after
-# 3584 cached tokens, passkey and NIAH at 512 and 4096 tokens, a LongBench-mini subset, every task sample's answer
-# likelihood; the samples decode together; gate: the built-in `default` policy):
+# 3478 cached tokens (the long NIAH prompt's last 512), passkey and NIAH at 512 and 4096 tokens, a LongBench-mini
+# subset, every task sample's answer likelihood; the samples decode together; gate: the built-in `default` policy):
 #   1. 50% of the bf16 KV bytes, served by stock vLLM: the plan builds and measures every candidate that
 #      fits and is not dominated (on SmolLM2: the source with a calibrated FP8 cache, "don't convert, just
 #      quantize"); `kvconvert pipeline --kv-budget 50%` validates the plan's build (its provenance record
@@ -29,7 +29,7 @@ cat <<'EOF'
 == kvconvert demo: SmolLM2-135M's KV cache at 50% (vLLM) and at a third (llama.cpp), each measured against the source ==
   [1/3] kvconvert plan for 50% of the bf16 KV bytes, served by stock vLLM: it builds what fits (with the
         calibration its recipe ships), measures it and picks the least damage; the pipeline then takes
-        the plan's build as is, validates it (quick suite: perplexity/KL on essays, also after 3584 cached
+        the plan's build as is, validates it (quick suite: perplexity/KL on essays, also after 3478 cached
         tokens, passkey and NIAH at 512 and 4096 tokens, LongBench-mini subset) and gates it.
   [2/3] kvconvert plan for 33%, served by stock llama.cpp: 4-bit K and V against 5-bit K with 4-bit V, built,
         measured, the least damage written
