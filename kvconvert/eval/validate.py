@@ -195,7 +195,7 @@ def run_samples(runner: LazyRunner, role: str, samples: list[GenSample], pair: P
     likelihood of each sample's reference answer given the prompt, through this runner's engine and KV cache format
     ({(task, id): {"nll": sum of -log p over the answer tokens, "tokens": n}}). Each is cached under the runner's
     fingerprint (answers under the task "<task>#answer" and the sample's answer_hash); what is not cached runs
-    together, GENERATION_SEQS samples at a time in the suite's order (LazyRunner.run_samples). Also returns how many
+    together, GENERATION_SEQS samples at a time, longest first (LazyRunner.run_samples). Also returns how many
     generations the cache's shared part held (the source's results of an earlier run)."""
     outputs, answers = {}, {}
     for sample in samples:
@@ -208,6 +208,8 @@ def run_samples(runner: LazyRunner, role: str, samples: list[GenSample], pair: P
             answers[(sample.task, sample.sample_id)] = ans
     todo = [s for s in samples if (s.task, s.sample_id) not in outputs
             or (s.reference_ids and (s.task, s.sample_id) not in answers)]
+    # longest first, as the runner groups them, so each slice of GENERATION_SEQS holds samples of similar length
+    todo.sort(key=lambda s: -(s.prompt_len + max(s.max_new_tokens, len(s.reference_ids))))
     bar = _progress(None, f"{role} generation and answer likelihood", run, total=len(samples),
                     initial=len(samples) - len(todo))
     for start in range(0, len(todo), GENERATION_SEQS):
