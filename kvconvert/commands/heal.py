@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -58,6 +60,7 @@ def heal_cmd(student, teacher, recipe, out, overwrite, restart, allow_other_teac
     with process_group_released():
         _heal(student, teacher, recipe, out, overwrite, restart, allow_other_teacher, max_steps, device, no_progress,
               plan, plan_opts)
+    end_launched_process()
 
 
 def _heal(student, teacher, recipe, out, overwrite, restart, allow_other_teacher, max_steps, device, no_progress, plan,
@@ -99,6 +102,18 @@ def process_group_released():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_launched_process() -> None:
+    """In a launched process (torchrun / `accelerate launch` set WORLD_SIZE > 1) whose heal returned: flush stdio and
+    end it without the interpreter's teardown. With the group destroyed a rank still ended in SIGABRT ("terminate
+    called without an active exception", a C++ thread's destructor during teardown) after a `--max-steps` stop had
+    written its state, now and then under CI's load; the launcher then fails the whole run. Everything the heal
+    writes is on disk by then (atomic renames), so nothing is lost by skipping teardown. A single process returns."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def recipe_with_flags(recipe: str, params: dict):

@@ -163,3 +163,14 @@ def test_heal_command_destroys_the_process_group_it_ran_under(tmp_path):
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size, code", [("2", 0), (None, 3)])
+def test_a_launched_process_ends_without_teardown_and_a_single_one_returns(world_size, code):
+    """Under a launcher (WORLD_SIZE > 1) the heal command's process ends right after its output is flushed, exit 0;
+    a single process returns to its caller (here: to an exit of its own)."""
+    script = ("import sys; from kvconvert.commands.heal import end_launched_process; print('healed', end=''); "
+              "end_launched_process(); sys.exit(3)")
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | ({"WORLD_SIZE": world_size} if world_size else {})
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert (proc.returncode, proc.stdout) == (code, "healed"), proc.stderr[-2000:]
