@@ -187,8 +187,11 @@ def add_decoded_copy(layer, dtype: torch.dtype) -> None:
     layer.decoded = {n: torch.zeros(nb, bs, *layer.row_shape, dtype=dtype, device=layer.device) for n in names}
 
 
-def decoded_bytes_per_token(layout: list[dict[str, CacheSpec]], dtype: torch.dtype) -> int:
-    """Bytes a decoded copy (add_decoded_copy) takes per token over all layers: every cached value in dtype."""
+def decoded_bytes_per_token(layout: list[dict[str, CacheSpec]], kv_dtype: str, dtype: torch.dtype) -> int:
+    """Bytes a decoded copy (add_decoded_copy) takes per token over all layers: every cached value in dtype; 0 for
+    an unquantized kv_dtype, which gets none."""
+    if not kv_pair(kv_dtype).quantized:
+        return 0
     return sum(math.prod(spec.row_shape) for layer in layout for spec in layer.values()) * dtype.itemsize
 
 

@@ -34,7 +34,6 @@ from kvconvert.errors import KVConvertError
 from kvconvert.runtime.attention import make_attention
 from kvconvert.runtime.block_manager import BlockManager
 from kvconvert.runtime.config import DEFAULT_KV_MEMORY, EngineConfig, SamplingParams
-from kvconvert.kvformat import kv_pair
 from kvconvert.runtime.kv_cache import PagedKVCache, bytes_per_token, decoded_bytes_per_token, read_kv_scales
 from kvconvert.memory import check_memory, resolve_dtype
 from kvconvert.runtime.memory import estimate_memory
@@ -74,12 +73,11 @@ class LLM:
         self.kv_bytes_per_token = bytes_per_token(layout, cfg.kv_dtype)
         self.num_blocks = self._num_blocks()
         self.dtype = resolve_dtype(dtype, stored_dtype(reader))
-        self.decoded_copy = cfg.decoded_copy and kv_pair(cfg.kv_dtype).quantized  # a 16-bit cache is its values
         self._check_memory(reader.config)
         self.model = load_model(reader, dtype=self.dtype, max_positions=self.max_model_len, device=self.device)
         scales, dynamic = read_kv_scales(reader, layout, cfg.kv_dtype, cfg.kv_scales)
         self.cache = PagedKVCache(layout, self.num_blocks, cfg.block_size, cfg.kv_dtype, scales, dynamic, self.device,
-                                  decoded_dtype=self.dtype if self.decoded_copy else None)
+                                  decoded_dtype=self.dtype if cfg.decoded_copy else None)  # none for a 16-bit cache
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         eos = tuple(eos_token_ids(self.model_path, reader.config))
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len, self.model.vocab_size, eos)
@@ -93,8 +91,8 @@ class LLM:
     def memory_estimate(self, config: dict, dtype: torch.dtype):
         """What this engine needs with weights in `dtype` (kvconvert.runtime.memory)."""
         cfg = self.config
-        per_token = self.kv_bytes_per_token + (decoded_bytes_per_token(kv_layout(config), dtype) if self.decoded_copy
-                                               else 0)
+        decoded = decoded_bytes_per_token(kv_layout(config), cfg.kv_dtype, dtype) if cfg.decoded_copy else 0
+        per_token = self.kv_bytes_per_token + decoded
         return estimate_memory(config, dtype, kv_cache_bytes=self.num_blocks * cfg.block_size * per_token,
                                tokens_per_step=min(cfg.max_num_batched_tokens, self.max_model_len),
                                context=self.max_model_len)

@@ -234,6 +234,11 @@ class SampleRequest:
     min_new_tokens: int = 0
     reference: tuple[int, ...] = ()
 
+    @property
+    def length(self) -> int:
+        """Tokens its longer part reaches: the prompt and the generation or the reference, whichever is longer."""
+        return len(self.prompt) + max(self.max_new_tokens, len(self.reference))
+
 
 @dataclass
 class SampleResult:
@@ -406,7 +411,7 @@ def memory_need(config: dict, engine: str, kv_dtype: str, dtype: torch.dtype, ma
 
     if engine == "runtime":  # its paged pool (with the decoded copy of a quantized one), prefilled in PREFILL_TOKENS steps
         per_token = bytes_per_token(kv_layout(config), kv_dtype)
-        decoded = decoded_bytes_per_token(kv_layout(config), dtype) if kv_pair(kv_dtype).quantized else 0
+        decoded = decoded_bytes_per_token(kv_layout(config), kv_dtype, dtype)
         kv = generation_blocks(max_len, per_token) * RUNTIME_BLOCK * (per_token + decoded)
         step = min(PREFILL_TOKENS, max_len)
     else:  # transformers: the whole sequence in one forward, its K/V cached in the model's dtype
@@ -462,7 +467,7 @@ class RuntimeRunner(ModelRunner):
         among 500-token ones would make each of their steps read 4K). Longest first, because the longest prompts
         are the likeliest to share blocks with what the runner scored just before (the suite's long window)."""
         pool, chunk, used = self.llm.num_blocks * RUNTIME_BLOCK, [], 0
-        length = [len(r.prompt) + max(r.max_new_tokens, len(r.reference)) for r in requests]
+        length = [r.length for r in requests]
         for i in sorted(range(len(requests)), key=lambda i: -length[i]):  # stable: the suite's order among equals
             r = requests[i]
             need = len(r.prompt) + r.max_new_tokens + len(r.reference) + 2 * RUNTIME_BLOCK  # + copy-on-write blocks

@@ -208,14 +208,15 @@ def run_samples(runner: LazyRunner, role: str, samples: list[GenSample], pair: P
             answers[(sample.task, sample.sample_id)] = ans
     todo = [s for s in samples if (s.task, s.sample_id) not in outputs
             or (s.reference_ids and (s.task, s.sample_id) not in answers)]
-    # longest first, as the runner groups them, so each slice of GENERATION_SEQS holds samples of similar length
-    todo.sort(key=lambda s: -(s.prompt_len + max(s.max_new_tokens, len(s.reference_ids))))
+
     bar = _progress(None, f"{role} generation and answer likelihood", run, total=len(samples),
                     initial=len(samples) - len(todo))
-    for start in range(0, len(todo), GENERATION_SEQS):
-        batch = todo[start:start + GENERATION_SEQS]
-        requests = [_request(s, pair, generate=(s.task, s.sample_id) not in outputs,
-                             score=(s.task, s.sample_id) not in answers) for s in batch]
+    pending = [(s, _request(s, pair, generate=(s.task, s.sample_id) not in outputs,
+                            score=(s.task, s.sample_id) not in answers)) for s in todo]
+    pending.sort(key=lambda p: -p[1].length)  # as the runner groups them: each slice holds samples of similar length
+    for start in range(0, len(pending), GENERATION_SEQS):
+        batch = [s for s, _ in pending[start:start + GENERATION_SEQS]]
+        requests = [r for _, r in pending[start:start + GENERATION_SEQS]]
         for sample, result in zip(batch, runner.run_samples(requests)):
             key = (sample.task, sample.sample_id)
             if key not in outputs:
