@@ -132,7 +132,7 @@ def _nearest_level(y: torch.Tensor) -> torch.Tensor:
     half the gap between neighbouring levels is <= 12: each difference is a multiple of y's ulp below 2^24 of
     them). The level index is then the number of midpoints <= y (tests/test_ggml_formats.py checks it against the
     two-difference form around every midpoint)."""
-    return torch.bucketize(y, _iq4_nl_midpoints(str(y.device)), right=True)
+    return torch.bucketize(y.contiguous(), _iq4_nl_midpoints(str(y.device)), right=True)
 
 
 @functools.lru_cache(maxsize=4)

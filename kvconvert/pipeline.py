@@ -1,5 +1,6 @@
 """The whole job on one model (`kvconvert pipeline`, kvconvert.commands.pipeline): convert to MLA
-(-> heal) -> calibrate KV scales -> validate against the source -> gate.
+(-> heal) -> calibrate KV scales -> validate against the source -> gate. Without a conversion a recipe's
+heal_distill (with kv_dtype) heals the source itself for its cache before the calibration.
 
 Every stage runs in this process through the library, with the same options model its command
 takes (kvconvert.stage_options), and is printed first as the equivalent `kvconvert ...` command
@@ -90,7 +91,7 @@ def convert_stage(src_path: Path, opts: MLAOptions, out: Path, heal=None, *, sou
 
 @dataclass
 class Stage:
-    name: str  # convert | calibrate | export | validate | gate
+    name: str  # convert | heal (the source, no conversion) | calibrate | export | validate | gate
     argv: list[str]  # the equivalent command line, after `kvconvert`
     out: Path | None  # output folder, reused when it holds a manifest; None: the stage always runs
     options: StageOptions | None  # what the stage runs with (argv is built from it)
@@ -123,6 +124,22 @@ def _convert(src: str, opts: MLAOptions, heal, heal_shown: str, out: Path) -> St
     argv = ["mla", "--src", src, *options_as_flags(opts), "--heal", heal_shown, "--out", str(out), "--overwrite"]
     return Stage("convert", argv, out, opts, run, source=src,
                  makes={"heal": heal.to_dict() if heal is not None else None})
+
+
+def _heal_source(src: str, heal, heal_shown: str, out: Path) -> Stage:
+    """The source distilled against itself with its KV cache rounded as the engine stores it (the recipe's
+    heal_distill.kv_dtype; kvconvert.heal.quant_aware), into `out`: a checkpoint of the source's architecture."""
+    def run():
+        from kvconvert.checkpoint import check_checkpoint
+        from kvconvert.recipe import heal as run_heal
+        from kvconvert.sources import resolve_source
+
+        src_path = resolve_source(src)
+        check_checkpoint(src_path)
+        run_heal(src_path, src_path, heal, out, overwrite=True)
+
+    argv = ["heal", "--student", src, "--teacher", src, "--recipe", heal_shown, "--out", str(out), "--overwrite"]
+    return Stage("heal", argv, out, None, run, source=src, makes={"heal": heal.to_dict()})
 
 
 def _calibrate(model: str, opts: CalibrateOptions, out: Path) -> Stage:
@@ -192,7 +209,7 @@ def build_stages(src: str, convert: MLAOptions | None, heal, heal_shown: str, ca
     model against the source into out_dir/report, gate the report."""
     if convert is None and calibrate is None:
         raise KVConvertError("nothing to build: no MLA conversion and no KV calibration (give one of them)")
-    from kvconvert.recipe import heal_cache_mismatch
+    from kvconvert.recipe import heal_cache_mismatch, source_heal_problem
 
     problem = heal_cache_mismatch(heal.distill if heal is not None else None, calibrate)
     if problem:  # a recipe checks itself; --heal RECIPE with --kv-dtype composes two sources
@@ -203,6 +220,12 @@ def build_stages(src: str, convert: MLAOptions | None, heal, heal_shown: str, ca
     if convert is not None:
         model, name = str(out_dir / "mla"), "mla"
         stages.append(_convert(src, convert, heal, heal_shown, Path(model)))
+    elif heal is not None:  # no conversion: the source itself, healed for its cache
+        problem = source_heal_problem(heal.layerwise, heal.distill)
+        if problem:
+            raise KVConvertError(f"{heal_shown}: {problem}")
+        model, name = str(out_dir / "healed"), "healed"
+        stages.append(_heal_source(src, heal, heal_shown, Path(model)))
     if calibrate is not None:
         stages.append(_calibrate(model, calibrate, out_dir / f"{name}-{kv_dtype_slug(calibrate.kv_dtype)}"))
         model = str(stages[-1].out)
@@ -232,8 +255,6 @@ def with_device(opts: StageOptions | None, device: str | None) -> StageOptions |
 def recipe_stages(recipe, recipe_path: Path, src: str, out_dir: Path, device: str | None = None) -> list[Stage]:
     """The pipeline's stages for a recipe (`device`: replaces every block's device when given)."""
     convert = recipe.stage("convert")
-    if convert is None and recipe.heals():
-        raise KVConvertError(f"{recipe_path}: heal blocks need a `convert` block (rank, rope_dim, ...)")
     calibrate = recipe.stage("calibrate")
     if convert is None and calibrate is None:
         raise KVConvertError(f"{recipe_path}: the pipeline needs a `convert` or a `calibrate` block")

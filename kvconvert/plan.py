@@ -3,7 +3,8 @@
     candidates (the source's own attention or an MLA shape, x a KV format bf16/fp8/nvfp4 or one of llama.cpp's
       q8_0/q5_1/q5_0/q4_1/q4_0/iq4_nl, and for MLA
       nvfp4_fp8rope: its k_rope in 8 bits makes wide RoPE parts cheap, so shapes with up to 64 RoPE dims
-      are candidates in that format only)
+      are candidates in that format only; for the source's own attention llama.cpp's K/V pairs, whose extra bits
+      go to the half, K or V, that costs the model more when rounded alone: plan_pairs measures it first)
       -> keep those that fit the budget and that the target engine serves
       -> prune the dominated (orderings that hold by construction, below)
       -> measure the survivors: KL to the source on held-out essay windows, in the bundled runtime
@@ -51,12 +52,21 @@ from kvconvert.targets import (DEFAULT_TARGET, TARGETS, engines_serving, get_tar
 FINER_CHAINS = (("bf16", "fp8", "nvfp4", "nvfp4_fp8rope"), ("bf16", "q8_0", "q5_0", "q4_0"),
                 ("bf16", "q8_0", "iq4_nl"), ("bf16", "q5_1", "q4_1"))
 FORMATS = tuple(dict.fromkeys(f for chain in FINER_CHAINS for f in chain))
-# K and V apart in llama.cpp's types (-ctk / -ctv; kvformat.KVPair), for the source's own attention (an MLA row has
-# no V half): the pairs whose K has more bits than its V, since the keys carry most of a 4-bit cache's loss
-# (measured in llama.cpp on SmolLM2: q5_0/iq4_nl KL 0.014 against iq4_nl/q5_0's 0.036 at the same bytes). Any
-# other pair is planned when --kv-dtypes names it.
-PAIRS = tuple(f"{k}/{v}" for k in FORMATS for v in FORMATS
-              if kv_format(k).ggml_type and kv_format(v).ggml_type and kv_format(k).bits > kv_format(v).bits)
+
+
+def llamacpp_pairs(finer_half: str = "k") -> tuple[str, ...]:
+    """K and V apart in llama.cpp's types (-ctk / -ctv; kvformat.KVPair), for the source's own attention (an MLA row
+    has no V half): the pairs whose `finer_half` ("k" or "v") has more bits than the other. The plan gives the bits
+    to the half whose 4-bit rounding costs the model more (plan_pairs: measured by kvconvert.quant.sensitivity;
+    on SmolLM2 the keys, and in llama.cpp q5_0/iq4_nl has KL 0.014 against iq4_nl/q5_0's 0.036 at the same bytes).
+    Any other pair is planned when --kv-dtypes names it."""
+    ggml = [f for f in FORMATS if kv_format(f).ggml_type]
+    return tuple(f"{k}/{v}" for k in ggml for v in ggml
+                 if (kv_format(k).bits > kv_format(v).bits) == (finer_half == "k") and kv_format(k).bits != kv_format(v).bits)
+
+
+PAIRS = llamacpp_pairs("k")
+SENSITIVITY_TYPE = "iq4_nl"  # the 4-bit type whose K-only and V-only KL decide which half a pair gives more bits
 
 
 def _finer_one(a: str, b: str) -> bool:
@@ -243,25 +253,26 @@ def mla_shapes(shape: KVShape, max_rope: int = 32) -> list[tuple[int, int]]:
     return sorted((r, p) for r, p in shapes if r + p < width)  # a latent as wide as K+V saves nothing
 
 
-def enumerate_candidates(config: dict) -> list[Candidate]:
-    """Every (attention shape, KV format) for a model config, with bytes per token and engines."""
+def enumerate_candidates(config: dict, pairs: tuple[str, ...] = PAIRS) -> list[Candidate]:
+    """Every (attention shape, KV format) for a model config, with bytes per token and engines; `pairs`: the K/V
+    pairs of llama.cpp's types the source's own attention is planned with."""
     shape = kv_shape(config)
     if shape.kind == MLA:
         raise KVConvertError("the source is already MLA: plan its KV format with `kvconvert calibrate`, or plan "
                              "from the GQA/MHA model it was converted from")
-    out = [c for rank, rope in [(None, None), *mla_shapes(shape)] for c in shape_candidates(shape, rank, rope)]
+    out = [c for rank, rope in [(None, None), *mla_shapes(shape)] for c in shape_candidates(shape, rank, rope, pairs)]
     wide = sorted(set(mla_shapes(shape, WIDE_ROPE)) - set(mla_shapes(shape)))
     return out + [c for rank, rope in wide for c in shape_candidates(shape, rank, rope)
                   if kv_format(c.kv_dtype).mla_rope == "fp8"]
 
 
-def shape_candidates(shape, rank: int | None, rope: int | None) -> list[Candidate]:
-    """Every KV format of one attention shape of a GQA/MHA source ``shape``: the source's own (rank None)
-    or MLA rank + rope, with bytes per token and engines."""
+def shape_candidates(shape, rank: int | None, rope: int | None, pairs: tuple[str, ...] = PAIRS) -> list[Candidate]:
+    """Every KV format of one attention shape of a GQA/MHA source ``shape``: the source's own (rank None, with the
+    K/V `pairs` too) or MLA rank + rope, with bytes per token and engines."""
     baseline = kv_bytes_per_token(shape, "bf16")
     cached = shape if rank is None else mla_whatif(shape, rank, rope)
     out = []
-    for fmt in FORMATS + (PAIRS if rank is None else ()):  # an MLA row has no V half to store apart
+    for fmt in FORMATS + (tuple(pairs) if rank is None else ()):  # an MLA row has no V half to store apart
         if kv_pair(fmt).k.mla_only and rank is None:  # nvfp4_fp8rope: the source has no k_rope to keep apart
             continue
         if not _whole_blocks(shape, fmt, rank, rope):
@@ -283,6 +294,35 @@ def _whole_blocks(shape, fmt: str, rank: int | None, rope: int | None) -> bool:
     if not spec.block:
         return True
     return (shape.head_dim if rank is None else rank) % spec.block == 0
+
+
+def plan_pairs(src: Path, opts: PlanOptions, dtype: str, device: str = "cpu",
+               echo=lambda msg: None) -> tuple[tuple[str, ...], dict | None]:
+    """(the K/V pairs to plan, the sensitivity that chose them or None).
+
+    --kv-dtypes given: the pairs it names, whichever half has more bits. Else, where the target serves llama.cpp's
+    pairs: the source's keys and values are each rounded alone to SENSITIVITY_TYPE on two held-out essay windows
+    (kvconvert.quant.sensitivity, in `dtype` weights on `device`), and the pairs give their extra bits to the half whose
+    rounding costs more (llamacpp_pairs). A target that serves no pair plans none."""
+    if opts.kv_dtypes is not None:
+        return tuple(d for d in opts.kv_dtypes if kv_pair(d).mixed), None
+    from kvconvert.checkpoint import read_config
+
+    shape = kv_shape(read_config(src))
+    if opts.target not in ("llamacpp", "kvconvert", "any") or shape.kind == MLA \
+            or llamacpp_shape_problem(shape.head_dim, shape.head_dim) is not None:
+        return (), None  # no pair served, an MLA source (refused by enumerate_candidates), or no whole blocks
+    from kvconvert.memory import DTYPES
+    from kvconvert.quant.sensitivity import SensitivityOptions, cache_sensitivity
+
+    report = cache_sensitivity(src, SensitivityOptions(kv_dtype=SENSITIVITY_TYPE, windows=2, window_len=opts.window_len,
+                                                       per_layer=False), dtype=DTYPES[dtype], device=device)
+    k_only, v_only = report["all"]["k_only"], report["all"]["v_only"]
+    finer_half = "k" if k_only >= v_only else "v"
+    echo(f"where a 4-bit cache's loss sits ({SENSITIVITY_TYPE}, 2 x {opts.window_len} essay tokens): K-only KL "
+         f"{k_only:.4f}, V-only {v_only:.4f}: K/V pairs give the {'keys' if finer_half == 'k' else 'values'} more bits")
+    return llamacpp_pairs(finer_half), {"kv_dtype": SENSITIVITY_TYPE, "k_only": k_only, "v_only": v_only,
+                                       "tokens": report["tokens"], "finer_half": finer_half}
 
 
 def fits(candidates: list[Candidate], budget: float, target: str) -> list[Candidate]:
@@ -608,7 +648,8 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
     dtype = weights_dtype(src_path, opts.dtype)
     check_not_source(out, (src_path,))  # --out inside the source: refused before any work
     refuse_existing_outputs([out / name for name in PLAN_FILES], overwrite)  # the user's recipe.yaml is not replaced
-    everything = [c for c in enumerate_candidates(read_config(src_path))
+    pairs, sensitivity = plan_pairs(src_path, opts, dtype, device, echo)
+    everything = [c for c in enumerate_candidates(read_config(src_path), pairs)
                   if opts.kv_dtypes is None or c.kv_dtype in opts.kv_dtypes]
     for kv_dtype in dropped_kv_dtypes(everything, opts.kv_dtypes, target):
         engines = sorted({e for c in everything if c.kv_dtype == kv_dtype for e in c.engines},
@@ -681,7 +722,8 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
     plan = {"format": PLAN_FORMAT, "source": src, "source_fingerprint": checkpoint_fingerprint(src_path),
             "budget": budget, "target": target, "options": opts.model_dump(), "device": device, "chosen": best.name,
             "verdict": verdict, "protocol": protocol,
-            "pruning_contradicted": contradicted, "artifacts": artifacts, "seconds": round(time.time() - t0, 1),
+            "pruning_contradicted": contradicted, "artifacts": artifacts, "sensitivity": sensitivity,
+            "seconds": round(time.time() - t0, 1),
             "rows": rows}
     recipe = chosen_recipe(best, src, target, calib_tokens, dtype, opts.kv_calib_tokens)
     atomic_write_text(out / "recipe.yaml", yaml.safe_dump(recipe, sort_keys=False))

@@ -88,6 +88,22 @@ def heal_cache_mismatch(distill: DistillOptions | None, calibrate: CalibrateOpti
     return None
 
 
+def source_heal_problem(layerwise: LayerwiseOptions | None, distill: DistillOptions | None) -> str | None:
+    """Why a pipeline's heal blocks cannot heal the source itself (its recipe has no `convert` block), or None.
+
+    Without a conversion the student is the source, healed for its KV cache: only a quantization-aware
+    distillation (heal_distill.kv_dtype) has anything to teach it. heal_layerwise fits an MLA conversion's layers
+    to the source's; for the source itself its loss is zero from the first step."""
+    if layerwise is not None:
+        return ("heal_layerwise fits an MLA conversion's layers to its source's and needs a `convert` block; a "
+                "source healed for its KV cache takes heal_distill with kv_dtype only")
+    if distill is not None and distill.kv_dtype is None:
+        return ("heal_distill without kv_dtype and without a `convert` block distills the source against itself, "
+                "which teaches it nothing: give heal_distill.kv_dtype (the cache it is healed for, the calibrate "
+                "block's kv_dtype), or add a `convert` block")
+    return None
+
+
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
 from kvconvert.commands.calibrate import calibrate_cmd
+from kvconvert.commands.heal import heal_cmd
 from kvconvert.commands.main import cli
 from kvconvert.commands.mla import mla_cmd
 from kvconvert.commands.validate import validate_cmd
@@ -25,7 +27,7 @@ from kvconvert.stage_options import build_options
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-COMMANDS = {"convert": mla_cmd, "calibrate": calibrate_cmd, "validate": validate_cmd}
+COMMANDS = {"convert": mla_cmd, "heal": heal_cmd, "calibrate": calibrate_cmd, "validate": validate_cmd}
 
 EVERY_CONVERT_KEY = {"rank": 48, "rope_dim": 16, "q_rank": 96, "calib_data": "essays", "calib_tokens": 1024,
                      "calib_window": 256, "dtype": "fp32", "key_weight": 0.5, "rho": 1e-3, "stream": "source",
@@ -99,8 +101,28 @@ def test_a_recipe_with_one_build_block(blocks, first, candidate, kv_dtype, tmp_p
 def test_recipe_needs_a_convert_or_calibrate_block(tmp_path):
     with pytest.raises(KVConvertError, match="needs a `convert` or a `calibrate` block"):
         _stages({"validate": {}}, tmp_path)
-    with pytest.raises(KVConvertError, match="heal blocks need a `convert` block"):
+    with pytest.raises(KVConvertError, match="heal_layerwise fits an MLA conversion's layers"):
         _stages({"heal_layerwise": {}, "calibrate": {}}, tmp_path)
+    with pytest.raises(KVConvertError, match="heal_distill without kv_dtype and without a `convert` block"):
+        _stages({"heal_distill": {}, "calibrate": {"kv_dtype": "q5_0/iq4_nl"}}, tmp_path)
+
+
+def test_a_recipe_without_convert_heals_the_source_for_its_cache(tmp_path):
+    """heal_distill with kv_dtype and no conversion: the source distilled with its cache rounded, then calibrated,
+    exported and validated against the source."""
+    stages = _stages({"heal_distill": {"kv_dtype": "q5_0/iq4_nl", "lr": 1e-4},
+                      "calibrate": {"kv_dtype": "q5_0/iq4_nl"}}, tmp_path)
+    assert [s.name for s in stages] == ["heal", "calibrate", "export", "validate", "gate"]
+    heal, calibrate = stages[0], stages[1]
+    assert heal.out == tmp_path / "healed" and heal.source == "smollm2-135m"
+    assert {k: str(v) for k, v in _params(heal).items() if k in ("student", "teacher", "recipe", "out")} == {
+        "student": "smollm2-135m", "teacher": "smollm2-135m", "recipe": str(tmp_path / "r.yaml"),
+        "out": str(tmp_path / "healed")}
+    assert heal.provenance()["heal"]["heal_distill"]["lr"] == 1e-4  # a changed recipe rebuilds it
+    assert _params(calibrate)["src"] == str(tmp_path / "healed")
+    assert calibrate.out == tmp_path / "healed-q5_0+iq4_nl"
+    assert _params(stages[3])["source"] == "smollm2-135m"
+    assert _params(stages[3])["candidate"] == str(tmp_path / "healed-q5_0+iq4_nl")
 
 
 RECIPE_25 = str(ROOT / "recipes" / "smollm2-135m-25pct.yaml")
@@ -289,6 +311,39 @@ def test_interrupted_pipeline_resumes_from_the_finished_stage(tiny_llama, tmp_pa
     report = json.loads((out / "report" / "report.json").read_text())
     assert report["candidate"]["path"] == str(out / "mla-fp8") and report["candidate"]["kv_dtype"] == "fp8"
     assert (out / "mla-fp8" / "manifest.json").is_file()
+
+
+def test_a_source_healed_for_its_cache_is_calibrated_validated_and_reused(tiny_llama, tmp_path):
+    """No convert block: the source distilled with its FP8 cache rounded (heal), that model calibrated and
+    validated against the unhealed source; a second run reuses the healed model."""
+    from safetensors.torch import load_file
+
+    data = tmp_path / "text.txt"
+    data.write_text(pydoc_corpus()[:40_000])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "source": str(tiny_llama),
+        "heal_distill": {"data": str(data), "tokens": 4 * 64, "seq_len": 64, "batch_size": 1, "lr": 0.01,
+                         "warmup_steps": 1, "kv_dtype": "fp8"},
+        "calibrate": {"kv_dtype": "fp8", "observer": "amax", "calib_data": str(data), "calib_tokens": 256,
+                      "window_len": 64},
+        "validate": {"suite": "smoke", "engine": "transformers", "gate": "smoke"}}))
+    out = tmp_path / "out"
+    args = ["pipeline", "--recipe", str(recipe), "--out", str(out)]
+    first = CliRunner().invoke(cli, args)
+    assert first.exit_code == 0, first.output
+    log = json.loads((out / "pipeline.json").read_text())["stages"]
+    assert [s["stage"] for s in log] == ["heal", "calibrate", "validate", "gate"]
+    healed = {k: v for f in (out / "healed").glob("*.safetensors") for k, v in load_file(f).items()}
+    source = {k: v for f in tiny_llama.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert healed.keys() == source.keys()
+    assert not torch.equal(healed["model.layers.0.self_attn.k_proj.weight"], source["model.layers.0.self_attn.k_proj.weight"])
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert report["candidate"]["path"] == str(out / "healed-fp8") and report["source"]["path"] == str(tiny_llama)
+
+    again = CliRunner().invoke(cli, args)
+    assert again.exit_code == 0, again.output
+    assert f"== heal: reusing {out / 'healed'}" in again.output
 
 
 def test_the_plans_build_stands_for_the_stage_only_when_its_record_matches(tiny_llama, tmp_path):

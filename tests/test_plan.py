@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -265,6 +266,7 @@ def test_plan_end_to_end_on_smollm2(tmp_path):
     run_plan("smollm2-135m", 0.5, opts, tmp_path, echo=lambda m: None)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["device"] == "cpu" and PlanOptions(**plan["options"]) == opts
+    assert plan["sensitivity"] is None  # vLLM serves no K/V pair: nothing to choose between the halves
     assert finished_plan(tmp_path, 0.5, opts.model_copy(update={"device": "auto"}))  # where, not what it measured
     assert not finished_plan(tmp_path, 0.25, opts)
     assert (tmp_path / "artifacts" / "fp32-512" / "source-fp8" / "manifest.json").is_file()  # SmolLM2 stores fp32
@@ -329,3 +331,45 @@ def test_llamacpp_candidates_keep_to_its_one_shape_rule():
     """A head_dim llama.cpp's blocks of 32 do not tile is no candidate for its types (plan asks targets' rule)."""
     c = by_name(enumerate_candidates({**SMOLLM2, "head_dim": 48, "hidden_size": 432}))
     assert "source q4_0" not in c and "source q5_0/iq4_nl" not in c and "source fp8" in c
+
+
+def test_named_pairs_are_planned_whichever_half_has_more_bits():
+    """--kv-dtypes iq4_nl/q5_0 (V finer than K) is a candidate as named, with no sensitivity measured; pairs are
+    planned only for targets that serve them."""
+    from kvconvert.plan import PAIRS, llamacpp_pairs, plan_pairs
+
+    assert "source iq4_nl/q5_0" in by_name(enumerate_candidates(SMOLLM2, ("iq4_nl/q5_0",)))
+    assert "source q5_0/iq4_nl" not in by_name(enumerate_candidates(SMOLLM2, ("iq4_nl/q5_0",)))
+    opts = PlanOptions(target="llamacpp", kv_dtypes=("iq4_nl/q5_0", "q4_0"))
+    assert plan_pairs(Path("/nonexistent"), opts, "fp32") == (("iq4_nl/q5_0",), None)
+    assert PAIRS == llamacpp_pairs("k") and "q5_0/iq4_nl" in PAIRS and "q8_0/q4_0" in PAIRS
+    assert "iq4_nl/q5_0" in llamacpp_pairs("v") and not set(llamacpp_pairs("v")) & set(PAIRS)
+
+
+@pytest.mark.parametrize("score_gain, finer_half", [(0.02, "v"), (8.0, "k")])
+def test_the_plan_gives_the_extra_bits_to_the_half_that_costs_more(score_gain, finer_half, tmp_path):
+    """A model whose scores barely depend on its keys (k_proj scaled down: near-uniform attention) loses more to
+    rounded values, and one with sharp attention (q_proj and k_proj scaled up) to rounded keys: the plan measures which
+    (kvconvert.quant.sensitivity, K-only and V-only iq4_nl) and plans the pairs that favour that half."""
+    import sys
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kvconvert.plan import llamacpp_pairs, plan_pairs
+
+    sys.path.insert(0, str(Path(__file__).parent / "quant"))
+    from quant_cases import make_llama
+
+    src = make_llama(tmp_path / "llama", head_dim=32)
+    shard = next(src.glob("*.safetensors"))
+    weights = load_file(shard)
+    for name in weights:
+        if name.endswith("k_proj.weight") or (score_gain > 1 and name.endswith("q_proj.weight")):
+            weights[name] = (weights[name] * score_gain).contiguous()
+    save_file(weights, shard, metadata={"format": "pt"})
+    pairs, measured = plan_pairs(src, PlanOptions(target="llamacpp", window_len=64), "fp32")
+    assert measured["finer_half"] == finer_half and pairs == llamacpp_pairs(finer_half)
+    worse, better = ("v_only", "k_only") if finer_half == "v" else ("k_only", "v_only")
+    assert measured[worse] > measured[better] > 0
+    assert plan_pairs(src, PlanOptions(target="vllm", window_len=64), "fp32") == ((), None)

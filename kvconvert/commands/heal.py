@@ -22,7 +22,8 @@ HEAL_BLOCKS = (("heal_layerwise", LayerwiseOptions, "layerwise"), ("heal_distill
 @click.command("heal")
 @click.option("--student", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Converted MLA checkpoint folder (output of `kvconvert mla`), or a model of the teacher's own "
-                   "architecture to heal for its KV cache (--distill-kv-dtype; e.g. the source itself).")
+                   "architecture to heal for its KV cache (--distill-kv-dtype; e.g. the source itself, a folder or "
+                   "built-in name).")
 @click.option("--teacher", required=True, help="The source it was converted from: HF folder or built-in name.")
 @click.option("--recipe", required=True,
               help="Recipe YAML (heal_layerwise / heal_distill blocks) or a preset: layerwise, layerwise+distill, "

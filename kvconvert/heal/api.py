@@ -143,7 +143,7 @@ def heal_stages(student: str | Path, teacher: str | Path, stages: HealStages, ou
     t0 = time.time()
     if stages.layerwise is None and stages.distill is None:
         raise KVConvertError("the recipe has no enabled heal_layerwise or heal_distill stage: nothing to heal")
-    student, teacher, out = Path(student), resolve_source(teacher), Path(out)
+    student, teacher, out = resolve_source(student), resolve_source(teacher), Path(out)  # a built-in name too
     check_output_path(out, overwrite, needed_bytes=estimate_checkpoint_bytes(student), sources=(student, teacher))
     s_reader, t_reader = CheckpointReader(student), CheckpointReader(teacher)
     for reader in (s_reader, t_reader):

@@ -244,7 +244,7 @@ def plan_heal(student, teacher, stages, out, opts, overwrite: bool = False, prog
         raise KVConvertError("heal --plan measures the recipe's heal_distill block, and this recipe has none")
     t0 = time.time()
     budgets = distinct_run_budgets(stages.distill, opts.budgets)
-    student, teacher, out = Path(student), resolve_source(teacher), Path(out)
+    student, teacher, out = resolve_source(student), resolve_source(teacher), Path(out)
     check_output_path(out, overwrite, sources=(student, teacher))
     check_eval_window(read_config(student), opts.eval_window)
     check_stages_for(read_config(student), read_config(teacher), stages)  # before the layer-wise stage runs

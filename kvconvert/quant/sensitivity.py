@@ -37,8 +37,10 @@ class SensitivityOptions(StageOptions):
     per_layer: bool = Field(True, description="Also each layer's K alone and V alone (2 x layers more forwards).")
 
 
-def cache_sensitivity(src: str | Path, opts: SensitivityOptions, echo=lambda msg: None) -> dict:
-    """The KL of K-only, V-only and both roundings, over all layers and (per_layer) one layer at a time."""
+def cache_sensitivity(src: str | Path, opts: SensitivityOptions, echo=lambda msg: None, dtype=None,
+                      device: str = "cpu") -> dict:
+    """The KL of K-only, V-only and both roundings, over all layers and (per_layer) one layer at a time; the model
+    in `dtype` weights (a torch dtype; None: fp32) on `device`."""
     import torch
 
     from kvconvert.checkpoint import CheckpointReader, load_tokenizer
@@ -59,7 +61,8 @@ def cache_sensitivity(src: str | Path, opts: SensitivityOptions, echo=lambda msg
     check_llamacpp_shape(pair.name, False, head_dim=layout.head_dim)
     frames = llamacpp_frames(*pair.ggml_types, layout.row_dim, mla=False)
     windows = eval_windows(load_tokenizer(path), opts.windows, opts.window_len)
-    model = load_hf_model(path)
+    model = load_hf_model(path, dtype or torch.float32).to(device)
+    windows = windows.to(device)
     with torch.no_grad():
         reference = [model(w[None]).logits[0] for w in windows]
 
