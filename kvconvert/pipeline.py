@@ -139,7 +139,9 @@ def _heal_source(src: str, heal, heal_shown: str, out: Path) -> Stage:
         run_heal(src_path, src_path, heal, out, overwrite=True)
 
     argv = ["heal", "--student", src, "--teacher", src, "--recipe", heal_shown, "--out", str(out), "--overwrite"]
-    return Stage("heal", argv, out, None, run, source=src, makes={"heal": heal.to_dict()})
+    from kvconvert.recipe import heal_blocks
+
+    return Stage("heal", argv, out, None, run, source=src, makes={"heal": heal_blocks(heal)})
 
 
 def _calibrate(model: str, opts: CalibrateOptions, out: Path) -> Stage:

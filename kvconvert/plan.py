@@ -29,7 +29,7 @@ import json
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -66,6 +66,7 @@ def llamacpp_pairs(finer_half: str = "k") -> tuple[str, ...]:
 
 
 PAIRS = llamacpp_pairs("k")
+HEAL_LR = 1e-4  # a source's heal for its cache: at the distillation preset's 5e-4 its KL rises (docs/heal.md)
 SENSITIVITY_TYPE = "iq4_nl"  # the 4-bit type whose K-only and V-only KL decide which half a pair gives more bits
 
 
@@ -111,6 +112,10 @@ class PlanOptions(StageOptions):
                                               "llama.cpp's K/V pairs q5_0/iq4_nl); default: every format the target "
                                               "serves, and for llama.cpp the pairs whose K has more bits than V.")
     measure_dominated: bool = Field(False, description="Also measure the candidates the pruning rules drop.")
+    heal_tokens: int = Field(0, ge=0, description="Heal budget: distillation tokens to teach the chosen source "
+                             "candidate its quantized cache (heal_distill with its kv_dtype, lr 1e-4); the healed "
+                             "model is measured on the same windows and chosen only when it loses less, paired over "
+                             "the windows (0: no heal).")
     dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Weights of the quick conversions, of scoring and of the recipe's conversion: auto = as "
                             "the source stores them (a bf16 checkpoint stays bf16; the built-in SmolLM2 is fp32).")
@@ -204,6 +209,7 @@ class Candidate:
     engines: tuple[str, ...]
     rank: int | None = None
     rope_dim: int | None = None
+    heal_tokens: int = 0  # a source taught its cache by that many distillation tokens (the plan's heal budget)
 
     @property
     def kind(self) -> str:
@@ -219,7 +225,9 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return f"source {self.kv_dtype}" if self.rank is None else f"MLA {self.rank}+{self.rope_dim} {self.kv_dtype}"
+        healed = f" healed {self.heal_tokens}" if self.heal_tokens else ""
+        return (f"source {self.kv_dtype}{healed}" if self.rank is None
+                else f"MLA {self.rank}+{self.rope_dim} {self.kv_dtype}{healed}")
 
 
 def parse_budget(text: str) -> float:
@@ -390,11 +398,14 @@ def weights_dtype(src: Path, choice: str) -> str:
 
 
 def artifact_folders(c: Candidate, src: Path, work: Path) -> tuple[Path, Path]:
-    """(the model under the candidate's cache: `src` or its MLA conversion in `work`, the checkpoint scored:
-    that model for bf16, its calibrated copy in `work` for fp8/nvfp4)."""
-    model = src if c.rank is None else work / f"mla-{c.rank}-{c.rope_dim}"
+    """(the model under the candidate's cache: `src`, its MLA conversion or the source healed for its cache in
+    `work`, the checkpoint scored: that model for bf16, its calibrated copy in `work` for a quantized cache)."""
+    if c.heal_tokens:
+        model = work / f"healed-{c.heal_tokens}-{kv_dtype_slug(c.kv_dtype)}"
+    else:
+        model = src if c.rank is None else work / f"mla-{c.rank}-{c.rope_dim}"
     scored = model if c.kv_dtype == "bf16" else \
-        work / f"{'source' if c.rank is None else model.name}-{kv_dtype_slug(c.kv_dtype)}"
+        work / f"{'source' if model == src else model.name}-{kv_dtype_slug(c.kv_dtype)}"
     return model, scored
 
 
@@ -418,6 +429,8 @@ def recipe_blocks(c: Candidate, target: str, calib_tokens: int, dtype: str, kv_c
     16384). The plan builds what it measures from these same blocks, so the recipe ships what was measured and
     the pipeline reuses the plan's build."""
     blocks = {}
+    if c.heal_tokens:  # the source taught its cache (pipeline: the heal stage, before the calibration)
+        blocks["heal_distill"] = {"kv_dtype": c.kv_dtype, "tokens": c.heal_tokens, "lr": HEAL_LR}
     if c.rank is not None:
         blocks["convert"] = {"rank": c.rank, "rope_dim": c.rope_dim, "target": target if target in c.engines else "any",
                              "calib_tokens": calib_tokens, "dtype": dtype}
@@ -431,7 +444,7 @@ def recipe_blocks(c: Candidate, target: str, calib_tokens: int, dtype: str, kv_c
 def build_artifact(c: Candidate, src: Path, work: Path, blocks: dict, device: str, echo,
                    overwrite: bool = False) -> Path:
     """The candidate's checkpoint under `work`, built from its recipe blocks (recipe_blocks) on `device`: the MLA
-    conversion, then the KV calibration of a quantized cache. Each build is recorded with its provenance
+    conversion or the source's heal for its cache, then the KV calibration of a quantized cache. Each build is recorded with its provenance
     (kvconvert.checkpoint.provenance: the pipeline's stage record), and one already in `work` is reused only
     when its record matches (same source weights, same options), unless `overwrite`."""
     from kvconvert.checkpoint.provenance import record_artifact, reuse_problem, stage_record
@@ -444,6 +457,16 @@ def build_artifact(c: Candidate, src: Path, work: Path, blocks: dict, device: st
 
     def built(folder: Path, source: Path, record: dict) -> bool:
         return not overwrite and (folder / "manifest.json").is_file() and reuse_problem(folder, source, record) is None
+
+    if "heal_distill" in blocks:
+        from kvconvert.recipe import heal as run_heal, heal_blocks, parse_recipe
+
+        heal_recipe = parse_recipe({"heal_distill": {**blocks["heal_distill"], "device": device}}, "the plan's heal")
+        record = stage_record("heal", None, heal=heal_blocks(heal_recipe))  # what the pipeline's heal stage records
+        if not built(model, src, record):
+            echo(f"  healing: the source for its {c.kv_dtype} cache, {c.heal_tokens} distillation tokens")
+            run_heal(src, src, heal_recipe, model, overwrite=True, progress=False)
+            record_artifact(model, src, record)
 
     if "convert" in blocks:
         opts = MLAOptions(**blocks["convert"], device=device)
@@ -501,7 +524,7 @@ class Scorer:
         source.close()
 
     def score(self, path: Path, kv_dtype: str) -> dict:
-        """{kl: mean token KL(source || candidate) in nats, ppl, source_ppl, tokens}."""
+        """{kl: mean token KL(source || candidate) in nats, ppl, source_ppl, tokens, window_kls: each window's}."""
         from kvconvert.eval.report import perplexity_summary
         from kvconvert.eval.runner import RuntimeRunner
         from kvconvert.eval.metrics import window_stats
@@ -511,7 +534,7 @@ class Scorer:
         runner.close()
         pooled = perplexity_summary(stats)
         return {"kl": pooled["kl_mean"], "ppl": pooled["candidate"], "source_ppl": pooled["source"],
-                "tokens": pooled["tokens"]}
+                "tokens": pooled["tokens"], "window_kls": [w["kl"] / w["n_tokens"] for w in stats]}
 
     def close(self) -> None:
         self.store.close()
@@ -624,6 +647,35 @@ def dropped_kv_dtypes(candidates: list, kv_dtypes: tuple[str, ...] | None, targe
     return [d for d in kv_dtypes if d not in served]
 
 
+def healed_candidate(best: Candidate, heal_tokens: int) -> tuple[Candidate | None, str | None]:
+    """(the chosen candidate taught its cache with the heal budget, or None; why not, when a budget was given and
+    nothing is healed)."""
+    if not heal_tokens:
+        return None, None
+    if best.kind != "source":
+        return None, (f"not spent: {best.name} is an MLA conversion, healed by `kvconvert heal` (`heal --plan` "
+                      "sizes its budget); the plan's heal budget teaches a source its cache")
+    if best.kv_dtype == "bf16":
+        return None, "not spent: the chosen cache is bf16, with no rounding to teach"
+    return replace(best, heal_tokens=heal_tokens), None
+
+
+def paired_change(before: list[float], after: list[float]) -> dict:
+    """Mean and standard error of the per-window KL change after - before (the same windows, so paired)."""
+    diffs = [a - b for a, b in zip(after, before, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) if len(diffs) > 1 else float("inf")
+    return {"mean": mean, "se": math.sqrt(var / len(diffs)), "windows": len(diffs)}
+
+
+def heal_verdict(change: dict) -> str:
+    """The healed model is chosen only when its KL falls by more than 2 standard errors of the paired change."""
+    said = f"KL change {change['mean']:+.4f} ± {change['se']:.4f} over {change['windows']} windows, paired"
+    if change["mean"] + 2 * change["se"] < 0:
+        return f"healed: {said}"
+    return f"the heal did not lower the KL by 2 standard errors ({said}): the unhealed candidate is shipped"
+
+
 def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, overwrite: bool = False,
              rebuild: bool = False) -> dict:
     """Enumerate, filter, prune, measure, choose; writes plan.json (with `opts`, the source's fingerprint, and under
@@ -687,18 +739,34 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
     scorer = Scorer(src_path, windows, window_len, dtype, device, work / ".source-logits", echo)
     results, measured_from = {}, time.time()
     order = sorted(to_measure, key=lambda c: (c.kind != "source", c.latent, c.kv_dtype))
+
+    def measure(c: Candidate) -> dict:
+        started = time.time()  # the seconds building and scoring the candidate took
+        blocks = recipe_blocks(c, target, calib_tokens, dtype, opts.kv_calib_tokens)
+        path = build_artifact(c, src_path, work, blocks, device, echo, rebuild)
+        return {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - started, 1)}
+
+    healed, heal_note = None, None
     try:
         for i, c in enumerate(order, 1):
             echo(f"[{i}/{len(order)}] {c.name}: build and score")
-            started = time.time()  # the seconds building and scoring the candidate took
-            blocks = recipe_blocks(c, target, calib_tokens, dtype, opts.kv_calib_tokens)
-            path = build_artifact(c, src_path, work, blocks, device, echo, rebuild)
-            m = results[c.name] = {**scorer.score(path, c.kv_dtype), "seconds": round(time.time() - started, 1)}
+            m = results[c.name] = measure(c)
             echo(f"  {c.name}: KL {m['kl']:.4f}, ppl {m['ppl']:.2f} ({m['seconds']} s; plan "
                  f"{eta_text(measured_from, i, len(order))})")
+        best = min(to_measure, key=lambda c: results[c.name]["kl"])
+        healed, heal_note = healed_candidate(best, opts.heal_tokens)
+        if healed is not None:
+            echo(f"[heal] {healed.name}: the chosen {best.name} taught its cache, {healed.heal_tokens} tokens")
+            m = results[healed.name] = measure(healed)
+            change = m["paired_kl_change"] = paired_change(results[best.name]["window_kls"], m["window_kls"])
+            heal_note = heal_verdict(change)
+            echo(f"  {healed.name}: KL {m['kl']:.4f} ({heal_note})")
+            if change["mean"] + 2 * change["se"] < 0:
+                best = healed
+        if heal_note:
+            echo(f"  heal budget: {heal_note}")
     finally:
         scorer.close()
-    best = min(to_measure, key=lambda c: results[c.name]["kl"])
     # with --measure-dominated: a pruned candidate measured better than what dominates it
     contradicted = [f"{name} < {by}" for name, by in pruned.items()
                     if name in results and results[name]["kl"] < results[by]["kl"]]
@@ -710,19 +778,29 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
                   if c.name in results else "not measured: " + dominated)
         rows.append({**asdict(c), "name": c.name, "fraction": c.fraction, **results.get(c.name, {}), "status": status,
                      "chosen": c is best})
+    if healed is not None:  # beside the candidate it heals
+        at = next(i for i, r in enumerate(rows) if r["name"] == healed.name.rsplit(" healed", 1)[0])
+        rows.insert(at, {**asdict(healed), "name": healed.name, "fraction": healed.fraction, **results[healed.name],
+                         "status": "chosen" if healed is best else f"measured; not chosen: {heal_note}",
+                         "chosen": healed is best})
     verdict = (f"don't convert, just quantize: the source with its KV cache in {best.kv_dtype}" if best.rank is None
                else f"convert to MLA {best.rank}+{best.rope_dim} with its KV cache in {best.kv_dtype}")
+    if best.heal_tokens:
+        verdict = (f"don't convert: heal the source for its {best.kv_dtype} KV cache ({best.heal_tokens} distillation "
+                   "tokens), then quantize")
     protocol = {"eval": f"essays, {windows} x {window_len} tokens", "engine": f"kvconvert runtime, {dtype} weights",
                 "reference": "the source with a bf16 KV cache",
                 "conversion": f"one-shot, {calib_tokens} calibration tokens of {DEFAULT_CONVERT_TEXT}",
                 "kv_scales": "the recipe's calibration (calibrate's defaults for the format), what the pipeline ships"}
     model, scored = artifact_folders(best, src_path, work)
     artifacts = {"convert": str(model) if best.rank is not None else None,  # the builds the pipeline reuses
+                 "heal": str(model) if best.heal_tokens else None,
                  "calibrate": str(scored) if best.kv_dtype != "bf16" else None}
     plan = {"format": PLAN_FORMAT, "source": src, "source_fingerprint": checkpoint_fingerprint(src_path),
             "budget": budget, "target": target, "options": opts.model_dump(), "device": device, "chosen": best.name,
             "verdict": verdict, "protocol": protocol,
             "pruning_contradicted": contradicted, "artifacts": artifacts, "sensitivity": sensitivity,
+            "heal": heal_note,
             "seconds": round(time.time() - t0, 1),
             "rows": rows}
     recipe = chosen_recipe(best, src, target, calib_tokens, dtype, opts.kv_calib_tokens)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.options import ValidateOptions
-from kvconvert.heal.options import HEAL_BLOCKS, DistillOptions, LayerwiseOptions
+from kvconvert.heal.options import HEAL_BLOCKS, DistillOptions, LayerwiseOptions, without_device
 from kvconvert.mla.options import MLAOptions
 from kvconvert.quant.options import CalibrateOptions
 from kvconvert.resources import builtin_recipe_names, find_recipe
@@ -178,6 +178,12 @@ def load_recipe(path: str | Path) -> Recipe:
         raise KVConvertError(f"{path}: recipe file not found and not a built-in recipe "
                              f"({', '.join(builtin_recipe_names())})")
     return parse_recipe(read_yaml(found or path, "recipe file not found"), str(found or path))
+
+
+def heal_blocks(recipe: Recipe) -> dict:
+    """The recipe's heal blocks as it dumps them, each without its device (it moves the work, not what is made):
+    what a heal stage's provenance records, so the pipeline reuses a heal only for the same blocks."""
+    return {b: v for b, v in without_device(recipe.to_dict()).items() if b in HEAL_BLOCKS}
 
 
 def with_heal_device(recipe: Recipe, device: str | None) -> Recipe:

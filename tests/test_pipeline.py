@@ -118,7 +118,8 @@ def test_a_recipe_without_convert_heals_the_source_for_its_cache(tmp_path):
     assert {k: str(v) for k, v in _params(heal).items() if k in ("student", "teacher", "recipe", "out")} == {
         "student": "smollm2-135m", "teacher": "smollm2-135m", "recipe": str(tmp_path / "r.yaml"),
         "out": str(tmp_path / "healed")}
-    assert heal.provenance()["heal"]["heal_distill"]["lr"] == 1e-4  # a changed recipe rebuilds it
+    assert heal.provenance()["heal"]["heal_distill"]["lr"] == 1e-4  # a changed heal block rebuilds it
+    assert "device" not in heal.provenance()["heal"]["heal_distill"] and "calibrate" not in heal.provenance()["heal"]
     assert _params(calibrate)["src"] == str(tmp_path / "healed")
     assert calibrate.out == tmp_path / "healed-q5_0+iq4_nl"
     assert _params(stages[3])["source"] == "smollm2-135m"

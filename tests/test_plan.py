@@ -280,7 +280,8 @@ def test_plan_end_to_end_on_smollm2(tmp_path):
                                               "finer format (fp8 < nvfp4))")
     assert load_recipe(tmp_path / "recipe.yaml").calibrate.kv_dtype == "fp8"
     assert load_recipe(tmp_path / "recipe.yaml").calibrate.calib_tokens == 1024  # what the plan calibrated with
-    assert plan["artifacts"] == {"convert": None, "calibrate": str(tmp_path / "artifacts" / "fp32-512" / "source-fp8")}
+    assert plan["artifacts"] == {"convert": None, "heal": None,
+                                 "calibrate": str(tmp_path / "artifacts" / "fp32-512" / "source-fp8")}
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
@@ -373,3 +374,65 @@ def test_the_plan_gives_the_extra_bits_to_the_half_that_costs_more(score_gain, f
     worse, better = ("v_only", "k_only") if finer_half == "v" else ("k_only", "v_only")
     assert measured[worse] > measured[better] > 0
     assert plan_pairs(src, PlanOptions(target="vllm", window_len=64), "fp32") == ((), None)
+
+
+def test_a_heal_budget_heals_the_chosen_source_and_ships_it_only_when_it_loses_less():
+    """--heal-tokens: the chosen source candidate taught its cache is one more candidate, built by the recipe's
+    heal_distill block (its kv_dtype, lr 1e-4) before the calibration; an MLA choice or a bf16 cache spends nothing;
+    the healed model is chosen only when its paired KL change is below zero by 2 standard errors."""
+    from kvconvert.plan import artifact_folders, healed_candidate, heal_verdict, paired_change, recipe_blocks
+
+    c = by_name(enumerate_candidates(SMOLLM2))
+    healed, why = healed_candidate(c["source q5_0/iq4_nl"], 4096)
+    assert why is None and healed.name == "source q5_0/iq4_nl healed 4096"
+    assert healed.fraction == c["source q5_0/iq4_nl"].fraction
+    assert healed_candidate(c["source q5_0/iq4_nl"], 0) == (None, None)
+    assert "MLA conversion" in healed_candidate(c["MLA 160+32 fp8"], 4096)[1]
+    assert "bf16" in healed_candidate(c["source bf16"], 4096)[1]
+    blocks = recipe_blocks(healed, "llamacpp", 2048, "fp32")
+    assert blocks == {"heal_distill": {"kv_dtype": "q5_0/iq4_nl", "tokens": 4096, "lr": 1e-4},
+                      "calibrate": {"kv_dtype": "q5_0/iq4_nl"}}
+    model, scored = artifact_folders(healed, Path("src"), Path("w"))
+    assert (model, scored) == (Path("w/healed-4096-q5_0+iq4_nl"), Path("w/healed-4096-q5_0+iq4_nl-q5_0+iq4_nl"))
+    recipe = chosen_recipe(healed, "smollm2-135m", "llamacpp", 2048, "fp32")
+    stages = recipe_stages(load_recipe_dict(recipe), Path("r.yaml"), "smollm2-135m", Path("out"))
+    assert [s.name for s in stages] == ["heal", "calibrate", "export", "validate", "gate"]
+
+    lower = paired_change([0.020, 0.030, 0.025, 0.028], [0.018, 0.027, 0.023, 0.025])
+    assert lower["mean"] == pytest.approx(-0.0025) and lower["windows"] == 4
+    assert heal_verdict(lower).startswith("healed: KL change -0.0025")
+    noisy = paired_change([0.020, 0.030, 0.025, 0.028], [0.015, 0.033, 0.022, 0.029])
+    assert heal_verdict(noisy).startswith("the heal did not lower the KL by 2 standard errors")
+
+
+def load_recipe_dict(data: dict):
+    from kvconvert.recipe import parse_recipe
+
+    return parse_recipe(data, "plan")
+
+
+def test_plan_with_a_heal_budget_measures_the_healed_source(tmp_path):
+    """A real plan on a small Llama (head_dim 32, llama.cpp's q8_0): the healed source is built by the heal, scored
+    on the same windows with its per-window KL, recorded beside the candidate it heals, and its build is what the
+    pipeline's heal stage would reuse (the same provenance record)."""
+    import sys
+
+    from kvconvert.checkpoint.provenance import reuse_problem
+
+    sys.path.insert(0, str(Path(__file__).parent / "quant"))
+    from quant_cases import make_llama
+
+    src = make_llama(tmp_path / "llama", head_dim=32)
+    opts = PlanOptions(target="llamacpp", kv_dtypes=("q8_0",), quality_eval_tokens=256, window_len=64,
+                       kv_calib_tokens=512, heal_tokens=256, device="cpu")
+    plan = run_plan(str(src), 0.6, opts, tmp_path / "plan", echo=lambda m: None)
+    rows = {r["name"]: r for r in plan["rows"]}
+    healed = rows["source q8_0 healed 256"]
+    assert len(healed["window_kls"]) == 4 and healed["paired_kl_change"]["windows"] == 4
+    assert healed["kl"] != rows["source q8_0"]["kl"]  # the heal changed the model
+    assert plan["chosen"] in ("source q8_0", "source q8_0 healed 256") and plan["heal"]
+    folder = tmp_path / "plan" / "artifacts" / "fp32-2048" / "healed-256-q8_0"
+    assert (folder / "manifest.json").is_file()
+    stages = recipe_stages(load_recipe_dict({"heal_distill": {"kv_dtype": "q8_0", "tokens": 256, "lr": 1e-4},
+                                             "calibrate": {"kv_dtype": "q8_0"}}), Path("r.yaml"), str(src), tmp_path)
+    assert reuse_problem(folder, src, stages[0].provenance()) is None

@@ -37,7 +37,7 @@ from kvconvert.device import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.runner import checkpoint_fingerprint
 from kvconvert.heal import compat
-from kvconvert.heal.options import HEAL_BLOCKS, DistillOptions, HealStages, LayerwiseOptions
+from kvconvert.heal.options import DistillOptions, HealStages, LayerwiseOptions, without_device
 from kvconvert.heal.teacher_data import fingerprint
 from kvconvert.sources import resolve_source
 from kvconvert.text_sources import TextSource, mix_text, parse_mix, text_source
@@ -167,7 +167,7 @@ def heal_stages(student: str | Path, teacher: str | Path, stages: HealStages, ou
     if restart and state.exists():
         shutil.rmtree(state)
     # the device is left out: a run interrupted on one device resumes on another
-    recipe, student_fp = _without_device(stages.to_dict()), checkpoint_fingerprint(student)
+    recipe, student_fp = without_device(stages.to_dict()), checkpoint_fingerprint(student)
     check_saved_run(state, {**recipe, "student": student_fp, "teacher": teacher_fp, "data": data.info}, overwrite)
     fp = fingerprint(recipe, student_fp, teacher_fp, data.info)
     report = {"student": str(student), "teacher": str(teacher), "recipe": stages.to_dict(), "data": data.info,
@@ -279,11 +279,6 @@ def _print_plan(student: Path, teacher: Path, stage: DistillOptions, device: str
     name = torch.cuda.get_device_name(torch.device(device)) if kind == "cuda" else ""
     for line in plan_lines(read_config(student), read_config(teacher), stage, kind, name):
         print(line, file=sys.stderr, flush=True)
-
-
-def _without_device(recipe: dict) -> dict:
-    return {k: ({kk: vv for kk, vv in v.items() if kk != "device"} if k in HEAL_BLOCKS else v)
-            for k, v in recipe.items()}
 
 
 @contextmanager

@@ -119,6 +119,13 @@ class DistillOptions(StageOptions):
 HEAL_BLOCKS = ("heal_layerwise", "heal_distill")  # the two stages' blocks in a recipe
 
 
+def without_device(recipe: dict) -> dict:
+    """A dumped recipe with its heal blocks' device left out: it moves the work, not what a heal makes (what a
+    heal's saved state and a heal stage's provenance compare)."""
+    return {k: ({kk: vv for kk, vv in v.items() if kk != "device"} if k in HEAL_BLOCKS else v)
+            for k, v in recipe.items()}
+
+
 class HealStages(Protocol):
     """What a heal runs (kvconvert.heal.api.heal_stages): each stage's options, None where the stage is
     absent or disabled, and to_dict(), the recipe it came from as recorded in the healed checkpoint's
