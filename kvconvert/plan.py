@@ -60,9 +60,9 @@ def llamacpp_pairs(finer_half: str = "k") -> tuple[str, ...]:
     to the half whose 4-bit rounding costs the model more (plan_pairs: measured by kvconvert.quant.sensitivity;
     on SmolLM2 the keys, and in llama.cpp q5_0/iq4_nl has KL 0.014 against iq4_nl/q5_0's 0.036 at the same bytes).
     Any other pair is planned when --kv-dtypes names it."""
-    ggml = [f for f in FORMATS if kv_format(f).ggml_type]
-    return tuple(f"{k}/{v}" for k in ggml for v in ggml
-                 if (kv_format(k).bits > kv_format(v).bits) == (finer_half == "k") and kv_format(k).bits != kv_format(v).bits)
+    bits = {f: kv_format(f).bits for f in FORMATS if kv_format(f).ggml_type}
+    finer = (lambda k, v: bits[k] > bits[v]) if finer_half == "k" else (lambda k, v: bits[v] > bits[k])
+    return tuple(f"{k}/{v}" for k in bits for v in bits if finer(k, v))
 
 
 PAIRS = llamacpp_pairs("k")
@@ -444,9 +444,9 @@ def recipe_blocks(c: Candidate, target: str, calib_tokens: int, dtype: str, kv_c
 def build_artifact(c: Candidate, src: Path, work: Path, blocks: dict, device: str, echo,
                    overwrite: bool = False) -> Path:
     """The candidate's checkpoint under `work`, built from its recipe blocks (recipe_blocks) on `device`: the MLA
-    conversion or the source's heal for its cache, then the KV calibration of a quantized cache. Each build is recorded with its provenance
-    (kvconvert.checkpoint.provenance: the pipeline's stage record), and one already in `work` is reused only
-    when its record matches (same source weights, same options), unless `overwrite`."""
+    conversion or the source's heal for its cache, then the KV calibration of a quantized cache. Each build is
+    recorded with its provenance (kvconvert.checkpoint.provenance: the pipeline's stage record), and one already in
+    `work` is reused only when its record matches (same source weights, same options), unless `overwrite`."""
     from kvconvert.checkpoint.provenance import record_artifact, reuse_problem, stage_record
     from kvconvert.mla.convert import convert_to_mla
     from kvconvert.mla.options import MLAOptions
@@ -668,10 +668,15 @@ def paired_change(before: list[float], after: list[float]) -> dict:
     return {"mean": mean, "se": math.sqrt(var / len(diffs)), "windows": len(diffs)}
 
 
-def heal_verdict(change: dict) -> str:
+def heal_lowers(change: dict) -> bool:
     """The healed model is chosen only when its KL falls by more than 2 standard errors of the paired change."""
+    return change["mean"] + 2 * change["se"] < 0
+
+
+def heal_verdict(change: dict) -> str:
+    """What the heal budget bought, in words (heal_lowers decides)."""
     said = f"KL change {change['mean']:+.4f} ± {change['se']:.4f} over {change['windows']} windows, paired"
-    if change["mean"] + 2 * change["se"] < 0:
+    if heal_lowers(change):
         return f"healed: {said}"
     return f"the heal did not lower the KL by 2 standard errors ({said}): the unhealed candidate is shipped"
 
@@ -732,7 +737,10 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
              "measures these too)")
     work = out / "artifacts" / f"{dtype}-{calib_tokens}"  # a rerun reuses what its provenance says was built alike
     check_writable(out)
-    ensure_free_space(out, disk_needed(to_measure, src_path, work, dtype))  # up front, not at the second candidate
+    # up front, not at the second candidate; a heal budget may heal any source candidate measured (two copies)
+    heals = [h for c in to_measure if (h := healed_candidate(c, opts.heal_tokens)[0]) is not None]
+    ensure_free_space(out, disk_needed(to_measure, src_path, work, dtype)
+                      + (max(disk_needed([h], src_path, work, dtype) for h in heals) if heals else 0))
     out.mkdir(parents=True, exist_ok=True)
     echo(f"measuring {len(to_measure)} on {windows} x {window_len} essay tokens (KL to the source, bundled runtime "
          f"with {dtype} weights on {device})")
@@ -761,7 +769,7 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
             change = m["paired_kl_change"] = paired_change(results[best.name]["window_kls"], m["window_kls"])
             heal_note = heal_verdict(change)
             echo(f"  {healed.name}: KL {m['kl']:.4f} ({heal_note})")
-            if change["mean"] + 2 * change["se"] < 0:
+            if heal_lowers(change):
                 best = healed
         if heal_note:
             echo(f"  heal budget: {heal_note}")

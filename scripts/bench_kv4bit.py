@@ -4,7 +4,8 @@ essays, for the formats vLLM / TensorRT-LLM and llama.cpp serve, with and withou
     python scripts/bench_kv4bit.py --windows 8 --window-len 1024 --work out/bench-kv4bit --json docs/bench_kv4bit.json
 
 (docs/bench_kv4bit.json: 8 windows, rows measured by the runs each row records; --rows N,M runs some; row 20, the
-source healed for its q5_0/iq4_nl cache on HEAL_TOKENS tokens, runs `kvconvert heal` first: minutes on a CPU.)
+source healed for its q5_0/iq4_nl cache on HEAL_TOKENS tokens, and row 21, healed by the built-in recipe HEAL_RECIPE
+and calibrated, run `kvconvert heal` first: minutes on a CPU.)
 
 Every row runs the real commands' code: `kvconvert calibrate` (kvconvert.quant.run) and `kvconvert mla` write the
 checkpoints; kvconvert.eval.kv_quant scores them in transformers fp32 with the cache quantize-dequantized as the
@@ -53,6 +54,7 @@ class Row:
     what: str = ""  # the model-side rewrites, in words
     commands: list[str] = field(default_factory=list)
     heal_tokens: int = 0  # distillation tokens the model read for this cache (0: not healed)
+    heal_recipe: str = ""  # a recipe (built-in name) whose heal makes the model that `calibrate` then calibrates
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -107,7 +109,20 @@ def rows_for(mla: str) -> list[Row]:
         Row("q5_0/iq4_nl", "q5_0/iq4_nl", "llama.cpp", "healed-q5_0+iq4_nl", heal_tokens=HEAL_TOKENS,
             what="cache-aware healing (`kvconvert heal --recipe distill`), no calibrate",
             commands=["kvconvert " + " ".join(heal_args("q5_0/iq4_nl", HEAL_TOKENS, "SRC", "healed-q5_0+iq4_nl"))]),
+        Row("q5_0/iq4_nl", "q5_0/iq4_nl", "llama.cpp", "recipe-healed-q5_0+iq4_nl", {"kv_dtype": "q5_0/iq4_nl"},
+            heal_tokens=recipe_heal_tokens(HEAL_RECIPE), heal_recipe=HEAL_RECIPE,
+            what=f"cache-aware healing by the built-in recipe {HEAL_RECIPE} (lr 1e-4), then key pair balance",
+            commands=[f"kvconvert pipeline --recipe {HEAL_RECIPE} --out OUT (its heal and calibrate stages)"]),
     ]
+
+
+HEAL_RECIPE = "smollm2-135m-q5_0-iq4_nl-heal"  # the shipped recipe that heals SmolLM2 for its main-job cache
+
+
+def recipe_heal_tokens(name: str) -> int:
+    from kvconvert.recipe import load_recipe
+
+    return load_recipe(name).distill.tokens
 
 
 def prepare(rows: list[Row], work: Path, mla_calib_tokens: int, threads: int | None = None) -> None:
@@ -127,7 +142,7 @@ def prepare(rows: list[Row], work: Path, mla_calib_tokens: int, threads: int | N
             heal(row, src, work, threads)
         if row.calibrate is None or (work / row.model / "manifest.json").is_file():
             continue
-        base = work / "mla" if row.model.startswith("mla") else src
+        base = work / "mla" if row.model.startswith("mla") else work / healed_folder(row) if row.heal_recipe else src
         print(f"calibrating {row.model}", file=sys.stderr)
         run_calibrate(CalibrateJob(src=str(base), options=CalibrateOptions(**row.calibrate), out=work / row.model,
                                    overwrite=True), echo=lambda msg: None)
@@ -140,13 +155,25 @@ def heal_args(kv_dtype: str, tokens: int, student: str, out: str) -> list[str]:
             kv_dtype, "--distill-tokens", str(tokens), "--out", out]
 
 
+def healed_folder(row: Row) -> str:
+    """Where a recipe-healed row's model goes before its calibration (row.model is the calibrated one)."""
+    return f"{row.model}.healed"
+
+
 def heal(row: Row, src: Path, work: Path, threads: int | None) -> None:
-    """`kvconvert heal` itself, in a child process (its log under work), into work/row.model."""
+    """`kvconvert heal` itself, in a child process (its log under work), into work/row.model (a recipe's heal: into
+    healed_folder, which calibrate then reads)."""
     import subprocess
 
     cli = Path(sys.executable).with_name("kvconvert")  # the console script beside this python
-    args = [str(cli), *heal_args(row.kv_dtype, row.heal_tokens, str(src), str(work / row.model)), "--overwrite",
-            "--no-progress", *(["--threads", str(threads)] if threads else [])]
+    if row.heal_recipe:
+        if (work / healed_folder(row) / "manifest.json").is_file():
+            return
+        heal_argv = ["heal", "--student", str(src), "--teacher", "smollm2-135m", "--recipe", row.heal_recipe, "--out",
+                     str(work / healed_folder(row))]
+    else:
+        heal_argv = heal_args(row.kv_dtype, row.heal_tokens, str(src), str(work / row.model))
+    args = [str(cli), *heal_argv, "--overwrite", "--no-progress", *(["--threads", str(threads)] if threads else [])]
     print(f"healing {row.model} on {row.heal_tokens} tokens", file=sys.stderr)
     with open(work / f"{row.model}.log", "w") as log:
         subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, check=True)
