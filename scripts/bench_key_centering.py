@@ -21,7 +21,7 @@ Writes docs/bench_key_centering.json and prints a markdown table (same windows, 
 from __future__ import annotations
 
 import torch
-from bench_common import DOCS, parser, quant_eval_inputs, run_info, write_json
+from bench_common import DOCS, bench_rows, command, parser, publish_rows, quant_eval_inputs, run_info, write_json
 
 FORMATS = ("iq4_nl/iq4_nl", "q5_0/iq4_nl", "q4_0/q4_0")
 
@@ -96,6 +96,18 @@ def mean_kl(model, layout, windows, reference, kv_dtype: str | None) -> float:
     return total.kl / total.tokens
 
 
+def current_rows(payload: dict, cmd: str | None = None) -> dict:
+    """The centred rows for docs/BENCHMARKS.md's calibration table: each format's KL beside the source's."""
+    source = next(r for r in payload["rows"] if r["pairs"] == 0)
+    info = {k: payload[k] for k in ("device", "commit", "date")}
+    rows = [(f"{payload['src']}: key mean removed on the {r['pairs']} slowest RoPE pairs (a k_proj bias), llama.cpp "
+             f"caches, {payload['windows']} x 1024 essay tokens",
+             f"KL unrounded {r['unrounded']:.5f}; " + ", ".join(f"{f} {r[f]:.4f} (source {source[f]:.4f})"
+                                                              for f in FORMATS))
+            for r in payload["rows"] if r["pairs"]]
+    return {"calibration": bench_rows(rows, info, cmd)}
+
+
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -131,8 +143,11 @@ def main():
     lines += [f"| {r['pairs']} ({r['max_turn_rad_4096']:.2f} rad) | {r['unrounded']:.6f} | "
               + " | ".join(f"{r[f]:.5f}" for f in FORMATS) + " |" for r in rows]
     table = "\n".join(lines)
-    write_json(args.out, {"src": args.src, "windows": args.windows, "calib_tokens": args.calib_tokens,
-                          "key_mean_energy_share": mean_share, "rows": rows, "markdown": table, **run_info()})
+    payload = {"src": args.src, "windows": args.windows, "calib_tokens": args.calib_tokens,
+               "key_mean_energy_share": mean_share, "rows": rows, "markdown": table, **run_info()}
+    payload["bench_rows"] = current_rows(payload, command())
+    write_json(args.out, payload)
+    publish_rows(payload, args.out)
     print(table)
 
 
