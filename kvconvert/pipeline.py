@@ -129,6 +129,8 @@ def _convert(src: str, opts: MLAOptions, heal, heal_shown: str, out: Path) -> St
 def _heal_source(src: str, heal, heal_shown: str, out: Path) -> Stage:
     """The source distilled against itself with its KV cache rounded as the engine stores it (the recipe's
     heal_distill.kv_dtype; kvconvert.heal.quant_aware), into `out`: a checkpoint of the source's architecture."""
+    from kvconvert.recipe import heal_blocks
+
     def run():
         from kvconvert.checkpoint import check_checkpoint
         from kvconvert.recipe import heal as run_heal
@@ -139,8 +141,6 @@ def _heal_source(src: str, heal, heal_shown: str, out: Path) -> Stage:
         run_heal(src_path, src_path, heal, out, overwrite=True)
 
     argv = ["heal", "--student", src, "--teacher", src, "--recipe", heal_shown, "--out", str(out), "--overwrite"]
-    from kvconvert.recipe import heal_blocks
-
     return Stage("heal", argv, out, None, run, source=src, makes={"heal": heal_blocks(heal)})
 
 
