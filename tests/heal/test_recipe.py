@@ -20,12 +20,18 @@ def test_recipes_are_shipped():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_shipped_recipe_converts_its_source(path):
     """Every shipped recipe heals, and its conversion shape passes the converter's own plan check
-    (rope_dim fits the head, the target engine serves the latent) for the model it names."""
+    (rope_dim fits the head, the target engine serves the latent) for the model it names; a recipe without a
+    conversion heals the source itself for the cache it calibrates (what the pipeline accepts)."""
     from kvconvert.mla.convert import validate_plan
     from kvconvert.presets import get_preset
+    from kvconvert.recipe import source_heal_problem
 
     recipe = load_recipe(path)
     assert recipe.heals()
+    if recipe.stage("convert") is None:
+        assert source_heal_problem(recipe.layerwise, recipe.distill) is None
+        assert recipe.distill.kv_dtype == recipe.stage("calibrate").kv_dtype
+        return
     preset = recipe.source.split("/")[-1].lower().removesuffix("-hf")
     validate_plan(get_preset(preset)["config"], recipe.stage("convert"))
 
