@@ -317,7 +317,7 @@ def plan_pairs(src: Path, opts: PlanOptions, dtype: str, device: str = "cpu",
     from kvconvert.checkpoint import read_config
 
     shape = kv_shape(read_config(src))
-    if opts.target not in ("llamacpp", "kvconvert", "any") or shape.kind == MLA \
+    if not (opts.target == "any" or opts.target in engines_serving(PAIRS[0], None, None)) or shape.kind == MLA \
             or llamacpp_shape_problem(shape.head_dim, shape.head_dim) is not None:
         return (), None  # no pair served, an MLA source (refused by enumerate_candidates), or no whole blocks
     from kvconvert.memory import DTYPES
@@ -787,7 +787,7 @@ def run_plan(src: str, budget: float, opts: PlanOptions, out: Path, echo=print, 
         rows.append({**asdict(c), "name": c.name, "fraction": c.fraction, **results.get(c.name, {}), "status": status,
                      "chosen": c is best})
     if healed is not None:  # beside the candidate it heals
-        at = next(i for i, r in enumerate(rows) if r["name"] == healed.name.rsplit(" healed", 1)[0])
+        at = next(i for i, r in enumerate(rows) if r["name"] == replace(healed, heal_tokens=0).name)
         rows.insert(at, {**asdict(healed), "name": healed.name, "fraction": healed.fraction, **results[healed.name],
                          "status": "chosen" if healed is best else f"measured; not chosen: {heal_note}",
                          "chosen": healed is best})

@@ -215,9 +215,8 @@ def run_samples(runner: LazyRunner, role: str, samples: list[GenSample], pair: P
                             score=(s.task, s.sample_id) not in answers)) for s in todo]
     pending.sort(key=lambda p: -p[1].length)  # as the runner groups them: each slice holds samples of similar length
     for start in range(0, len(pending), GENERATION_SEQS):
-        batch = [s for s, _ in pending[start:start + GENERATION_SEQS]]
-        requests = [r for _, r in pending[start:start + GENERATION_SEQS]]
-        for sample, result in zip(batch, runner.run_samples(requests)):
+        batch, requests = zip(*pending[start:start + GENERATION_SEQS])
+        for sample, result in zip(batch, runner.run_samples(list(requests))):
             key = (sample.task, sample.sample_id)
             if key not in outputs:
                 outputs[key] = {"tokens": result.tokens,
